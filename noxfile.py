@@ -1,0 +1,61 @@
+"""Sessions: ``tests`` (default), ``lint``, ``demo`` and ``bench``.
+
+Every session installs into a fresh virtual environment with PIP_CONSTRAINT pointing at
+constraints.txt, so torch is always the pinned CPU build and never an unpinned CUDA download.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = ROOT / "constraints.txt"
+# Order matters only for readability: pip resolves the local siblings together.
+PACKAGES = ["packages/core", "packages/models", "packages/data", "packages/ckpt-convert", "packages/inference"]
+PLUGINS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "plugins").glob("*/pyproject.toml"))
+PLUGINS = [str(Path(p).parent) for p in PLUGINS]
+
+nox.options.sessions = ["tests", "lint"]
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = False
+
+
+def install_mega(session: nox.Session, extra: str = "") -> None:
+    """Install every package (and plugin) of the repo, with ``extra`` (e.g. ``[test]``)."""
+    session.env["PIP_CONSTRAINT"] = str(CONSTRAINTS)
+    session.env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    session.install("torch==2.13.0")
+    session.install(*[f"./{path}{extra}" for path in PACKAGES + PLUGINS])
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Install all packages with their test extras and run pytest over all of them."""
+    install_mega(session, "[test]")
+    # pytest exits 5 when it collected nothing; nox treats every non-zero code as a failure,
+    # which is what we want: a suite that runs no test is broken, not green.
+    session.run("python", "-m", "pytest", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job on the embedded default; today: what the installed plugins provide."""
+    install_mega(session)
+    session.run("mega", "--version")
+    session.run("mega", "plugins")
+    session.run("mega", "--help")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run the benchmarks under benchmarks/ (pass names to run only some)."""
+    install_mega(session, "[test]")
+    session.run("python", "benchmarks/run.py", *session.posargs)

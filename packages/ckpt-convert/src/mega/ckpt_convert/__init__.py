@@ -1,0 +1,1 @@
+"""mega-ckpt-convert: Checkpoint conversion for mega."""

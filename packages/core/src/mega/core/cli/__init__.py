@@ -1,0 +1,1 @@
+"""The ``mega`` command line."""

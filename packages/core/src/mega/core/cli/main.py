@@ -1,0 +1,95 @@
+"""``mega``: dispatches to the sub-commands that installed plugins register.
+
+Commands parse their own arguments; this module only finds the command (the longest registered
+name that the leading words spell, so ``mega bench comm`` finds ``"bench comm"``) and runs it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+
+from mega.core.plugins import PluginError, Plugins, get_plugins
+from mega.core.plugins.registry import resolve
+from mega.core.version import __version__
+
+USAGE = "usage: mega [--version] [--help] <command> [<args>...]"
+
+
+def main(argv: list[str] | None = None, plugins: Plugins | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    plugins = get_plugins() if plugins is None else plugins
+
+    if argv[:1] == ["--version"]:
+        print(f"mega {__version__}")
+        return 0
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(format_help(plugins))
+        return 0
+
+    name, rest = _match_command(plugins, argv)
+    if name is None:
+        group = [n for n in plugins.commands.names() if n.startswith(argv[0] + " ")]
+        if group:
+            print(format_help(plugins, prefix=argv[0]))
+            return 0 if argv[1:2] in ([], ["-h"], ["--help"]) else 2
+        print(f"mega: unknown command {argv[0]!r}{_suggest(plugins, argv[0])}", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
+        return 2
+
+    try:
+        command = plugins.commands.get(name)
+        command_main = resolve(command.main)
+    except (PluginError, ImportError, AttributeError) as error:
+        entry = plugins.commands.entry(name)
+        print(
+            f"mega: command {name!r} (from {entry.origin}) could not be loaded: {error}",
+            file=sys.stderr,
+        )
+        return 1
+    return int(command_main(rest) or 0)
+
+
+def _match_command(plugins: Plugins, argv: list[str]) -> tuple[str | None, list[str]]:
+    for length in range(len(argv), 0, -1):
+        candidate = " ".join(argv[:length])
+        if candidate in plugins.commands:
+            return candidate, argv[length:]
+    return None, argv
+
+
+def _suggest(plugins: Plugins, word: str) -> str:
+    tops = sorted({n.split(" ")[0] for n in plugins.commands.names()})
+    close = difflib.get_close_matches(word, tops, n=3, cutoff=0.5)
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def format_help(plugins: Plugins, prefix: str | None = None) -> str:
+    lines = [USAGE if prefix is None else f"usage: mega {prefix} <command> [<args>...]", ""]
+    if prefix is None:
+        lines.append("mega trains and serves transformer language models; commands come from the")
+        lines.append("installed mega packages and plugins (see `mega plugins`).")
+        lines.append("")
+    lines.append("commands:")
+    rows = []
+    for entry in plugins.commands.entries():
+        if prefix is not None and not entry.name.startswith(prefix + " "):
+            continue
+        rows.append((entry.name, entry.description or _command_help(entry)))
+    width = max((len(name) for name, _ in rows), default=0)
+    lines += [f"  {name.ljust(width)}  {text}" for name, text in rows]
+    broken = plugins.failed()
+    if broken and prefix is None:
+        lines += ["", "plugins that failed to load (their commands are missing):"]
+        lines += [f"  {info.name} ({info.distribution}): {info.error}" for info in broken]
+    lines += ["", "Run `mega <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def _command_help(entry) -> str:
+    target = entry.target
+    return getattr(target, "help", "") if not isinstance(target, str) else ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

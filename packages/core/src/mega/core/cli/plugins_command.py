@@ -1,0 +1,35 @@
+"""``mega plugins``: what is installed and what each plugin registered."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from mega.core.plugins import get_plugins
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mega plugins",
+        description="List installed plugins, their distribution and version, and what they registered.",
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON list for machines")
+    args = parser.parse_args(argv)
+
+    plugins = get_plugins()
+    if args.json:
+        print(json.dumps([info.as_json() for info in plugins.infos], indent=2))
+        return 0
+
+    rows = [("plugin", "distribution", "version", "registered")]
+    for info in plugins.infos:
+        registered = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in info.registered.items())
+        if info.error:
+            registered = f"ERROR {info.error}" + (f" | {registered}" if registered else "")
+        rows.append((info.name, info.distribution, info.version, registered or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3])
+    if plugins.disabled:
+        print(f"\ndisabled by MEGA_LOAD_PLUGINS / MEGA_DISABLE_PLUGINS: {', '.join(plugins.disabled)}")
+    return 0

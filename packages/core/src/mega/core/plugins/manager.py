@@ -1,0 +1,200 @@
+"""Discovering plugins (entry-point group ``mega``) and collecting what they register."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import pluggy
+
+from mega.core.plugins import hookspecs
+from mega.core.plugins.registry import DuplicateNameError, Entry, Registry
+
+ENTRY_POINT_GROUP = "mega"
+CORE_PLUGIN = "core"  # always loaded: the CLI's own commands live in it
+
+# Registration hook name -> registry kind (singular, as it reads in error messages).
+KINDS = {
+    "register_models": "model",
+    "register_tokenizers": "tokenizer",
+    "register_datasets": "dataset",
+    "register_checkpoint_formats": "checkpoint format",
+    "register_kernel_backends": "kernel backend",
+    "register_commands": "command",
+    "register_callbacks": "callback",
+}
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    distribution: str
+    version: str
+    registered: dict[str, list[str]] = field(default_factory=dict)
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "registered": self.registered,
+            "error": self.error,
+        }
+
+
+@dataclass
+class _Candidate:
+    name: str
+    distribution: str
+    version: str
+    load: Any  # () -> plugin module or object
+
+
+class Plugins:
+    """The loaded plugins and one :class:`Registry` per kind of contribution."""
+
+    def __init__(self) -> None:
+        self.manager = pluggy.PluginManager(hookspecs.PROJECT)
+        self.manager.add_hookspecs(hookspecs.RegistrationSpecs)
+        self.registries = {kind: Registry(kind) for kind in KINDS.values()}
+        self.infos: list[PluginInfo] = []
+        self.disabled: list[str] = []
+
+    # The registries by the names code reads best with.
+    @property
+    def models(self) -> Registry:
+        return self.registries["model"]
+
+    @property
+    def tokenizers(self) -> Registry:
+        return self.registries["tokenizer"]
+
+    @property
+    def datasets(self) -> Registry:
+        return self.registries["dataset"]
+
+    @property
+    def checkpoint_formats(self) -> Registry:
+        return self.registries["checkpoint format"]
+
+    @property
+    def kernel_backends(self) -> Registry:
+        return self.registries["kernel backend"]
+
+    @property
+    def commands(self) -> Registry:
+        return self.registries["command"]
+
+    @property
+    def callbacks(self) -> Registry:
+        return self.registries["callback"]
+
+    def add(self, plugin: Any, name: str, distribution: str = "(local)", version: str = "") -> PluginInfo:
+        """Register one plugin object or module and collect what it registers.
+
+        A plugin whose hooks fail, or that claims a name another plugin registered, is recorded
+        with its error instead of raising, so one broken plugin never takes the CLI down; the
+        contested name then raises :class:`DuplicateNameError` wherever it is looked up.
+        """
+        info = PluginInfo(name, distribution, version)
+        self.infos.append(info)
+        self.manager.register(plugin, name=name)
+        for hook_name, kind in KINDS.items():
+            for impl in getattr(self.manager.hook, hook_name).get_hookimpls():
+                if impl.plugin_name != name:
+                    continue
+                registered: list[str] = []
+
+                errors: list[str] = []
+
+                def register(entry_name: str, obj: Any, description: str = "", *, _kind=kind,
+                             _acc=registered, _errors=errors):
+                    entry = Entry(entry_name, obj, name, distribution, version, description)
+                    try:
+                        self.registries[_kind].add(entry)
+                    except DuplicateNameError as error:
+                        _errors.append(str(error))
+                    else:
+                        _acc.append(entry_name)
+
+                try:
+                    impl.function(register=register)
+                except Exception as error:
+                    errors.append(f"{hook_name} failed: {type(error).__name__}: {error}")
+                if errors:
+                    info.error = "; ".join(filter(None, [info.error, *errors]))
+                if registered:
+                    info.registered[kind] = registered
+        return info
+
+    def add_failed(self, name: str, distribution: str, version: str, error: BaseException) -> None:
+        self.infos.append(
+            PluginInfo(name, distribution, version, error=f"{type(error).__name__}: {error}")
+        )
+
+    def failed(self) -> list[PluginInfo]:
+        return [info for info in self.infos if info.error]
+
+
+def _entry_point_candidates() -> list[_Candidate]:
+    candidates = []
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = entry_point.dist
+        candidates.append(
+            _Candidate(
+                name=entry_point.name,
+                distribution=dist.metadata["Name"] if dist else "(unknown)",
+                version=dist.version if dist else "",
+                load=entry_point.load,
+            )
+        )
+    # Core first, then by name: registration order (and so duplicate messages) is stable.
+    return sorted(candidates, key=lambda c: (c.name != CORE_PLUGIN, c.name))
+
+
+def _names_from_env(value: str | None) -> set[str] | None:
+    if value is None:
+        return None
+    return {part.strip() for part in value.split(",") if part.strip()}
+
+
+def load_plugins(
+    environ: dict[str, str] | None = None,
+    extra: Iterable[tuple[str, Any]] = (),
+) -> Plugins:
+    """Load every installed plugin, honouring ``MEGA_LOAD_PLUGINS`` / ``MEGA_DISABLE_PLUGINS``.
+
+    ``MEGA_LOAD_PLUGINS=a,b`` loads only those (and the core); ``MEGA_DISABLE_PLUGINS=a,b``
+    skips those. ``extra`` adds (name, plugin) pairs, as tests and embedding programs do.
+    """
+    environ = os.environ if environ is None else environ
+    only = _names_from_env(environ.get("MEGA_LOAD_PLUGINS"))
+    disabled = _names_from_env(environ.get("MEGA_DISABLE_PLUGINS")) or set()
+
+    plugins = Plugins()
+    for candidate in _entry_point_candidates():
+        wanted = candidate.name == CORE_PLUGIN or (
+            candidate.name not in disabled and (only is None or candidate.name in only)
+        )
+        if not wanted:
+            plugins.disabled.append(candidate.name)
+            continue
+        try:
+            module = candidate.load()
+        except Exception as error:
+            plugins.add_failed(candidate.name, candidate.distribution, candidate.version, error)
+            continue
+        plugins.add(module, candidate.name, candidate.distribution, candidate.version)
+    for name, plugin in extra:
+        plugins.add(plugin, name)
+    return plugins
+
+
+@functools.lru_cache(maxsize=1)
+def get_plugins() -> Plugins:
+    """The plugins of this process, loaded once (use :func:`load_plugins` for a fresh set)."""
+    return load_plugins()

@@ -1,0 +1,156 @@
+"""The plugin manager: discovery, registries, duplicates, unknown names, selection, failures."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from mega.core.plugins import (
+    Command,
+    DuplicateNameError,
+    PluginError,
+    UnknownNameError,
+    hookimpl,
+    load_plugins,
+)
+from mega.core.plugins import manager as manager_module
+from mega.core.plugins.manager import _Candidate
+
+
+def make_plugin(**hooks):
+    """A plugin object whose registration hooks register the given (name, obj) pairs."""
+    namespace = types.SimpleNamespace()
+    for hook_name, entries in hooks.items():
+
+        def hook(register, _entries=entries):
+            for name, obj in _entries:
+                register(name, obj)
+
+        hook.__name__ = hook_name
+        setattr(namespace, hook_name, hookimpl(hook))
+    return namespace
+
+
+@pytest.fixture
+def fake_entry_points(monkeypatch):
+    """Replace installed entry points by the given candidates (core stays real)."""
+
+    def install(*candidates):
+        real = [c for c in manager_module._entry_point_candidates() if c.name == "core"]
+        monkeypatch.setattr(manager_module, "_entry_point_candidates", lambda: real + list(candidates))
+
+    return install
+
+
+def candidate(name, plugin, distribution="mega-test", version="1.2.3"):
+    return _Candidate(name, distribution, version, lambda: plugin)
+
+
+def test_core_is_discovered_through_its_entry_point():
+    plugins = load_plugins(environ={})
+    core = next(info for info in plugins.infos if info.name == "core")
+    assert core.distribution == "mega-core"
+    assert "plugins" in core.registered["command"]
+    assert plugins.commands.entry("plugins").origin.startswith("mega-core ")
+
+
+def test_registered_objects_resolve_lazily_from_import_paths(fake_entry_points):
+    fake_entry_points(candidate("demo", make_plugin(register_tokenizers=[("Path", "os.path:join")])))
+    plugins = load_plugins(environ={})
+    entry = plugins.tokenizers.entry("Path")
+    assert entry._resolved is None  # nothing imported yet
+    import os.path
+
+    assert plugins.tokenizers.get("Path") is os.path.join
+
+
+def test_duplicate_names_name_both_distributions(fake_entry_points):
+    fake_entry_points(
+        candidate("first", make_plugin(register_tokenizers=[("Same", object())]), "mega-a", "1.0"),
+        candidate("second", make_plugin(register_tokenizers=[("Same", object())]), "mega-b", "2.0"),
+    )
+    plugins = load_plugins(environ={})
+    second = next(info for info in plugins.infos if info.name == "second")
+    assert "mega-a 1.0" in second.error and "mega-b 2.0" in second.error
+    with pytest.raises(DuplicateNameError, match="registered twice.*mega-a 1.0.*mega-b 2.0"):
+        plugins.tokenizers.get("Same")
+
+
+def test_unknown_name_suggests_close_names_and_lists_installed(fake_entry_points):
+    fake_entry_points(
+        candidate(
+            "toks",
+            make_plugin(register_tokenizers=[("GPT2BPETokenizer", object()), ("NullTokenizer", object())]),
+            "mega-data",
+            "0.1.0",
+        )
+    )
+    plugins = load_plugins(environ={})
+    with pytest.raises(UnknownNameError) as raised:
+        plugins.tokenizers.get("GPT2BPE")
+    message = str(raised.value)
+    assert message.startswith("no tokenizer 'GPT2BPE'; did you mean GPT2BPETokenizer")
+    assert "installed: GPT2BPETokenizer (from mega-data 0.1.0), NullTokenizer (from mega-data 0.1.0)" in message
+
+
+def test_unknown_name_with_nothing_installed_says_so():
+    plugins = load_plugins(environ={"MEGA_LOAD_PLUGINS": ""})
+    with pytest.raises(UnknownNameError, match="no model 'gpt'; no model is installed"):
+        plugins.models.get("gpt")
+
+
+def test_disable_and_load_selection(fake_entry_points):
+    fake_entry_points(
+        candidate("alpha", make_plugin(register_datasets=[("a", object())])),
+        candidate("beta", make_plugin(register_datasets=[("b", object())])),
+    )
+    disabled = load_plugins(environ={"MEGA_DISABLE_PLUGINS": "alpha"})
+    assert disabled.datasets.names() == ["b"] and disabled.disabled == ["alpha"]
+
+    only = load_plugins(environ={"MEGA_LOAD_PLUGINS": "alpha"})
+    assert only.datasets.names() == ["a"]
+    # The core is never unloaded: the CLI's own commands live in it.
+    assert "plugins" in only.commands
+
+
+def test_a_plugin_that_fails_to_import_is_recorded_not_raised(fake_entry_points):
+    def broken():
+        raise ImportError("No module named 'missing_dependency'")
+
+    fake_entry_points(_Candidate("broken", "mega-broken", "0.0.1", broken))
+    plugins = load_plugins(environ={})
+    failed = plugins.failed()
+    assert [(f.name, f.distribution) for f in failed] == [("broken", "mega-broken")]
+    assert "missing_dependency" in failed[0].error
+
+
+def test_a_hook_that_raises_is_recorded_and_others_still_register(fake_entry_points):
+    @hookimpl
+    def register_models(register):
+        raise RuntimeError("boom")
+
+    ok = make_plugin(register_models=[("fine", object())])
+    fake_entry_points(
+        candidate("bad", types.SimpleNamespace(register_models=register_models)),
+        candidate("ok", ok),
+    )
+    plugins = load_plugins(environ={})
+    assert plugins.models.names() == ["fine"]
+    bad = next(info for info in plugins.infos if info.name == "bad")
+    assert bad.error == "register_models failed: RuntimeError: boom"
+
+
+def test_a_target_that_fails_to_import_raises_a_plugin_error_naming_it():
+    plugins = load_plugins(
+        environ={"MEGA_LOAD_PLUGINS": ""},
+        extra=[("x", make_plugin(register_models=[("ghost", "mega_no_such_module:family")]))],
+    )
+    with pytest.raises(PluginError, match="model 'ghost' from \\(local\\) failed to load: ModuleNotFoundError"):
+        plugins.models.get("ghost")
+
+
+def test_command_registration_roundtrip():
+    command = Command(help="say hi", main=lambda argv: 0)
+    plugins = load_plugins(environ={}, extra=[("x", make_plugin(register_commands=[("hi", command)]))])
+    assert plugins.commands.get("hi") is command

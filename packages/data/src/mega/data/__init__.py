@@ -1,0 +1,1 @@
+"""mega-data: Tokenizers, indexed datasets, preprocessing and samplers for mega."""

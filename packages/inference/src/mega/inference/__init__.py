@@ -1,0 +1,1 @@
+"""mega-inference: Generation engine and REST server for mega."""

@@ -1,0 +1,1 @@
+"""mega-models: Transformer blocks and model families for mega."""
