@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
         rows.append((info.name, info.distribution, info.version, registered or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3])
+        print("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=False)) + "  " + row[3])
     if plugins.disabled:
         print(f"\ndisabled by MEGA_LOAD_PLUGINS / MEGA_DISABLE_PLUGINS: {', '.join(plugins.disabled)}")
     return 0

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import pluggy
 
@@ -34,7 +35,7 @@ class Events:
         return list(self._manager.get_plugins())
 
     @classmethod
-    def from_callbacks(cls, plugins, run_config: Any) -> "Events":
+    def from_callbacks(cls, plugins, run_config: Any) -> Events:
         """Instantiate every registered callback factory that wants to take part in this run."""
         listeners = []
         for name in plugins.callbacks.names():

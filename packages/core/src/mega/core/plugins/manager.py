@@ -5,8 +5,9 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import pluggy
 

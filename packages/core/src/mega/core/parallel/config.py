@@ -1,0 +1,63 @@
+"""``ParallelConfig``: how many ways each parallel dimension is split, checked before any group exists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ParallelConfigError(ValueError):
+    """A layout that cannot be built on the given world size."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes of the parallel dimensions; data parallelism takes whatever the world has left.
+
+    ``tp`` tensor, ``pp`` pipeline, ``cp`` context, ``ep`` expert parallel; ``vpp`` virtual
+    pipeline chunks per stage (interleaved 1F1B); ``sequence_parallel`` splits the non-tensor-
+    parallel regions (norms, dropout) along the sequence over the tensor-parallel group.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int | None = None
+    sequence_parallel: bool = False
+
+    def data_parallel_size(self, world_size: int) -> int:
+        self.validate(world_size)
+        return world_size // (self.tp * self.cp * self.pp)
+
+    def validate(self, world_size: int) -> None:
+        for name in ("tp", "pp", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ParallelConfigError(f"{name} must be a positive integer, got {value!r}")
+        if world_size < 1:
+            raise ParallelConfigError(f"world size must be positive, got {world_size}")
+        model_parallel = self.tp * self.cp * self.pp
+        if model_parallel > world_size:
+            raise ParallelConfigError(
+                f"tp*cp*pp = {self.tp}*{self.cp}*{self.pp} = {model_parallel} is larger than "
+                f"the world size {world_size}"
+            )
+        if world_size % model_parallel:
+            raise ParallelConfigError(
+                f"world size {world_size} is not divisible by tp*cp*pp = "
+                f"{self.tp}*{self.cp}*{self.pp} = {model_parallel}"
+            )
+        dp = world_size // model_parallel
+        # Experts are spread over the data- and context-parallel ranks of one tensor shard.
+        if (dp * self.cp) % self.ep:
+            raise ParallelConfigError(
+                f"ep = {self.ep} must divide dp*cp = {dp}*{self.cp} = {dp * self.cp} "
+                f"(world size {world_size}, tp={self.tp}, pp={self.pp})"
+            )
+        if self.vpp is not None:
+            if not isinstance(self.vpp, int) or self.vpp < 1:
+                raise ParallelConfigError(f"vpp must be a positive integer, got {self.vpp!r}")
+            if self.vpp > 1 and self.pp == 1:
+                raise ParallelConfigError(
+                    f"vpp = {self.vpp} (virtual pipeline stages) needs pp > 1, got pp = {self.pp}"
+                )
