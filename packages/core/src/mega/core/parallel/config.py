@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mega.core.config.options import option
+
 
 class ParallelConfigError(ValueError):
     """A layout that cannot be built on the given world size."""
@@ -18,12 +20,16 @@ class ParallelConfig:
     parallel regions (norms, dropout) along the sequence over the tensor-parallel group.
     """
 
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    vpp: int | None = None
-    sequence_parallel: bool = False
+    tp: int = option(1, "tensor-parallel size", flag="--tensor-model-parallel-size")
+    pp: int = option(1, "pipeline-parallel size (stages)", flag="--pipeline-model-parallel-size")
+    cp: int = option(1, "context-parallel size", flag="--context-parallel-size")
+    ep: int = option(1, "expert-parallel size", flag="--expert-model-parallel-size")
+    vpp: int | None = option(
+        None, "model chunks per pipeline rank (interleaved 1F1B)", flag="--num-virtual-stages-per-pipeline-rank"
+    )
+    sequence_parallel: bool = option(
+        False, "split norms and dropout along the sequence over the tensor-parallel group"
+    )
 
     def data_parallel_size(self, world_size: int) -> int:
         self.validate(world_size)

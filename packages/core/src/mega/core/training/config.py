@@ -1,0 +1,139 @@
+"""The configuration sections of a training run (besides the model's and ParallelConfig).
+
+Each field declares its Megatron flag once (see mega.core.config.options); `mega train` builds
+its parser, TOML loading and `--help` from these classes. Values are checked in
+``__post_init__`` so a bad combination fails before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mega.core.config.options import option
+
+
+@dataclass
+class TrainingConfig:
+    model_family: str = option("gpt", "registered model family (see `mega plugins`)")
+    model_preset: str | None = option(None, "start from a preset of the family (e.g. tiny, 1.3b, llama3-8b)")
+    micro_batch_size: int = option(1, "samples per micro-batch on each data-parallel rank")
+    global_batch_size: int | None = option(
+        None, "samples per optimizer step over all ranks (default: micro batch x data-parallel size)"
+    )
+    gradient_accumulation_steps: int | None = option(
+        None, "accepted from DeepSpeed-style scripts; must agree with the global batch size"
+    )
+    train_iters: int = option(100, "optimizer steps to train")
+    seed: int = option(1234, "random seed")
+    eval_interval: int = option(1000, "evaluate every N iterations")
+    eval_iters: int = option(10, "micro-batch iterations per evaluation")
+    num_layers_per_virtual_pipeline_stage: int | None = option(
+        None, "layers per model chunk for interleaved 1F1B (sets the virtual stages per rank)"
+    )
+    use_mcore_models: bool = option(False, "accepted for Megatron compatibility; has no effect")
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "train_iters", "eval_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.eval_iters < 0:
+            raise ValueError(f"--eval-iters must be >= 0, got {self.eval_iters}")
+
+
+@dataclass
+class PrecisionConfig:
+    bf16: bool = option(False, "bf16 parameters and compute with fp32 main weights")
+    fp16: bool = option(False, "fp16 parameters and compute with fp32 main weights and loss scaling")
+    loss_scale: float | None = option(None, "static loss scale for fp16 (default: dynamic)")
+    initial_loss_scale: float = option(2.0**32, "initial dynamic loss scale")
+    min_loss_scale: float = option(1.0, "smallest dynamic loss scale")
+    loss_scale_window: int = option(1000, "clean steps before the dynamic loss scale grows")
+    hysteresis: int = option(2, "overflowing steps tolerated before the loss scale backs off")
+    fp8_hybrid: bool = option(False, "FP8 training (E4M3 forward, E5M2 backward); needs a GPU and Transformer Engine")
+    fp8_amax_compute_algo: Literal["most_recent", "max"] = option("most_recent", "FP8 amax algorithm")
+    fp8_amax_history_len: int = option(1, "FP8 amax history length")
+    transformer_impl: Literal["local", "transformer_engine"] = option("local", "layer implementation")
+    use_flash_attn: bool = option(False, "use the flash-attn kernel backend for attention")
+    tp_comm_overlap: bool = option(False, "overlap tensor-parallel communication with GEMMs (needs Transformer Engine)")
+
+    def __post_init__(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are mutually exclusive")
+
+    @property
+    def dtype_name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = option(3e-4, "peak learning rate")
+    min_lr: float = option(0.0, "learning rate at the end of the decay")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = option("cosine", "learning-rate decay")
+    lr_warmup_iters: int = option(0, "linear warm-up iterations")
+    lr_decay_iters: int | None = option(None, "iterations over which to decay (default: --train-iters)")
+    weight_decay: float = option(0.01, "AdamW weight decay (not applied to biases and norms)")
+    adam_beta1: float = option(0.9, "Adam beta1")
+    adam_beta2: float = option(0.999, "Adam beta2")
+    adam_eps: float = option(1e-8, "Adam epsilon")
+    clip_grad: float = option(1.0, "clip gradients to this global norm (0 disables)")
+    use_distributed_optimizer: bool = option(False, "shard optimizer state over data-parallel ranks (ZeRO-1)")
+    overlap_grad_reduce: bool = option(False, "all-reduce gradient buckets during the backward pass")
+    overlap_param_gather: bool = option(False, "all-gather parameters of the distributed optimizer asynchronously")
+    cpu_optimizer: bool = option(False, "keep the optimizer on the CPU (offload); not supported yet")
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
+        if self.lr_warmup_iters < 0:
+            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] | None = option(None, "dataset prefixes, or weight/prefix pairs: w1 p1 w2 p2")
+    split: str = option("969,30,1", "train,valid,test proportions")
+    mock_data: bool = option(False, "train on random tokens (no dataset needed)")
+    tokenizer_type: str | None = option(None, "registered tokenizer (see `mega plugins`)")
+    tokenizer_model: str | None = option(None, "tokenizer model file (SentencePiece, tokenizer.json, ...)")
+    vocab_file: str | None = option(None, "vocabulary file")
+    merge_file: str | None = option(None, "BPE merges file")
+    vocab_size: int | None = option(None, "vocabulary size (NullTokenizer, mock data)")
+    dataloader_type: Literal["single", "cyclic"] = option("single", "single pass or cycling sampler")
+    data_cache_path: str | None = option(None, "where sample indices are cached (default: beside the data)")
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = option(None, "directory to save checkpoints to")
+    load: str | None = option(None, "checkpoint directory (or one iter_XXXXXXX in it) to resume from")
+    save_interval: int | None = option(None, "save every N iterations (and at the end)")
+    load_optim: bool = option(True, "do not load the optimizer state", flag="--no-load-optim")
+    load_rng: bool = option(True, "do not load the RNG states", flag="--no-load-rng")
+    finetune: bool = option(False, "load weights only and start at iteration 0")
+    ckpt_format: Literal["torch_dist"] = option("torch_dist", "checkpoint format")
+    keep_last: int | None = option(None, "keep only the K newest checkpoints")
+    async_save: bool = option(False, "write checkpoints in the background")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = option(10, "print the log line every N iterations")
+    tensorboard_dir: str | None = option(None, "write TensorBoard events here")
+    log_throughput: bool = option(False, "add tokens/s and TFLOP/s to the log line")
+    peak_tflops: float | None = option(None, "device peak TFLOP/s for MFU (default: known GPUs)")
+    profile: bool = option(False, "record a torch.profiler trace")
+    profile_step_start: int = option(10, "first profiled iteration")
+    profile_step_end: int = option(12, "iteration after the last profiled one")
+    pipeline_timeline: str | None = option(None, "write a Chrome trace of the pipeline schedule here")
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int | None = option(None, "experts per MoE layer")
+    moe_router_topk: int = option(2, "experts each token is routed to")
+    moe_router_load_balancing_type: Literal["aux_loss", "none"] = option("aux_loss", "load balancing")
+    moe_aux_loss_coeff: float = option(0.0, "auxiliary load-balancing loss weight")
+    moe_grouped_gemm: bool = option(False, "grouped GEMM for experts")
+    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = option("allgather", "token dispatcher")
