@@ -41,15 +41,15 @@ def test_help_lists_every_command_with_its_line_and_broken_plugins(capsys):
 
 def test_dispatch_passes_the_remaining_arguments():
     seen = []
-    plugins = plugins_with({"bench comm": Command("collectives", lambda argv: seen.append(argv) or 3)})
-    assert main(["bench", "comm", "-b", "8"], plugins) == 3
+    plugins = plugins_with({"tools comm": Command("collectives", lambda argv: seen.append(argv) or 3)})
+    assert main(["tools", "comm", "-b", "8"], plugins) == 3
     assert seen == [["-b", "8"]]
 
 
 def test_a_group_word_alone_lists_its_commands(capsys):
-    plugins = plugins_with({"bench comm": Command("collectives", lambda argv: 0)})
-    assert main(["bench"], plugins) == 0
-    assert "bench comm  collectives" in capsys.readouterr().out
+    plugins = plugins_with({"tools comm": Command("collectives", lambda argv: 0)})
+    assert main(["tools"], plugins) == 0
+    assert "tools comm  collectives" in capsys.readouterr().out
 
 
 def test_unknown_command_suggests(capsys):

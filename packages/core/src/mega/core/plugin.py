@@ -12,3 +12,31 @@ def register_commands(register):
             main="mega.core.cli.plugins_command:main",
         ),
     )
+    register(
+        "train",
+        Command(
+            help="pretrain a GPT/LLaMA-style model at any parallel layout (Megatron's flags)",
+            main="mega.core.training.command:main",
+        ),
+    )
+    register(
+        "bench comm",
+        Command(
+            help="measure collectives (all_reduce, all_gather, ...) the nccl-tests way",
+            main="mega.core.bench.comm:main",
+        ),
+    )
+
+
+@hookimpl
+def register_callbacks(register):
+    register(
+        "console",
+        "mega.core.training.console_log:console_logger",
+        description="Megatron's log line every --log-interval iterations",
+    )
+    register(
+        "pipeline-timeline",
+        "mega.core.pipeline.timeline:timeline_callback",
+        description="Chrome trace of every rank's pipeline schedule (--pipeline-timeline PATH)",
+    )

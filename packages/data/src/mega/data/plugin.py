@@ -1,4 +1,33 @@
 """What mega-data registers with mega, through the entry-point group ``mega``.
 
-Contributions are added here as they land; the plugin is listed by ``mega plugins`` from the start.
+Everything is registered by import path, so ``mega --help`` and ``mega plugins`` import none of
+the tokenizer libraries, numpy pipelines or dataset code.
 """
+
+from mega.core.plugins import Command, hookimpl
+
+
+@hookimpl
+def register_tokenizers(register):
+    from mega.data.tokenizers import TOKENIZER_TYPES
+
+    for name, (factory, description) in TOKENIZER_TYPES.items():
+        register(name, f"mega.data.tokenizers:{factory}", description)
+
+
+@hookimpl
+def register_datasets(register):
+    register("gpt", "mega.data.dataset_builder:build_gpt_datasets", "Megatron GPTDataset splits and blends of .bin/.idx data")
+    register("mock-gpt", "mega.data.dataset_builder:build_mock_gpt_datasets", "synthetic GPT samples (Megatron's mock data)")
+
+
+@hookimpl
+def register_commands(register):
+    register(
+        "preprocess",
+        Command(help="tokenize JSONL/Parquet/CSV/text into Megatron .bin/.idx datasets", main="mega.data.preprocess_cli:main"),
+    )
+    register(
+        "merge-datasets",
+        Command(help="concatenate .bin/.idx datasets into one", main="mega.data.merge_cli:main"),
+    )

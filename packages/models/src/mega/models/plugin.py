@@ -1,4 +1,17 @@
 """What mega-models registers with mega, through the entry-point group ``mega``.
 
-Contributions are added here as they land; the plugin is listed by ``mega plugins`` from the start.
+Everything is registered by import path, so listing plugins or ``mega --help`` never imports torch.
 """
+
+from mega.core.plugins import hookimpl
+
+
+@hookimpl
+def register_models(register):
+    register("gpt", "mega.models.gpt:FAMILY", "GPT-2/GPT-3 (tiny ... 175b)")
+    register("llama", "mega.models.llama:FAMILY", "LLaMA-2 7b/13b/70b, LLaMA-3 8b/70b/405b")
+
+
+@hookimpl
+def register_kernel_backends(register):
+    register("sdpa", "mega.models.attention_backends:SDPA", "attention: torch scaled_dot_product_attention")

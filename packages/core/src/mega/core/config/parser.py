@@ -39,8 +39,9 @@ def _argument_kwargs(field: dataclasses.Field, annotation: Any) -> dict[str, Any
     annotation = _unwrap_optional(annotation)
     kwargs: dict[str, Any] = {"help": help_of(field)}
     if annotation is bool:
-        # A flag spelled --no-x sets False, like Megatron's --no-load-optim.
-        kwargs["action"] = "store_false" if flag_of(field).startswith("--no-") else "store_true"
+        # A flag that turns something off (--no-load-optim, --disable-bias-linear) sets False.
+        negative = flag_of(field).startswith(("--no-", "--disable-"))
+        kwargs["action"] = field.metadata.get("action") or ("store_false" if negative else "store_true")
         return kwargs
     origin = typing.get_origin(annotation)
     if origin in (list, tuple):
@@ -130,8 +131,13 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def parse(argv: list[str], sections: dict[str, type], parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """Parse ``argv`` (with an optional ``--config FILE``) into one dataclass per section."""
+def parse(argv: list[str], sections: dict[str, type], parser: argparse.ArgumentParser,
+          bases: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Parse ``argv`` (with an optional ``--config FILE``) into one dataclass per section.
+
+    ``bases`` gives a section a starting instance (a model preset) instead of the class defaults.
+    """
+    bases = bases or {}
     namespace, unknown = parser.parse_known_args(argv)
     for word in unknown:
         if word.startswith("-"):
@@ -149,7 +155,8 @@ def parse(argv: list[str], sections: dict[str, type], parser: argparse.ArgumentP
     configs = {}
     for section, cls in sections.items():
         try:
-            configs[section] = cls(**values.get(section, {}))
+            given = values.get(section, {})
+            configs[section] = dataclasses.replace(bases[section], **given) if section in bases else cls(**given)
         except (TypeError, ValueError) as error:
             raise ConfigError(f"[{section}]: {error}") from None
     return configs

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mega.core.config.options import option
+from mega.core.optim.config import OptimizerConfig  # noqa: F401  (a section of the run, declared with the optimizer)
 
 
 @dataclass
@@ -32,6 +33,8 @@ class TrainingConfig:
         None, "layers per model chunk for interleaved 1F1B (sets the virtual stages per rank)"
     )
     use_mcore_models: bool = option(False, "accepted for Megatron compatibility; has no effect")
+    recompute_activations: bool = option(False, "Megatron's shorthand for --recompute-granularity selective")
+    group_query_attention: bool = option(False, "accepted for Megatron compatibility; --num-query-groups sets the groups")
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "train_iters", "eval_interval"):
@@ -67,30 +70,6 @@ class PrecisionConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    lr: float = option(3e-4, "peak learning rate")
-    min_lr: float = option(0.0, "learning rate at the end of the decay")
-    lr_decay_style: Literal["constant", "linear", "cosine"] = option("cosine", "learning-rate decay")
-    lr_warmup_iters: int = option(0, "linear warm-up iterations")
-    lr_decay_iters: int | None = option(None, "iterations over which to decay (default: --train-iters)")
-    weight_decay: float = option(0.01, "AdamW weight decay (not applied to biases and norms)")
-    adam_beta1: float = option(0.9, "Adam beta1")
-    adam_beta2: float = option(0.999, "Adam beta2")
-    adam_eps: float = option(1e-8, "Adam epsilon")
-    clip_grad: float = option(1.0, "clip gradients to this global norm (0 disables)")
-    use_distributed_optimizer: bool = option(False, "shard optimizer state over data-parallel ranks (ZeRO-1)")
-    overlap_grad_reduce: bool = option(False, "all-reduce gradient buckets during the backward pass")
-    overlap_param_gather: bool = option(False, "all-gather parameters of the distributed optimizer asynchronously")
-    cpu_optimizer: bool = option(False, "keep the optimizer on the CPU (offload); not supported yet")
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
-        if self.lr_warmup_iters < 0:
-            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
-
-
-@dataclass
 class DataConfig:
     data_path: list[str] | None = option(None, "dataset prefixes, or weight/prefix pairs: w1 p1 w2 p2")
     split: str = option("969,30,1", "train,valid,test proportions")
@@ -99,7 +78,6 @@ class DataConfig:
     tokenizer_model: str | None = option(None, "tokenizer model file (SentencePiece, tokenizer.json, ...)")
     vocab_file: str | None = option(None, "vocabulary file")
     merge_file: str | None = option(None, "BPE merges file")
-    vocab_size: int | None = option(None, "vocabulary size (NullTokenizer, mock data)")
     dataloader_type: Literal["single", "cyclic"] = option("single", "single pass or cycling sampler")
     data_cache_path: str | None = option(None, "where sample indices are cached (default: beside the data)")
 

@@ -1,0 +1,217 @@
+"""Pipeline schedules on this machine: step time at pp = 2 and 4 against pp = 1 for the same work.
+
+One model (a tied embedding, residual MLP blocks, an output layer reusing the embedding) and one
+global batch of ``--microbatches`` micro-batches, trained with SGD at each pipeline size; every
+rank is one process with one thread, joined by gloo. Stages get equal compute: the output layer
+costs about one block, so with ``--blocks + 1`` units split evenly the first stage also takes the
+(cheap) embedding.
+
+Columns: step time (median over the timed steps), speed-up over pp = 1, the bubble the schedule
+predicts, (p-1)/(m+p-1) for 1F1B and (p-1)/(v*m+p-1) interleaved, the step time that bubble
+predicts with one core per stage (pp=1's time / pp / (1 - bubble)), and from the pipeline
+timeline each rank's compute time per step and the share of each step it spent not computing
+(waiting in p2p, idle). The layouts run in alternation, round after round, each in its own set
+of processes, so that load from other jobs drifts over all of them alike.
+
+    python benchmarks/bench_pipeline.py            # pp 1, 2, 4 and interleaved 2x2
+    python benchmarks/bench_pipeline.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab, hidden)
+
+    def forward(self, tokens):  # [b, s] -> [s, b, h]
+        return self.word_embeddings(tokens).transpose(0, 1).contiguous()
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(hidden, 4 * hidden)
+        self.linear_fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+def build_layers(args) -> list[nn.Module]:
+    torch.manual_seed(0)
+    # Vocabulary 8h: the output layer's 2*h*V flops per token equal one block's 2*2*h*4h.
+    embedding = Embedding(8 * args.hidden, args.hidden)
+    output_layer = nn.Linear(args.hidden, 8 * args.hidden, bias=False)
+    output_layer.weight = embedding.word_embeddings.weight
+    return [embedding, *[Block(args.hidden) for _ in range(args.blocks)], output_layer]
+
+
+def balanced_layers_per_stage(args, stages: int) -> list[int]:
+    units = args.blocks + 1  # blocks and the output layer
+    if units % stages:
+        sys.exit(f"error: --blocks + 1 = {units} must divide by the {stages} pipeline stages")
+    counts = [units // stages] * stages
+    counts[0] += 1  # the embedding
+    return counts
+
+
+def time_pipeline(args, pp: int, vpp: int | None, trace_path: str | None) -> dict:
+    """On every rank: one untimed step, then ``args.steps`` timed ones; return the step times and
+    this rank's timeline spans (and write the Chrome trace if ``trace_path`` is set)."""
+    import torch.distributed as dist
+
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.core.pipeline import (
+        PipelineTimeline,
+        forward_backward,
+        pipeline_chunks,
+        setup_tied_weights,
+        tie_across_stages,
+    )
+    from mega.core.plugins import Events
+
+    groups = ParallelGroups(ParallelConfig(pp=pp, vpp=vpp))
+    layers = build_layers(args)
+    tie_across_stages(layers[0].word_embeddings.weight)
+    chunks = pipeline_chunks(layers, groups, balanced_layers_per_stage(args, pp * (vpp or 1)))
+    setup_tied_weights(chunks, groups)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+    timeline = PipelineTimeline(trace_path)
+    events = Events([timeline])
+    vocab = 8 * args.hidden
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, vocab, (args.micro_batch, args.seq + 1), generator=generator)
+               for _ in range(args.microbatches)]
+    data = [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in batches]
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.reshape(-1, vocab), labels.t().reshape(-1))
+
+    times = []
+    for step in range(1 + args.steps):
+        events.hook.on_step_start(run=None, iteration=step)
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        forward_backward(chunks, data, args.microbatches, loss_fn, groups,
+                         tensor_shape=[args.seq, args.micro_batch, args.hidden], events=events)
+        optimizer.step()
+        if dist.is_initialized():
+            dist.barrier()
+        if step > 0:
+            times.append(time.perf_counter() - start)
+    if trace_path:
+        timeline.write()
+    return {"times": times, "spans": [s for s in timeline.spans if s["args"]["iteration"] > 0]}
+
+
+def compute_and_waiting(spans_per_rank: list[list[dict]]) -> tuple[float, float]:
+    """Mean compute time of a rank per step (s), and the mean share of a step's schedule (first
+    span on any rank to last end) that a rank spent not computing (waiting in p2p, idle)."""
+    computes, shares = [], []
+    for iteration in {s["args"]["iteration"] for spans in spans_per_rank for s in spans}:
+        mine = [[s for s in spans if s["args"]["iteration"] == iteration] for spans in spans_per_rank]
+        every = [s for spans in mine for s in spans]
+        window = max(s["ts"] + s["dur"] for s in every) - min(s["ts"] for s in every)
+        for spans in mine:
+            busy = sum(s["dur"] for s in spans if s["cat"] in ("forward", "backward"))
+            computes.append(busy / 1e6)
+            shares.append(1 - busy / window)
+    return statistics.mean(computes), statistics.mean(shares)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=7, help="MLP blocks (blocks + 1 must divide by pp*vpp)")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round (after one untimed)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="rounds over all layouts; alternating spreads load drift over every layout")
+    parser.add_argument("--layouts", nargs="+", default=["1", "2", "4", "2x2"],
+                        help="pipeline sizes, PPxVPP for interleaved; the first is the baseline")
+    parser.add_argument("--trace-dir", default=os.path.join(tempfile.gettempdir(), "mega-bench-pipeline"),
+                        help="where the Chrome traces of the last round go")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+
+    from mega.core.testing import DistributedWorld
+
+    layouts = []
+    for text in args.layouts:
+        pp, _, vpp_text = text.partition("x")
+        pp, vpp = int(pp), int(vpp_text) if vpp_text else None
+        if vpp and args.microbatches % pp:
+            sys.exit(f"error: the interleaved layout {text} needs --microbatches a multiple of {pp}")
+        balanced_layers_per_stage(args, pp * (vpp or 1))  # fail early on an uneven split
+        layouts.append((pp, vpp))
+
+    cores = os.cpu_count() or 1
+    worlds = [DistributedWorld(pp, timeout_s=600) for pp, _ in layouts]
+    step_times = [[] for _ in layouts]
+    spans = [[[] for _ in range(pp)] for pp, _ in layouts]
+    try:
+        for round_index in range(args.rounds):
+            for i, ((pp, vpp), world) in enumerate(zip(layouts, worlds, strict=True)):
+                last = round_index == args.rounds - 1
+                trace = os.path.join(args.trace_dir, f"pipeline_pp{pp}_vpp{vpp or 1}.json") if last else None
+                results = world.run(time_pipeline, args, pp, vpp, trace)
+                # A step ends when the slowest rank finishes it.
+                step_times[i] += [max(steps) for steps in zip(*(r["times"] for r in results), strict=True)]
+                for rank, result in enumerate(results):
+                    spans[i][rank] += [{**s, "args": {"iteration": (round_index, s["args"]["iteration"])}}
+                                       for s in result["spans"]]
+    finally:
+        for world in worlds:
+            world.close()
+
+    rows = []
+    baseline = statistics.median(step_times[0])
+    for (pp, vpp), times, rank_spans in zip(layouts, step_times, spans, strict=True):
+        step_time = statistics.median(times)
+        bubble = (pp - 1) / ((vpp or 1) * args.microbatches + pp - 1)
+        compute, waiting = compute_and_waiting(rank_spans)
+        rows.append({
+            "layout": f"pp={pp}" + (f" vpp={vpp}" if vpp else ""),
+            "step_ms": 1000 * step_time, "speedup": baseline / step_time,
+            "bubble_formula": bubble,
+            # One core per stage: the baseline's work split pp ways, stretched by the bubble.
+            "predicted_ms": 1000 * baseline / pp / (1 - bubble) if pp <= cores else None,
+            "compute_ms_per_rank": 1000 * compute, "not_computing_measured": waiting,
+        })
+
+    if args.json:
+        print(json.dumps({"cores": cores, "args": vars(args), "rows": rows}, indent=2))
+        return 0
+    print(f"{cores} cores, one thread per rank; {args.blocks} blocks of hidden {args.hidden}, seq {args.seq}, "
+          f"micro-batch {args.micro_batch}, {args.microbatches} micro-batches; median of "
+          f"{args.rounds}x{args.steps} steps")
+    print("| layout | step ms | speed-up | bubble (formula) | predicted ms | compute ms/rank | not computing |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        predicted = f"{row['predicted_ms']:.0f}" if row["predicted_ms"] else f"- (pp > {cores} cores)"
+        print(f"| {row['layout']} | {row['step_ms']:.0f} | {row['speedup']:.2f}x | {row['bubble_formula']:.1%} | "
+              f"{predicted} | {row['compute_ms_per_rank']:.0f} | {row['not_computing_measured']:.1%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

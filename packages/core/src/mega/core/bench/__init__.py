@@ -1,0 +1,1 @@
+"""Benchmarks shipped as ``mega bench ...`` commands."""

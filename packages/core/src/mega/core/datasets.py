@@ -1,0 +1,26 @@
+"""The dataset contract between the training loop and dataset plugins.
+
+A dataset plugin registers (``register_datasets``) a builder ``build(request) -> (train, valid,
+test)``; each part is ``None`` or a sized, indexable dataset whose item ``i`` is a mapping with
+``tokens`` and ``labels`` (integer arrays of ``seq_length``: the inputs and the next tokens)
+and optionally ``loss_mask`` (1.0 where a label counts). This is the shape of Megatron's
+``GPTDataset`` samples. Builders that cache indices are called on global rank 0 first, then on
+the other ranks once rank 0 finished, so they may simply build-or-load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DatasetRequest:
+    data_path: list[str] | None  # prefixes, or weight/prefix pairs
+    split: str  # "969,30,1"
+    seq_length: int
+    seed: int
+    num_samples: tuple[int, int, int]  # train, valid, test samples the run will read
+    cache_path: str | None
+    tokenizer: Any | None  # a mega.core.tokenizer.Tokenizer, when the run has one
+    vocab_size: int  # of the model (before padding); mock data draws tokens below it

@@ -1,0 +1,52 @@
+"""Build mega's optimizer for a (DDP-wrapped) model from Megatron-style settings."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mega.core.distributed.ddp import DistributedDataParallel
+from mega.core.optim.config import OptimizerConfig
+from mega.core.optim.distributed_optimizer import DistributedOptimizer
+from mega.core.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from mega.core.optim.optimizer import MixedPrecisionOptimizer
+from mega.core.parallel.groups import ParallelGroups
+
+
+def param_groups(models: list[nn.Module], weight_decay: float) -> list[dict]:
+    """Weights decay; biases and 1-D parameters (norms) do not, as in Megatron."""
+    decay, no_decay = [], []
+    for model in models:
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            (no_decay if name.endswith(".bias") or param.dim() == 1 else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(models: list[nn.Module], groups: ParallelGroups, config: OptimizerConfig = OptimizerConfig(),
+                    grad_scaler: ConstantGradScaler | DynamicGradScaler | None = None) -> MixedPrecisionOptimizer:
+    """The optimizer for ``models`` (one per virtual pipeline chunk, DDP-wrapped or not).
+
+    ``grad_scaler``: fp16's loss scaling (see mega.core.training.precision), None otherwise.
+    """
+    if config.optimizer == "adam":
+        def make(groups_):
+            return torch.optim.AdamW(groups_, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                     eps=config.adam_eps, weight_decay=config.weight_decay)
+    elif config.optimizer == "sgd":
+        def make(groups_):
+            return torch.optim.SGD(groups_, lr=config.lr, momentum=config.sgd_momentum,
+                                   weight_decay=config.weight_decay)
+    else:
+        raise ValueError(f"--optimizer must be 'adam' or 'sgd', got {config.optimizer!r}")
+
+    options = {"clip_grad": config.clip_grad, "grad_scaler": grad_scaler}
+    grouped = param_groups(models, config.weight_decay)
+    if not config.use_distributed_optimizer:
+        return MixedPrecisionOptimizer(grouped, groups, make, **options)
+    wrapped = [m for m in models if isinstance(m, DistributedDataParallel)]
+    if len(wrapped) != len(models):
+        raise ValueError("--use-distributed-optimizer needs every model chunk wrapped in DistributedDataParallel")
+    return DistributedOptimizer(grouped, groups, make, wrapped,
+                                overlap_param_gather=config.overlap_param_gather, **options)

@@ -1,0 +1,59 @@
+"""How a parameter is split across ranks, recorded as attributes on the parameter itself.
+
+The parallel layers and :func:`~mega.core.parallel.tensor_parallel.apply_tensor_parallel` set
+them; gradient reduction, clipping and checkpoints read them. The names follow Megatron-Core's
+where it has one, so readers of either code base recognise them.
+
+* ``tensor_model_parallel`` (bool), ``partition_dim`` (int), ``partition_chunks`` (int): the
+  parameter is this rank's shard of a larger one, split along ``partition_dim`` over the tensor
+  group; with ``partition_chunks`` > 1 the full tensor is that many blocks (SwiGLU's gate and up)
+  each split on its own.
+* ``sequence_parallel`` (bool): replicated over the tensor group but computed on sequence shards,
+  so its gradient is summed over the tensor group (norm weights under sequence parallelism).
+* ``expert_parallel`` (bool): belongs to an expert; sharded over the expert group, replicated
+  (and gradient-averaged) over the expert data-parallel group.
+* ``shared_embedding`` (bool): a weight tied across pipeline stages (set on both copies by
+  :func:`mega.core.pipeline.tied.tie_across_stages`); with the distributed optimizer it gets a
+  bucket of its own, so both stages shard it alike and the cross-stage gradient sum after the
+  data-parallel reduce-scatter is right on every owned slice.
+* ``shared`` (bool): a copy of a parameter another pipeline stage owns (tied word embeddings on
+  the last stage); its gradient is synchronised with the owner's and it is not counted twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mark_tensor_parallel(param: torch.Tensor, dim: int, chunks: int = 1) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_chunks = chunks
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    return getattr(param, "tensor_model_parallel", False)
+
+
+def mark_sequence_parallel(param: torch.Tensor) -> None:
+    param.sequence_parallel = True
+
+
+def is_sequence_parallel(param: torch.Tensor) -> bool:
+    return getattr(param, "sequence_parallel", False)
+
+
+def mark_expert_parallel(param: torch.Tensor) -> None:
+    param.expert_parallel = True
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    return getattr(param, "expert_parallel", False)
+
+
+def is_shared_copy(param: torch.Tensor) -> bool:
+    return getattr(param, "shared", False)
+
+
+def is_shared_embedding(param: torch.Tensor) -> bool:
+    return getattr(param, "shared_embedding", False)

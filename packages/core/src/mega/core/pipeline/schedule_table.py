@@ -1,0 +1,198 @@
+"""The schedule table: which micro-batch and model chunk each pipeline rank runs, in which order.
+
+It is computed from the pipeline size, the number of model chunks per rank and the number of
+micro-batches alone, without a model. The schedules execute exactly this order, and tests, docs
+and the bubble arithmetic read it, so there is one source of truth for what a schedule does.
+
+Model chunk ``c`` of pipeline rank ``r`` is virtual stage ``c * pp + r``: a micro-batch flows
+through rank 0, 1, ..., pp-1 for chunk 0, then wraps to rank 0 for chunk 1, and so on (Megatron's
+interleaved layout). With one chunk per rank the virtual stage is the rank.
+
+Each rank's order is Megatron's: a warm-up of forwards, a steady state alternating one forward
+and one backward, and a cool-down of backwards. With one chunk the warm-up is ``pp - rank - 1``
+forwards, so stage ``rank`` never holds more than ``pp - rank`` micro-batches' activations; with
+``pp == 1`` the order is forward, backward, forward, backward: plain gradient accumulation.
+
+The actions of a rank are grouped into *steps*; stages exchange tensors between steps
+(:mod:`mega.core.pipeline.messages`). Those exchanges must meet in lockstep between neighbouring
+ranks or the pipeline deadlocks. In 1F1B every action is a step. In the interleaved schedule the
+stages form a ring (the last rank feeds chunk ``c + 1`` of the first), which needs neighbours'
+warm-ups to differ by two forwards, and then a steady-state step is one forward plus one backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORWARD = "F"
+BACKWARD = "B"
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be built for the numbers asked."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One forward or backward pass of one micro-batch through one model chunk."""
+
+    kind: str  # FORWARD or BACKWARD
+    microbatch: int
+    chunk: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch} c{self.chunk}"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """When an action runs in the idealised timeline of :meth:`ScheduleTable.slots`."""
+
+    start: float
+    end: float
+    action: Action
+
+
+@dataclass(frozen=True)
+class ScheduleTable:
+    pp: int
+    vpp: int
+    num_microbatches: int
+    steps: tuple[tuple[tuple[Action, ...], ...], ...]  # steps[rank][i]: one or two actions
+
+    @property
+    def actions(self) -> tuple[tuple[Action, ...], ...]:
+        """``actions[rank]``: every action of ``rank`` in execution order."""
+        return tuple(tuple(a for step in steps for a in step) for steps in self.steps)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vpp
+
+    def stage(self, rank: int, chunk: int) -> int:
+        """The virtual stage that chunk ``chunk`` of pipeline rank ``rank`` computes."""
+        return chunk * self.pp + rank
+
+    def rank_and_chunk(self, stage: int) -> tuple[int, int]:
+        chunk, rank = divmod(stage, self.pp)
+        return rank, chunk
+
+    def slots(self, forward_cost: float = 1.0, backward_cost: float = 1.0) -> list[list[Slot]]:
+        """Start and end of every action if each rank runs its actions in table order, as early
+        as its dependencies allow, with free communication and the given per-chunk costs."""
+        cost = {FORWARD: forward_cost, BACKWARD: backward_cost}
+        done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, stage) -> end time
+        slots: list[list[Slot]] = [[] for _ in range(self.pp)]
+        free_at = [0.0] * self.pp
+        position = [0] * self.pp
+        actions = self.actions
+        remaining = sum(len(rank_actions) for rank_actions in actions)
+        while remaining:
+            progressed = False
+            for rank in range(self.pp):
+                while position[rank] < len(actions[rank]):
+                    action = actions[rank][position[rank]]
+                    stage = self.stage(rank, action.chunk)
+                    dependency = self._dependency(action, stage)
+                    if dependency is not None and dependency not in done:
+                        break
+                    start = max(free_at[rank], done[dependency] if dependency else 0.0)
+                    end = start + cost[action.kind]
+                    done[(action.kind, action.microbatch, stage)] = free_at[rank] = end
+                    slots[rank].append(Slot(start, end, action))
+                    position[rank] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                stuck = {rank: str(actions[rank][position[rank]]) for rank in range(self.pp)
+                         if position[rank] < len(actions[rank])}
+                raise ScheduleError(f"the schedule cannot make progress; waiting actions: {stuck}")
+        return slots
+
+    def _dependency(self, action: Action, stage: int) -> tuple[str, int, int] | None:
+        """The action (elsewhere in the pipeline) whose result this action consumes."""
+        if action.kind == FORWARD:
+            return (FORWARD, action.microbatch, stage - 1) if stage > 0 else None
+        if stage == self.num_stages - 1:  # the loss's backward starts from its own forward
+            return (FORWARD, action.microbatch, stage)
+        return (BACKWARD, action.microbatch, stage + 1)
+
+    def bubble_fraction(self, forward_cost: float = 1.0, backward_cost: float = 1.0) -> float:
+        """The share of the makespan a rank sits idle (the same on every rank: all do equal work)."""
+        slots = self.slots(forward_cost, backward_cost)
+        makespan = max(slot.end for rank_slots in slots for slot in rank_slots)
+        busy = sum(slot.end - slot.start for slot in slots[0])
+        return 1.0 - busy / makespan
+
+    def in_flight(self, rank: int) -> int:
+        """Most micro-batch chunks whose activations ``rank`` holds at once (forward done,
+        backward not yet)."""
+        held = peak = 0
+        for action in self.actions[rank]:
+            held += 1 if action.kind == FORWARD else -1
+            peak = max(peak, held)
+        return peak
+
+    def __str__(self) -> str:
+        """One line per rank of the unit-cost timeline; ``.`` marks an idle slot."""
+        slots = self.slots()
+        makespan = max(slot.end for rank_slots in slots for slot in rank_slots)
+        width = max(len(str(action)) for actions in self.actions for action in actions)
+        lines = []
+        for rank, rank_slots in enumerate(slots):
+            cells, clock = [], 0.0
+            for slot in rank_slots:
+                cells += ["." * width] * int(slot.start - clock) + [str(slot.action).ljust(width)]
+                clock = slot.end
+            cells += ["." * width] * int(makespan - clock)
+            lines.append(f"rank {rank}: " + " ".join(cells))
+        return "\n".join(lines)
+
+
+def schedule_table(pp: int, num_microbatches: int, vpp: int = 1, forward_only: bool = False) -> ScheduleTable:
+    """The table of the schedule the pipeline runs: no pipelining (``pp == 1``), 1F1B
+    (``vpp == 1``) or interleaved 1F1B (``vpp > 1``), or forwards only (evaluation)."""
+    for name, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches)):
+        if not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
+    if vpp > 1 and pp == 1:
+        raise ScheduleError(f"vpp = {vpp} model chunks per rank needs pp > 1, got pp = 1")
+    if vpp > 1 and num_microbatches % pp:
+        raise ScheduleError(
+            f"the interleaved schedule (vpp = {vpp}) needs the number of micro-batches to be a "
+            f"multiple of pp = {pp}, got {num_microbatches}"
+        )
+    steps = tuple(
+        tuple(_rank_steps(pp, vpp, num_microbatches, rank, forward_only)) for rank in range(pp)
+    )
+    return ScheduleTable(pp, vpp, num_microbatches, steps)
+
+
+def _rank_steps(pp: int, vpp: int, num_microbatches: int, rank: int, forward_only: bool) -> list[tuple[Action, ...]]:
+    total = num_microbatches * vpp
+    forwards = [Action(FORWARD, *_microbatch_and_chunk(k, pp, vpp, forward=True)) for k in range(total)]
+    if forward_only:
+        return [(action,) for action in forwards]
+    backwards = [Action(BACKWARD, *_microbatch_and_chunk(k, pp, vpp, forward=False)) for k in range(total)]
+    if vpp == 1:
+        warmup = pp - rank - 1
+    else:
+        # Every rank first fills its later chunks (vpp - 1 groups of pp micro-batches); earlier
+        # ranks run two more forwards per stage behind them, so that each backward's gradient
+        # has arrived by the time the steady state asks for it.
+        warmup = (pp - rank - 1) * 2 + (vpp - 1) * pp
+    warmup = min(warmup, total)
+    # The steady state pairs the forwards left after warm-up with the first backwards.
+    pairs = list(zip(forwards[warmup:], backwards, strict=False))
+    steady = pairs if vpp > 1 else [(action,) for pair in pairs for action in pair]
+    return [(f,) for f in forwards[:warmup]] + steady + [(b,) for b in backwards[total - warmup:]]
+
+
+def _microbatch_and_chunk(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
+    """The ``k``-th forward (or backward) of a rank: micro-batches go through the chunks in
+    groups of ``pp``; backwards visit the chunks in reverse."""
+    group, within = divmod(k, pp * vpp)
+    chunk, offset = divmod(within, pp)
+    if not forward:
+        chunk = vpp - 1 - chunk
+    return group * pp + offset, chunk

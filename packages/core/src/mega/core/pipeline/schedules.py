@@ -1,0 +1,201 @@
+"""``forward_backward``: one global batch's micro-batches through the pipeline, forward and back.
+
+The schedule is the table of :func:`~mega.core.pipeline.schedule_table.schedule_table`: no
+pipelining for ``pp == 1`` (gradient accumulation), 1F1B for one model chunk per rank,
+interleaved 1F1B for several. This module only executes it: before each step of the table it
+runs that step's exchange of tensors with the neighbouring stages, then the step's forward and
+backward passes.
+
+As in Megatron, each micro-batch's loss is divided by the number of micro-batches before its
+backward, so the accumulated gradients are those of the mean loss over the global batch; and
+the gradients of data-parallel replicas are reduced once, after the last backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from mega.core.parallel import ParallelGroups
+from mega.core.pipeline.messages import consumed, exchanges, produced
+from mega.core.pipeline.p2p import PipelineLinks
+from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, Action, ScheduleTable, schedule_table
+from mega.core.pipeline.tied import sum_tied_grads
+from mega.core.plugins import Events
+
+
+class GradSync(Protocol):
+    """A data-parallel wrapper's gradient synchronisation (Megatron's no_sync / finalize)."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager: ...
+
+    def finish_grad_sync(self) -> None: ...
+
+
+def forward_backward(
+    chunks: nn.Module | Sequence[nn.Module],
+    data: Iterable | None,
+    num_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+    groups: ParallelGroups,
+    *,
+    tensor_shape: Sequence[int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    grad_sync: GradSync | Sequence[GradSync | None] | None = None,
+    events: Events | None = None,
+    forward_only: bool = False,
+) -> list[torch.Tensor]:
+    """Run ``num_microbatches`` micro-batches forward (and backward); return the losses.
+
+    ``chunks``: this rank's model chunks (one module, or ``vpp`` of them for the interleaved
+    schedule, e.g. from :func:`~mega.core.pipeline.partition.pipeline_chunks`). Each maps one
+    tensor to one tensor; the first stage's first chunk gets the micro-batch inputs.
+
+    ``data`` yields micro-batches ``(inputs, targets)``; the first stage uses ``inputs``, the
+    last passes ``targets`` to ``loss_fn(output, targets)``, which returns the micro-batch's mean
+    loss. Middle stages never read it (it may be None there).
+
+    ``tensor_shape`` and ``dtype``: of every tensor that crosses stages (needed when pp > 1).
+
+    ``grad_sync``: the data-parallel wrapper, or one per chunk. Every backward but the last one
+    of its chunks runs inside its ``no_sync()``; ``finish_grad_sync()`` is called at the end,
+    then the gradients of weights tied across stages are summed.
+
+    Returns the un-normalised per-micro-batch losses (detached) on the last stage, else ``[]``.
+    Gradients accumulate (in ``.grad``, or the wrapper's ``main_grad``); zeroing them before the
+    step is the caller's job.
+    """
+    single = isinstance(chunks, nn.Module) and not isinstance(chunks, nn.ModuleList)
+    chunks = [chunks] if single else list(chunks)
+    expected = groups.config.vpp or 1
+    if len(chunks) != expected:
+        raise ValueError(
+            f"got {len(chunks)} model chunks, but the parallel config has vpp = {groups.config.vpp} "
+            f"(so {expected} chunk{'s' if expected > 1 else ''} per pipeline rank)"
+        )
+    if groups.pp.size > 1 and tensor_shape is None:
+        raise ValueError(
+            f"pp = {groups.pp.size} needs tensor_shape: the shape of the activations sent "
+            f"between stages, e.g. [sequence, micro_batch, hidden]"
+        )
+    table = schedule_table(groups.pp.size, num_microbatches, len(chunks), forward_only)
+    events = events if events is not None else Events()
+    links = PipelineLinks(groups, tensor_shape, dtype, events) if groups.pp.size > 1 else None
+    run = _ScheduleRun(table, groups, chunks, data, loss_fn, links, grad_sync, events, forward_only)
+    return run.execute()
+
+
+class _ScheduleRun:
+    """The state of one ``forward_backward`` call on one rank."""
+
+    def __init__(self, table: ScheduleTable, groups, chunks, data, loss_fn, links, grad_sync, events, forward_only):
+        self.table = table
+        self.rank = groups.pp.rank
+        self.groups = groups
+        self.chunks = chunks
+        self.data = iter(data) if data is not None else None
+        self.loss_fn = loss_fn
+        self.links = links
+        self.events = events
+        self.forward_only = forward_only
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, chunk) -> (in, out)
+        self.inbox: dict = {}  # Message -> received tensor
+        self.outbox: dict = {}  # Message -> tensor to send at the next exchange
+        self.losses: list[torch.Tensor] = []
+        self.syncers = _per_chunk(grad_sync, len(chunks))
+        # A wrapper syncs during the last backward through any chunk it covers.
+        self.final_backward = {}
+        for action in table.actions[self.rank]:
+            if action.kind == BACKWARD and self.syncers[action.chunk] is not None:
+                self.final_backward[id(self.syncers[action.chunk])] = action
+
+    def execute(self) -> list[torch.Tensor]:
+        steps = self.table.steps[self.rank]
+        plan = exchanges(self.table, self.rank)
+        for step, exchange in zip(steps, plan[:-1], strict=True):
+            self._exchange(exchange)
+            for action in step:
+                if action.kind == FORWARD:
+                    self._forward(action)
+                else:
+                    self._backward(action)
+        self._exchange(plan[-1])
+        if not self.forward_only:
+            self._finish_grads()
+        return self.losses
+
+    def _exchange(self, exchange) -> None:
+        if self.links is not None:
+            self.inbox.update(self.links.exchange(exchange, self.outbox))
+
+    def _forward(self, action: Action) -> None:
+        stage = self.table.stage(self.rank, action.chunk)
+        first, last = stage == 0, stage == self.table.num_stages - 1
+        if first or last:
+            inputs, targets = self._next_microbatch(action.microbatch)
+        if first:
+            x = inputs
+        else:
+            x = self.inbox.pop(consumed(self.table, self.rank, action))
+            x.requires_grad_(not self.forward_only)
+        self.events.hook.on_forward_start(microbatch=action.microbatch, chunk=action.chunk)
+        with torch.set_grad_enabled(not self.forward_only):
+            y = self.chunks[action.chunk](x)
+            if last:
+                loss = self.loss_fn(y, targets)
+                self.losses.append(loss.detach())
+                y = loss / self.table.num_microbatches
+        if not last:
+            self.outbox[produced(self.table, self.rank, action)] = y.detach()
+        if not self.forward_only:
+            self.saved[(action.microbatch, action.chunk)] = (x, y)
+        self.events.hook.on_forward_end(microbatch=action.microbatch, chunk=action.chunk)
+
+    def _backward(self, action: Action) -> None:
+        x, y = self.saved.pop((action.microbatch, action.chunk))
+        incoming = consumed(self.table, self.rank, action)
+        grad = self.inbox.pop(incoming) if incoming is not None else None  # None: y is the loss
+        self.events.hook.on_backward_start(microbatch=action.microbatch, chunk=action.chunk)
+        syncer = self.syncers[action.chunk]
+        if syncer is None or self.final_backward[id(syncer)] == action:
+            context = contextlib.nullcontext()
+        else:
+            context = syncer.no_sync()
+        with context:
+            torch.autograd.backward(y, grad_tensors=grad)
+        outgoing = produced(self.table, self.rank, action)
+        if outgoing is not None:
+            self.outbox[outgoing] = x.grad if x.grad is not None else torch.zeros_like(x)
+        self.events.hook.on_backward_end(microbatch=action.microbatch, chunk=action.chunk)
+
+    def _next_microbatch(self, microbatch: int) -> tuple[Any, Any]:
+        if self.data is None:
+            raise ValueError(f"pipeline rank {self.rank} holds the first or last stage and needs data, got None")
+        try:
+            inputs, targets = next(self.data)
+        except StopIteration:
+            raise ValueError(
+                f"the data iterator ran out after {microbatch} micro-batches; "
+                f"num_microbatches is {self.table.num_microbatches}"
+            ) from None
+        return inputs, targets
+
+    def _finish_grads(self) -> None:
+        self.events.hook.on_grad_sync_start()
+        unique = {id(syncer): syncer for syncer in self.syncers if syncer is not None}
+        for syncer in unique.values():
+            syncer.finish_grad_sync()
+        sum_tied_grads(self.chunks, self.groups)
+        self.events.hook.on_grad_sync_end()
+
+
+def _per_chunk(grad_sync, num_chunks: int) -> list:
+    if isinstance(grad_sync, Sequence):
+        if len(grad_sync) != num_chunks:
+            raise ValueError(f"got {len(grad_sync)} grad_sync objects for {num_chunks} model chunks")
+        return list(grad_sync)
+    return [grad_sync] * num_chunks

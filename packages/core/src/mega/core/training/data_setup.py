@@ -1,0 +1,62 @@
+"""The run's tokenizer and datasets, from the registered plugins."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+
+from mega.core.config import ConfigError
+from mega.core.datasets import DatasetRequest
+from mega.core.parallel import ParallelGroups
+from mega.core.plugins import Plugins
+from mega.core.tokenizer import TokenizerOptions
+from mega.core.training.run_config import Derived, RunConfig
+
+
+def build_tokenizer(run: RunConfig, plugins: Plugins):
+    data = run.data
+    if data.tokenizer_type is None:
+        return None
+    factory = plugins.tokenizers.get(data.tokenizer_type)
+    return factory(TokenizerOptions(
+        vocab_file=data.vocab_file, merge_file=data.merge_file, tokenizer_model=data.tokenizer_model,
+        vocab_size=run.model.vocab_size,
+    ))
+
+
+def dataset_name(run: RunConfig) -> str:
+    if run.data.mock_data:
+        return "mock"
+    if run.data.data_path:
+        return "gpt"
+    raise ConfigError("no training data: give --data-path PREFIX (see `mega preprocess`) or --mock-data")
+
+
+def sample_counts(run: RunConfig, derived: Derived) -> tuple[int, int, int]:
+    """Samples each split must provide (Megatron's arithmetic)."""
+    training, batch = run.training, derived.global_batch_size
+    evaluations = training.train_iters // training.eval_interval + 1
+    return (training.train_iters * batch, evaluations * training.eval_iters * batch, training.eval_iters * batch)
+
+
+def build_datasets(run: RunConfig, derived: Derived, plugins: Plugins, groups: ParallelGroups,
+                   name: str | None = None):
+    """(run with the tokenizer's vocabulary size, (train, valid, test) datasets)."""
+    tokenizer = build_tokenizer(run, plugins)
+    if tokenizer is not None:
+        run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=tokenizer.vocab_size))
+    builder = plugins.datasets.get(name or dataset_name(run))
+    request = DatasetRequest(
+        data_path=run.data.data_path, split=run.data.split, seq_length=run.model.seq_length,
+        seed=run.training.seed, num_samples=sample_counts(run, derived), cache_path=run.data.data_cache_path,
+        tokenizer=tokenizer, vocab_size=run.model.vocab_size,
+    )
+    # Builders cache their indices: rank 0 builds them while the others wait, then they load.
+    distributed = groups.world_size > 1
+    datasets = builder(request) if groups.global_rank == 0 else None
+    if distributed:
+        dist.barrier()
+        if groups.global_rank != 0:
+            datasets = builder(request)
+    return run, datasets

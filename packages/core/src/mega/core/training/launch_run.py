@@ -1,0 +1,41 @@
+"""Run one training job in this process (one rank of it): the glue behind `mega train`."""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+
+from mega.core.config import ConfigError
+from mega.core.launch import init_distributed
+from mega.core.model_family import ModelFamily
+from mega.core.parallel import ParallelGroups
+from mega.core.plugins import PluginError, get_plugins
+from mega.core.training.data_setup import build_datasets
+from mega.core.training.run_config import RunConfig, derive
+from mega.core.training.trainer import RunState, Trainer
+
+
+def run_training(run: RunConfig, family: ModelFamily, plugins=None, dataset: str | None = None) -> RunState:
+    """Train in this process (joining the distributed job its environment describes)."""
+    plugins = plugins or get_plugins()
+    init_distributed()
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    run, derived = derive(run, world_size)
+    groups = ParallelGroups(run.parallel)
+    run, datasets = build_datasets(run, derived, plugins, groups, dataset)
+    trainer = Trainer(run, derived, family, plugins, datasets, groups)
+    return trainer.train()
+
+
+def train(run: RunConfig, family: ModelFamily) -> int:
+    """`mega train`'s exit code: 0, or 2 with one clear line for a configuration problem."""
+    try:
+        run_training(run, family)
+    except (ConfigError, PluginError, ValueError, FileNotFoundError) as error:
+        print(f"mega train: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

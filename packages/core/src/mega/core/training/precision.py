@@ -1,0 +1,25 @@
+"""What ``--bf16`` / ``--fp16`` mean for the model's parameters and the loss scale."""
+
+from __future__ import annotations
+
+import torch
+
+from mega.core.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from mega.core.training.config import PrecisionConfig
+
+
+def model_dtype(precision: PrecisionConfig) -> torch.dtype:
+    """The parameters' and activations' dtype; the optimizer keeps fp32 main weights regardless."""
+    return torch.bfloat16 if precision.bf16 else torch.float16 if precision.fp16 else torch.float32
+
+
+def grad_scaler_for(precision: PrecisionConfig) -> ConstantGradScaler | DynamicGradScaler | None:
+    """fp16 needs loss scaling (static with ``--loss-scale``, else dynamic); bf16 and fp32 do not."""
+    if not precision.fp16:
+        return None
+    if precision.loss_scale is not None:
+        return ConstantGradScaler(precision.loss_scale)
+    return DynamicGradScaler(
+        precision.initial_loss_scale, precision.min_loss_scale,
+        growth_interval=precision.loss_scale_window, hysteresis=precision.hysteresis,
+    )

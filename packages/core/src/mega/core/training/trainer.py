@@ -1,0 +1,197 @@
+"""The training loop: build the model for this rank, then step it through the schedule.
+
+    groups -> model chunks from the family (tensor-parallel plan applied) -> DDP -> optimizer
+    -> for each iteration: forward_backward (no pipelining / 1F1B / interleaved) -> step -> hooks
+
+Everything optional (logging, TensorBoard, profiling, the pipeline timeline) is a listener of
+the run's events, not a branch here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mega.core.distributed.ddp import DDPConfig, DistributedDataParallel
+from mega.core.model_family import ModelFamily
+from mega.core.optim.build import build_optimizer
+from mega.core.parallel import ParallelGroups
+from mega.core.parallel.random import seed_parallel_rng
+from mega.core.parallel.tensor_parallel import apply_tensor_parallel
+from mega.core.pipeline.partition import split_layers
+from mega.core.pipeline.schedules import forward_backward
+from mega.core.pipeline.tied import setup_tied_weights
+from mega.core.plugins import Events, Plugins
+from mega.core.training.batches import MicroBatches
+from mega.core.training.lr_schedule import LearningRateSchedule
+from mega.core.training.precision import grad_scaler_for, model_dtype
+from mega.core.training.run_config import Derived, RunConfig
+
+
+@dataclass
+class RunState:
+    """What listeners see of a run (``run`` in every event)."""
+
+    config: RunConfig
+    derived: Derived
+    groups: ParallelGroups
+    family: ModelFamily
+    flops_per_iteration: float
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.groups.global_rank == 0
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, derived: Derived, family: ModelFamily, plugins: Plugins,
+                 datasets, groups: ParallelGroups | None = None):
+        self.run, self.derived, self.family = run, derived, family
+        self.groups = groups or ParallelGroups(run.parallel)
+        self.dtype = model_dtype(run.precision)
+        seed = run.training.seed
+        torch.manual_seed(seed)
+        self.rng_tracker = seed_parallel_rng(seed, self.groups)
+        self.chunks = self._build_model_chunks()
+        self.optimizer = build_optimizer(self.chunks, self.groups, run.optimizer, grad_scaler_for(run.precision))
+        train_iters = run.training.train_iters
+        self.lr_schedule = LearningRateSchedule(
+            lr=run.optimizer.lr, min_lr=run.optimizer.min_lr, style=run.optimizer.lr_decay_style,
+            warmup_iters=run.optimizer.lr_warmup_iters, decay_iters=run.optimizer.lr_decay_iters or train_iters,
+        )
+        self.train_data, self.valid_data = datasets[0], datasets[1]
+        flops = family.num_floating_point_operations(run.model, derived.global_batch_size)
+        self.state = RunState(run, derived, self.groups, family, flops)
+        self.events = Events.from_callbacks(plugins, run)
+
+    # -- building ---------------------------------------------------------------------------
+    def _build_model_chunks(self) -> list[DistributedDataParallel]:
+        run, groups = self.run, self.groups
+        ranges = split_layers(run.model.num_layers, groups.pp.size, run.parallel.vpp or 1)[groups.pp.rank]
+        ddp_config = DDPConfig(
+            overlap_grad_reduce=run.optimizer.overlap_grad_reduce,
+            use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
+        )
+        chunks = []
+        for index, layers in enumerate(ranges):
+            pre = groups.is_pipeline_first and index == 0
+            post = groups.is_pipeline_last and index == len(ranges) - 1
+            module = self.family.build(
+                run.model, pre_process=pre, post_process=post, layers=layers, parallel=run.parallel,
+                rng_tracker=self.rng_tracker, device=groups.device, seed=run.training.seed,
+            )
+            plan = self.family.tensor_parallel_plan(run.model, pre_process=pre, post_process=post)
+            apply_tensor_parallel(module, plan, groups)
+            chunks.append(module.to(self.dtype))
+        setup_tied_weights(chunks, groups)
+        return [DistributedDataParallel(chunk, groups, ddp_config) for chunk in chunks]
+
+    @property
+    def activation_shape(self) -> list[int]:
+        """[sequence (split under sequence parallelism), micro-batch, hidden] between stages."""
+        seq = self.run.model.seq_length
+        if self.run.parallel.sequence_parallel:
+            seq //= self.groups.tp.size
+        return [seq, self.run.training.micro_batch_size, self.run.model.hidden_size]
+
+    # -- one step ---------------------------------------------------------------------------
+    def _loss_fn(self, logits: torch.Tensor, targets) -> torch.Tensor:
+        labels, loss_mask = targets
+        per_token = self.chunks[-1].module.loss(logits, labels, self.groups.tp)
+        return (per_token * loss_mask).sum() / loss_mask.sum().clamp_min(1.0)
+
+    def _microbatches(self, dataset, consumed_samples: int) -> Iterator:
+        """The micro-batches of this rank, from ``consumed_samples`` on (None off the end stages)."""
+        needs_data = self.groups.is_pipeline_first or self.groups.is_pipeline_last
+        if not needs_data:
+            return iter(())
+        return iter(MicroBatches(dataset, self.run, self.groups, consumed_samples, self.groups.device))
+
+    def _run_schedule(self, data: Iterator, forward_only: bool) -> float:
+        """One global batch forward (and backward); the mean loss, known on every rank."""
+        # fp16: the schedule differentiates the scaled loss; the optimizer unscales the gradients.
+        scale = 1.0 if forward_only else self.optimizer.loss_scale
+        loss_fn = self._loss_fn if scale == 1.0 else (lambda output, targets: self._loss_fn(output, targets) * scale)
+        losses = forward_backward(
+            self.chunks, data, self.derived.num_microbatches, loss_fn, self.groups,
+            tensor_shape=self.activation_shape, dtype=self.dtype,
+            grad_sync=None if forward_only else self.chunks, events=self.events, forward_only=forward_only,
+        )
+        return self._mean_over_ranks([loss / scale for loss in losses])
+
+    def _mean_over_ranks(self, losses: list[torch.Tensor]) -> float:
+        """Average the last stage's micro-batch losses over data-parallel ranks; share with all."""
+        total = torch.stack(losses).float().mean() if losses else torch.zeros((), dtype=torch.float32)
+        total = total.to(self.groups.device)
+        if self.groups.dp_cp.size > 1:
+            dist.all_reduce(total, group=self.groups.dp_cp.group)
+            total /= self.groups.dp_cp.size
+        if self.groups.pp.size > 1:
+            dist.broadcast(total, src=self.groups.pp.ranks[-1], group=self.groups.pp.group)
+        return total.item()
+
+    def train_step(self, data: Iterator) -> dict:
+        state = self.state
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self.lr_schedule(state.iteration + 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss = self._run_schedule(data, forward_only=False)
+        outcome = self.optimizer.step()
+        state.iteration += 1
+        state.consumed_samples += self.derived.global_batch_size
+        if not math.isfinite(loss):
+            state.nan_iterations += 1
+        if not outcome.applied:
+            state.skipped_iterations += 1
+        state.losses.append(loss)
+        return {"loss": loss, "lr": lr, "grad_norm": outcome.grad_norm, "loss_scale": outcome.loss_scale,
+                "applied": outcome.applied}
+
+    # -- the loop ---------------------------------------------------------------------------
+    def train(self) -> RunState:
+        state, hooks = self.state, self.events.hook
+        train_iters = self.run.training.train_iters
+        data = self._microbatches(self.train_data, state.consumed_samples)
+        hooks.on_train_start(run=state)
+        try:
+            while state.iteration < train_iters:
+                hooks.on_step_start(run=state, iteration=state.iteration + 1)
+                start = time.perf_counter()
+                metrics = self.train_step(data)
+                if hasattr(self.optimizer, "finish_param_sync"):
+                    self.optimizer.finish_param_sync()
+                metrics["elapsed_s"] = time.perf_counter() - start
+                hooks.on_optimizer_step_end(run=state, iteration=state.iteration)
+                hooks.on_step_end(run=state, iteration=state.iteration, metrics=metrics)
+                if self.valid_data is not None and self.run.training.eval_iters and (
+                    state.iteration % self.run.training.eval_interval == 0 or state.iteration == train_iters
+                ):
+                    hooks.on_eval(run=state, iteration=state.iteration, metrics=self.evaluate())
+        finally:
+            hooks.on_train_end(run=state)
+        return state
+
+    def evaluate(self) -> dict:
+        """``--eval-iters`` global batches of the validation set, forward only."""
+        for chunk in self.chunks:
+            chunk.eval()
+        data = self._microbatches(self.valid_data, 0)
+        with torch.no_grad():
+            losses = [self._run_schedule(data, forward_only=True) for _ in range(self.run.training.eval_iters)]
+        for chunk in self.chunks:
+            chunk.train()
+        loss = sum(losses) / len(losses)
+        return {"loss": loss, "perplexity": math.exp(min(20.0, loss))}

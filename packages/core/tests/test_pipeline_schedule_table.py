@@ -1,0 +1,119 @@
+"""The schedule table and the exchanges derived from it, computed without any model or process."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from mega.core.pipeline import ScheduleError, ScheduleTable, check_exchanges, schedule_table
+from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, Action
+
+ONE_F_ONE_B = [(pp, m) for pp in range(1, 7) for m in range(1, 13)]
+INTERLEAVED = [(pp, v, m) for pp in (2, 3, 4) for v in (2, 3) for m in range(pp, 4 * pp + 1, pp)]
+
+
+@pytest.mark.parametrize("costs", [(1, 1), (1, 2)])
+def test_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(costs):
+    for pp, m in ONE_F_ONE_B:
+        bubble = schedule_table(pp, m).bubble_fraction(*costs)
+        assert bubble == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12), (pp, m)
+
+
+def test_interleaved_bubble_is_p_minus_1_over_vm_plus_p_minus_1():
+    for pp, v, m in INTERLEAVED:
+        bubble = schedule_table(pp, m, vpp=v).bubble_fraction()
+        assert bubble == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-12), (pp, v, m)
+
+
+def test_1f1b_holds_at_most_pp_minus_rank_microbatches():
+    for pp, m in ONE_F_ONE_B:
+        table = schedule_table(pp, m)
+        assert [table.in_flight(rank) for rank in range(pp)] == [min(pp - rank, m) for rank in range(pp)]
+
+
+def test_every_rank_runs_each_forward_then_its_backward_once():
+    for pp, v, m in [(1, 1, 3), (4, 1, 6)] + INTERLEAVED:
+        table = schedule_table(pp, m, vpp=v)
+        for actions in table.actions:
+            expected = {(mb, c) for mb in range(m) for c in range(v)}
+            forwards = [(a.microbatch, a.chunk) for a in actions if a.kind == FORWARD]
+            backwards = [(a.microbatch, a.chunk) for a in actions if a.kind == BACKWARD]
+            assert sorted(forwards) == sorted(expected) and sorted(backwards) == sorted(expected)
+            for item in expected:
+                assert actions.index(Action(FORWARD, *item)) < actions.index(Action(BACKWARD, *item))
+
+
+def test_no_pipelining_is_gradient_accumulation_and_forward_only_has_no_backward():
+    assert [str(a) for a in schedule_table(1, 3).actions[0]] == ["F0 c0", "B0 c0", "F1 c0", "B1 c0", "F2 c0", "B2 c0"]
+    table = schedule_table(2, 4, vpp=2, forward_only=True)
+    assert all(a.kind == FORWARD for actions in table.actions for a in actions)
+    assert [str(a) for a in table.actions[1]][:5] == ["F0 c0", "F1 c0", "F0 c1", "F1 c1", "F2 c0"]
+
+
+def test_unit_cost_timeline_of_two_stages():
+    assert str(schedule_table(2, 2)) == (
+        "rank 0: F0 c0 F1 c0 ..... B0 c0 ..... B1 c0\n"
+        "rank 1: ..... F0 c0 B0 c0 F1 c0 B1 c0 ....."
+    )
+    assert schedule_table(2, 2).bubble_fraction() == pytest.approx(float(Fraction(1, 3)))
+
+
+def megatron_order(pp, rank, v, m):
+    """The order megatron-core's schedules run, rebuilt from its own helper functions."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
+
+    communicator = SimpleNamespace(
+        pp_group=SimpleNamespace(size=lambda: pp, rank=lambda: rank),
+        virtual_pipeline_model_parallel_size=v if v > 1 else None,
+    )
+    total, _, warmup, remaining = get_pp_rank_microbatches(m, v, pp, p2p_communicator=communicator)
+    table = get_schedule_table(m, v, pp)
+
+    def action(kind, k):
+        microbatch, chunk = table[k]
+        return f"{kind}{microbatch} c{chunk if kind == 'F' else v - 1 - chunk}"
+
+    order = [action("F", k) for k in range(warmup)]
+    for k in range(remaining):
+        order += [action("F", k + warmup), action("B", k)]
+    return order + [action("B", k) for k in range(remaining, total)]
+
+
+def test_order_matches_megatron_core():
+    for pp, v, m in [(2, 1, 5), (4, 1, 3), (4, 1, 8)] + INTERLEAVED:
+        table = schedule_table(pp, m, vpp=v)
+        for rank in range(pp):
+            assert [str(a) for a in table.actions[rank]] == megatron_order(pp, rank, v, m), (pp, v, m, rank)
+
+
+def test_exchanges_never_deadlock_and_always_match():
+    for pp in range(1, 9):
+        for v in range(1, 5) if pp > 1 else [1]:
+            for m in range(pp if v > 1 else 1, 3 * pp + 2, pp if v > 1 else 1):
+                for forward_only in (False, True):
+                    check_exchanges(schedule_table(pp, m, vpp=v, forward_only=forward_only))
+
+
+def test_the_exchange_check_catches_deadlocks_and_crossed_messages():
+    # Interleaving with one exchange per action (no forward-backward pairs) deadlocks: the
+    # stages form a ring and every rank waits to send to the one before it.
+    table = schedule_table(4, 8, vpp=2)
+    per_action = tuple(tuple((a,) for a in actions) for actions in table.actions)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_exchanges(ScheduleTable(4, 2, 8, per_action))
+    # Rank 1 taking micro-batches in another order than rank 0 sends them would swap the data.
+    f = [Action(FORWARD, mb, 0) for mb in range(2)]
+    with pytest.raises(ScheduleError, match="would receive"):
+        check_exchanges(ScheduleTable(2, 1, 2, (((f[0],), (f[1],)), ((f[1],), (f[0],)))))
+
+
+def test_bad_numbers_are_named():
+    with pytest.raises(ScheduleError, match="multiple of pp = 4, got 6"):
+        schedule_table(4, 6, vpp=2)
+    with pytest.raises(ScheduleError, match="needs pp > 1"):
+        schedule_table(1, 4, vpp=2)
+    with pytest.raises(ScheduleError, match="num_microbatches must be a positive integer, got 0"):
+        schedule_table(2, 0)

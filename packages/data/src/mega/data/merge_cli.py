@@ -1,0 +1,38 @@
+"""``mega merge-datasets``: concatenate .bin/.idx datasets, like Megatron's tools/merge_datasets.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mega merge-datasets",
+        description="Concatenate indexed datasets (in the order given; a directory adds all of its "
+        "datasets in name order) into one.",
+    )
+    parser.add_argument("--input", nargs="+", required=True, metavar="PREFIX_OR_DIR")
+    parser.add_argument("--output-prefix", required=True)
+    args = parser.parse_args(argv)
+
+    from mega.data.indexed_dataset import IndexedDatasetError, find_dataset_prefixes, merge_datasets
+
+    prefixes: list[str] = []
+    for item in args.input:
+        if os.path.isdir(item):
+            found = find_dataset_prefixes(item)
+            if not found:
+                print(f"mega merge-datasets: error: {item}: no .bin/.idx datasets in the directory", file=sys.stderr)
+                return 1
+            prefixes += found
+        else:
+            prefixes.append(item[:-4] if item.endswith((".bin", ".idx")) else item)
+    try:
+        merged = merge_datasets(prefixes, args.output_prefix)
+    except (IndexedDatasetError, OSError, ValueError) as error:
+        print(f"mega merge-datasets: error: {error}", file=sys.stderr)
+        return 1
+    print(f"mega merge-datasets: {len(prefixes)} datasets -> {merged}")
+    return 0

@@ -1,0 +1,204 @@
+"""``mega preprocess``: text in, Megatron ``.bin/.idx`` datasets out, streaming and atomic.
+
+The main process reads the input as bounded blocks (:mod:`mega.data.sources`), hands them to a
+pool of workers that each own a tokenizer (:mod:`mega.data.document_encoder`), and writes the
+results in input order through one :class:`IndexedDatasetWriter` per JSON key. At most
+``2 * workers + 1`` blocks are in flight, so memory stays flat however big the input is; the
+outputs appear only after the last block is written, and any failure (bad input, Ctrl-C,
+SIGTERM) removes everything written so far.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from mega.core.tokenizer import TokenizerOptions
+from mega.data.document_encoder import DocumentEncoder, EncodedBlock, EncodingSettings
+from mega.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab_size
+from mega.data.progress import Progress
+from mega.data.sources import InputError, detect_format, read_jsonl_blocks, read_records
+
+
+@dataclass
+class PreprocessConfig:
+    inputs: list[str]
+    output_prefix: str
+    tokenizer_type: str
+    tokenizer_options: TokenizerOptions = field(default_factory=TokenizerOptions)
+    tokenizer_settings: dict = field(default_factory=dict)  # extra factory knobs (TikTokenizer)
+    json_keys: tuple[str, ...] = ("text",)
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    append_eod: bool = False
+    workers: int = 1
+    input_format: str | None = None  # None: from each file's name
+    skip_bad_lines: bool = False
+    block_bytes: int = 1 << 20
+    progress: bool | None = None  # None: only on a terminal
+
+
+@dataclass
+class PreprocessResult:
+    outputs: dict[str, str]  # json key -> output prefix
+    documents: int = 0
+    tokens: int = 0
+    bad_rows: int = 0
+    first_bad_rows: list[str] = field(default_factory=list)  # "file:line: reason", a few
+    seconds: float = 0.0
+
+
+def output_prefixes(output_prefix: str, json_keys, split_sentences: bool) -> dict[str, str]:
+    """Megatron's naming: ``{prefix}_{key}_{document|sentence}``."""
+    level = "sentence" if split_sentences else "document"
+    return {key: f"{output_prefix}_{key}_{level}" for key in json_keys}
+
+
+# -- worker side ----------------------------------------------------------------------------------
+_ENCODER: DocumentEncoder | None = None
+
+
+def _build_encoder(config: PreprocessConfig, tokenizer=None) -> DocumentEncoder:
+    if tokenizer is None:
+        from mega.data.tokenizers import build_tokenizer
+
+        tokenizer = build_tokenizer(config.tokenizer_type, config.tokenizer_options, **config.tokenizer_settings)
+    settings = EncodingSettings(
+        json_keys=tuple(config.json_keys),
+        split_sentences=config.split_sentences,
+        keep_newlines=config.keep_newlines,
+        append_eod=config.append_eod,
+        dtype=dtype_for_vocab_size(tokenizer.vocab_size).str,
+    )
+    return DocumentEncoder(tokenizer, settings)
+
+
+def _init_worker(config: PreprocessConfig) -> None:
+    global _ENCODER
+    # Ctrl-C goes to the main process, which then stops the pool: workers must not die first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Each worker is one core; a tokenizer library's own thread pool would oversubscribe them.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if _ENCODER is None:  # with fork, the parent's encoder is inherited
+        _ENCODER = _build_encoder(config)
+
+
+def _encode(block) -> EncodedBlock:
+    return _ENCODER.encode(block)
+
+
+# -- main side ------------------------------------------------------------------------------------
+def _blocks(config: PreprocessConfig) -> Iterator:
+    for path in config.inputs:
+        fmt = config.input_format or detect_format(path)
+        if fmt == "jsonl":
+            yield from read_jsonl_blocks(path, config.block_bytes)
+        else:
+            yield from read_records(path, fmt, list(config.json_keys))
+
+
+def _ordered_map(pool, blocks: Iterator, in_flight: int) -> Iterator[EncodedBlock]:
+    """``pool.imap`` in order, but never more than ``in_flight`` blocks ahead of the consumer
+    (``imap`` itself reads its whole input as fast as it can, which is how Megatron runs out of RAM)."""
+    pending: deque = deque()
+    for block in blocks:
+        pending.append(pool.apply_async(_encode, (block,)))
+        if len(pending) >= in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _pool_context():
+    # fork shares the already-built tokenizer and starts instantly; elsewhere, spawn.
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+def preprocess(config: PreprocessConfig, tokenizer=None) -> PreprocessResult:
+    global _ENCODER
+    if not config.inputs:
+        raise InputError("no input files")
+    for path in config.inputs:
+        if not os.path.isfile(path):
+            raise InputError(f"{path}: no such file")
+    if config.workers < 1:
+        raise ValueError("--workers must be at least 1")
+    encoder = _build_encoder(config, tokenizer)
+    outputs = output_prefixes(config.output_prefix, config.json_keys, config.split_sentences)
+    result = PreprocessResult(outputs)
+    start = time.monotonic()
+    total_bytes = sum(os.path.getsize(p) for p in config.inputs)
+    progress = Progress(total_bytes, config.progress)
+    writers: dict[str, IndexedDatasetWriter] = {}
+    pool = None
+    try:
+        for key, prefix in outputs.items():
+            writers[key] = IndexedDatasetWriter(prefix, encoder.settings.dtype)
+        if config.workers == 1:
+            encoded_blocks = map(encoder.encode, _blocks(config))
+        else:
+            _ENCODER = encoder
+            pool = _pool_context().Pool(config.workers, _init_worker, (config,))
+            encoded_blocks = _ordered_map(pool, _blocks(config), 2 * config.workers + 1)
+        done_bytes, current_path = 0, None
+        for encoded in encoded_blocks:
+            _account_bad_rows(encoded, config, result)
+            for key, part in encoded.keys.items():
+                writers[key].add_documents(part.tokens, part.sequence_lengths, part.sequences_per_document)
+            if encoded.path != current_path:
+                if current_path is not None:
+                    done_bytes += os.path.getsize(current_path)
+                current_path = encoded.path
+            result.documents += encoded.documents
+            result.tokens += encoded.tokens
+            position = None if encoded.progress_bytes is None else done_bytes + encoded.progress_bytes
+            progress.update(encoded.documents, encoded.tokens, position)
+        # Everything is written: first all indices, then all renames, so that a failure while
+        # writing one key's index leaves no key's dataset behind.
+        for writer in writers.values():
+            writer.write_index()
+        for writer in writers.values():
+            writer.publish()
+    except BaseException:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+            pool = None
+        for writer in writers.values():
+            writer.abort()
+        raise
+    finally:
+        _ENCODER = None
+        progress.close()
+    if pool is not None:
+        pool.close()
+        pool.join()
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def _account_bad_rows(encoded: EncodedBlock, config: PreprocessConfig, result: PreprocessResult) -> None:
+    if not encoded.bad_rows:
+        return
+    def location(number: int) -> str:
+        return f"{encoded.path}:{number}" if encoded.unit == "line" else f"{encoded.path}:row {number}"
+
+    if not config.skip_bad_lines:
+        number, reason = encoded.bad_rows[0]
+        raise InputError(f"{location(number)}: {reason} (pass --skip-bad-lines to skip such lines)")
+    result.bad_rows += len(encoded.bad_rows)
+    for number, reason in encoded.bad_rows[: max(0, 5 - len(result.first_bad_rows))]:
+        result.first_bad_rows.append(f"{location(number)}: {reason}")
+
+
+def install_sigterm_handler() -> None:
+    """Turn SIGTERM into SystemExit so that ``preprocess`` cleans up as it does for Ctrl-C."""
+    if multiprocessing.current_process().name == "MainProcess":
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

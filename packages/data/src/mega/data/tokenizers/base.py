@@ -1,0 +1,60 @@
+"""What every mega-data tokenizer shares: the interface of ``mega.core.tokenizer.Tokenizer`` plus
+the batch encoders ``mega preprocess`` uses, and the checks that turn a bad flag into a clear error."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from itertools import chain
+
+import numpy as np
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be built from the given flags or files; the message names the flag."""
+
+
+def require_file(path: str | None, flag: str, tokenizer: str, what: str) -> str:
+    if not path:
+        raise TokenizerError(f"{tokenizer} needs {flag} ({what})")
+    if not os.path.isfile(path):
+        kind = "a directory, not a file" if os.path.isdir(path) else "no such file"
+        raise TokenizerError(f"{flag} {path}: {kind}")
+    return path
+
+
+class BaseTokenizer:
+    """Defaults for the optional parts of the interface; subclasses set the ids they have."""
+
+    pad: int | None = None
+    bos: int | None = None
+    cls: int | None = None
+    sep: int | None = None
+    mask: int | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def eod(self) -> int:
+        raise NotImplementedError
+
+    def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.tokenize(text) for text in texts]
+
+    def tokenize_packed(self, texts: Sequence[str], dtype) -> tuple[np.ndarray, np.ndarray]:
+        """All texts' ids back to back in ``dtype``, and the number of ids of each text."""
+        encoded = self.tokenize_batch(texts)
+        lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+        tokens = np.fromiter(chain.from_iterable(encoded), dtype, int(lengths.sum()))
+        return tokens, lengths
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"

@@ -1,0 +1,69 @@
+"""``BertWordPieceLowerCase`` / ``BertWordPieceCase``: BERT WordPiece from ``--vocab-file`` (vocab.txt).
+
+The reference is transformers' BertTokenizer (``do_lower_case`` as the name says); the
+`tokenizers` BertWordPiece pipeline gives the same ids. ``cls``, ``sep``, ``mask`` and ``pad``
+are the ``[CLS]``, ``[SEP]``, ``[MASK]``, ``[PAD]`` entries; ``eod`` is ``[SEP]``, the token BERT
+puts at the end of a segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mega.data.tokenizers.base import BaseTokenizer, TokenizerError, require_file
+
+
+class BertWordPieceTokenizer(BaseTokenizer):
+    lower_case = True
+    name = "BertWordPieceLowerCase"
+
+    def __init__(self, vocab_file: str | None):
+        from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+        vocab_file = require_file(vocab_file, "--vocab-file", self.name, "a BERT vocab.txt")
+        try:
+            with open(vocab_file, encoding="utf-8") as stream:
+                vocab = {line.rstrip("\n"): i for i, line in enumerate(stream)}
+        except UnicodeDecodeError as error:
+            raise TokenizerError(f"--vocab-file {vocab_file}: not a UTF-8 vocab.txt ({error})") from None
+        missing = [t for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]", "[UNK]") if t not in vocab]
+        if missing:
+            raise TokenizerError(f"--vocab-file {vocab_file}: not a BERT vocabulary (no {', '.join(missing)})")
+        tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+        tokenizer.normalizer = normalizers.BertNormalizer(
+            clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=self.lower_case
+        )
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tokenizer.decoder = decoders.WordPiece(prefix="##")
+        tokenizer.add_special_tokens(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+        self.reference = tokenizer
+        self._vocab_size = len(vocab)
+        self.cls, self.sep, self.mask, self.pad = (vocab[t] for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]"))
+        self._eod = self.sep
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.reference.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.reference.encode_batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.reference.decode(list(ids), skip_special_tokens=False)
+
+
+class BertWordPieceLowerCase(BertWordPieceTokenizer):
+    lower_case = True
+    name = "BertWordPieceLowerCase"
+
+
+class BertWordPieceCase(BertWordPieceTokenizer):
+    lower_case = False
+    name = "BertWordPieceCase"

@@ -1,0 +1,81 @@
+"""Causal self-attention with multi-head or grouped-query attention, written for one device.
+
+``linear_qkv`` produces Megatron's per-group layout: for each key/value group, its query heads,
+then its key head, then its value head. Tensor parallelism splits that weight's rows into whole
+groups, so the local number of groups is read from the activation's width, never from the
+config: the same code runs on a full or a sharded layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from mega.models.config import TransformerConfig
+from mega.models.recompute import is_recomputing_allowed, recomputed
+from mega.models.rope import apply_rotary, rotary_cos_sin
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T * scale) v with the causal mask and dropout; no parameters.
+
+    Takes and returns ``[seq, batch, heads, head_dim]`` / ``[seq, batch, heads * head_dim]``; the
+    kernel backend sees ``[batch, heads, seq, head_dim]``. This is the region selective recompute
+    recomputes: cheap to redo, quadratic in the sequence to store.
+    """
+
+    def __init__(self, config: TransformerConfig, backend, dropout_rng_tracker=None):
+        super().__init__()
+        self.backend = backend
+        self.dropout_p = config.attention_dropout
+        self.softmax_scale = config.attention_softmax_scale
+        # The heads are this rank's shard under tensor parallelism: mask them from its own stream.
+        self.dropout_rng_tracker = dropout_rng_tracker
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout_p = self.dropout_p if self.training else 0.0
+        tracker = self.dropout_rng_tracker
+        fork = tracker.fork() if tracker is not None and dropout_p > 0 else contextlib.nullcontext()
+        with fork:
+            out = self.backend.attention(query, key, value, causal=True, dropout_p=dropout_p,
+                                         softmax_scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).flatten(2)
+
+
+class SelfAttention(nn.Module):
+    """``rng_tracker``: the core's RNG tracker, or None on one process. Attention dropout forks
+    into its model-parallel stream unless ``sequence_parallel`` (then the whole block runs in it).
+    """
+
+    def __init__(self, config: TransformerConfig, backend, rng_tracker=None, sequence_parallel: bool = False):
+        super().__init__()
+        self.config = config
+        self.head_dim = config.kv_channels
+        self.queries_per_group = config.num_attention_heads // config.num_query_groups
+        qkv_size = config.query_projection_size + 2 * config.kv_projection_size
+        self.linear_qkv = nn.Linear(config.hidden_size, qkv_size,
+                                    bias=config.add_bias_linear or config.add_qkv_bias)
+        self.core_attention = CoreAttention(config, backend, None if sequence_parallel else rng_tracker)
+        self.linear_proj = nn.Linear(config.query_projection_size, config.hidden_size,
+                                     bias=config.add_bias_linear)
+        self.recompute_core = config.recompute_granularity == "selective"
+        self.rng_tracker = rng_tracker
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        qkv = self.linear_qkv(hidden)
+        seq, batch, _ = qkv.shape
+        d, per_group = self.head_dim, self.queries_per_group
+        qkv = qkv.view(seq, batch, -1, (per_group + 2) * d)  # [s, b, local groups, ...]
+        query, key, value = qkv.split([per_group * d, d, d], dim=-1)
+        query = query.reshape(seq, batch, -1, d)
+        if self.config.position_embedding_type == "rope":
+            cos, sin = rotary_cos_sin(self.config, seq, position_ids, qkv.device)
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        if self.recompute_core and is_recomputing_allowed(self):
+            context = recomputed(self.core_attention, query, key, value, rng_tracker=self.rng_tracker)
+        else:
+            context = self.core_attention(query, key, value)
+        return self.linear_proj(context)

@@ -1,0 +1,204 @@
+"""``TransformerConfig``: the shape and behaviour of a decoder-only transformer, one field per flag.
+
+Field names follow Megatron's argument names; each field's metadata carries the Megatron flag
+(``metadata["flag"]``, ``None`` where Megatron has no flag) and a help line, the single source the
+CLI and TOML loaders are generated from. Fields left ``None`` are derived in ``__post_init__`` as
+Megatron derives them (``ffn_hidden_size = 4 * hidden_size`` ...), so a config always holds
+concrete sizes; ``dataclasses.replace`` keeps derived values unless they are replaced too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ModelConfigError(ValueError):
+    """A model config that cannot be built; the message names the flags and the numbers."""
+
+
+def flag(name: str | None, help: str, **extra) -> dict:
+    return {"flag": name, "help": help, **extra}
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    # Shape.
+    num_layers: int = field(default=2, metadata=flag("--num-layers", "number of transformer layers"))
+    hidden_size: int = field(default=64, metadata=flag("--hidden-size", "transformer hidden size"))
+    ffn_hidden_size: int | None = field(
+        default=None,
+        metadata=flag("--ffn-hidden-size", "MLP hidden size; default 4*hidden (2/3 of that, rounded "
+                      "down to a multiple of 64, with --swiglu)"),
+    )
+    num_attention_heads: int = field(default=4, metadata=flag("--num-attention-heads", "attention heads"))
+    num_query_groups: int | None = field(
+        default=None,
+        metadata=flag("--num-query-groups", "key/value heads for grouped-query attention; default "
+                      "one per attention head (multi-head attention)"),
+    )
+    kv_channels: int | None = field(
+        default=None, metadata=flag("--kv-channels", "per-head size; default hidden/heads")
+    )
+    seq_length: int = field(default=64, metadata=flag("--seq-length", "tokens per training sample"))
+    max_position_embeddings: int | None = field(
+        default=None,
+        metadata=flag("--max-position-embeddings", "rows of the learned position table; default seq length"),
+    )
+    vocab_size: int = field(
+        default=512, metadata=flag("--vocab-size", "tokenizer vocabulary size (before padding)")
+    )
+    make_vocab_size_divisible_by: int = field(
+        default=128,
+        metadata=flag("--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this "
+                      "times the tensor-parallel size"),
+    )
+
+    # Architecture choices.
+    position_embedding_type: Literal["learned_absolute", "rope"] = field(
+        default="learned_absolute",
+        metadata=flag("--position-embedding-type", "learned_absolute or rope",
+                      choices=("learned_absolute", "rope")),
+    )
+    rotary_base: float = field(default=10000.0, metadata=flag("--rotary-base", "RoPE theta"))
+    use_rope_scaling: bool = field(
+        default=False, metadata=flag("--use-rope-scaling", "LLaMA-3.1 RoPE frequency scaling")
+    )
+    rope_scaling_factor: float = field(
+        default=8.0, metadata=flag("--rope-scaling-factor", "LLaMA-3.1 RoPE scaling factor")
+    )
+    normalization: Literal["LayerNorm", "RMSNorm"] = field(
+        default="LayerNorm",
+        metadata=flag("--normalization", "LayerNorm or RMSNorm", choices=("LayerNorm", "RMSNorm")),
+    )
+    layernorm_epsilon: float = field(default=1e-5, metadata=flag("--norm-epsilon", "norm epsilon"))
+    swiglu: bool = field(default=False, metadata=flag("--swiglu", "SwiGLU MLP instead of GELU"))
+    openai_gelu: bool = field(
+        default=False,
+        metadata=flag("--openai-gelu", "GELU with the tanh approximation (GPT-2's gelu_new)"),
+    )
+    add_bias_linear: bool = field(
+        default=True,
+        metadata=flag("--disable-bias-linear", "no biases in linear layers", action="store_false"),
+    )
+    add_qkv_bias: bool = field(
+        default=False, metadata=flag("--add-qkv-bias", "bias in the QKV projection even without "
+                                     "other linear biases")
+    )
+    untie_embeddings_and_output_weights: bool = field(
+        default=False,
+        metadata=flag("--untie-embeddings-and-output-weights", "separate output layer weights"),
+    )
+    softmax_scale: float | None = field(
+        default=None, metadata=flag(None, "attention softmax scale; default 1/sqrt(kv_channels)")
+    )
+
+    # Initialisation and regularisation.
+    init_method_std: float = field(
+        default=0.02, metadata=flag("--init-method-std", "std of the normal weight initialisation")
+    )
+    hidden_dropout: float = field(default=0.1, metadata=flag("--hidden-dropout", "residual dropout"))
+    attention_dropout: float = field(
+        default=0.1, metadata=flag("--attention-dropout", "attention-probability dropout")
+    )
+
+    # Kernels and memory.
+    attention_backend: str = field(
+        default="sdpa",
+        metadata=flag("--attention-backend", "registered attention kernel backend (mega plugins "
+                      "lists them)"),
+    )
+    recompute_granularity: Literal["full", "selective"] | None = field(
+        default=None,
+        metadata=flag("--recompute-granularity", "full: whole layers; selective: the attention "
+                      "core only", choices=("full", "selective")),
+    )
+    recompute_method: Literal["uniform", "block"] | None = field(
+        default=None,
+        metadata=flag("--recompute-method", "uniform: every chunk of --recompute-num-layers "
+                      "layers; block: the first --recompute-num-layers layers of each stage",
+                      choices=("uniform", "block")),
+    )
+    recompute_num_layers: int | None = field(
+        default=None, metadata=flag("--recompute-num-layers", "layers per recompute chunk/block")
+    )
+
+    def __post_init__(self) -> None:
+        derived = {}
+        if self.kv_channels is None and self.num_attention_heads > 0:
+            derived["kv_channels"] = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            derived["num_query_groups"] = self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            ffn = 4 * self.hidden_size
+            derived["ffn_hidden_size"] = int(ffn * 2 / 3 / 64) * 64 if self.swiglu else ffn
+        if self.max_position_embeddings is None:
+            derived["max_position_embeddings"] = self.seq_length
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+        self.validate()
+
+    def validate(self, tensor_parallel_size: int = 1) -> None:
+        def need(condition: bool, message: str) -> None:
+            if not condition:
+                raise ModelConfigError(message)
+
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                     "ffn_hidden_size", "kv_channels", "num_query_groups", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, f"--{name.replace('_', '-')} must be a positive "
+                 f"integer, got {value!r}")
+        heads, groups, tp = self.num_attention_heads, self.num_query_groups, tensor_parallel_size
+        need(heads % groups == 0, f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
+        need(self.position_embedding_type in ("learned_absolute", "rope"),
+             f"--position-embedding-type must be learned_absolute or rope, got {self.position_embedding_type!r}")
+        need(self.normalization in ("LayerNorm", "RMSNorm"),
+             f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
+        if self.position_embedding_type == "learned_absolute":
+            need(self.seq_length <= self.max_position_embeddings,
+                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}")
+        else:
+            need(self.kv_channels % 2 == 0, f"RoPE needs an even head size, got --kv-channels {self.kv_channels}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            need(0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+        self._validate_recompute()
+        if tp > 1:
+            need(heads % tp == 0, f"--num-attention-heads {heads} is not divisible by "
+                 f"--tensor-model-parallel-size {tp}")
+            need(groups % tp == 0, f"--num-query-groups {groups} is not divisible by "
+                 f"--tensor-model-parallel-size {tp} (each rank must hold whole key/value groups)")
+            need(self.ffn_hidden_size % tp == 0, f"--ffn-hidden-size {self.ffn_hidden_size} is not "
+                 f"divisible by --tensor-model-parallel-size {tp}")
+
+    def _validate_recompute(self) -> None:
+        granularity, method, count = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if granularity not in (None, "full", "selective"):
+            raise ModelConfigError(f"--recompute-granularity must be full or selective, got {granularity!r}")
+        if granularity == "full":
+            if method not in ("uniform", "block"):
+                raise ModelConfigError("--recompute-granularity full needs --recompute-method uniform or block")
+            if not isinstance(count, int) or count < 1:
+                raise ModelConfigError("--recompute-granularity full needs --recompute-num-layers >= 1, "
+                                       f"got {count!r}")
+        elif method is not None:
+            raise ModelConfigError(f"--recompute-method {method} needs --recompute-granularity full")
+
+    # Derived sizes the model and its formulas share.
+    @property
+    def query_projection_size(self) -> int:
+        return self.num_attention_heads * self.kv_channels
+
+    @property
+    def kv_projection_size(self) -> int:
+        return self.num_query_groups * self.kv_channels
+
+    @property
+    def attention_softmax_scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.kv_channels)
+
+    def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
+        """Megatron's padding: the next multiple of make_vocab_size_divisible_by * tp."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return math.ceil(self.vocab_size / multiple) * multiple

@@ -1,0 +1,93 @@
+"""``LanguageModel``: the part of a decoder-only LM that one pipeline stage (or chunk) holds.
+
+Parameter names are Megatron-Core's (local, non-Transformer-Engine spec), with the global layer
+number in ``decoder.layers.N``, so checkpoints of any layout map onto each other 1:1:
+
+    embedding.word_embeddings.weight          embedding.position_embeddings.weight (learned)
+    decoder.layers.N.input_layernorm.{weight,bias}
+    decoder.layers.N.self_attention.linear_qkv.{weight,bias}
+    decoder.layers.N.self_attention.linear_proj.{weight,bias}
+    decoder.layers.N.pre_mlp_layernorm.{weight,bias}
+    decoder.layers.N.mlp.linear_fc1.{weight,bias}   decoder.layers.N.mlp.linear_fc2.{weight,bias}
+    decoder.final_layernorm.{weight,bias}     output_layer.weight (untied only)
+
+With tied embeddings ``output_layer`` uses the word embedding's parameter itself; a last stage
+that is not also the first holds a copy of it under the same name. The weight is marked with
+Megatron's ``shared_embedding`` attribute on both stages, so the pipeline
+(:mod:`mega.core.pipeline.tied`) syncs the copies and sums their gradients over ``groups.embedding``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mega.core.kernels import get_attention_backend
+from mega.core.parallel import Group, ParallelConfig
+from mega.core.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mega.core.pipeline.tied import tie_across_stages
+from mega.models.block import TransformerBlock
+from mega.models.config import ModelConfigError, TransformerConfig
+from mega.models.embedding import Embedding
+
+OUTPUT_WEIGHT = "output_layer.weight"
+WORD_EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, config: TransformerConfig, *, pre_process: bool = True, post_process: bool = True,
+                 layers: range | None = None, parallel: ParallelConfig | None = None, rng_tracker=None):
+        super().__init__()
+        parallel = parallel or ParallelConfig()
+        config.validate(parallel.tp)
+        layers = range(config.num_layers) if layers is None else layers
+        if layers.step != 1 or layers.start < 0 or layers.stop > config.num_layers:
+            raise ModelConfigError(f"layers {layers} are not consecutive layers of a {config.num_layers}-layer model")
+        self.config, self.pre_process, self.post_process = config, pre_process, post_process
+        self.tied = not config.untie_embeddings_and_output_weights
+        vocab = config.padded_vocab_size(parallel.tp)
+        backend = get_attention_backend(config.attention_backend)
+
+        if pre_process:
+            self.embedding = Embedding(config, vocab)
+        elif post_process and self.tied:  # the last stage's copy, used only by the output layer
+            self.embedding = Embedding(config, vocab, words_only=True)
+        if self.tied and (pre_process or post_process):
+            tie_across_stages(self.embedding.word_embeddings.weight)
+        self.decoder = TransformerBlock(config, layers, post_process, backend, rng_tracker,
+                                        parallel.sequence_parallel)
+        if post_process:
+            self.output_layer = nn.Linear(config.hidden_size, vocab, bias=False)
+            if self.tied:
+                self.output_layer.weight = self.embedding.word_embeddings.weight
+                # The tied weight is saved and loaded once, under the embedding's name.
+                self.register_state_dict_post_hook(_drop_tied_output_weight)
+                self.register_load_state_dict_pre_hook(_fill_tied_output_weight)
+
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids ``[b, s]`` on the first stage, hidden ``[s, b, h]`` after; returns hidden
+        ``[s, b, h]``, or logits ``[s, b, vocab (shard)]`` on the last stage."""
+        hidden = self.embedding(inputs, position_ids) if self.pre_process else inputs
+        hidden = self.decoder(hidden, position_ids)
+        return self.output_layer(hidden) if self.post_process else hidden
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, tp_group: Group | None = None) -> torch.Tensor:
+        """Per-token cross-entropy ``[b, s]`` (fp32) of logits ``[s, b, vocab (shard)]``."""
+        labels = labels.transpose(0, 1)
+        if tp_group is None or tp_group.size == 1:
+            losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+            losses = losses.view(labels.shape)
+        else:
+            losses = vocab_parallel_cross_entropy(logits, labels, tp_group)
+        return losses.transpose(0, 1)
+
+
+def _drop_tied_output_weight(module, state_dict, prefix, local_metadata):
+    state_dict.pop(prefix + OUTPUT_WEIGHT, None)
+
+
+def _fill_tied_output_weight(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                             unexpected_keys, error_msgs):
+    if prefix + WORD_EMBEDDING_WEIGHT in state_dict:
+        state_dict.setdefault(prefix + OUTPUT_WEIGHT, state_dict[prefix + WORD_EMBEDDING_WEIGHT])

@@ -1,0 +1,28 @@
+"""Which layer of the transformer is split how under tensor parallelism: the one place that says it.
+
+Megatron's split: QKV and fc1 column-parallel (whole query groups; SwiGLU's gate and up each
+split on their own), the output projections row-parallel, the vocabulary split in the word
+embeddings and the output layer; the sequence-parallel region starts after the embeddings.
+"""
+
+from __future__ import annotations
+
+from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
+from mega.models.config import TransformerConfig
+
+
+def tensor_parallel_plan(config: TransformerConfig, *, pre_process: bool = True,
+                         post_process: bool = True) -> dict[str, PlanStyle]:
+    """The plan for a stage built with the same ``pre_process`` / ``post_process``."""
+    plan: dict[str, PlanStyle] = {}
+    tied = not config.untie_embeddings_and_output_weights
+    if pre_process or (post_process and tied):  # the last stage's copy of a tied embedding too
+        plan["embedding"] = SequenceParallelOutput()
+        plan["embedding.word_embeddings"] = VocabEmbedding()
+    plan["decoder.layers.*.self_attention.linear_qkv"] = Colwise()
+    plan["decoder.layers.*.self_attention.linear_proj"] = Rowwise()
+    plan["decoder.layers.*.mlp.linear_fc1"] = Colwise(chunks=2 if config.swiglu else 1)
+    plan["decoder.layers.*.mlp.linear_fc2"] = Rowwise()
+    if post_process:
+        plan["output_layer"] = Colwise()
+    return plan

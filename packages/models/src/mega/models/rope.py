@@ -1,0 +1,61 @@
+"""Rotary position embeddings (RoPE) in the rotate-half layout Megatron and Hugging Face share.
+
+The head dimension is split in two halves that rotate together (not interleaved pairs), so
+checkpoints of either map without permuting the query/key rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mega.models.config import TransformerConfig
+
+# LLaMA-3.1's frequency scaling keeps these fixed (Megatron's and Hugging Face's defaults).
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def inverse_frequencies(config: TransformerConfig, device: torch.device) -> torch.Tensor:
+    dim = config.kv_channels
+    inv_freq = 1.0 / config.rotary_base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    if config.use_rope_scaling:
+        inv_freq = _llama3_scaling(inv_freq, config.rope_scaling_factor)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Slow the low frequencies by ``factor``, keep the high ones, blend smoothly in between."""
+    wavelength = 2 * math.pi / inv_freq
+    low_freq_wavelength = LLAMA3_ORIGINAL_CONTEXT / LLAMA3_LOW_FREQ_FACTOR
+    high_freq_wavelength = LLAMA3_ORIGINAL_CONTEXT / LLAMA3_HIGH_FREQ_FACTOR
+    smooth = (LLAMA3_ORIGINAL_CONTEXT / wavelength - LLAMA3_LOW_FREQ_FACTOR) / (
+        LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR
+    )
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > low_freq_wavelength, inv_freq / factor, inv_freq)
+    in_between = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return torch.where(in_between, blended, scaled)
+
+
+def rotary_cos_sin(
+    config: TransformerConfig, seq_length: int, position_ids: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, fp32, shaped ``[seq, batch or 1, 1, head_dim]`` to broadcast over heads."""
+    inv_freq = inverse_frequencies(config, device)
+    if position_ids is None:
+        positions = torch.arange(seq_length, device=device, dtype=torch.float32)[:, None]  # [s, 1]
+    else:
+        positions = position_ids.to(device=device, dtype=torch.float32).t()  # [b, s] -> [s, b]
+    angles = positions[..., None] * inv_freq  # [s, b, d/2]
+    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[seq, batch, heads, head_dim]``; the arithmetic runs in ``x``'s dtype."""
+    first, second = x.chunk(2, dim=-1)
+    rotated_half = torch.cat((-second, first), dim=-1)
+    return x * cos.to(x.dtype) + rotated_half * sin.to(x.dtype)

@@ -1,0 +1,137 @@
+"""One device, fp32: mega's GPT and LLaMA compute what Hugging Face's GPT-2 and LLaMA compute,
+given the same weights mapped by mega.models.hf_mapping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from mega.models import hf_mapping  # noqa: E402
+from mega.models.family import build_language_model  # noqa: E402
+
+BATCH, SEQ = 2, 16
+
+
+def tokens(vocab_size: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def mega_from_hf(hf_model, config):
+    to_mega = hf_mapping.gpt2_to_mega if config.position_embedding_type == "learned_absolute" else hf_mapping.llama_to_mega
+    model = build_language_model(config)
+    model.load_state_dict(to_mega(hf_model.state_dict(), config))
+    return model.eval()
+
+
+def compare_logits(hf_model, config, assert_close):
+    ids = tokens(config.vocab_size)
+    with torch.no_grad():
+        expected = hf_model(ids).logits  # [b, s, V]
+        model = mega_from_hf(hf_model, config)
+        logits = model(ids).transpose(0, 1)  # [b, s, padded V]
+    assert logits.shape[-1] == config.padded_vocab_size() > config.vocab_size
+    assert_close(logits[..., : config.vocab_size], expected, what="logits")
+    # The loss path on the same logits, against torch's cross-entropy of Hugging Face's.
+    labels = tokens(config.vocab_size, seed=1)
+    losses = model.loss(model(ids), labels)
+    # The padded vocabulary rows are zero, so their logits are zero and join the softmax.
+    padded = torch.cat([expected, expected.new_zeros(BATCH, SEQ, config.padded_vocab_size() - config.vocab_size)], -1)
+    reference = F.cross_entropy(padded.flatten(0, 1), labels.flatten(), reduction="none").view(BATCH, SEQ)
+    assert_close(losses.detach(), reference, what="loss")
+
+
+def test_gpt2_logits_match_hugging_face(assert_close):
+    hf_config = transformers.GPT2Config(vocab_size=250, n_embd=64, n_layer=2, n_head=4, n_positions=32,
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                        initializer_range=0.1)  # large weights: differences show
+    torch.manual_seed(0)
+    hf_model = transformers.GPT2LMHeadModel(hf_config).eval()
+    config = hf_mapping.gpt2_config(hf_config)
+    assert config.openai_gelu and not config.untie_embeddings_and_output_weights
+    compare_logits(hf_model, config, assert_close)
+
+
+@pytest.mark.parametrize("variant", ["llama2", "llama3.1-rope-scaling", "tied-with-bias"])
+def test_llama_logits_match_hugging_face(variant, assert_close):
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    extra = {}
+    if variant == "llama3.1-rope-scaling":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if variant == "tied-with-bias":
+        extra = {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}
+    hf_config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_parameters=rope,
+        initializer_range=0.1, **extra,
+    )
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
+    if variant == "tied-with-bias":  # Hugging Face initialises biases to zero: make them count
+        with torch.no_grad():
+            for name, param in hf_model.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0, 0.1)
+    config = hf_mapping.llama_config(hf_config)
+    assert config.use_rope_scaling == (variant == "llama3.1-rope-scaling")
+    assert config.num_query_groups == 2 and config.swiglu
+    compare_logits(hf_model, config, assert_close)
+
+
+def test_mappings_round_trip_exactly():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=250, n_embd=32, n_layer=2, n_head=4,
+                                                                n_positions=16))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2))
+    for hf_model, get_config, to_mega, from_mega in [
+        (gpt2, hf_mapping.gpt2_config, hf_mapping.gpt2_to_mega, hf_mapping.mega_to_gpt2),
+        (llama, hf_mapping.llama_config, hf_mapping.llama_to_mega, hf_mapping.mega_to_llama),
+    ]:
+        config = get_config(hf_model.config)
+        original = hf_model.state_dict()
+        back = from_mega(to_mega(original, config), config)
+        assert set(back) == set(original)
+        for name, tensor in original.items():
+            assert torch.equal(back[name], tensor), name
+
+
+def test_qkv_interleave_is_per_query_group():
+    # 4 query heads in 2 groups, head size 1: rows are q0 q1 k0 v0 | q2 q3 k1 v1.
+    q, k, v = torch.tensor([[0.], [1.], [2.], [3.]]), torch.tensor([[10.], [11.]]), torch.tensor([[20.], [21.]])
+    fused = hf_mapping.interleave_qkv(q, k, v, num_query_groups=2)
+    assert fused.flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+
+
+def test_unsupported_hugging_face_configs_are_refused():
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        hf_mapping.gpt2_config(transformers.GPT2Config(activation_function="relu"))
+    with pytest.raises(ValueError, match="RoPE type 'yarn'"):
+        hf_mapping.llama_config(transformers.LlamaConfig(
+            rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_explicit_position_ids_match_hugging_face(family, assert_close):
+    """Position ids reach RoPE and the learned table (restarting and strided: RoPE ignores a
+    constant offset, relative positions must change for the check to mean something)."""
+    torch.manual_seed(0)
+    if family == "gpt2":
+        hf_config = transformers.GPT2Config(vocab_size=250, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                            initializer_range=0.1)
+        hf_model, config = transformers.GPT2LMHeadModel(hf_config).eval(), hf_mapping.gpt2_config(hf_config)
+    else:
+        hf_config = transformers.LlamaConfig(vocab_size=250, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, initializer_range=0.1)
+        hf_model, config = transformers.LlamaForCausalLM(hf_config).eval(), hf_mapping.llama_config(hf_config)
+    ids = tokens(250)
+    positions = torch.stack([torch.arange(SEQ) % 6, 2 * torch.arange(SEQ) + 3])
+    with torch.no_grad():
+        expected = hf_model(ids, position_ids=positions).logits
+        logits = mega_from_hf(hf_model, config)(ids, positions).transpose(0, 1)[..., :250]
+        default = mega_from_hf(hf_model, config)(ids).transpose(0, 1)[..., :250]
+    assert_close(logits, expected, what="logits")
+    assert not torch.allclose(default, expected, rtol=1e-3)  # the positions mattered
