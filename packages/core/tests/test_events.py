@@ -1,6 +1,6 @@
 """Per-run events: listeners implement any subset of hooks and any subset of arguments."""
 
-from mega.core.plugins import Events, hookimpl, load_plugins
+from mega.core.plugins import Events, Plugins, hookimpl
 from mega.core.plugins.hookspecs import EventSpecs
 
 
@@ -33,7 +33,8 @@ def test_callback_factories_choose_per_run():
             register("always", lambda config: Recorder())
             register("never", lambda config: None)
 
-    plugins = load_plugins(environ={"MEGA_LOAD_PLUGINS": ""}, extra=[("p", Plugin())])
+    plugins = Plugins()  # no installed plugins: only this one's callbacks
+    plugins.add(Plugin(), "p")
     events = Events.from_callbacks(plugins, run_config=None)
     assert [type(listener).__name__ for listener in events.listeners()] == ["Recorder"]
 

@@ -101,9 +101,9 @@ MIXED_UNICODE = [
 def mixed_corpus() -> list[str]:
     rng = random.Random(1234)
     paragraphs = english_paragraphs()
-    corpus = list(MIXED_UNICODE) + rng.sample(paragraphs, 300)
+    corpus = list(MIXED_UNICODE) + rng.sample(paragraphs, 150)
     # Splice the awkward lines into English text too, so they meet every neighbour.
-    for _ in range(200):
+    for _ in range(120):
         words = rng.choice(paragraphs).split(" ")
         words.insert(rng.randrange(len(words) + 1), rng.choice(MIXED_UNICODE))
         corpus.append(" ".join(words))

@@ -22,7 +22,7 @@ from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
 EOD = 50000
 # megatron-core loops forever on a split without tokens; a mistake here must fail, not hang.
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,8 @@ def megatron_datasets(data_path, sizes, tmp_path, mock=False, **options):
         random_seed=options.get("seed", 1234),
         sequence_length=options["sequence_length"],
         blend=None if mock else get_blend_from_list(data_path),
-        split=options.get("split", "969,30,1"),
-        path_to_cache=None if mock else str(tmp_path / "megatron_cache"),
+        split=options.get("split", "80,10,10"),
+        path_to_cache=None,  # (with a cache directory, its BlendedDataset insists on torch.distributed)
         tokenizer=NullTokenizer(EOD),
         reset_position_ids=options.get("reset_position_ids", False),
         reset_attention_mask=False,
@@ -59,7 +59,7 @@ def mega_config(tmp_path, **options):
     return GPTDatasetConfig(
         sequence_length=options["sequence_length"],
         random_seed=options.get("seed", 1234),
-        split=options.get("split", "969,30,1"),
+        split=options.get("split", "80,10,10"),
         eod=EOD,
         add_extra_token_to_sequence=options.get("extra", True),
         drop_last_partial_validation_sequence=options.get("drop_last_valid", True),
@@ -161,12 +161,14 @@ def test_blended_samples_equal_megatron(corpora, tmp_path, data_path, sizes):
 
 
 def test_blend_per_split_equals_megatron(corpora, tmp_path):
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder as Builder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder as Builder,
+    )
 
     per_split = [["2", corpora[0], "1", corpora[1]], [corpora[2]], None]
     config = MegatronGPTDatasetConfig(
         random_seed=5, sequence_length=20, blend_per_split=[get_blend_from_list(p) if p else None for p in per_split],
-        path_to_cache=str(tmp_path / "megatron_cache"), tokenizer=NullTokenizer(EOD), reset_position_ids=False,
+        path_to_cache=None, tokenizer=NullTokenizer(EOD), reset_position_ids=False,
         reset_attention_mask=False, eod_mask_loss=False,
     )
     theirs = Builder(MegatronGPTDataset, [900, 50, None], lambda: True, config).build()
@@ -176,11 +178,11 @@ def test_blend_per_split_equals_megatron(corpora, tmp_path):
 
 
 def test_mock_data_equals_megatron(tmp_path):
-    theirs = megatron_datasets(None, [2000, 100, 10], tmp_path, mock=True, sequence_length=128, split="1,1,1")
+    theirs = megatron_datasets(None, [300, 30, 10], tmp_path, mock=True, sequence_length=128, split="1,1,1")
     config = GPTDatasetConfig(sequence_length=128, split="1,1,1", eod=EOD)
-    ours = build_mock_gpt_datasets([2000, 100, 10], config, vocab_size=EOD + 1)
+    ours = build_mock_gpt_datasets([300, 30, 10], config, vocab_size=EOD + 1)
     for our_split, their_split in zip(ours, theirs, strict=True):
-        assert_same_samples(our_split, their_split, every=37)
+        assert_same_samples(our_split, their_split, every=7)
 
 
 def test_sample_index_equals_megatron_helper_with_empty_documents():

@@ -1,11 +1,14 @@
 """The dataset contract between the training loop and dataset plugins.
 
-A dataset plugin registers (``register_datasets``) a builder ``build(request) -> (train, valid,
-test)``; each part is ``None`` or a sized, indexable dataset whose item ``i`` is a mapping with
+A dataset plugin registers (``register_datasets``) a builder ``build(request) -> TrainingData``.
+Each split is ``None`` or a sized, indexable dataset whose item ``i`` is a mapping with
 ``tokens`` and ``labels`` (integer arrays of ``seq_length``: the inputs and the next tokens)
-and optionally ``loss_mask`` (1.0 where a label counts). This is the shape of Megatron's
-``GPTDataset`` samples. Builders that cache indices are called on global rank 0 first, then on
-the other ranks once rank 0 finished, so they may simply build-or-load.
+and optionally ``loss_mask`` (1.0 where a label counts): the shape of Megatron's ``GPTDataset``
+samples. Every rank calls the builder at the same time; a builder that caches indices or
+prepares files coordinates that itself (rank 0 builds, the others wait and load).
+
+A builder that brings its own tokenizer (a corpus it prepares, say) returns it in
+``TrainingData.tokenizer``; the model's vocabulary then follows that tokenizer.
 """
 
 from __future__ import annotations
@@ -24,3 +27,11 @@ class DatasetRequest:
     cache_path: str | None
     tokenizer: Any | None  # a mega.core.tokenizer.Tokenizer, when the run has one
     vocab_size: int  # of the model (before padding); mock data draws tokens below it
+
+
+@dataclass
+class TrainingData:
+    train: Any
+    valid: Any = None
+    test: Any = None
+    tokenizer: Any = None  # set when the builder chose the tokenizer itself

@@ -17,8 +17,8 @@ def register_tokenizers(register):
 
 @hookimpl
 def register_datasets(register):
-    register("gpt", "mega.data.dataset_builder:build_gpt_datasets", "Megatron GPTDataset splits and blends of .bin/.idx data")
-    register("mock-gpt", "mega.data.dataset_builder:build_mock_gpt_datasets", "synthetic GPT samples (Megatron's mock data)")
+    register("gpt", "mega.data.training_data:gpt_datasets", "Megatron GPTDataset splits and blends of .bin/.idx data")
+    register("mock", "mega.data.training_data:mock_datasets", "synthetic GPT samples (Megatron's mock data)")
 
 
 @hookimpl

@@ -57,9 +57,9 @@ def _argument_kwargs(field: dataclasses.Field, annotation: Any) -> dict[str, Any
     return kwargs
 
 
-def add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> None:
-    """Add one argument group with a flag for every field of the dataclass ``cls``."""
-    group = parser.add_argument_group(section)
+def add_section(parser: argparse.ArgumentParser, section: str, cls: type, title: str | None = None) -> None:
+    """Add one argument group (headed ``title``) with a flag for every field of the dataclass ``cls``."""
+    group = parser.add_argument_group(title or section)
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         if not field.init:

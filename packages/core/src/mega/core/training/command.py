@@ -45,7 +45,7 @@ def build_parser(model_config_class: type, family_name: str) -> argparse.Argumen
         epilog="With no arguments, trains the embedded default: a small GPT on the text of Python's "
                "pydoc topics, on the CPU, in about two minutes.",
     )
-    add_section(parser, f"model ({family_name} family)", model_config_class)
+    add_section(parser, "model", model_config_class, title=f"model ({family_name} family)")
     for name, cls in SECTIONS.items():
         add_section(parser, name, cls)
     return parser

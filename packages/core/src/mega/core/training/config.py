@@ -72,6 +72,9 @@ class PrecisionConfig:
 @dataclass
 class DataConfig:
     data_path: list[str] | None = option(None, "dataset prefixes, or weight/prefix pairs: w1 p1 w2 p2")
+    dataset: str | None = option(
+        None, "registered dataset builder (default: gpt with --data-path, mock with --mock-data)"
+    )
     split: str = option("969,30,1", "train,valid,test proportions")
     mock_data: bool = option(False, "train on random tokens (no dataset needed)")
     tokenizer_type: str | None = option(None, "registered tokenizer (see `mega plugins`)")

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch.distributed as dist
-
 from mega.core.config import ConfigError
-from mega.core.datasets import DatasetRequest
-from mega.core.parallel import ParallelGroups
+from mega.core.datasets import DatasetRequest, TrainingData
 from mega.core.plugins import Plugins
 from mega.core.tokenizer import TokenizerOptions
 from mega.core.training.run_config import Derived, RunConfig
@@ -26,6 +23,8 @@ def build_tokenizer(run: RunConfig, plugins: Plugins):
 
 
 def dataset_name(run: RunConfig) -> str:
+    if run.data.dataset:
+        return run.data.dataset
     if run.data.mock_data:
         return "mock"
     if run.data.data_path:
@@ -40,23 +39,21 @@ def sample_counts(run: RunConfig, derived: Derived) -> tuple[int, int, int]:
     return (training.train_iters * batch, evaluations * training.eval_iters * batch, training.eval_iters * batch)
 
 
-def build_datasets(run: RunConfig, derived: Derived, plugins: Plugins, groups: ParallelGroups,
-                   name: str | None = None):
-    """(run with the tokenizer's vocabulary size, (train, valid, test) datasets)."""
+def build_datasets(run: RunConfig, derived: Derived, plugins: Plugins) -> tuple[RunConfig, TrainingData]:
+    """The run (its vocabulary now the tokenizer's) and its train/valid/test data."""
     tokenizer = build_tokenizer(run, plugins)
     if tokenizer is not None:
-        run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=tokenizer.vocab_size))
-    builder = plugins.datasets.get(name or dataset_name(run))
-    request = DatasetRequest(
+        run = _with_vocab_size(run, tokenizer.vocab_size)
+    builder = plugins.datasets.get(dataset_name(run))
+    data = builder(DatasetRequest(
         data_path=run.data.data_path, split=run.data.split, seq_length=run.model.seq_length,
         seed=run.training.seed, num_samples=sample_counts(run, derived), cache_path=run.data.data_cache_path,
         tokenizer=tokenizer, vocab_size=run.model.vocab_size,
-    )
-    # Builders cache their indices: rank 0 builds them while the others wait, then they load.
-    distributed = groups.world_size > 1
-    datasets = builder(request) if groups.global_rank == 0 else None
-    if distributed:
-        dist.barrier()
-        if groups.global_rank != 0:
-            datasets = builder(request)
-    return run, datasets
+    ))
+    if data.tokenizer is not None and tokenizer is None:
+        run = _with_vocab_size(run, data.tokenizer.vocab_size)
+    return run, data
+
+
+def _with_vocab_size(run: RunConfig, vocab_size: int) -> RunConfig:
+    return dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=vocab_size))

@@ -16,15 +16,15 @@ from mega.core.training.run_config import RunConfig, derive
 from mega.core.training.trainer import RunState, Trainer
 
 
-def run_training(run: RunConfig, family: ModelFamily, plugins=None, dataset: str | None = None) -> RunState:
+def run_training(run: RunConfig, family: ModelFamily, plugins=None) -> RunState:
     """Train in this process (joining the distributed job its environment describes)."""
     plugins = plugins or get_plugins()
     init_distributed()
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     run, derived = derive(run, world_size)
     groups = ParallelGroups(run.parallel)
-    run, datasets = build_datasets(run, derived, plugins, groups, dataset)
-    trainer = Trainer(run, derived, family, plugins, datasets, groups)
+    run, data = build_datasets(run, derived, plugins)
+    trainer = Trainer(run, derived, family, plugins, data, groups)
     return trainer.train()
 
 

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mega.core.config import ConfigError
+from mega.core.kernels import KernelBackendError, get_attention_backend
 from mega.core.parallel import ParallelConfig
+from mega.core.plugins import PluginError
 from mega.core.training.config import (
     CheckpointConfig,
     DataConfig,
@@ -59,6 +61,7 @@ class Derived:
 
 def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
     """Check the run against the world size; return it with derived fields filled in."""
+    run = dataclasses.replace(run, model=_model_with_megatron_shorthands(run))
     check_supported(run)
     parallel = run.parallel
     nlpvs = run.training.num_layers_per_virtual_pipeline_stage
@@ -100,6 +103,16 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
     return run, Derived(world_size, dp, global_batch, microbatches)
 
 
+def _model_with_megatron_shorthands(run: RunConfig):
+    """Apply flags Megatron spells outside the model config: --recompute-activations, --use-flash-attn."""
+    model = run.model
+    if run.training.recompute_activations and model.recompute_granularity is None:
+        model = dataclasses.replace(model, recompute_granularity="selective")
+    if run.precision.use_flash_attn:
+        model = dataclasses.replace(model, attention_backend="flash-attn")
+    return model
+
+
 def check_supported(run: RunConfig) -> None:
     """Fail, naming the flag and what is missing, for what this installation cannot run."""
     precision = run.precision
@@ -120,5 +133,10 @@ def check_supported(run: RunConfig) -> None:
         raise ConfigError("--context-parallel-size > 1: context parallelism is not available in this version")
     if run.optimizer.cpu_optimizer:
         raise ConfigError("--cpu-optimizer: optimizer offloading is not available in this version")
+    try:
+        get_attention_backend(run.model.attention_backend)
+    except (KernelBackendError, PluginError) as error:
+        hint = " (--use-flash-attn needs the flash-attn kernel plugin and a GPU)" if run.precision.use_flash_attn else ""
+        raise ConfigError(f"{error}{hint}") from None
     if run.checkpoint.save or run.checkpoint.load:
         raise ConfigError("--save/--load: checkpointing is not available in this version")

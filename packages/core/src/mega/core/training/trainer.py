@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mega.core.datasets import TrainingData
 from mega.core.distributed.ddp import DDPConfig, DistributedDataParallel
 from mega.core.model_family import ModelFamily
 from mega.core.optim.build import build_optimizer
@@ -55,7 +56,7 @@ class RunState:
 
 class Trainer:
     def __init__(self, run: RunConfig, derived: Derived, family: ModelFamily, plugins: Plugins,
-                 datasets, groups: ParallelGroups | None = None):
+                 data: TrainingData, groups: ParallelGroups | None = None):
         self.run, self.derived, self.family = run, derived, family
         self.groups = groups or ParallelGroups(run.parallel)
         self.dtype = model_dtype(run.precision)
@@ -69,7 +70,7 @@ class Trainer:
             lr=run.optimizer.lr, min_lr=run.optimizer.min_lr, style=run.optimizer.lr_decay_style,
             warmup_iters=run.optimizer.lr_warmup_iters, decay_iters=run.optimizer.lr_decay_iters or train_iters,
         )
-        self.train_data, self.valid_data = datasets[0], datasets[1]
+        self.train_data, self.valid_data = data.train, data.valid
         flops = family.num_floating_point_operations(run.model, derived.global_batch_size)
         self.state = RunState(run, derived, self.groups, family, flops)
         self.events = Events.from_callbacks(plugins, run)

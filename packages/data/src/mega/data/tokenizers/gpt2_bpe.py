@@ -30,8 +30,11 @@ _ASCII_PRE_TOKENS = re.compile(
 
 
 def ascii_pre_tokens(text: str) -> list[str] | None:
-    """GPT-2's pre-tokens of an ASCII text (``None`` for other text: the reference decides)."""
-    return _ASCII_PRE_TOKENS.findall(text) if text.isascii() else None
+    """GPT-2's pre-tokens of an ASCII text; ``None`` (the reference decides) for other text and
+    for text holding ``<|endoftext|>``, which the reference matches as one special token."""
+    if not text.isascii() or END_OF_TEXT in text:
+        return None
+    return _ASCII_PRE_TOKENS.findall(text)
 
 
 class GPT2BPETokenizer(BaseTokenizer):

@@ -79,6 +79,10 @@ class HuggingFaceTokenizer(BaseTokenizer):
             self.reference = Tokenizer.from_file(path)
         except Exception as error:
             raise TokenizerError(f"--tokenizer-model {path}: not a tokenizers tokenizer.json ({error})") from None
+        # A tokenizer.json may carry padding/truncation meant for model inputs (MiniLM pads to
+        # 128); transformers ignores them unless asked, and so must we.
+        self.reference.no_padding()
+        self.reference.no_truncation()
 
         vocab = self.reference.get_vocab(with_added_tokens=True)
         names = _special_token_names(directory)
