@@ -61,11 +61,13 @@ def parse_run(argv: list[str], plugins=None):
     family_name = early.model_family or toml_training.get("model_family") or "gpt"
     family = plugins.models.get(family_name)
     preset = early.model_preset or toml_training.get("model_preset")
-    base = family.preset(preset) if preset else family.config_class()
+    # A preset is the starting point its flags override; without one the config class derives
+    # its dependent sizes (ffn, query groups...) from the flags given.
+    bases = {"model": family.preset(preset)} if preset else {}
 
     sections = {"model": family.config_class, **SECTIONS}
     parser = build_parser(family.config_class, family_name)
-    configs = parse(argv, sections, parser, bases={"model": base})
+    configs = parse(argv, sections, parser, bases=bases)
     return RunConfig(**configs), family
 
 

@@ -1,0 +1,76 @@
+"""`mega train`'s command line: Megatron's flags, clear errors for what cannot run here."""
+
+from __future__ import annotations
+
+import pytest
+
+from mega.core.training.command import main
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--vocab-size", "64", "--train-iters", "2", "--mock-data"]
+
+
+def error_of(argv, capsys) -> str:
+    assert main(argv) == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--fp8-hybrid", "--fp8-amax-compute-algo", "max", "--fp8-amax-history-len", "1024"],
+         "--fp8-hybrid needs NVIDIA Transformer Engine on a GPU"),
+        (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine needs NVIDIA Transformer Engine"),
+        (["--tp-comm-overlap"], "--tp-comm-overlap needs NVIDIA Transformer Engine"),
+        (["--num-experts", "8", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+          "--moe-aux-loss-coeff", "0.01", "--moe-grouped-gemm"], "--num-experts (mixture of experts) needs an MoE model family"),
+        (["--use-flash-attn"], "--use-flash-attn needs the flash-attn kernel plugin"),
+        (["--cpu-optimizer"], "--cpu-optimizer: optimizer offloading is not available"),
+        (["--micro-batch-size", "2", "--global-batch-size", "7"],
+         "--global-batch-size 7 is not divisible by --micro-batch-size 2 x data-parallel size 1 = 2"),
+        (["--tensor-model-parallel-size", "2"], "tp*cp*pp = 2*1*1 = 2 is larger than the world size 1"),
+        (["--gradient-accumulation-steps", "3", "--global-batch-size", "4"],
+         "--gradient-accumulation-steps 3 disagrees with --global-batch-size 4"),
+        (["--model-family", "gtp"], "no model 'gtp'; did you mean gpt"),
+        (["--num-query-groups", "3"], "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
+    ],
+)
+def test_what_cannot_run_fails_naming_the_flag(argv, message, capsys):
+    assert message in error_of(TINY + argv, capsys)
+
+
+def test_no_data_says_how_to_get_some(capsys):
+    argv = [word for word in TINY if word != "--mock-data"]
+    assert "give --data-path PREFIX (see `mega preprocess`) or --mock-data" in error_of(argv, capsys)
+
+
+def test_unknown_flag_suggests_the_closest(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(TINY + ["--tensor-parallel-size", "2"])
+    assert exit_info.value.code == 2
+    assert "unknown flag --tensor-parallel-size; did you mean --tensor-model-parallel-size" in capsys.readouterr().err
+
+
+def test_help_lists_megatron_flags_by_section(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for flag in ["--tensor-model-parallel-size", "--num-layers", "--swiglu", "--lr-decay-style", "--data-path",
+                 "--no-load-optim", "--pipeline-timeline", "--nproc-per-node", "--config"]:
+        assert flag in out
+    assert "model (gpt family):" in out and "optimizer:" in out
+
+
+def test_seed_gpt_script_flags_train_scaled_down(capsys):
+    # Workflow 1 of the Megatron-Core skill seed, at tiny sizes (--transformer-impl local: no TE here).
+    argv = [
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+        "--sequence-parallel", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--lr", "3e-4", "--train-iters", "3", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--use-mcore-models", "--transformer-impl", "local",
+        "--mock-data", "--vocab-size", "64", "--eval-iters", "0", "--log-interval", "1",
+    ]
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(" iteration")]
+    assert len(lines) == 3 and "lm loss:" in lines[-1] and "global batch size:     4" in lines[-1]
