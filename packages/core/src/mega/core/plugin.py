@@ -36,6 +36,16 @@ def register_callbacks(register):
         description="Megatron's log line every --log-interval iterations",
     )
     register(
+        "tensorboard",
+        "mega.core.training.tensorboard_log:tensorboard_logger",
+        description="TensorBoard scalars under Megatron's tags (--tensorboard-dir)",
+    )
+    register(
+        "profiler",
+        "mega.core.training.profiler:step_profiler",
+        description="torch.profiler Chrome trace of chosen iterations (--profile)",
+    )
+    register(
         "pipeline-timeline",
         "mega.core.pipeline.timeline:timeline_callback",
         description="Chrome trace of every rank's pipeline schedule (--pipeline-timeline PATH)",

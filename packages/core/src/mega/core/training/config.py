@@ -107,6 +107,7 @@ class LoggingConfig:
     profile: bool = option(False, "record a torch.profiler trace")
     profile_step_start: int = option(10, "first profiled iteration")
     profile_step_end: int = option(12, "iteration after the last profiled one")
+    profile_dir: str = option("profiles", "directory for --profile's Chrome traces (one per rank)")
     pipeline_timeline: str | None = option(None, "write a Chrome trace of the pipeline schedule here")
 
 
