@@ -74,3 +74,28 @@ def test_seed_gpt_script_flags_train_scaled_down(capsys):
     assert main(argv) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(" iteration")]
     assert len(lines) == 3 and "lm loss:" in lines[-1] and "global batch size:     4" in lines[-1]
+
+
+def test_seed_llama_script_flags_train_scaled_down(capsys):
+    # The LLaMA recipe of the MLOps seed (GQA, SwiGLU, recompute, overlap flags, bf16), at tiny sizes.
+    argv = [
+        "--model-family", "llama", "--seq-length", "16", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--swiglu",
+        "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--recompute-activations", "--overlap-grad-reduce",
+        "--overlap-param-gather", "--use-distributed-optimizer", "--bf16", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "2", "--mock-data", "--vocab-size", "64",
+        "--eval-iters", "0", "--log-interval", "1",
+    ]
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(" iteration")]
+    assert len(lines) == 2 and "number of nan iterations:   0" in lines[-1]
+
+
+def test_recompute_activations_means_selective():
+    from mega.core.training.command import parse_run
+    from mega.core.training.run_config import derive
+
+    run, _ = parse_run(["--recompute-activations", "--mock-data"])
+    run, _ = derive(run, world_size=1)
+    assert run.model.recompute_granularity == "selective"

@@ -19,6 +19,8 @@ def register_tokenizers(register):
 def register_datasets(register):
     register("gpt", "mega.data.training_data:gpt_datasets", "Megatron GPTDataset splits and blends of .bin/.idx data")
     register("mock", "mega.data.training_data:mock_datasets", "synthetic GPT samples (Megatron's mock data)")
+    register("pydoc-topics", "mega.data.embedded_corpus:pydoc_topics_datasets",
+             "the text of Python's pydoc topics with a BPE tokenizer trained on it (the embedded default)")
 
 
 @hookimpl

@@ -98,8 +98,9 @@ class ParallelGroups:
 
     @property
     def device(self) -> torch.device:
-        """Where this rank's tensors live: its GPU under NCCL, else the CPU."""
-        if self.backend == "nccl":
+        """Where this rank's tensors live: its GPU under NCCL (or a lone process with a GPU),
+        the CPU under gloo or without one."""
+        if self.backend == "nccl" or (self.backend == "none" and torch.cuda.is_available()):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 

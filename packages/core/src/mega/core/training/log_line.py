@@ -40,7 +40,9 @@ def format_log_line(record: LogRecord) -> str:
         f" elapsed time per iteration (ms): {record.elapsed_ms:.1f} |",
     ]
     if record.tflops_per_gpu is not None:
-        parts.append(f" throughput per GPU (TFLOP/s/GPU): {record.tflops_per_gpu:.1f} |")
+        # Megatron prints one decimal; a CPU's fraction of a TFLOP/s needs three to show at all.
+        digits = 1 if record.tflops_per_gpu >= 10 else 3
+        parts.append(f" throughput per GPU (TFLOP/s/GPU): {record.tflops_per_gpu:.{digits}f} |")
     parts += [
         f" learning rate: {record.learning_rate:.6E} |",
         f" global batch size: {record.global_batch_size:5d} |",

@@ -1,0 +1,142 @@
+"""Training throughput on one process: `mega train`'s loop against a plain Hugging Face loop.
+
+mega: the real training path (model from the family, DDP wrapper, mixed-precision AdamW with
+global-norm clipping, LR schedule, schedule hooks) on Megatron's mock data.
+Hugging Face: ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` of the same shape, ``torch.optim.AdamW``
+with the same decay groups, ``clip_grad_norm_``, the same batch of random tokens.
+Rounds alternate between the two so load on a shared machine hits both alike; the figure is the
+median step time over all timed steps.
+
+    python benchmarks/bench_training.py                 # gpt and llama, fp32
+    python benchmarks/bench_training.py --family llama --rounds 5 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from mega.core.plugins import hookimpl, load_plugins  # noqa: E402
+from mega.core.training.command import parse_run  # noqa: E402
+from mega.core.training.launch_run import run_training  # noqa: E402
+
+
+class StepTimes:
+    def __init__(self):
+        self.seconds: list[float] = []
+
+    @hookimpl
+    def on_step_end(self, metrics):
+        self.seconds.append(metrics["elapsed_s"])
+
+
+def mega_step_times(args, family: str, steps: int) -> list[float]:
+    times = StepTimes()
+
+    class Recorder:
+        @hookimpl
+        def register_callbacks(self, register):
+            register("bench-step-times", lambda run_config: times)
+
+    argv = [
+        "--model-family", family, "--mock-data", "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
+        "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq), "--vocab-size", str(args.vocab),
+        "--micro-batch-size", str(args.batch), "--train-iters", str(steps), "--eval-iters", "0",
+        "--log-interval", "100000", "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4",
+        "--weight-decay", "0.01", "--clip-grad", "1.0", "--split", "100,0,0",
+    ]
+    if family == "llama":
+        argv += ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+                 "--num-query-groups", str(args.heads // 2), "--disable-bias-linear",
+                 "--untie-embeddings-and-output-weights"]
+    plugins = load_plugins(extra=[("bench", Recorder())])
+    run, model_family = parse_run(argv, plugins)
+    run_training(run, model_family, plugins)
+    return times.seconds[1:]  # the first step pays for allocation
+
+
+def hf_model(args, family: str, ffn: int) -> torch.nn.Module:
+    if family == "gpt":
+        config = transformers.GPT2Config(
+            vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
+            n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu",
+        )
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=ffn, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.heads // 2, max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def hf_step_times(args, family: str, steps: int, ffn: int) -> list[float]:
+    model = hf_model(args, family, ffn)
+    model.config._attn_implementation = "sdpa"
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1 or n.endswith(".bias")]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-4)
+    generator = torch.Generator().manual_seed(0)
+    seconds = []
+    for _ in range(steps):
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(input_ids=tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        seconds.append(time.perf_counter() - start)
+    return seconds[1:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--family", choices=["gpt", "llama", "both"], default="both")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6, help="steps per round (the first is not timed)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    families = ["gpt", "llama"] if args.family == "both" else [args.family]
+    rows = []
+    for family in families:
+        # The LLaMA families derive SwiGLU's hidden size as Megatron does; HF gets the same.
+        ffn = int(4 * args.hidden * 2 / 3 / 64) * 64
+        mega, hf = [], []
+        for _ in range(args.rounds):
+            mega += mega_step_times(args, family, args.steps)
+            hf += hf_step_times(args, family, args.steps, ffn)
+        tokens = args.batch * args.seq
+        mega_s, hf_s = statistics.median(mega), statistics.median(hf)
+        rows.append({"family": family, "dtype": "fp32", "hf_s_per_step": hf_s, "mega_s_per_step": mega_s,
+                     "hf_tokens_per_s": tokens / hf_s, "mega_tokens_per_s": tokens / mega_s,
+                     "mega_over_hf_speed": hf_s / mega_s, "threads": torch.get_num_threads()})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print("| family | dtype | HF s/step | mega s/step | HF tok/s | mega tok/s | mega / HF speed |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['family']} | {r['dtype']} | {r['hf_s_per_step']:.3f} | {r['mega_s_per_step']:.3f} | "
+              f"{r['hf_tokens_per_s']:.0f} | {r['mega_tokens_per_s']:.0f} | {r['mega_over_hf_speed']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
