@@ -1,0 +1,48 @@
+"""The embedded default: the pydoc-topics corpus is prepared once, atomically, and trains."""
+
+from __future__ import annotations
+
+from mega.core.training.command import main, parse_run
+from mega.core.training.default_run import DEFAULT_ARGV
+from mega.core.training.run_config import derive
+
+
+def test_default_argv_is_a_valid_run():
+    run, family = parse_run(DEFAULT_ARGV)
+    run, derived = derive(run, world_size=1)
+    assert family.name == "gpt" and run.data.dataset == "pydoc-topics" and derived.num_microbatches == 1
+
+
+def test_corpus_prepares_once_and_trains(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEGA_CACHE_DIR", str(tmp_path))
+    argv = ["--dataset", "pydoc-topics", "--split", "95,5,0", "--num-layers", "1", "--hidden-size", "32",
+            "--num-attention-heads", "2", "--seq-length", "32", "--micro-batch-size", "4", "--train-iters", "3",
+            "--eval-interval", "3", "--eval-iters", "1", "--log-interval", "1", "--lr", "1e-3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "preparing the embedded corpus" in out
+    losses = [float(line.split("lm loss: ")[1].split(" ")[0]) for line in out.splitlines() if "lm loss: " in line]
+    assert len(losses) == 3
+
+    (directory,) = tmp_path.iterdir()  # one complete directory; no staging leftovers
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "cache", "corpus.jsonl", "pydoc_text_document.bin", "pydoc_text_document.idx", "tokenizer.json"]
+
+    # A second run reuses it.
+    assert main(argv) == 0
+    assert "preparing the embedded corpus" not in capsys.readouterr().out
+
+
+def test_tokenizer_vocabulary_sets_the_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGA_CACHE_DIR", str(tmp_path))
+    from mega.core.datasets import DatasetRequest
+    from mega.data.embedded_corpus import VOCAB_SIZE, pydoc_topics_datasets
+
+    data = pydoc_topics_datasets(DatasetRequest(
+        data_path=None, split="95,5,0", seq_length=32, seed=1, num_samples=(10, 2, 0), cache_path=None,
+        tokenizer=None, vocab_size=0))
+    assert data.tokenizer.vocab_size == VOCAB_SIZE
+    sample = data.train[0]
+    assert len(sample["tokens"]) == 32 and max(sample["tokens"]) < VOCAB_SIZE
+    text = data.tokenizer.detokenize(list(sample["tokens"]))
+    assert text.isprintable() or "\n" in text
