@@ -99,3 +99,14 @@ def test_recompute_activations_means_selective():
     run, _ = parse_run(["--recompute-activations", "--mock-data"])
     run, _ = derive(run, world_size=1)
     assert run.model.recompute_granularity == "selective"
+
+
+def test_flag_reference_page_is_current():
+    from pathlib import Path
+
+    from mega.core.training.command import flag_reference_markdown
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "training-flags.md"
+    assert page.read_text(encoding="utf-8") == flag_reference_markdown(), (
+        "docs/training-flags.md is stale: regenerate it with `mega train --flag-reference > docs/training-flags.md`"
+    )

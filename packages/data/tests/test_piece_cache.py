@@ -2,7 +2,7 @@
 
 Where text is cut into pieces depends only on which characters are whitespace, so every code
 point that could matter (all separators, control and format characters, everything below
-U+3000, and every 89th of the rest, unassigned ones included) is tried in every whitespace-sensitive position.
+U+0800, and every 149th of the rest, unassigned ones included) is tried in every whitespace-sensitive position.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ TEMPLATES = ["a {c} b", "a{c} b", "a {c}b", "{c} a", "a {c}", "a  {c}", "{c}{c} 
 
 
 def probe_code_points() -> list[str]:
-    points = set(range(0x3000)) | set(range(0x3000, 0x110000, 89))
+    points = set(range(0x800)) | set(range(0x800, 0x110000, 149))
     points |= {p for p in range(0x110000) if unicodedata.category(chr(p)) in ("Zs", "Zl", "Zp", "Cc", "Cf")}
     points -= set(range(0xD800, 0xE000))  # lone surrogates cannot be encoded as UTF-8 at all
     return [chr(p) for p in sorted(points)]
@@ -52,7 +52,7 @@ def test_gpt2_every_code_point(gpt2_files, probes):
     assert_cache_matches(fresh_cache(tokenizer, ascii_pre_tokens), tokenizer.tokenize_batch, probes)
 
 
-@pytest.mark.parametrize("pattern", ["cl100k", "v1", "v2"])
+@pytest.mark.parametrize("pattern", ["cl100k", "v2"])
 def test_tiktoken_patterns_every_code_point(cl100k_file, probes, pattern):
     tokenizer = make_tiktoken(TokenizerOptions(tokenizer_model=cl100k_file), pattern=pattern, num_special_tokens=0)
     assert_cache_matches(fresh_cache(tokenizer), tokenizer.tokenize_batch, probes)

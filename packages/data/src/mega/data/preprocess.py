@@ -83,6 +83,9 @@ def _init_worker(config: PreprocessConfig) -> None:
     global _ENCODER
     # Ctrl-C goes to the main process, which then stops the pool: workers must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The pool stops workers with SIGTERM; they must die at once, not run the main process's
+    # handler (inherited through fork) and try to clean up.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # Each worker is one core; a tokenizer library's own thread pool would oversubscribe them.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if _ENCODER is None:  # with fork, the parent's encoder is inherited

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import resource
 import sys
+import time
 
 import torch
 
@@ -27,6 +28,7 @@ class ConsoleLogger:
         self._losses: list[float] = []
         self._seconds = 0.0
         self._steps = 0
+        self._started = time.perf_counter()
 
     def _print(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
@@ -60,6 +62,17 @@ class ConsoleLogger:
             tflops_per_gpu=tflops, tokens_per_second_per_gpu=tokens,
             mfu=tflops / peak if peak else None, peak_memory_gb=peak_memory_gb(run.groups.device),
         )
+
+    @hookimpl
+    def on_train_start(self, run):
+        self._started = time.perf_counter()
+
+    @hookimpl
+    def on_train_end(self, run):
+        if run.is_logging_rank and run.losses:
+            seconds = time.perf_counter() - self._started
+            self._print(f" training finished: {len(run.losses)} iterations in {seconds:.1f} s, "
+                        f"lm loss {run.losses[0]:.3f} (first) -> {run.losses[-1]:.3f} (last)")
 
     @hookimpl
     def on_eval(self, run, iteration, metrics):
