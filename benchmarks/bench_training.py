@@ -2,8 +2,9 @@
 
 mega: the real training path (model from the family, DDP wrapper, mixed-precision AdamW with
 global-norm clipping, LR schedule, schedule hooks) on Megatron's mock data.
-Hugging Face: ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` of the same shape, ``torch.optim.AdamW``
-with the same decay groups, ``clip_grad_norm_``, the same batch of random tokens.
+Hugging Face: ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` of the same configuration (mega's model
+config is mapped from it, so the architectures are identical), ``torch.optim.AdamW`` with the
+same decay groups, ``clip_grad_norm_``, batches of random tokens of the same shape.
 Rounds alternate between the two so load on a shared machine hits both alike; the figure is the
 median step time over all timed steps.
 
@@ -14,6 +15,7 @@ median step time over all timed steps.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -23,10 +25,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from bench_models import hf_configs  # noqa: E402  (the same shapes as the forward/backward benchmark)
 
 from mega.core.plugins import hookimpl, load_plugins  # noqa: E402
 from mega.core.training.command import parse_run  # noqa: E402
 from mega.core.training.launch_run import run_training  # noqa: E402
+from mega.models import hf_mapping  # noqa: E402
 
 
 class StepTimes:
@@ -47,40 +51,23 @@ def mega_step_times(args, family: str, steps: int) -> list[float]:
             register("bench-step-times", lambda run_config: times)
 
     argv = [
-        "--model-family", family, "--mock-data", "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
-        "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq), "--vocab-size", str(args.vocab),
-        "--micro-batch-size", str(args.batch), "--train-iters", str(steps), "--eval-iters", "0",
-        "--log-interval", "100000", "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4",
-        "--weight-decay", "0.01", "--clip-grad", "1.0", "--split", "100,0,0",
+        "--model-family", family, "--mock-data", "--micro-batch-size", str(args.batch), "--train-iters", str(steps),
+        "--eval-iters", "0", "--log-interval", "100000", "--lr", "1e-4", "--weight-decay", "0.01",
+        "--clip-grad", "1.0", "--split", "100,0,0",
     ]
-    if family == "llama":
-        argv += ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-                 "--num-query-groups", str(args.heads // 2), "--disable-bias-linear",
-                 "--untie-embeddings-and-output-weights"]
     plugins = load_plugins(extra=[("bench", Recorder())])
     run, model_family = parse_run(argv, plugins)
-    run_training(run, model_family, plugins)
+    # The very architecture of the Hugging Face model (activation, norms, GQA...), mapped over.
+    to_mega = hf_mapping.gpt2_config if family == "gpt" else hf_mapping.llama_config
+    model = dataclasses.replace(to_mega(hf_configs(args)[family]), hidden_dropout=0.0, attention_dropout=0.0)
+    run_training(dataclasses.replace(run, model=model), model_family, plugins)
     return times.seconds[1:]  # the first step pays for allocation
 
 
-def hf_model(args, family: str, ffn: int) -> torch.nn.Module:
-    if family == "gpt":
-        config = transformers.GPT2Config(
-            vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
-            n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu",
-        )
-        return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=ffn, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.heads // 2, max_position_embeddings=args.seq,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-def hf_step_times(args, family: str, steps: int, ffn: int) -> list[float]:
-    model = hf_model(args, family, ffn)
-    model.config._attn_implementation = "sdpa"
+def hf_step_times(args, family: str, steps: int) -> list[float]:
+    hf_config = hf_configs(args)[family]
+    model_class = transformers.GPT2LMHeadModel if family == "gpt" else transformers.LlamaForCausalLM
+    model = model_class(hf_config).train()
     decay = [p for n, p in model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
     no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1 or n.endswith(".bias")]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
@@ -117,12 +104,10 @@ def main() -> None:
     families = ["gpt", "llama"] if args.family == "both" else [args.family]
     rows = []
     for family in families:
-        # The LLaMA families derive SwiGLU's hidden size as Megatron does; HF gets the same.
-        ffn = int(4 * args.hidden * 2 / 3 / 64) * 64
         mega, hf = [], []
         for _ in range(args.rounds):
             mega += mega_step_times(args, family, args.steps)
-            hf += hf_step_times(args, family, args.steps, ffn)
+            hf += hf_step_times(args, family, args.steps)
         tokens = args.batch * args.seq
         mega_s, hf_s = statistics.median(mega), statistics.median(hf)
         rows.append({"family": family, "dtype": "fp32", "hf_s_per_step": hf_s, "mega_s_per_step": mega_s,

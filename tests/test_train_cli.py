@@ -110,3 +110,16 @@ def test_flag_reference_page_is_current():
     assert page.read_text(encoding="utf-8") == flag_reference_markdown(), (
         "docs/training-flags.md is stale: regenerate it with `mega train --flag-reference > docs/training-flags.md`"
     )
+
+
+def test_fp16_overflowing_steps_are_skipped_and_counted(capsys):
+    # Megatron's initial loss scale 2**32 overflows fp16 gradients: those steps are skipped, the
+    # scale backs off (hysteresis 2), and the log line counts them.
+    argv = TINY + ["--fp16", "--micro-batch-size", "2", "--global-batch-size", "2", "--log-interval", "1",
+                   "--train-iters", "4", "--eval-iters", "0"]
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(" iteration")]
+    skipped = [int(line.split("number of skipped iterations:")[1].split("|")[0]) for line in lines]
+    scales = [float(line.split("loss scale:")[1].split("|")[0]) for line in lines]
+    assert skipped[-1] >= 2 and skipped == sorted(skipped)
+    assert scales[0] == 2.0**32 and scales[-1] < scales[0]
