@@ -15,7 +15,7 @@ import pytest
 from mega.core.tokenizer import TokenizerOptions
 from mega.data.tokenizers import make_gpt2_bpe, make_tiktoken
 from mega.data.tokenizers.gpt2_bpe import ascii_pre_tokens
-from mega.data.tokenizers.piece_cache import WHITESPACE, PieceCache, split_pieces
+from mega.data.tokenizers.piece_cache import WHITESPACE, PieceCache, piece_text, split_pieces
 
 TEMPLATES = ["a {c} b", "a{c} b", "a {c}b", "{c} a", "a {c}", "a  {c}", "{c}{c} a", " {c}\n b", "a\n{c} b", "{c}  {c}"]
 
@@ -75,21 +75,81 @@ def test_gpt2_ascii_pre_tokens_in_every_context(gpt2_files):
 
 
 def test_split_pieces_reassembles_the_text():
-    for text in ["", " ", "a", "a b", " a b ", "a  b", "a \n b", "x\n\ny z", "a\u3000 b c", "\t\t", "a\u00a0b c"]:
+    texts = ["", " ", "a", "a b", " a b ", "a  b", "a   b", "a \n b", "x\n\ny z", "a\u3000 b c", "\t\t", "a\u00a0b c", "é  ü \u2003x"]
+    for text in texts:
         pieces = split_pieces(text)
-        assert pieces[0] + "".join(" " + p for p in pieces[1:]) == text
-        for piece in pieces[1:]:
+        assert piece_text(pieces[0]) + "".join(" " + piece_text(p) for p in pieces[1:]) == text
+        for piece in map(piece_text, pieces[1:]):
             # every cut was at a lone space: the characters around it are not whitespace
             assert not piece or piece[0] not in WHITESPACE
-    assert split_pieces("a b\n\nc d  e") == ["a", "b\n\nc", "d  e"]
+    assert split_pieces("a b\n\nc d  e") == ["a", "b\n\nc", "d\x00\x00e"]
 
 
 def test_cache_is_bounded(gpt2_files, mixed_corpus):
     vocab, merges = gpt2_files
     tokenizer = make_gpt2_bpe(TokenizerOptions(vocab_file=vocab, merge_file=merges))
-    cache = PieceCache(tokenizer.tokenize_batch, np.uint16, ascii_pre_tokens, max_entries=50)
+    cache = PieceCache(tokenizer.tokenize_batch, np.uint16, ascii_pre_tokens, generation_size=50)
     expected = tokenizer.tokenize_batch(mixed_corpus)
     for start in range(0, len(mixed_corpus), 20):
         tokens, _ = cache.encode_packed(mixed_corpus[start : start + 20])
         assert tokens.tolist() == [t for e in expected[start : start + 20] for t in e]
-        assert len(cache) < 50 + 20 * 400  # cleared whenever it outgrew the bound
+        # at most two generations each, plus what one batch of 20 texts adds before rotating
+        assert len(cache) <= 2 * (50 + 10 + 25) + 20 * 400
+
+
+def test_text_with_nul_goes_to_the_reference(gpt2_files):
+    vocab, merges = gpt2_files
+    tokenizer = make_gpt2_bpe(TokenizerOptions(vocab_file=vocab, merge_file=merges))
+    texts = ["a\x00b c  d", "a b  c", "x\x00"]  # NUL is how the cache spells spaces inside runs
+    cache = fresh_cache(tokenizer, ascii_pre_tokens)
+    assert_cache_matches(cache, tokenizer.tokenize_batch, texts)
+    assert split_pieces("a\x00b") is None
+
+
+def test_tiktoken_word_engine_equals_reference(gpt2_files, mixed_corpus):
+    """tiktoken's BPE core with GPT-2's ranks encodes new ASCII words; prove it agrees with the
+    reference on every vocabulary entry, every word of Python's documentation and of the mixed
+    corpus, and random words of letters, digits and punctuation."""
+    import json
+    import random
+
+    from pydoc_data.topics import topics
+
+    from mega.data.tokenizers.gpt2_bpe import bytes_to_unicode, tiktoken_word_encoder
+
+    vocab_file, merges = gpt2_files
+    tokenizer = make_gpt2_bpe(TokenizerOptions(vocab_file=vocab_file, merge_file=merges))
+    vocab = json.load(open(vocab_file, encoding="utf-8"))
+    encode_words = tiktoken_word_encoder(vocab, merges)
+    assert encode_words is not None
+    decode = {char: byte for byte, char in bytes_to_unicode().items()}
+    words = set()
+    for token in vocab:
+        raw = bytes(decode[c] for c in token) if token != "<|endoftext|>" else b""
+        if raw.isascii() and raw:
+            text = raw.decode()
+            words.update(w for w in (ascii_pre_tokens(text) or []) if w)
+    for text in [*topics.values(), *mixed_corpus]:
+        words.update(ascii_pre_tokens(text) or [])
+    rng = random.Random(0)
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789!#$%&()*+,-./:;<=>?@[]^_`{|}~"
+    for _ in range(20000):
+        random_text = (" " if rng.random() < 0.5 else "") + "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
+        words.update(ascii_pre_tokens(random_text))
+    words = sorted(words)
+    assert len(words) > 60000
+    assert encode_words(words) == tokenizer.tokenize_batch(words)
+
+
+def test_tiktoken_word_engine_refuses_files_not_in_merge_order(tmp_path):
+    import json
+
+    from mega.data.tokenizers.gpt2_bpe import bytes_to_unicode, tiktoken_word_encoder
+
+    vocab = {char: i for i, char in enumerate(bytes_to_unicode().values())}
+    vocab.update({"ab": 257, "abc": 256})  # ids not in merge order
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\nab c\n")
+    assert tiktoken_word_encoder(vocab, str(tmp_path / "merges.txt")) is None
+    vocab.update({"ab": 256, "abc": 257})
+    assert tiktoken_word_encoder(vocab, str(tmp_path / "merges.txt")) is not None
+    json.dumps(vocab)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 
 import numpy as np
 
@@ -28,7 +27,8 @@ from mega.data.index_cache import description_hash
 
 logger = logging.getLogger(__name__)
 
-_MIN_BLOCK = 256
+_MIN_BLOCK = 512
+_MAX_BLOCKS = 16384
 _BURN_IN = 128
 
 
@@ -55,28 +55,58 @@ def _guess_counts(weights: np.ndarray, starts: np.ndarray, caps: np.ndarray | No
 
 
 def _simulate(weights: np.ndarray, starts: np.ndarray, counts: np.ndarray, steps: int, caps: np.ndarray | None):
-    """Advance every block ``steps`` positions; returns (chosen datasets [blocks, steps], end counts)."""
-    counts = counts.astype(np.float64)  # exact for any realistic count, and saves a cast per step
+    """Advance every block ``steps`` positions from ``counts`` ([blocks, datasets]).
+
+    Returns the dataset chosen at each position ([blocks, steps]) and the counts at the end.
+    Each position is one whole-array step over all blocks, computing Megatron's error
+    ``weights[j] * max(i, 1) - counts[j]`` in float64 exactly as its C++ does and keeping the
+    first dataset with the largest error. Few datasets: one comparison per dataset over
+    contiguous rows; many: one argmax over the dataset axis.
+    """
     blocks, datasets = counts.shape
-    chosen = np.empty((blocks, steps), dtype=np.int16)
-    flat = counts.reshape(-1)
-    row_offsets = np.arange(blocks) * datasets
-    error = np.empty_like(counts)
+    state = np.ascontiguousarray(counts.T, dtype=np.float64)  # [datasets, blocks]; exact counts
+    limit = None if caps is None else caps.reshape(-1).astype(np.float64)
+    chosen = np.empty((steps, blocks), dtype=np.int16)
     position = starts.astype(np.float64)
     first_block = np.nonzero(starts == 0)[0]
+    best, error = np.empty(blocks), np.empty(blocks)
+    better = np.empty(blocks, dtype=bool)
+    pick = np.empty(blocks, dtype=np.int16)
+    columns = np.arange(blocks)
+    flat_state, flat_index = state.reshape(-1), np.empty(blocks, dtype=np.intp)
+    errors = np.empty((datasets, blocks)) if datasets > 8 else None
     for step in range(steps):
         if step < 2 and first_block.size:
-            # Positions 0 and 1 both count as 1 in Megatron's max(i, 1).
-            position[first_block] = 1.0
-        np.multiply.outer(position, weights, out=error)
-        error -= counts
-        if caps is not None:
-            error[counts >= caps] = -np.inf  # exhausted datasets take no more samples
-        pick = error.argmax(axis=1)
-        chosen[:, step] = pick
-        flat[row_offsets + pick] += 1
+            position[first_block] = 1.0  # positions 0 and 1 both count as 1: max(i, 1)
+        if datasets <= 8:
+            pick.fill(0)
+            for j in range(datasets):
+                target = best if j == 0 else error
+                np.multiply(weights[j], position, out=target)
+                target -= state[j]
+                if limit is not None:
+                    target[state[j] >= limit[j]] = -np.inf  # exhausted datasets take no more
+                if j:
+                    np.greater(error, best, out=better)
+                    np.maximum(best, error, out=best)
+                    np.copyto(pick, j, where=better)
+        else:
+            np.multiply.outer(weights, position, out=errors)
+            errors -= state
+            if limit is not None:
+                errors[state >= limit[:, None]] = -np.inf
+            pick[:] = errors.argmax(axis=0)
+        chosen[step] = pick
+        if datasets <= 8:
+            for j in range(datasets):  # cheaper than a scatter for a few datasets
+                np.equal(pick, j, out=better)
+                np.add(state[j], better, out=state[j])
+        else:
+            np.multiply(pick, blocks, out=flat_index)
+            flat_index += columns
+            flat_state[flat_index] += 1.0
         position += 1.0
-    return chosen, counts.astype(np.int64)
+    return np.ascontiguousarray(chosen.T), state.T.astype(np.int64)
 
 
 def build_blending_indices(weights, size: int, dataset_sizes=None) -> tuple[np.ndarray, np.ndarray]:
@@ -90,9 +120,10 @@ def build_blending_indices(weights, size: int, dataset_sizes=None) -> tuple[np.n
     caps = None if dataset_sizes is None else np.asarray(dataset_sizes, dtype=np.int64)[None, :]
     if size <= 0:
         return np.zeros(0, np.int16), np.zeros(0, np.int64)
-    # About sqrt(size) blocks of sqrt(size) positions balances numpy's per-call cost against the
-    # work per call.
-    block = max(_MIN_BLOCK, int(math.sqrt(size * weights.size)))
+    # Enough blocks that each numpy call has thousands of elements to work on, few enough that
+    # the blocks stay long compared with the burn-in before them.
+    blocks = max(1, min(size // _MIN_BLOCK, _MAX_BLOCKS))
+    block = -(-size // blocks)
     blocks = -(-size // block)
     starts = np.arange(blocks, dtype=np.int64) * block
     # Guess the counts a little before each block and run the recurrence up to the block's start:

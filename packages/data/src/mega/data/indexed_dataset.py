@@ -43,8 +43,9 @@ DTYPE_BY_CODE: dict[int, np.dtype] = {
 }
 CODE_BY_DTYPE = {dtype: code for code, dtype in DTYPE_BY_CODE.items()}
 
-# Copying scratch files and .bin data in pieces of this many bytes keeps memory flat.
-_COPY_CHUNK = 16 << 20
+# Copying scratch files and .bin data in pieces of this many bytes keeps memory flat (and small:
+# an 8 MiB dataset is read the same way as an 8 TiB one).
+_COPY_CHUNK = 1 << 20
 
 
 class IndexedDatasetError(ValueError):
@@ -332,7 +333,7 @@ class IndexedDatasetWriter:
             # Pointers are the running byte offsets of the lengths: computed piecewise with a carry.
             carry = 0
             with open(os.path.join(self._scratch, "lengths.i32"), "rb") as lengths:
-                while block := lengths.read(_COPY_CHUNK):
+                while block := lengths.read(_COPY_CHUNK // 8):
                     sizes = np.frombuffer(block, np.int32).astype(np.int64) * itemsize
                     ends = np.cumsum(sizes) + carry
                     index.write((ends - sizes).tobytes())

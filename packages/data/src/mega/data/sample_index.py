@@ -6,9 +6,8 @@
   for the shifted labels), so consecutive samples overlap by one token;
 * shuffle index: a permutation of the samples.
 
-Megatron builds the sample index with a C++ loop over documents; here it is one ``searchsorted``:
-sample ``k`` ends at global token ``k * sequence_length`` of the concatenated epochs, so its
-document is the one whose cumulative length first exceeds that position.
+Megatron builds the sample index with a C++ loop over documents; here it is a few whole-array
+numpy operations (see :func:`build_sample_index`), as fast and with the same result.
 """
 
 from __future__ import annotations
@@ -75,23 +74,32 @@ def build_sample_index(
         num_samples = int(math.ceil(np.float32(total - extra) / np.float32(sequence_length)))
     dtype = np.int32 if max(len(document_index), int(sequence_lengths.max(initial=0))) <= np.iinfo(np.int32).max else np.int64
 
-    lengths = np.asarray(sequence_lengths)[document_index].astype(np.int64)
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    boundaries = np.arange(1, num_samples + 1, dtype=np.int64) * sequence_length
-    # The document holding the last token a sample consumes (boundary + extra - 1); the next
-    # sample starts at the boundary, an offset into that same document.
-    position = np.searchsorted(ends, boundaries + (extra - 1), side="right")
+    lengths = np.asarray(sequence_lengths)[document_index]
+    ends = lengths.astype(np.int64)
+    np.cumsum(ends, out=ends)
+    # Sample k (k >= 1) starts at token k * L of the concatenated documents, inside the document
+    # that holds the last token sample k - 1 consumes, k * L + extra - 1. With
+    # q(x) = floor((x - extra) / L), document d holds q(end_d) - q(start_d) such values of k
+    # (counting k = 0 too when extra is 1, which the slice below drops), so the document of every
+    # sample start is one np.repeat: O(documents + samples), like Megatron's C++ loop.
+    q = ends - extra
+    q //= sequence_length
+    counts = np.diff(q, prepend=(0 - extra) // sequence_length)
+    position = np.repeat(np.arange(len(document_index), dtype=dtype), counts)[extra : num_samples + extra]
+    found = len(position)
     index = np.empty((num_samples + 1, 2), dtype=dtype)
     index[0] = 0
-    past_end = position >= len(document_index)
-    position = np.minimum(position, len(document_index) - 1)
-    index[1:, 0] = position
-    index[1:, 1] = boundaries - starts[position]
-    if past_end.any():
+    index[1 : found + 1, 0] = position
+    # offset = k * L - start of the document = k * L - end + length
+    offsets = np.arange(sequence_length, (found + 1) * sequence_length, sequence_length, dtype=np.int64)
+    offsets -= ends[position]
+    offsets += lengths[position]
+    index[1 : found + 1, 1] = offsets
+    if found < num_samples:
         # Only the last, partial sample (kept when not dropping it) runs out of documents; it
         # ends where the data ends.
-        index[1:, 1][past_end] = lengths[-1] - extra
+        index[found + 1 :, 0] = len(document_index) - 1
+        index[found + 1 :, 1] = lengths[-1] - extra
     return index
 
 

@@ -32,8 +32,10 @@ def build_optimizer(models: list[nn.Module], groups: ParallelGroups, config: Opt
     """
     if config.optimizer == "adam":
         def make(groups_):
+            # foreach: one kernel per step for all tensors; torch picks it only on GPUs by default,
+            # but it is faster on the CPU too (fewer per-tensor dispatches).
             return torch.optim.AdamW(groups_, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                     eps=config.adam_eps, weight_decay=config.weight_decay)
+                                     eps=config.adam_eps, weight_decay=config.weight_decay, foreach=True)
     elif config.optimizer == "sgd":
         def make(groups_):
             return torch.optim.SGD(groups_, lr=config.lr, momentum=config.sgd_momentum,

@@ -5,7 +5,8 @@ The reference is the `tokenizers` library configured as transformers' GPT2Tokeni
 (byte-level pre-tokenizer without a prefix space, ``<|endoftext|>`` a special token), which is
 what Megatron's GPT2BPETokenizer wraps. Batches go through :class:`PieceCache`, which returns the
 reference's ids several times faster on real text; for ASCII text it also caches GPT-2's
-pre-tokens, so the reference only ever sees words it has not seen before.
+pre-tokens, and encodes new ones with tiktoken's BPE core (with the same ranks, checked to agree
+with the reference), so the reference sees only non-ASCII pieces it has not seen before.
 """
 
 from __future__ import annotations
@@ -27,6 +28,51 @@ _WS = "\t\n\x0b\x0c\r "
 _ASCII_PRE_TOKENS = re.compile(
     rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+|[{_WS}]+(?![^{_WS}])|[{_WS}]+"
 )
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (its vocab.json is written in it)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def tiktoken_word_encoder(vocab: dict[str, int], merge_file: str):
+    """A fast encoder for single GPT-2 pre-tokens: tiktoken's BPE core with the files' ranks.
+
+    tiktoken merges the adjacent pair whose concatenation has the lowest rank, `tokenizers` the
+    pair listed first in the merges file; the two agree when every token's id is its merge's
+    position (after the 256 bytes), which is how GPT-2's files are made (tiktoken's own
+    ``data_gym_to_mergeable_bpe_ranks`` checks the same). For files that are not so ordered, or
+    without tiktoken, this returns ``None`` and the reference encodes the words.
+    """
+    try:
+        import tiktoken
+    except ImportError:
+        return None
+    with open(merge_file, encoding="utf-8") as stream:
+        merges = [line.split() for line in stream.read().splitlines()[1:] if line and not line.startswith("#version")]
+    byte_tokens = bytes_to_unicode()
+    if any(vocab.get(char, 256) >= 256 for char in byte_tokens.values()):
+        return None  # the 256 single bytes must be the first ids (in any order)
+    for position, pair in enumerate(merges):
+        if len(pair) != 2 or vocab.get(pair[0] + pair[1]) != 256 + position:
+            return None
+    decode = {char: byte for byte, char in byte_tokens.items()}
+    ranks = {bytes(decode[c] for c in token): token_id for token, token_id in vocab.items() if token != END_OF_TEXT}
+    if len(ranks) != 256 + len(merges):
+        return None
+    encoding = tiktoken.Encoding(
+        name="mega-gpt2-words",
+        pat_str=r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+        mergeable_ranks=ranks,
+        special_tokens={},
+    )
+
+    def encode_words(words: list[str]) -> list[list[int]]:
+        return [encoding.encode_ordinary(word) for word in words]
+
+    return encode_words
 
 
 def ascii_pre_tokens(text: str) -> list[str] | None:
@@ -66,6 +112,7 @@ class GPT2BPETokenizer(BaseTokenizer):
         self.reference = tokenizer
         self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._caches: dict[np.dtype, PieceCache] = {}
+        self._encode_words = tiktoken_word_encoder(vocab, merge_file)
 
     @property
     def vocab_size(self) -> int:
@@ -88,5 +135,5 @@ class GPT2BPETokenizer(BaseTokenizer):
         dtype = np.dtype(dtype)
         cache = self._caches.get(dtype)
         if cache is None:
-            cache = self._caches[dtype] = PieceCache(self.tokenize_batch, dtype, ascii_pre_tokens)
+            cache = self._caches[dtype] = PieceCache(self.tokenize_batch, dtype, ascii_pre_tokens, self._encode_words)
         return cache.encode_packed(texts)
