@@ -214,6 +214,24 @@ def test_blending_indices_equal_megatron_helper(datasets):
         np.testing.assert_array_equal(got_sample, expected_sample)
 
 
+@pytest.mark.parametrize("datasets", [4, 12])  # both ways of choosing (per-dataset compare, argmax)
+def test_blending_indices_at_scale_take_one_pass(monkeypatch, datasets):
+    """Thousands of blocks: exact, and the burn-in makes every block's start right the first time."""
+    import mega.data.blending as blending
+
+    calls = []
+    simulate = blending._simulate
+    monkeypatch.setattr(blending, "_simulate", lambda *args: calls.append(len(args[1])) or simulate(*args))
+    size = 2_000_000
+    weights = normalize(np.arange(1, datasets + 1) ** 1.5)
+    expected_index, expected_sample = np.zeros(size, np.int16), np.zeros(size, np.int64)
+    megatron_helpers.build_blending_indices(expected_index, expected_sample, np.array(weights), datasets, size, False)
+    got_index, got_sample = build_blending_indices(weights, size)
+    np.testing.assert_array_equal(got_index, expected_index)
+    np.testing.assert_array_equal(got_sample, expected_sample)
+    assert len(calls) == 2 and calls[0] > 3000  # the burn-in and the one pass, over all blocks
+
+
 def test_exhaustive_blending_equals_megatron_helper():
     rng = np.random.default_rng(3)
     for datasets in (1, 2, 5):

@@ -112,7 +112,6 @@ def test_tiktoken_word_engine_equals_reference(gpt2_files, mixed_corpus):
     corpus, and random words of letters, digits and punctuation."""
     import json
     import random
-
     from pydoc_data.topics import topics
 
     from mega.data.tokenizers.gpt2_bpe import bytes_to_unicode, tiktoken_word_encoder
@@ -142,8 +141,6 @@ def test_tiktoken_word_engine_equals_reference(gpt2_files, mixed_corpus):
 
 
 def test_tiktoken_word_engine_refuses_files_not_in_merge_order(tmp_path):
-    import json
-
     from mega.data.tokenizers.gpt2_bpe import bytes_to_unicode, tiktoken_word_encoder
 
     vocab = {char: i for i, char in enumerate(bytes_to_unicode().values())}
@@ -152,4 +149,3 @@ def test_tiktoken_word_engine_refuses_files_not_in_merge_order(tmp_path):
     assert tiktoken_word_encoder(vocab, str(tmp_path / "merges.txt")) is None
     vocab.update({"ab": 256, "abc": 257})
     assert tiktoken_word_encoder(vocab, str(tmp_path / "merges.txt")) is not None
-    json.dumps(vocab)

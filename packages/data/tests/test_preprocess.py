@@ -88,10 +88,11 @@ def test_split_sentences_and_keep_newlines(tmp_path, jsonl_of, mixed_corpus, gpt
     source = jsonl_of(tmp_path / "in.jsonl", rows)
     for keep in (False, True):
         prefix = tmp_path / f"keep{keep}"
-        flags = ["--keep-newlines"] if keep else []
+        flags = ["--keep-newlines", "--append-eod"] if keep else []
         assert mega(["preprocess", "--input", str(source), "--output-prefix", str(prefix), "--split-sentences",
                      "--workers", "1", *flags, *gpt2_flags]) == 0
-        expected = megatron_way(rows, gpt2, tmp_path / f"expected{keep}", splitter=lambda t, k=keep: split_sentences(t, k))
+        expected = megatron_way(rows, gpt2, tmp_path / f"expected{keep}", append_eod=keep,
+                                splitter=lambda t, k=keep: split_sentences(t, k))
         assert_same_files(f"{prefix}_text_sentence", expected["text"])
     with_newlines = IndexedDataset(tmp_path / "keepTrue_text_sentence")
     assert with_newlines.num_documents == len(rows) and len(with_newlines) > len(rows)
@@ -171,10 +172,10 @@ def test_malformed_line_fails_with_file_and_line_and_leaves_nothing(tmp_path, gp
 
 
 def test_bad_rows_of_every_kind(tmp_path, gpt2_flags, capsys):
-    lines = ['["a list"]', '{"text": null}', '{"text": "\\ud800 lone surrogate"}', '{"text": ["ok", 5]}', "\x80\x81 not utf-8", ""]
+    lines = ['["a list"]', '{"text": null}', '{"text": "\\ud800 lone surrogate"}', '{"text": ["ok", 5]}',
+             "\x80\x81 not utf-8", '{"text": "the one good line"}', ""]
     source = tmp_path / "bad.jsonl"
-    source.write_bytes("\n".join(lines).encode("utf-8", "surrogateescape") if False else b"\n".join(
-        line.encode("latin-1") if "\x80" in line else line.encode() for line in lines))
+    source.write_bytes(b"\n".join(line.encode("latin-1") if "\x80" in line else line.encode() for line in lines))
     assert mega(["preprocess", "--input", str(source), "--output-prefix", str(tmp_path / "o"), "--workers", "1",
                  "--skip-bad-lines", *gpt2_flags]) == 0
     error = capsys.readouterr().err
@@ -182,6 +183,15 @@ def test_bad_rows_of_every_kind(tmp_path, gpt2_flags, capsys):
     for fragment in ("expected a JSON object, got list", "field 'text' is null", "unpaired surrogate",
                      "holding something other than strings", ":5: invalid JSON"):
         assert fragment in error
+
+
+def test_input_without_tokens_is_an_error(tmp_path, gpt2_flags, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n\n')
+    for name in ("empty.jsonl", "blank.jsonl"):
+        assert mega(["preprocess", "--input", str(tmp_path / name), "--output-prefix", str(tmp_path / "o"), "--workers", "1", *gpt2_flags]) == 1
+        assert "no tokens to write" in capsys.readouterr().err
+    assert outputs(tmp_path) == []
 
 
 def test_tokenizer_errors_are_reported_per_line(tmp_path, capsys):
@@ -233,8 +243,9 @@ def test_interrupted_run_leaves_nothing_behind(tmp_path, mixed_corpus, gpt2_flag
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode != 0
+    assert process.returncode == 128 + signal.SIGTERM, stderr.decode()[-2000:]
     assert outputs(tmp_path) == []
+    assert "interrupted by SIGTERM; no output was written" in stderr.decode()
     assert "docs" in stderr.decode()  # the progress line was drawn (forced on with --progress always)
 
 

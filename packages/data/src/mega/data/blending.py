@@ -102,7 +102,7 @@ def _simulate(weights: np.ndarray, starts: np.ndarray, counts: np.ndarray, steps
                 np.equal(pick, j, out=better)
                 np.add(state[j], better, out=state[j])
         else:
-            np.multiply(pick, blocks, out=flat_index)
+            np.multiply(pick, blocks, out=flat_index, dtype=np.intp)  # (int16 would overflow)
             flat_index += columns
             flat_state[flat_index] += 1.0
         position += 1.0

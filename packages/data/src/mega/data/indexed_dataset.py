@@ -358,6 +358,11 @@ class IndexedDatasetWriter:
                 stream.close()
         self._remove_scratch()
 
+    def remove_files(self) -> None:
+        """Delete what has been written without closing anything: safe from a signal handler
+        that may have interrupted a write (closing the file there would be a reentrant call)."""
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
     def _remove_scratch(self) -> None:
         if not self._closed:
             shutil.rmtree(self._scratch, ignore_errors=True)

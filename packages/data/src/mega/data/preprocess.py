@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -42,6 +43,9 @@ class PreprocessConfig:
     skip_bad_lines: bool = False
     block_bytes: int = 1 << 20
     progress: bool | None = None  # None: only on a terminal
+    # Command-line use: on Ctrl-C or SIGTERM, stop the workers, delete the partial output and
+    # exit at once (the signal may land anywhere, even inside the pool's own locks).
+    exit_on_signals: bool = False
 
 
 @dataclass
@@ -125,6 +129,8 @@ def _pool_context():
 
 
 def preprocess(config: PreprocessConfig, tokenizer=None) -> PreprocessResult:
+    """Run the pipeline; ``tokenizer`` (optional) replaces building one from the config (the
+    workers share it when processes fork, and build their own from the config otherwise)."""
     global _ENCODER
     if not config.inputs:
         raise InputError("no input files")
@@ -141,6 +147,7 @@ def preprocess(config: PreprocessConfig, tokenizer=None) -> PreprocessResult:
     progress = Progress(total_bytes, config.progress)
     writers: dict[str, IndexedDatasetWriter] = {}
     pool = None
+    previous_handlers = _exit_on_signals(writers) if config.exit_on_signals else {}
     try:
         for key, prefix in outputs.items():
             writers[key] = IndexedDatasetWriter(prefix, encoder.settings.dtype)
@@ -163,6 +170,12 @@ def preprocess(config: PreprocessConfig, tokenizer=None) -> PreprocessResult:
             result.tokens += encoded.tokens
             position = None if encoded.progress_bytes is None else done_bytes + encoded.progress_bytes
             progress.update(encoded.documents, encoded.tokens, position)
+        if result.tokens == 0:
+            # (megatron-core cannot even open a dataset without tokens: it memory-maps the .bin)
+            raise InputError(
+                f"{', '.join(config.inputs)}: no tokens to write ({result.documents} documents"
+                f"{f', {result.bad_rows} bad lines skipped' if result.bad_rows else ''})"
+            )
         # Everything is written: first all indices, then all renames, so that a failure while
         # writing one key's index leaves no key's dataset behind.
         for writer in writers.values():
@@ -180,6 +193,8 @@ def preprocess(config: PreprocessConfig, tokenizer=None) -> PreprocessResult:
     finally:
         _ENCODER = None
         progress.close()
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
     if pool is not None:
         pool.close()
         pool.join()
@@ -190,6 +205,7 @@ def preprocess(config: PreprocessConfig, tokenizer=None) -> PreprocessResult:
 def _account_bad_rows(encoded: EncodedBlock, config: PreprocessConfig, result: PreprocessResult) -> None:
     if not encoded.bad_rows:
         return
+
     def location(number: int) -> str:
         return f"{encoded.path}:{number}" if encoded.unit == "line" else f"{encoded.path}:row {number}"
 
@@ -201,7 +217,20 @@ def _account_bad_rows(encoded: EncodedBlock, config: PreprocessConfig, result: P
         result.first_bad_rows.append(f"{location(number)}: {reason}")
 
 
-def install_sigterm_handler() -> None:
-    """Turn SIGTERM into SystemExit so that ``preprocess`` cleans up as it does for Ctrl-C."""
-    if multiprocessing.current_process().name == "MainProcess":
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+def _exit_on_signals(writers: dict[str, IndexedDatasetWriter]) -> dict:
+    """Install SIGINT/SIGTERM handlers that clean up and exit; returns the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, frame):
+        # The workers are left alone: once this process is gone they read end-of-file from the
+        # task pipe and exit. (Killing them here could kill one holding the pool's queue lock, and
+        # the pool would fork replacements that wait for that lock for ever.)
+        for writer in writers.values():
+            writer.remove_files()
+        name = signal.Signals(signum).name
+        sys.stderr.write(f"\nmega preprocess: interrupted by {name}; no output was written\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    return {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}

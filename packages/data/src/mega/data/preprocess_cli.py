@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from mega.core.plugins import PluginError
     from mega.data.indexed_dataset import IndexedDatasetError
-    from mega.data.preprocess import PreprocessConfig, install_sigterm_handler, preprocess
+    from mega.data.preprocess import PreprocessConfig, preprocess
     from mega.data.sources import InputError
     from mega.data.tokenizers.base import TokenizerError
 
@@ -95,8 +95,8 @@ def main(argv: list[str]) -> int:
         skip_bad_lines=args.skip_bad_lines,
         block_bytes=args.block_size,
         progress={"auto": None, "always": True, "never": False}[args.progress],
+        exit_on_signals=True,
     )
-    install_sigterm_handler()
     try:
         result = preprocess(config)
     except (InputError, TokenizerError, IndexedDatasetError, PluginError, OSError) as error:

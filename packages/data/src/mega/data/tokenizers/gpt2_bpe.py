@@ -58,8 +58,11 @@ def tiktoken_word_encoder(vocab: dict[str, int], merge_file: str):
     for position, pair in enumerate(merges):
         if len(pair) != 2 or vocab.get(pair[0] + pair[1]) != 256 + position:
             return None
-    decode = {char: byte for byte, char in byte_tokens.items()}
-    ranks = {bytes(decode[c] for c in token): token_id for token, token_id in vocab.items() if token != END_OF_TEXT}
+    # Map each printable stand-in back to its byte (as a latin-1 character), then encode.
+    to_latin1 = str.maketrans({char: chr(byte) for byte, char in byte_tokens.items()})
+    ranks = {
+        token.translate(to_latin1).encode("latin-1"): token_id for token, token_id in vocab.items() if token != END_OF_TEXT
+    }
     if len(ranks) != 256 + len(merges):
         return None
     encoding = tiktoken.Encoding(

@@ -11,8 +11,8 @@ so a dictionary from piece to ids answers most of them without running the token
 Every id still comes from the reference tokenizer: a piece missing from the cache is encoded by
 it, in one batch per call. What this module decides is only where the cuts go, and that depends
 solely on which characters are whitespace. Optionally (GPT-2), a missed piece is first split into
-the tokenizer's own pre-tokens by a ``split_words`` function, so that only never-seen *words*
-reach the reference.
+the tokenizer's own pre-tokens by a ``split_words`` function, so that only never-seen *words* are
+encoded, by the reference or by a faster engine the tests prove equal to it (``encode_words``).
 
 ``tests/test_piece_cache.py`` checks the result against the reference tokenizer for every code
 point in whitespace-sensitive positions and on a mixed-unicode corpus.
@@ -111,9 +111,10 @@ class PieceCache:
     tokenizer on whole texts. ``split_words(piece) -> list[str] | None``, if given, must return the
     tokenizer's pre-tokens of a piece, or ``None`` where it cannot be sure (then the whole piece
     goes to the reference); ``encode_words``, if given, encodes such pre-tokens (faster than the
-    reference, and exactly like it). Cached ids are stored as bytes in ``dtype`` so that a text's ids are
-    one ``bytes.join`` away. Each cache keeps at most two generations of ``generation_size``
-    entries (about 150 bytes each), so memory is bounded however much text goes through.
+    reference, and exactly like it). Cached ids are stored as bytes in ``dtype`` so that a text's
+    ids are one ``bytes.join`` away. Each cache keeps at most two generations of about
+    ``generation_size`` entries (some 150 bytes each), so memory is bounded however much text
+    goes through.
     """
 
     def __init__(
@@ -124,12 +125,12 @@ class PieceCache:
         encode_words: Callable[[list[str]], list[list[int]]] | None = None,
         generation_size: int = 25_000,
     ):
-        # Generation sizes: pieces after a space repeat most and are worth the most memory; words
-        # (only for missed pieces) and first pieces of texts much less so.
         self._encode_batch = encode_batch
         self._split_words = split_words
         self._encode_words = encode_words or encode_batch
         self.dtype = np.dtype(dtype)
+        # Pieces after a space repeat most and are worth the most memory; words (looked up only
+        # for missed pieces) and the first pieces of texts much less.
         self._first = _Generations(generation_size // 5)  # pieces at the start of a text
         self._spaced = _Generations(generation_size)  # pieces after a lone space, keyed without it
         self._words = _Generations(generation_size // 2)  # pre-tokens of missed pieces (with split_words)
