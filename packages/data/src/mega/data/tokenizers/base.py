@@ -58,3 +58,28 @@ class BaseTokenizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+class LibraryTokenizer(BaseTokenizer):
+    """A tokenizer whose ids come from a ``tokenizers.Tokenizer`` held in ``self.reference``.
+
+    Subclasses load ``reference`` and set ``_vocab_size`` and ``_eod``; special tokens written in
+    text encode as their ids, and detokenizing keeps them.
+    """
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.reference.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.reference.encode_batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.reference.decode(list(ids), skip_special_tokens=False)

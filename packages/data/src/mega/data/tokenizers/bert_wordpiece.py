@@ -8,12 +8,10 @@ puts at the end of a segment.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from mega.data.tokenizers.base import BaseTokenizer, TokenizerError, require_file
+from mega.data.tokenizers.base import LibraryTokenizer, TokenizerError, require_file
 
 
-class BertWordPieceTokenizer(BaseTokenizer):
+class BertWordPieceTokenizer(LibraryTokenizer):
     lower_case = True
     name = "BertWordPieceLowerCase"
 
@@ -40,23 +38,6 @@ class BertWordPieceTokenizer(BaseTokenizer):
         self._vocab_size = len(vocab)
         self.cls, self.sep, self.mask, self.pad = (vocab[t] for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]"))
         self._eod = self.sep
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.reference.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.reference.encode_batch(list(texts), add_special_tokens=False)]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self.reference.decode(list(ids), skip_special_tokens=False)
 
 
 class BertWordPieceLowerCase(BertWordPieceTokenizer):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mega.data.tokenizers.base import BaseTokenizer, TokenizerError, require_file
+from mega.data.tokenizers.base import LibraryTokenizer, TokenizerError, require_file
 from mega.data.tokenizers.piece_cache import PieceCache
 
 END_OF_TEXT = "<|endoftext|>"
@@ -86,7 +86,7 @@ def ascii_pre_tokens(text: str) -> list[str] | None:
     return _ASCII_PRE_TOKENS.findall(text)
 
 
-class GPT2BPETokenizer(BaseTokenizer):
+class GPT2BPETokenizer(LibraryTokenizer):
     def __init__(self, vocab_file: str | None, merge_file: str | None):
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -116,23 +116,6 @@ class GPT2BPETokenizer(BaseTokenizer):
         self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._caches: dict[np.dtype, PieceCache] = {}
         self._encode_words = tiktoken_word_encoder(vocab, merge_file)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.reference.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.reference.encode_batch(list(texts), add_special_tokens=False)]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self.reference.decode(list(ids), skip_special_tokens=False)
 
     def tokenize_packed(self, texts: Sequence[str], dtype) -> tuple[np.ndarray, np.ndarray]:
         dtype = np.dtype(dtype)

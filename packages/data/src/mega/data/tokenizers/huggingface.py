@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mega.data.tokenizers.base import BaseTokenizer, TokenizerError
+from mega.data.tokenizers.base import LibraryTokenizer, TokenizerError
 from mega.data.tokenizers.piece_cache import WHITESPACE, PieceCache
 
 _EOD_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]", "<|im_end|>")
@@ -61,7 +61,7 @@ def _uses_piece_local_byte_level(tokenizer) -> bool:
     return True
 
 
-class HuggingFaceTokenizer(BaseTokenizer):
+class HuggingFaceTokenizer(LibraryTokenizer):
     def __init__(self, tokenizer_model: str | None):
         from tokenizers import Tokenizer
 
@@ -108,23 +108,6 @@ class HuggingFaceTokenizer(BaseTokenizer):
         self._vocab_size = self.reference.get_vocab_size(with_added_tokens=True)
         self._piece_local = _uses_piece_local_byte_level(self.reference)
         self._caches: dict[np.dtype, PieceCache] = {}
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.reference.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.reference.encode_batch(list(texts), add_special_tokens=False)]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self.reference.decode(list(ids), skip_special_tokens=False)
 
     def tokenize_packed(self, texts: Sequence[str], dtype) -> tuple[np.ndarray, np.ndarray]:
         if not self._piece_local:
