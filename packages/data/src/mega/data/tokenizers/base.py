@@ -3,6 +3,7 @@ the batch encoders ``mega preprocess`` uses, and the checks that turn a bad flag
 
 from __future__ import annotations
 
+import abc
 import os
 from collections.abc import Sequence
 from itertools import chain
@@ -23,8 +24,9 @@ def require_file(path: str | None, flag: str, tokenizer: str, what: str) -> str:
     return path
 
 
-class BaseTokenizer:
-    """Defaults for the optional parts of the interface; subclasses set the ids they have."""
+class BaseTokenizer(abc.ABC):
+    """The interface every tokenizer implements, with defaults for its optional parts
+    (subclasses set the special ids they have)."""
 
     pad: int | None = None
     bos: int | None = None
@@ -33,18 +35,22 @@ class BaseTokenizer:
     mask: int | None = None
 
     @property
+    @abc.abstractmethod
     def vocab_size(self) -> int:
-        raise NotImplementedError
+        ...
 
     @property
+    @abc.abstractmethod
     def eod(self) -> int:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def tokenize(self, text: str) -> list[int]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def detokenize(self, ids: Sequence[int]) -> str:
-        raise NotImplementedError
+        ...
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.tokenize(text) for text in texts]
