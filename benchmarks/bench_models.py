@@ -26,6 +26,16 @@ from mega.models import hf_mapping  # noqa: E402
 from mega.models.family import build_language_model  # noqa: E402
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and batch shape flags that hf_configs reads (shared with bench_training.py)."""
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+
+
 def hf_configs(args) -> dict:
     h, layers, heads, vocab, seq = args.hidden, args.layers, args.heads, args.vocab, args.seq
     return {
@@ -84,12 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=["gpt", "llama", "both"], default="both")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="both")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
+    add_shape_arguments(parser)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", action="store_true")

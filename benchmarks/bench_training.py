@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from bench_models import hf_configs  # noqa: E402  (the same shapes as the forward/backward benchmark)
+from bench_models import add_shape_arguments, hf_configs  # noqa: E402  (the same shapes as bench_models)
 
 from mega.core.plugins import hookimpl, load_plugins  # noqa: E402
 from mega.core.training.command import parse_run  # noqa: E402
@@ -90,12 +90,7 @@ def hf_step_times(args, family: str, steps: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--family", choices=["gpt", "llama", "both"], default="both")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
+    add_shape_arguments(parser)
     parser.add_argument("--steps", type=int, default=6, help="steps per round (the first is not timed)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
