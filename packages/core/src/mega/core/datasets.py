@@ -35,3 +35,4 @@ class TrainingData:
     valid: Any = None
     test: Any = None
     tokenizer: Any = None  # set when the builder chose the tokenizer itself
+    tokenizer_spec: Any = None  # a mega.core.tokenizer.TokenizerSpec rebuilding ``tokenizer`` (for checkpoints)

@@ -20,6 +20,13 @@ def register_commands(register):
         ),
     )
     register(
+        "checkpoint info",
+        Command(
+            help="show a checkpoint's iteration, layout, model, size and completeness",
+            main="mega.core.checkpoint.info_command:main",
+        ),
+    )
+    register(
         "bench comm",
         Command(
             help="measure collectives (all_reduce, all_gather, ...) the nccl-tests way",

@@ -22,6 +22,16 @@ class TokenizerOptions:
     vocab_size: int | None = None
 
 
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """How to rebuild a tokenizer: its registered ``--tokenizer-type`` and the options it was made
+    with. Checkpoints carry one (with the option files copied beside the weights) so generation
+    and conversion use the tokenizer the model was trained with."""
+
+    type: str
+    options: TokenizerOptions
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     """What training, preprocessing and generation need from a tokenizer.

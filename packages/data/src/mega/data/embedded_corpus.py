@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from mega.core.datasets import DatasetRequest, TrainingData
-from mega.core.tokenizer import TokenizerOptions
+from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
 from mega.data.distributed import current_rank_context
 from mega.data.preprocess import PreprocessConfig, output_prefixes, preprocess
 from mega.data.training_data import gpt_datasets
@@ -89,8 +89,9 @@ def pydoc_topics_datasets(request: DatasetRequest) -> TrainingData:
     if context.rank == 0:
         prepare(directory)
     context.barrier()
-    tokenizer = HuggingFaceTokenizer(str(directory / "tokenizer.json"))
+    spec = TokenizerSpec("HuggingFaceTokenizer", TokenizerOptions(tokenizer_model=str(directory / "tokenizer.json")))
+    tokenizer = HuggingFaceTokenizer(spec.options.tokenizer_model)
     prefix = directory / output_prefixes("pydoc", ("text",), False)["text"]
     data = gpt_datasets(dataclasses.replace(request, data_path=[str(prefix)], tokenizer=tokenizer))
-    data.tokenizer = tokenizer
+    data.tokenizer, data.tokenizer_spec = tokenizer, spec
     return data

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mega.core.parallel.param_attrs import mark_padded_vocab
 from mega.models.config import TransformerConfig
 
 
@@ -18,6 +19,7 @@ class Embedding(nn.Module):
     def __init__(self, config: TransformerConfig, padded_vocab_size: int, words_only: bool = False):
         super().__init__()
         self.word_embeddings = nn.Embedding(padded_vocab_size, config.hidden_size)
+        mark_padded_vocab(self.word_embeddings.weight)
         learned = config.position_embedding_type == "learned_absolute" and not words_only
         self.position_embeddings = (
             nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None

@@ -58,10 +58,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             return []
         model_view = buffer.param_data[lo:hi]
         grad_view = buffer.grad_data[lo:hi]
+        flat_range = (lo - start, hi - start)
         if model_view.dtype == torch.float32:
             # fp32: the owned slice of the model parameter is itself the main parameter.
-            return [MainParam(param, nn.Parameter(model_view), lambda: grad_view, None)]
-        return [MainParam(param, nn.Parameter(model_view.float().clone()), lambda: grad_view, model_view)]
+            return [MainParam(param, nn.Parameter(model_view), lambda: grad_view, None, flat_range)]
+        main = nn.Parameter(model_view.float().clone())
+        return [MainParam(param, main, lambda: grad_view, model_view, flat_range)]
 
     def step(self) -> StepResult:
         result = super().step()

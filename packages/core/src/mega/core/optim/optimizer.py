@@ -48,6 +48,9 @@ class MainParam:
     main: nn.Parameter
     grad: Callable[[], torch.Tensor | None]  # this step's gradient of ``main``, any dtype
     model_view: torch.Tensor | None  # model storage to copy ``main`` back into; None if shared
+    # The elements of the flattened model parameter ``main`` holds (the distributed optimizer's
+    # slice); None when it holds the whole parameter in the parameter's shape.
+    flat_range: tuple[int, int] | None = None
 
 
 class MixedPrecisionOptimizer:

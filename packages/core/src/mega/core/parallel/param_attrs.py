@@ -16,6 +16,9 @@ where it has one, so readers of either code base recognise them.
   :func:`mega.core.pipeline.tied.tie_across_stages`); with the distributed optimizer it gets a
   bucket of its own, so both stages shard it alike and the cross-stage gradient sum after the
   data-parallel reduce-scatter is right on every owned slice.
+* ``padded_vocab`` (bool): dimension 0 is the vocabulary, padded as the layout pads it
+  (``--make-vocab-size-divisible-by`` x tp), so its global size differs between layouts;
+  checkpoints load the rows two layouts share and zero the rest.
 * ``shared`` (bool): a copy of a parameter another pipeline stage owns (tied word embeddings on
   the last stage); its gradient is synchronised with the owner's and it is not counted twice.
 """
@@ -49,6 +52,14 @@ def mark_expert_parallel(param: torch.Tensor) -> None:
 
 def is_expert_parallel(param: torch.Tensor) -> bool:
     return getattr(param, "expert_parallel", False)
+
+
+def mark_padded_vocab(param: torch.Tensor) -> None:
+    param.padded_vocab = True
+
+
+def is_padded_vocab(param: torch.Tensor) -> bool:
+    return getattr(param, "padded_vocab", False)
 
 
 def is_shared_copy(param: torch.Tensor) -> bool:

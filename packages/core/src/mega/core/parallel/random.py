@@ -64,13 +64,13 @@ class RNGStatesTracker:
     def fork(self, name: str = MODEL_PARALLEL) -> Iterator[None]:
         if name not in self._states:
             raise KeyError(f"RNG state {name!r} was never added (have: {', '.join(self._states) or 'none'})")
-        outside = _get_device_state(self.device)
-        _set_device_state(self.device, self._states[name])
+        outside = get_device_rng_state(self.device)
+        set_device_rng_state(self.device, self._states[name])
         try:
             yield
         finally:
-            self._states[name] = _get_device_state(self.device)
-            _set_device_state(self.device, outside)
+            self._states[name] = get_device_rng_state(self.device)
+            set_device_rng_state(self.device, outside)
 
 
 def _device_module(device: torch.device):
@@ -78,13 +78,13 @@ def _device_module(device: torch.device):
     return getattr(torch, device.type)
 
 
-def _get_device_state(device: torch.device) -> torch.Tensor:
+def get_device_rng_state(device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return torch.get_rng_state()
     return _device_module(device).get_rng_state(device)
 
 
-def _set_device_state(device: torch.device, state: torch.Tensor) -> None:
+def set_device_rng_state(device: torch.device, state: torch.Tensor) -> None:
     if device.type == "cpu":
         torch.set_rng_state(state)
     else:

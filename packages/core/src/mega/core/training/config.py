@@ -26,6 +26,9 @@ class TrainingConfig:
         None, "accepted from DeepSpeed-style scripts; must agree with the global batch size"
     )
     train_iters: int = option(100, "optimizer steps to train")
+    exit_interval: int | None = option(
+        None, "stop after an iteration divisible by N (saving a checkpoint first under --save)"
+    )
     seed: int = option(1234, "random seed")
     eval_interval: int = option(1000, "evaluate every N iterations")
     eval_iters: int = option(10, "micro-batch iterations per evaluation")

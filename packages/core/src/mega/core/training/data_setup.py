@@ -7,19 +7,22 @@ import dataclasses
 from mega.core.config import ConfigError
 from mega.core.datasets import DatasetRequest, TrainingData
 from mega.core.plugins import Plugins
-from mega.core.tokenizer import TokenizerOptions
+from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
 from mega.core.training.run_config import Derived, RunConfig
 
 
-def build_tokenizer(run: RunConfig, plugins: Plugins):
+def tokenizer_spec(run: RunConfig) -> TokenizerSpec | None:
     data = run.data
     if data.tokenizer_type is None:
         return None
-    factory = plugins.tokenizers.get(data.tokenizer_type)
-    return factory(TokenizerOptions(
+    return TokenizerSpec(data.tokenizer_type, TokenizerOptions(
         vocab_file=data.vocab_file, merge_file=data.merge_file, tokenizer_model=data.tokenizer_model,
         vocab_size=run.model.vocab_size,
     ))
+
+
+def build_tokenizer(spec: TokenizerSpec | None, plugins: Plugins):
+    return None if spec is None else plugins.tokenizers.get(spec.type)(spec.options)
 
 
 def dataset_name(run: RunConfig) -> str:
@@ -41,7 +44,8 @@ def sample_counts(run: RunConfig, derived: Derived) -> tuple[int, int, int]:
 
 def build_datasets(run: RunConfig, derived: Derived, plugins: Plugins) -> tuple[RunConfig, TrainingData]:
     """The run (its vocabulary now the tokenizer's) and its train/valid/test data."""
-    tokenizer = build_tokenizer(run, plugins)
+    spec = tokenizer_spec(run)
+    tokenizer = build_tokenizer(spec, plugins)
     if tokenizer is not None:
         run = _with_vocab_size(run, tokenizer.vocab_size)
     builder = plugins.datasets.get(dataset_name(run))
@@ -52,6 +56,8 @@ def build_datasets(run: RunConfig, derived: Derived, plugins: Plugins) -> tuple[
     ))
     if data.tokenizer is not None and tokenizer is None:
         run = _with_vocab_size(run, data.tokenizer.vocab_size)
+    elif tokenizer is not None:
+        data.tokenizer, data.tokenizer_spec = tokenizer, spec
     return run, data
 
 

@@ -6,6 +6,7 @@ import sys
 
 import torch.distributed as dist
 
+from mega.core.checkpoint import CheckpointError
 from mega.core.config import ConfigError
 from mega.core.launch import init_distributed
 from mega.core.model_family import ModelFamily
@@ -32,7 +33,7 @@ def train(run: RunConfig, family: ModelFamily) -> int:
     """`mega train`'s exit code: 0, or 2 with one clear line for a configuration problem."""
     try:
         run_training(run, family)
-    except (ConfigError, PluginError, ValueError, FileNotFoundError) as error:
+    except (ConfigError, PluginError, CheckpointError, ValueError, FileNotFoundError) as error:
         print(f"mega train: error: {error}", file=sys.stderr)
         return 2
     finally:

@@ -138,5 +138,10 @@ def check_supported(run: RunConfig) -> None:
     except (KernelBackendError, PluginError) as error:
         hint = " (--use-flash-attn needs the flash-attn kernel plugin and a GPU)" if run.precision.use_flash_attn else ""
         raise ConfigError(f"{error}{hint}") from None
-    if run.checkpoint.save or run.checkpoint.load:
-        raise ConfigError("--save/--load: checkpointing is not available in this version")
+    checkpoint = run.checkpoint
+    if checkpoint.save_interval is not None and checkpoint.save_interval < 1:
+        raise ConfigError(f"--save-interval must be a positive number of iterations, got {checkpoint.save_interval}")
+    if checkpoint.keep_last is not None and checkpoint.keep_last < 1:
+        raise ConfigError(f"--keep-last must be at least 1, got {checkpoint.keep_last}")
+    if (checkpoint.save_interval or checkpoint.async_save or checkpoint.keep_last) and not checkpoint.save:
+        raise ConfigError("--save-interval, --async-save and --keep-last need --save DIR")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mega.core.checkpoint.checkpointer import Checkpointer
 from mega.core.datasets import TrainingData
 from mega.core.distributed.ddp import DDPConfig, DistributedDataParallel
 from mega.core.model_family import ModelFamily
@@ -71,9 +72,14 @@ class Trainer:
             warmup_iters=run.optimizer.lr_warmup_iters, decay_iters=run.optimizer.lr_decay_iters or train_iters,
         )
         self.train_data, self.valid_data = data.train, data.valid
+        self.tokenizer_spec = data.tokenizer_spec
         flops = family.num_floating_point_operations(run.model, derived.global_batch_size)
         self.state = RunState(run, derived, self.groups, family, flops)
         self.events = Events.from_callbacks(plugins, run)
+        checkpointing = run.checkpoint.save or run.checkpoint.load
+        self.checkpointer = Checkpointer(self) if checkpointing else None
+        if run.checkpoint.load:
+            self.checkpointer.load()
 
     # -- building ---------------------------------------------------------------------------
     def _build_model_chunks(self) -> list[DistributedDataParallel]:
@@ -181,6 +187,15 @@ class Trainer:
                     state.iteration % self.run.training.eval_interval == 0 or state.iteration == train_iters
                 ):
                     hooks.on_eval(run=state, iteration=state.iteration, metrics=self.evaluate())
+                exiting = state.iteration == train_iters or bool(
+                    self.run.training.exit_interval and state.iteration % self.run.training.exit_interval == 0)
+                if self.checkpointer is not None:
+                    self.checkpointer.poll()
+                    self.checkpointer.maybe_save(state.iteration, last=exiting)
+                if exiting:
+                    break
+            if self.checkpointer is not None:
+                self.checkpointer.close()
         finally:
             hooks.on_train_end(run=state)
         return state

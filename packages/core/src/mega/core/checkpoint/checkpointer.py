@@ -1,0 +1,269 @@
+"""Saving and resuming a training run: ``--save``, ``--save-interval``, ``--load`` and friends.
+
+A save writes the run's model and optimizer entries (:mod:`mega.core.checkpoint.state`), each
+rank's RNG states and the tokenizer into a staging directory, then one process publishes it
+(:mod:`mega.core.checkpoint.directory`). With ``--async-save`` the step loop waits only while
+the tensors are copied; a background thread writes and publishes them, and the next save (or
+the end of training) waits for it.
+
+A load restores weights, optimizer state, loss scaler, iteration, consumed samples and every
+rank's RNG streams, so the resumed run continues as if it had never stopped. Saved and loading
+layouts may differ; RNG states are then left alone (each rank's streams belong to its place in
+the old layout), as Megatron does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mega.core.checkpoint import rng
+from mega.core.checkpoint.directory import (
+    RELEASE,
+    find_checkpoint,
+    iteration_name,
+    prune,
+    publish,
+    remove_leftovers,
+    staging_path,
+    verify,
+)
+from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
+from mega.core.checkpoint.pieces import Piece
+from mega.core.checkpoint.sharded_io import ShardedEntry, load_entries, read_index, save_entries
+from mega.core.checkpoint.state import (
+    MAIN_PARAM,
+    Entries,
+    create_optimizer_state,
+    model_entries,
+    optimizer_entries,
+    optimizer_state_description,
+    refresh_main_params,
+)
+from mega.core.checkpoint.tokenizer_files import copy_tokenizer_files, tokenizer_entry
+from mega.core.checkpoint.validate import check_entries, check_model_names, zero_rows_beyond
+from mega.core.version import __version__
+
+
+class Checkpointer:
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.config = trainer.run.checkpoint
+        self.groups = trainer.groups
+        # Checkpoint collectives get a group of their own: an asynchronous save runs them on a
+        # background thread while training keeps using the others.
+        self.process_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._pending: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._last_saved: int | None = None
+
+    @property
+    def is_writer(self) -> bool:
+        return self.groups.global_rank == 0
+
+    def _barrier(self) -> None:
+        if self.process_group is not None:
+            dist.barrier(group=self.process_group)
+
+    def _say(self, message: str) -> None:
+        if self.is_writer:
+            print(message, flush=True)
+
+    # -- saving ------------------------------------------------------------------------------
+    def maybe_save(self, iteration: int, last: bool) -> None:
+        interval = self.config.save_interval
+        due = bool(interval) and iteration % interval == 0
+        if self.config.save and (due or last) and self._last_saved != iteration:
+            self.save()
+
+    def save(self) -> Path:
+        trainer, state = self.trainer, self.trainer.state
+        self.wait()
+        save_dir = Path(self.config.save)
+        name = iteration_name(state.iteration)
+        staging = staging_path(save_dir, name)
+        start = time.perf_counter()
+        if self.is_writer:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(save_dir)
+            staging.mkdir()
+            copy_tokenizer_files(trainer.tokenizer_spec, staging)
+        self._barrier()
+        rng.write(staging, self.groups.global_rank, trainer.rng_tracker)
+        if hasattr(trainer.optimizer, "finish_param_sync"):
+            trainer.optimizer.finish_param_sync()
+        entries, description = self._entries_to_save()
+        metadata = self._metadata(description)
+        self._last_saved = state.iteration
+
+        def write(entries: dict) -> Path:
+            save_entries(staging, entries, self.process_group)
+            if self.is_writer:  # its save returns once every rank's shards are written
+                final = publish(save_dir, name, metadata, str(metadata.iteration))
+                if self.config.keep_last:
+                    prune(save_dir, self.config.keep_last, keep=final)
+            return save_dir / name
+
+        if not self.config.async_save:
+            path = write(entries)
+            self._barrier()
+            self._say(f"saved checkpoint {path} (iteration {state.iteration}) in {time.perf_counter() - start:.2f} s")
+            self._announce(path)
+            return path
+        staged = {key: _copy(entry) for key, entry in entries.items()}
+        blocked = time.perf_counter() - start
+        self._executor = self._executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="mega-ckpt")
+        self._pending = self._executor.submit(write, staged)
+        self._pending.started = start  # type: ignore[attr-defined]
+        self._say(f"checkpoint {save_dir / name}: training blocked {blocked:.3f} s; writing in the background")
+        return save_dir / name
+
+    def poll(self) -> None:
+        """Announce a finished background save (cheap; no collectives)."""
+        if self._pending is not None and self._pending.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the background save, if any, and re-raise its error."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        path = pending.result()
+        self._say(f"saved checkpoint {path} in the background in {time.perf_counter() - pending.started:.2f} s")
+        self._announce(path)
+
+    def close(self) -> None:
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+    def _announce(self, path: Path) -> None:
+        state = self.trainer.state
+        self.trainer.events.hook.on_checkpoint(run=state, iteration=state.iteration, path=str(path))
+
+    def _entries_to_save(self) -> tuple[dict, dict | None]:
+        trainer = self.trainer
+        entries = model_entries(trainer.chunks, self.groups).entries
+        description = optimizer_state_description(trainer.optimizer)
+        if description is not None:
+            entries.update(optimizer_entries(trainer.optimizer, trainer.chunks, self.groups,
+                                             description["state_keys"], description["main_params"]).entries)
+        return entries, description
+
+    def _metadata(self, optimizer: dict | None) -> CheckpointMetadata:
+        trainer, state, run = self.trainer, self.trainer.state, self.trainer.run
+        scaler = trainer.optimizer.grad_scaler
+        return CheckpointMetadata(
+            iteration=state.iteration,
+            model_family=trainer.family.name,
+            model_config=dataclasses.asdict(run.model),
+            layout=layout_of(run, self.groups),
+            tokenizer=tokenizer_entry(trainer.tokenizer_spec),
+            num_parameters=trainer.family.num_parameters(run.model, self.groups.tp.size),
+            consumed_samples=state.consumed_samples,
+            skipped_iterations=state.skipped_iterations,
+            nan_iterations=state.nan_iterations,
+            optimizer=optimizer,
+            grad_scaler=None if scaler is None else scaler.state_dict(),
+            run_config=json.loads(json.dumps(dataclasses.asdict(run), default=str)),
+            mega_version=__version__,
+        )
+
+    # -- loading -----------------------------------------------------------------------------
+    def load(self) -> None:
+        """Restore the run from ``--load`` (nothing when that directory holds no checkpoint yet)."""
+        trainer, state, config = self.trainer, self.trainer.state, self.config
+        path = find_checkpoint(config.load)
+        if path is None:
+            self._say(f"no checkpoint in {config.load} yet; starting from scratch")
+            return
+        metadata = verify(path)
+        if metadata.model_family != trainer.family.name:
+            raise CheckpointError(f"{path} holds a {metadata.model_family!r} model; this run trains "
+                                  f"{trainer.family.name!r} (--model-family)")
+        saved_vocab = metadata.model_config.get("vocab_size")
+        if saved_vocab != trainer.run.model.vocab_size:
+            raise CheckpointError(f"{path} was trained with vocab_size {saved_vocab}; this run has "
+                                  f"{trainer.run.model.vocab_size} (check the tokenizer)")
+        weights_only = config.finetune or path.name == RELEASE
+        with_optimizer = not weights_only and config.load_optim and metadata.optimizer is not None
+        model = model_entries(trainer.chunks, self.groups)
+        wanted = Entries(dict(model.entries), dict(model.sources))
+        loads_main_params = False
+        if with_optimizer:
+            create_optimizer_state(trainer.optimizer, metadata.optimizer)
+            loads_main_params = metadata.optimizer["main_params"]
+            optimizer = optimizer_entries(trainer.optimizer, trainer.chunks, self.groups,
+                                          metadata.optimizer["state_keys"], loads_main_params)
+            wanted.entries.update(optimizer.entries)
+            wanted.sources.update(optimizer.sources)
+            loads_main_params = any(key.endswith("." + MAIN_PARAM) for key in optimizer.entries)
+        index = read_index(path)
+        check_model_names(path, full_model_names(trainer), index)
+        check_entries(path, wanted, index)
+        zero_rows_beyond(wanted, index)
+        load_entries(path, wanted.entries, self.process_group)
+        with torch.no_grad():
+            for first, copy in model.duplicates:
+                copy.copy_(first)
+        if not loads_main_params:
+            refresh_main_params(trainer.optimizer.main_params)
+        if with_optimizer and trainer.optimizer.grad_scaler is not None and metadata.grad_scaler is not None:
+            trainer.optimizer.grad_scaler.load_state_dict(metadata.grad_scaler)
+        if not weights_only:
+            state.iteration = metadata.iteration
+            state.consumed_samples = metadata.consumed_samples
+            state.skipped_iterations = metadata.skipped_iterations
+            state.nan_iterations = metadata.nan_iterations
+            self._last_saved = metadata.iteration
+            self._restore_rng(path, metadata)
+        self._barrier()
+        what = "weights" if weights_only else "weights" + (", optimizer" if with_optimizer else "") + " and run state"
+        self._say(f"loaded checkpoint {path} ({what}; saved at iteration {metadata.iteration}, "
+                  f"layout {_layout_text(metadata.layout)})")
+
+    def _restore_rng(self, path: Path, metadata: CheckpointMetadata) -> None:
+        if not self.config.load_rng:
+            return
+        here = layout_of(self.trainer.run, self.groups)
+        if {k: metadata.layout.get(k) for k in RNG_LAYOUT_KEYS} != {k: here[k] for k in RNG_LAYOUT_KEYS}:
+            self._say(f"the checkpoint's layout ({_layout_text(metadata.layout)}) differs from this run's "
+                      f"({_layout_text(here)}): RNG states are not restored")
+            return
+        rng.restore(rng.read(path, self.groups.global_rank), self.trainer.rng_tracker)
+
+
+def full_model_names(trainer) -> set[str]:
+    """Parameter names of the whole model (built on the meta device: nothing is allocated)."""
+    run = trainer.run
+    model = trainer.family.build(run.model, pre_process=True, post_process=True, parallel=run.parallel,
+                                 device="meta")
+    return {name for name, _ in model.named_parameters()}
+
+
+RNG_LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "cp", "vpp")
+
+
+def layout_of(run, groups) -> dict:
+    return {
+        "world_size": groups.world_size, "tp": groups.tp.size, "pp": groups.pp.size, "dp": groups.dp.size,
+        "cp": groups.cp.size, "ep": groups.ep.size, "vpp": run.parallel.vpp or 1,
+        "sequence_parallel": run.parallel.sequence_parallel,
+        "distributed_optimizer": run.optimizer.use_distributed_optimizer,
+    }
+
+
+def _layout_text(layout: dict) -> str:
+    return " x ".join(f"{key}{layout.get(key, 1)}" for key in ("tp", "pp", "dp", "vpp"))
+
+
+def _copy(entry: ShardedEntry) -> ShardedEntry:
+    """A snapshot of an entry's pieces that training may not change while it is written."""
+    return dataclasses.replace(entry, pieces=[Piece(p.data.clone(), p.offsets) for p in entry.pieces])

@@ -1,0 +1,68 @@
+"""``mega checkpoint info DIR``: what a checkpoint holds, and whether it is complete."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mega.core.checkpoint.directory import read_tracker, resolve_checkpoint, saved_iterations, verify
+from mega.core.checkpoint.metadata import CheckpointError
+
+LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "vpp", "world_size", "sequence_parallel", "distributed_optimizer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mega checkpoint info",
+        description="Show a checkpoint's iteration, the layout it was saved at, its model family and "
+                    "config, parameter count, size on disk and completeness. DIR is a --save directory "
+                    "(its latest checkpoint) or one iter_XXXXXXX directory.",
+    )
+    parser.add_argument("directory", metavar="DIR")
+    parser.add_argument("--json", action="store_true", help="print the metadata as JSON")
+    return parser
+
+
+def _size(num_bytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        path = resolve_checkpoint(args.directory)
+        metadata = verify(path)
+    except CheckpointError as error:
+        print(f"mega checkpoint info: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(metadata.to_json())
+        return 0
+    layout = metadata.layout
+    config = ", ".join(f"{k}={v}" for k, v in sorted(metadata.model_config.items()) if v is not None)
+    tokenizer = metadata.tokenizer["type"] if metadata.tokenizer else "none recorded"
+    lines = [
+        f"checkpoint:       {path}",
+        "complete:         yes (every listed file present at its recorded size)",
+        f"iteration:        {metadata.iteration}" + (" (release: weights only)" if path.name == "release" else ""),
+        f"consumed samples: {metadata.consumed_samples}",
+        "saved at layout:  " + ", ".join(f"{k}={layout[k]}" for k in LAYOUT_KEYS if k in layout),
+        f"model family:     {metadata.model_family}",
+        f"parameters:       {metadata.num_parameters:,}",
+        f"size on disk:     {_size(sum(metadata.files.values()))} in {len(metadata.files)} files",
+        f"optimizer state:  {'yes (' + ', '.join(metadata.optimizer['state_keys']) + ')' if metadata.optimizer else 'no'}",
+        f"tokenizer:        {tokenizer}",
+        f"mega version:     {metadata.mega_version or 'unknown'}",
+        f"model config:     {config}",
+    ]
+    save_dir = path.parent
+    if read_tracker(save_dir) is not None:
+        others = [str(i) for i, _ in saved_iterations(save_dir)]
+        lines.append(f"in {save_dir}:  iterations {', '.join(others) or 'none'}; tracker -> {read_tracker(save_dir)}")
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,68 @@
+"""``mega_checkpoint.json``: what a checkpoint is, beside its tensors, as plain JSON.
+
+It is written last into a checkpoint directory (before the directory gets its final name), so
+a directory whose metadata parses and whose listed files all have their recorded sizes is
+complete. Everything that is not a tensor (iteration, data position, loss scaler, the layout and
+model config it was saved with, RNG states) lives here or in ``rng/*.json``, never in a pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "mega-checkpoint"
+FORMAT_VERSION = 1
+METADATA_FILE = "mega_checkpoint.json"
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message names the directory or file and the problem."""
+
+
+@dataclass
+class CheckpointMetadata:
+    iteration: int
+    model_family: str
+    model_config: dict[str, Any]  # the family config_class's fields
+    layout: dict[str, Any] = field(default_factory=dict)  # tp, pp, dp, cp, vpp, world_size, ...
+    tokenizer: dict[str, Any] | None = None  # {"type", "options"}; files under tokenizer/
+    num_parameters: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    # {"state_keys": [...], "scalars": {...}, "main_params": bool} of the inner optimizer
+    optimizer: dict[str, Any] | None = None
+    grad_scaler: dict[str, Any] | None = None
+    run_config: dict[str, Any] | None = None
+    files: dict[str, int] = field(default_factory=dict)  # every other file -> its size in bytes
+    mega_version: str = ""
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def read(cls, directory: Path) -> CheckpointMetadata:
+        path = directory / METADATA_FILE
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{directory} is not a complete mega checkpoint: {METADATA_FILE} is missing") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise CheckpointError(f"{path} is not valid JSON ({error}); the checkpoint is damaged") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise CheckpointError(f"{path} does not describe a mega checkpoint (format {data.get('format')!r})"
+                                  if isinstance(data, dict) else f"{path} does not describe a mega checkpoint")
+        if data.get("format_version", 0) > FORMAT_VERSION:
+            raise CheckpointError(f"{path} has format version {data['format_version']}; this mega reads up to "
+                                  f"{FORMAT_VERSION}: upgrade mega-core")
+        known = {f.name for f in dataclasses.fields(cls)}
+        missing = [name for name in ("iteration", "model_family", "model_config") if name not in data]
+        if missing:
+            raise CheckpointError(f"{path} lacks the field(s) {', '.join(missing)}")
+        return cls(**{key: value for key, value in data.items() if key in known})

@@ -1,0 +1,64 @@
+"""The run's tokenizer travels with its checkpoints: its files under ``tokenizer/``, its type and
+options in the metadata, so generation and conversion need nothing from the training machine."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+from mega.core.checkpoint.directory import resolve_checkpoint
+from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
+from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
+
+TOKENIZER_DIR = "tokenizer"
+FILE_OPTIONS = ("vocab_file", "merge_file", "tokenizer_model")
+
+
+def copy_tokenizer_files(spec: TokenizerSpec | None, checkpoint_dir: Path) -> None:
+    if spec is None:
+        return
+    for option in FILE_OPTIONS:
+        source = getattr(spec.options, option)
+        if source and Path(source).is_file():
+            target = checkpoint_dir / TOKENIZER_DIR / Path(source).name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)
+
+
+def tokenizer_entry(spec: TokenizerSpec | None) -> dict | None:
+    """The metadata's record of ``spec``: option files by their name under ``tokenizer/``."""
+    if spec is None:
+        return None
+    options = dataclasses.asdict(spec.options)
+    for option in FILE_OPTIONS:
+        if options[option]:
+            options[option] = Path(options[option]).name
+    return {"type": spec.type, "options": options}
+
+
+def tokenizer_spec(checkpoint_dir: Path, metadata: CheckpointMetadata) -> TokenizerSpec | None:
+    """The spec recorded in ``metadata``, its files resolved inside ``checkpoint_dir``."""
+    if metadata.tokenizer is None:
+        return None
+    options = dict(metadata.tokenizer["options"])
+    for option in FILE_OPTIONS:
+        if options.get(option):
+            path = checkpoint_dir / TOKENIZER_DIR / options[option]
+            if not path.is_file():
+                raise CheckpointError(f"{checkpoint_dir} names tokenizer file {options[option]}, "
+                                      f"which is missing from {TOKENIZER_DIR}/")
+            options[option] = str(path)
+    return TokenizerSpec(metadata.tokenizer["type"], TokenizerOptions(**options))
+
+
+def load_tokenizer(path: str | os.PathLike, plugins=None):
+    """The tokenizer a checkpoint was trained with (None when it recorded none)."""
+    from mega.core.plugins import get_plugins
+
+    directory = resolve_checkpoint(path)
+    spec = tokenizer_spec(directory, CheckpointMetadata.read(directory))
+    if spec is None:
+        return None
+    return (plugins or get_plugins()).tokenizers.get(spec.type)(spec.options)

@@ -1,0 +1,95 @@
+"""A run stopped and resumed from its checkpoint computes what the uninterrupted run computes.
+
+* Same layout (one process, and tp2 x pp2), with dropout on: the resumed losses are identical,
+  bit for bit: weights, Adam moments, the iteration, the data position and every rank's RNG
+  streams come back.
+* Another layout: a checkpoint saved at tp2 x pp2 resumes at tp1 x pp1, tp1 x pp2 and dp2 with
+  the distributed optimizer, and one saved by the distributed optimizer resumes in one process;
+  the next losses match the uninterrupted tp2 x pp2 run to 1e-5 (dropout off: dropout masks
+  depend on the layout).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+COMMON = [
+    "--mock-data", "--model-family", "llama", "--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "32",
+    "--num-query-groups", "2", "--seq-length", "16", "--vocab-size", "120", "--make-vocab-size-divisible-by", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "20", "--lr", "1e-3",
+    "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "100", "--seed", "11",
+]
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+
+
+def train(argv: list[str]) -> list[float]:
+    from mega.core.training.command import parse_run
+    from mega.core.training.launch_run import run_training
+
+    run, family = parse_run(argv)
+    return run_training(run, family).losses
+
+
+def stop_and_resume(argv: list[str], save_dir: str, resume_argv: list[str] | None = None) -> tuple[list, list]:
+    first = train(argv + ["--exit-interval", "10", "--save", save_dir])
+    second = train((resume_argv or argv) + ["--load", save_dir])
+    return first, second
+
+
+def four_ranks(save_dir: str) -> dict:
+    """tp2 x pp2: uninterrupted and resumed with dropout; then, without dropout, the reference
+    run whose iteration-10 checkpoint the other layouts resume from."""
+    base = COMMON + TP2_PP2
+    results = {"full": train(base + DROPOUT)}
+    results["first"], results["resumed"] = stop_and_resume(base + DROPOUT, f"{save_dir}/dropout")
+    results["reference"] = train(base + NO_DROPOUT + ["--save", f"{save_dir}/tp2pp2", "--save-interval", "10"])
+    return results
+
+
+def two_ranks(save_dir: str) -> dict:
+    checkpoint = f"{save_dir}/tp2pp2/iter_0000010"
+    return {
+        "tp1-pp2": train(COMMON + NO_DROPOUT + ["--pipeline-model-parallel-size", "2", "--load", checkpoint]),
+        # The distributed optimizer takes the whole Adam moments as its dp slices, and saves them
+        # as slices again at iteration 15.
+        "dp2-distributed-optimizer": train(COMMON + NO_DROPOUT + [
+            "--use-distributed-optimizer", "--load", checkpoint, "--save", f"{save_dir}/distopt",
+            "--save-interval", "15"]),
+    }
+
+
+def assert_close(losses, reference, what):
+    assert len(losses) == len(reference), what
+    for step, (got, want) in enumerate(zip(losses, reference, strict=True)):
+        assert abs(got - want) <= 1e-5 * abs(want), f"{what}: loss {step + 1} is {got}, expected {want}"
+
+
+@pytest.mark.parametrize("save_mode", [[], ["--async-save"]], ids=["sync", "async"])
+def test_one_process_resume_is_exact(tmp_path, save_mode):
+    argv = COMMON + DROPOUT
+    full = train(argv)
+    first, second = stop_and_resume(argv + save_mode, str(tmp_path / "ckpt"), resume_argv=argv)
+    assert first == full[:10]
+    assert second == full[10:]
+
+
+def test_resume_at_the_same_and_at_other_layouts(worlds, tmp_path):
+    save_dir = str(tmp_path)
+    four = worlds.run(4, four_ranks, save_dir)[0]
+    assert four["first"] == four["full"][:10]
+    assert four["resumed"] == four["full"][10:], "tp2 x pp2 resume must repeat the run exactly"
+
+    reference_next = four["reference"][10:]
+    two = worlds.run(2, two_ranks, save_dir)[0]
+    assert_close(two["tp1-pp2"], reference_next, "tp2 x pp2 -> tp1 x pp2")
+    assert_close(two["dp2-distributed-optimizer"], reference_next, "tp2 x pp2 -> dp2 distributed optimizer")
+
+    one = train(COMMON + NO_DROPOUT + ["--load", f"{save_dir}/tp2pp2/iter_0000010"])
+    assert_close(one, reference_next, "tp2 x pp2 -> tp1 x pp1")
+    from_sharded_optimizer = train(COMMON + NO_DROPOUT + ["--load", f"{save_dir}/distopt/iter_0000015"])
+    assert Path(save_dir, "distopt", "iter_0000015").is_dir()
+    assert_close(from_sharded_optimizer, four["reference"][15:], "dp2 distributed optimizer -> tp1 x pp1")

@@ -1,0 +1,160 @@
+"""Checkpoints survive crashes, and damaged or foreign directories fail with one clear message.
+
+* ``mega train --save`` processes are killed with SIGKILL at random moments while they save
+  every iteration (synchronously and with ``--async-save``); each time the next ``--load`` of the
+  directory resumes from its newest complete checkpoint.
+* A truncated shard, a missing metadata file, a missing tensor index, a Hugging Face directory,
+  a Megatron-LM legacy checkpoint and a foreign torch.distributed.checkpoint directory each give
+  an error that names the problem, from the API and from ``mega train`` (exit code 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mega.core.checkpoint import CheckpointError, read_tensors, resolve_checkpoint, tensor_shapes
+from mega.core.checkpoint.directory import TRACKER_FILE, read_tracker
+from mega.core.checkpoint.info_command import main as info_main
+from mega.core.training.command import main as train_main
+
+TINY = ["--mock-data", "--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
+        "--vocab-size", "256", "--micro-batch-size", "2", "--eval-iters", "0", "--log-interval", "1000", "--lr", "1e-3"]
+
+
+def mega_train(argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "mega.core.cli.main", "train", *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_new_checkpoint(save_dir: Path, process: subprocess.Popen, previous: str | None,
+                            timeout: float = 60.0) -> None:
+    """Until the tracker names a checkpoint other than ``previous`` (the process is saving)."""
+    deadline = time.monotonic() + timeout
+    while (read_tracker(save_dir) if (save_dir / TRACKER_FILE).exists() else None) in (None, previous):
+        if process.poll() is not None:
+            raise AssertionError(f"training ended before its first checkpoint:\n{process.stdout.read()}")
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.01)
+
+
+def test_sigkill_at_random_moments_keeps_a_loadable_checkpoint(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    seed = random.randrange(1 << 30)
+    chooser = random.Random(seed)
+    argv = TINY + ["--train-iters", "100000", "--save", str(save_dir), "--load", str(save_dir),
+                   "--save-interval", "1", "--keep-last", "2"]
+    newest = 0
+    for trial in range(8):
+        previous = read_tracker(save_dir) if save_dir.exists() else None
+        process = mega_train(argv + (["--async-save"] if trial % 2 else []))
+        wait_for_new_checkpoint(save_dir, process, previous)
+        time.sleep(chooser.uniform(0.05, 0.6))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        checkpoint = resolve_checkpoint(save_dir)  # raises if the tracker names anything incomplete
+        iteration = int(read_tracker(save_dir))
+        assert iteration >= newest, f"seed {seed}, trial {trial}: went back from {newest} to {iteration}"
+        newest = iteration
+        tensors = read_tensors(checkpoint, list(tensor_shapes(checkpoint)))
+        assert all(torch.isfinite(t).all() for t in tensors.values())
+    # A last, clean resume trains on from the newest checkpoint and exits normally.
+    final = subprocess.run([sys.executable, "-m", "mega.core.cli.main", "train", *TINY,
+                            "--train-iters", str(newest + 2), "--load", str(save_dir)],
+                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert final.returncode == 0, final.stdout + final.stderr
+    assert f"saved at iteration {newest}" in final.stdout
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    save_dir = tmp_path_factory.mktemp("saved") / "ckpt"
+    assert train_main(TINY + ["--train-iters", "2", "--save", str(save_dir)]) == 0
+    return save_dir
+
+
+def load_error(path: Path, capsys) -> str:
+    with pytest.raises(CheckpointError) as api_error:
+        resolve_checkpoint(path)
+    assert train_main(TINY + ["--train-iters", "3", "--load", str(path)]) == 2
+    cli_error = capsys.readouterr().err
+    assert str(api_error.value) in cli_error
+    return str(api_error.value)
+
+
+def copy_of(saved: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    target = tmp_path / "copy"
+    shutil.copytree(saved, target)
+    return target
+
+
+def test_truncated_shard(saved, tmp_path, capsys):
+    checkpoint = copy_of(saved, tmp_path)
+    shard = next((checkpoint / "iter_0000002").glob("*.distcp"))
+    with open(shard, "r+b") as stream:
+        stream.truncate(shard.stat().st_size // 2)
+    message = load_error(checkpoint, capsys)
+    assert f"{shard.name} has" in message and "truncated" in message
+
+
+def test_missing_metadata(saved, tmp_path, capsys):
+    checkpoint = copy_of(saved, tmp_path)
+    (checkpoint / "iter_0000002" / "mega_checkpoint.json").unlink()
+    assert "mega_checkpoint.json is missing" in load_error(checkpoint, capsys)
+
+
+def test_missing_tensor_index(saved, tmp_path, capsys):
+    checkpoint = copy_of(saved, tmp_path)
+    (checkpoint / "iter_0000002" / ".metadata").unlink()
+    assert ".metadata is missing" in load_error(checkpoint, capsys)
+
+
+def test_hugging_face_directory(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert "Hugging Face model directory" in load_error(tmp_path, capsys)
+
+
+def test_megatron_legacy_checkpoint(tmp_path, capsys):
+    rank_dir = tmp_path / "iter_0000100" / "mp_rank_00"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "model_optim_rng.pt").write_bytes(b"\x80\x02not-loaded")
+    (tmp_path / TRACKER_FILE).write_text("abc")
+    assert f"{TRACKER_FILE} holds 'abc'" in load_error(tmp_path, capsys)
+    (tmp_path / TRACKER_FILE).unlink()
+    assert "Megatron-LM checkpoint (legacy torch.save format)" in load_error(tmp_path, capsys)
+
+
+def test_foreign_dcp_directory(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    with pytest.warns(UserWarning):
+        dcp.save({"weight": torch.zeros(3)}, checkpoint_id=str(tmp_path))
+    assert "torch.distributed.checkpoint directory without mega_checkpoint.json" in load_error(tmp_path, capsys)
+
+
+def test_model_that_does_not_match(saved, capsys):
+    assert train_main(TINY + ["--train-iters", "3", "--num-layers", "3", "--load", str(saved)]) == 2
+    assert "does not match this model" in capsys.readouterr().err
+
+
+def test_checkpoint_info(saved, capsys):
+    assert info_main([str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "iteration:        2" in out and "model family:     gpt" in out and "complete:         yes" in out
+    assert info_main([str(saved), "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["layout"]["tp"] == 1 and described["num_parameters"] > 0
+    assert info_main([str(saved.parent)]) == 1
+    assert "is not a mega checkpoint" in capsys.readouterr().err
