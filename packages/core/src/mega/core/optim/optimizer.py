@@ -144,21 +144,3 @@ class MixedPrecisionOptimizer:
         inner = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
                     for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
         return copies + inner
-
-    def state_dict(self) -> dict:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
-            "main_params": [e.main.detach().clone() for e in self.main_params if e.model_view is not None],
-            "skipped_steps": self.skipped_steps,
-        }
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.grad_scaler is not None and state["grad_scaler"] is not None:
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
-        copies = [e for e in self.main_params if e.model_view is not None]
-        for entry, saved in zip(copies, state["main_params"], strict=True):
-            entry.main.copy_(saved)
-        self.skipped_steps = state["skipped_steps"]
