@@ -14,17 +14,26 @@ def test_default_argv_is_a_valid_run():
 
 
 def test_corpus_prepares_once_and_trains(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("MEGA_CACHE_DIR", str(tmp_path))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MEGA_CACHE_DIR", str(cache))
     argv = ["--dataset", "pydoc-topics", "--split", "95,5,0", "--num-layers", "1", "--hidden-size", "32",
             "--num-attention-heads", "2", "--seq-length", "32", "--micro-batch-size", "4", "--train-iters", "3",
             "--eval-interval", "3", "--eval-iters", "1", "--log-interval", "1", "--lr", "1e-3"]
-    assert main(argv) == 0
+    assert main(argv + ["--save", str(tmp_path / "ckpt")]) == 0
     out = capsys.readouterr().out
     assert "preparing the embedded corpus" in out
     losses = [float(line.split("lm loss: ")[1].split(" ")[0]) for line in out.splitlines() if "lm loss: " in line]
     assert len(losses) == 3
 
-    (directory,) = tmp_path.iterdir()  # one complete directory; no staging leftovers
+    # The checkpoint carries the tokenizer the corpus was made with.
+    from mega.core.checkpoint import load_tokenizer
+    from mega.data.embedded_corpus import VOCAB_SIZE
+
+    tokenizer = load_tokenizer(tmp_path / "ckpt")
+    assert tokenizer.vocab_size == VOCAB_SIZE
+    assert tokenizer.detokenize(tokenizer.tokenize("for x in range(3): pass")) == "for x in range(3): pass"
+
+    (directory,) = cache.iterdir()  # one complete directory; no staging leftovers
     assert sorted(p.name for p in directory.iterdir()) == [
         "cache", "corpus.jsonl", "pydoc_text_document.bin", "pydoc_text_document.idx", "tokenizer.json"]
 

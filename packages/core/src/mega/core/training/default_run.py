@@ -3,7 +3,8 @@
 The corpus is the ``pydoc-topics`` dataset of mega-data (Python's own help topics, tokenized on
 first use with a BPE tokenizer trained on them). The run is sized to finish in about two minutes
 on two cores with the loss falling from about ln(vocabulary) to well under half of that. It is an
-ordinary run: the same flags given to `mega train` do the same thing.
+ordinary run: the same flags given to `mega train` do the same thing. The trained model is saved
+to ``checkpoints/pydoc-gpt`` under the working directory, with its tokenizer, for `mega generate`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import sys
 
 from mega.core.plugins import PluginError, get_plugins
+
+# Where the default run leaves its model (relative to the working directory), for `mega generate`.
+DEFAULT_SAVE_DIR = "checkpoints/pydoc-gpt"
 
 # One declaration of the default run, in the flags a user would type.
 DEFAULT_ARGV = [
@@ -21,6 +25,7 @@ DEFAULT_ARGV = [
     "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "30", "--lr-decay-style", "cosine",
     "--weight-decay", "0.1", "--clip-grad", "1.0",
     "--eval-interval", "250", "--eval-iters", "4", "--log-interval", "25", "--seed", "1234",
+    "--save", DEFAULT_SAVE_DIR,
 ]
 
 
