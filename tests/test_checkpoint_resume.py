@@ -3,8 +3,8 @@
 * Same layout (one process, and tp2 x pp2), with dropout on: the resumed losses are identical,
   bit for bit: weights, Adam moments, the iteration, the data position and every rank's RNG
   streams come back.
-* Another layout: a checkpoint saved at tp2 x pp2 resumes at tp1 x pp1, tp1 x pp2 and dp2 with
-  the distributed optimizer, and one saved by the distributed optimizer resumes in one process;
+* Another layout: a checkpoint saved at tp2 x pp2 resumes at tp1 x pp1, tp1 x pp2, interleaved
+  pp2 x vpp2 and dp2 with the distributed optimizer, and one saved by the distributed optimizer resumes in one process;
   the next losses match the uninterrupted tp2 x pp2 run to 1e-5 (dropout off: dropout masks
   depend on the layout).
 """
@@ -54,6 +54,8 @@ def two_ranks(save_dir: str) -> dict:
     checkpoint = f"{save_dir}/tp2pp2/iter_0000010"
     return {
         "tp1-pp2": train(COMMON + NO_DROPOUT + ["--pipeline-model-parallel-size", "2", "--load", checkpoint]),
+        "pp2-vpp2": train(COMMON + NO_DROPOUT + ["--pipeline-model-parallel-size", "2",
+                                                 "--num-layers-per-virtual-pipeline-stage", "1", "--load", checkpoint]),
         # The distributed optimizer takes the whole Adam moments as its dp slices, and saves them
         # as slices again at iteration 15.
         "dp2-distributed-optimizer": train(COMMON + NO_DROPOUT + [
@@ -68,9 +70,11 @@ def assert_close(losses, reference, what):
         assert abs(got - want) <= 1e-5 * abs(want), f"{what}: loss {step + 1} is {got}, expected {want}"
 
 
-@pytest.mark.parametrize("save_mode", [[], ["--async-save"]], ids=["sync", "async"])
-def test_one_process_resume_is_exact(tmp_path, save_mode):
-    argv = COMMON + DROPOUT
+@pytest.mark.parametrize("precision,save_mode", [([], []), ([], ["--async-save"]), (["--bf16"], []), (["--fp16"], [])],
+                         ids=["fp32", "fp32-async-save", "bf16", "fp16"])
+def test_one_process_resume_is_exact(tmp_path, precision, save_mode):
+    """bf16/fp16 also bring back the fp32 main weights; fp16 the dynamic loss scaler's state."""
+    argv = COMMON + DROPOUT + precision
     full = train(argv)
     first, second = stop_and_resume(argv + save_mode, str(tmp_path / "ckpt"), resume_argv=argv)
     assert first == full[:10]
@@ -86,6 +90,7 @@ def test_resume_at_the_same_and_at_other_layouts(worlds, tmp_path):
     reference_next = four["reference"][10:]
     two = worlds.run(2, two_ranks, save_dir)[0]
     assert_close(two["tp1-pp2"], reference_next, "tp2 x pp2 -> tp1 x pp2")
+    assert_close(two["pp2-vpp2"], reference_next, "tp2 x pp2 -> pp2 x vpp2 (interleaved)")
     assert_close(two["dp2-distributed-optimizer"], reference_next, "tp2 x pp2 -> dp2 distributed optimizer")
 
     one = train(COMMON + NO_DROPOUT + ["--load", f"{save_dir}/tp2pp2/iter_0000010"])

@@ -215,7 +215,9 @@ class Checkpointer:
                 copy.copy_(first)
         if not loads_main_params:
             refresh_main_params(trainer.optimizer.main_params)
-        if with_optimizer and trainer.optimizer.grad_scaler is not None and metadata.grad_scaler is not None:
+        # The loss scaler has state before the optimizer has any (fp16 skips its first steps).
+        restore_scaler = not weights_only and config.load_optim
+        if restore_scaler and trainer.optimizer.grad_scaler is not None and metadata.grad_scaler is not None:
             trainer.optimizer.grad_scaler.load_state_dict(metadata.grad_scaler)
         if not weights_only:
             state.iteration = metadata.iteration
