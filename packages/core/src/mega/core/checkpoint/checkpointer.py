@@ -267,5 +267,5 @@ def _layout_text(layout: dict) -> str:
 
 
 def _copy(entry: ShardedEntry) -> ShardedEntry:
-    """A snapshot of an entry's pieces that training may not change while it is written."""
-    return dataclasses.replace(entry, pieces=[Piece(p.data.clone(), p.offsets) for p in entry.pieces])
+    """A host-memory snapshot of an entry's pieces, which training may change while it is written."""
+    return dataclasses.replace(entry, pieces=[Piece(p.data.to("cpu", copy=True), p.offsets) for p in entry.pieces])
