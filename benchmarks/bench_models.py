@@ -1,6 +1,6 @@
 """mega's GPT and LLaMA against Hugging Face ``transformers`` on one device: forward + backward.
 
-Both models hold the same weights (mapped by ``mega.models.hf_mapping``) and do the same work
+Both models hold the same weights (mapped by the families' ``hf_mapping``) and do the same work
 per step: full-vocabulary logits, mean cross-entropy, backward. Columns: median step time over
 the timed steps, tokens per second, and mega's speed relative to Hugging Face's.
 
@@ -24,6 +24,8 @@ import transformers  # noqa: E402
 
 from mega.models import hf_mapping  # noqa: E402
 from mega.models.family import build_language_model  # noqa: E402
+from mega.models.hf_gpt2 import GPT2, gpt2_config  # noqa: E402
+from mega.models.hf_llama import LLAMA, llama_config  # noqa: E402
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,12 +53,12 @@ def models(family: str, hf_config):
     torch.manual_seed(0)
     if family == "gpt":
         hf_model = transformers.GPT2LMHeadModel(hf_config)
-        config, to_mega = hf_mapping.gpt2_config(hf_config), hf_mapping.gpt2_to_mega
+        config, mapping = gpt2_config(hf_config.to_dict()), GPT2
     else:
         hf_model = transformers.LlamaForCausalLM(hf_config)
-        config, to_mega = hf_mapping.llama_config(hf_config), hf_mapping.llama_to_mega
+        config, mapping = llama_config(hf_config.to_dict()), LLAMA
     mega_model = build_language_model(config)
-    mega_model.load_state_dict(to_mega(hf_model.state_dict(), config))
+    mega_model.load_state_dict(hf_mapping.hf_to_mega(mapping, hf_model.state_dict(), config))
     return hf_model.train(), mega_model.train()
 
 

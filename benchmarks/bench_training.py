@@ -30,7 +30,8 @@ from bench_models import add_shape_arguments, hf_configs  # noqa: E402  (the sam
 from mega.core.plugins import hookimpl, load_plugins  # noqa: E402
 from mega.core.training.command import parse_run  # noqa: E402
 from mega.core.training.launch_run import run_training  # noqa: E402
-from mega.models import hf_mapping  # noqa: E402
+from mega.models.hf_gpt2 import gpt2_config  # noqa: E402
+from mega.models.hf_llama import llama_config  # noqa: E402
 
 
 class StepTimes:
@@ -58,8 +59,8 @@ def mega_step_times(args, family: str, steps: int) -> list[float]:
     plugins = load_plugins(extra=[("bench", Recorder())])
     run, model_family = parse_run(argv, plugins)
     # The very architecture of the Hugging Face model (activation, norms, GQA...), mapped over.
-    to_mega = hf_mapping.gpt2_config if family == "gpt" else hf_mapping.llama_config
-    model = dataclasses.replace(to_mega(hf_configs(args)[family]), hidden_dropout=0.0, attention_dropout=0.0)
+    to_mega = gpt2_config if family == "gpt" else llama_config
+    model = dataclasses.replace(to_mega(hf_configs(args)[family].to_dict()), hidden_dropout=0.0, attention_dropout=0.0)
     run_training(dataclasses.replace(run, model=model), model_family, plugins)
     return times.seconds[1:]  # the first step pays for allocation
 

@@ -1,5 +1,6 @@
 """One device, fp32: mega's GPT and LLaMA compute what Hugging Face's GPT-2 and LLaMA compute,
-given the same weights mapped by mega.models.hf_mapping."""
+given the same weights mapped by the families' Hugging Face mappings (mega.models.hf_gpt2,
+mega.models.hf_llama)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ transformers = pytest.importorskip("transformers")
 
 from mega.models import hf_mapping  # noqa: E402
 from mega.models.family import build_language_model  # noqa: E402
+from mega.models.hf_gpt2 import GPT2, gpt2_config, gpt2_hf_config  # noqa: E402
+from mega.models.hf_llama import LLAMA, llama_config, llama_hf_config  # noqa: E402
 
 BATCH, SEQ = 2, 16
 
@@ -20,9 +23,9 @@ def tokens(vocab_size: int, seed: int = 0) -> torch.Tensor:
 
 
 def mega_from_hf(hf_model, config):
-    to_mega = hf_mapping.gpt2_to_mega if config.position_embedding_type == "learned_absolute" else hf_mapping.llama_to_mega
+    mapping = GPT2 if config.position_embedding_type == "learned_absolute" else LLAMA
     model = build_language_model(config)
-    model.load_state_dict(to_mega(hf_model.state_dict(), config))
+    model.load_state_dict(hf_mapping.hf_to_mega(mapping, hf_model.state_dict(), config))
     return model.eval()
 
 
@@ -49,7 +52,7 @@ def test_gpt2_logits_match_hugging_face(assert_close):
                                         initializer_range=0.1)  # large weights: differences show
     torch.manual_seed(0)
     hf_model = transformers.GPT2LMHeadModel(hf_config).eval()
-    config = hf_mapping.gpt2_config(hf_config)
+    config = gpt2_config(hf_config.to_dict())
     assert config.openai_gelu and not config.untie_embeddings_and_output_weights
     compare_logits(hf_model, config, assert_close)
 
@@ -75,7 +78,7 @@ def test_llama_logits_match_hugging_face(variant, assert_close):
             for name, param in hf_model.named_parameters():
                 if name.endswith("bias"):
                     param.normal_(0, 0.1)
-    config = hf_mapping.llama_config(hf_config)
+    config = llama_config(hf_config.to_dict())
     assert config.use_rope_scaling == (variant == "llama3.1-rope-scaling")
     assert config.num_query_groups == 2 and config.swiglu
     compare_logits(hf_model, config, assert_close)
@@ -87,16 +90,39 @@ def test_mappings_round_trip_exactly():
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2))
-    for hf_model, get_config, to_mega, from_mega in [
-        (gpt2, hf_mapping.gpt2_config, hf_mapping.gpt2_to_mega, hf_mapping.mega_to_gpt2),
-        (llama, hf_mapping.llama_config, hf_mapping.llama_to_mega, hf_mapping.mega_to_llama),
-    ]:
-        config = get_config(hf_model.config)
+    for hf_model, get_config, mapping in [(gpt2, gpt2_config, GPT2), (llama, llama_config, LLAMA)]:
+        config = get_config(hf_model.config.to_dict())
         original = hf_model.state_dict()
-        back = from_mega(to_mega(original, config), config)
-        assert set(back) == set(original)
-        for name, tensor in original.items():
-            assert torch.equal(back[name], tensor), name
+        back = hf_mapping.mega_to_hf(mapping, hf_mapping.hf_to_mega(mapping, original, config), config)
+        # A tied output layer is the embedding: checkpoints hold it once.
+        tied = {"lm_head.weight"} if not config.untie_embeddings_and_output_weights else set()
+        assert set(back) == set(original) - tied
+        for name, tensor in back.items():
+            assert torch.equal(tensor, original[name]), name
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_configs_round_trip_through_hugging_face(family):
+    """mega config -> config.json -> mega config is the identity on what the model computes."""
+    from mega.models.gpt import PRESETS as GPT_PRESETS
+    from mega.models.llama import PRESETS as LLAMA_PRESETS
+
+    if family == "gpt2":
+        configs, to_hf, from_hf = [GPT_PRESETS["125m"]], gpt2_hf_config, gpt2_config
+    else:
+        configs, to_hf, from_hf = [LLAMA_PRESETS["llama3-8b"], LLAMA_PRESETS["llama3-405b"]], llama_hf_config, llama_config
+    for config in configs:
+        assert from_hf(to_hf(config), seq_length=config.seq_length) == config
+
+
+def test_configs_hugging_face_cannot_express_are_refused():
+    from mega.models.gpt import PRESETS as GPT_PRESETS
+    from mega.models.llama import PRESETS as LLAMA_PRESETS
+
+    with pytest.raises(ValueError, match="GPT2LMHeadModel cannot express.*position_embedding_type.*swiglu"):
+        gpt2_hf_config(LLAMA_PRESETS["tiny"])
+    with pytest.raises(ValueError, match="LlamaForCausalLM cannot express.*normalization"):
+        llama_hf_config(GPT_PRESETS["tiny"])
 
 
 def test_qkv_interleave_is_per_query_group():
@@ -107,11 +133,13 @@ def test_qkv_interleave_is_per_query_group():
 
 
 def test_unsupported_hugging_face_configs_are_refused():
-    with pytest.raises(ValueError, match="activation 'relu'"):
-        hf_mapping.gpt2_config(transformers.GPT2Config(activation_function="relu"))
+    with pytest.raises(ValueError, match="activation_function 'relu'"):
+        gpt2_config(transformers.GPT2Config(activation_function="relu").to_dict())
     with pytest.raises(ValueError, match="RoPE type 'yarn'"):
-        hf_mapping.llama_config(transformers.LlamaConfig(
-            rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
+        llama_config(transformers.LlamaConfig(
+            rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}).to_dict())
+    with pytest.raises(ValueError, match="RoPE type 'yarn'"):  # transformers 4.x keys
+        llama_config({"rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 2.0}})
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -122,11 +150,11 @@ def test_explicit_position_ids_match_hugging_face(family, assert_close):
     if family == "gpt2":
         hf_config = transformers.GPT2Config(vocab_size=250, n_embd=32, n_layer=1, n_head=2, n_positions=64,
                                             initializer_range=0.1)
-        hf_model, config = transformers.GPT2LMHeadModel(hf_config).eval(), hf_mapping.gpt2_config(hf_config)
+        hf_model, config = transformers.GPT2LMHeadModel(hf_config).eval(), gpt2_config(hf_config.to_dict())
     else:
         hf_config = transformers.LlamaConfig(vocab_size=250, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                              num_attention_heads=2, num_key_value_heads=1, initializer_range=0.1)
-        hf_model, config = transformers.LlamaForCausalLM(hf_config).eval(), hf_mapping.llama_config(hf_config)
+        hf_model, config = transformers.LlamaForCausalLM(hf_config).eval(), llama_config(hf_config.to_dict())
     ids = tokens(250)
     positions = torch.stack([torch.arange(SEQ) % 6, 2 * torch.arange(SEQ) + 3])
     with torch.no_grad():

@@ -42,7 +42,7 @@ def test_analytical_count_equals_the_module_built_on_meta(family):
 
 def test_llama_counts_equal_hugging_face_models_on_meta():
     transformers = pytest.importorskip("transformers")
-    from mega.models import hf_mapping
+    from mega.models.hf_llama import llama_config
 
     shapes = {"llama2-7b": (4096, 11008, 32, 32, 32, 32000), "llama3-8b": (4096, 14336, 32, 32, 8, 128256)}
     for preset, (hidden, ffn, layers, heads, groups, vocab) in shapes.items():
@@ -50,7 +50,7 @@ def test_llama_counts_equal_hugging_face_models_on_meta():
                                              num_attention_heads=heads, num_key_value_heads=groups, vocab_size=vocab)
         with torch.device("meta"):
             hf_count = sum(p.numel() for p in transformers.LlamaForCausalLM(hf_config).parameters())
-        assert num_parameters(hf_mapping.llama_config(hf_config)) == hf_count == num_parameters(LLAMA.presets[preset])
+        assert num_parameters(llama_config(hf_config.to_dict())) == hf_count == num_parameters(LLAMA.presets[preset])
 
 
 def test_gpt_count_equals_hugging_face_gpt2_on_meta():

@@ -1,4 +1,23 @@
 """What mega-ckpt-convert registers with mega, through the entry-point group ``mega``.
 
-Contributions are added here as they land; the plugin is listed by ``mega plugins`` from the start.
+Everything is registered by import path, so ``mega --help`` and ``mega plugins`` import no torch.
 """
+
+from mega.core.plugins import Command, hookimpl
+
+
+@hookimpl
+def register_checkpoint_formats(register):
+    register("hf", "mega.ckpt_convert.hf_format:HF_FORMAT",
+             "Hugging Face transformers directories (config.json + safetensors + tokenizer) of GPT-2 and LLaMA")
+    register("mega", "mega.ckpt_convert.mega_format:MEGA_FORMAT",
+             "mega's sharded checkpoints (mega train --save), read and written at any tp/pp")
+
+
+@hookimpl
+def register_commands(register):
+    register(
+        "convert",
+        Command(help="convert checkpoints between Hugging Face and mega, or reshard to another tp/pp",
+                main="mega.ckpt_convert.cli:main"),
+    )

@@ -20,6 +20,10 @@ Megatron's conventions, so schedules and checkpoints treat every family alike:
   gradients of the copies over ``groups.embedding``.
 * ``init_parameters(module, seed)`` gives every parameter the value the full model would have
   for that seed (seeded from the seed and the parameter's global name), so layouts agree.
+
+A family that has a Hugging Face ``transformers`` counterpart describes it with an
+:class:`HFMapping` (``ModelFamily.hf_mapping``); checkpoint converters read and write Hugging Face
+directories through it, one :class:`TensorMap` at a time, so memory stays at one layer's tensors.
 """
 
 from __future__ import annotations
@@ -33,6 +37,50 @@ if TYPE_CHECKING:
     from torch import nn
 
     from mega.core.parallel.plan import PlanStyle
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """A few tensors under mega's global names <-> the same weights under another layout's names,
+    converted together (one layer's fused QKV <-> its separate q/k/v projections, say).
+
+    ``to_mega(*other_tensors) -> tuple`` takes the ``other`` tensors in order and returns the
+    ``mega`` ones in order; ``from_mega`` is its exact inverse. Both are pure reshapes, splits
+    and concatenations, so they also run on ``meta`` tensors to tell shapes without data.
+    ``vocab``: the first dimension of the mega tensors is vocabulary rows, padded in mega
+    (``padded_vocab_size``) and exactly ``vocab_size`` rows on the other side.
+    """
+
+    mega: tuple[str, ...]
+    other: tuple[str, ...]
+    to_mega: Callable[..., tuple]
+    from_mega: Callable[..., tuple]
+    vocab: bool = False
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """How a family's models are laid out as a Hugging Face ``transformers`` model.
+
+    * ``architecture`` / ``model_type``: config.json's ``architectures[0]`` and ``model_type``.
+    * ``base_model_prefix``: the prefix of the base model's tensors (``"model."``); checkpoints
+      saved from the base model alone lack it.
+    * ``config_from_hf(config_json: Mapping) -> config`` and ``config_to_hf(config) -> dict``:
+      config.json contents (transformers' defaults for absent keys) <-> the family's config; both
+      raise ``ValueError`` naming the field when the other side cannot express the model.
+    * ``tensor_maps(config) -> list[TensorMap]``: every weight of the model, in checkpoint
+      order (embeddings, layer 0, layer 1, ..., final norm, output layer).
+    * ``ignored``: regular expressions of Hugging Face tensors that no map takes and that are
+      skipped when present (buffers some versions saved, a tied output layer's duplicate).
+    """
+
+    architecture: str
+    model_type: str
+    base_model_prefix: str
+    config_from_hf: Callable[[Mapping[str, Any]], Any]
+    config_to_hf: Callable[[Any], dict]
+    tensor_maps: Callable[[Any], list[TensorMap]]
+    ignored: tuple[str, ...] = ()
 
 
 class ModelConfig(Protocol):
@@ -68,6 +116,7 @@ class ModelFamily:
     * ``num_floating_point_operations(config, batch_size) -> float``: of one training iteration
       (forward and backward) over ``batch_size`` sequences of ``config.seq_length`` tokens, by
       Megatron's formula (for throughput and MFU).
+    * ``hf_mapping``: the Hugging Face counterpart (:class:`HFMapping`), if the family has one.
     """
 
     name: str
@@ -79,6 +128,7 @@ class ModelFamily:
     num_parameters: Callable[..., int]
     num_floating_point_operations: Callable[[Any, int], float]
     description: str = ""
+    hf_mapping: HFMapping | None = None
 
     def preset(self, name: str, **overrides: Any) -> Any:
         """The config of preset ``name``, with ``overrides`` replacing fields (e.g. seq_length).

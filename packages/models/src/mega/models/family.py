@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-from mega.core.model_family import ModelFamily
+from mega.core.model_family import HFMapping, ModelFamily
 from mega.core.parallel import ParallelConfig
 from mega.models.config import TransformerConfig
 from mega.models.flops import num_floating_point_operations
@@ -42,7 +42,8 @@ def build_language_model(config: TransformerConfig, *, pre_process: bool = True,
     return model
 
 
-def transformer_family(name: str, presets: Mapping[str, TransformerConfig], description: str) -> ModelFamily:
+def transformer_family(name: str, presets: Mapping[str, TransformerConfig], description: str,
+                       hf_mapping: HFMapping | None = None) -> ModelFamily:
     return ModelFamily(
         name=name,
         config_class=TransformerConfig,
@@ -53,4 +54,5 @@ def transformer_family(name: str, presets: Mapping[str, TransformerConfig], desc
         num_parameters=num_parameters,
         num_floating_point_operations=num_floating_point_operations,
         description=description,
+        hf_mapping=hf_mapping,
     )

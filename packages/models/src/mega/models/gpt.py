@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from mega.models.config import TransformerConfig
 from mega.models.family import transformer_family
+from mega.models.hf_gpt2 import GPT2
 
 
 def gpt_config(num_layers: int, hidden_size: int, num_attention_heads: int, **overrides) -> TransformerConfig:
@@ -35,4 +36,5 @@ PRESETS = {
     "175b": gpt_config(96, 12288, 96, init_method_std=0.006),  # Megatron's GPT-3 175B recipe
 }
 
-FAMILY = transformer_family("gpt", PRESETS, "GPT-2/GPT-3: learned positions, LayerNorm, GELU, tied embeddings")
+FAMILY = transformer_family("gpt", PRESETS, "GPT-2/GPT-3: learned positions, LayerNorm, GELU, tied embeddings",
+                            hf_mapping=GPT2)

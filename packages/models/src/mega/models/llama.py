@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from mega.models.config import TransformerConfig
 from mega.models.family import transformer_family
+from mega.models.hf_llama import LLAMA
 
 
 def llama_config(num_layers: int, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
@@ -38,4 +39,5 @@ PRESETS = {
                                 rope_scaling_factor=8.0),
 }
 
-FAMILY = transformer_family("llama", PRESETS, "LLaMA-2/3: RoPE, RMSNorm, SwiGLU, grouped-query attention")
+FAMILY = transformer_family("llama", PRESETS, "LLaMA-2/3: RoPE, RMSNorm, SwiGLU, grouped-query attention",
+                            hf_mapping=LLAMA)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from mega.core.checkpoint.directory import read_tracker, resolve_checkpoint, saved_iterations, verify

@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from mega.core.checkpoint.directory import RELEASE, publish, remove_leftovers, resolve_checkpoint, staging_path
+from mega.core.checkpoint.directory import (
+    RELEASE,
+    publish,
+    remove_leftovers,
+    resolve_checkpoint,
+    staging_path,
+)
 from mega.core.checkpoint.metadata import CheckpointMetadata
 from mega.core.checkpoint.pieces import Piece
 from mega.core.checkpoint.sharded_io import LazyTensor, ShardedEntry, load_entries, read_index, save_entries
@@ -56,9 +63,14 @@ def read_tensors(path: str | os.PathLike, names: list[str]) -> dict[str, torch.T
 
 
 def write_checkpoint(save_dir: str | os.PathLike, metadata: CheckpointMetadata,
-                     tensors: dict[str, torch.Tensor | LazyTensor], tokenizer: TokenizerSpec | None = None) -> Path:
+                     tensors: dict[str, torch.Tensor | LazyTensor], tokenizer: TokenizerSpec | None = None,
+                     tokenizer_files: Sequence[Path] = ()) -> Path:
     """Write ``tensors`` (global, by model parameter name) as the ``release`` checkpoint of
-    ``save_dir`` and point its tracker at it; on any error nothing new is left behind."""
+    ``save_dir`` and point its tracker at it; on any error nothing new is left behind.
+
+    ``tokenizer_files``: more files for ``tokenizer/`` beside those ``tokenizer`` names (a Hugging
+    Face tokenizer's ``tokenizer_config.json``, ``special_tokens_map.json``...), kept by name.
+    """
     save_dir = Path(save_dir)
     created = not save_dir.exists()
     staging = staging_path(save_dir, RELEASE)
@@ -66,14 +78,15 @@ def write_checkpoint(save_dir: str | os.PathLike, metadata: CheckpointMetadata,
         save_dir.mkdir(parents=True, exist_ok=True)
         remove_leftovers(save_dir)
         staging.mkdir()
-        copy_tokenizer_files(tokenizer, staging)
+        copy_tokenizer_files(tokenizer, staging, tokenizer_files)
         metadata.tokenizer = tokenizer_entry(tokenizer)
         entries = {}
         for name, tensor in tensors.items():
             zeros = (0,) * len(tensor.shape)
             piece = Piece(tensor, zeros) if isinstance(tensor, torch.Tensor) else (tensor, zeros)
             entries[MODEL + name] = ShardedEntry(tuple(tensor.shape), tensor.dtype, [piece])
-        save_entries(staging, entries)
+        # A file per tensor: memory stays at one (lazy) tensor, not the whole model.
+        save_entries(staging, entries, file_per_tensor=True)
         return publish(save_dir, RELEASE, metadata, RELEASE)
     except BaseException:
         shutil.rmtree(save_dir if created else staging, ignore_errors=True)

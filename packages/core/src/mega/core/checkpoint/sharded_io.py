@@ -159,10 +159,17 @@ def read_index(path: Path) -> dict[str, TensorStorageMetadata]:
     return {key: md for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
 
 
-def save_entries(path: Path, entries: dict[str, ShardedEntry], process_group=None) -> None:
-    """Write ``entries`` (the same keys on every rank of ``process_group``) into ``path``."""
+def save_entries(path: Path, entries: dict[str, ShardedEntry], process_group=None, *,
+                 file_per_tensor: bool = False) -> None:
+    """Write ``entries`` (the same keys on every rank of ``process_group``) into ``path``.
+
+    ``file_per_tensor``: one ``.distcp`` file per piece instead of one per rank. DCP's writer
+    keeps every tensor of a file alive until the file is closed, so lazy tensors written into
+    one file would all be held at once; a file each frees every tensor once it is written.
+    """
+    writer = FileSystemWriter(str(path), sync_files=True, single_file_per_rank=not file_per_tensor)
     with _single_process_quietly():
-        dcp.save(entries, storage_writer=FileSystemWriter(str(path), sync_files=True), planner=_SavePlanner(),
+        dcp.save(entries, storage_writer=writer, planner=_SavePlanner(),
                  process_group=process_group, no_dist=not torch.distributed.is_initialized())
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from mega.core.checkpoint.directory import resolve_checkpoint
@@ -16,15 +17,14 @@ TOKENIZER_DIR = "tokenizer"
 FILE_OPTIONS = ("vocab_file", "merge_file", "tokenizer_model")
 
 
-def copy_tokenizer_files(spec: TokenizerSpec | None, checkpoint_dir: Path) -> None:
-    if spec is None:
-        return
-    for option in FILE_OPTIONS:
-        source = getattr(spec.options, option)
-        if source and Path(source).is_file():
-            target = checkpoint_dir / TOKENIZER_DIR / Path(source).name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, target)
+def copy_tokenizer_files(spec: TokenizerSpec | None, checkpoint_dir: Path, extra_files: Sequence[Path] = ()) -> None:
+    """The files ``spec`` names, and ``extra_files``, into ``checkpoint_dir/tokenizer/``."""
+    sources = [Path(source) for option in FILE_OPTIONS
+               if spec is not None and (source := getattr(spec.options, option)) and Path(source).is_file()]
+    for source in [*sources, *map(Path, extra_files)]:
+        target = checkpoint_dir / TOKENIZER_DIR / source.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
 
 
 def tokenizer_entry(spec: TokenizerSpec | None) -> dict | None:

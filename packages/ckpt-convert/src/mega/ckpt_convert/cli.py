@@ -1,0 +1,117 @@
+"""``mega convert``: checkpoints between Hugging Face and mega, and mega between layouts."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import re
+import sys
+import time
+
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}
+FORMATS = ("hf", "mega")
+
+
+def byte_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a number of bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB or 2GiB")
+    unit = (match.group(2) or "B").upper()
+    scale = 1024 if "I" in unit else 1000
+    return int(float(match.group(1)) * scale ** "BKMGT".index(unit[0]))
+
+
+def give_freed_tensors_back() -> None:
+    """Have glibc return every freed block of 1 MiB or more to the system at once.
+
+    A conversion frees a tensor (1 to 50 MB for a 1B model's layers) for every one it makes.
+    glibc serves blocks under its mmap threshold from its heap, and that threshold grows to
+    32 MiB once a large block was freed, so the heap would keep the freed layers resident and
+    the peak would grow with fragmentation rather than stay at one layer. A fixed 1 MiB
+    threshold maps and unmaps each tensor. Other C libraries are left as they are.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_mmap_threshold = -3  # glibc's malloc.h
+    libc.mallopt(m_mmap_threshold, 1 << 20)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mega convert",
+        description=(
+            "Convert a checkpoint between Hugging Face transformers directories (config.json, safetensors, "
+            "tokenizer files) and mega checkpoints, or reshard a mega checkpoint to another tp/pp. "
+            "Weights are converted a layer at a time, so memory stays near the largest tensors, not the "
+            "model. The output appears only when complete."
+        ),
+        epilog="example: mega convert --from hf --to mega --input ./Llama-3.2-1B --output ./ckpt "
+               "--target-tensor-parallel-size 2",
+    )
+    parser.add_argument("--from", dest="from_format", choices=FORMATS,
+                        help="format of --input (default: recognised from the directory)")
+    parser.add_argument("--to", dest="to_format", choices=FORMATS, required=True, help="format of --output")
+    parser.add_argument("--input", required=True, metavar="DIR",
+                        help="a Hugging Face model directory, or a mega save directory or checkpoint")
+    parser.add_argument("--output", required=True, metavar="DIR", help="a new (or empty) directory")
+    parser.add_argument("--model-family", metavar="NAME",
+                        help="the registered model family (gpt, llama...) when config.json cannot tell it")
+    parser.add_argument("--target-tensor-parallel-size", type=int, default=1, metavar="TP",
+                        help="mega output: tensor-parallel size the layout records and the vocabulary is "
+                             "padded for (default 1)")
+    parser.add_argument("--target-pipeline-parallel-size", type=int, default=1, metavar="PP",
+                        help="mega output: pipeline-parallel size the layout records (default 1)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="cast floating-point weights (default: keep each tensor's dtype)")
+    parser.add_argument("--max-shard-size", type=byte_size, default="5GB", metavar="SIZE",
+                        help="hf output: largest safetensors file before sharding with an index (default 5GB)")
+    parser.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
+                        help="progress line on stderr (auto: only on a terminal)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag, value in (("--target-tensor-parallel-size", args.target_tensor_parallel_size),
+                        ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1")
+        if value != 1 and args.to_format != "mega":
+            parser.error(f"{flag} applies to mega outputs only (--to mega)")
+
+    import torch
+
+    from mega.ckpt_convert.conversion import convert
+    from mega.ckpt_convert.errors import ConversionError
+    from mega.ckpt_convert.formats import WriteOptions
+    from mega.core.checkpoint import CheckpointError
+    from mega.core.plugins import PluginError
+
+    options = WriteOptions(
+        tensor_parallel_size=args.target_tensor_parallel_size,
+        pipeline_parallel_size=args.target_pipeline_parallel_size,
+        max_shard_bytes=args.max_shard_size,
+        progress={"auto": None, "always": True, "never": False}[args.progress],
+    )
+    give_freed_tensors_back()
+    start = time.perf_counter()
+    try:
+        warnings = convert(args.input, args.output, from_format=args.from_format, to_format=args.to_format,
+                           model_family=args.model_family, options=options,
+                           dtype=getattr(torch, DTYPES[args.dtype]) if args.dtype else None)
+    except (ConversionError, CheckpointError, PluginError, OSError) as error:
+        print(f"mega convert: error: {error}", file=sys.stderr)
+        print("mega convert: no output was written", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("mega convert: interrupted; no output was written", file=sys.stderr)
+        return 130
+    for warning in warnings:
+        print(f"mega convert: warning: {warning}", file=sys.stderr)
+    print(f"mega convert: wrote {args.output} ({args.to_format}) in {time.perf_counter() - start:.1f} s")
+    return 0

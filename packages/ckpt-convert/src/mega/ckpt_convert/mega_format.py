@@ -1,0 +1,155 @@
+"""The ``mega`` checkpoint format: the sharded checkpoints of ``mega train --save``
+(:mod:`mega.core.checkpoint`), read at any layout and written at the layout asked for.
+
+The tensors are global (``torch.distributed.checkpoint`` pieces with global shapes), so a
+layout changes only what the metadata records and how many vocabulary rows are padded:
+resharding tp2 x pp2 to tp1 x pp1 is rewriting the same tensors with the new padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from mega.ckpt_convert.errors import ConversionError
+from mega.ckpt_convert.formats import WriteOptions
+from mega.ckpt_convert.hf_tokenizer import EXTRA_FILES
+from mega.ckpt_convert.progress import Progress
+from mega.ckpt_convert.safetensors_io import tensor_nbytes
+from mega.ckpt_convert.source import ClosingSource, ModelSource, format_names, model_parameters
+from mega.core.checkpoint import (
+    TRACKER_FILE,
+    CheckpointError,
+    CheckpointMetadata,
+    LazyTensor,
+    read_tensors,
+    resolve_checkpoint,
+    tensor_shapes,
+    tokenizer_spec,
+    write_checkpoint,
+)
+from mega.core.checkpoint.metadata import METADATA_FILE
+from mega.core.checkpoint.tokenizer_files import TOKENIZER_DIR
+from mega.core.version import __version__
+
+
+def _family(name: str):
+    from mega.core.plugins import PluginError, get_plugins
+
+    try:
+        return get_plugins().models.get(name)
+    except PluginError as error:
+        raise ConversionError(str(error)) from None
+
+
+class MegaSource(ClosingSource):
+    """A mega checkpoint as a model source; each read opens and closes its files."""
+
+    def __init__(self, path: Path, model_family: str | None):
+        self.directory = resolve_checkpoint(path)
+        metadata = CheckpointMetadata.read(self.directory)
+        if model_family is not None and model_family != metadata.model_family:
+            raise ConversionError(f"{self.directory} holds a {metadata.model_family!r} model, not --model-family "
+                                  f"{model_family!r}")
+        family = _family(metadata.model_family)
+        self.family = family.name
+        try:
+            self.config = family.config_class(**metadata.model_config)
+        except (TypeError, ValueError) as error:
+            raise ConversionError(f"{self.directory / METADATA_FILE}: model_config does not make a "
+                                  f"{family.name} config: {error}") from None
+        self.tokenizer = tokenizer_spec(self.directory, metadata)
+        tokenizer_dir = self.directory / TOKENIZER_DIR
+        self.tokenizer_extras = {name: tokenizer_dir / name for name in EXTRA_FILES if (tokenizer_dir / name).is_file()}
+        self._tensors = tensor_shapes(self.directory)
+        tp = metadata.layout.get("tp", 1)
+        check_tensors(f"{self.directory}", {name: shape for name, (shape, _) in self._tensors.items()},
+                      model_parameters(family, self.config, tp), self.config.vocab_size)
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._tensors[name][0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._tensors[name][1]
+
+    def get(self, name: str) -> torch.Tensor:
+        return read_tensors(self.directory, [name])[name]
+
+
+def check_tensors(what: str, shapes: dict[str, tuple[int, ...]],
+                  parameters: dict[str, tuple[tuple[int, ...], bool]], vocab_size: int) -> None:
+    """``shapes`` are the model's ``parameters``: the same names, the same shapes but for the
+    number of padded vocabulary rows (at least ``vocab_size``)."""
+    missing, unexpected = set(parameters) - set(shapes), set(shapes) - set(parameters)
+    if missing or unexpected:
+        problems = ([f"lacks {format_names(missing)}"] if missing else []) + (
+            [f"has {format_names(unexpected)}, which the model does not"] if unexpected else [])
+        raise ConversionError(f"{what} does not match its model config: it {'; it '.join(problems)}")
+    for name, (shape, padded_vocab) in parameters.items():
+        fits = shapes[name] == shape
+        if padded_vocab:  # any padding, but every token's row
+            fits = shapes[name][1:] == shape[1:] and shapes[name][0] >= vocab_size
+        if not fits:
+            raise ConversionError(f"{what}: {name} has shape {list(shapes[name])}, but the model config "
+                                  f"implies {list(shape)}")
+
+
+def _fit_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """The vocabulary rows a layout pads to: cut the source's padding or add zero rows."""
+    if tensor.shape[0] >= rows:
+        return tensor[:rows]
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+
+
+class MegaFormat:
+    name = "mega"
+
+    def detect(self, path: Path) -> bool:
+        return (path / METADATA_FILE).is_file() or (path / TRACKER_FILE).is_file()
+
+    def open(self, path: Path, model_family: str | None = None) -> MegaSource:
+        return MegaSource(path, model_family)
+
+    def write(self, source: ModelSource, directory: Path, options: WriteOptions) -> list[str]:
+        from mega.core.pipeline.partition import PartitionError, split_layers
+
+        tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
+        family, config = _family(source.family), source.config
+        try:
+            split_layers(config.num_layers, pp)
+        except PartitionError as error:
+            raise ConversionError(f"--target-pipeline-parallel-size {pp}: {error}") from None
+        parameters = model_parameters(family, config, tp)
+        check_tensors(f"the {source.family} source", {name: source.shape(name) for name in source.names()},
+                      parameters, config.vocab_size)
+        meter = Progress(sum(tensor_nbytes(shape, source.dtype(name)) for name, (shape, _) in parameters.items()),
+                         config.num_layers, options.progress)
+
+        def produce(name: str, shape: tuple[int, ...], padded_vocab: bool) -> torch.Tensor:
+            tensor = source.get(name)
+            tensor = _fit_rows(tensor, shape[0]) if padded_vocab else tensor
+            meter.advance(name, tensor.numel() * tensor.element_size())
+            return tensor
+
+        tensors = {name: LazyTensor(shape, source.dtype(name), lambda n=name, s=shape, p=padded: produce(n, s, p))
+                   for name, (shape, padded) in parameters.items()}
+        metadata = CheckpointMetadata(
+            iteration=0, model_family=family.name, model_config=dataclasses.asdict(config),
+            layout={"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "cp": 1, "ep": 1, "vpp": 1},
+            num_parameters=family.num_parameters(config, tp), mega_version=__version__,
+        )
+        try:
+            write_checkpoint(directory, metadata, tensors, source.tokenizer, list(source.tokenizer_extras.values()))
+        except CheckpointError as error:
+            raise ConversionError(str(error)) from None
+        finally:
+            meter.close()
+        return []
+
+
+MEGA_FORMAT = MegaFormat()

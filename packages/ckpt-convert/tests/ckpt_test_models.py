@@ -1,0 +1,102 @@
+"""Tiny random Hugging Face models (GPT-2 and LLaMA; MHA and GQA; tied and untied), a tokenizer,
+and the helpers the conversion tests share.
+
+Test modules (and the ranks a multi-rank test starts) import this file by putting the tests'
+directory on ``sys.path``: pytest's importlib mode does not.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+# Models are built from configs and tokenizers trained here; nothing may be downloaded.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+VOCAB, BATCH, SEQ = 300, 2, 16
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+# variant -> (model class name, config keywords); rope settings in the keys every transformers reads.
+VARIANTS = {
+    "gpt2-tied": ("GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=32)),
+    "gpt2-untied": ("GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=32,
+                                            tie_word_embeddings=False, activation_function="gelu")),
+    "llama-mha-untied": ("LlamaForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=16384, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)),
+    "llama-gqa-tied-bias": ("LlamaForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
+}
+TEXT = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen liquor jugs",
+        "how vexingly quick daft zebras jump", "sphinx of black quartz, judge my vow"]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|: "equal within 1e-5 relative" for a whole tensor."""
+    expected = expected.double()
+    return ((actual.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+def make_hf_model(variant: str):
+    import transformers
+
+    class_name, settings = VARIANTS[variant]
+    config_class = transformers.GPT2Config if class_name == "GPT2LMHeadModel" else transformers.LlamaConfig
+    dropouts = ({"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if class_name == "GPT2LMHeadModel" else {})
+    config = config_class(vocab_size=VOCAB, initializer_range=0.1, **dropouts, **settings)
+    torch.manual_seed(sum(map(ord, variant)))
+    model = getattr(transformers, class_name)(config).eval()
+    with torch.no_grad():  # Hugging Face starts biases at 0 and norms at 1: make every value count
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def make_tokenizer():
+    """A small byte-level BPE tokenizer (a ``tokenizers.Tokenizer``) with ``<|endoftext|>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(TEXT * 4, trainer)
+    return tokenizer
+
+
+def save_hf_model(model, directory: Path) -> Path:
+    import transformers
+
+    model.save_pretrained(directory)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=make_tokenizer(), eos_token="<|endoftext|>",
+                                                bos_token="<|endoftext|>")
+    fast.save_pretrained(directory)
+    return directory
+
+
+def input_ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a directory's safetensors files, read by the safetensors library."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
