@@ -18,6 +18,8 @@ PLUGINS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "plugins").glob("*/py
 PLUGINS = [str(Path(p).parent) for p in PLUGINS]
 
 nox.options.sessions = ["tests", "lint"]
+# Openings in the style of the pydoc topics the demo model is trained on.
+DEMO_PROMPTS = ["The \"for\" statement is used to", "A class definition"]
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
 
@@ -47,10 +49,15 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job on the embedded default: train a small GPT on the CPU (`mega train`, no arguments)."""
+    """The main job on the embedded default: train a small GPT on the CPU (`mega train`, no
+    arguments; it saves to checkpoints/pydoc-gpt), then generate from it (`mega generate`)."""
     install_mega(session)
     session.run("mega", "plugins")
     session.run("mega", "train")
+    session.run("mega", "checkpoint", "info", "checkpoints/pydoc-gpt")
+    for prompt in DEMO_PROMPTS:
+        session.run("mega", "generate", "--load", "checkpoints/pydoc-gpt", "--prompt", prompt,
+                    "--max-tokens", "60", "--temperature", "0.7", "--top-k", "40", "--seed", "1234", "--echo")
 
 
 @nox.session

@@ -11,6 +11,9 @@ Megatron's conventions, so schedules and checkpoints treat every family alike:
   the tensor group under sequence parallelism). A stage that is not last returns hidden states
   ``[seq, batch, hidden]``; the last (``post_process``) returns logits ``[seq, batch, vocab]``,
   the vocabulary split over the tensor group when tp > 1.
+  For generation a stage also takes ``inference_cache`` (the family's key/value cache: the
+  inputs continue the cached positions) and ``logits_to_keep`` (the last stage computes the
+  logits of the last N positions only).
 * ``loss(logits, labels, tp_group=None) -> [batch, seq]`` per-token cross-entropy of the last
   stage's logits (vocab-parallel over ``tp_group``, a :class:`mega.core.parallel.Group`);
   masking and averaging are the loop's.

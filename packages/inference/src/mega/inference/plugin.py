@@ -1,4 +1,20 @@
 """What mega-inference registers with mega, through the entry-point group ``mega``.
 
-Contributions are added here as they land; the plugin is listed by ``mega plugins`` from the start.
+Commands are registered by import path, so ``mega --help`` imports neither torch nor FastAPI.
 """
+
+from mega.core.plugins import Command, hookimpl
+
+
+@hookimpl
+def register_commands(register):
+    register(
+        "generate",
+        Command(help="continue text prompts with a checkpoint (greedy or sampled) and print them",
+                main="mega.inference.generate_cli:main"),
+    )
+    register(
+        "serve",
+        Command(help="REST text-generation server: Megatron's PUT /api and OpenAI-style /v1/completions",
+                main="mega.inference.serve_cli:main"),
+    )

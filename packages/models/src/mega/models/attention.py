@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mega.models.config import TransformerConfig
+from mega.models.kv_cache import LayerKVCache
 from mega.models.recompute import is_recomputing_allowed, recomputed
 from mega.models.rope import apply_rotary, rotary_cos_sin
 
@@ -34,13 +35,13 @@ class CoreAttention(nn.Module):
         # The heads are this rank's shard under tensor parallelism: mask them from its own stream.
         self.dropout_rng_tracker = dropout_rng_tracker
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool = True) -> torch.Tensor:
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
         tracker = self.dropout_rng_tracker
         fork = tracker.fork() if tracker is not None and dropout_p > 0 else contextlib.nullcontext()
         with fork:
-            out = self.backend.attention(query, key, value, causal=True, dropout_p=dropout_p,
+            out = self.backend.attention(query, key, value, causal=causal, dropout_p=dropout_p,
                                          softmax_scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).flatten(2)
 
@@ -64,7 +65,10 @@ class SelfAttention(nn.Module):
         self.recompute_core = config.recompute_granularity == "selective"
         self.rng_tracker = rng_tracker
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                inference_cache: LayerKVCache | None = None) -> torch.Tensor:
+        """``inference_cache``: this layer's keys and values so far, when generating (see
+        :mod:`mega.models.kv_cache`); the new ones are appended and attended to."""
         qkv = self.linear_qkv(hidden)
         seq, batch, _ = qkv.shape
         d, per_group = self.head_dim, self.queries_per_group
@@ -74,7 +78,10 @@ class SelfAttention(nn.Module):
         if self.config.position_embedding_type == "rope":
             cos, sin = rotary_cos_sin(self.config, seq, position_ids, qkv.device)
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-        if self.recompute_core and is_recomputing_allowed(self):
+        if inference_cache is not None:
+            key, value, causal = inference_cache.append(key, value)
+            context = self.core_attention(query, key, value, causal)
+        elif self.recompute_core and is_recomputing_allowed(self):
             context = recomputed(self.core_attention, query, key, value, rng_tracker=self.rng_tracker)
         else:
             context = self.core_attention(query, key, value)

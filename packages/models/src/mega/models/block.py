@@ -9,6 +9,7 @@ from torch import nn
 
 from mega.models.attention import SelfAttention
 from mega.models.config import TransformerConfig
+from mega.models.kv_cache import KVCache, LayerKVCache
 from mega.models.mlp import MLP
 from mega.models.norms import build_norm
 from mega.models.recompute import is_recomputing_allowed, layer_runs, recomputed
@@ -25,8 +26,10 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = hidden + self.hidden_dropout(self.self_attention(self.input_layernorm(hidden), position_ids))
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                inference_cache: LayerKVCache | None = None) -> torch.Tensor:
+        attention = self.self_attention(self.input_layernorm(hidden), position_ids, inference_cache)
+        hidden = hidden + self.hidden_dropout(attention)
         return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
 
 
@@ -50,7 +53,12 @@ class TransformerBlock(nn.Module):
         self.rng_tracker = rng_tracker
         self.sequence_parallel = sequence_parallel
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                inference_cache: KVCache | None = None) -> torch.Tensor:
+        if inference_cache is not None:  # generating: no recompute, no dropout to fork
+            for number, layer in self.layers.items():
+                hidden = layer(hidden, position_ids, inference_cache.layer(int(number)))
+            return self.final_layernorm(hidden) if self.final_layernorm is not None else hidden
         layers = list(self.layers.values())
         fork = self.rng_tracker.fork() if self.rng_tracker is not None and self.sequence_parallel else contextlib.nullcontext()
         with fork:

@@ -26,10 +26,12 @@ from torch import nn
 from mega.core.kernels import get_attention_backend
 from mega.core.parallel import Group, ParallelConfig
 from mega.core.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mega.core.parallel.param_attrs import mark_padded_vocab
 from mega.core.pipeline.tied import tie_across_stages
 from mega.models.block import TransformerBlock
 from mega.models.config import ModelConfigError, TransformerConfig
 from mega.models.embedding import Embedding
+from mega.models.kv_cache import KVCache
 
 OUTPUT_WEIGHT = "output_layer.weight"
 WORD_EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
@@ -59,18 +61,32 @@ class LanguageModel(nn.Module):
                                         parallel.sequence_parallel)
         if post_process:
             self.output_layer = nn.Linear(config.hidden_size, vocab, bias=False)
+            mark_padded_vocab(self.output_layer.weight)
             if self.tied:
                 self.output_layer.weight = self.embedding.word_embeddings.weight
                 # The tied weight is saved and loaded once, under the embedding's name.
                 self.register_state_dict_post_hook(_drop_tied_output_weight)
                 self.register_load_state_dict_pre_hook(_fill_tied_output_weight)
 
-    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
+                inference_cache: KVCache | None = None, logits_to_keep: int | None = None) -> torch.Tensor:
         """Token ids ``[b, s]`` on the first stage, hidden ``[s, b, h]`` after; returns hidden
-        ``[s, b, h]``, or logits ``[s, b, vocab (shard)]`` on the last stage."""
+        ``[s, b, h]``, or logits ``[s, b, vocab (shard)]`` on the last stage.
+
+        ``inference_cache`` (generation, :mod:`mega.models.kv_cache`): the inputs continue the
+        cached positions; ``position_ids`` then default to those that follow the cache.
+        ``logits_to_keep``: the last stage computes the logits of the last N positions only
+        (generation needs the next token's; the vocabulary projection dominates short models).
+        """
+        if inference_cache is not None and position_ids is None:
+            seq = inputs.shape[1] if self.pre_process else inputs.shape[0]
+            start = inference_cache.length
+            position_ids = torch.arange(start, start + seq, device=inputs.device)[None, :]
         hidden = self.embedding(inputs, position_ids) if self.pre_process else inputs
-        hidden = self.decoder(hidden, position_ids)
-        return self.output_layer(hidden) if self.post_process else hidden
+        hidden = self.decoder(hidden, position_ids, inference_cache)
+        if not self.post_process:
+            return hidden
+        return self.output_layer(hidden[-logits_to_keep:] if logits_to_keep else hidden)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, tp_group: Group | None = None) -> torch.Tensor:
         """Per-token cross-entropy ``[b, s]`` (fp32) of logits ``[s, b, vocab (shard)]``."""

@@ -1,0 +1,152 @@
+"""``BatchingWorker``: the one thread that runs the engine, on batches gathered from the queue.
+
+HTTP handlers (asyncio) submit a :class:`Job` (one request's prompts) and await it. While the
+engine runs a batch, new jobs queue up; when it is free, the worker takes every queued job that
+fits in ``max_batch_size`` sequences and runs them as one engine batch. A job never splits
+across batches, and each job's sequences are handed back the moment they finish, so a short
+request batched with a long one does not wait for it.
+
+Results and streamed tokens cross from the worker thread to the event loop with
+``call_soon_threadsafe``; a job whose client went away is cancelled, and its sequences leave the
+batch at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from mega.inference.engine import GenerationEngine, GenerationRequest, GenerationResult
+
+log = logging.getLogger(__name__)
+
+
+class Job:
+    """One request's sequences; created and awaited on the event loop."""
+
+    def __init__(self, requests: Sequence[GenerationRequest], loop: asyncio.AbstractEventLoop, stream: bool = False):
+        self.requests = list(requests)
+        self.loop = loop
+        self.results: list[GenerationResult | None] = [None] * len(self.requests)
+        self.done: asyncio.Future = loop.create_future()
+        # Streaming: ("token", index, token, logprob) and ("finished", index, result) in order.
+        self.events: asyncio.Queue | None = asyncio.Queue() if stream else None
+
+    def cancel(self) -> None:
+        for request in self.requests:
+            request.cancelled = True
+
+    @property
+    def cancelled(self) -> bool:
+        return all(request.cancelled for request in self.requests)
+
+    # Called on the worker thread.
+    def token(self, index: int, token: int, logprob: float | None) -> None:
+        if self.events is not None:
+            self._on_loop(self.events.put_nowait, ("token", index, token, logprob))
+
+    def finished(self, index: int, result: GenerationResult) -> None:
+        self._on_loop(self._finished, index, result)
+
+    def failed(self, error: BaseException) -> None:
+        self._on_loop(self._failed, error)
+
+    def dropped(self) -> None:
+        """Never run: every sequence was cancelled while it queued."""
+        self._on_loop(self.done.cancel)
+
+    def _on_loop(self, callback, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            pass
+
+    # Called on the event loop.
+    def _finished(self, index: int, result: GenerationResult) -> None:
+        self.results[index] = result
+        if self.events is not None:
+            self.events.put_nowait(("finished", index, result))
+        if all(r is not None for r in self.results) and not self.done.done():
+            self.done.set_result(self.results)
+
+    def _failed(self, error: BaseException) -> None:
+        if self.events is not None:
+            self.events.put_nowait(("failed", error))
+        if not self.done.done():
+            self.done.set_exception(error)
+
+
+class BatchingWorker:
+    """``before_batch(requests)`` runs on the worker thread before each engine batch (the
+    tensor-parallel leader hands the batch to the other ranks there)."""
+
+    def __init__(self, engine: GenerationEngine, max_batch_size: int = 32,
+                 before_batch: Callable[[list[GenerationRequest]], None] | None = None):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
+        self.engine, self.max_batch_size, self.before_batch = engine, max_batch_size, before_batch
+        self._pending: collections.deque[Job] = collections.deque()
+        self._condition = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="mega-batching-worker", daemon=True)
+        self.batches_run = 0  # for tests and logs: how many engine batches ran
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._condition:
+            self._stopping = True
+            self._condition.notify()
+        self._thread.join()
+
+    def submit(self, job: Job) -> None:
+        with self._condition:
+            self._pending.append(job)
+            self._condition.notify()
+
+    def _next_batch(self) -> list[Job] | None:
+        with self._condition:
+            while not self._pending and not self._stopping:
+                self._condition.wait()
+            if self._stopping:
+                return None
+            batch, rows = [], 0
+            while self._pending and (not batch or rows + len(self._pending[0].requests) <= self.max_batch_size):
+                job = self._pending.popleft()
+                if job.cancelled:  # its client left while it queued
+                    job.dropped()
+                    continue
+                batch.append(job)
+                rows += len(job.requests)
+            return batch
+
+    def _run(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            if batch:
+                self._run_batch(batch)
+
+    def _run_batch(self, batch: list[Job]) -> None:
+        owners = [(job, index) for job in batch for index in range(len(job.requests))]
+        requests = [request for job in batch for request in job.requests]
+
+        def on_token(row: int, token: int, logprob: float | None) -> None:
+            job, index = owners[row]
+            job.token(index, token, logprob)
+
+        def on_finish(row: int, result: GenerationResult) -> None:
+            job, index = owners[row]
+            job.finished(index, result)
+
+        try:
+            if self.before_batch is not None:
+                self.before_batch(requests)
+            self.engine.generate(requests, on_token=on_token, on_finish=on_finish)
+        except Exception as error:  # the server lives on; these requests get the error
+            log.exception("generation failed for a batch of %d sequences", len(requests))
+            for job in batch:
+                job.failed(error)
+        self.batches_run += 1

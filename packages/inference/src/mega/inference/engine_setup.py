@@ -1,0 +1,35 @@
+"""What ``mega generate`` and ``mega serve`` both do first: join torchrun's ranks (if any) as one
+tensor-parallel group, load the model, and make the engine."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from mega.core.launch import init_distributed
+from mega.core.parallel import Group, ParallelConfig, ParallelGroups
+from mega.inference.engine import GenerationEngine
+from mega.inference.loader import LoadedModel, load_from_args
+
+
+@dataclass
+class EngineSetup:
+    engine: GenerationEngine
+    loaded: LoadedModel
+    tp_group: Group
+
+    @property
+    def is_leader(self) -> bool:
+        return self.tp_group.rank == 0
+
+
+def setup_engine(args: argparse.Namespace) -> EngineSetup:
+    init_distributed()
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    groups = ParallelGroups(ParallelConfig(tp=world))
+    loaded = load_from_args(args, groups)
+    engine = GenerationEngine(loaded.model, vocab_size=loaded.config.vocab_size,
+                              max_positions=loaded.max_positions, tokenizer=loaded.tokenizer, tp_group=groups.tp)
+    return EngineSetup(engine, loaded, groups.tp)

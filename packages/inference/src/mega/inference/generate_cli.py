@@ -1,0 +1,115 @@
+"""``mega generate``: continue prompts with a checkpoint and print the continuations.
+
+Prompts come from ``--prompt`` (repeatable), ``--prompt-file`` (one per line; ``-`` is stdin),
+or stdin. Under ``torchrun --nproc-per-node N`` the model is tensor-parallel over the N ranks;
+rank 0 reads the prompts and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mega.inference.loader import add_load_arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mega generate",
+        description="Continue text prompts with a mega checkpoint or a Hugging Face model directory and "
+                    "print each continuation (the prompt with --echo). Prompts: --prompt, --prompt-file, "
+                    "or one per line on stdin.",
+    )
+    add_load_arguments(parser)
+    group = parser.add_argument_group("prompts")
+    group.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
+    group.add_argument("--prompt-file", metavar="PATH", help="one prompt per line; - reads stdin")
+    group.add_argument("--add-bos", action="store_true", help="prepend the beginning-of-sequence token")
+    group = parser.add_argument_group("generation")
+    group.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt (default 64)")
+    choice = group.add_mutually_exclusive_group()
+    choice.add_argument("--greedy", action="store_true", help="always the most likely token")
+    choice.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    group.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    group.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling probability (0: off)")
+    group.add_argument("--seed", type=int, help="sampling seed (prompt i uses seed + i): runs reproduce")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="stop when the continuation holds TEXT, left out of the output (repeatable)")
+    group.add_argument("--stop-on-eol", action="store_true", help="stop at the first newline")
+    group.add_argument("--stop-on-double-eol", action="store_true", help="stop at a blank line")
+    group.add_argument("--max-batch-size", type=int, default=32, help="prompts generated together (default 32)")
+    group = parser.add_argument_group("output")
+    group.add_argument("--echo", action="store_true", help="print the prompt before its continuation")
+    group.add_argument("--json", action="store_true",
+                       help="one JSON object per prompt: prompt, text, tokens, finish_reason (and logprobs)")
+    group.add_argument("--logprobs", action="store_true", help="with --json: log-probabilities of the tokens")
+    return parser
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        stream = sys.stdin if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8")
+        with stream:
+            prompts += [line.rstrip("\r\n") for line in stream]
+    elif not prompts:
+        if sys.stdin.isatty():
+            raise SystemExit("mega generate: give --prompt TEXT, --prompt-file PATH, or prompts on stdin")
+        prompts = [line.rstrip("\r\n") for line in sys.stdin]
+    return prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from mega.inference.engine import GenerationError, GenerationRequest
+    from mega.inference.engine_setup import setup_engine
+    from mega.inference.sampling import GREEDY, SamplingError, SamplingParams
+    from mega.inference.stopping import StopRules
+    from mega.inference.tp_serving import follow, lead
+
+    setup = setup_engine(args)
+    if not setup.is_leader:
+        follow(setup.engine, setup.tp_group)
+        return 0
+    try:
+        tokenizer = setup.loaded.tokenizer
+        if tokenizer is None:
+            raise GenerationError("the checkpoint names no tokenizer: give --tokenizer-type (and its files)")
+        sampling = GREEDY if args.greedy else SamplingParams(args.temperature, args.top_k, args.top_p)
+        stop = StopRules(stop_ids=frozenset({tokenizer.eod}), stop_strings=tuple(args.stop),
+                         stop_on_eol=args.stop_on_eol, stop_on_double_eol=args.stop_on_double_eol)
+        prompts = read_prompts(args)
+        requests = []
+        for index, prompt in enumerate(prompts):
+            ids = tokenizer.tokenize(prompt)
+            if args.add_bos:
+                ids = [tokenizer.bos if tokenizer.bos is not None else tokenizer.eod, *ids]
+            seed = None if args.seed is None else args.seed + index
+            requests.append(GenerationRequest(ids, args.max_tokens, SamplingParams(
+                sampling.temperature, sampling.top_k, sampling.top_p, seed), stop, logprobs=args.logprobs))
+            setup.engine.check(requests[-1])
+        for start in range(0, len(requests), args.max_batch_size):
+            batch = requests[start: start + args.max_batch_size]
+            lead(batch, setup.tp_group)
+            for offset, result in enumerate(setup.engine.generate(batch)):
+                print_result(args, tokenizer, prompts[start + offset], result, stop)
+    except (GenerationError, SamplingError, OSError) as error:
+        print(f"mega generate: {error}", file=sys.stderr)
+        return 2
+    finally:
+        lead(None, setup.tp_group)
+    return 0
+
+
+def print_result(args, tokenizer, prompt: str, result, stop) -> None:
+    from mega.inference.completion_text import completion_text
+
+    text = completion_text(tokenizer, result.generated, stop)
+    if args.json:
+        record = {"prompt": prompt, "text": text, "tokens": result.generated, "finish_reason": result.finish_reason}
+        if args.logprobs:
+            record["logprobs"] = result.logprobs[result.prompt_length - 1:]
+        print(json.dumps(record), flush=True)
+    else:
+        print((prompt if args.echo else "") + text, flush=True)

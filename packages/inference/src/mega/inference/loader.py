@@ -1,0 +1,139 @@
+"""Loading the model to generate with: a mega checkpoint, or a Hugging Face directory.
+
+``--load PATH`` holding a ``config.json`` is a Hugging Face model, read through the checkpoint
+format registered as ``hf`` (mega-ckpt-convert's plugin); anything else is a mega checkpoint (a
+save directory following its tracker, or one checkpoint directory), read through the core. Either
+way the model is built at this process's tensor-parallel size (the tensor group is the whole
+world under torchrun) and the weights are resharded from whatever layout they were saved at.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.parallel.tensor_parallel import apply_tensor_parallel
+from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
+
+HF_FORMAT = "hf"  # the registered checkpoint format that reads Hugging Face directories
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LoadError(RuntimeError):
+    """The model or tokenizer cannot be loaded; the message says what is missing."""
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    family_name: str
+    config: Any
+    tokenizer: Any  # mega.core.tokenizer.Tokenizer, or None when nothing says which
+    name: str  # what the OpenAI API reports as the model
+
+    @property
+    def max_positions(self) -> int:
+        return getattr(self.config, "max_position_embeddings", None) or self.config.seq_length
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--load", required=True, metavar="PATH",
+                       help="mega checkpoint (save directory or one iteration's directory) or a Hugging "
+                            "Face model directory (with config.json)")
+    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available, "
+                       "each torchrun rank its LOCAL_RANK's GPU)")
+    group.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                       help="parameter and activation dtype (default float32)")
+    group = parser.add_argument_group("tokenizer (default: the one the checkpoint names)")
+    group.add_argument("--tokenizer-type", help="registered tokenizer, e.g. GPT2BPETokenizer, HuggingFaceTokenizer")
+    group.add_argument("--vocab-file", help="vocabulary (GPT-2 vocab.json, BERT vocab.txt)")
+    group.add_argument("--merge-file", help="BPE merges (GPT-2 merges.txt)")
+    group.add_argument("--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its directory), .tiktoken")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer ids")
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        from mega.core.launch import distributed_env
+
+        env = distributed_env()
+        return torch.device("cuda", env["local_rank"] if env else torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def load_from_args(args: argparse.Namespace, groups: ParallelGroups, plugins=None) -> LoadedModel:
+    tokenizer_spec = None
+    if args.tokenizer_type:
+        tokenizer_spec = TokenizerSpec(args.tokenizer_type, TokenizerOptions(
+            vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+            vocab_size=args.vocab_size))
+    device = torch.device(args.device) if args.device else default_device()
+    return load_model(args.load, groups=groups, device=device, dtype=DTYPES[args.dtype],
+                      tokenizer_spec=tokenizer_spec, plugins=plugins)
+
+
+def load_model(path: str | Path, *, groups: ParallelGroups, device: torch.device, dtype: torch.dtype = torch.float32,
+               tokenizer_spec: TokenizerSpec | None = None, plugins=None) -> LoadedModel:
+    """Build the checkpoint's model family at ``groups``' tensor-parallel size and fill it;
+    ``tokenizer_spec`` replaces the tokenizer the checkpoint names."""
+    from mega.core.checkpoint import load_model_weights
+    from mega.core.plugins import get_plugins
+
+    plugins = get_plugins() if plugins is None else plugins
+    path = Path(path)
+    if not path.exists():
+        raise LoadError(f"--load {path}: no such file or directory")
+    if (path / "config.json").is_file():
+        source = _open_hugging_face(path, plugins)
+        try:
+            family_name, config = source.family, source.config
+            tokenizer = build_tokenizer(tokenizer_spec or source.tokenizer, plugins)
+            model = build_model(plugins.models.get(family_name), config, groups, device, dtype)
+            load_model_weights(source, [model], groups)
+        finally:
+            source.close()
+    else:
+        from mega.core.checkpoint import load_tokenizer, read_metadata, resolve_checkpoint
+
+        checkpoint = resolve_checkpoint(path)
+        metadata = read_metadata(checkpoint)
+        family_name = metadata.model_family
+        config = plugins.models.get(family_name).config_class(**metadata.model_config)
+        tokenizer = build_tokenizer(tokenizer_spec, plugins) if tokenizer_spec else load_tokenizer(checkpoint, plugins)
+        model = build_model(plugins.models.get(family_name), config, groups, device, dtype)
+        load_model_weights(checkpoint, [model], groups)
+    return LoadedModel(model=model, family_name=family_name, config=config, tokenizer=tokenizer,
+                       name=path.resolve().name)
+
+
+def _open_hugging_face(path: Path, plugins):
+    """A model source over a Hugging Face directory, from the checkpoint format registered as
+    ``hf`` (mega-ckpt-convert's), found through the plugins as the design has it."""
+    from mega.core.plugins import PluginError
+
+    try:
+        checkpoint_format = plugins.checkpoint_formats.get(HF_FORMAT)
+    except PluginError as error:
+        raise LoadError(f"--load {path} is a Hugging Face directory, which needs the {HF_FORMAT!r} checkpoint "
+                        f"format (pip install mega-ckpt-convert): {error}") from None
+    return checkpoint_format.open(path)
+
+
+def build_model(family, config, groups: ParallelGroups, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The whole model (one stage), tensor-parallel over ``groups.tp``, in eval mode."""
+    model = family.build(config, parallel=ParallelConfig(tp=groups.tp.size), device=device)
+    apply_tensor_parallel(model, family.tensor_parallel_plan(config), groups)
+    return model.to(dtype).eval()
+
+
+def build_tokenizer(spec: TokenizerSpec | None, plugins):
+    if spec is None:
+        return None
+    return plugins.tokenizers.get(spec.type)(spec.options)

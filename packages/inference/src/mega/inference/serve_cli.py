@@ -1,0 +1,63 @@
+"""``mega serve``: the REST text-generation server (FastAPI on uvicorn).
+
+Under ``torchrun --nproc-per-node N`` the model is tensor-parallel over the N ranks: rank 0
+serves HTTP and hands every engine batch to the other ranks, which follow until it stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mega.inference.loader import add_load_arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mega serve",
+        description="Serve a mega checkpoint or a Hugging Face model directory over HTTP: Megatron's "
+                    "PUT /api, OpenAI-style POST /v1/completions (streaming too), GET /v1/health; "
+                    "the API's schema is browsable at /docs.",
+    )
+    add_load_arguments(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
+    group.add_argument("--port", type=int, default=5000, help="port (default 5000)")
+    group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the generation routes")
+    group.add_argument("--max-batch-size", type=int, default=32,
+                       help="sequences the engine runs together; concurrent requests share batches (default 32)")
+    group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import uvicorn
+
+    from mega.inference.batching import BatchingWorker
+    from mega.inference.engine_setup import setup_engine
+    from mega.inference.server import create_app
+    from mega.inference.service import InferenceService
+    from mega.inference.tp_serving import follow, lead
+
+    setup = setup_engine(args)
+    if not setup.is_leader:
+        follow(setup.engine, setup.tp_group)
+        return 0
+    if setup.loaded.tokenizer is None:
+        lead(None, setup.tp_group)
+        print("mega serve: the checkpoint names no tokenizer: give --tokenizer-type (and its files)", file=sys.stderr)
+        return 2
+    worker = BatchingWorker(setup.engine, args.max_batch_size,
+                            before_batch=lambda requests: lead(requests, setup.tp_group))
+    service = InferenceService(setup.engine, worker, setup.loaded.tokenizer, setup.loaded.name)
+    worker.start()
+    try:
+        uvicorn.run(create_app(service, api_key=args.api_key), host=args.host, port=args.port,
+                    log_level=args.log_level)
+    finally:
+        worker.stop()
+        lead(None, setup.tp_group)
+    return 0

