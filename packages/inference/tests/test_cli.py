@@ -105,10 +105,16 @@ def test_generate_errors_are_clear(checkpoints, capsys, tmp_path):
     hf_dir = checkpoints[0]
     assert generate_main(["--load", str(hf_dir), "--prompt", "Hi", "--max-tokens", "500"]) == 2
     assert "exceeds the model's 64 positions" in capsys.readouterr().err
-    from mega.inference.loader import LoadError
-
-    with pytest.raises(LoadError, match="no such file or directory"):
-        generate_main(["--load", str(tmp_path / "missing"), "--prompt", "Hi"])
+    # A model that cannot be loaded ends the command with one line naming the problem.
+    broken_hf = tmp_path / "broken-hf"
+    broken_hf.mkdir()
+    (broken_hf / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    for load, message in [(tmp_path / "missing", "no such file or directory"),
+                          (broken_hf, "has no model.safetensors"),
+                          (tmp_path, "is not a mega checkpoint")]:
+        with pytest.raises(SystemExit, match=message) as stop:
+            generate_main(["--load", str(load), "--prompt", "Hi"])
+        assert str(stop.value).startswith("mega generate: error: ")
 
 
 def test_commands_are_registered_without_importing_torch():

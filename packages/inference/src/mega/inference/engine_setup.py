@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from mega.core.checkpoint import CheckpointError
 from mega.core.launch import init_distributed
 from mega.core.parallel import Group, ParallelConfig, ParallelGroups
 from mega.inference.engine import GenerationEngine
-from mega.inference.loader import LoadedModel, load_from_args
+from mega.inference.loader import LoadedModel, LoadError, load_from_args
 
 
 @dataclass
@@ -25,11 +26,16 @@ class EngineSetup:
         return self.tp_group.rank == 0
 
 
-def setup_engine(args: argparse.Namespace) -> EngineSetup:
+def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup:
+    """The engine for ``mega <command>``; a model or tokenizer that cannot be loaded ends the
+    command with one line naming the problem."""
     init_distributed()
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     groups = ParallelGroups(ParallelConfig(tp=world))
-    loaded = load_from_args(args, groups)
+    try:
+        loaded = load_from_args(args, groups)
+    except (LoadError, CheckpointError) as error:
+        raise SystemExit(f"mega {command}: error: {error}") from None
     engine = GenerationEngine(loaded.model, vocab_size=loaded.config.vocab_size,
                               max_positions=loaded.max_positions, tokenizer=loaded.tokenizer, tp_group=groups.tp)
     return EngineSetup(engine, loaded, groups.tp)

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from mega.inference.stopping import StopRules
     from mega.inference.tp_serving import follow, lead
 
-    setup = setup_engine(args)
+    setup = setup_engine(args, "generate")
     if not setup.is_leader:
         follow(setup.engine, setup.tp_group)
         return 0

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from mega.inference.service import InferenceService
     from mega.inference.tp_serving import follow, lead
 
-    setup = setup_engine(args)
+    setup = setup_engine(args, "serve")
     if not setup.is_leader:
         follow(setup.engine, setup.tp_group)
         return 0
