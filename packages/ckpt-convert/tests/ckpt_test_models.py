@@ -35,12 +35,6 @@ TEXT = ["the quick brown fox jumps over the lazy dog", "pack my box with five do
         "how vexingly quick daft zebras jump", "sphinx of black quartz, judge my vow"]
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|: "equal within 1e-5 relative" for a whole tensor."""
-    expected = expected.double()
-    return ((actual.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
-
-
 def make_hf_model(variant: str):
     import transformers
 

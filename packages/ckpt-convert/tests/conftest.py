@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from ckpt_test_models import VARIANTS, make_hf_model, relative_error, save_hf_model  # noqa: E402
+from ckpt_test_models import VARIANTS, make_hf_model, save_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -20,11 +20,3 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     return {variant: save_hf_model(make_hf_model(variant), root / variant) for variant in VARIANTS}
 
-
-@pytest.fixture
-def assert_close():
-    def check(actual, expected, tolerance=1e-5, what=""):
-        assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-        error = relative_error(actual, expected)
-        assert error <= tolerance, f"{what}: relative error {error:.3g} > {tolerance:g}"
-    return check

@@ -32,14 +32,12 @@ from mega.core.checkpoint.directory import (
     publish,
     remove_leftovers,
     staging_path,
-    verify,
 )
 from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
 from mega.core.checkpoint.pieces import Piece
 from mega.core.checkpoint.sharded_io import ShardedEntry, load_entries, read_index, save_entries
 from mega.core.checkpoint.state import (
     MAIN_PARAM,
-    Entries,
     create_optimizer_state,
     model_entries,
     optimizer_entries,
@@ -59,7 +57,7 @@ class Checkpointer:
         # Checkpoint collectives get a group of their own: an asynchronous save runs them on a
         # background thread while training keeps using the others.
         self.process_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self._pending: Future | None = None
+        self._pending: tuple[Future, float] | None = None  # a background save and when it began
         self._executor: ThreadPoolExecutor | None = None
         self._last_saved: int | None = None
 
@@ -119,23 +117,22 @@ class Checkpointer:
         staged = {key: _copy(entry) for key, entry in entries.items()}
         blocked = time.perf_counter() - start
         self._executor = self._executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="mega-ckpt")
-        self._pending = self._executor.submit(write, staged)
-        self._pending.started = start  # type: ignore[attr-defined]
+        self._pending = (self._executor.submit(write, staged), start)
         self._say(f"checkpoint {save_dir / name}: training blocked {blocked:.3f} s; writing in the background")
         return save_dir / name
 
     def poll(self) -> None:
         """Announce a finished background save (cheap; no collectives)."""
-        if self._pending is not None and self._pending.done():
+        if self._pending is not None and self._pending[0].done():
             self.wait()
 
     def wait(self) -> None:
         """Wait for the background save, if any, and re-raise its error."""
         if self._pending is None:
             return
-        pending, self._pending = self._pending, None
-        path = pending.result()
-        self._say(f"saved checkpoint {path} in the background in {time.perf_counter() - pending.started:.2f} s")
+        (future, start), self._pending = self._pending, None
+        path = future.result()
+        self._say(f"saved checkpoint {path} in the background in {time.perf_counter() - start:.2f} s")
         self._announce(path)
 
     def close(self) -> None:
@@ -150,10 +147,10 @@ class Checkpointer:
 
     def _entries_to_save(self) -> tuple[dict, dict | None]:
         trainer = self.trainer
-        entries = model_entries(trainer.chunks, self.groups).entries
+        entries = model_entries(trainer.chunks, self.groups.tp).entries
         description = optimizer_state_description(trainer.optimizer)
         if description is not None:
-            entries.update(optimizer_entries(trainer.optimizer, trainer.chunks, self.groups,
+            entries.update(optimizer_entries(trainer.optimizer, trainer.chunks, self.groups.tp,
                                              description["state_keys"], description["main_params"]).entries)
         return entries, description
 
@@ -184,7 +181,7 @@ class Checkpointer:
         if path is None:
             self._say(f"no checkpoint in {config.load} yet; starting from scratch")
             return
-        metadata = verify(path)
+        metadata = CheckpointMetadata.read(path)  # find_checkpoint verified it
         if metadata.model_family != trainer.family.name:
             raise CheckpointError(f"{path} holds a {metadata.model_family!r} model; this run trains "
                                   f"{trainer.family.name!r} (--model-family)")
@@ -194,24 +191,22 @@ class Checkpointer:
                                   f"{trainer.run.model.vocab_size} (check the tokenizer)")
         weights_only = config.finetune or path.name == RELEASE
         with_optimizer = not weights_only and config.load_optim and metadata.optimizer is not None
-        model = model_entries(trainer.chunks, self.groups)
-        wanted = Entries(dict(model.entries), dict(model.sources))
-        loads_main_params = False
+        wanted = model_entries(trainer.chunks, self.groups.tp)
         if with_optimizer:
             create_optimizer_state(trainer.optimizer, metadata.optimizer)
-            loads_main_params = metadata.optimizer["main_params"]
-            optimizer = optimizer_entries(trainer.optimizer, trainer.chunks, self.groups,
-                                          metadata.optimizer["state_keys"], loads_main_params)
+            optimizer = optimizer_entries(trainer.optimizer, trainer.chunks, self.groups.tp,
+                                          metadata.optimizer["state_keys"], metadata.optimizer["main_params"])
             wanted.entries.update(optimizer.entries)
             wanted.sources.update(optimizer.sources)
-            loads_main_params = any(key.endswith("." + MAIN_PARAM) for key in optimizer.entries)
+        # fp32 main weights come from the checkpoint when it has them, else from the loaded weights
+        loads_main_params = any(key.endswith("." + MAIN_PARAM) for key in wanted.entries)
         index = read_index(path)
         check_model_names(path, full_model_names(trainer), index)
         check_entries(path, wanted, index)
         zero_rows_beyond(wanted, index)
         load_entries(path, wanted.entries, self.process_group)
         with torch.no_grad():
-            for first, copy in model.duplicates:
+            for first, copy in wanted.duplicates:
                 copy.copy_(first)
         if not loads_main_params:
             refresh_main_params(trainer.optimizer.main_params)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mega.core.checkpoint.directory import read_tracker, resolve_checkpoint, saved_iterations, verify
-from mega.core.checkpoint.metadata import CheckpointError
+from mega.core.checkpoint.directory import read_tracker, resolve_checkpoint, saved_iterations
+from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
 
 LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "vpp", "world_size", "sequence_parallel", "distributed_optimizer")
 
@@ -16,26 +16,26 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mega checkpoint info",
         description="Show a checkpoint's iteration, the layout it was saved at, its model family and "
                     "config, parameter count, size on disk and completeness. DIR is a --save directory "
-                    "(its latest checkpoint) or one iter_XXXXXXX directory.",
+                    "(its latest checkpoint) or one checkpoint in it (e.g. DIR/iter_0000500).",
     )
     parser.add_argument("directory", metavar="DIR")
     parser.add_argument("--json", action="store_true", help="print the metadata as JSON")
     return parser
 
 
-def _size(num_bytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if num_bytes < 1024 or unit == "GiB":
-            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
+def _size(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if num_bytes < 1024:
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
         num_bytes /= 1024
-    raise AssertionError("unreachable")
+    return f"{num_bytes:.1f} GiB"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        path = resolve_checkpoint(args.directory)
-        metadata = verify(path)
+        path = resolve_checkpoint(args.directory)  # checks completeness
+        metadata = CheckpointMetadata.read(path)
     except CheckpointError as error:
         print(f"mega checkpoint info: {error}", file=sys.stderr)
         return 1

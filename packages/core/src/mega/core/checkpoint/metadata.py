@@ -55,9 +55,9 @@ class CheckpointMetadata:
             raise CheckpointError(f"{directory} is not a complete mega checkpoint: {METADATA_FILE} is missing") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise CheckpointError(f"{path} is not valid JSON ({error}); the checkpoint is damaged") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise CheckpointError(f"{path} does not describe a mega checkpoint (format {data.get('format')!r})"
-                                  if isinstance(data, dict) else f"{path} does not describe a mega checkpoint")
+        found = data.get("format") if isinstance(data, dict) else None
+        if found != FORMAT:
+            raise CheckpointError(f"{path} does not describe a mega checkpoint (format {found!r})")
         if data.get("format_version", 0) > FORMAT_VERSION:
             raise CheckpointError(f"{path} has format version {data['format_version']}; this mega reads up to "
                                   f"{FORMAT_VERSION}: upgrade mega-core")

@@ -93,17 +93,10 @@ def write_checkpoint(save_dir: str | os.PathLike, metadata: CheckpointMetadata,
         raise
 
 
-class _OneRank:
-    """The tensor group of a process holding whole (unsplit) parameters."""
-
-    class tp:  # noqa: N801 (mirrors ParallelGroups.tp)
-        rank, size = 0, 1
-
-
 def load_model_weights(source: str | os.PathLike | TensorSource, modules: list[nn.Module], groups=None) -> None:
     """Fill ``modules`` (this rank's stages, tensor-parallel already applied over ``groups``)
     from a checkpoint path or a :class:`TensorSource`. Each rank reads only its own pieces."""
-    entries = model_entries(modules, groups or _OneRank)
+    entries = model_entries(modules, groups.tp if groups is not None else None)
     if isinstance(source, (str, os.PathLike)):
         directory = resolve_checkpoint(source)
         index = read_index(directory)

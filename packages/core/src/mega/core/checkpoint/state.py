@@ -18,7 +18,7 @@ from torch import nn
 from mega.core.checkpoint.pieces import TensorParallelSplit, tensor_pieces
 from mega.core.checkpoint.sharded_io import ShardedEntry
 from mega.core.optim.optimizer import MainParam, MixedPrecisionOptimizer
-from mega.core.parallel.groups import ParallelGroups
+from mega.core.parallel.groups import Group
 from mega.core.parallel.param_attrs import is_padded_vocab
 
 MODEL = "model."
@@ -36,9 +36,9 @@ class Entries:
     # copies of an already-listed parameter (tied embeddings on two chunks of one rank)
     duplicates: list[tuple[nn.Parameter, nn.Parameter]] = field(default_factory=list)
 
-    def add(self, key: str, tensor: torch.Tensor, param: nn.Parameter, groups: ParallelGroups,
+    def add(self, key: str, tensor: torch.Tensor, param: nn.Parameter, tp: Group | None,
             flat_range: tuple[int, int] | None = None) -> None:
-        split = TensorParallelSplit.of(param, groups.tp.rank, groups.tp.size)
+        split = TensorParallelSplit.of(param, tp.rank, tp.size) if tp is not None else TensorParallelSplit()
         shape = tuple(param.shape)
         pieces = tensor_pieces(tensor.detach(), split, shape, flat_range)
         self.entries[key] = ShardedEntry(split.global_shape(shape), tensor.dtype, pieces)
@@ -60,11 +60,12 @@ def named_parameters(chunks: list[nn.Module]) -> tuple[dict[str, nn.Parameter], 
     return named, duplicates
 
 
-def model_entries(chunks: list[nn.Module], groups: ParallelGroups) -> Entries:
+def model_entries(chunks: list[nn.Module], tp: Group | None) -> Entries:
+    """``tp``: the tensor group the chunks are split over (None: whole parameters)."""
     named, duplicates = named_parameters(chunks)
     result = Entries(duplicates=duplicates)
     for name, param in named.items():
-        result.add(MODEL + name, param.data, param, groups)
+        result.add(MODEL + name, param.data, param, tp)
     return result
 
 
@@ -82,7 +83,7 @@ def optimizer_state_description(optimizer: MixedPrecisionOptimizer) -> dict | No
     return None
 
 
-def optimizer_entries(optimizer: MixedPrecisionOptimizer, chunks: list[nn.Module], groups: ParallelGroups,
+def optimizer_entries(optimizer: MixedPrecisionOptimizer, chunks: list[nn.Module], tp: Group | None,
                       state_keys: list[str], main_params: bool) -> Entries:
     """Entries of the inner optimizer's ``state_keys`` (and of the fp32 main parameters when
     ``main_params``) for every main parameter of this rank."""
@@ -95,9 +96,9 @@ def optimizer_entries(optimizer: MixedPrecisionOptimizer, chunks: list[nn.Module
             continue
         state = optimizer.optimizer.state[entry.main]
         for key in state_keys:
-            result.add(f"{OPTIMIZER}{name}.{key}", state[key], entry.model, groups, entry.flat_range)
+            result.add(f"{OPTIMIZER}{name}.{key}", state[key], entry.model, tp, entry.flat_range)
         if main_params and entry.model_view is not None:
-            result.add(f"{OPTIMIZER}{name}.{MAIN_PARAM}", entry.main.data, entry.model, groups, entry.flat_range)
+            result.add(f"{OPTIMIZER}{name}.{MAIN_PARAM}", entry.main.data, entry.model, tp, entry.flat_range)
     return result
 
 
