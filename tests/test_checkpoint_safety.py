@@ -121,6 +121,18 @@ def test_missing_tensor_index(saved, tmp_path, capsys):
     assert ".metadata is missing" in load_error(checkpoint, capsys)
 
 
+def test_save_killed_while_replacing_the_same_iteration(saved, tmp_path, capsys):
+    # publish() moves the old iter_0000002 aside before renaming the new one into its place; a kill
+    # between the two renames leaves only the set-aside copy, which must still load and be kept.
+    checkpoint = copy_of(saved, tmp_path)
+    os.replace(checkpoint / "iter_0000002", checkpoint / ".trash-iter_0000002")
+    (checkpoint / ".tmp-iter_0000002").mkdir()  # the new save, half written
+    assert resolve_checkpoint(checkpoint) == checkpoint / ".trash-iter_0000002"
+    assert train_main(TINY + ["--train-iters", "3", "--load", str(checkpoint), "--save", str(checkpoint)]) == 0
+    assert "loaded checkpoint" in capsys.readouterr().out
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["iter_0000002", "iter_0000003", TRACKER_FILE]
+
+
 def test_hugging_face_directory(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert "Hugging Face model directory" in load_error(tmp_path, capsys)

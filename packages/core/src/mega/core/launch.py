@@ -7,12 +7,18 @@ processes with torchrun's environment variables; each child then calls
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
+
+# Each local rank may record its failure here, so the launcher can tell the rank that failed first
+# (say, with a clear configuration error) from the peers whose collectives then broke.
+FAILURE_FILE_ENV = "MEGA_FAILURE_FILE"
 
 
 def _free_port() -> int:
@@ -30,14 +36,22 @@ def launch_local(nproc: int, command: list[str], threads_per_process: int | None
         raise ValueError(f"--nproc-per-node must be positive, got {nproc}")
     port = _free_port()
     threads = threads_per_process or max(1, (os.cpu_count() or 1) // nproc)
-    processes = []
-    for rank in range(nproc):
-        env = dict(
-            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            OMP_NUM_THREADS=str(threads),
-        )
-        processes.append(subprocess.Popen([sys.executable, "-m", "mega.core.cli.main", *command], env=env))
+    with tempfile.TemporaryDirectory(prefix="mega-launch-") as failure_dir:
+        failure_files = [os.path.join(failure_dir, f"rank{rank}.json") for rank in range(nproc)]
+        processes = []
+        for rank in range(nproc):
+            env = dict(
+                os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                OMP_NUM_THREADS=str(threads), **{FAILURE_FILE_ENV: failure_files[rank]},
+            )
+            processes.append(subprocess.Popen([sys.executable, "-m", "mega.core.cli.main", *command], env=env))
+        exit_code = _supervise(processes)
+        return _first_recorded_failure(failure_files) or exit_code
+
+
+def _supervise(processes: list[subprocess.Popen]) -> int:
+    """Wait for every process; stop them all at the first failure; return that failure's code."""
     exit_code = 0
     try:
         while any(p.poll() is None for p in processes):
@@ -56,6 +70,28 @@ def launch_local(nproc: int, command: list[str], threads_per_process: int | None
             except subprocess.TimeoutExpired:
                 process.kill()
     return exit_code or next((p.returncode for p in processes if p.returncode), 0)
+
+
+def record_failure(exit_code: int) -> None:
+    """Note, for :func:`launch_local`, that this rank is failing now (the first note wins)."""
+    path = os.environ.get(FAILURE_FILE_ENV)
+    if not path or os.path.exists(path):
+        return
+    with open(path + ".part", "w") as out:
+        json.dump({"time": time.time(), "exit_code": exit_code}, out)
+    os.replace(path + ".part", path)
+
+
+def _first_recorded_failure(paths: list[str]) -> int:
+    """The exit code of the rank that recorded its failure first; 0 if none did."""
+    records = []
+    for path in paths:
+        try:
+            with open(path) as record:
+                records.append(json.load(record))
+        except (OSError, ValueError):
+            continue
+    return min(records, key=lambda r: r["time"])["exit_code"] if records else 0
 
 
 def distributed_env() -> dict[str, int] | None:

@@ -22,8 +22,12 @@ import os
 import shutil
 from pathlib import Path
 
-from mega.core.checkpoint.metadata import METADATA_FILE, CheckpointError, CheckpointMetadata
-from mega.core.checkpoint.sharded_io import DCP_METADATA_FILE
+from mega.core.checkpoint.metadata import (
+    DCP_METADATA_FILE,
+    METADATA_FILE,
+    CheckpointError,
+    CheckpointMetadata,
+)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -59,11 +63,31 @@ def write_file_atomically(path: Path, text: str) -> None:
 
 
 def remove_leftovers(save_dir: Path) -> None:
-    """Delete what killed saves and prunes left behind (never a named checkpoint)."""
-    if save_dir.is_dir():
-        for entry in save_dir.iterdir():
-            if entry.name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
-                shutil.rmtree(entry, ignore_errors=True)
+    """Delete what killed saves and prunes left behind (never a named checkpoint).
+
+    A save killed while replacing a checkpoint of the same iteration leaves the old one whole under
+    its trash name and nothing under its own: that one is put back first.
+    """
+    if not save_dir.is_dir():
+        return
+    for entry in save_dir.iterdir():
+        if entry.name.startswith(TRASH_PREFIX) and _set_aside_whole(save_dir, entry.name[len(TRASH_PREFIX):]):
+            os.replace(entry, save_dir / entry.name[len(TRASH_PREFIX):])
+    for entry in save_dir.iterdir():
+        if entry.name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _set_aside_whole(save_dir: Path, name: str) -> Path | None:
+    """The complete checkpoint ``name`` that :func:`publish` moved aside and could not replace."""
+    aside = save_dir / f"{TRASH_PREFIX}{name}"
+    if (save_dir / name).exists() or not aside.is_dir():
+        return None
+    try:
+        verify(aside)
+    except CheckpointError:
+        return None  # a prune was deleting it: it was not wanted anyway
+    return aside
 
 
 def publish(save_dir: Path, name: str, metadata: CheckpointMetadata, tracker: str) -> Path:
@@ -132,7 +156,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if tracked is None:
             raise CheckpointError(_not_a_checkpoint(path))
         name = RELEASE if tracked == RELEASE else iteration_name(int(tracked))
-        path = path / name
+        path = _set_aside_whole(path, name) or path / name
         if not path.is_dir():
             raise CheckpointError(f"{path.parent / TRACKER_FILE} names {name}, which does not exist")
     verify(path)

@@ -17,6 +17,7 @@ from typing import Any
 FORMAT = "mega-checkpoint"
 FORMAT_VERSION = 1
 METADATA_FILE = "mega_checkpoint.json"
+DCP_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's index of every tensor piece
 
 
 class CheckpointError(Exception):

@@ -34,9 +34,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from mega.core.checkpoint.metadata import DCP_METADATA_FILE
 from mega.core.checkpoint.pieces import Piece
-
-DCP_METADATA_FILE = ".metadata"
 
 
 class LazyTensor:

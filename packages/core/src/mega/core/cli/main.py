@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import sys
 
+from mega.core.launch import record_failure
 from mega.core.plugins import PluginError, Plugins, get_plugins
 from mega.core.plugins.registry import resolve
 from mega.core.version import __version__
@@ -47,7 +48,14 @@ def main(argv: list[str] | None = None, plugins: Plugins | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    return int(command_main(rest) or 0)
+    try:
+        exit_code = int(command_main(rest) or 0)
+    except BaseException as error:
+        record_failure(error.code if isinstance(error, SystemExit) and isinstance(error.code, int) else 1)
+        raise
+    if exit_code:
+        record_failure(exit_code)
+    return exit_code
 
 
 def _match_command(plugins: Plugins, argv: list[str]) -> tuple[str | None, list[str]]:

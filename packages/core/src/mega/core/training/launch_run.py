@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from mega.core.checkpoint import CheckpointError
 from mega.core.config import ConfigError
-from mega.core.launch import init_distributed
+from mega.core.launch import init_distributed, record_failure
 from mega.core.model_family import ModelFamily
 from mega.core.parallel import ParallelGroups
 from mega.core.plugins import PluginError, get_plugins
@@ -34,6 +34,8 @@ def train(run: RunConfig, family: ModelFamily) -> int:
     try:
         run_training(run, family)
     except (ConfigError, PluginError, CheckpointError, ValueError, FileNotFoundError) as error:
+        # Recorded before the process group closes, so it precedes the peers' broken collectives.
+        record_failure(2)
         print(f"mega train: error: {error}", file=sys.stderr)
         return 2
     finally:

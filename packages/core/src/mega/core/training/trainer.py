@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mega.core.checkpoint.checkpointer import Checkpointer
 from mega.core.datasets import TrainingData
 from mega.core.distributed.ddp import DDPConfig, DistributedDataParallel
 from mega.core.model_family import ModelFamily
@@ -76,8 +75,12 @@ class Trainer:
         flops = family.num_floating_point_operations(run.model, derived.global_batch_size)
         self.state = RunState(run, derived, self.groups, family, flops)
         self.events = Events.from_callbacks(plugins, run)
-        checkpointing = run.checkpoint.save or run.checkpoint.load
-        self.checkpointer = Checkpointer(self) if checkpointing else None
+        self.checkpointer = None
+        if run.checkpoint.save or run.checkpoint.load:
+            # Imported here: torch.distributed.checkpoint takes a second to import.
+            from mega.core.checkpoint.checkpointer import Checkpointer
+
+            self.checkpointer = Checkpointer(self)
         if run.checkpoint.load:
             self.checkpointer.load()
 
