@@ -79,3 +79,38 @@ def test_streamed_pieces_hold_back_possible_stop_strings_and_half_characters():
     assert pieces == ["a", "", "é", "b", "", ""]
     stream = TextStream(ByteTokenizer(), rules)
     assert [stream.push(t) for t in (0, 3, 4)] + [stream.finish()] == ["a", "", "", "c "]
+
+
+class WordStartTokenizer:
+    """SentencePiece's convention: "▁" marks a word start and becomes a space, except at the start
+    of the text; the pieces of "ü" are split over ids 4 and 5. Records how many ids each decode
+    gets."""
+
+    pieces = ["\u2581the", "\u2581cat", "s", ".", b"\xc3", b"\xbc", "\u2581"]
+
+    def __init__(self):
+        self.decoded_lengths = []
+
+    def detokenize(self, ids):
+        self.decoded_lengths.append(len(ids))
+        data = b"".join(p if isinstance(p, bytes) else p.encode() for p in (self.pieces[i] for i in ids))
+        return data.decode("utf-8", errors="replace").replace("\u2581", " ").removeprefix(" ")
+
+
+def test_streamed_text_is_the_whole_text_and_decodes_only_the_last_tokens():
+    import random
+
+    chooser = random.Random(0)
+    for _ in range(50):
+        ids = []
+        for _ in range(chooser.randrange(1, 300)):
+            ids += [4, 5] if chooser.random() < 0.2 else [chooser.randrange(4) if chooser.random() < 0.9 else 6]
+        rules = StopRules(stop_strings=("cats.",) if chooser.random() < 0.5 else ())
+        stream = TextStream(tokenizer := WordStartTokenizer(), rules)
+        streamed = "".join(stream.push(token) for token in ids)
+        tokenizer.decoded_lengths.clear()
+        assert streamed + stream.finish() == completion_text(tokenizer, ids, rules)
+        stream = TextStream(tokenizer := WordStartTokenizer(), rules)
+        for token in ids:
+            stream.push(token)
+        assert max(tokenizer.decoded_lengths) <= 4, "a push decodes a few tokens, not the whole completion"

@@ -23,18 +23,33 @@ def completion_text(tokenizer, generated: Sequence[int], rules: StopRules) -> st
 
 
 class TextStream:
-    """Feeds a completion's tokens one at a time and returns the text that is safe to send."""
+    """Feeds a completion's tokens one at a time and returns the text that is safe to send.
+
+    Each push decodes only the last few tokens: the new token with the one or two before it, as
+    context for tokenizers whose pieces change at a word start (SentencePiece's leading space) and
+    for characters split over tokens. Re-decoding the whole completion per token would be
+    quadratic in its length.
+    """
 
     def __init__(self, tokenizer, rules: StopRules):
         self.tokenizer, self.rules = tokenizer, rules
         self.ids: list[int] = []
+        self.text = ""  # the decoded text of ids[:settled]
+        self.context = 0  # ids[context:settled] are decoded again with each new token
+        self.settled = 0
         self.sent = 0  # characters sent so far
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = completion_text(self.tokenizer, self.ids, self.rules)
-        if text.endswith(INCOMPLETE_CHARACTER):
-            return ""
+        if token in self.rules.stop_ids:
+            return ""  # ends the completion and is no text
+        window = self.tokenizer.detokenize(self.ids[self.context:])
+        if window.endswith(INCOMPLETE_CHARACTER):
+            return ""  # the rest of the character is in tokens still to come
+        before = self.tokenizer.detokenize(self.ids[self.context:self.settled])
+        self.text += window[len(before):]
+        self.context, self.settled = self.settled, len(self.ids)
+        text = cut_at_stop_string(self.text, self.rules.stop_strings)
         return self._send(text[: len(text) - _held_back(text, self.rules.stop_strings)])
 
     def finish(self) -> str:
