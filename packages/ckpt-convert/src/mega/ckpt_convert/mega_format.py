@@ -24,8 +24,8 @@ from mega.core.checkpoint import (
     CheckpointError,
     CheckpointMetadata,
     LazyTensor,
+    checkpoint_and_metadata,
     read_tensors,
-    resolve_checkpoint,
     tensor_shapes,
     tokenizer_spec,
     write_checkpoint,
@@ -48,8 +48,7 @@ class MegaSource(ClosingSource):
     """A mega checkpoint as a model source; each read opens and closes its files."""
 
     def __init__(self, path: Path, model_family: str | None):
-        self.directory = resolve_checkpoint(path)
-        metadata = CheckpointMetadata.read(self.directory)
+        self.directory, metadata = checkpoint_and_metadata(path)
         if model_family is not None and model_family != metadata.model_family:
             raise ConversionError(f"{self.directory} holds a {metadata.model_family!r} model, not --model-family "
                                   f"{model_family!r}")

@@ -31,6 +31,10 @@ class TokenizerSpec:
     type: str
     options: TokenizerOptions
 
+    def build(self, plugins) -> Tokenizer:
+        """The tokenizer, made by the factory the installed plugins register for ``type``."""
+        return plugins.tokenizers.get(self.type)(self.options)
+
 
 @runtime_checkable
 class Tokenizer(Protocol):

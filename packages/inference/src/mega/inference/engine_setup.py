@@ -1,9 +1,10 @@
 """What ``mega generate`` and ``mega serve`` both do first: join torchrun's ranks (if any) as one
-tensor-parallel group, load the model, and make the engine."""
+tensor-parallel group, load the model, make the engine, and set the followers following."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,7 @@ from mega.core.launch import init_distributed
 from mega.core.parallel import Group, ParallelConfig, ParallelGroups
 from mega.inference.engine import GenerationEngine
 from mega.inference.loader import LoadedModel, LoadError, load_from_args
+from mega.inference.tp_serving import follow, lead
 
 
 @dataclass
@@ -21,14 +23,11 @@ class EngineSetup:
     loaded: LoadedModel
     tp_group: Group
 
-    @property
-    def is_leader(self) -> bool:
-        return self.tp_group.rank == 0
 
-
-def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup:
-    """The engine for ``mega <command>``; a model or tokenizer that cannot be loaded ends the
-    command with one line naming the problem."""
+def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup | None:
+    """The engine for ``mega <command>`` on the leading rank; None on the other ranks of the
+    tensor group, once they have followed the leader's batches to the end. A model or tokenizer
+    that cannot be loaded ends the command with one line naming the problem."""
     init_distributed()
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     groups = ParallelGroups(ParallelConfig(tp=world))
@@ -38,4 +37,12 @@ def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup:
         raise SystemExit(f"mega {command}: error: {error}") from None
     engine = GenerationEngine(loaded.model, vocab_size=loaded.config.vocab_size,
                               max_positions=loaded.max_positions, tokenizer=loaded.tokenizer, tp_group=groups.tp)
+    if not engine.is_leader:
+        follow(engine, groups.tp)
+        return None
+    if loaded.tokenizer is None:
+        lead(None, groups.tp)
+        print(f"mega {command}: the checkpoint names no tokenizer: give --tokenizer-type (and its files)",
+              file=sys.stderr)
+        raise SystemExit(2)
     return EngineSetup(engine, loaded, groups.tp)

@@ -66,16 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     from mega.inference.engine_setup import setup_engine
     from mega.inference.sampling import GREEDY, SamplingError, SamplingParams
     from mega.inference.stopping import StopRules
-    from mega.inference.tp_serving import follow, lead
+    from mega.inference.tp_serving import lead
 
     setup = setup_engine(args, "generate")
-    if not setup.is_leader:
-        follow(setup.engine, setup.tp_group)
+    if setup is None:  # a follower: the leader's batches have ended
         return 0
     try:
         tokenizer = setup.loaded.tokenizer
-        if tokenizer is None:
-            raise GenerationError("the checkpoint names no tokenizer: give --tokenizer-type (and its files)")
         sampling = GREEDY if args.greedy else SamplingParams(args.temperature, args.top_k, args.top_p)
         stop = StopRules(stop_ids=frozenset({tokenizer.eod}), stop_strings=tuple(args.stop),
                          stop_on_eol=args.stop_on_eol, stop_on_double_eol=args.stop_on_double_eol)

@@ -100,13 +100,13 @@ def load_model(path: str | Path, *, groups: ParallelGroups, device: torch.device
         finally:
             source.close()
     else:
-        from mega.core.checkpoint import load_tokenizer, read_metadata, resolve_checkpoint
+        from mega.core.checkpoint import checkpoint_and_metadata
+        from mega.core.checkpoint import tokenizer_spec as saved_tokenizer
 
-        checkpoint = resolve_checkpoint(path)
-        metadata = read_metadata(checkpoint)
+        checkpoint, metadata = checkpoint_and_metadata(path)
         family_name = metadata.model_family
         config = plugins.models.get(family_name).config_class(**metadata.model_config)
-        tokenizer = build_tokenizer(tokenizer_spec, plugins) if tokenizer_spec else load_tokenizer(checkpoint, plugins)
+        tokenizer = build_tokenizer(tokenizer_spec or saved_tokenizer(checkpoint, metadata), plugins)
         model = build_model(plugins.models.get(family_name), config, groups, device, dtype)
         load_model_weights(checkpoint, [model], groups)
     return LoadedModel(model=model, family_name=family_name, config=config, tokenizer=tokenizer,
@@ -134,6 +134,4 @@ def build_model(family, config, groups: ParallelGroups, device: torch.device, dt
 
 
 def build_tokenizer(spec: TokenizerSpec | None, plugins):
-    if spec is None:
-        return None
-    return plugins.tokenizers.get(spec.type)(spec.options)
+    return spec.build(plugins) if spec else None

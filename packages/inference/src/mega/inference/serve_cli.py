@@ -7,7 +7,6 @@ serves HTTP and hands every engine batch to the other ranks, which follow until 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from mega.inference.loader import add_load_arguments
 
@@ -40,16 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     from mega.inference.engine_setup import setup_engine
     from mega.inference.server import create_app
     from mega.inference.service import InferenceService
-    from mega.inference.tp_serving import follow, lead
+    from mega.inference.tp_serving import lead
 
     setup = setup_engine(args, "serve")
-    if not setup.is_leader:
-        follow(setup.engine, setup.tp_group)
+    if setup is None:  # a follower: the leader has stopped serving
         return 0
-    if setup.loaded.tokenizer is None:
-        lead(None, setup.tp_group)
-        print("mega serve: the checkpoint names no tokenizer: give --tokenizer-type (and its files)", file=sys.stderr)
-        return 2
     worker = BatchingWorker(setup.engine, args.max_batch_size,
                             before_batch=lambda requests: lead(requests, setup.tp_group))
     service = InferenceService(setup.engine, worker, setup.loaded.tokenizer, setup.loaded.name)

@@ -9,7 +9,13 @@ import takes about a second, which a run that neither saves nor loads should not
 
 from importlib import import_module
 
-from mega.core.checkpoint.directory import TRACKER_FILE, find_checkpoint, read_metadata, resolve_checkpoint
+from mega.core.checkpoint.directory import (
+    TRACKER_FILE,
+    checkpoint_and_metadata,
+    find_checkpoint,
+    read_metadata,
+    resolve_checkpoint,
+)
 from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
 from mega.core.checkpoint.tokenizer_files import load_tokenizer, tokenizer_spec
 
@@ -22,7 +28,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "TRACKER_FILE", "CheckpointError", "CheckpointMetadata", "LazyTensor", "find_checkpoint",
+    "TRACKER_FILE", "CheckpointError", "CheckpointMetadata", "LazyTensor", "checkpoint_and_metadata", "find_checkpoint",
     "load_model_weights", "load_tokenizer", "read_metadata", "read_tensors", "resolve_checkpoint",
     "tensor_shapes", "tokenizer_spec", "write_checkpoint",
 ]

@@ -177,11 +177,11 @@ class Checkpointer:
     def load(self) -> None:
         """Restore the run from ``--load`` (nothing when that directory holds no checkpoint yet)."""
         trainer, state, config = self.trainer, self.trainer.state, self.config
-        path = find_checkpoint(config.load)
-        if path is None:
+        found = find_checkpoint(config.load)
+        if found is None:
             self._say(f"no checkpoint in {config.load} yet; starting from scratch")
             return
-        metadata = CheckpointMetadata.read(path)  # find_checkpoint verified it
+        path, metadata = found
         if metadata.model_family != trainer.family.name:
             raise CheckpointError(f"{path} holds a {metadata.model_family!r} model; this run trains "
                                   f"{trainer.family.name!r} (--model-family)")

@@ -148,6 +148,16 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
     Raises :class:`CheckpointError` for a missing, partial, damaged or foreign directory.
     """
+    return checkpoint_and_metadata(path)[0]
+
+
+def read_metadata(path: str | os.PathLike) -> CheckpointMetadata:
+    """The metadata of the (complete) checkpoint ``path`` names."""
+    return checkpoint_and_metadata(path)[1]
+
+
+def checkpoint_and_metadata(path: str | os.PathLike) -> tuple[Path, CheckpointMetadata]:
+    """:func:`resolve_checkpoint` and :func:`read_metadata` at once (the metadata read once)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -159,19 +169,18 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         path = _set_aside_whole(path, name) or path / name
         if not path.is_dir():
             raise CheckpointError(f"{path.parent / TRACKER_FILE} names {name}, which does not exist")
-    verify(path)
-    return path
+    return path, verify(path)
 
 
-def find_checkpoint(save_dir: str | os.PathLike) -> Path | None:
-    """Like :func:`resolve_checkpoint`, but None for a directory that holds no checkpoint yet
+def find_checkpoint(save_dir: str | os.PathLike) -> tuple[Path, CheckpointMetadata] | None:
+    """Like :func:`checkpoint_and_metadata`, but None for a directory that holds no checkpoint yet
     (nothing at all, or only an interrupted first save): a run may load from where it saves."""
     save_dir = Path(save_dir)
     if not save_dir.exists() or not any(
         not entry.name.startswith((STAGING_PREFIX, TRASH_PREFIX)) for entry in save_dir.iterdir()
     ):
         return None
-    return resolve_checkpoint(save_dir)
+    return checkpoint_and_metadata(save_dir)
 
 
 def verify(directory: Path) -> CheckpointMetadata:
@@ -188,11 +197,6 @@ def verify(directory: Path) -> CheckpointMetadata:
             raise CheckpointError(f"checkpoint {directory} is damaged: {name} has {actual} bytes, "
                                   f"expected {size} (truncated or overwritten)")
     return metadata
-
-
-def read_metadata(path: str | os.PathLike) -> CheckpointMetadata:
-    """The metadata of the (complete) checkpoint ``path`` names."""
-    return CheckpointMetadata.read(resolve_checkpoint(path))
 
 
 def _not_a_checkpoint(path: Path) -> str:

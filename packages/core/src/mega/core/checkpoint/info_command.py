@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mega.core.checkpoint.directory import read_tracker, resolve_checkpoint, saved_iterations
-from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
+from mega.core.checkpoint.directory import checkpoint_and_metadata, read_tracker, saved_iterations
+from mega.core.checkpoint.metadata import CheckpointError
 
 LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "vpp", "world_size", "sequence_parallel", "distributed_optimizer")
 
@@ -34,8 +34,7 @@ def _size(num_bytes: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        path = resolve_checkpoint(args.directory)  # checks completeness
-        metadata = CheckpointMetadata.read(path)
+        path, metadata = checkpoint_and_metadata(args.directory)  # checks completeness
     except CheckpointError as error:
         print(f"mega checkpoint info: {error}", file=sys.stderr)
         return 1

@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from mega.core.checkpoint.directory import resolve_checkpoint
+from mega.core.checkpoint.directory import checkpoint_and_metadata
 from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
 
@@ -57,8 +57,5 @@ def load_tokenizer(path: str | os.PathLike, plugins=None):
     """The tokenizer a checkpoint was trained with (None when it recorded none)."""
     from mega.core.plugins import get_plugins
 
-    directory = resolve_checkpoint(path)
-    spec = tokenizer_spec(directory, CheckpointMetadata.read(directory))
-    if spec is None:
-        return None
-    return (plugins or get_plugins()).tokenizers.get(spec.type)(spec.options)
+    spec = tokenizer_spec(*checkpoint_and_metadata(path))
+    return spec.build(plugins or get_plugins()) if spec else None

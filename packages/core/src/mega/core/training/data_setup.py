@@ -21,10 +21,6 @@ def tokenizer_spec(run: RunConfig) -> TokenizerSpec | None:
     ))
 
 
-def build_tokenizer(spec: TokenizerSpec | None, plugins: Plugins):
-    return None if spec is None else plugins.tokenizers.get(spec.type)(spec.options)
-
-
 def dataset_name(run: RunConfig) -> str:
     if run.data.dataset:
         return run.data.dataset
@@ -45,7 +41,7 @@ def sample_counts(run: RunConfig, derived: Derived) -> tuple[int, int, int]:
 def build_datasets(run: RunConfig, derived: Derived, plugins: Plugins) -> tuple[RunConfig, TrainingData]:
     """The run (its vocabulary now the tokenizer's) and its train/valid/test data."""
     spec = tokenizer_spec(run)
-    tokenizer = build_tokenizer(spec, plugins)
+    tokenizer = spec.build(plugins) if spec else None
     if tokenizer is not None:
         run = _with_vocab_size(run, tokenizer.vocab_size)
     builder = plugins.datasets.get(dataset_name(run))
