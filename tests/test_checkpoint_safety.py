@@ -22,9 +22,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega.core.checkpoint import CheckpointError, read_tensors, resolve_checkpoint, tensor_shapes
+from mega.core.checkpoint import (
+    CheckpointError,
+    checkpoint_and_metadata,
+    read_tensors,
+    resolve_checkpoint,
+    tensor_shapes,
+)
 from mega.core.checkpoint.directory import TRACKER_FILE, read_tracker
 from mega.core.checkpoint.info_command import main as info_main
+from mega.core.checkpoint.lock import LOCK_FILE, SaveDirLock
+from mega.core.checkpoint.verify_command import main as verify_main
 from mega.core.training.command import main as train_main
 
 TINY = ["--mock-data", "--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
@@ -85,7 +93,7 @@ def saved(tmp_path_factory) -> Path:
 
 def load_error(path: Path, capsys) -> str:
     with pytest.raises(CheckpointError) as api_error:
-        resolve_checkpoint(path)
+        checkpoint_and_metadata(path)
     assert train_main(TINY + ["--train-iters", "3", "--load", str(path)]) == 2
     cli_error = capsys.readouterr().err
     assert str(api_error.value) in cli_error
@@ -170,3 +178,83 @@ def test_checkpoint_info(saved, capsys):
     assert described["layout"]["tp"] == 1 and described["num_parameters"] > 0
     assert info_main([str(saved.parent)]) == 1
     assert "is not a mega checkpoint" in capsys.readouterr().err
+
+
+# -- contents: checksums catch what sizes cannot (issue 15, item 3) ----------------------------
+def test_a_4k_overwrite_in_a_shard_is_caught_by_its_checksum(saved, tmp_path, capsys):
+    checkpoint = copy_of(saved, tmp_path)
+    shard = next((checkpoint / "iter_0000002").glob("*.distcp"))
+    with open(shard, "r+b") as stream:  # same size, different bytes: loaded as NaNs before checksums
+        stream.seek(shard.stat().st_size // 2)
+        stream.write(b"\xff" * 4096)
+    message = load_error(checkpoint, capsys)
+    assert f"{shard.name} has checksum" in message and "damaged" in message
+    assert info_main([str(checkpoint)]) == 1 and shard.name in capsys.readouterr().err
+    assert verify_main([str(checkpoint)]) == 1
+    assert f"DAMAGED  {checkpoint / 'iter_0000002'}" in capsys.readouterr().out
+
+
+def test_a_flipped_bit_in_a_weight_is_caught(saved, tmp_path, capsys):
+    checkpoint = copy_of(saved, tmp_path)
+    name = max(tensor_shapes(checkpoint), key=lambda n: torch.Size(tensor_shapes(checkpoint)[n][0]).numel())
+    weight = read_tensors(checkpoint, [name])[name]
+    for shard in (checkpoint / "iter_0000002").glob("*.distcp"):
+        data = bytearray(shard.read_bytes())
+        at = data.find(weight.numpy().tobytes()[:64])  # where the weight's first values are stored
+        if at >= 0:
+            data[at + 2] ^= 0x10  # a mantissa bit of its first value: silently changes it
+            shard.write_bytes(bytes(data))
+            break
+    assert "has checksum" in load_error(checkpoint, capsys)
+    # Unchecked (what happened before checksums), the flip loads as a different weight.
+    changed = read_tensors(checkpoint, [name])[name]
+    assert (changed != weight).sum() == 1
+
+
+def test_a_damaged_tensor_index_is_one_clear_error(saved, tmp_path, capsys):
+    checkpoint = copy_of(saved, tmp_path)
+    index = checkpoint / "iter_0000002" / ".metadata"
+    index.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(index.stat().st_size)))
+    assert ".metadata has checksum" in load_error(checkpoint, capsys)
+    # Unchecked (--no-verify-checksums, for checkpoints too big to read twice, or a checkpoint saved
+    # before checksums), the unpickler's failure is named.
+    assert train_main(TINY + ["--train-iters", "3", "--load", str(checkpoint), "--no-verify-checksums"]) == 2
+    assert f"{index} (the checkpoint's tensor index) is damaged" in capsys.readouterr().err
+
+
+def test_verify_checks_every_checkpoint_of_a_save_directory(saved, capsys):
+    assert verify_main([str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert f"ok       {saved / 'iter_0000002'}" in out and "1 of 1 checkpoint(s) intact" in out
+    assert verify_main([str(saved / "missing")]) == 1
+
+
+# -- one writer per save directory (issue 15, item 2) ------------------------------------------
+def test_a_second_run_saving_into_a_directory_in_use_is_refused(tmp_path, capsys):
+    import socket
+
+    save_dir = tmp_path / "ckpt"
+    holder = SaveDirLock(save_dir)  # another run, saving here
+    assert train_main(TINY + ["--train-iters", "1", "--save", str(save_dir)]) == 2
+    error = capsys.readouterr().err
+    assert f"{save_dir} is in use by another run (pid {os.getpid()} on host {socket.gethostname()}" in error
+    assert sorted(p.name for p in save_dir.iterdir()) == [LOCK_FILE]  # nothing of the refused run
+    holder.release()
+    assert train_main(TINY + ["--train-iters", "1", "--save", str(save_dir)]) == 0
+    assert sorted(p.name for p in save_dir.iterdir()) == ["iter_0000001", TRACKER_FILE]  # lock released
+
+
+def test_the_lock_of_a_killed_run_is_taken_over(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mega.core.checkpoint.lock import "
+                               "SaveDirLock; lock = SaveDirLock(sys.argv[1]); print('locked', flush=True); "
+                               "time.sleep(60)", str(save_dir)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    with pytest.raises(CheckpointError, match=f"pid {holder.pid} on host"):
+        SaveDirLock(save_dir)
+    holder.kill()
+    holder.wait()
+    assert (save_dir / LOCK_FILE).exists()  # left behind by the dead run...
+    lock = SaveDirLock(save_dir)  # ...and taken over
+    assert f"pid {holder.pid}" in lock.previous_holder
+    lock.release()

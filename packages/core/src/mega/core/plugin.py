@@ -27,6 +27,13 @@ def register_commands(register):
         ),
     )
     register(
+        "checkpoint verify",
+        Command(
+            help="check that checkpoints are unchanged since saved (sizes and checksums)",
+            main="mega.core.checkpoint.verify_command:main",
+        ),
+    )
+    register(
         "bench comm",
         Command(
             help="measure collectives (all_reduce, all_gather, ...) the nccl-tests way",

@@ -33,6 +33,7 @@ from mega.core.checkpoint.directory import (
     remove_leftovers,
     staging_path,
 )
+from mega.core.checkpoint.lock import SaveDirLock
 from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
 from mega.core.checkpoint.pieces import Piece
 from mega.core.checkpoint.sharded_io import ShardedEntry, load_entries, read_index, save_entries
@@ -60,6 +61,8 @@ class Checkpointer:
         self._pending: tuple[Future, float] | None = None  # a background save and when it began
         self._executor: ThreadPoolExecutor | None = None
         self._last_saved: int | None = None
+        # One run saves into a directory at a time (the lock is refused, naming its holder).
+        self._lock = SaveDirLock(self.config.save) if self.config.save and self.is_writer else None
 
     @property
     def is_writer(self) -> bool:
@@ -140,6 +143,8 @@ class Checkpointer:
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
+        if self._lock is not None:
+            self._lock.release()
 
     def _announce(self, path: Path) -> None:
         state = self.trainer.state
@@ -177,7 +182,7 @@ class Checkpointer:
     def load(self) -> None:
         """Restore the run from ``--load`` (nothing when that directory holds no checkpoint yet)."""
         trainer, state, config = self.trainer, self.trainer.state, self.config
-        found = find_checkpoint(config.load)
+        found = find_checkpoint(config.load, checksums=config.verify_checksums)
         if found is None:
             self._say(f"no checkpoint in {config.load} yet; starting from scratch")
             return

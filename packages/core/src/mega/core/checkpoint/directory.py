@@ -8,8 +8,9 @@
         .metadata  __0_0.distcp ...         torch.distributed.checkpoint index and shards
         rng/rank_00000.json ...             per-rank RNG states
         tokenizer/...                       the run's tokenizer files
-        mega_checkpoint.json                written last, lists every other file and its size
+        mega_checkpoint.json                written last, lists every other file, its size and checksum
       .tmp-iter_0000030/                    a save in progress (never loaded)
+      .mega-save.lock                       held by the run that saves here (lock.py)
 
 A checkpoint is written under ``.tmp-<name>``, synced, given its final name by ``rename`` and
 only then named by the tracker; older ones are removed only after that. Whenever a process is
@@ -22,6 +23,8 @@ import os
 import shutil
 from pathlib import Path
 
+from mega.core.checkpoint.checksums import record_checksums, verify_checksums
+from mega.core.checkpoint.lock import LOCK_FILE
 from mega.core.checkpoint.metadata import (
     DCP_METADATA_FILE,
     METADATA_FILE,
@@ -96,6 +99,7 @@ def publish(save_dir: Path, name: str, metadata: CheckpointMetadata, tracker: st
     staging = staging_path(save_dir, name)
     files = sorted(p for p in staging.rglob("*") if p.is_file())
     metadata.files = {str(p.relative_to(staging)): p.stat().st_size for p in files}
+    record_checksums(staging, metadata)
     with open(staging / METADATA_FILE, "w") as stream:
         stream.write(metadata.to_json())
         stream.flush()
@@ -146,18 +150,23 @@ def read_tracker(save_dir: Path) -> str | None:
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """The complete checkpoint ``path`` names: itself, or the one its tracker names.
 
-    Raises :class:`CheckpointError` for a missing, partial, damaged or foreign directory.
+    Raises :class:`CheckpointError` for a missing, partial, damaged or foreign directory. Only
+    sizes are checked (it is called for every few tensors read); a load begins with
+    :func:`checkpoint_and_metadata`, which compares checksums.
     """
-    return checkpoint_and_metadata(path)[0]
+    return checkpoint_and_metadata(path, checksums=False)[0]
 
 
 def read_metadata(path: str | os.PathLike) -> CheckpointMetadata:
-    """The metadata of the (complete) checkpoint ``path`` names."""
-    return checkpoint_and_metadata(path)[1]
+    """The metadata of the (complete) checkpoint ``path`` names (sizes checked, not checksums)."""
+    return checkpoint_and_metadata(path, checksums=False)[1]
 
 
-def checkpoint_and_metadata(path: str | os.PathLike) -> tuple[Path, CheckpointMetadata]:
-    """:func:`resolve_checkpoint` and :func:`read_metadata` at once (the metadata read once)."""
+def checkpoint_and_metadata(path: str | os.PathLike, checksums: bool = True) -> tuple[Path, CheckpointMetadata]:
+    """:func:`resolve_checkpoint` and :func:`read_metadata` at once (the metadata read once).
+
+    This is where a load starts, so it also compares every file with its checksum (reading the
+    whole checkpoint once) unless ``checksums`` is False."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -169,22 +178,24 @@ def checkpoint_and_metadata(path: str | os.PathLike) -> tuple[Path, CheckpointMe
         path = _set_aside_whole(path, name) or path / name
         if not path.is_dir():
             raise CheckpointError(f"{path.parent / TRACKER_FILE} names {name}, which does not exist")
-    return path, verify(path)
+    return path, verify(path, checksums)
 
 
-def find_checkpoint(save_dir: str | os.PathLike) -> tuple[Path, CheckpointMetadata] | None:
+def find_checkpoint(save_dir: str | os.PathLike, checksums: bool = True) -> tuple[Path, CheckpointMetadata] | None:
     """Like :func:`checkpoint_and_metadata`, but None for a directory that holds no checkpoint yet
     (nothing at all, or only an interrupted first save): a run may load from where it saves."""
     save_dir = Path(save_dir)
     if not save_dir.exists() or not any(
-        not entry.name.startswith((STAGING_PREFIX, TRASH_PREFIX)) for entry in save_dir.iterdir()
+        not entry.name.startswith((STAGING_PREFIX, TRASH_PREFIX)) and entry.name != LOCK_FILE
+        for entry in save_dir.iterdir()
     ):
         return None
-    return checkpoint_and_metadata(save_dir)
+    return checkpoint_and_metadata(save_dir, checksums)
 
 
-def verify(directory: Path) -> CheckpointMetadata:
-    """The metadata of a checkpoint directory whose files are all there at their sizes."""
+def verify(directory: Path, checksums: bool = False) -> CheckpointMetadata:
+    """The metadata of a checkpoint directory whose files are all there at their sizes (and, with
+    ``checksums``, with the contents they were saved with)."""
     metadata = CheckpointMetadata.read(directory)
     if DCP_METADATA_FILE not in metadata.files:
         raise CheckpointError(f"{directory} lists no tensor index ({DCP_METADATA_FILE}); it is damaged")
@@ -196,6 +207,8 @@ def verify(directory: Path) -> CheckpointMetadata:
         if actual != size:
             raise CheckpointError(f"checkpoint {directory} is damaged: {name} has {actual} bytes, "
                                   f"expected {size} (truncated or overwritten)")
+    if checksums:
+        verify_checksums(directory, metadata)
     return metadata
 
 

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = metadata.tokenizer["type"] if metadata.tokenizer else "none recorded"
     lines = [
         f"checkpoint:       {path}",
-        "complete:         yes (every listed file present at its recorded size)",
+        "complete:         yes (every listed file present at its recorded size and checksum)",
         f"iteration:        {metadata.iteration}" + (" (release: weights only)" if path.name == "release" else ""),
         f"consumed samples: {metadata.consumed_samples}",
         "saved at layout:  " + ", ".join(f"{k}={layout[k]}" for k in LAYOUT_KEYS if k in layout),

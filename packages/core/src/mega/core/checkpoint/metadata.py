@@ -40,6 +40,7 @@ class CheckpointMetadata:
     grad_scaler: dict[str, Any] | None = None
     run_config: dict[str, Any] | None = None
     files: dict[str, int] = field(default_factory=dict)  # every other file -> its size in bytes
+    checksums: dict[str, str] = field(default_factory=dict)  # every other file -> "crc32:..." (checksums.py)
     mega_version: str = ""
     format: str = FORMAT
     format_version: int = FORMAT_VERSION

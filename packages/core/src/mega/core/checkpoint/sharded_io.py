@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from mega.core.checkpoint.metadata import DCP_METADATA_FILE
+from mega.core.checkpoint.metadata import DCP_METADATA_FILE, CheckpointError
 from mega.core.checkpoint.pieces import Piece
 
 
@@ -140,10 +140,15 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's reader, with its ``.metadata`` index read by :class:`_MetadataUnpickler`."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        data = (Path(self.path) / DCP_METADATA_FILE).read_bytes()
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        path = Path(self.path) / DCP_METADATA_FILE
+        data = path.read_bytes()
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except Exception as error:  # a damaged pickle fails in any of a dozen ways; all mean the same
+            raise CheckpointError(f"{path} (the checkpoint's tensor index) is damaged: "
+                                  f"{type(error).__name__}: {error}") from None
         if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{DCP_METADATA_FILE} does not hold DCP metadata")
+            raise CheckpointError(f"{path} does not hold torch.distributed.checkpoint metadata; it is damaged")
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 

@@ -99,6 +99,8 @@ class CheckpointConfig:
     ckpt_format: Literal["torch_dist"] = option("torch_dist", "checkpoint format")
     keep_last: int | None = option(None, "keep only the K newest checkpoints")
     async_save: bool = option(False, "write checkpoints in the background")
+    verify_checksums: bool = option(True, "do not compare the loaded checkpoint's files with their checksums "
+                                    "(saves reading a huge checkpoint twice)", flag="--no-verify-checksums")
 
 
 @dataclass

@@ -1,0 +1,66 @@
+"""``mega checkpoint verify DIR``: is every checkpoint in DIR intact, byte for byte?
+
+Each file is compared with the size and checksum recorded when it was saved, and the tensor index
+must parse. DIR is one checkpoint, or a --save directory (then every checkpoint in it is checked:
+a damaged newest one is worth knowing about before an older one is pruned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mega.core.checkpoint.directory import RELEASE, saved_iterations, verify
+from mega.core.checkpoint.metadata import METADATA_FILE, CheckpointError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mega checkpoint verify", allow_abbrev=False,
+        description="Check that checkpoints are complete and unchanged since they were saved: every file "
+                    "at its recorded size and checksum, the tensor index readable. DIR is one checkpoint "
+                    "or a --save directory (every checkpoint in it). Exit 0 when all are intact, 1 otherwise.",
+    )
+    parser.add_argument("directory", metavar="DIR")
+    return parser
+
+
+def checkpoints_in(directory: Path) -> list[Path]:
+    if (directory / METADATA_FILE).exists():
+        return [directory]
+    found = [path for _, path in saved_iterations(directory)]
+    return found + ([directory / RELEASE] if (directory / RELEASE).is_dir() else [])
+
+
+def check(checkpoint: Path) -> None:
+    """Raise :class:`CheckpointError` naming what is wrong with ``checkpoint``."""
+    from mega.core.checkpoint.sharded_io import read_index  # imports torch: only once there is work
+
+    metadata = verify(checkpoint, checksums=True)
+    read_index(checkpoint)
+    if not metadata.checksums:
+        raise CheckpointError(f"{checkpoint} was saved without checksums (an older mega): only its sizes "
+                              "could be checked")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    directory = Path(args.directory)
+    if not directory.is_dir():
+        print(f"mega checkpoint verify: {directory} does not exist or is not a directory", file=sys.stderr)
+        return 1
+    checkpoints = checkpoints_in(directory)
+    if not checkpoints:
+        print(f"mega checkpoint verify: {directory} holds no mega checkpoint", file=sys.stderr)
+        return 1
+    damaged = 0
+    for checkpoint in checkpoints:
+        try:
+            check(checkpoint)
+            print(f"ok       {checkpoint}")
+        except CheckpointError as error:
+            damaged += 1
+            print(f"DAMAGED  {checkpoint}: {error}")
+    print(f"{len(checkpoints) - damaged} of {len(checkpoints)} checkpoint(s) intact")
+    return 1 if damaged else 0
