@@ -1,10 +1,19 @@
-"""The local launcher reports the rank that failed first, not the peers that broke after it."""
+"""The local launcher reports the rank that failed first (not the peers that broke after it) and how
+it ended, passes stop signals on to its ranks and leaves no orphans."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-from mega.core.launch import FAILURE_FILE_ENV, _first_recorded_failure, record_failure
+import pytest
+
+from mega.core.launch import FAILURE_FILE_ENV, _first_recorded, record_failure
 
 
 def test_the_first_note_of_a_rank_wins(tmp_path, monkeypatch):
@@ -21,8 +30,8 @@ def test_the_earliest_failure_across_ranks_gives_the_exit_code(tmp_path):
     (tmp_path / "rank0.json").write_text(json.dumps({"time": 1000.5, "exit_code": 1}))
     (tmp_path / "rank1.json").write_text(json.dumps({"time": 1000.2, "exit_code": 2}))
     paths = [str(tmp_path / f"rank{rank}.json") for rank in range(3)]  # rank 2 was stopped: no note
-    assert _first_recorded_failure(paths) == 2
-    assert _first_recorded_failure(paths[2:]) == 0
+    assert _first_recorded(paths) == (1, 2)
+    assert _first_recorded(paths[2:]) is None
 
 
 def test_outside_the_launcher_nothing_is_written(tmp_path, monkeypatch):
@@ -30,3 +39,81 @@ def test_outside_the_launcher_nothing_is_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     record_failure(2)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- the launcher under faults (issue 15, items 1 and 5) ---------------------------------------
+# The ranks here are small Python processes that say they are ready and wait: the launcher treats
+# them exactly as it treats training ranks, without the seconds each rank would spend importing torch.
+RANK = "import os, time; os.write(1, b'ready ' + os.environ['RANK'].encode() + b'\\n'); time.sleep(120)"
+LAUNCHER = ("import sys; from mega.core.launch import launch_local; "
+            f"sys.exit(launch_local(2, [], program=(sys.executable, '-c', {RANK!r})))")
+
+
+@pytest.fixture
+def start_job():
+    """Starts a 2-rank job and returns, once both ranks run, the launcher and its ranks' pids; kills
+    whatever a failing test leaves running."""
+    started = []
+
+    def start() -> tuple[subprocess.Popen, list[int]]:
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+        started.append(launcher.pid)
+        assert sorted(launcher.stdout.readline() for _ in range(2)) == ["ready 0\n", "ready 1\n"]
+        started.extend(children_of(launcher.pid))
+        return launcher, started[-2:]
+
+    yield start
+    for pid in still_running(started, within_s=0):
+        os.kill(pid, signal.SIGKILL)
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    assert len(found) == 2, found
+    return sorted(found)
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a container's init may never reap the orphans it inherits)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def still_running(pids: list[int], within_s: float) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if running(pid)]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_to_the_launcher_stops_every_rank(start_job, signum):
+    launcher, ranks = start_job()
+    launcher.send_signal(signum)
+    assert launcher.wait(timeout=30) == 128 + signum  # was: exit at once, ranks orphaned and training
+    assert still_running(ranks, within_s=0) == []
+    assert f"mega: stopped by {signal.Signals(signum).name}" in launcher.stderr.read()
+
+
+def test_ranks_die_with_a_killed_launcher(start_job):
+    launcher, ranks = start_job()
+    launcher.kill()
+    launcher.wait()
+    assert still_running(ranks, within_s=10) == [], "orphaned ranks kept running"
+
+
+def test_a_rank_killed_by_a_signal_is_named(start_job):
+    launcher, ranks = start_job()
+    os.kill(ranks[1], signal.SIGKILL)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGKILL  # was: 1, naming nothing
+    assert "mega: rank 1 was killed by SIGKILL, first; the other ranks were stopped" in launcher.stderr.read()
+    assert still_running(ranks, within_s=0) == []

@@ -7,8 +7,10 @@ processes with torchrun's environment variables; each child then calls
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +21,9 @@ from datetime import timedelta
 # Each local rank may record its failure here, so the launcher can tell the rank that failed first
 # (say, with a clear configuration error) from the peers whose collectives then broke.
 FAILURE_FILE_ENV = "MEGA_FAILURE_FILE"
+# How long ranks asked to stop (SIGTERM) may take to exit before they are killed.
+STOP_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _free_port() -> int:
@@ -27,10 +32,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_local(nproc: int, command: list[str], threads_per_process: int | None = None) -> int:
-    """Run ``python -m mega.core.cli.main <command>`` on ``nproc`` local ranks; return the exit code.
+def launch_local(nproc: int, command: list[str], threads_per_process: int | None = None,
+                 program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main")) -> int:
+    """Run ``python -m mega.core.cli.main <command>`` (``program`` + ``command``) on ``nproc`` local
+    ranks; return the exit code.
 
-    If a rank fails, the others are stopped, so a crash never leaves the job hanging.
+    If a rank fails, the others are stopped, so a crash never leaves the job hanging, and the
+    first failing rank is named with how it ended. SIGTERM and SIGINT sent to the launcher are
+    passed on to the ranks; a launcher that dies however it dies (even SIGKILL) takes its ranks
+    with it, so none is left training on its own.
     """
     if nproc < 1:
         raise ValueError(f"--nproc-per-node must be positive, got {nproc}")
@@ -45,31 +55,100 @@ def launch_local(nproc: int, command: list[str], threads_per_process: int | None
                 LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                 OMP_NUM_THREADS=str(threads), **{FAILURE_FILE_ENV: failure_files[rank]},
             )
-            processes.append(subprocess.Popen([sys.executable, "-m", "mega.core.cli.main", *command], env=env))
-        exit_code = _supervise(processes)
-        return _first_recorded_failure(failure_files) or exit_code
+            processes.append(subprocess.Popen([*program, *command], env=env,
+                                              preexec_fn=_die_with_parent(os.getpid())))
+        with _forwarding_stop_signals(processes) as received:
+            first_exit = _supervise(processes, received)
+        if received:
+            name = signal.Signals(received[0]).name
+            print(f"mega: stopped by {name}; the ranks were stopped too", file=sys.stderr, flush=True)
+            return 128 + received[0]
+        if first_exit is None:
+            return 0
+        rank, returncode = first_exit
+        # A rank that noted its failure (a clear error) explains the job better than the peers whose
+        # collectives broke after it, unless a signal from outside killed a rank first.
+        recorded = _first_recorded(failure_files)
+        if recorded is not None and returncode > 0:
+            rank, returncode = recorded
+        print(f"mega: rank {rank} {describe_exit(returncode)}, first; the other ranks were stopped",
+              file=sys.stderr, flush=True)
+        return returncode if returncode > 0 else 128 - returncode
 
 
-def _supervise(processes: list[subprocess.Popen]) -> int:
-    """Wait for every process; stop them all at the first failure; return that failure's code."""
-    exit_code = 0
+def _die_with_parent(parent_pid: int):
+    """A child's pre-exec step: ask Linux to SIGKILL it when the launcher dies (PR_SET_PDEATHSIG)."""
+    def arrange() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the launcher died before the request was made
+            os._exit(1)
+    return arrange
+
+
+class _forwarding_stop_signals:
+    """While the ranks run, SIGTERM/SIGINT to the launcher are sent on to every rank (whose own
+    handlers then exit); the signals received are listed, so the launcher can exit as killed."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, processes: list[subprocess.Popen]):
+        self.processes, self.received, self.previous = processes, [], {}
+
+    def _forward(self, signum, frame) -> None:
+        self.received.append(signum)
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signum)
+
+    def __enter__(self) -> list[int]:
+        for signum in self.SIGNALS:
+            self.previous[signum] = signal.signal(signum, self._forward)
+        return self.received
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def _supervise(processes: list[subprocess.Popen], received: list[int]) -> tuple[int, int] | None:
+    """Wait for every process; stop them all at the first failure or stop signal; return the first
+    failing rank and its return code (negative: the signal that killed it), None if all succeeded."""
+    failed = None
     try:
-        while any(p.poll() is None for p in processes):
-            failed = [p for p in processes if p.poll() not in (None, 0)]
-            if failed:
-                exit_code = failed[0].returncode
+        while not received and any(p.poll() is None for p in processes):
+            failed = next((p for p in processes if p.poll() not in (None, 0)), None)
+            if failed is not None:
                 break
             time.sleep(0.05)
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-    return exit_code or next((p.returncode for p in processes if p.returncode), 0)
+        stop(processes)
+    failed = failed or next((p for p in processes if p.returncode), None)
+    return None if failed is None else (processes.index(failed), failed.returncode)
+
+
+def stop(processes: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every running process, then SIGKILL those still running after ``grace_s``."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def describe_exit(returncode: int) -> str:
+    """``exited with code 2`` / ``was killed by SIGKILL``: how a process ended, in words."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"was killed by signal {-returncode}"
 
 
 def record_failure(exit_code: int) -> None:
@@ -82,16 +161,17 @@ def record_failure(exit_code: int) -> None:
     os.replace(path + ".part", path)
 
 
-def _first_recorded_failure(paths: list[str]) -> int:
-    """The exit code of the rank that recorded its failure first; 0 if none did."""
+def _first_recorded(paths: list[str]) -> tuple[int, int] | None:
+    """(rank, exit code) of the rank that recorded its failure first; None if none did."""
     records = []
-    for path in paths:
+    for rank, path in enumerate(paths):
         try:
-            with open(path) as record:
-                records.append(json.load(record))
-        except (OSError, ValueError):
+            with open(path) as stream:
+                record = json.load(stream)
+            records.append((record["time"], rank, record["exit_code"]))
+        except (OSError, ValueError, KeyError):
             continue
-    return min(records, key=lambda r: r["time"])["exit_code"] if records else 0
+    return min(records)[1:] if records else None
 
 
 def distributed_env() -> dict[str, int] | None:
