@@ -51,6 +51,16 @@ def test_unknown_flag_suggests_the_closest(capsys):
     assert "unknown flag --tensor-parallel-size; did you mean --tensor-model-parallel-size" in capsys.readouterr().err
 
 
+def test_abbreviated_flags_are_refused_in_one_line(capsys):
+    # Megatron's parser sets allow_abbrev=False; argparse's default accepted the prefix silently.
+    with pytest.raises(SystemExit) as exit_info:
+        main(TINY + ["--lr-decay-styl", "cosine"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["mega train: error: unknown flag --lr-decay-styl; did you mean --lr-decay-style, "
+                                "--lr-decay-iters?", "see `mega train --help`"]  # not 80 lines of usage first
+
+
 def test_help_lists_megatron_flags_by_section(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -91,3 +91,13 @@ def test_mega_plugins_table():
     header, *rows = result.stdout.splitlines()
     assert header.split() == ["plugin", "distribution", "version", "registered"]
     assert any(row.split()[:2] == ["core", "mega-core"] for row in rows)
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly():
+    # `mega --help | head -1`: the pipe closes before mega writes; deterministic here by closing first.
+    for argv in (["--help"], ["plugins", "--json"]):
+        process = subprocess.Popen([sys.executable, "-m", "mega.core.cli.main", *argv], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        process.stdout.close()
+        error = process.stderr.read()
+        assert process.wait() == 141 and error == "", error  # was: exit 1 and a BrokenPipeError traceback

@@ -8,6 +8,8 @@ import re
 import sys
 import time
 
+from mega.core.cli.argparser import CommandParser
+
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
           "fp16": "float16", "float16": "float16"}
 FORMATS = ("hf", "mega")
@@ -41,7 +43,7 @@ def give_freed_tensors_back() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega convert",
         description=(
             "Convert a checkpoint between Hugging Face transformers directories (config.json, safetensors, "

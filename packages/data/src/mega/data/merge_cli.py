@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
+from mega.core.cli.argparser import CommandParser
+
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega merge-datasets",
         description="Concatenate indexed datasets (in the order given; a directory adds all of its "
         "datasets in name order) into one.",

@@ -6,11 +6,12 @@ import argparse
 import os
 import sys
 
+from mega.core.cli.argparser import CommandParser
 from mega.core.tokenizer import TokenizerOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega preprocess",
         description=(
             "Tokenize documents into Megatron-compatible {prefix}_{key}_{document|sentence}.bin/.idx "

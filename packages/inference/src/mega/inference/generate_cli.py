@@ -11,11 +11,12 @@ import argparse
 import json
 import sys
 
+from mega.core.cli.argparser import CommandParser
 from mega.inference.loader import add_load_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega generate",
         description="Continue text prompts with a mega checkpoint or a Hugging Face model directory and "
                     "print each continuation (the prompt with --echo). Prompts: --prompt, --prompt-file, "

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 
+from mega.core.cli.argparser import CommandParser
 from mega.inference.loader import add_load_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega serve",
         description="Serve a mega checkpoint or a Hugging Face model directory over HTTP: Megatron's "
                     "PUT /api, OpenAI-style POST /v1/completions (streaming too), GET /v1/health; "

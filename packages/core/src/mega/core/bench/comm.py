@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from mega.core.cli.argparser import CommandParser
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 
 # nccl-tests' bus-bandwidth factors.
@@ -82,7 +84,7 @@ def bus_bandwidth(op: str, algbw: float, world_size: int) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega bench comm",
         description="Measure collectives over torch.distributed the way nccl-tests does "
                     "(run under torchrun, or with --nproc-per-node N).",

@@ -7,12 +7,13 @@ import sys
 
 from mega.core.checkpoint.directory import checkpoint_and_metadata, read_tracker, saved_iterations
 from mega.core.checkpoint.metadata import CheckpointError
+from mega.core.cli.argparser import CommandParser
 
 LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "vpp", "world_size", "sequence_parallel", "distributed_optimizer")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega checkpoint info",
         description="Show a checkpoint's iteration, the layout it was saved at, its model family and "
                     "config, parameter count, size on disk and completeness. DIR is a --save directory "

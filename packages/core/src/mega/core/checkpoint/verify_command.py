@@ -13,11 +13,12 @@ from pathlib import Path
 
 from mega.core.checkpoint.directory import RELEASE, saved_iterations, verify
 from mega.core.checkpoint.metadata import METADATA_FILE, CheckpointError
+from mega.core.cli.argparser import CommandParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mega checkpoint verify", allow_abbrev=False,
+    parser = CommandParser(
+        prog="mega checkpoint verify",
         description="Check that checkpoints are complete and unchanged since they were saved: every file "
                     "at its recorded size and checksum, the tensor index readable. DIR is one checkpoint "
                     "or a --save directory (every checkpoint in it). Exit 0 when all are intact, 1 otherwise.",

@@ -7,6 +7,8 @@ name that the leading words spell, so ``mega bench comm`` finds ``"bench comm"``
 from __future__ import annotations
 
 import difflib
+import os
+import signal
 import sys
 
 from mega.core.launch import record_failure
@@ -18,6 +20,19 @@ USAGE = "usage: mega [--version] [--help] <command> [<args>...]"
 
 
 def main(argv: list[str] | None = None, plugins: Plugins | None = None) -> int:
+    """The ``mega`` console script: run the command; a reader that stops reading (``| head``) is
+    not an error of ours, so it ends the command quietly, as SIGPIPE ends a C program."""
+    try:
+        exit_code = _run(argv, plugins)
+        sys.stdout.flush()  # inside the try: the last buffered lines may be the ones nobody reads
+        return exit_code
+    except BrokenPipeError:
+        # Python would flush stdout again at exit and print "Exception ignored ... BrokenPipeError".
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _run(argv: list[str] | None, plugins: Plugins | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     plugins = get_plugins() if plugins is None else plugins
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
+from mega.core.cli.argparser import CommandParser
 from mega.core.plugins import get_plugins
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega plugins",
         description="List installed plugins, their distribution and version, and what they registered.",
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mega.core.cli.argparser import CommandParser
 from mega.core.config import ConfigError, add_section, parse
 from mega.core.config.parser import tomllib
 from mega.core.plugins import PluginError, get_plugins
@@ -23,7 +24,7 @@ DESCRIPTION = "Pretrain a decoder-only language model at any parallel layout (Me
 
 def _launcher_parser() -> argparse.ArgumentParser:
     """Flags that are not config fields: where the config comes from and how many processes."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = CommandParser(add_help=False)
     parser.add_argument("--config", help="TOML file with [training], [model], [parallel]... tables")
     parser.add_argument("--nproc-per-node", type=int, help="start this many local processes (like torchrun)")
     return parser
@@ -40,7 +41,7 @@ def _early_parser() -> argparse.ArgumentParser:
 def build_parser(model_config_class: type, family_name: str) -> argparse.ArgumentParser:
     from mega.core.training.run_config import SECTIONS
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega train", description=DESCRIPTION, parents=[_launcher_parser()],
         epilog="With no arguments, trains the embedded default: a small GPT on the text of Python's "
                "pydoc topics, on the CPU, in about two minutes.",
