@@ -257,6 +257,22 @@ def test_indices_are_cached_and_memory_mapped(corpora, tmp_path):
     assert not np.array_equal(other.shuffle_index, first.shuffle_index)
 
 
+def test_a_dataset_replaced_under_the_same_prefix_is_not_served_from_the_cache(
+        tmp_path, megatron_dataset_writer, make_documents):
+    # Same prefix, same number of documents, other lengths: the cache once served the old indices
+    # ("all input arrays must have the same shape", "tokens 67:4 out of range").
+    prefix = tmp_path / "corpus"
+    config = mega_config(tmp_path, sequence_length=16)
+    megatron_dataset_writer(prefix, make_documents(0, 300, EOD, 40))
+    build_gpt_datasets([str(prefix)], [100, 10, 1], config)
+    megatron_dataset_writer(prefix, make_documents(1, 300, EOD, 90))
+    replaced = build_gpt_datasets([str(prefix)], [100, 10, 1], config)[0]
+    fresh = build_gpt_datasets([str(prefix)], [100, 10, 1], mega_config(tmp_path / "fresh", sequence_length=16))[0]
+    np.testing.assert_array_equal(replaced.sample_index, fresh.sample_index)
+    for i in range(0, len(fresh), 7):
+        np.testing.assert_array_equal(replaced[i]["tokens"], fresh[i]["tokens"])
+
+
 def test_rank_zero_builds_before_the_others(corpora, tmp_path):
     events = []
     config = mega_config(tmp_path, sequence_length=16)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mega.data.index_cache import IndexCache, description_hash
+from mega.data.index_cache import IndexCache, description_hash, files_fingerprint
 from mega.data.sample_index import build_gpt_indices
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class GPTDataset:
             {
                 "class": "GPTDataset",
                 "path": path,
+                "files": files_fingerprint(path),
                 "sequences": int(len(source.sequence_lengths)),
                 "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
                 "num_samples": num_samples,

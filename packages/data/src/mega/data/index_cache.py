@@ -1,7 +1,8 @@
 """On-disk cache of dataset indices, shared by all ranks of a job.
 
 An entry is named by the md5 of a JSON description of everything the indices depend on, so a
-changed seed, split or sample count can never pick up stale files. Arrays are written to
+changed seed, split or sample count can never pick up stale files; nor can a dataset replaced
+under the same prefix, since the description holds its files' sizes and modification times. Arrays are written to
 temporary names and renamed; the description file is renamed last and marks the entry complete.
 Readers memory-map the arrays, so all ranks of a node share one copy in the page cache.
 """
@@ -17,6 +18,18 @@ import numpy as np
 
 def description_hash(description: str) -> str:
     return hashlib.md5(description.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+
+def files_fingerprint(prefix: str | None) -> dict[str, list[int]] | None:
+    """Size and modification time (ns) of a dataset's ``.bin`` and ``.idx``: a dataset rewritten
+    under the same prefix, even with as many documents, gets a new cache entry."""
+    if prefix is None:
+        return None
+    fingerprint = {}
+    for suffix in (".bin", ".idx"):
+        stat = os.stat(prefix + suffix)
+        fingerprint[suffix] = [stat.st_size, stat.st_mtime_ns]
+    return fingerprint
 
 
 class IndexCache:
