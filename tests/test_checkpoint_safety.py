@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -258,3 +259,38 @@ def test_the_lock_of_a_killed_run_is_taken_over(tmp_path):
     lock = SaveDirLock(save_dir)  # ...and taken over
     assert f"pid {holder.pid}" in lock.previous_holder
     lock.release()
+
+
+# -- a full disk during a save (issue 15, item 4) ----------------------------------------------
+def _can_mount_a_small_disk() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-rm", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_a_small_disk(), reason="needs unshare -rm (user and mount namespaces) for a tmpfs")
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    # A real full disk: a 2.5 MiB tmpfs (in a private mount namespace) where one checkpoint of this
+    # model (1.7 MB) fits and the second does not; synchronous and --async-save.
+    mega = f"{sys.executable} -m mega.core.cli.main"
+    runs = []
+    for mode in ("sync", "async"):
+        disk = tmp_path / mode
+        disk.mkdir()
+        flags = " ".join(TINY + ["--train-iters", "3", "--save", str(disk / "ckpt"), "--save-interval", "1"]
+                         + (["--async-save"] if mode == "async" else []))
+        # What is left on the small disk is copied out before its namespace (and the tmpfs) goes.
+        runs.append(f"mount -t tmpfs -o size=2560k tmpfs {disk} && {{ {mega} train {flags}; echo exit=$?; "
+                    f"cp -r {disk / 'ckpt'} {tmp_path / (mode + '-left')}; }}")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", "; echo ===; ".join(runs)], capture_output=True,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    for mode, output in zip(("sync", "async"), result.stdout.split("===\n"), strict=True):
+        assert "exit=2" in output, mode + result.stdout + result.stderr
+        left = tmp_path / (mode + "-left")
+        assert {p.name for p in left.iterdir()} - {LOCK_FILE} == {"iter_0000001", TRACKER_FILE}  # no .tmp-iter
+        assert checkpoint_and_metadata(left)[0] == left / "iter_0000001"  # the previous one, intact
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mega train: error:")]
+    assert len(errors) == 2, result.stderr
+    for mode, error in zip(("sync", "async"), errors, strict=True):
+        assert f"no space left on device writing {tmp_path / mode / 'ckpt' / '.tmp-iter_0000002'} (needed ~1.6 MiB" \
+            in error, error
+    assert "Traceback" not in result.stderr and "inline_container" not in result.stderr

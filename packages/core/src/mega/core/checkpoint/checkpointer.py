@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mega.core.checkpoint import rng
+from mega.core.checkpoint import rng, space
 from mega.core.checkpoint.directory import (
     RELEASE,
     find_checkpoint,
@@ -102,13 +102,18 @@ class Checkpointer:
         entries, description = self._entries_to_save()
         metadata = self._metadata(description)
         self._last_saved = state.iteration
+        groups = self.groups
+        needed = space.expected_bytes(save_dir, entries, groups.tp.size * groups.pp.size * groups.cp.size)
+        if self.is_writer:
+            space.warn_if_short(save_dir, needed)
 
         def write(entries: dict) -> Path:
-            save_entries(staging, entries, self.process_group)
-            if self.is_writer:  # its save returns once every rank's shards are written
-                final = publish(save_dir, name, metadata, str(metadata.iteration))
-                if self.config.keep_last:
-                    prune(save_dir, self.config.keep_last, keep=final)
+            with space.removed_if_failed(staging, needed):  # a full disk: one clear error, nothing left
+                save_entries(staging, entries, self.process_group)
+                if self.is_writer:  # its save returns once every rank's shards are written
+                    final = publish(save_dir, name, metadata, str(metadata.iteration))
+            if self.is_writer and self.config.keep_last:
+                prune(save_dir, self.config.keep_last, keep=final)
             return save_dir / name
 
         if not self.config.async_save:

@@ -7,6 +7,7 @@ import sys
 
 from mega.core.checkpoint.directory import checkpoint_and_metadata, read_tracker, saved_iterations
 from mega.core.checkpoint.metadata import CheckpointError
+from mega.core.checkpoint.space import human_size
 from mega.core.cli.argparser import CommandParser
 
 LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "vpp", "world_size", "sequence_parallel", "distributed_optimizer")
@@ -22,14 +23,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("directory", metavar="DIR")
     parser.add_argument("--json", action="store_true", help="print the metadata as JSON")
     return parser
-
-
-def _size(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if num_bytes < 1024:
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1024
-    return f"{num_bytes:.1f} GiB"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         "saved at layout:  " + ", ".join(f"{k}={layout[k]}" for k in LAYOUT_KEYS if k in layout),
         f"model family:     {metadata.model_family}",
         f"parameters:       {metadata.num_parameters:,}",
-        f"size on disk:     {_size(sum(metadata.files.values()))} in {len(metadata.files)} files",
+        f"size on disk:     {human_size(sum(metadata.files.values()))} in {len(metadata.files)} files",
         f"optimizer state:  {'yes (' + ', '.join(metadata.optimizer['state_keys']) + ')' if metadata.optimizer else 'no'}",
         f"tokenizer:        {tokenizer}",
         f"mega version:     {metadata.mega_version or 'unknown'}",

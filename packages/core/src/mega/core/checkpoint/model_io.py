@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from mega.core.checkpoint import space
 from mega.core.checkpoint.directory import (
     RELEASE,
     publish,
@@ -86,7 +87,8 @@ def write_checkpoint(save_dir: str | os.PathLike, metadata: CheckpointMetadata,
             piece = Piece(tensor, zeros) if isinstance(tensor, torch.Tensor) else (tensor, zeros)
             entries[MODEL + name] = ShardedEntry(tuple(tensor.shape), tensor.dtype, [piece])
         # A file per tensor: memory stays at one (lazy) tensor, not the whole model.
-        save_entries(staging, entries, file_per_tensor=True)
+        with space.removed_if_failed(staging, space.entries_bytes(entries)):
+            save_entries(staging, entries, file_per_tensor=True)
         return publish(save_dir, RELEASE, metadata, RELEASE)
     except BaseException:
         shutil.rmtree(save_dir if created else staging, ignore_errors=True)
