@@ -285,6 +285,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     for mode, output in zip(("sync", "async"), result.stdout.split("===\n"), strict=True):
         assert "exit=2" in output, mode + result.stdout + result.stderr
+        assert "training finished" not in output  # it did not
         left = tmp_path / (mode + "-left")
         assert {p.name for p in left.iterdir()} - {LOCK_FILE} == {"iter_0000001", TRACKER_FILE}  # no .tmp-iter
         assert checkpoint_and_metadata(left)[0] == left / "iter_0000001"  # the previous one, intact

@@ -117,3 +117,19 @@ def test_a_rank_killed_by_a_signal_is_named(start_job):
     assert launcher.wait(timeout=30) == 128 + signal.SIGKILL  # was: 1, naming nothing
     assert "mega: rank 1 was killed by SIGKILL, first; the other ranks were stopped" in launcher.stderr.read()
     assert still_running(ranks, within_s=0) == []
+
+
+def test_a_rank_ends_without_interpreter_shutdown():
+    # Interpreter shutdown after the process group is destroyed is where finished runs aborted
+    # ("terminate called without an active exception", exit 250): a rank must never reach it.
+    # An atexit handler shows whether shutdown ran; the exit code must survive either way.
+    script = ("import atexit, sys; atexit.register(lambda: print('interpreter shut down', flush=True)); "
+              "from mega.core.cli.main import main; sys.argv = ['mega', *sys.argv[1:]]; sys.exit(main())")
+    rank = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
+    alone = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+    for argv, code in ((["--version"], 0), (["no-such-command"], 2)):
+        as_rank = subprocess.run([sys.executable, "-c", script, *argv], env=rank, capture_output=True, text=True)
+        assert as_rank.returncode == code and "interpreter shut down" not in as_rank.stdout
+        single = subprocess.run([sys.executable, "-c", script, *argv], env=alone, capture_output=True, text=True)
+        assert single.returncode == code and "interpreter shut down" in single.stdout
+    assert as_rank.stderr.startswith("mega: unknown command 'no-such-command'")  # flushed before the end

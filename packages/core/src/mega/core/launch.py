@@ -174,6 +174,27 @@ def _first_recorded(paths: list[str]) -> tuple[int, int] | None:
     return min(records)[1:] if records else None
 
 
+def end_rank_process(exit_code: int) -> None:
+    """End a rank of a distributed job now, with ``exit_code``, skipping interpreter shutdown.
+
+    After the process group is destroyed, the interpreter's shutdown still tears down torch's C++
+    state (gloo/NCCL contexts and their threads, the store's client) in whatever order the
+    garbage falls; now and then a thread is still joinable when its owner is destroyed, and the
+    C++ runtime aborts the finished run ("terminate called without an active exception", exit
+    250 or 134). Everything this process had to do is done and flushed, so it exits without that
+    teardown.
+    """
+    import logging
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
+            pass
+    logging.shutdown()
+    os._exit(exit_code)
+
+
 def distributed_env() -> dict[str, int] | None:
     """Rank, world size and local rank from torchrun's or SLURM's environment; None if neither."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

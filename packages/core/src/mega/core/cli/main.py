@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from mega.core.launch import record_failure
+from mega.core.launch import distributed_env, end_rank_process, record_failure
 from mega.core.plugins import PluginError, Plugins, get_plugins
 from mega.core.plugins.registry import resolve
 from mega.core.version import __version__
@@ -21,15 +21,21 @@ USAGE = "usage: mega [--version] [--help] <command> [<args>...]"
 
 def main(argv: list[str] | None = None, plugins: Plugins | None = None) -> int:
     """The ``mega`` console script: run the command; a reader that stops reading (``| head``) is
-    not an error of ours, so it ends the command quietly, as SIGPIPE ends a C program."""
+    not an error of ours, so it ends the command quietly, as SIGPIPE ends a C program.
+
+    Run as a program (``argv`` None) in a rank of a distributed job, it ends the process itself
+    (:func:`mega.core.launch.end_rank_process`): a finished run must not fail in shutdown."""
+    as_rank = argv is None and distributed_env() is not None
     try:
         exit_code = _run(argv, plugins)
         sys.stdout.flush()  # inside the try: the last buffered lines may be the ones nobody reads
-        return exit_code
     except BrokenPipeError:
         # Python would flush stdout again at exit and print "Exception ignored ... BrokenPipeError".
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
+        exit_code = 128 + signal.SIGPIPE
+    if as_rank:
+        end_rank_process(exit_code)
+    return exit_code
 
 
 def _run(argv: list[str] | None, plugins: Plugins | None) -> int:

@@ -69,7 +69,7 @@ class ConsoleLogger:
 
     @hookimpl
     def on_train_end(self, run):
-        if run.is_logging_rank and run.losses:
+        if run.is_logging_rank and run.losses and run.finished:
             seconds = time.perf_counter() - self._started
             self._print(f" training finished: {len(run.losses)} iterations in {seconds:.1f} s, "
                         f"lm loss {run.losses[0]:.3f} (first) -> {run.losses[-1]:.3f} (last)")

@@ -48,6 +48,7 @@ class RunState:
     skipped_iterations: int = 0
     nan_iterations: int = 0
     losses: list[float] = field(default_factory=list)
+    finished: bool = False  # set when the loop ends normally; on_train_end also runs after a failure
 
     @property
     def is_logging_rank(self) -> bool:
@@ -199,6 +200,7 @@ class Trainer:
                     break
             if self.checkpointer is not None:
                 self.checkpointer.close()
+            state.finished = True
         finally:
             hooks.on_train_end(run=state)
         return state
