@@ -133,3 +133,14 @@ def test_a_rank_ends_without_interpreter_shutdown():
         single = subprocess.run([sys.executable, "-c", script, *argv], env=alone, capture_output=True, text=True)
         assert single.returncode == code and "interpreter shut down" in single.stdout
     assert as_rank.stderr.startswith("mega: unknown command 'no-such-command'")  # flushed before the end
+
+
+def test_a_stopped_rank_is_named_when_the_job_fails(start_job):
+    # Its peers' collectives time out waiting for it; the launcher says which rank never came.
+    launcher, ranks = start_job()
+    os.kill(ranks[1], signal.SIGSTOP)
+    os.kill(ranks[0], signal.SIGKILL)
+    assert launcher.wait(timeout=60) == 128 + signal.SIGKILL
+    error = launcher.stderr.read()
+    assert f"mega: rank 1 (pid {ranks[1]}) is stopped (SIGSTOP or a debugger)" in error
+    assert still_running(ranks, within_s=0) == []

@@ -121,10 +121,22 @@ def _supervise(processes: list[subprocess.Popen], received: list[int]) -> tuple[
             if failed is not None:
                 break
             time.sleep(0.05)
+        for rank, process in enumerate(processes):
+            if _is_stopped(process.pid):  # its peers' collectives timed out waiting for it
+                print(f"mega: rank {rank} (pid {process.pid}) is stopped (SIGSTOP or a debugger) and did not "
+                      "take part in the collectives", file=sys.stderr, flush=True)
     finally:
         stop(processes)
     failed = failed or next((p for p in processes if p.returncode), None)
     return None if failed is None else (processes.index(failed), failed.returncode)
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def stop(processes: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:

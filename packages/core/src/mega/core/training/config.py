@@ -30,6 +30,9 @@ class TrainingConfig:
         None, "stop after an iteration divisible by N (saving a checkpoint first under --save)"
     )
     seed: int = option(1234, "random seed")
+    distributed_timeout_minutes: float = option(
+        10, "end the job when a collective does not complete within this time (a hung or stopped rank)"
+    )
     eval_interval: int = option(1000, "evaluate every N iterations")
     eval_iters: int = option(10, "micro-batch iterations per evaluation")
     num_layers_per_virtual_pipeline_stage: int | None = option(

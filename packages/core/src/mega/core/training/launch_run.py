@@ -12,6 +12,7 @@ from mega.core.launch import init_distributed, record_failure
 from mega.core.model_family import ModelFamily
 from mega.core.parallel import ParallelGroups
 from mega.core.plugins import PluginError, get_plugins
+from mega.core.training.collective_timeout import describe_timeout
 from mega.core.training.data_setup import build_datasets
 from mega.core.training.run_config import RunConfig, derive
 from mega.core.training.trainer import RunState, Trainer
@@ -20,7 +21,7 @@ from mega.core.training.trainer import RunState, Trainer
 def run_training(run: RunConfig, family: ModelFamily, plugins=None) -> RunState:
     """Train in this process (joining the distributed job its environment describes)."""
     plugins = plugins or get_plugins()
-    init_distributed()
+    init_distributed(timeout_s=run.training.distributed_timeout_minutes * 60)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     run, derived = derive(run, world_size)
     groups = ParallelGroups(run.parallel)
@@ -38,6 +39,13 @@ def train(run: RunConfig, family: ModelFamily) -> int:
         record_failure(2)
         print(f"mega train: error: {error}", file=sys.stderr)
         return 2
+    except RuntimeError as error:
+        timeout = describe_timeout(error, run.training.distributed_timeout_minutes)
+        if timeout is None:
+            raise
+        record_failure(3)
+        print(f"mega train: error: {timeout}", file=sys.stderr)
+        return 3
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
