@@ -45,8 +45,8 @@ def test_outside_the_launcher_nothing_is_written(tmp_path, monkeypatch):
 # The ranks here are small Python processes that say they are ready and wait: the launcher treats
 # them exactly as it treats training ranks, without the seconds each rank would spend importing torch.
 RANK = "import os, time; os.write(1, b'ready ' + os.environ['RANK'].encode() + b'\\n'); time.sleep(120)"
-LAUNCHER = ("import sys; from mega.core.launch import launch_local; "
-            f"sys.exit(launch_local(2, [], program=(sys.executable, '-c', {RANK!r})))")
+LAUNCHER = ("import sys; from mega.core import launch; launch.STOP_GRACE_S = 1.0; "
+            f"sys.exit(launch.launch_local(2, [], program=(sys.executable, '-c', {RANK!r})))")
 
 
 @pytest.fixture

@@ -139,8 +139,10 @@ def _is_stopped(pid: int) -> bool:
         return False
 
 
-def stop(processes: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM every running process, then SIGKILL those still running after ``grace_s``."""
+def stop(processes: list[subprocess.Popen], grace_s: float | None = None) -> None:
+    """SIGTERM every running process, then SIGKILL those still running after ``grace_s``
+    (default :data:`STOP_GRACE_S`)."""
+    grace_s = STOP_GRACE_S if grace_s is None else grace_s
     for process in processes:
         if process.poll() is None:
             process.terminate()
