@@ -295,3 +295,11 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
         assert f"no space left on device writing {tmp_path / mode / 'ckpt' / '.tmp-iter_0000002'} (needed ~1.6 MiB" \
             in error, error
     assert "Traceback" not in result.stderr and "inline_container" not in result.stderr
+
+
+def test_a_load_directory_that_does_not_exist_is_said_loudly_and_refused_for_finetuning(tmp_path, capsys):
+    missing = tmp_path / "chekpoints"  # a typo
+    assert train_main(TINY + ["--train-iters", "1", "--load", str(missing)]) == 0
+    assert f"WARNING: --load {missing} does not exist: training starts from scratch" in capsys.readouterr().err
+    assert train_main(TINY + ["--train-iters", "1", "--load", str(missing), "--finetune"]) == 2
+    assert f"--finetune: {missing} holds no checkpoint to fine-tune from" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -189,6 +190,11 @@ class Checkpointer:
         trainer, state, config = self.trainer, self.trainer.state, self.config
         found = find_checkpoint(config.load, checksums=config.verify_checksums)
         if found is None:
+            if config.finetune:  # weights were asked for: training random ones would waste the run
+                raise CheckpointError(f"--finetune: {config.load} holds no checkpoint to fine-tune from")
+            if not Path(config.load).exists() and self.is_writer:  # often a typo; say so loudly
+                print(f"WARNING: --load {config.load} does not exist: training starts from scratch",
+                      file=sys.stderr, flush=True)
             self._say(f"no checkpoint in {config.load} yet; starting from scratch")
             return
         path, metadata = found
