@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from mega.core.training.command import main
@@ -133,3 +137,18 @@ def test_fp16_overflowing_steps_are_skipped_and_counted(capsys):
     scales = [float(line.split("loss scale:")[1].split("|")[0]) for line in lines]
     assert skipped[-1] >= 2 and skipped == sorted(skipped)
     assert scales[0] == 2.0**32 and scales[-1] < scales[0]
+
+
+def test_help_without_a_model_family_installed_still_helps():
+    # A core-only install (here: mega-models disabled) once failed `mega train --help` with "no model 'gpt'".
+    env = {**os.environ, "MEGA_DISABLE_PLUGINS": "models"}
+    shown = subprocess.run([sys.executable, "-m", "mega.core.cli.main", "train", "--help"], env=env,
+                           capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert "--tensor-model-parallel-size" in shown.stdout and "--hidden-size HIDDEN" not in shown.stdout
+    assert "install mega-models (pip install -e packages/models" in shown.stdout
+    refused = subprocess.run([sys.executable, "-m", "mega.core.cli.main", "train", "--mock-data"], env=env,
+                             capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert refused.stderr == ("mega train: error: no model family is installed ('gpt' was asked for): "
+                              "install mega-models (pip install -e packages/models, from the mega repository)\n")

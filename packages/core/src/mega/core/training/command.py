@@ -20,6 +20,8 @@ from mega.core.config.parser import tomllib
 from mega.core.plugins import PluginError, get_plugins
 
 DESCRIPTION = "Pretrain a decoder-only language model at any parallel layout (Megatron's flags)."
+# The model families (GPT, LLaMA) ship in mega-models, which is installed from the repository.
+MODELS_HINT = "install mega-models (pip install -e packages/models, from the mega repository)"
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
@@ -38,7 +40,8 @@ def _early_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_parser(model_config_class: type, family_name: str) -> argparse.ArgumentParser:
+def build_parser(model_config_class: type | None, family_name: str) -> argparse.ArgumentParser:
+    """The full parser; without a model config class (none installed), every other section."""
     from mega.core.training.run_config import SECTIONS
 
     parser = CommandParser(
@@ -46,7 +49,8 @@ def build_parser(model_config_class: type, family_name: str) -> argparse.Argumen
         epilog="With no arguments, trains the embedded default: a small GPT on the text of Python's "
                "pydoc topics, on the CPU, in about two minutes.",
     )
-    add_section(parser, "model", model_config_class, title=f"model ({family_name} family)")
+    if model_config_class is not None:
+        add_section(parser, "model", model_config_class, title=f"model ({family_name} family)")
     for name, cls in SECTIONS.items():
         add_section(parser, name, cls)
     return parser
@@ -60,6 +64,8 @@ def parse_run(argv: list[str], plugins=None):
     early, _ = _early_parser().parse_known_args(argv)
     toml_training = _toml_training_table(early.config) if early.config else {}
     family_name = early.model_family or toml_training.get("model_family") or "gpt"
+    if family_name not in plugins.models and not plugins.models.names():
+        raise PluginError(f"no model family is installed ({family_name!r} was asked for): {MODELS_HINT}")
     family = plugins.models.get(family_name)
     preset = early.model_preset or toml_training.get("model_preset")
     # A preset is the starting point its flags override; without one the config class derives
@@ -111,7 +117,14 @@ def main(argv: list[str]) -> int:
         return launch_local(early.nproc_per_node, ["train", *_without_nproc(argv)])
     try:
         run, family = parse_run(argv)
-    except (ConfigError, PluginError, KeyError) as error:
+    except PluginError as error:
+        if {"-h", "--help"} & set(argv) and MODELS_HINT in str(error):
+            build_parser(None, "").print_help()  # the help still helps; the model's flags are missing
+            print(f"\nmodel flags (--num-layers, --hidden-size, ...) come from a model family: {MODELS_HINT}")
+            return 0
+        print(f"mega train: error: {error}", file=sys.stderr)
+        return 2
+    except (ConfigError, KeyError) as error:
         print(f"mega train: error: {error}", file=sys.stderr)
         return 2
     from mega.core.training.launch_run import train

@@ -36,7 +36,7 @@ def main() -> int:
     try:
         plugins.datasets.entry("pydoc-topics")
     except PluginError as error:
-        print(f"mega train: the embedded default needs mega-data (pip install mega-data): {error}", file=sys.stderr)
+        print(f"mega train: the embedded default needs mega-data (pip install -e packages/data, from the mega repository): {error}", file=sys.stderr)
         return 2
     print("mega train: no arguments, so training the embedded default (a small GPT on Python's pydoc "
           "topics, on the CPU);\n  the same run is `mega train " + " ".join(DEFAULT_ARGV) + "`", flush=True)
