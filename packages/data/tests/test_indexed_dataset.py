@@ -202,3 +202,30 @@ def test_multimodal_modes_round_trip(tmp_path):
     assert ours.sequence_modes.tolist() == [0, 1, 1] and ours[1].tolist() == [3]
     # Read without the multimodal flag, the modes are tolerated trailing bytes, as in Megatron.
     assert IndexedDataset(tmp_path / "mm").num_documents == 2
+
+
+def test_the_scratch_of_a_killed_writer_is_removed_by_the_next(tmp_path):
+    # A SIGKILLed `mega preprocess` cannot clean up; its hidden .partial directory was left for ever.
+    import signal
+    import subprocess
+    import sys
+
+    prefix = tmp_path / "corpus"
+    script = ("import sys, time; from mega.data.indexed_dataset import IndexedDatasetWriter; "
+              "w = IndexedDatasetWriter(sys.argv[1]); w.add_document([1, 2, 3]); print('writing', flush=True); "
+              "time.sleep(60)")
+    killed, live = (subprocess.Popen([sys.executable, "-c", script, str(prefix)], stdout=subprocess.PIPE, text=True)
+                    for _ in range(2))
+    assert killed.stdout.readline() == live.stdout.readline() == "writing\n"
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    try:
+        assert len(list(tmp_path.glob(".corpus.*.partial"))) == 2
+        writer = IndexedDatasetWriter(prefix)
+        # The killed writer's scratch is gone; the live one's and this one's remain.
+        assert len(list(tmp_path.glob(".corpus.*.partial"))) == 2
+        writer.abort()
+        assert len(list(tmp_path.glob(".corpus.*.partial"))) == 1
+    finally:
+        live.kill()
+        live.wait()

@@ -17,8 +17,10 @@ files, not lists) and makes it appear atomically; :func:`merge_datasets` concate
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import socket
 import struct
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -217,6 +219,32 @@ def _read_header(index_file: str) -> tuple:
     return header
 
 
+_OWNER_FILE = "owner"  # "host pid" of the writer, so a later one can tell an abandoned scratch
+
+
+def _remove_abandoned_scratch(directory: str, stem: str) -> None:
+    """Delete the scratch directories of writers of ``stem`` that were killed (SIGKILL, power loss)
+    before they could clean up; those of live writers (this host's pids that exist) stay."""
+    for scratch in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(stem)}.*.partial")):
+        try:
+            with open(os.path.join(scratch, _OWNER_FILE)) as owner:
+                host, pid = owner.read().split()
+        except (OSError, ValueError):
+            continue  # not ours to judge (another version, or a writer that is just starting)
+        if host == socket.gethostname() and not _pid_alive(int(pid)):
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class IndexedDatasetWriter:
     """Writes ``{prefix}.bin`` / ``{prefix}.idx`` so that they appear only when complete.
 
@@ -233,7 +261,10 @@ class IndexedDatasetWriter:
         directory = os.path.dirname(os.path.abspath(self.prefix))
         os.makedirs(directory, exist_ok=True)
         stem = os.path.basename(self.prefix)
+        _remove_abandoned_scratch(directory, stem)
         self._scratch = tempfile.mkdtemp(prefix=f".{stem}.", suffix=".partial", dir=directory)
+        with open(os.path.join(self._scratch, _OWNER_FILE), "w") as owner:
+            owner.write(f"{socket.gethostname()} {os.getpid()}")
         self._bin = open(os.path.join(self._scratch, "data.bin"), "wb")
         self._lengths = open(os.path.join(self._scratch, "lengths.i32"), "wb")
         self._documents = open(os.path.join(self._scratch, "documents.i64"), "wb")
