@@ -223,11 +223,13 @@ def _exit_on_signals(writers: dict[str, IndexedDatasetWriter]) -> dict:
         return {}
 
     def handler(signum, frame):
-        # The workers are left alone: once this process is gone they read end-of-file from the
-        # task pipe and exit. (Killing them here could kill one holding the pool's queue lock, and
-        # the pool would fork replacements that wait for that lock for ever.)
+        # The workers are killed outright, just before this process exits: left alone, each one
+        # finishing a block would find the result pipe closed and print a BrokenPipeError
+        # traceback. (One may hold the pool's queue lock; no one will wait for it any more.)
         for writer in writers.values():
             writer.remove_files()
+        for worker in multiprocessing.active_children():
+            os.kill(worker.pid, signal.SIGKILL)
         name = signal.Signals(signum).name
         sys.stderr.write(f"\nmega preprocess: interrupted by {name}; no output was written\n")
         sys.stderr.flush()
