@@ -5,7 +5,6 @@ back. Written for one device; the core makes it parallel from the plan below."""
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from mega.core.config.options import option
@@ -72,8 +71,8 @@ class BlockStack(nn.Module):
             hidden, embedded = inputs["hidden"], inputs["embedded"]
         for layer in self.layers.values():
             hidden = layer(hidden, embedded)
-        if self.stage.is_last:
-            return {"logits": self.head(self.final_norm(hidden))}
+        if self.stage.is_last:  # the mean square activation doubles as a small auxiliary loss
+            return {"logits": self.head(self.final_norm(hidden)), "activation": hidden.pow(2).mean()}
         return {"hidden": hidden, "embedded": embedded}
 
 
@@ -108,8 +107,9 @@ def loss(outputs, batch, context):
     logits = outputs["logits"]  # [s, b, vocab shard]
     per_token = context.kernels.loss(logits, batch["labels"].transpose(0, 1), context.tp_group).transpose(0, 1)
     mask = batch["loss_mask"]
-    value = (per_token * mask).sum() / mask.sum()
-    return value, {"lm loss": value.detach()}
+    lm_loss = (per_token * mask).sum() / mask.sum()
+    activation_loss = outputs["activation"]
+    return lm_loss + 1e-3 * activation_loss, {"lm loss": lm_loss.detach(), "activation loss": activation_loss.detach()}
 
 
 def num_parameters(config, tensor_parallel_size=1):

@@ -137,8 +137,9 @@ class Trainer:
         return ((batch, batch) for batch in batches)
 
     def _run_schedule(self, data: Iterator, forward_only: bool) -> float:
-        """One global batch forward (and backward); the mean loss, known on every rank (the
-        means of the family's metrics, likewise, in ``self.last_metrics``)."""
+        """One global batch forward (and backward); the mean of the family's ``lm loss`` (of the
+        loss it differentiates if it names none), known on every rank; the means of all its
+        metrics, likewise, in ``self.last_metrics``."""
         # fp16: the schedule differentiates the scaled loss; the optimizer unscales the gradients.
         scale = 1.0 if forward_only else self.optimizer.loss_scale
         loss_fn = self._loss_fn if scale == 1.0 else (lambda output, batch: self._loss_fn(output, batch) * scale)
@@ -168,7 +169,7 @@ class Trainer:
             dist.broadcast_object_list(shared, src=self.groups.pp.ranks[-1], group=self.groups.pp.group)
             summary = shared[0]
         loss, self.last_metrics = summary
-        return loss
+        return self.last_metrics.get("lm loss", loss)
 
     def train_step(self, data: Iterator) -> dict:
         state = self.state
