@@ -34,6 +34,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from mega.core.build import build_stage  # noqa: E402
 from mega.core.plugins import get_plugins  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
 from mega.models.hf_mapping import hf_to_mega  # noqa: E402
@@ -60,7 +61,7 @@ def mega_weights(family: str, model):
 
 def mega_engine(family: str, model) -> GenerationEngine:
     config, weights = mega_weights(family, model)
-    mega_model = get_plugins().models.get(family).build(config)
+    mega_model = build_stage(get_plugins().models.get(family), config, init=False)
     mega_model.load_state_dict(weights)
     return GenerationEngine(mega_model.eval(), vocab_size=config.vocab_size,
                             max_positions=config.max_position_embeddings)

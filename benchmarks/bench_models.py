@@ -22,10 +22,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 
+from mega.core.build import build_stage  # noqa: E402
 from mega.models import hf_mapping  # noqa: E402
-from mega.models.family import build_language_model  # noqa: E402
+from mega.models.gpt import FAMILY as GPT_FAMILY  # noqa: E402
 from mega.models.hf_gpt2 import GPT2, gpt2_config  # noqa: E402
 from mega.models.hf_llama import LLAMA, llama_config  # noqa: E402
+from mega.models.llama import FAMILY as LLAMA_FAMILY  # noqa: E402
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +59,7 @@ def models(family: str, hf_config):
     else:
         hf_model = transformers.LlamaForCausalLM(hf_config)
         config, mapping = llama_config(hf_config.to_dict()), LLAMA
-    mega_model = build_language_model(config)
+    mega_model = build_stage(mapping_family(config), config, init=False)
     mega_model.load_state_dict(hf_mapping.hf_to_mega(mapping, hf_model.state_dict(), config))
     return hf_model.train(), mega_model.train()
 
@@ -129,3 +131,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def mapping_family(config):
+    return GPT_FAMILY if config.position_embedding_type == "learned_absolute" else LLAMA_FAMILY

@@ -27,19 +27,16 @@ def stage_logits(source, ids: torch.Tensor, groups) -> torch.Tensor | None:
     import torch.distributed as dist
 
     from mega.ckpt_convert import open_checkpoint
+    from mega.core.build import build_stage
     from mega.core.checkpoint import load_model_weights
     from mega.core.parallel.collectives import gather_along
-    from mega.core.parallel.tensor_parallel import apply_tensor_parallel
-    from mega.core.pipeline.partition import split_layers
     from mega.core.plugins import get_plugins
 
     opened = open_checkpoint(source) if isinstance(source, str) else source
     family, config = get_plugins().models.get(opened.family), opened.config
     pp_rank, pp_size = groups.pp.rank, groups.pp.size
     first, last = pp_rank == 0, pp_rank == pp_size - 1
-    stage = family.build(config, pre_process=first, post_process=last, parallel=groups.config,
-                         layers=split_layers(config.num_layers, pp_size)[pp_rank][0])
-    apply_tensor_parallel(stage, family.tensor_parallel_plan(config, pre_process=first, post_process=last), groups)
+    stage = build_stage(family, config, family.pipeline_stages(config, pp_size)[pp_rank], groups=groups, init=False)
     load_model_weights(source, [stage.eval()], groups)
     if not first:  # hidden states [s, b, h] from the previous stage
         inputs = torch.empty(ids.shape[1], ids.shape[0], config.hidden_size)

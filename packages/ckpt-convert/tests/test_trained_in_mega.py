@@ -16,6 +16,7 @@ from ckpt_test_models import TEXT, VOCAB, hf_logits, input_ids, make_tokenizer  
 transformers = pytest.importorskip("transformers")
 
 from mega.ckpt_convert.cli import main as convert_main  # noqa: E402
+from mega.core.build import build_stage  # noqa: E402
 from mega.core.checkpoint import load_model_weights, load_tokenizer, read_metadata  # noqa: E402
 from mega.core.plugins import get_plugins  # noqa: E402
 from mega.core.training.command import main as train_main  # noqa: E402
@@ -25,7 +26,7 @@ def mega_logits(checkpoint, ids: torch.Tensor) -> torch.Tensor:
     metadata = read_metadata(checkpoint)
     family = get_plugins().models.get(metadata.model_family)
     config = family.config_class(**metadata.model_config)
-    model = family.build(config)
+    model = build_stage(family, config)
     load_model_weights(checkpoint, [model.eval()])
     with torch.no_grad():
         return model(ids).transpose(0, 1)[..., : config.vocab_size]

@@ -17,7 +17,7 @@ def describe_groups(tp, pp):
     groups = ParallelGroups(ParallelConfig(tp=tp, pp=pp))
     # A sum over each group proves the process group really contains the ranks it claims.
     sums = {}
-    for name in ("tp", "dp", "pp", "dp_cp", "model", "embedding", "ep", "expert_dp", "tp_ep"):
+    for name in ("tp", "dp", "pp", "dp_cp", "embedding", "ep", "expert_dp"):
         group = getattr(groups, name)
         value = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(value, group=group.group)
@@ -29,7 +29,7 @@ def test_groups_on_eight_ranks(worlds):
     results = worlds.run(8, describe_groups, 2, 2)
     sizes = {"tp": 2, "dp": 2, "pp": 2}
     for rank, (sums, first, last, device) in enumerate(results):
-        for name, dims in [("tp", "tp"), ("dp", "dp"), ("pp", "pp"), ("dp_cp", "dp-cp"), ("model", "tp-pp")]:
+        for name, dims in [("tp", "tp"), ("dp", "dp"), ("pp", "pp"), ("dp_cp", "dp-cp")]:
             ranks, index, total = sums[name]
             expected = next(g for g in rank_groups(sizes, dims) if rank in g)
             assert list(ranks) == expected and ranks[index] == rank

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mega.core.kernels import KernelBackendError, get_attention_backend
+from mega.core.kernels import KernelBackendError, get_kernel_backend, select_backends
 from mega.core.model_family import ModelFamily
 from mega.core.plugins import get_plugins, hookimpl, load_plugins
 from mega.models.config import ModelConfigError, TransformerConfig
@@ -58,27 +58,29 @@ def test_every_field_declares_its_flag_and_help():
     assert flags["layernorm_epsilon"] == "--norm-epsilon" and flags["add_bias_linear"] == "--disable-bias-linear"
 
 
-def test_families_and_the_sdpa_backend_are_registered():
+def test_families_and_the_torch_backend_are_registered():
     plugins = get_plugins()
     for name in ("gpt", "llama"):
         family = plugins.models.get(name)
         assert isinstance(family, ModelFamily) and family.name == name and "tiny" in family.presets
     assert {"175b", "1.3b"} <= set(plugins.models.get("gpt").presets)
     assert {"llama2-7b", "llama2-70b", "llama3-8b", "llama3-405b"} <= set(plugins.models.get("llama").presets)
-    assert get_attention_backend("sdpa", plugins).name == "sdpa"
+    torch_backend = get_kernel_backend("torch", "attention", plugins)
+    assert torch_backend.name == "torch"
+    assert torch_backend.kinds == {"attention", "norm", "linear", "activation", "rotary", "loss"}
     with pytest.raises(KeyError, match="no preset '7b'; presets: tiny, llama2-7b"):
         plugins.models.get("llama").preset("7b")
 
 
 class _Unavailable:
-    name, kind = "fake-flash", "attention"
+    name, kinds = "fake-flash", frozenset({"attention"})
 
     def is_available(self):
         return False, "flash-attn is not installed (pip install flash-attn) and needs a CUDA GPU"
 
 
 class _NormKernel:
-    name, kind = "fused-norm", "norm"
+    name, kinds = "fused-norm", frozenset({"norm"})
 
     def is_available(self):
         return True, ""
@@ -94,16 +96,22 @@ class _FakeKernels:
 def test_attention_backend_errors_say_what_is_missing():
     plugins = load_plugins(extra=[("fake-kernels", _FakeKernels())])
     with pytest.raises(KernelBackendError, match="'fake-flash' is not available: flash-attn is not installed"):
-        get_attention_backend("fake-flash", plugins)
-    with pytest.raises(KernelBackendError, match="'fused-norm' is a 'norm' backend"):
-        get_attention_backend("fused-norm", plugins)
-    with pytest.raises(KeyError, match="no kernel backend 'sdpaa'; did you mean sdpa"):
-        get_attention_backend("sdpaa", plugins)
+        get_kernel_backend("fake-flash", "attention", plugins)
+    with pytest.raises(KernelBackendError, match="'fused-norm' fills norm, not 'attention'"):
+        get_kernel_backend("fused-norm", "attention", plugins)
+    with pytest.raises(KeyError, match="no kernel backend 'torc'; did you mean torch"):
+        get_kernel_backend("torc", "attention", plugins)
+    # A preset takes every kind its backend fills; per-kind choices override it.
+    assert select_backends("fused-norm", plugins=plugins)["norm"] == "fused-norm"
+    assert select_backends("fused-norm", plugins=plugins)["attention"] == "torch"
+    assert select_backends("fused-norm", {"norm": "torch"}, plugins)["norm"] == "torch"
+    with pytest.raises(KernelBackendError, match="'fake-flash' is not available"):
+        select_backends(overrides={"attention": "fake-flash"}, plugins=plugins)
 
 
 def test_registering_imports_no_torch():
     code = ("import sys; from mega.core.plugins import load_plugins; p = load_plugins(); "
-            "assert {'gpt', 'llama'} <= set(p.models.names()); assert 'sdpa' in p.kernel_backends; "
+            "assert {'gpt', 'llama'} <= set(p.models.names()); assert 'torch' in p.kernel_backends; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     environment = {**os.environ, "MEGA_LOAD_PLUGINS": "models"}
     subprocess.run([sys.executable, "-c", code], check=True, env=environment)

@@ -10,10 +10,12 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
+from mega.core.build import build_stage  # noqa: E402
 from mega.models import hf_mapping  # noqa: E402
-from mega.models.family import build_language_model  # noqa: E402
+from mega.models.gpt import FAMILY as GPT_FAMILY  # noqa: E402
 from mega.models.hf_gpt2 import GPT2, gpt2_config, gpt2_hf_config  # noqa: E402
 from mega.models.hf_llama import LLAMA, llama_config, llama_hf_config  # noqa: E402
+from mega.models.llama import FAMILY as LLAMA_FAMILY  # noqa: E402
 
 BATCH, SEQ = 2, 16
 
@@ -24,7 +26,7 @@ def tokens(vocab_size: int, seed: int = 0) -> torch.Tensor:
 
 def mega_from_hf(hf_model, config):
     mapping = GPT2 if config.position_embedding_type == "learned_absolute" else LLAMA
-    model = build_language_model(config)
+    model = build_stage(mapping_family(config), config, init=False)
     model.load_state_dict(hf_mapping.hf_to_mega(mapping, hf_model.state_dict(), config))
     return model.eval()
 
@@ -163,3 +165,7 @@ def test_explicit_position_ids_match_hugging_face(family, assert_close):
         default = mega_from_hf(hf_model, config)(ids).transpose(0, 1)[..., :250]
     assert_close(logits, expected, what="logits")
     assert not torch.allclose(default, expected, rtol=1e-3)  # the positions mattered
+
+
+def mapping_family(config):
+    return GPT_FAMILY if config.position_embedding_type == "learned_absolute" else LLAMA_FAMILY

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mega.core.build import build_stage
+from mega.core.model_family import Stage
 from mega.core.pipeline.tied import tied_parameters
 from mega.models.gpt import FAMILY as GPT
 from mega.models.llama import FAMILY as LLAMA
@@ -22,9 +24,8 @@ def four_layer_config(family):
 def test_two_stages_hold_and_compute_the_full_model(name):
     family = FAMILIES[name]
     config = four_layer_config(family)
-    full = family.build(config, seed=11)
-    first = family.build(config, post_process=False, layers=range(0, 2), seed=11)
-    last = family.build(config, pre_process=False, layers=range(2, 4), seed=11)
+    full = build_stage(family, config, seed=11)
+    first, last = (build_stage(family, config, stage, seed=11) for stage in family.pipeline_stages(config, 2))
 
     full_params = dict(full.named_parameters())
     tied = not config.untie_embeddings_and_output_weights
@@ -57,7 +58,7 @@ def test_two_stages_hold_and_compute_the_full_model(name):
 def test_state_dict_uses_megatron_names_and_round_trips(name):
     family = FAMILIES[name]
     config = four_layer_config(family)
-    model = family.build(config, seed=3)
+    model = build_stage(family, config, seed=3)
     state = model.state_dict()
     tied = not config.untie_embeddings_and_output_weights
     assert ("output_layer.weight" in state) == (not tied)
@@ -71,7 +72,7 @@ def test_state_dict_uses_megatron_names_and_round_trips(name):
     assert ("decoder.layers.3.self_attention.linear_qkv.bias" in state) == (name == "gpt")
     assert set(state) == set(dict(model.named_parameters()))  # no buffers, nothing twice
 
-    other = family.build(config, seed=4)
+    other = build_stage(family, config, seed=4)
     other.load_state_dict(state)  # strict: the tied output weight comes from the embedding
     for param_name, param in other.named_parameters():
         assert torch.equal(param, state[param_name]), param_name
@@ -82,7 +83,7 @@ def test_state_dict_uses_megatron_names_and_round_trips(name):
 def test_initialisation_follows_megatron():
     config = LLAMA.preset("tiny", num_layers=4, hidden_size=256, ffn_hidden_size=512, vocab_size=512,
                           init_method_std=0.05)
-    model = LLAMA.build(config, seed=0)
+    model = build_stage(LLAMA, config, seed=0)
     params = dict(model.named_parameters())
     scaled_std = 0.05 / (2 * config.num_layers) ** 0.5
     for name, param in params.items():
@@ -94,11 +95,11 @@ def test_initialisation_follows_megatron():
             assert param.mean().abs().item() < 0.01 and param.std().item() == pytest.approx(0.05, rel=0.05), name
     # Every parameter draws from its own stream: no two weights are equal.
     assert not torch.equal(params["decoder.layers.0.mlp.linear_fc1.weight"], params["decoder.layers.1.mlp.linear_fc1.weight"])
-    assert torch.equal(LLAMA.build(config, seed=0).output_layer.weight, params["output_layer.weight"])
-    assert not torch.equal(LLAMA.build(config, seed=1).output_layer.weight, params["output_layer.weight"])
+    assert torch.equal(build_stage(LLAMA, config, seed=0).output_layer.weight, params["output_layer.weight"])
+    assert not torch.equal(build_stage(LLAMA, config, seed=1).output_layer.weight, params["output_layer.weight"])
 
 
 def test_a_stage_rejects_layers_outside_the_model():
     config = four_layer_config(GPT)
     with pytest.raises(ValueError, match="not consecutive layers of a 4-layer model"):
-        GPT.build(config, layers=range(2, 6))
+        build_stage(GPT, config, Stage(0, 1, {"decoder": range(2, 6)}))

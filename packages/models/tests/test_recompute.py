@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mega.core.build import build_stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.random import MODEL_PARALLEL, RNGStatesTracker
 from mega.models.gpt import FAMILY as GPT
@@ -23,8 +24,8 @@ LAYER_FORWARDS = {"full-uniform-2": [2, 2, 2, 2], "full-block-1": [2, 1, 1, 1], 
 def loss_and_grads(family, recompute: dict, *, rng_tracker=None, sequence_parallel=False):
     config = family.preset("tiny", num_layers=4, vocab_size=256, seq_length=16, hidden_dropout=0.1,
                            attention_dropout=0.1, **recompute)
-    model = family.build(config, seed=5, rng_tracker=rng_tracker,
-                         parallel=ParallelConfig(sequence_parallel=sequence_parallel))
+    model = build_stage(family, config, seed=5, rng_tracker=rng_tracker,
+                        parallel=ParallelConfig(sequence_parallel=sequence_parallel))
     calls = {"layer": [0] * 4, "core_attention": 0}
     for number, layer in model.decoder.layers.items():
         # Pre-hooks: torch stops a recompute once it has what backward needs, before a hook

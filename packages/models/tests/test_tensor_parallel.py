@@ -23,18 +23,17 @@ def batch():
 
 def run_step(family_name: str, parallel: ParallelConfig, groups=None):
     """Logits [s, b, V] (gathered), mean loss and full gradients by name, after one backward."""
+    from mega.core.build import build_stage
     from mega.core.parallel.collectives import all_reduce, gather_along
     from mega.core.parallel.layers import gather_shards
     from mega.core.parallel.param_attrs import is_sequence_parallel, is_tensor_parallel
-    from mega.core.parallel.tensor_parallel import apply_tensor_parallel
     from mega.core.plugins import get_plugins
 
     family = get_plugins().models.get(family_name)
     config = tiny_config(family)
-    model = family.build(config, parallel=parallel, seed=SEED)
+    model = build_stage(family, config, groups=groups, parallel=parallel, seed=SEED)
     tp_group = None
     if groups is not None:
-        apply_tensor_parallel(model, family.tensor_parallel_plan(config), groups)
         tp_group = groups.tp
         if not config.untie_embeddings_and_output_weights:
             assert model.output_layer.weight is model.embedding.word_embeddings.weight
@@ -58,18 +57,14 @@ def run_step(family_name: str, parallel: ParallelConfig, groups=None):
 
 def two_stage_logits(family_name: str, parallel: ParallelConfig, groups):
     """Two pipeline stages (layer 0 | layer 1), each made tensor-parallel with its own plan."""
+    from mega.core.build import build_stage
     from mega.core.parallel.collectives import gather_along
-    from mega.core.parallel.tensor_parallel import apply_tensor_parallel
     from mega.core.plugins import get_plugins
 
     family = get_plugins().models.get(family_name)
     config = tiny_config(family)
-    stages = []
-    for first, layers in ((True, range(0, 1)), (False, range(1, 2))):
-        stage = family.build(config, pre_process=first, post_process=not first, layers=layers,
-                             parallel=parallel, seed=SEED)
-        plan = family.tensor_parallel_plan(config, pre_process=first, post_process=not first)
-        stages.append(apply_tensor_parallel(stage, plan, groups))  # strict: the plan fits the stage
+    # layer 0 | layer 1; each stage's plan is strict: it names only what the stage holds
+    stages = [build_stage(family, config, stage, groups=groups, seed=SEED) for stage in family.pipeline_stages(config, 2)]
     with torch.no_grad():
         hidden = stages[0](batch()[0])
         assert hidden.shape[0] == SEQ // (2 if parallel.sequence_parallel else 1)

@@ -1,16 +1,47 @@
-"""Kernel backends: the contract a fast kernel (attention today; norms, fused MLP later) fills.
+"""Kernel backends: typed component factories that models ask for by kind.
 
-Models never import a kernel library. They ask for a backend by name, and plugins register
-backends through ``register_kernel_backends``: mega-models registers ``sdpa`` (torch's
-``scaled_dot_product_attention``), a flash-attn or Transformer Engine plugin registers its own
-name, and ``--attention-backend NAME`` picks one without the model changing.
+Models never import a kernel library. They ask a :class:`Kernels` object for a component of a
+kind (``kernels.norm("RMSNorm", hidden, eps)``, ``kernels.attention(q, k, v, mask=...)``), and
+the user picks which registered backend fills each kind: ``--kernels NAME`` takes every kind
+that backend fills, ``--attention-backend``, ``--normalization-backend``, ... override one kind.
+mega-models registers ``torch`` (torch-native components, every kind but ``norm_linear``); a
+plugin registers its own backend through ``register_kernel_backends``.
 
-A backend is any object with these attributes; ``kind`` says which contract it fills, so one
-registry holds attention, norm and optimizer kernels alike.
+The kinds and what their component is:
+
+* ``attention``: ``fn(query, key, value, *, mask: AttentionMask, dropout_p, softmax_scale)``
+  over ``[batch, heads, seq, head_dim]``; ``key``/``value`` may have fewer heads (query head
+  ``i`` uses key head ``i // (heads // kv_heads)``). Dropout draws from torch's default RNG of
+  the tensors' device (the caller forks it).
+* ``norm``: ``factory(kind, hidden_size, eps) -> nn.Module`` for ``kind`` ``"LayerNorm"`` (with
+  bias) or ``"RMSNorm"``; parameters ``weight`` (and ``bias``).
+* ``linear``: ``factory(in_features, out_features, bias) -> nn.Module`` with ``weight``
+  ``[out, in]`` (and ``bias``).
+* ``norm_linear``: ``factory(norm_kind, in_features, out_features, bias, eps) -> nn.Module``: a
+  norm fused into the following linear layer (Transformer Engine's LayerNormLinear), holding
+  ``layer_norm_weight`` (and ``layer_norm_bias``), ``weight`` and ``bias``; the module that
+  uses it declares where the norm's weights live canonically (see
+  :func:`mega.core.checkpoint.aliases.canonical_names`).
+* ``activation``: ``factory(name) -> fn(x)`` for ``"gelu"``, ``"gelu_tanh"``, ``"swiglu"``
+  (``x`` is ``[gate; up]`` stacked on the last dimension), ``"relu"``, ``"geglu"``.
+* ``rotary``: ``fn(x, cos, sin)`` rotating ``x`` ``[seq, batch, heads, head_dim]`` (rotate-half).
+* ``loss``: ``fn(logits, labels, tp_group) -> [same shape as labels]`` per-token cross-entropy
+  of logits ``[..., vocab (shard over tp_group)]``.
+
+A backend may also have ``features`` (a set of capabilities such as ``"fp8"`` or
+``"tp_comm_overlap"``) that flags like ``--fp8-hybrid`` ask for. Modules a backend builds may
+keep state beyond their parameters in ``get_extra_state()`` (a tensor): checkpoints save it per
+tensor-parallel rank and restore it where the same backend and layout load them.
+
+A module a backend builds that does its own tensor/sequence-parallel communication implements
+``to_tensor_parallel(style, group, sequence_parallel) -> nn.Module``; a tensor-parallel plan
+then hands that layer to it instead of swapping it for the core's parallel layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -18,58 +49,121 @@ if TYPE_CHECKING:
 
     from mega.core.plugins import Plugins
 
+KINDS = ("attention", "norm", "linear", "norm_linear", "activation", "rotary", "loss")
+DEFAULT_BACKEND = "torch"
+
 
 class KernelBackendError(RuntimeError):
-    """A backend that is not registered, of the wrong kind, or not usable on this machine."""
+    """A backend that is not registered, fills no such kind, or is not usable on this machine."""
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """Which keys each query may attend to.
+
+    * ``causal``: query ``i`` sees keys ``<= i + (keys - queries)`` (aligned at the end, so a
+      query continuing a cached prefix sees the whole prefix).
+    * ``padding``: ``[batch, keys]`` bool, True where the key is a real token.
+    * ``cu_seqlens``: packed sequences, ``[n + 1]`` int32 offsets of ``n`` sequences laid end to
+      end in a batch of one; no token sees another sequence's.
+    * ``bias``: an additive ``[batch or 1, heads, queries, keys]`` float (relative positions).
+    """
+
+    causal: bool = False
+    padding: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+CAUSAL = AttentionMask(causal=True)
+FULL = AttentionMask()
 
 
 @runtime_checkable
-class AttentionBackend(Protocol):
-    """Causal or full softmax attention over ``[batch, heads, sequence, head_dim]`` tensors.
-
-    ``key``/``value`` may have fewer heads than ``query`` (grouped-query attention): query head
-    ``i`` attends with key/value head ``i // (heads // kv_heads)``, the order Megatron's
-    per-group QKV layout and Hugging Face's ``repeat_kv`` share. ``softmax_scale=None`` means
-    ``1/sqrt(head_dim)``. Dropout on the attention probabilities draws from torch's default RNG
-    of the tensors' device, so callers control it with the usual RNG state.
-    """
-
+class KernelBackend(Protocol):
     name: str
-    kind: str  # "attention"
+    kinds: frozenset[str]
 
     def is_available(self) -> tuple[bool, str]:
-        """(True, "") or (False, what is missing: the package, the GPU, the compute capability)."""
+        """(True, "") or (False, what is missing: the package and version, a GPU, its compute capability)."""
 
-    def attention(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        *,
-        causal: bool,
-        dropout_p: float,
-        softmax_scale: float | None,
-    ) -> torch.Tensor:
-        """Return ``[batch, heads, sequence, head_dim]`` in the query's dtype."""
+    def component(self, kind: str) -> Any:
+        """The component of ``kind`` (one of ``kinds``)."""
 
 
-def get_kernel_backend(kind: str, name: str, plugins: Plugins | None = None) -> Any:
-    """The registered backend ``name``, checked to be of ``kind`` and available here."""
+def get_kernel_backend(name: str, kind: str | None = None, plugins: Plugins | None = None) -> KernelBackend:
+    """The registered backend ``name``, checked to fill ``kind`` and to be usable here."""
     if plugins is None:
         from mega.core.plugins import get_plugins
 
         plugins = get_plugins()
     backend = plugins.kernel_backends.get(name)  # an unknown name lists the installed ones
-    backend_kind = getattr(backend, "kind", None)
-    if backend_kind != kind:
+    kinds = frozenset(getattr(backend, "kinds", ()))
+    if kind is not None and kind not in kinds:
         raise KernelBackendError(
-            f"kernel backend {name!r} is a {backend_kind!r} backend, not an {kind!r} backend"
+            f"kernel backend {name!r} fills {', '.join(sorted(kinds)) or 'no kind'}, not {kind!r}"
         )
     available, missing = backend.is_available()
     if not available:
-        raise KernelBackendError(f"{kind} backend {name!r} is not available: {missing}")
+        raise KernelBackendError(f"kernel backend {name!r} is not available: {missing}")
     return backend
 
 
-def get_attention_backend(name: str = "sdpa", plugins: Plugins | None = None) -> AttentionBackend:
-    return get_kernel_backend("attention", name, plugins)
+def select_backends(preset: str | None = None, overrides: Mapping[str, str | None] | None = None,
+                    plugins: Plugins | None = None) -> dict[str, str]:
+    """Kind -> backend name: ``overrides`` first, then the ``preset`` backend for every kind it
+    fills, then ``torch``. Every chosen backend is checked to be usable (fails before any work)."""
+    chosen = {kind: DEFAULT_BACKEND for kind in KINDS}
+    if preset is not None:
+        backend = get_kernel_backend(preset, plugins=plugins)
+        chosen.update({kind: preset for kind in backend.kinds if kind in chosen})
+    for kind, name in (overrides or {}).items():
+        if kind not in chosen:
+            raise KernelBackendError(f"no kernel kind {kind!r}; kinds: {', '.join(KINDS)}")
+        if name is not None:
+            chosen[kind] = name
+    for kind, name in chosen.items():
+        if kind != "norm_linear" or name != DEFAULT_BACKEND:  # torch fuses no norm into a linear
+            get_kernel_backend(name, kind, plugins)
+    return chosen
+
+
+class Kernels:
+    """The components of the selected backends, by kind. ``Kernels()`` is torch-native."""
+
+    def __init__(self, selection: Mapping[str, str] | None = None, plugins: Plugins | None = None):
+        self.selection = {kind: DEFAULT_BACKEND for kind in KINDS} | dict(selection or {})
+        self._plugins = plugins
+        self._cache: dict[str, Any] = {}
+
+    def get(self, kind: str) -> Any:
+        """The component of ``kind``; None for ``norm_linear`` when no backend fuses one."""
+        if kind not in self._cache:
+            name = self.selection[kind]
+            if kind == "norm_linear" and name == DEFAULT_BACKEND:
+                self._cache[kind] = None
+            else:
+                self._cache[kind] = get_kernel_backend(name, kind, self._plugins).component(kind)
+        return self._cache[kind]
+
+    def attention(self, query, key, value, *, mask: AttentionMask, dropout_p: float = 0.0,
+                  softmax_scale: float | None = None):
+        return self.get("attention")(query, key, value, mask=mask, dropout_p=dropout_p, softmax_scale=softmax_scale)
+
+    def norm(self, kind: str, hidden_size: int, eps: float):
+        return self.get("norm")(kind, hidden_size, eps)
+
+    def linear(self, in_features: int, out_features: int, bias: bool = True):
+        return self.get("linear")(in_features, out_features, bias)
+
+    def activation(self, name: str):
+        return self.get("activation")(name)
+
+    def rotary(self, x, cos, sin):
+        return self.get("rotary")(x, cos, sin)
+
+    def loss(self, logits, labels, tp_group=None):
+        return self.get("loss")(logits, labels, tp_group)
+
+    def __repr__(self) -> str:
+        return f"Kernels({self.selection})"

@@ -1,32 +1,31 @@
-"""``ModelFamily``: what a model plugin hands the training loop, the pipeline and the converters.
+"""``ModelFamily``: what a model plugin hands the core - the behaviour of one kind of model.
 
-A family (``gpt``, ``llama``...) is registered with ``register_models``. The core never imports a
-model package; it reads everything it needs from this object.
+A family (``gpt``, ``llama``, a third party's) is registered with ``register_models``. The core
+never imports a model package: training, inference, checkpoint loading and conversion all build
+a rank's part of a model with :func:`mega.core.build.build_stage`, which asks the family
 
-The stage module ``build`` returns holds one pipeline stage (or one virtual chunk) and follows
-Megatron's conventions, so schedules and checkpoints treat every family alike:
+* ``pipeline_stages(config, pp, vpp)``: the virtual stages of the model, in pipeline order, each
+  a :class:`Stage` (which layers of which stack it holds, which micro-batch fields it reads);
+* ``build(config, stage, kernels)``: the stage as single-device code (built on the ``meta``
+  device by the core; nothing allocated), asking ``kernels`` for its components;
+* ``parallelize(module, groups, run)``: make it parallel from the outside - tensor and
+  sequence parallelism, the dropout-RNG fork, recompute - the default applies the family's
+  ``tensor_parallel_plan``;
+* ``init_parameter(config, name)``: how the parameter ``name`` (its global name) starts, which
+  the core applies per name and seed on whatever shard a rank holds.
 
-* ``forward(inputs, position_ids=None)``: the first stage (``pre_process``) takes token ids
-  ``[batch, seq]``, later stages take hidden states ``[seq, batch, hidden]`` (``seq`` split over
-  the tensor group under sequence parallelism). A stage that is not last returns hidden states
-  ``[seq, batch, hidden]``; the last (``post_process``) returns logits ``[seq, batch, vocab]``,
-  the vocabulary split over the tensor group when tp > 1.
-  For generation a stage also takes ``inference_cache`` (the family's key/value cache: the
-  inputs continue the cached positions) and ``logits_to_keep`` (the last stage computes the
-  logits of the last N positions only).
-* ``loss(logits, labels, tp_group=None) -> [batch, seq]`` per-token cross-entropy of the last
-  stage's logits (vocab-parallel over ``tp_group``, a :class:`mega.core.parallel.Group`);
-  masking and averaging are the loop's.
-* Parameter names are global and layout-independent: layer ``N`` is ``decoder.layers.N.*``
-  on whichever stage holds it. With tied embeddings the last stage (when it is not also the
-  first) holds its own copy named ``embedding.word_embeddings.weight``; the pipeline sums the
-  gradients of the copies over ``groups.embedding``.
-* ``init_parameters(module, seed)`` gives every parameter the value the full model would have
-  for that seed (seeded from the seed and the parameter's global name), so layouts agree.
+Between stages the pipeline carries a dict of named tensors whose shapes the family declares
+(``boundary``). A stage module is called with a dict: the micro-batch (dict of the batch fields,
+``batch_keys``) on the first stage, the tensors that crossed in on later ones (plus the batch
+fields the stage reads); it returns the dict it sends on, or, on the last stage, what ``loss``
+takes. ``loss(outputs, batch, context)`` returns ``(loss, metrics)``: the scalar to
+differentiate (this micro-batch's mean) and named scalars the loop averages over micro-batches
+and data-parallel ranks and logs (``lm loss``; auxiliary losses of MoE, BERT's sentence loss).
 
-A family that has a Hugging Face ``transformers`` counterpart describes it with an
-:class:`HFMapping` (``ModelFamily.hf_mapping``); checkpoint converters read and write Hugging Face
-directories through it, one :class:`TensorMap` at a time, so memory stays at one layer's tensors.
+Parameter names are global and layout-independent (layer ``N`` is ``decoder.layers.N`` on
+whichever stage holds it), so checkpoints of every layout line up. A family that has a Hugging
+Face counterpart describes it with an :class:`HFMapping`; converters read and write Hugging Face
+directories through it one :class:`TensorMap` at a time.
 """
 
 from __future__ import annotations
@@ -36,9 +35,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+
+from mega.core.parallel.config import ParallelConfig
+
 if TYPE_CHECKING:
     from torch import nn
 
+    from mega.core.parallel.groups import ParallelGroups
     from mega.core.parallel.plan import PlanStyle
 
 
@@ -99,37 +103,131 @@ class ModelConfig(Protocol):
 
 
 @dataclass(frozen=True)
+class Stage:
+    """One virtual pipeline stage: the part of the model one model chunk holds.
+
+    ``layers`` maps a stack's name to its layer numbers held here (``{"decoder": range(4, 8)}``;
+    an encoder-decoder stage may hold parts of both stacks). ``batch_keys``: the micro-batch
+    fields this stage's forward reads besides what crosses in from the previous stage (the
+    first stage's tokens, a decoder's first stage's decoder inputs).
+    """
+
+    index: int
+    num_stages: int
+    layers: Mapping[str, range]
+    batch_keys: tuple[str, ...] = ()
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one named tensor that crosses a stage boundary. Floating tensors carry
+    a gradient back; others (masks, ids) travel forward only."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def has_gradient(self) -> bool:
+        return self.dtype.is_floating_point
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """What ``parallelize`` may need of the run besides the groups: the model config, the
+    layout, the RNG tracker whose streams dropout forks into (None: one stream) and whether the
+    stage will be trained (recompute and dropout forks only matter then)."""
+
+    config: Any
+    parallel: ParallelConfig
+    rng_tracker: Any = None
+    training: bool = True
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """What a family's loss needs besides outputs and batch: the config, the tensor group over
+    which the last stage's vocabulary (or other output) is split, and the kernels (the loss
+    head is a kernel kind)."""
+
+    config: Any
+    tp_group: Any = None
+    kernels: Any = None
+
+
+def stack_stages(config: Any, pp: int, vpp: int = 1, *, stack: str = "decoder",
+                 batch_keys: tuple[str, ...] = ("tokens", "position_ids")) -> list[Stage]:
+    """The default ``pipeline_stages``: one stack of ``config.num_layers`` layers split evenly
+    (Megatron's interleaved assignment with ``vpp`` chunks); the first stage reads the tokens."""
+    from mega.core.pipeline.partition import split_layers
+
+    per_rank = split_layers(config.num_layers, pp, vpp)
+    ranges = [per_rank[index % pp][index // pp] for index in range(pp * vpp)]
+    return [Stage(index, pp * vpp, {stack: layers}, batch_keys if index == 0 else ())
+            for index, layers in enumerate(ranges)]
+
+
+def hidden_boundary(config: Any, stage: Stage, micro_batch_size: int, parallel: ParallelConfig,
+                    dtype: torch.dtype) -> dict[str, TensorSpec]:
+    """The default ``boundary``: one ``hidden`` tensor ``[seq, micro-batch, hidden]`` (the
+    sequence split over the tensor group under sequence parallelism, and over the context group)."""
+    seq = config.seq_length // parallel.cp
+    if parallel.sequence_parallel:
+        seq //= parallel.tp
+    return {"hidden": TensorSpec((seq, micro_batch_size, config.hidden_size), dtype)}
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """One model family: its config class and presets, and how to build and describe a model.
 
-    * ``build(config, *, pre_process=True, post_process=True, layers=None, parallel=None,
-      rng_tracker=None, device=None, seed=...) -> nn.Module``: the stage holding the embeddings if
-      ``pre_process``, the final norm and output layer if ``post_process``, and the decoder
-      layers numbered in ``layers`` (a ``range``; all when ``None``), initialised from ``seed``
-      (nothing is allocated on the ``meta`` device). ``parallel`` (a ``ParallelConfig``) sets
-      the vocabulary padding (tp) and how dropout uses ``rng_tracker`` (the core's
-      ``RNGStatesTracker``); the module is still single-device code until
-      ``apply_tensor_parallel`` swaps its layers.
-    * ``tensor_parallel_plan(config, *, pre_process=True, post_process=True)`` -> ``{module-name
-      pattern: style}`` for :func:`mega.core.parallel.tensor_parallel.apply_tensor_parallel`,
-      naming only what a stage built with the same flags holds (so ``strict`` holds).
-    * ``init_parameters(module, seed)``: re-initialise a built (not yet tensor-parallel) stage.
-    * ``num_parameters(config, tensor_parallel_size=1) -> int``: of the whole model (vocabulary
-      padded for that tp), computed without allocating.
-    * ``num_floating_point_operations(config, batch_size) -> float``: of one training iteration
-      (forward and backward) over ``batch_size`` sequences of ``config.seq_length`` tokens, by
-      Megatron's formula (for throughput and MFU).
-    * ``hf_mapping``: the Hugging Face counterpart (:class:`HFMapping`), if the family has one.
+    Building (see the module docstring and :func:`mega.core.build.build_stage`):
+
+    * ``build(config, stage, kernels) -> nn.Module``: the single-device stage module; it keeps
+      ``stage`` as its ``stage`` attribute. ``kernels`` (:class:`mega.core.kernels.Kernels`)
+      gives the components the user selected (attention, norms, linear layers...).
+    * ``init_parameter(config, name) -> fill(tensor, generator)``: fills a block of whole rows
+      (dimension 0) of the global parameter ``name``; the core seeds ``generator`` from the seed,
+      the name and the block, so every layout starts from the same model.
+    * ``tensor_parallel_plan(config, stage) -> {module-name pattern: style}`` for
+      :func:`mega.core.parallel.tensor_parallel.apply_tensor_parallel`, and ``parallelize(module,
+      groups, run: StageRun) -> nn.Module`` for families that do more than apply their plan
+      (fork dropout into the tracker's streams, recompute, experts); see :meth:`parallelize_stage`.
+    * ``pipeline_stages(config, pp, vpp) -> list[Stage]`` (default :func:`stack_stages`).
+    * ``boundary(config, stage, micro_batch_size, parallel, dtype) -> {name: TensorSpec}``: what
+      ``stage`` sends to the next stage (default :func:`hidden_boundary`).
+    * ``batch_keys``: the micro-batch fields the family's stages and loss read.
+    * ``loss(outputs, batch, context: LossContext) -> (loss, metrics)``.
+
+    Describing: ``num_parameters(config, tensor_parallel_size=1) -> int`` (whole model, vocabulary
+    padded for that tp, without allocating), ``num_floating_point_operations(config,
+    batch_size) -> float`` (one iteration, forward and backward, for throughput and MFU) and
+    ``hf_mapping`` (:class:`HFMapping`), if the family has a Hugging Face counterpart.
+    ``features``: capabilities beyond a dense model that flags may ask for (``"moe"``,
+    ``"context_parallel"``); the core refuses such flags for a family without them.
     """
 
     name: str
     config_class: type
     presets: Mapping[str, Any]
     build: Callable[..., nn.Module]
-    tensor_parallel_plan: Callable[..., dict[str, PlanStyle]]
-    init_parameters: Callable[[nn.Module, int], None]
+    init_parameter: Callable[[Any, str], Callable]
+    loss: Callable[..., tuple]
     num_parameters: Callable[..., int]
     num_floating_point_operations: Callable[[Any, int], float]
+    tensor_parallel_plan: Callable[..., dict[str, PlanStyle]] | None = None
+    parallelize: Callable[..., nn.Module] | None = None
+    pipeline_stages: Callable[..., list[Stage]] = stack_stages
+    boundary: Callable[..., dict[str, TensorSpec]] = hidden_boundary
+    batch_keys: tuple[str, ...] = ("tokens", "labels", "loss_mask")
+    features: frozenset[str] = frozenset()
     description: str = ""
     hf_mapping: HFMapping | None = None
 
@@ -146,3 +244,16 @@ class ModelFamily:
                 f"model family {self.name!r} has no preset {name!r}; presets: {', '.join(self.presets)}"
             ) from None
         return dataclasses.replace(config, **overrides) if overrides else config
+
+    def parallelize_stage(self, module: nn.Module, groups: ParallelGroups, run: StageRun) -> nn.Module:
+        """The family's ``parallelize``, or else its tensor-parallel plan applied to ``module``."""
+        if self.parallelize is not None:
+            return self.parallelize(module, groups, run)
+        from mega.core.parallel.tensor_parallel import apply_tensor_parallel
+
+        plan = self.tensor_parallel_plan(run.config, module.stage) if self.tensor_parallel_plan else {}
+        return apply_tensor_parallel(module, plan, groups, sequence_parallel=run.parallel.sequence_parallel)
+
+    def whole_model(self, config: Any) -> Stage:
+        """The one stage that holds the whole model (one process, inference, conversion)."""
+        return self.pipeline_stages(config, 1, 1)[0]

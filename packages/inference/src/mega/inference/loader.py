@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mega.core.parallel import ParallelConfig, ParallelGroups
-from mega.core.parallel.tensor_parallel import apply_tensor_parallel
+from mega.core.build import build_stage
+from mega.core.parallel import ParallelGroups
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
 
 HF_FORMAT = "hf"  # the registered checkpoint format that reads Hugging Face directories
@@ -127,10 +127,9 @@ def _open_hugging_face(path: Path, plugins):
 
 
 def build_model(family, config, groups: ParallelGroups, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The whole model (one stage), tensor-parallel over ``groups.tp``, in eval mode."""
-    model = family.build(config, parallel=ParallelConfig(tp=groups.tp.size), device=device)
-    apply_tensor_parallel(model, family.tensor_parallel_plan(config), groups)
-    return model.to(dtype).eval()
+    """The whole model (one stage), tensor-parallel over ``groups.tp``, in eval mode, its shards
+    allocated but not initialised: the weights are loaded next."""
+    return build_stage(family, config, groups=groups, device=device, dtype=dtype, init=False, training=False).eval()
 
 
 def build_tokenizer(spec: TokenizerSpec | None, plugins):

@@ -4,6 +4,11 @@
 then its key head, then its value head. Tensor parallelism splits that weight's rows into whole
 groups, so the local number of groups is read from the activation's width, never from the
 config: the same code runs on a full or a sharded layer.
+
+The attention kernel, the rotary embedding and the linear layers come from the selected kernels.
+Parallelism reaches this module from outside (``parallelize``): ``dropout_rng_tracker`` (the
+heads are a rank's own shard, so dropout forks into the tracker's model-parallel stream),
+``recompute_core`` (selective recompute) and ``rng_tracker`` (replayed while recomputing).
 """
 
 from __future__ import annotations
@@ -13,57 +18,55 @@ import contextlib
 import torch
 from torch import nn
 
+from mega.core.kernels import CAUSAL, AttentionMask, Kernels
 from mega.models.config import TransformerConfig
 from mega.models.kv_cache import LayerKVCache
+from mega.models.norms import input_linear
 from mega.models.recompute import is_recomputing_allowed, recomputed
-from mega.models.rope import apply_rotary, rotary_cos_sin
+from mega.models.rope import rotary_cos_sin
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T * scale) v with the causal mask and dropout; no parameters.
+    """softmax(q k^T * scale + mask) v with dropout; no parameters.
 
     Takes and returns ``[seq, batch, heads, head_dim]`` / ``[seq, batch, heads * head_dim]``; the
-    kernel backend sees ``[batch, heads, seq, head_dim]``. This is the region selective recompute
+    kernel sees ``[batch, heads, seq, head_dim]``. This is the region selective recompute
     recomputes: cheap to redo, quadratic in the sequence to store.
     """
 
-    def __init__(self, config: TransformerConfig, backend, dropout_rng_tracker=None):
+    def __init__(self, config: TransformerConfig, kernels: Kernels):
         super().__init__()
-        self.backend = backend
+        self.kernels = kernels
         self.dropout_p = config.attention_dropout
         self.softmax_scale = config.attention_softmax_scale
-        # The heads are this rank's shard under tensor parallelism: mask them from its own stream.
-        self.dropout_rng_tracker = dropout_rng_tracker
+        self.dropout_rng_tracker = None
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: AttentionMask = CAUSAL) -> torch.Tensor:
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
         tracker = self.dropout_rng_tracker
         fork = tracker.fork() if tracker is not None and dropout_p > 0 else contextlib.nullcontext()
         with fork:
-            out = self.backend.attention(query, key, value, causal=causal, dropout_p=dropout_p,
+            out = self.kernels.attention(query, key, value, mask=mask, dropout_p=dropout_p,
                                          softmax_scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).flatten(2)
 
 
 class SelfAttention(nn.Module):
-    """``rng_tracker``: the core's RNG tracker, or None on one process. Attention dropout forks
-    into its model-parallel stream unless ``sequence_parallel`` (then the whole block runs in it).
-    """
-
-    def __init__(self, config: TransformerConfig, backend, rng_tracker=None, sequence_parallel: bool = False):
+    def __init__(self, config: TransformerConfig, kernels: Kernels):
         super().__init__()
         self.config = config
+        self.kernels = kernels
         self.head_dim = config.kv_channels
         self.queries_per_group = config.num_attention_heads // config.num_query_groups
         qkv_size = config.query_projection_size + 2 * config.kv_projection_size
-        self.linear_qkv = nn.Linear(config.hidden_size, qkv_size,
-                                    bias=config.add_bias_linear or config.add_qkv_bias)
-        self.core_attention = CoreAttention(config, backend, None if sequence_parallel else rng_tracker)
-        self.linear_proj = nn.Linear(config.query_projection_size, config.hidden_size,
-                                     bias=config.add_bias_linear)
-        self.recompute_core = config.recompute_granularity == "selective"
-        self.rng_tracker = rng_tracker
+        self.linear_qkv = input_linear(config, kernels, qkv_size, bias=config.add_bias_linear or config.add_qkv_bias)
+        self.core_attention = CoreAttention(config, kernels)
+        self.linear_proj = kernels.linear(config.query_projection_size, config.hidden_size,
+                                          bias=config.add_bias_linear)
+        self.recompute_core = False
+        self.rng_tracker = None
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 inference_cache: LayerKVCache | None = None) -> torch.Tensor:
@@ -77,10 +80,10 @@ class SelfAttention(nn.Module):
         query = query.reshape(seq, batch, -1, d)
         if self.config.position_embedding_type == "rope":
             cos, sin = rotary_cos_sin(self.config, seq, position_ids, qkv.device)
-            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+            query, key = self.kernels.rotary(query, cos, sin), self.kernels.rotary(key, cos, sin)
         if inference_cache is not None:
             key, value, causal = inference_cache.append(key, value)
-            context = self.core_attention(query, key, value, causal)
+            context = self.core_attention(query, key, value, AttentionMask(causal=causal))
         elif self.recompute_core and is_recomputing_allowed(self):
             context = recomputed(self.core_attention, query, key, value, rng_tracker=self.rng_tracker)
         else:

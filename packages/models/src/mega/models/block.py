@@ -7,51 +7,60 @@ import contextlib
 import torch
 from torch import nn
 
+from mega.core.kernels import Kernels
 from mega.models.attention import SelfAttention
 from mega.models.config import TransformerConfig
 from mega.models.kv_cache import KVCache, LayerKVCache
 from mega.models.mlp import MLP
-from mega.models.norms import build_norm
-from mega.models.recompute import is_recomputing_allowed, layer_runs, recomputed
+from mega.models.norms import build_norm, fused_norm_aliases
+from mega.models.recompute import is_recomputing_allowed, recomputed
 
 
 class TransformerLayer(nn.Module):
-    """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x)))."""
+    """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))).
 
-    def __init__(self, config: TransformerConfig, backend, rng_tracker=None, sequence_parallel: bool = False):
+    With a ``norm_linear`` kernel the norms live inside QKV and fc1 (no ``input_layernorm`` /
+    ``pre_mlp_layernorm`` modules); ``parameter_aliases`` maps their weights to the canonical
+    names, so checkpoints do not depend on the kernels.
+    """
+
+    def __init__(self, config: TransformerConfig, kernels: Kernels):
         super().__init__()
-        self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, backend, rng_tracker, sequence_parallel)
-        self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config)
+        fused = kernels.get("norm_linear") is not None
+        self.input_layernorm = None if fused else build_norm(config, kernels)
+        self.self_attention = SelfAttention(config, kernels)
+        self.pre_mlp_layernorm = None if fused else build_norm(config, kernels)
+        self.mlp = MLP(config, kernels)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+        if fused:
+            self.parameter_aliases = fused_norm_aliases(config)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 inference_cache: LayerKVCache | None = None) -> torch.Tensor:
-        attention = self.self_attention(self.input_layernorm(hidden), position_ids, inference_cache)
-        hidden = hidden + self.hidden_dropout(attention)
-        return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
+        normed = self.input_layernorm(hidden) if self.input_layernorm is not None else hidden
+        hidden = hidden + self.hidden_dropout(self.self_attention(normed, position_ids, inference_cache))
+        normed = self.pre_mlp_layernorm(hidden) if self.pre_mlp_layernorm is not None else hidden
+        return hidden + self.hidden_dropout(self.mlp(normed))
 
 
 class TransformerBlock(nn.Module):
     """The decoder layers numbered ``layer_numbers`` (global numbers, the parameter names'
     ``decoder.layers.N``), and the final norm on the last stage.
 
-    Under sequence parallelism every activation here is this rank's slice of the sequence, so
-    dropout draws from the tracker's model-parallel stream (Megatron's convention).
+    Set from outside by ``parallelize``: ``fork_rng`` (under sequence parallelism every
+    activation here is this rank's slice of the sequence, so the whole block draws dropout from
+    the tracker's model-parallel stream, Megatron's convention), ``rng_tracker`` and
+    ``recompute_runs`` (full recompute: :func:`mega.models.recompute.layer_runs`).
     """
 
-    def __init__(self, config: TransformerConfig, layer_numbers: range, final_norm: bool, backend,
-                 rng_tracker=None, sequence_parallel: bool = False):
+    def __init__(self, config: TransformerConfig, layer_numbers: range, final_norm: bool, kernels: Kernels):
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleDict({
-            str(number): TransformerLayer(config, backend, rng_tracker, sequence_parallel)
-            for number in layer_numbers
-        })
-        self.final_layernorm = build_norm(config) if final_norm else None
-        self.rng_tracker = rng_tracker
-        self.sequence_parallel = sequence_parallel
+        self.layers = nn.ModuleDict({str(number): TransformerLayer(config, kernels) for number in layer_numbers})
+        self.final_layernorm = build_norm(config, kernels) if final_norm else None
+        self.rng_tracker = None
+        self.fork_rng = False
+        self.recompute_runs = [(0, len(self.layers), False)]
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 inference_cache: KVCache | None = None) -> torch.Tensor:
@@ -60,9 +69,9 @@ class TransformerBlock(nn.Module):
                 hidden = layer(hidden, position_ids, inference_cache.layer(int(number)))
             return self.final_layernorm(hidden) if self.final_layernorm is not None else hidden
         layers = list(self.layers.values())
-        fork = self.rng_tracker.fork() if self.rng_tracker is not None and self.sequence_parallel else contextlib.nullcontext()
+        fork = self.rng_tracker.fork() if self.rng_tracker is not None and self.fork_rng else contextlib.nullcontext()
         with fork:
-            for start, end, recompute in layer_runs(self.config, len(layers)):
+            for start, end, recompute in self.recompute_runs:
                 run = _LayerRun(layers[start:end])
                 if recompute and is_recomputing_allowed(self):
                     hidden = recomputed(run, hidden, position_ids, rng_tracker=self.rng_tracker)

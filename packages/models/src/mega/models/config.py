@@ -1,8 +1,8 @@
 """``TransformerConfig``: the shape and behaviour of a decoder-only transformer, one field per flag.
 
-Field names follow Megatron's argument names; each field's metadata carries the Megatron flag
-(``metadata["flag"]``, ``None`` where Megatron has no flag) and a help line, the single source the
-CLI and TOML loaders are generated from. Fields left ``None`` are derived in ``__post_init__`` as
+Field names follow Megatron's argument names; each field is declared once with
+:func:`mega.core.config.options.option` (default, help line, and the flag where Megatron spells it
+otherwise than the field name), the single source the CLI and TOML loaders are generated from. Fields left ``None`` are derived in ``__post_init__`` as
 Megatron derives them (``ffn_hidden_size = 4 * hidden_size`` ...), so a config always holds
 concrete sizes; ``dataclasses.replace`` keeps derived values unless they are replaced too.
 """
@@ -10,119 +10,53 @@ concrete sizes; ``dataclasses.replace`` keeps derived values unless they are rep
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
+
+from mega.core.config.options import option
 
 
 class ModelConfigError(ValueError):
     """A model config that cannot be built; the message names the flags and the numbers."""
 
 
-def flag(name: str | None, help: str, **extra) -> dict:
-    return {"flag": name, "help": help, **extra}
-
-
 @dataclass(frozen=True)
 class TransformerConfig:
     # Shape.
-    num_layers: int = field(default=2, metadata=flag("--num-layers", "number of transformer layers"))
-    hidden_size: int = field(default=64, metadata=flag("--hidden-size", "transformer hidden size"))
-    ffn_hidden_size: int | None = field(
-        default=None,
-        metadata=flag("--ffn-hidden-size", "MLP hidden size; default 4*hidden (2/3 of that, rounded "
-                      "down to a multiple of 64, with --swiglu)"),
-    )
-    num_attention_heads: int = field(default=4, metadata=flag("--num-attention-heads", "attention heads"))
-    num_query_groups: int | None = field(
-        default=None,
-        metadata=flag("--num-query-groups", "key/value heads for grouped-query attention; default "
-                      "one per attention head (multi-head attention)"),
-    )
-    kv_channels: int | None = field(
-        default=None, metadata=flag("--kv-channels", "per-head size; default hidden/heads")
-    )
-    seq_length: int = field(default=64, metadata=flag("--seq-length", "tokens per training sample"))
-    max_position_embeddings: int | None = field(
-        default=None,
-        metadata=flag("--max-position-embeddings", "rows of the learned position table; default seq length"),
-    )
-    vocab_size: int = field(
-        default=512, metadata=flag("--vocab-size", "tokenizer vocabulary size (before padding)")
-    )
-    make_vocab_size_divisible_by: int = field(
-        default=128,
-        metadata=flag("--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this "
-                      "times the tensor-parallel size"),
-    )
+    num_layers: int = option(2, "number of transformer layers")
+    hidden_size: int = option(64, "transformer hidden size")
+    ffn_hidden_size: int | None = option(None, "MLP hidden size; default 4*hidden (2/3 of that, rounded down to a multiple of 64, with --swiglu)")
+    num_attention_heads: int = option(4, "attention heads")
+    num_query_groups: int | None = option(None, "key/value heads for grouped-query attention; default one per attention head (multi-head attention)")
+    kv_channels: int | None = option(None, "per-head size; default hidden/heads")
+    seq_length: int = option(64, "tokens per training sample")
+    max_position_embeddings: int | None = option(None, "rows of the learned position table; default seq length")
+    vocab_size: int = option(512, "tokenizer vocabulary size (before padding)")
+    make_vocab_size_divisible_by: int = option(128, "pad the vocabulary to a multiple of this times the tensor-parallel size")
 
     # Architecture choices.
-    position_embedding_type: Literal["learned_absolute", "rope"] = field(
-        default="learned_absolute",
-        metadata=flag("--position-embedding-type", "learned_absolute or rope",
-                      choices=("learned_absolute", "rope")),
-    )
-    rotary_base: float = field(default=10000.0, metadata=flag("--rotary-base", "RoPE theta"))
-    use_rope_scaling: bool = field(
-        default=False, metadata=flag("--use-rope-scaling", "LLaMA-3.1 RoPE frequency scaling")
-    )
-    rope_scaling_factor: float = field(
-        default=8.0, metadata=flag("--rope-scaling-factor", "LLaMA-3.1 RoPE scaling factor")
-    )
-    normalization: Literal["LayerNorm", "RMSNorm"] = field(
-        default="LayerNorm",
-        metadata=flag("--normalization", "LayerNorm or RMSNorm", choices=("LayerNorm", "RMSNorm")),
-    )
-    layernorm_epsilon: float = field(default=1e-5, metadata=flag("--norm-epsilon", "norm epsilon"))
-    swiglu: bool = field(default=False, metadata=flag("--swiglu", "SwiGLU MLP instead of GELU"))
-    openai_gelu: bool = field(
-        default=False,
-        metadata=flag("--openai-gelu", "GELU with the tanh approximation (GPT-2's gelu_new)"),
-    )
-    add_bias_linear: bool = field(
-        default=True,
-        metadata=flag("--disable-bias-linear", "no biases in linear layers", action="store_false"),
-    )
-    add_qkv_bias: bool = field(
-        default=False, metadata=flag("--add-qkv-bias", "bias in the QKV projection even without "
-                                     "other linear biases")
-    )
-    untie_embeddings_and_output_weights: bool = field(
-        default=False,
-        metadata=flag("--untie-embeddings-and-output-weights", "separate output layer weights"),
-    )
-    softmax_scale: float | None = field(
-        default=None, metadata=flag(None, "attention softmax scale; default 1/sqrt(kv_channels)")
-    )
+    position_embedding_type: Literal["learned_absolute", "rope"] = option("learned_absolute", "learned_absolute or rope")
+    rotary_base: float = option(10000.0, "RoPE theta")
+    use_rope_scaling: bool = option(False, "LLaMA-3.1 RoPE frequency scaling")
+    rope_scaling_factor: float = option(8.0, "LLaMA-3.1 RoPE scaling factor")
+    normalization: Literal["LayerNorm", "RMSNorm"] = option("LayerNorm", "LayerNorm or RMSNorm")
+    layernorm_epsilon: float = option(1e-5, "norm epsilon", flag="--norm-epsilon")
+    swiglu: bool = option(False, "SwiGLU MLP instead of GELU")
+    openai_gelu: bool = option(False, "GELU with the tanh approximation (GPT-2's gelu_new)")
+    add_bias_linear: bool = option(True, "no biases in linear layers", flag="--disable-bias-linear")
+    add_qkv_bias: bool = option(False, "bias in the QKV projection even without other linear biases")
+    untie_embeddings_and_output_weights: bool = option(False, "separate output layer weights")
+    softmax_scale: float | None = option(None, "attention softmax scale; default 1/sqrt(kv_channels)")
 
     # Initialisation and regularisation.
-    init_method_std: float = field(
-        default=0.02, metadata=flag("--init-method-std", "std of the normal weight initialisation")
-    )
-    hidden_dropout: float = field(default=0.1, metadata=flag("--hidden-dropout", "residual dropout"))
-    attention_dropout: float = field(
-        default=0.1, metadata=flag("--attention-dropout", "attention-probability dropout")
-    )
+    init_method_std: float = option(0.02, "std of the normal weight initialisation")
+    hidden_dropout: float = option(0.1, "residual dropout")
+    attention_dropout: float = option(0.1, "attention-probability dropout")
 
-    # Kernels and memory.
-    attention_backend: str = field(
-        default="sdpa",
-        metadata=flag("--attention-backend", "registered attention kernel backend (mega plugins "
-                      "lists them)"),
-    )
-    recompute_granularity: Literal["full", "selective"] | None = field(
-        default=None,
-        metadata=flag("--recompute-granularity", "full: whole layers; selective: the attention "
-                      "core only", choices=("full", "selective")),
-    )
-    recompute_method: Literal["uniform", "block"] | None = field(
-        default=None,
-        metadata=flag("--recompute-method", "uniform: every chunk of --recompute-num-layers "
-                      "layers; block: the first --recompute-num-layers layers of each stage",
-                      choices=("uniform", "block")),
-    )
-    recompute_num_layers: int | None = field(
-        default=None, metadata=flag("--recompute-num-layers", "layers per recompute chunk/block")
-    )
+    # Memory.
+    recompute_granularity: Literal["full", "selective"] | None = option(None, "full: whole layers; selective: the attention core only")
+    recompute_method: Literal["uniform", "block"] | None = option(None, "uniform: every chunk of --recompute-num-layers layers; block: the first --recompute-num-layers layers of each stage")
+    recompute_num_layers: int | None = option(None, "layers per recompute chunk/block")
 
     def __post_init__(self) -> None:
         derived = {}

@@ -1,45 +1,59 @@
-"""Building a stage of a decoder-only LM, and the ``ModelFamily`` every such family shares.
-
-GPT and LLaMA differ only in their presets; the block, the plan, the initialisation and the
-formulas are the same code.
-"""
+"""The ``ModelFamily`` of a decoder-only LM, shared by GPT and LLaMA (they differ only in their
+presets): build a stage, make it parallel, start its parameters, compute its loss."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 import torch
+from torch import nn
 
-from mega.core.model_family import HFMapping, ModelFamily
-from mega.core.parallel import ParallelConfig
+from mega.core.kernels import Kernels
+from mega.core.model_family import HFMapping, LossContext, ModelFamily, Stage, StageRun
+from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.models.config import TransformerConfig
 from mega.models.flops import num_floating_point_operations
-from mega.models.initialization import init_parameters
-from mega.models.language_model import LanguageModel
+from mega.models.initialization import init_parameter
+from mega.models.language_model import LanguageModel, per_token_cross_entropy
 from mega.models.parallel_plan import tensor_parallel_plan
 from mega.models.parameter_count import num_parameters
+from mega.models.recompute import layer_runs
 
-DEFAULT_SEED = 1234  # Megatron's --seed default
+
+def build_language_model(config: TransformerConfig, stage: Stage, *, kernels: Kernels,
+                         parallel: ParallelConfig) -> LanguageModel:
+    return LanguageModel(config, stage, kernels, parallel)
 
 
-def build_language_model(config: TransformerConfig, *, pre_process: bool = True, post_process: bool = True,
-                         layers: range | None = None, parallel: ParallelConfig | None = None,
-                         rng_tracker=None, device: torch.device | str | None = None,
-                         seed: int = DEFAULT_SEED) -> LanguageModel:
-    """One stage, built on ``device`` (default: torch's default device) and initialised from
-    ``seed``; on the ``meta`` device nothing is allocated (for counting and planning).
-
-    ``parallel`` (tp, sequence_parallel) sets the vocabulary padding and where dropout forks
-    into ``rng_tracker``'s model-parallel stream; the model itself stays single-device code, made
-    parallel afterwards by ``apply_tensor_parallel`` with ``tensor_parallel_plan``.
-    """
-    device = torch.device(device) if device is not None else torch.get_default_device()
-    with device:
-        model = LanguageModel(config, pre_process=pre_process, post_process=post_process, layers=layers,
-                              parallel=parallel, rng_tracker=rng_tracker)
-    if device.type != "meta":
-        init_parameters(model, seed)
+def parallelize_language_model(model: LanguageModel, groups: ParallelGroups, run: StageRun) -> nn.Module:
+    """Tensor (and sequence) parallelism by the plan, then what the run's layout and recompute
+    settings ask of the layers: where dropout forks into the tracker's streams, which regions
+    are recomputed."""
+    apply_tensor_parallel(model, tensor_parallel_plan(run.config, model.stage), groups,
+                          sequence_parallel=run.parallel.sequence_parallel)
+    tracker, sequence_parallel = run.rng_tracker, run.parallel.sequence_parallel
+    block = model.decoder
+    block.rng_tracker, block.fork_rng = tracker, sequence_parallel
+    if run.training:
+        block.recompute_runs = layer_runs(run.config, len(block.layers))
+    for layer in block.layers.values():
+        attention = layer.self_attention
+        attention.rng_tracker = tracker
+        attention.recompute_core = run.training and run.config.recompute_granularity == "selective"
+        # Under sequence parallelism the whole block already runs in the model-parallel stream.
+        attention.core_attention.dropout_rng_tracker = None if sequence_parallel else tracker
     return model
+
+
+def language_model_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor],
+                        context: LossContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean cross-entropy over the tokens ``loss_mask`` keeps; logged as Megatron's ``lm loss``."""
+    logits = outputs["logits"]  # [s, b, vocab (shard)]
+    labels, loss_mask = batch["labels"], batch["loss_mask"]
+    per_token = per_token_cross_entropy(context.kernels, logits, labels, context.tp_group)
+    loss = (per_token * loss_mask).sum() / loss_mask.sum().clamp_min(1.0)
+    return loss, {"lm loss": loss.detach()}
 
 
 def transformer_family(name: str, presets: Mapping[str, TransformerConfig], description: str,
@@ -49,10 +63,12 @@ def transformer_family(name: str, presets: Mapping[str, TransformerConfig], desc
         config_class=TransformerConfig,
         presets=presets,
         build=build_language_model,
-        tensor_parallel_plan=tensor_parallel_plan,
-        init_parameters=init_parameters,
+        init_parameter=init_parameter,
+        loss=language_model_loss,
         num_parameters=num_parameters,
         num_floating_point_operations=num_floating_point_operations,
+        tensor_parallel_plan=tensor_parallel_plan,
+        parallelize=parallelize_language_model,
         description=description,
         hf_mapping=hf_mapping,
     )

@@ -19,13 +19,14 @@ Megatron's ``shared_embedding`` attribute on both stages, so the pipeline
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from mega.core.kernels import get_attention_backend
-from mega.core.parallel import Group, ParallelConfig
-from mega.core.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mega.core.kernels import Kernels
+from mega.core.model_family import Stage
+from mega.core.parallel import ParallelConfig
 from mega.core.parallel.param_attrs import mark_padded_vocab
 from mega.core.pipeline.tied import tie_across_stages
 from mega.models.block import TransformerBlock
@@ -38,18 +39,21 @@ WORD_EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
 
 
 class LanguageModel(nn.Module):
-    def __init__(self, config: TransformerConfig, *, pre_process: bool = True, post_process: bool = True,
-                 layers: range | None = None, parallel: ParallelConfig | None = None, rng_tracker=None):
+    """``stage``: which layers (``stage.layers["decoder"]``) and whether the embeddings (first
+    stage) and the output layer (last stage) are held; ``parallel``: the layout the vocabulary
+    is padded for; ``kernels``: where the components come from."""
+
+    def __init__(self, config: TransformerConfig, stage: Stage, kernels: Kernels, parallel: ParallelConfig):
         super().__init__()
-        parallel = parallel or ParallelConfig()
         config.validate(parallel.tp)
-        layers = range(config.num_layers) if layers is None else layers
+        layers = stage.layers["decoder"]
         if layers.step != 1 or layers.start < 0 or layers.stop > config.num_layers:
             raise ModelConfigError(f"layers {layers} are not consecutive layers of a {config.num_layers}-layer model")
-        self.config, self.pre_process, self.post_process = config, pre_process, post_process
+        pre_process, post_process = stage.is_first, stage.is_last
+        self.config, self.stage, self.pre_process, self.post_process = config, stage, pre_process, post_process
         self.tied = not config.untie_embeddings_and_output_weights
+        self.kernels = kernels
         vocab = config.padded_vocab_size(parallel.tp)
-        backend = get_attention_backend(config.attention_backend)
 
         if pre_process:
             self.embedding = Embedding(config, vocab)
@@ -57,10 +61,9 @@ class LanguageModel(nn.Module):
             self.embedding = Embedding(config, vocab, words_only=True)
         if self.tied and (pre_process or post_process):
             tie_across_stages(self.embedding.word_embeddings.weight)
-        self.decoder = TransformerBlock(config, layers, post_process, backend, rng_tracker,
-                                        parallel.sequence_parallel)
+        self.decoder = TransformerBlock(config, layers, post_process, kernels)
         if post_process:
-            self.output_layer = nn.Linear(config.hidden_size, vocab, bias=False)
+            self.output_layer = kernels.linear(config.hidden_size, vocab, bias=False)
             mark_padded_vocab(self.output_layer.weight)
             if self.tied:
                 self.output_layer.weight = self.embedding.word_embeddings.weight
@@ -68,16 +71,24 @@ class LanguageModel(nn.Module):
                 self.register_state_dict_post_hook(_drop_tied_output_weight)
                 self.register_load_state_dict_pre_hook(_fill_tied_output_weight)
 
-    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None,
-                inference_cache: KVCache | None = None, logits_to_keep: int | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor | Mapping[str, torch.Tensor], position_ids: torch.Tensor | None = None,
+                inference_cache: KVCache | None = None, logits_to_keep: int | None = None):
         """Token ids ``[b, s]`` on the first stage, hidden ``[s, b, h]`` after; returns hidden
         ``[s, b, h]``, or logits ``[s, b, vocab (shard)]`` on the last stage.
+
+        In a pipeline (``inputs`` a dict, see :mod:`mega.core.model_family`) the first stage
+        reads ``tokens`` (and ``position_ids``), later ones ``hidden``; the result is
+        ``{"hidden": ...}`` or, on the last stage, ``{"logits": ...}``.
 
         ``inference_cache`` (generation, :mod:`mega.models.kv_cache`): the inputs continue the
         cached positions; ``position_ids`` then default to those that follow the cache.
         ``logits_to_keep``: the last stage computes the logits of the last N positions only
         (generation needs the next token's; the vocabulary projection dominates short models).
         """
+        if isinstance(inputs, Mapping):
+            hidden = inputs["tokens"] if self.pre_process else inputs["hidden"]
+            output = self.forward(hidden, inputs.get("position_ids"))
+            return {"logits" if self.post_process else "hidden": output}
         if inference_cache is not None and position_ids is None:
             seq = inputs.shape[1] if self.pre_process else inputs.shape[0]
             start = inference_cache.length
@@ -88,15 +99,16 @@ class LanguageModel(nn.Module):
             return hidden
         return self.output_layer(hidden[-logits_to_keep:] if logits_to_keep else hidden)
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, tp_group: Group | None = None) -> torch.Tensor:
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
         """Per-token cross-entropy ``[b, s]`` (fp32) of logits ``[s, b, vocab (shard)]``."""
-        labels = labels.transpose(0, 1)
-        if tp_group is None or tp_group.size == 1:
-            losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-            losses = losses.view(labels.shape)
-        else:
-            losses = vocab_parallel_cross_entropy(logits, labels, tp_group)
-        return losses.transpose(0, 1)
+        return per_token_cross_entropy(self.kernels, logits, labels, tp_group)
+
+
+def per_token_cross_entropy(kernels: Kernels, logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """``[b, s]`` cross-entropy of logits ``[s, b, vocab (shard over tp_group)]`` against labels ``[b, s]``,
+    from the selected loss kernel."""
+    return kernels.loss(logits, labels.transpose(0, 1), tp_group).transpose(0, 1)
 
 
 def _drop_tied_output_weight(module, state_dict, prefix, local_metadata):

@@ -7,13 +7,14 @@ embeddings and the output layer; the sequence-parallel region starts after the e
 
 from __future__ import annotations
 
+from mega.core.model_family import Stage
 from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
 from mega.models.config import TransformerConfig
 
 
-def tensor_parallel_plan(config: TransformerConfig, *, pre_process: bool = True,
-                         post_process: bool = True) -> dict[str, PlanStyle]:
-    """The plan for a stage built with the same ``pre_process`` / ``post_process``."""
+def tensor_parallel_plan(config: TransformerConfig, stage: Stage) -> dict[str, PlanStyle]:
+    """The plan for ``stage`` (naming only what it holds, so the plan is strict)."""
+    pre_process, post_process = stage.is_first, stage.is_last
     plan: dict[str, PlanStyle] = {}
     tied = not config.untie_embeddings_and_output_weights
     if pre_process or (post_process and tied):  # the last stage's copy of a tied embedding too

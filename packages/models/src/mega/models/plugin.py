@@ -14,4 +14,5 @@ def register_models(register):
 
 @hookimpl
 def register_kernel_backends(register):
-    register("sdpa", "mega.models.attention_backends:SDPA", "attention: torch scaled_dot_product_attention")
+    register("torch", "mega.models.torch_kernels:TORCH",
+             "torch-native attention (sdpa), norms, linear, activations, rotary, cross-entropy")

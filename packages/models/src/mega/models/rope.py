@@ -52,38 +52,3 @@ def rotary_cos_sin(
         positions = position_ids.to(device=device, dtype=torch.float32).t()  # [b, s] -> [s, b]
     angles = (positions[..., None] * inv_freq)[:, :, None, :]  # [s, b, 1, d/2]
     return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[seq, batch, heads, head_dim]`` by the angles of ``cos``/``sin``
-    (:func:`rotary_cos_sin`); the arithmetic runs in ``x``'s dtype."""
-    return _Rotate.apply(x, cos.to(x.dtype), sin.to(x.dtype))
-
-
-class _Rotate(torch.autograd.Function):
-    """``x * cos + rotate_half(x) * sin``, written half by half into one output.
-
-    The textbook form concatenates a negated half (and autograd concatenates again in the
-    backward); on the CPU those copies cost more than the arithmetic. The gradient is the
-    inverse rotation of the incoming gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin, inverse=False)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, sin, inverse=True), None, None
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out_first, out_second = out.chunk(2, dim=-1)
-    sign = 1.0 if inverse else -1.0
-    torch.mul(first, cos, out=out_first).addcmul_(second, sin, value=sign)  # x1 cos -/+ x2 sin
-    torch.mul(second, cos, out=out_second).addcmul_(first, sin, value=-sign)  # x2 cos +/- x1 sin
-    return out

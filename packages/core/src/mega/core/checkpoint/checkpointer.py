@@ -19,10 +19,13 @@ import json
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from mega.core.checkpoint import rng, space
 from mega.core.checkpoint.directory import (
@@ -42,20 +45,44 @@ from mega.core.checkpoint.state import (
     MAIN_PARAM,
     create_optimizer_state,
     model_entries,
+    named_parameters,
     optimizer_entries,
     optimizer_state_description,
+    prepare_optional,
     refresh_main_params,
 )
 from mega.core.checkpoint.tokenizer_files import copy_tokenizer_files, tokenizer_entry
 from mega.core.checkpoint.validate import check_entries, check_model_names, zero_rows_beyond
+from mega.core.model_family import ModelFamily
+from mega.core.parallel.groups import ParallelGroups
+from mega.core.training.config import CheckpointConfig
 from mega.core.version import __version__
 
 
+@dataclass
+class TrainingState:
+    """What a checkpoint saves and restores, handed over explicitly: this rank's model chunks
+    (DDP-wrapped or not), the optimizer (its fp16 loss scaler inside), the RNG tracker, the
+    progress (``iteration``, ``consumed_samples`` - the data position -, skipped and NaN
+    iteration counts; the learning-rate schedule is a function of the iteration), and what
+    describes the run in the metadata (family, run config, tokenizer). ``events`` hears
+    ``on_checkpoint``."""
+
+    chunks: list[nn.Module]
+    optimizer: Any
+    rng_tracker: Any
+    progress: Any
+    family: ModelFamily
+    run: Any
+    tokenizer_spec: Any = None
+    events: Any = None
+
+
 class Checkpointer:
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.config = trainer.run.checkpoint
-        self.groups = trainer.groups
+    def __init__(self, config: CheckpointConfig, groups: ParallelGroups, state: TrainingState):
+        self.state = state
+        self.config = config
+        self.groups = groups
         # Checkpoint collectives get a group of their own: an asynchronous save runs them on a
         # background thread while training keeps using the others.
         self.process_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -85,7 +112,7 @@ class Checkpointer:
             self.save()
 
     def save(self) -> Path:
-        trainer, state = self.trainer, self.trainer.state
+        saved, state = self.state, self.state.progress
         self.wait()
         save_dir = Path(self.config.save)
         name = iteration_name(state.iteration)
@@ -95,11 +122,11 @@ class Checkpointer:
             save_dir.mkdir(parents=True, exist_ok=True)
             remove_leftovers(save_dir)
             staging.mkdir()
-            copy_tokenizer_files(trainer.tokenizer_spec, staging)
+            copy_tokenizer_files(saved.tokenizer_spec, staging)
         self._barrier()
-        rng.write(staging, self.groups.global_rank, trainer.rng_tracker)
-        if hasattr(trainer.optimizer, "finish_param_sync"):
-            trainer.optimizer.finish_param_sync()
+        rng.write(staging, self.groups.global_rank, saved.rng_tracker)
+        if hasattr(saved.optimizer, "finish_param_sync"):
+            saved.optimizer.finish_param_sync()
         entries, description = self._entries_to_save()
         metadata = self._metadata(description)
         self._last_saved = state.iteration
@@ -153,28 +180,29 @@ class Checkpointer:
             self._lock.release()
 
     def _announce(self, path: Path) -> None:
-        state = self.trainer.state
-        self.trainer.events.hook.on_checkpoint(run=state, iteration=state.iteration, path=str(path))
+        state = self.state.progress
+        if self.state.events is not None:
+            self.state.events.hook.on_checkpoint(run=state, iteration=state.iteration, path=str(path))
 
     def _entries_to_save(self) -> tuple[dict, dict | None]:
-        trainer = self.trainer
-        entries = model_entries(trainer.chunks, self.groups.tp).entries
-        description = optimizer_state_description(trainer.optimizer)
+        saved = self.state
+        entries = model_entries(saved.chunks, self.groups.tp).entries
+        description = optimizer_state_description(saved.optimizer)
         if description is not None:
-            entries.update(optimizer_entries(trainer.optimizer, trainer.chunks, self.groups.tp,
+            entries.update(optimizer_entries(saved.optimizer, saved.chunks, self.groups.tp,
                                              description["state_keys"], description["main_params"]).entries)
         return entries, description
 
     def _metadata(self, optimizer: dict | None) -> CheckpointMetadata:
-        trainer, state, run = self.trainer, self.trainer.state, self.trainer.run
-        scaler = trainer.optimizer.grad_scaler
+        saved, state, run = self.state, self.state.progress, self.state.run
+        scaler = saved.optimizer.grad_scaler
         return CheckpointMetadata(
             iteration=state.iteration,
-            model_family=trainer.family.name,
+            model_family=saved.family.name,
             model_config=dataclasses.asdict(run.model),
             layout=layout_of(run, self.groups),
-            tokenizer=tokenizer_entry(trainer.tokenizer_spec),
-            num_parameters=trainer.family.num_parameters(run.model, self.groups.tp.size),
+            tokenizer=tokenizer_entry(saved.tokenizer_spec),
+            num_parameters=saved.family.num_parameters(run.model, self.groups.tp.size),
             consumed_samples=state.consumed_samples,
             skipped_iterations=state.skipped_iterations,
             nan_iterations=state.nan_iterations,
@@ -187,7 +215,7 @@ class Checkpointer:
     # -- loading -----------------------------------------------------------------------------
     def load(self) -> None:
         """Restore the run from ``--load`` (nothing when that directory holds no checkpoint yet)."""
-        trainer, state, config = self.trainer, self.trainer.state, self.config
+        saved, state, config = self.state, self.state.progress, self.config
         found = find_checkpoint(config.load, checksums=config.verify_checksums)
         if found is None:
             if config.finetune:  # weights were asked for: training random ones would waste the run
@@ -198,38 +226,41 @@ class Checkpointer:
             self._say(f"no checkpoint in {config.load} yet; starting from scratch")
             return
         path, metadata = found
-        if metadata.model_family != trainer.family.name:
+        if metadata.model_family != saved.family.name:
             raise CheckpointError(f"{path} holds a {metadata.model_family!r} model; this run trains "
-                                  f"{trainer.family.name!r} (--model-family)")
+                                  f"{saved.family.name!r} (--model-family)")
         saved_vocab = metadata.model_config.get("vocab_size")
-        if saved_vocab != trainer.run.model.vocab_size:
+        if saved_vocab != saved.run.model.vocab_size:
             raise CheckpointError(f"{path} was trained with vocab_size {saved_vocab}; this run has "
-                                  f"{trainer.run.model.vocab_size} (check the tokenizer)")
+                                  f"{saved.run.model.vocab_size} (check the tokenizer)")
         weights_only = config.finetune or path.name == RELEASE
         with_optimizer = not weights_only and config.load_optim and metadata.optimizer is not None
-        wanted = model_entries(trainer.chunks, self.groups.tp)
+        wanted = model_entries(saved.chunks, self.groups.tp)
         if with_optimizer:
-            create_optimizer_state(trainer.optimizer, metadata.optimizer)
-            optimizer = optimizer_entries(trainer.optimizer, trainer.chunks, self.groups.tp,
+            create_optimizer_state(saved.optimizer, metadata.optimizer)
+            optimizer = optimizer_entries(saved.optimizer, saved.chunks, self.groups.tp,
                                           metadata.optimizer["state_keys"], metadata.optimizer["main_params"])
             wanted.entries.update(optimizer.entries)
             wanted.sources.update(optimizer.sources)
         # fp32 main weights come from the checkpoint when it has them, else from the loaded weights
         loads_main_params = any(key.endswith("." + MAIN_PARAM) for key in wanted.entries)
         index = read_index(path)
-        check_model_names(path, full_model_names(trainer), index)
+        check_model_names(path, full_model_names(saved), index)
+        extra_state = prepare_optional(wanted, index)
         check_entries(path, wanted, index)
         zero_rows_beyond(wanted, index)
         load_entries(path, wanted.entries, self.process_group)
         with torch.no_grad():
             for first, copy in wanted.duplicates:
                 copy.copy_(first)
+        for module, extra in extra_state:
+            module.set_extra_state(extra)
         if not loads_main_params:
-            refresh_main_params(trainer.optimizer.main_params)
+            refresh_main_params(saved.optimizer.main_params)
         # The loss scaler has state before the optimizer has any (fp16 skips its first steps).
         restore_scaler = not weights_only and config.load_optim
-        if restore_scaler and trainer.optimizer.grad_scaler is not None and metadata.grad_scaler is not None:
-            trainer.optimizer.grad_scaler.load_state_dict(metadata.grad_scaler)
+        if restore_scaler and saved.optimizer.grad_scaler is not None and metadata.grad_scaler is not None:
+            saved.optimizer.grad_scaler.load_state_dict(metadata.grad_scaler)
         if not weights_only:
             state.iteration = metadata.iteration
             state.consumed_samples = metadata.consumed_samples
@@ -245,20 +276,21 @@ class Checkpointer:
     def _restore_rng(self, path: Path, metadata: CheckpointMetadata) -> None:
         if not self.config.load_rng:
             return
-        here = layout_of(self.trainer.run, self.groups)
+        here = layout_of(self.state.run, self.groups)
         if {k: metadata.layout.get(k) for k in RNG_LAYOUT_KEYS} != {k: here[k] for k in RNG_LAYOUT_KEYS}:
             self._say(f"the checkpoint's layout ({_layout_text(metadata.layout)}) differs from this run's "
                       f"({_layout_text(here)}): RNG states are not restored")
             return
-        rng.restore(rng.read(path, self.groups.global_rank), self.trainer.rng_tracker)
+        rng.restore(rng.read(path, self.groups.global_rank), self.state.rng_tracker)
 
 
-def full_model_names(trainer) -> set[str]:
-    """Parameter names of the whole model (built on the meta device: nothing is allocated)."""
-    run = trainer.run
-    model = trainer.family.build(run.model, pre_process=True, post_process=True, parallel=run.parallel,
-                                 device="meta")
-    return {name for name, _ in model.named_parameters()}
+def full_model_names(state: TrainingState) -> set[str]:
+    """Canonical parameter names of the whole model (built on the meta device: nothing is allocated)."""
+    from mega.core.build import build_stage
+
+    run = state.run
+    model = build_stage(state.family, run.model, parallel=run.parallel, device="meta")
+    return set(named_parameters([model])[0])
 
 
 RNG_LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "cp", "vpp")

@@ -30,7 +30,7 @@ from mega.core.checkpoint.directory import (
 from mega.core.checkpoint.metadata import CheckpointMetadata
 from mega.core.checkpoint.pieces import Piece
 from mega.core.checkpoint.sharded_io import LazyTensor, ShardedEntry, load_entries, read_index, save_entries
-from mega.core.checkpoint.state import MODEL, model_entries
+from mega.core.checkpoint.state import MODEL, model_entries, prepare_optional
 from mega.core.checkpoint.tokenizer_files import copy_tokenizer_files, tokenizer_entry
 from mega.core.checkpoint.validate import check_entries, zero_rows_beyond
 from mega.core.tokenizer import TokenizerSpec
@@ -102,10 +102,16 @@ def load_model_weights(source: str | os.PathLike | TensorSource, modules: list[n
     if isinstance(source, (str, os.PathLike)):
         directory = resolve_checkpoint(source)
         index = read_index(directory)
+        extra_state = prepare_optional(entries, index)
         check_entries(directory, entries, index)
         zero_rows_beyond(entries, index)
         load_entries(directory, entries.entries, alone=True)
+        for module, extra in extra_state:
+            module.set_extra_state(extra)
     else:
+        # A foreign source (a Hugging Face directory) has no buffers or extra state: modules keep theirs.
+        for key in entries.optional:
+            del entries.entries[key], entries.sources[key]
         with torch.no_grad():
             for key, entry in entries.entries.items():
                 _fill_from_global(entry, source.get(key[len(MODEL):]), key, padded_vocab=entries.sources[key][1])

@@ -15,15 +15,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mega.core.checkpoint.pieces import TensorParallelSplit, tensor_pieces
+from mega.core.checkpoint.aliases import canonical, canonical_names
+from mega.core.checkpoint.pieces import Piece, TensorParallelSplit, tensor_pieces
 from mega.core.checkpoint.sharded_io import ShardedEntry
 from mega.core.optim.optimizer import MainParam, MixedPrecisionOptimizer
 from mega.core.parallel.groups import Group
 from mega.core.parallel.param_attrs import is_padded_vocab
 
 MODEL = "model."
+BUFFER = "buffer."
 OPTIMIZER = "optimizer."
 MAIN_PARAM = "main_param"
+EXTRA_STATE = "_extra_state"
 
 
 @dataclass
@@ -35,6 +38,10 @@ class Entries:
     sources: dict[str, tuple[torch.Tensor, bool]] = field(default_factory=dict)
     # copies of an already-listed parameter (tied embeddings on two chunks of one rank)
     duplicates: list[tuple[nn.Parameter, nn.Parameter]] = field(default_factory=list)
+    # entry key -> module whose ``get_extra_state()`` tensor it holds (a kernel's FP8 scales...)
+    extra_state: dict[str, nn.Module] = field(default_factory=dict)
+    # keys loaded only when the checkpoint has them (buffers, extra state: kernel-specific)
+    optional: set[str] = field(default_factory=set)
 
     def add(self, key: str, tensor: torch.Tensor, param: nn.Parameter, tp: Group | None,
             flat_range: tuple[int, int] | None = None) -> None:
@@ -45,13 +52,20 @@ class Entries:
         self.sources[key] = (tensor, is_padded_vocab(param))
 
 
-def named_parameters(chunks: list[nn.Module]) -> tuple[dict[str, nn.Parameter], list[tuple[nn.Parameter, nn.Parameter]]]:
-    """Global name -> parameter over a rank's model chunks; plus (first, copy) pairs of names
+def named_parameters(chunks: list[nn.Module], buffers: bool = False) -> tuple[dict[str, torch.Tensor], list]:
+    """Global canonical name (:mod:`mega.core.checkpoint.aliases`) -> parameter over a rank's
+    model chunks (or its persistent buffers, with ``buffers``); plus (first, copy) pairs of names
     held twice on this rank (a tied embedding's copy on a later chunk)."""
     named, duplicates = {}, []
     for chunk in chunks:
         module = getattr(chunk, "module", chunk)  # DDP-wrapped or not
-        for name, param in module.named_parameters():
+        aliases = canonical_names(module)
+        if buffers:
+            tensors = [(name, buffer) for name, buffer in module.named_buffers() if _persistent(module, name)]
+        else:
+            tensors = list(module.named_parameters())
+        for name, param in tensors:
+            name = canonical(name, aliases)
             if name in named:
                 if param is not named[name]:
                     duplicates.append((named[name], param))
@@ -61,12 +75,39 @@ def named_parameters(chunks: list[nn.Module]) -> tuple[dict[str, nn.Parameter], 
 
 
 def model_entries(chunks: list[nn.Module], tp: Group | None) -> Entries:
-    """``tp``: the tensor group the chunks are split over (None: whole parameters)."""
+    """Parameters (``model.<name>``) by canonical name; and, loaded only where a checkpoint has
+    them (they belong to a kernel backend, or are derived), persistent buffers (``buffer.<name>``)
+    and the extra state modules declare (``get_extra_state()`` returning a tensor), saved per
+    tensor-parallel rank as ``buffer.<module>._extra_state.tp<rank>of<size>`` and restored only at
+    the same tp size. ``tp``: the tensor group the chunks are split over (None: whole parameters)."""
     named, duplicates = named_parameters(chunks)
     result = Entries(duplicates=duplicates)
     for name, param in named.items():
         result.add(MODEL + name, param.data, param, tp)
+    for name, buffer in named_parameters(chunks, buffers=True)[0].items():
+        result.add(BUFFER + name, buffer, buffer, tp)
+        result.optional.add(BUFFER + name)
+    rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+    for chunk in chunks:
+        for prefix, module in getattr(chunk, "module", chunk).named_modules():
+            if type(module).get_extra_state is nn.Module.get_extra_state:
+                continue
+            extra = module.get_extra_state()
+            if not torch.is_tensor(extra):
+                raise TypeError(f"{prefix or 'the model'}: get_extra_state() returned {type(extra).__name__}; "
+                                "checkpoints take extra state only as a tensor")
+            key = f"{BUFFER}{prefix + '.' if prefix else ''}{EXTRA_STATE}.tp{rank}of{size}"
+            result.entries[key] = ShardedEntry(tuple(extra.shape), extra.dtype, [Piece(extra, (0,) * extra.dim())])
+            result.sources[key] = (extra, False)
+            result.extra_state[key] = module
+            result.optional.add(key)
     return result
+
+
+def _persistent(module: nn.Module, name: str) -> bool:
+    owner_name, _, buffer = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    return buffer not in owner._non_persistent_buffers_set
 
 
 def optimizer_state_description(optimizer: MixedPrecisionOptimizer) -> dict | None:
@@ -118,3 +159,19 @@ def refresh_main_params(main_params: list[MainParam]) -> None:
         for entry in main_params:
             if entry.model_view is not None:
                 entry.main.copy_(entry.model_view.reshape(entry.main.shape))
+
+
+def prepare_optional(wanted: Entries, index: dict) -> list[tuple[nn.Module, torch.Tensor]]:
+    """Keep of ``wanted``'s optional entries those the checkpoint has (the others keep their own
+    values: saved by another backend or at another tp size); extra state is read at its saved
+    shape. Returns (module, tensor) pairs to hand to ``set_extra_state`` once loaded."""
+    restore = []
+    for key in wanted.optional:
+        if key not in index:
+            del wanted.entries[key], wanted.sources[key]
+        elif key in wanted.extra_state:
+            saved = torch.empty(tuple(index[key].size), dtype=index[key].properties.dtype)
+            wanted.entries[key] = ShardedEntry(tuple(saved.shape), saved.dtype, [Piece(saved, (0,) * saved.dim())])
+            wanted.sources[key] = (saved, False)
+            restore.append((wanted.extra_state[key], saved))
+    return restore

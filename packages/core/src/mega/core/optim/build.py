@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from mega.core.distributed.ddp import DistributedDataParallel
@@ -11,6 +10,7 @@ from mega.core.optim.distributed_optimizer import DistributedOptimizer
 from mega.core.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from mega.core.optim.optimizer import MixedPrecisionOptimizer
 from mega.core.parallel.groups import ParallelGroups
+from mega.core.plugins import Plugins, get_plugins
 
 
 def param_groups(models: list[nn.Module], weight_decay: float) -> list[dict]:
@@ -25,23 +25,19 @@ def param_groups(models: list[nn.Module], weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(models: list[nn.Module], groups: ParallelGroups, config: OptimizerConfig = OptimizerConfig(),
-                    grad_scaler: ConstantGradScaler | DynamicGradScaler | None = None) -> MixedPrecisionOptimizer:
+                    grad_scaler: ConstantGradScaler | DynamicGradScaler | None = None,
+                    plugins: Plugins | None = None) -> MixedPrecisionOptimizer:
     """The optimizer for ``models`` (one per virtual pipeline chunk, DDP-wrapped or not).
 
+    ``config.optimizer`` names a registered optimizer (``register_optimizers``: adam, sgd...).
     ``grad_scaler``: fp16's loss scaling (see mega.core.training.precision), None otherwise.
     """
-    if config.optimizer == "adam":
-        def make(groups_):
-            # foreach: one kernel per step for all tensors; torch picks it only on GPUs by default,
-            # but it is faster on the CPU too (fewer per-tensor dispatches).
-            return torch.optim.AdamW(groups_, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                     eps=config.adam_eps, weight_decay=config.weight_decay, foreach=True)
-    elif config.optimizer == "sgd":
-        def make(groups_):
-            return torch.optim.SGD(groups_, lr=config.lr, momentum=config.sgd_momentum,
-                                   weight_decay=config.weight_decay)
-    else:
-        raise ValueError(f"--optimizer must be 'adam' or 'sgd', got {config.optimizer!r}")
+    if plugins is None:
+        plugins = get_plugins()
+    factory = plugins.optimizers.get(config.optimizer)  # an unknown name lists the registered ones
+
+    def make(groups_):
+        return factory(groups_, config)
 
     options = {"clip_grad": config.clip_grad, "grad_scaler": grad_scaler}
     grouped = param_groups(models, config.weight_decay)

@@ -297,11 +297,6 @@ def reduce_from_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.T
     return _ReduceFromRegion.apply(x, group) if group.size > 1 else x
 
 
-def scatter_to_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Keep this rank's slice of the last dimension; all-gather of the gradient."""
-    return _ScatterToRegion.apply(x, group, -1) if group.size > 1 else x
-
-
 def gather_from_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-gather along the last dimension; the gradient is split again."""
     return _GatherFromRegion.apply(x, group, -1, False) if group.size > 1 else x

@@ -46,10 +46,15 @@ class ParallelGroups:
     layers), as Megatron-Core does.
     """
 
-    def __init__(self, config: ParallelConfig, backend: str | None = None):
-        initialized = dist.is_available() and dist.is_initialized()
-        self.world_size = dist.get_world_size() if initialized else 1
-        self.global_rank = dist.get_rank() if initialized else 0
+    def __init__(self, config: ParallelConfig, backend: str | None = None, *,
+                 world_size: int | None = None, rank: int | None = None):
+        """``world_size`` and ``rank`` given: the layout as rank ``rank`` of that world sees it,
+        without process groups (to build shapes or plan memory; nothing communicates)."""
+        planning = world_size is not None
+        initialized = not planning and dist.is_available() and dist.is_initialized()
+        self.world_size = world_size if planning else dist.get_world_size() if initialized else 1
+        self.global_rank = (rank or 0) if planning else dist.get_rank() if initialized else 0
+        self._connected = initialized
         config.validate(self.world_size)
         self.config = config
         self.backend = dist.get_backend() if initialized else "none"
@@ -64,29 +69,23 @@ class ParallelGroups:
         # Gradients of dense parameters are averaged over data- and context-parallel ranks alike.
         self.dp_cp = self._build("dp_cp", rank_groups(dense, "dp-cp"))
         self.pp = self._build("pp", rank_groups(dense, "pp"))
-        self.model = self._build("model", rank_groups(dense, "tp-pp"))
         self.embedding = self._build(
             "embedding", [embedding_ranks(ranks) for ranks in rank_groups(dense, "pp")]
         )
         self.ep = self._build("ep", rank_groups(expert, "ep"))
         self.expert_dp = self._build("expert_dp", rank_groups(expert, "dp"))
-        self.tp_ep = self._build("tp_ep", rank_groups(expert, "tp-ep"))
 
     def _build(self, name: str, all_ranks: list[list[int]]) -> Group:
         mine = [ranks for ranks in all_ranks if self.global_rank in ranks]
         # Every rank must call new_group for every group, in the same order, even ones it is not in.
         handles = {}
-        if self.world_size > 1:
+        if self._connected and self.world_size > 1:
             for ranks in _unique(all_ranks):
                 handles[tuple(ranks)] = dist.new_group(ranks, backend=self._backend)
         if not mine:  # e.g. a middle pipeline stage is in no embedding group
             return Group(name, (), -1, None)
         ranks = tuple(mine[0])
         return Group(name, ranks, ranks.index(self.global_rank), handles.get(ranks))
-
-    @property
-    def dp_size(self) -> int:
-        return self.dp.size
 
     @property
     def is_pipeline_first(self) -> bool:

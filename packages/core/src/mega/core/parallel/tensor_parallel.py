@@ -16,6 +16,10 @@ tensor group.
 The model derives what depends on the split from its weights (e.g. local attention heads =
 ``linear_qkv.weight.shape[0] // ((heads/groups + 2) * head_dim)``); fused QKV weights stored per
 query group (Megatron's layout) split into whole groups with a plain ``Colwise``.
+
+A layer from a kernel backend that does its own tensor/sequence-parallel communication (see
+:mod:`mega.core.kernels`) implements ``to_tensor_parallel(style, group, sequence_parallel)``; the
+plan hands it its style and uses the layer it returns.
 """
 
 from __future__ import annotations
@@ -111,6 +115,8 @@ def _match_plan(module: nn.Module, plan: Mapping[str, PlanStyle], strict: bool) 
 
 
 def _parallel_layer(name: str, old: nn.Module, style: PlanStyle, group, sequence_parallel: bool) -> nn.Module:
+    if hasattr(old, "to_tensor_parallel"):  # a kernel's layer that does its own TP/SP communication
+        return old.to_tensor_parallel(style, group, sequence_parallel)
     expected = nn.Embedding if isinstance(style, VocabEmbedding) else nn.Linear
     if type(old) is not expected:
         raise TypeError(f"plan style {type(style).__name__} for {name!r} needs an {expected.__name__}, "

@@ -1,29 +1,35 @@
 """Point-to-point transfers of activations and gradients between pipeline stages.
 
-Every tensor that crosses stages has one shape, known before the schedule starts ([s, b, h], or
-[s/tp, b, h] under sequence parallelism), so receive buffers are allocated without asking the
-sender first. One exchange is one ``batch_isend_irecv``: on NCCL the sends and receives of a step
+What crosses a boundary is a dict of named tensors whose shapes the model family declares before
+the schedule starts (one ``hidden`` [s, b, h] for a decoder; an encoder's output beside the
+decoder's hidden states for an encoder-decoder), so receive buffers are allocated without asking
+the sender first. One exchange is one ``batch_isend_irecv``: on NCCL the sends and receives of a step
 must be issued as one group or two neighbours that both send first wait on each other forever.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
+from mega.core.model_family import TensorSpec
 from mega.core.parallel import ParallelGroups
-from mega.core.pipeline.messages import Exchange, Message
+from mega.core.pipeline.messages import ACTIVATION, Exchange, Message
 
 
 class PipelineLinks:
-    """This rank's connections to the ranks holding its neighbouring virtual stages."""
+    """This rank's connections to the ranks holding its neighbouring virtual stages.
 
-    def __init__(self, groups: ParallelGroups, tensor_shape: Sequence[int], dtype: torch.dtype, events):
+    ``boundary(stage)`` gives the named tensors virtual stage ``stage`` sends to the next one
+    (``{name: TensorSpec}``); the gradients going back are those of its floating tensors. Both
+    sides post a message's tensors in name order.
+    """
+
+    def __init__(self, groups: ParallelGroups, boundary: Callable[[int], Mapping[str, TensorSpec]], events):
         self.groups = groups
-        self.tensor_shape = torch.Size(tensor_shape)
-        self.dtype = dtype
+        self.boundary = boundary
         self.events = events
         if groups.backend == "nccl" and groups.pp.size > 1:
             # NCCL leaves batched p2p undefined if it is the group's first operation and not
@@ -34,27 +40,38 @@ class PipelineLinks:
         """Global rank of the process that computes virtual stage ``stage``."""
         return self.groups.pp.ranks[stage % self.groups.pp.size]
 
-    def exchange(self, exchange: Exchange, outbox: dict[Message, torch.Tensor]) -> dict[Message, torch.Tensor]:
+    def specs(self, message: Message) -> dict[str, TensorSpec]:
+        """The tensors ``message`` carries, by name, in the order they travel."""
+        if message.kind == ACTIVATION:
+            specs = self.boundary(message.source)
+        else:
+            specs = {name: spec for name, spec in self.boundary(message.destination).items() if spec.has_gradient}
+        return dict(sorted(specs.items()))
+
+    def exchange(self, exchange: Exchange, outbox: dict[Message, dict]) -> dict[Message, dict]:
         """Send ``exchange.sends`` (taken out of ``outbox``), receive ``exchange.recvs``; wait."""
         operations, received, announced = [], {}, []
         for message in exchange.sends:
-            tensor = outbox.pop(message)
-            if tensor.shape != self.tensor_shape or tensor.dtype != self.dtype:
-                raise ValueError(
-                    f"virtual stage {message.source} produced a {message.kind} of shape "
-                    f"{list(tensor.shape)} and dtype {tensor.dtype} for micro-batch "
-                    f"{message.microbatch}, but the pipeline sends tensor_shape "
-                    f"{list(self.tensor_shape)} of dtype {self.dtype}"
-                )
+            tensors = outbox.pop(message)
             peer = self.peer(message.destination)
-            operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.groups.pp.group))
+            for name, spec in self.specs(message).items():
+                tensor = tensors.get(name)
+                if tensor is None or tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != spec.dtype:
+                    got = "nothing" if tensor is None else f"shape {list(tensor.shape)} and dtype {tensor.dtype}"
+                    raise ValueError(
+                        f"virtual stage {message.source} produced {got} as {message.kind} {name!r} for "
+                        f"micro-batch {message.microbatch}, but the pipeline sends shape {list(spec.shape)} "
+                        f"of dtype {spec.dtype} there"
+                    )
+                operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.groups.pp.group))
             announced.append((message.send_op, peer, message.microbatch))
         for message in exchange.recvs:
-            buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.groups.device)
             peer = self.peer(message.source)
-            operations.append(dist.P2POp(dist.irecv, buffer, peer, self.groups.pp.group))
+            buffers = {name: torch.empty(spec.shape, dtype=spec.dtype, device=self.groups.device)
+                       for name, spec in self.specs(message).items()}
+            operations += [dist.P2POp(dist.irecv, buffer, peer, self.groups.pp.group) for buffer in buffers.values()]
             announced.append((message.recv_op, peer, message.microbatch))
-            received[message] = buffer
+            received[message] = buffers
         if not operations:
             return received
         for op, peer, microbatch in announced:

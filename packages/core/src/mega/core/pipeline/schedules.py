@@ -14,18 +14,22 @@ the gradients of data-parallel replicas are reduced once, after the last backwar
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from mega.core.model_family import TensorSpec
 from mega.core.parallel import ParallelGroups
 from mega.core.pipeline.messages import consumed, exchanges, produced
 from mega.core.pipeline.p2p import PipelineLinks
 from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, Action, ScheduleTable, schedule_table
 from mega.core.pipeline.tied import sum_tied_grads
 from mega.core.plugins import Events
+
+# The name of the one tensor that crosses when chunks map a tensor to a tensor.
+TENSOR = "tensor"
 
 
 class GradSync(Protocol):
@@ -40,11 +44,13 @@ def forward_backward(
     chunks: nn.Module | Sequence[nn.Module],
     data: Iterable | None,
     num_microbatches: int,
-    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
     groups: ParallelGroups,
     *,
+    boundary: Callable[[int], Mapping[str, TensorSpec]] | None = None,
     tensor_shape: Sequence[int] | None = None,
     dtype: torch.dtype = torch.float32,
+    reads_batch: Sequence[bool] | None = None,
     grad_sync: GradSync | Sequence[GradSync | None] | None = None,
     events: Events | None = None,
     forward_only: bool = False,
@@ -52,14 +58,17 @@ def forward_backward(
     """Run ``num_microbatches`` micro-batches forward (and backward); return the losses.
 
     ``chunks``: this rank's model chunks (one module, or ``vpp`` of them for the interleaved
-    schedule, e.g. from :func:`~mega.core.pipeline.partition.pipeline_chunks`). Each maps one
-    tensor to one tensor; the first stage's first chunk gets the micro-batch inputs.
+    schedule, e.g. from :func:`~mega.core.pipeline.partition.pipeline_chunks`).
 
-    ``data`` yields micro-batches ``(inputs, targets)``; the first stage uses ``inputs``, the
-    last passes ``targets`` to ``loss_fn(output, targets)``, which returns the micro-batch's mean
-    loss. Middle stages never read it (it may be None there).
+    ``data`` yields micro-batches ``(inputs, targets)``; the first stage is called with
+    ``inputs``, the last passes its output and ``targets`` to ``loss_fn(output, targets)``, which
+    returns the micro-batch's mean loss. Ranks whose chunks read no micro-batch may pass None.
 
-    ``tensor_shape`` and ``dtype``: of every tensor that crosses stages (needed when pp > 1).
+    What crosses stages: ``boundary(stage)`` names the tensors virtual stage ``stage`` sends on
+    (``{name: TensorSpec}``); chunks then take and return dicts, and a chunk that ``reads_batch``
+    (one flag per chunk; default: the first and the last stage) gets the micro-batch's ``inputs``
+    (a dict) merged under what crossed in. Or one tensor of ``tensor_shape`` and ``dtype``
+    crosses, and chunks map a tensor to a tensor.
 
     ``grad_sync``: the data-parallel wrapper, or one per chunk. Every backward but the last one
     of its chunks runs inside its ``no_sync()``; ``finish_grad_sync()`` is called at the end,
@@ -77,22 +86,29 @@ def forward_backward(
             f"got {len(chunks)} model chunks, but the parallel config has vpp = {groups.config.vpp} "
             f"(so {expected} chunk{'s' if expected > 1 else ''} per pipeline rank)"
         )
-    if groups.pp.size > 1 and tensor_shape is None:
+    if boundary is None and tensor_shape is not None:
+        spec = {TENSOR: TensorSpec(tuple(tensor_shape), dtype)}
+        boundary = lambda stage: spec  # noqa: E731
+    if groups.pp.size > 1 and boundary is None:
         raise ValueError(
-            f"pp = {groups.pp.size} needs tensor_shape: the shape of the activations sent "
-            f"between stages, e.g. [sequence, micro_batch, hidden]"
+            f"pp = {groups.pp.size} needs boundary (or tensor_shape): the shapes of the tensors "
+            f"sent between stages, e.g. [sequence, micro_batch, hidden]"
         )
     table = schedule_table(groups.pp.size, num_microbatches, len(chunks), forward_only)
     events = events if events is not None else Events()
-    links = PipelineLinks(groups, tensor_shape, dtype, events) if groups.pp.size > 1 else None
-    run = _ScheduleRun(table, groups, chunks, data, loss_fn, links, grad_sync, events, forward_only)
+    links = PipelineLinks(groups, boundary, events) if groups.pp.size > 1 else None
+    if reads_batch is None:
+        last = table.num_stages - 1
+        reads_batch = [table.stage(groups.pp.rank, chunk) in (0, last) for chunk in range(len(chunks))]
+    run = _ScheduleRun(table, groups, chunks, data, loss_fn, links, grad_sync, events, forward_only, reads_batch)
     return run.execute()
 
 
 class _ScheduleRun:
     """The state of one ``forward_backward`` call on one rank."""
 
-    def __init__(self, table: ScheduleTable, groups, chunks, data, loss_fn, links, grad_sync, events, forward_only):
+    def __init__(self, table: ScheduleTable, groups, chunks, data, loss_fn, links, grad_sync, events,
+                 forward_only, reads_batch):
         self.table = table
         self.rank = groups.pp.rank
         self.groups = groups
@@ -102,9 +118,12 @@ class _ScheduleRun:
         self.links = links
         self.events = events
         self.forward_only = forward_only
-        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, chunk) -> (in, out)
-        self.inbox: dict = {}  # Message -> received tensor
-        self.outbox: dict = {}  # Message -> tensor to send at the next exchange
+        self.reads_batch = list(reads_batch)
+        self.batches: dict[int, list] = {}  # micro-batch -> [(inputs, targets), forwards still to read it]
+        self.fetched = 0
+        self.saved: dict[tuple[int, int], tuple[dict | None, Any]] = {}  # (mb, chunk) -> (received, output)
+        self.inbox: dict = {}  # Message -> received tensors by name
+        self.outbox: dict = {}  # Message -> tensors by name to send at the next exchange
         self.losses: list[torch.Tensor] = []
         self.syncers = _per_chunk(grad_sync, len(chunks))
         # A wrapper syncs during the last backward through any chunk it covers.
@@ -135,30 +154,38 @@ class _ScheduleRun:
     def _forward(self, action: Action) -> None:
         stage = self.table.stage(self.rank, action.chunk)
         first, last = stage == 0, stage == self.table.num_stages - 1
-        if first or last:
-            inputs, targets = self._next_microbatch(action.microbatch)
+        inputs = targets = None
+        if self.reads_batch[action.chunk]:
+            inputs, targets = self._microbatch(action.microbatch)
+        received = None
         if first:
             x = inputs
         else:
-            x = self.inbox.pop(consumed(self.table, self.rank, action))
-            x.requires_grad_(not self.forward_only)
+            received = self.inbox.pop(consumed(self.table, self.rank, action))
+            for tensor in received.values():
+                if tensor.is_floating_point():
+                    tensor.requires_grad_(not self.forward_only)
+            if set(received) == {TENSOR}:
+                x = received[TENSOR]
+            else:
+                x = {**inputs, **received} if isinstance(inputs, Mapping) else received
         self.events.hook.on_forward_start(microbatch=action.microbatch, chunk=action.chunk)
-        with torch.set_grad_enabled(not self.forward_only):
+        with torch.set_grad_enabled(not self.forward_only), self.events.forward_context(action.microbatch, action.chunk):
             y = self.chunks[action.chunk](x)
             if last:
                 loss = self.loss_fn(y, targets)
                 self.losses.append(loss.detach())
                 y = loss / self.table.num_microbatches
         if not last:
-            self.outbox[produced(self.table, self.rank, action)] = y.detach()
+            y = y if isinstance(y, Mapping) else {TENSOR: y}
+            self.outbox[produced(self.table, self.rank, action)] = {name: t.detach() for name, t in y.items()}
         if not self.forward_only:
-            self.saved[(action.microbatch, action.chunk)] = (x, y)
+            self.saved[(action.microbatch, action.chunk)] = (received, y)
         self.events.hook.on_forward_end(microbatch=action.microbatch, chunk=action.chunk)
 
     def _backward(self, action: Action) -> None:
-        x, y = self.saved.pop((action.microbatch, action.chunk))
+        received, y = self.saved.pop((action.microbatch, action.chunk))
         incoming = consumed(self.table, self.rank, action)
-        grad = self.inbox.pop(incoming) if incoming is not None else None  # None: y is the loss
         self.events.hook.on_backward_start(microbatch=action.microbatch, chunk=action.chunk)
         syncer = self.syncers[action.chunk]
         if syncer is None or self.final_backward[id(syncer)] == action:
@@ -166,23 +193,38 @@ class _ScheduleRun:
         else:
             context = syncer.no_sync()
         with context:
-            torch.autograd.backward(y, grad_tensors=grad)
+            if incoming is None:  # the last stage: y is the loss
+                torch.autograd.backward(y)
+            else:
+                grads = self.inbox.pop(incoming)
+                pairs = [(y[name], grad) for name, grad in grads.items() if y[name].requires_grad]
+                if pairs:
+                    torch.autograd.backward([out for out, _ in pairs], grad_tensors=[grad for _, grad in pairs])
         outgoing = produced(self.table, self.rank, action)
         if outgoing is not None:
-            self.outbox[outgoing] = x.grad if x.grad is not None else torch.zeros_like(x)
+            self.outbox[outgoing] = {name: t.grad if t.grad is not None else torch.zeros_like(t)
+                                     for name, t in received.items() if t.is_floating_point()}
         self.events.hook.on_backward_end(microbatch=action.microbatch, chunk=action.chunk)
 
-    def _next_microbatch(self, microbatch: int) -> tuple[Any, Any]:
+    def _microbatch(self, microbatch: int) -> tuple[Any, Any]:
+        """The micro-batch, read once however many of this rank's chunks read it."""
         if self.data is None:
-            raise ValueError(f"pipeline rank {self.rank} holds the first or last stage and needs data, got None")
-        try:
-            inputs, targets = next(self.data)
-        except StopIteration:
-            raise ValueError(
-                f"the data iterator ran out after {microbatch} micro-batches; "
-                f"num_microbatches is {self.table.num_microbatches}"
-            ) from None
-        return inputs, targets
+            raise ValueError(f"pipeline rank {self.rank} has a stage that reads the micro-batches, but got no data")
+        while self.fetched <= microbatch:
+            try:
+                inputs, targets = next(self.data)
+            except StopIteration:
+                raise ValueError(
+                    f"the data iterator ran out after {self.fetched} micro-batches; "
+                    f"num_microbatches is {self.table.num_microbatches}"
+                ) from None
+            self.batches[self.fetched] = [(inputs, targets), sum(self.reads_batch)]
+            self.fetched += 1
+        entry = self.batches[microbatch]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.batches[microbatch]
+        return entry[0]
 
     def _finish_grads(self) -> None:
         self.events.hook.on_grad_sync_start()

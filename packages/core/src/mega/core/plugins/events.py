@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pluggy
@@ -27,6 +28,15 @@ class Events:
     @property
     def hook(self):
         return self._manager.hook
+
+    @contextlib.contextmanager
+    def forward_context(self, microbatch: int, chunk: int) -> Iterator[None]:
+        """Every listener's ``forward_context`` entered around one micro-batch's forward, the
+        first registered outermost (pluggy calls the last registered first)."""
+        with contextlib.ExitStack() as stack:
+            for context in reversed(self.hook.forward_context(microbatch=microbatch, chunk=chunk)):
+                stack.enter_context(context)
+            yield
 
     def add(self, listener: Any) -> None:
         self._manager.register(listener)

@@ -43,10 +43,16 @@ class RegistrationSpecs:
 
     @hookspec
     def register_kernel_backends(self, register):
-        """Register kernel backends (attention, norms, fused linear/MLP, optimizer kernels).
+        """Register kernel backends: typed component factories (see :mod:`mega.core.kernels`).
 
-        A backend object has ``is_available() -> tuple[bool, str]`` explaining what is missing.
+        A backend has ``kinds`` (the component kinds it fills), ``component(kind)`` and
+        ``is_available() -> tuple[bool, str]`` explaining what is missing.
         """
+
+    @hookspec
+    def register_optimizers(self, register):
+        """Register optimizers under their ``--optimizer`` names: ``factory(param_groups,
+        config: OptimizerConfig) -> torch.optim.Optimizer`` (a fused kernel's optimizer too)."""
 
     @hookspec
     def register_commands(self, register):
@@ -114,6 +120,11 @@ class EventSpecs:
     @hookspec
     def on_grad_sync_end(self):
         """After gradients were reduced across data-parallel ranks."""
+
+    @hookspec
+    def forward_context(self, microbatch, chunk):
+        """A context manager to run one micro-batch's forward on one model chunk in (FP8
+        autocast, ...), or None; every listener's are entered, in registration order."""
 
     @hookspec
     def on_optimizer_step_end(self, run, iteration):

@@ -24,6 +24,7 @@ KINDS = {
     "register_datasets": "dataset",
     "register_checkpoint_formats": "checkpoint format",
     "register_kernel_backends": "kernel backend",
+    "register_optimizers": "optimizer",
     "register_commands": "command",
     "register_callbacks": "callback",
 }
@@ -85,6 +86,10 @@ class Plugins:
     @property
     def kernel_backends(self) -> Registry:
         return self.registries["kernel backend"]
+
+    @property
+    def optimizers(self) -> Registry:
+        return self.registries["optimizer"]
 
     @property
     def commands(self) -> Registry:

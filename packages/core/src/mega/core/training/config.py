@@ -120,6 +120,31 @@ class LoggingConfig:
 
 
 @dataclass
+class KernelConfig:
+    """Which registered kernel backend fills each component kind (see mega.core.kernels)."""
+
+    kernels: str | None = option(None, "a kernel backend for every component kind it fills (e.g. liger)")
+    attention_backend: str | None = option(None, "attention kernel backend (default torch: sdpa)")
+    normalization_backend: str | None = option(None, "LayerNorm/RMSNorm kernel backend")
+    linear_backend: str | None = option(None, "linear-layer kernel backend")
+    norm_linear_backend: str | None = option(None, "fused norm + linear kernel backend")
+    activation_backend: str | None = option(None, "MLP activation kernel backend")
+    rotary_backend: str | None = option(None, "rotary-embedding kernel backend")
+    loss_backend: str | None = option(None, "cross-entropy (loss head) kernel backend")
+
+    def overrides(self) -> dict[str, str | None]:
+        return {"attention": self.attention_backend, "norm": self.normalization_backend,
+                "linear": self.linear_backend, "norm_linear": self.norm_linear_backend,
+                "activation": self.activation_backend, "rotary": self.rotary_backend, "loss": self.loss_backend}
+
+    def selection(self, plugins=None) -> dict[str, str]:
+        """Kind -> backend name; every chosen backend checked usable here (see select_backends)."""
+        from mega.core.kernels import select_backends
+
+        return select_backends(self.kernels, self.overrides(), plugins)
+
+
+@dataclass
 class MoEConfig:
     num_experts: int | None = option(None, "experts per MoE layer")
     moe_router_topk: int = option(2, "experts each token is routed to")

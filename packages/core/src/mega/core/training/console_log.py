@@ -26,6 +26,7 @@ class ConsoleLogger:
         self.stream = stream or sys.stdout
         # Since the last printed line: averaged over the interval, as Megatron does.
         self._losses: list[float] = []
+        self._other_losses: dict[str, list[float]] = {}
         self._seconds = 0.0
         self._steps = 0
         self._started = time.perf_counter()
@@ -37,6 +38,9 @@ class ConsoleLogger:
     def on_step_end(self, run, iteration, metrics):
         if math.isfinite(metrics["loss"]):
             self._losses.append(metrics["loss"])
+        for name, value in metrics.get("losses", {}).items():
+            if name != "lm loss" and math.isfinite(value):
+                self._other_losses.setdefault(name, []).append(value)
         self._seconds += metrics["elapsed_s"]
         self._steps += 1
         last = iteration == run.config.training.train_iters
@@ -44,7 +48,7 @@ class ConsoleLogger:
             return
         if run.is_logging_rank:
             self._print(format_log_line(self._record(run, iteration, metrics, self._seconds / self._steps)))
-        self._losses, self._seconds, self._steps = [], 0.0, 0
+        self._losses, self._other_losses, self._seconds, self._steps = [], {}, 0.0, 0
 
     def _record(self, run, iteration, metrics, elapsed) -> LogRecord:
         world = run.groups.world_size
@@ -57,6 +61,7 @@ class ConsoleLogger:
             learning_rate=metrics["lr"], global_batch_size=run.derived.global_batch_size,
             loss=sum(self._losses) / len(self._losses) if self._losses else float("nan"),
             loss_scale=metrics["loss_scale"],
+            other_losses={name: sum(values) / len(values) for name, values in self._other_losses.items()},
             grad_norm=metrics["grad_norm"] if math.isfinite(metrics["grad_norm"]) else None,
             skipped_iterations=run.skipped_iterations, nan_iterations=run.nan_iterations,
             tflops_per_gpu=tflops, tokens_per_second_per_gpu=tokens,

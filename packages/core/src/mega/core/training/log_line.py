@@ -31,6 +31,7 @@ class LogRecord:
     tokens_per_second_per_gpu: float | None = None
     mfu: float | None = None
     peak_memory_gb: float | None = None
+    other_losses: dict[str, float] | None = None  # the family's losses besides lm loss
 
 
 def format_log_line(record: LogRecord) -> str:
@@ -47,6 +48,7 @@ def format_log_line(record: LogRecord) -> str:
         f" learning rate: {record.learning_rate:.6E} |",
         f" global batch size: {record.global_batch_size:5d} |",
         f" lm loss: {record.loss:.6E} |",
+        *(f" {name}: {value:.6E} |" for name, value in (record.other_losses or {}).items()),
         f" loss scale: {record.loss_scale:.1f} |",
     ]
     if record.grad_norm is not None:

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from mega.core.config import ConfigError
-from mega.core.kernels import KernelBackendError, get_attention_backend
+from mega.core.kernels import KernelBackendError
 from mega.core.parallel import ParallelConfig
 from mega.core.plugins import PluginError
 from mega.core.training.config import (
     CheckpointConfig,
     DataConfig,
+    KernelConfig,
     LoggingConfig,
     MoEConfig,
     OptimizerConfig,
@@ -35,6 +36,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "moe": MoEConfig,
+    "kernels": KernelConfig,
 }
 
 
@@ -49,6 +51,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,8 @@ class Derived:
 
 def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
     """Check the run against the world size; return it with derived fields filled in."""
-    run = dataclasses.replace(run, model=_model_with_megatron_shorthands(run))
+    run = dataclasses.replace(run, model=_model_with_megatron_shorthands(run),
+                              kernels=_kernels_with_megatron_shorthands(run))
     check_supported(run)
     parallel = run.parallel
     nlpvs = run.training.num_layers_per_virtual_pipeline_stage
@@ -104,40 +108,70 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
 
 
 def _model_with_megatron_shorthands(run: RunConfig):
-    """Apply flags Megatron spells outside the model config: --recompute-activations, --use-flash-attn."""
+    """Apply the flag Megatron spells outside the model config: --recompute-activations."""
     model = run.model
-    if run.training.recompute_activations and model.recompute_granularity is None:
+    if run.training.recompute_activations and getattr(model, "recompute_granularity", "") is None:
         model = dataclasses.replace(model, recompute_granularity="selective")
-    if run.precision.use_flash_attn:
-        model = dataclasses.replace(model, attention_backend="flash-attn")
     return model
 
 
-def check_supported(run: RunConfig) -> None:
-    """Fail, naming the flag and what is missing, for what this installation cannot run."""
-    precision = run.precision
-    if precision.fp8_hybrid or precision.transformer_impl == "transformer_engine" or precision.tp_comm_overlap:
-        flag = ("--fp8-hybrid" if precision.fp8_hybrid else "--tp-comm-overlap" if precision.tp_comm_overlap
-                else "--transformer-impl transformer_engine")
-        raise ConfigError(
-            f"{flag} needs NVIDIA Transformer Engine on a GPU (a kernel-backend plugin such as "
-            f"mega-transformer-engine); none is installed here"
-        )
-    if run.moe.num_experts:
-        raise ConfigError(
-            "--num-experts (mixture of experts) needs an MoE model family (e.g. mixtral), which is not installed"
-        )
-    if run.parallel.ep > 1:
-        raise ConfigError("--expert-model-parallel-size > 1 needs an MoE model (--num-experts)")
-    if run.parallel.cp > 1:
-        raise ConfigError("--context-parallel-size > 1: context parallelism is not available in this version")
+def _kernels_with_megatron_shorthands(run: RunConfig) -> KernelConfig:
+    """--use-flash-attn and --transformer-impl transformer_engine pick kernel backends."""
+    kernels = run.kernels
+    if run.precision.use_flash_attn and kernels.attention_backend is None:
+        kernels = dataclasses.replace(kernels, attention_backend="flash-attn")
+    if run.precision.transformer_impl == "transformer_engine" and kernels.kernels is None:
+        kernels = dataclasses.replace(kernels, kernels="transformer-engine")
+    return kernels
+
+
+# Features a flag may ask of the model family (ModelFamily.features): the feature, what the
+# flag asks for in words, and whether the run asks for it.
+FEATURE_FLAGS = {
+    "--num-experts": ("moe", "(mixture of experts) needs an MoE model family", lambda run: bool(run.moe.num_experts)),
+    "--expert-model-parallel-size": ("moe", "> 1 needs an MoE model family", lambda run: run.parallel.ep > 1),
+    "--context-parallel-size": ("context_parallel", "> 1 needs a model family with context parallelism",
+                                lambda run: run.parallel.cp > 1),
+}
+# Flags that need a kernel backend with a capability (KernelBackend.features), and what they need.
+KERNEL_FLAGS = {
+    "--fp8-hybrid": ("fp8", lambda run: run.precision.fp8_hybrid),
+    "--tp-comm-overlap": ("tp_comm_overlap", lambda run: run.precision.tp_comm_overlap),
+}
+TRANSFORMER_ENGINE = "NVIDIA Transformer Engine on a GPU (the mega-transformer-engine kernel plugin, --kernels transformer-engine)"
+
+
+def check_supported(run: RunConfig, family=None, plugins=None) -> None:
+    """Fail, naming the flag and what is missing, for what this installation cannot run: the
+    registries (model family features, kernel backends, optimizers) are asked, nothing is assumed."""
+    if plugins is None:
+        from mega.core.plugins import get_plugins
+
+        plugins = get_plugins()
+    family = family or plugins.models.get(run.training.model_family)
+    for flag, (feature, needs, asked) in FEATURE_FLAGS.items():
+        if asked(run) and feature not in family.features:
+            offering = [name for name in plugins.models.names() if feature in plugins.models.get(name).features]
+            where = f"families that have it: {', '.join(offering)}" if offering else "none is installed"
+            raise ConfigError(f"{flag} {needs}; {family.name!r} is not one ({where})")
+    precision, kernels = run.precision, run.kernels
+    try:
+        kernels.selection(plugins)
+    except (KernelBackendError, PluginError) as error:
+        if precision.use_flash_attn:
+            raise ConfigError(f"--use-flash-attn needs the flash-attn kernel plugin and a GPU: {error}") from None
+        if precision.transformer_impl == "transformer_engine":
+            raise ConfigError(f"--transformer-impl transformer_engine needs {TRANSFORMER_ENGINE}: {error}") from None
+        raise ConfigError(f"--kernels / --*-backend: {error}") from None
+    for flag, (feature, asked) in KERNEL_FLAGS.items():
+        backend = kernels.kernels and plugins.kernel_backends.get(kernels.kernels)
+        if asked(run) and feature not in getattr(backend, "features", ()):
+            raise ConfigError(f"{flag} needs {TRANSFORMER_ENGINE}, or another kernel backend with {feature}")
+    if run.optimizer.optimizer not in plugins.optimizers:
+        raise ConfigError(f"--optimizer {run.optimizer.optimizer!r} is not registered; optimizers: "
+                          f"{', '.join(plugins.optimizers.names())}")
     if run.optimizer.cpu_optimizer:
         raise ConfigError("--cpu-optimizer: optimizer offloading is not available in this version")
-    try:
-        get_attention_backend(run.model.attention_backend)
-    except (KernelBackendError, PluginError) as error:
-        hint = " (--use-flash-attn needs the flash-attn kernel plugin and a GPU)" if run.precision.use_flash_attn else ""
-        raise ConfigError(f"{error}{hint}") from None
     checkpoint = run.checkpoint
     if checkpoint.save_interval is not None and checkpoint.save_interval < 1:
         raise ConfigError(f"--save-interval must be a positive number of iterations, got {checkpoint.save_interval}")

@@ -39,6 +39,8 @@ class TensorBoardLogger:
             "batch-size": run.derived.global_batch_size,
             "iteration-time": metrics["elapsed_s"],
             "throughput tokens/s": tokens / metrics["elapsed_s"],
+            # the family's other losses (MoE auxiliary, BERT's sentence loss), under their names
+            **{name: value for name, value in metrics.get("losses", {}).items() if name != "lm loss"},
         }
         for tag, value in scalars.items():
             if math.isfinite(value):

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mega.core.build import build_stage
 from mega.core.datasets import TrainingData
 from mega.core.distributed.ddp import DDPConfig, DistributedDataParallel
-from mega.core.model_family import ModelFamily
+from mega.core.kernels import Kernels
+from mega.core.model_family import LossContext, ModelFamily
 from mega.core.optim.build import build_optimizer
 from mega.core.parallel import ParallelGroups
 from mega.core.parallel.random import seed_parallel_rng
-from mega.core.parallel.tensor_parallel import apply_tensor_parallel
-from mega.core.pipeline.partition import split_layers
 from mega.core.pipeline.schedules import forward_backward
 from mega.core.pipeline.tied import setup_tied_weights
 from mega.core.plugins import Events, Plugins
@@ -64,8 +64,16 @@ class Trainer:
         seed = run.training.seed
         torch.manual_seed(seed)
         self.rng_tracker = seed_parallel_rng(seed, self.groups)
+        self.kernels = Kernels(run.kernels.selection(), plugins)
+        self.loss_context = LossContext(run.model, self.groups.tp, self.kernels)
+        pp, vpp = self.groups.pp.size, run.parallel.vpp or 1
+        self.all_stages = family.pipeline_stages(run.model, pp, vpp)
+        # Virtual stage c * pp + r is model chunk c of pipeline rank r (interleaved order).
+        self.stages = [self.all_stages[chunk * pp + self.groups.pp.rank] for chunk in range(vpp)]
+        self.reads_batch = [bool(stage.batch_keys) or stage.is_last for stage in self.stages]
         self.chunks = self._build_model_chunks()
-        self.optimizer = build_optimizer(self.chunks, self.groups, run.optimizer, grad_scaler_for(run.precision))
+        self.optimizer = build_optimizer(self.chunks, self.groups, run.optimizer, grad_scaler_for(run.precision),
+                                         plugins)
         train_iters = run.training.train_iters
         self.lr_schedule = LearningRateSchedule(
             lr=run.optimizer.lr, min_lr=run.optimizer.min_lr, style=run.optimizer.lr_decay_style,
@@ -81,75 +89,88 @@ class Trainer:
             # Imported here: torch.distributed.checkpoint takes a second to import.
             from mega.core.checkpoint.checkpointer import Checkpointer
 
-            self.checkpointer = Checkpointer(self)
+            self.checkpointer = Checkpointer(run.checkpoint, self.groups, self.checkpoint_state())
         if run.checkpoint.load:
             self.checkpointer.load()
 
+    def checkpoint_state(self):
+        from mega.core.checkpoint.checkpointer import TrainingState
+
+        return TrainingState(self.chunks, self.optimizer, self.rng_tracker, self.state, self.family, self.run,
+                             self.tokenizer_spec, self.events)
+
     # -- building ---------------------------------------------------------------------------
     def _build_model_chunks(self) -> list[DistributedDataParallel]:
+        """This rank's model chunks (virtual stages ``rank``, ``rank + pp``, ...), each built by
+        :func:`build_stage` and wrapped for data parallelism."""
         run, groups = self.run, self.groups
-        ranges = split_layers(run.model.num_layers, groups.pp.size, run.parallel.vpp or 1)[groups.pp.rank]
         ddp_config = DDPConfig(
             overlap_grad_reduce=run.optimizer.overlap_grad_reduce,
             use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
         )
         chunks = []
-        for index, layers in enumerate(ranges):
-            pre = groups.is_pipeline_first and index == 0
-            post = groups.is_pipeline_last and index == len(ranges) - 1
-            module = self.family.build(
-                run.model, pre_process=pre, post_process=post, layers=layers, parallel=run.parallel,
-                rng_tracker=self.rng_tracker, device=groups.device, seed=run.training.seed,
-            )
-            plan = self.family.tensor_parallel_plan(run.model, pre_process=pre, post_process=post)
-            apply_tensor_parallel(module, plan, groups)
-            chunks.append(module.to(self.dtype))
+        for stage in self.stages:
+            module = build_stage(self.family, run.model, stage, groups=groups, kernels=self.kernels,
+                                 rng_tracker=self.rng_tracker, seed=run.training.seed, dtype=self.dtype)
+            chunks.append(module)
         setup_tied_weights(chunks, groups)
         return [DistributedDataParallel(chunk, groups, ddp_config) for chunk in chunks]
 
-    @property
-    def activation_shape(self) -> list[int]:
-        """[sequence (split under sequence parallelism), micro-batch, hidden] between stages."""
-        seq = self.run.model.seq_length
-        if self.run.parallel.sequence_parallel:
-            seq //= self.groups.tp.size
-        return [seq, self.run.training.micro_batch_size, self.run.model.hidden_size]
+    def _boundary(self, index: int) -> dict:
+        """What virtual stage ``index`` sends to the next one (the family says)."""
+        return self.family.boundary(self.run.model, self.all_stages[index], self.run.training.micro_batch_size,
+                                    self.run.parallel, self.dtype)
 
     # -- one step ---------------------------------------------------------------------------
-    def _loss_fn(self, logits: torch.Tensor, targets) -> torch.Tensor:
-        labels, loss_mask = targets
-        per_token = self.chunks[-1].module.loss(logits, labels, self.groups.tp)
-        return (per_token * loss_mask).sum() / loss_mask.sum().clamp_min(1.0)
+    def _loss_fn(self, outputs, batch: dict) -> torch.Tensor:
+        loss, metrics = self.family.loss(outputs, batch, self.loss_context)
+        self._metrics.append(metrics)
+        return loss
 
     def _microbatches(self, dataset, consumed_samples: int) -> Iterator:
-        """The micro-batches of this rank, from ``consumed_samples`` on (None off the end stages)."""
-        needs_data = self.groups.is_pipeline_first or self.groups.is_pipeline_last
-        if not needs_data:
+        """The micro-batches of this rank as ``(batch, batch)``: the stages read the batch's
+        fields, the loss its labels and masks (nothing on ranks none of whose stages read them)."""
+        if not any(self.reads_batch):
             return iter(())
-        return iter(MicroBatches(dataset, self.run, self.groups, consumed_samples, self.groups.device))
+        stage_keys = tuple(key for stage in self.all_stages for key in stage.batch_keys)
+        batches = MicroBatches(dataset, self.run, self.groups, consumed_samples, self.groups.device,
+                               self.family.batch_keys, stage_keys)
+        return ((batch, batch) for batch in batches)
 
     def _run_schedule(self, data: Iterator, forward_only: bool) -> float:
-        """One global batch forward (and backward); the mean loss, known on every rank."""
+        """One global batch forward (and backward); the mean of the family's ``lm loss`` (of the
+        loss it differentiates if it names none), known on every rank; the means of all its
+        metrics, likewise, in ``self.last_metrics``."""
         # fp16: the schedule differentiates the scaled loss; the optimizer unscales the gradients.
         scale = 1.0 if forward_only else self.optimizer.loss_scale
-        loss_fn = self._loss_fn if scale == 1.0 else (lambda output, targets: self._loss_fn(output, targets) * scale)
+        loss_fn = self._loss_fn if scale == 1.0 else (lambda output, batch: self._loss_fn(output, batch) * scale)
+        self._metrics = []
         losses = forward_backward(
             self.chunks, data, self.derived.num_microbatches, loss_fn, self.groups,
-            tensor_shape=self.activation_shape, dtype=self.dtype,
+            boundary=self._boundary, reads_batch=self.reads_batch,
             grad_sync=None if forward_only else self.chunks, events=self.events, forward_only=forward_only,
         )
-        return self._mean_over_ranks([loss / scale for loss in losses])
+        return self._mean_over_ranks([loss / scale for loss in losses], self._metrics)
 
-    def _mean_over_ranks(self, losses: list[torch.Tensor]) -> float:
-        """Average the last stage's micro-batch losses over data-parallel ranks; share with all."""
-        total = torch.stack(losses).float().mean() if losses else torch.zeros((), dtype=torch.float32)
-        total = total.to(self.groups.device)
-        if self.groups.dp_cp.size > 1:
-            dist.all_reduce(total, group=self.groups.dp_cp.group)
-            total /= self.groups.dp_cp.size
+    def _mean_over_ranks(self, losses: list[torch.Tensor], metrics: list[dict]) -> float:
+        """Average the last stage's micro-batch loss and metrics over data-parallel ranks and
+        share them with every pipeline stage."""
+        summary = None
+        if self.groups.is_pipeline_last:
+            names = sorted(metrics[0]) if metrics else []
+            values = [torch.stack(losses).float().mean()] + [
+                torch.stack([m[name].float() for m in metrics]).mean() for name in names]
+            total = torch.stack(values).to(self.groups.device)
+            if self.groups.dp_cp.size > 1:
+                dist.all_reduce(total, group=self.groups.dp_cp.group)
+                total /= self.groups.dp_cp.size
+            summary = [total[0].item(), dict(zip(names, total[1:].tolist(), strict=True))]
         if self.groups.pp.size > 1:
-            dist.broadcast(total, src=self.groups.pp.ranks[-1], group=self.groups.pp.group)
-        return total.item()
+            shared = [summary]
+            dist.broadcast_object_list(shared, src=self.groups.pp.ranks[-1], group=self.groups.pp.group)
+            summary = shared[0]
+        loss, self.last_metrics = summary
+        return self.last_metrics.get("lm loss", loss)
 
     def train_step(self, data: Iterator) -> dict:
         state = self.state
@@ -168,8 +189,8 @@ class Trainer:
         if not outcome.applied:
             state.skipped_iterations += 1
         state.losses.append(loss)
-        return {"loss": loss, "lr": lr, "grad_norm": outcome.grad_norm, "loss_scale": outcome.loss_scale,
-                "applied": outcome.applied}
+        return {"loss": loss, "losses": self.last_metrics, "lr": lr, "grad_norm": outcome.grad_norm,
+                "loss_scale": outcome.loss_scale, "applied": outcome.applied}
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> RunState:

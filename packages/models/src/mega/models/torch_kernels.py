@@ -1,0 +1,166 @@
+"""The ``torch`` kernel backend: torch-native components of every kind but ``norm_linear``.
+
+Registered by this package's plugin as ``torch``; the default for every kind (see
+:mod:`mega.core.kernels` for the contract of each). Attention is torch's
+``scaled_dot_product_attention``, which picks its fastest kernel for the device (flash or
+memory-efficient on GPUs, a fused C++ kernel on CPUs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mega.core.kernels import AttentionMask
+from mega.core.parallel.cross_entropy import vocab_parallel_cross_entropy
+
+# Only the CUDA flash kernel takes fewer key/value heads natively (torch >= 2.5); elsewhere
+# ``enable_gqa`` falls back to the unfused math kernel, slower than repeating the heads.
+NATIVE_GQA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def sdpa_attention(query, key, value, *, mask: AttentionMask, dropout_p: float = 0.0,
+                   softmax_scale: float | None = None):
+    repeats = query.shape[1] // key.shape[1]
+    native_gqa = query.is_cuda and query.dtype in NATIVE_GQA_DTYPES
+    if repeats > 1 and not native_gqa:
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    attn_mask = _explicit_mask(mask, query, key)
+    # sdpa's is_causal aligns the mask at the top left; an explicit mask serves the other cases.
+    is_causal = mask.causal and attn_mask is None
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=softmax_scale,
+        enable_gqa=repeats > 1 and native_gqa,
+    )
+
+
+def _explicit_mask(mask: AttentionMask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """An additive float mask ``[batch or 1, heads or 1, q, k]``, or None when ``is_causal``
+    (queries and keys of one length) or nothing at all is needed."""
+    q_len, k_len = query.shape[2], key.shape[2]
+    needs_causal = mask.causal and q_len != k_len
+    if mask.padding is None and mask.cu_seqlens is None and mask.bias is None and not needs_causal:
+        return None
+    device = query.device
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)[None, None]
+    if mask.causal:
+        allowed = allowed & torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
+    if mask.padding is not None:
+        allowed = allowed & mask.padding[:, None, None, :].to(torch.bool)
+    if mask.cu_seqlens is not None:
+        document = torch.bucketize(torch.arange(k_len, device=device), mask.cu_seqlens[1:].to(device), right=True)
+        allowed = allowed & (document[-q_len:, None] == document[None, :])[None, None]
+    additive = torch.zeros(allowed.shape, dtype=query.dtype, device=device)
+    additive.masked_fill_(~allowed, torch.finfo(query.dtype).min)
+    if mask.bias is not None:
+        additive = additive + mask.bias.to(query.dtype)
+    return additive
+
+
+def norm(kind: str, hidden_size: int, eps: float) -> nn.Module:
+    if kind == "RMSNorm":
+        return nn.RMSNorm(hidden_size, eps=eps)
+    if kind == "LayerNorm":
+        return nn.LayerNorm(hidden_size, eps=eps)
+    raise ValueError(f"no normalization {kind!r}; choose LayerNorm or RMSNorm")
+
+
+def linear(in_features: int, out_features: int, bias: bool = True) -> nn.Module:
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def activation(name: str):
+    functions = {
+        "gelu": F.gelu,
+        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "relu": F.relu,
+        "swiglu": _SwiGLU.apply,
+        "geglu": lambda x: F.gelu(x.chunk(2, dim=-1)[0]) * x.chunk(2, dim=-1)[1],
+    }
+    if name not in functions:
+        raise ValueError(f"no activation {name!r}; choose one of {', '.join(functions)}")
+    return functions[name]
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Per-token cross-entropy (fp32) of ``logits`` ``[..., vocab (shard)]``, shaped like ``labels``."""
+    if tp_group is None or tp_group.size == 1:
+        losses = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
+        return losses.view(labels.shape)
+    return vocab_parallel_cross_entropy(logits, labels, tp_group)
+
+
+class TorchKernels:
+    name = "torch"
+    kinds = frozenset({"attention", "norm", "linear", "activation", "rotary", "loss"})
+
+    def is_available(self) -> tuple[bool, str]:
+        return True, ""
+
+    def component(self, kind: str):
+        return {"attention": sdpa_attention, "norm": norm, "linear": linear, "activation": activation,
+                "rotary": apply_rotary, "loss": cross_entropy}[kind]
+
+
+TORCH = TorchKernels()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[seq, batch, heads, head_dim]`` by the angles of ``cos``/``sin``
+    (:func:`rotary_cos_sin`); the arithmetic runs in ``x``'s dtype."""
+    return _Rotate.apply(x, cos.to(x.dtype), sin.to(x.dtype))
+
+
+class _Rotate(torch.autograd.Function):
+    """``x * cos + rotate_half(x) * sin``, written half by half into one output.
+
+    The textbook form concatenates a negated half (and autograd concatenates again in the
+    backward); on the CPU those copies cost more than the arithmetic. The gradient is the
+    inverse rotation of the incoming gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, inverse=False)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, inverse=True), None, None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out_first, out_second = out.chunk(2, dim=-1)
+    sign = 1.0 if inverse else -1.0
+    torch.mul(first, cos, out=out_first).addcmul_(second, sin, value=sign)  # x1 cos -/+ x2 sin
+    torch.mul(second, cos, out=out_second).addcmul_(first, sin, value=-sign)  # x2 cos +/- x1 sin
+    return out
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` of the stacked ``[gate; up]`` output.
+
+    Autograd would keep ``gate``, ``silu(gate)`` and ``up`` and concatenate the two gradients
+    in the backward; this keeps only the input and writes both gradients straight into one
+    buffer (less memory, one copy fewer, the same numbers).
+    """
+
+    @staticmethod
+    def forward(ctx, stacked: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(stacked)
+        gate, up = stacked.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (stacked,) = ctx.saved_tensors
+        gate, up = stacked.chunk(2, dim=-1)
+        grad_stacked = torch.empty_like(stacked)
+        grad_gate, grad_up = grad_stacked.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        torch.mul(grad, F.silu(gate), out=grad_up)
+        return grad_stacked
