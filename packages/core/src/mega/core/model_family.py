@@ -120,6 +120,10 @@ class ModelFamily:
       (forward and backward) over ``batch_size`` sequences of ``config.seq_length`` tokens, by
       Megatron's formula (for throughput and MFU).
     * ``hf_mapping``: the Hugging Face counterpart (:class:`HFMapping`), if the family has one.
+    * ``memory_model(config, *, layers, pre_process, post_process, parallel, micro_batch_size,
+      dtype_bytes, device_type="cuda") -> StageFootprint``: parameters and saved activations of
+      one rank of a stage of ``layers`` layers (:mod:`mega.core.planning.footprint`), for
+      `mega plan`; None if the family cannot tell.
     """
 
     name: str
@@ -132,6 +136,7 @@ class ModelFamily:
     num_floating_point_operations: Callable[[Any, int], float]
     description: str = ""
     hf_mapping: HFMapping | None = None
+    memory_model: Callable[..., Any] | None = None
 
     def preset(self, name: str, **overrides: Any) -> Any:
         """The config of preset ``name``, with ``overrides`` replacing fields (e.g. seq_length).
