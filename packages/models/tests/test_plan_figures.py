@@ -48,7 +48,7 @@ def test_seed_004_layouts_are_among_those_search_finds(capsys, preset, gpus, tp,
                           "--gpus", str(gpus), "--global-batch-size", str(batch), "--search", "--top", "100000")
     assert code == 0
     found = [entry["layout"] for entry in layouts]
-    assert any((l["tp"], l["pp"], l["cp"], l["dp"]) == (tp, pp, cp, dp) for l in found), \
+    assert any((f["tp"], f["pp"], f["cp"], f["dp"]) == (tp, pp, cp, dp) for f in found), \
         f"{preset}: seed 004's tp{tp} pp{pp} cp{cp} dp{dp} is not among the {len(found)} layouts that fit"
     assert all(entry["peak_bytes"] <= 0.9 * 80 * 1024**3 for entry in layouts)
 
