@@ -37,3 +37,8 @@ def test_bench_train_reports_every_precision(tmp_path, capsys):
 def test_bench_train_rejects_an_unknown_precision(capsys):
     assert bench_main(["--precisions", "fp32,int4"]) == 2
     assert "--precisions: unknown int4" in capsys.readouterr().err
+
+
+def test_bench_train_names_a_bad_train_flag(capsys):
+    assert bench_main([*TRAIN, "--micro-batch-size", "0"]) == 2
+    assert "--micro-batch-size must be positive" in capsys.readouterr().err

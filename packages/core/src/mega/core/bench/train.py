@@ -108,13 +108,16 @@ def _one_run(argv: list[str], result_path: str, warmup: int) -> int:
 
 
 def unavailable_reason(train_argv: list[str], precision: str) -> str | None:
-    """Why this installation cannot train in ``precision`` (fp8 without Transformer Engine...), or None."""
+    """Why this installation cannot train in ``precision`` (fp8 without Transformer Engine...), or None.
+
+    ``train_argv`` must parse (checked first): only what the precision adds is judged here.
+    """
     from mega.core.config import ConfigError
     from mega.core.training.command import parse_run
     from mega.core.training.run_config import check_supported
 
+    run, _ = parse_run(train_argv + PRECISION_FLAGS[precision])
     try:
-        run, _ = parse_run(train_argv + PRECISION_FLAGS[precision])
         check_supported(run)
     except ConfigError as error:
         return str(error)
@@ -160,6 +163,16 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"mega bench train: error: --precisions: unknown {', '.join(unknown)}; choose from "
               f"{', '.join(PRECISION_FLAGS)}", file=sys.stderr)
+        return 2
+    from mega.core.config import ConfigError
+    from mega.core.plugins import PluginError
+    from mega.core.training.command import parse_run
+    from mega.core.training.run_config import check_supported
+
+    try:
+        check_supported(parse_run(train_argv)[0])  # the flags every run shares must be right
+    except (ConfigError, PluginError, KeyError) as error:
+        print(f"mega bench train: error: {error}", file=sys.stderr)
         return 2
     runs = []
     with tempfile.TemporaryDirectory(prefix="mega-bench-train-") as scratch:

@@ -118,7 +118,7 @@ def check_cudnn_nccl(torch) -> list[Check]:
     return checks
 
 
-def check_topology(gpu_count: int) -> tuple[Check, dict]:
+def check_topology() -> tuple[Check, dict]:
     text = run_tool("nvidia-smi", "topo", "-m")
     if text is None:
         return Check("topology", SKIP, "nvidia-smi topo -m not available"), {}
@@ -214,7 +214,7 @@ def run_checks(environ=None) -> tuple[list[Check], dict]:
     environ = os.environ if environ is None else environ
     gpus_check, gpus = check_gpus(torch)
     checks = [check_python(), check_torch(torch), check_driver(torch), *check_cudnn_nccl(torch), gpus_check]
-    topology_check, topology = check_topology(len(gpus))
+    topology_check, topology = check_topology()
     packages_check, packages = check_packages()
     checks += [topology_check, packages_check, *check_plugins(),
                *check_environment(environ, bool(gpus), os.cpu_count() or 1)]
