@@ -63,3 +63,26 @@ def test_a_layout_that_cannot_fit_is_said_so(capsys):
 def test_plan_names_a_bad_flag(capsys):
     assert plan_main(["--model-preset", "175b", "--tensor-model-parallel-size", "3", "--gpus", "8"]) == 2
     assert "world size 8 is not divisible by tp*cp*pp" in capsys.readouterr().err
+
+
+def test_pipeline_stages_hold_the_micro_batches_1f1b_keeps_in_flight():
+    from mega.core.planning.memory_plan import Layout, plan_memory
+    from mega.core.plugins import get_plugins
+
+    family = get_plugins().models.get("gpt")
+    config = family.preset("1.3b")
+    ranks = plan_memory(family, config, Layout(pp=4, dp=2), dtype_bytes=2, num_microbatches=8)
+    assert [rank.in_flight for rank in ranks] == [4, 3, 2, 1]  # stage i keeps pp - i
+    per_microbatch = family.memory_model(config, layers=6, pre_process=False, post_process=False,
+                                         parallel=Layout(pp=4).parallel, micro_batch_size=1, dtype_bytes=2)
+    assert ranks[1].activations == 3 * per_microbatch.activation_bytes
+    interleaved = plan_memory(family, config, Layout(pp=4, vpp=2, dp=2), dtype_bytes=2, num_microbatches=8)
+    assert interleaved[0].in_flight == 2 * 3 + 4 + 1  # Megatron's warm-up (pp-1)*2 + (vpp-1)*pp, plus one
+
+
+def test_plan_prints_a_table_per_stage(capsys):
+    assert plan_main(["--model-preset", "1.3b", "--bf16", "--gpus", "8", "--pipeline-model-parallel-size", "2",
+                      "--use-distributed-optimizer", "--micro-batch-size", "4", "--global-batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "tp1 pp2 dp4 distopt mb4" in out and "weights GiB" in out and "fits in 80 GiB per GPU" in out
+    assert out.count("\n    0 ") == 1 and out.count("\n    1 ") == 1  # one row per stage

@@ -88,6 +88,7 @@ def _plan(run, family, machine) -> int:
         return _print_search(results, machine, world, global_batch)
 
     parallel.validate(world)
+    model.validate(parallel.tp)
     dp = world // (parallel.tp * parallel.pp * parallel.cp)
     vpp = parallel.vpp or 1
     if run.training.num_layers_per_virtual_pipeline_stage:
