@@ -53,6 +53,11 @@ def stage_parameters(config: TransformerConfig, layers: int, *, pre_process: boo
     return total
 
 
+def _dropout_mask_bytes(tensor_bytes: int, dtype_bytes: int, device_type: str) -> int:
+    """The mask dropout keeps for a tensor: bool on GPUs, the tensor's dtype on the CPU."""
+    return tensor_bytes if device_type != "cuda" else tensor_bytes // dtype_bytes
+
+
 def _layer_activation_bytes(config: TransformerConfig, tokens: int, parallel: ParallelConfig,
                             dtype_bytes: int, device_type: str) -> tuple[int, int, int]:
     """For ``tokens`` = s/cp * b: (bytes one layer keeps besides what its first norm keeps of its
@@ -85,8 +90,7 @@ def _layer_activation_bytes(config: TransformerConfig, tokens: int, parallel: Pa
     ffn = config.ffn_hidden_size // tp
     mlp = tokens * (ffn * (2 if config.swiglu else 1) + ffn) * dtype_bytes
     linear_inputs = 2 * tokens * config.hidden_size * dtype_bytes  # qkv and fc1, full sequence
-    mask = outside // dtype_bytes * (1 if device_type == "cuda" else dtype_bytes)
-    dropout = 2 * mask if config.hidden_dropout > 0 else 0
+    dropout = 2 * _dropout_mask_bytes(outside, dtype_bytes, device_type) if config.hidden_dropout > 0 else 0
     second_norm = norm_input + statistics  # the pre-MLP norm and the residual sum it normalises
     layer = statistics + linear_inputs + attention + rope_tables + mlp + dropout + second_norm
     return layer, norm_input, outside
@@ -111,7 +115,7 @@ def stage_footprint(config: TransformerConfig, *, layers: int, pre_process: bool
     if pre_process:
         kept += tokens * INT64 * 2  # token and position ids
         if config.hidden_dropout > 0:
-            kept += hidden // dtype_bytes * (1 if device_type == "cuda" else dtype_bytes)
+            kept += _dropout_mask_bytes(hidden, dtype_bytes, device_type)  # the embedding's dropout
     if post_process:
         split = tp if parallel.sequence_parallel else 1
         kept += norm_input + tokens // split * FP32 * 2  # the final norm's input and statistics
