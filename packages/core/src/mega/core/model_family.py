@@ -212,6 +212,10 @@ class ModelFamily:
     ``hf_mapping`` (:class:`HFMapping`), if the family has a Hugging Face counterpart.
     ``features``: capabilities beyond a dense model that flags may ask for (``"moe"``,
     ``"context_parallel"``); the core refuses such flags for a family without them.
+    * ``memory_model(config, *, layers, pre_process, post_process, parallel, micro_batch_size,
+      dtype_bytes, device_type="cuda") -> StageFootprint``: parameters and saved activations of
+      one rank of a stage of ``layers`` layers (:mod:`mega.core.planning.footprint`), for
+      `mega plan`; None if the family cannot tell.
     """
 
     name: str
@@ -230,6 +234,7 @@ class ModelFamily:
     features: frozenset[str] = frozenset()
     description: str = ""
     hf_mapping: HFMapping | None = None
+    memory_model: Callable[..., Any] | None = None
 
     def preset(self, name: str, **overrides: Any) -> Any:
         """The config of preset ``name``, with ``overrides`` replacing fields (e.g. seq_length).

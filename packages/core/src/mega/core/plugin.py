@@ -34,6 +34,27 @@ def register_commands(register):
         ),
     )
     register(
+        "plan",
+        Command(
+            help="memory per GPU, FLOPs and step time of a run before launching it; --search for layouts",
+            main="mega.core.planning.plan_command:main",
+        ),
+    )
+    register(
+        "doctor",
+        Command(
+            help="check driver, CUDA, NCCL, torch, GPUs, NVLink topology, plugins and environment",
+            main="mega.core.doctor.command:main",
+        ),
+    )
+    register(
+        "bench train",
+        Command(
+            help="baseline report: step time, tokens/s, TFLOP/s, MFU and memory per precision",
+            main="mega.core.bench.train:main",
+        ),
+    )
+    register(
         "bench comm",
         Command(
             help="measure collectives (all_reduce, all_gather, ...) the nccl-tests way",

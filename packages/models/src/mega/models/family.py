@@ -16,6 +16,7 @@ from mega.models.config import TransformerConfig
 from mega.models.flops import num_floating_point_operations
 from mega.models.initialization import init_parameter
 from mega.models.language_model import LanguageModel, per_token_cross_entropy
+from mega.models.memory import stage_footprint
 from mega.models.parallel_plan import tensor_parallel_plan
 from mega.models.parameter_count import num_parameters
 from mega.models.recompute import layer_runs
@@ -71,4 +72,5 @@ def transformer_family(name: str, presets: Mapping[str, TransformerConfig], desc
         parallelize=parallelize_language_model,
         description=description,
         hf_mapping=hf_mapping,
+        memory_model=stage_footprint,
     )

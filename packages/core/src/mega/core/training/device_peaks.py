@@ -21,8 +21,12 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    return peak_tflops_of(torch.cuda.get_device_name(device), fp32=dtype == torch.float32)
+
+
+def peak_tflops_of(gpu_name: str, fp32: bool = False) -> float | None:
+    """The dense peak of a GPU named like ``NVIDIA H100 80GB HBM3`` (or just ``H100``)."""
     for fragment, (half, tf32) in PEAK_TFLOPS:
-        if fragment in name:
-            return tf32 if dtype == torch.float32 else half
+        if fragment.lower() in gpu_name.lower():
+            return tf32 if fp32 else half
     return None

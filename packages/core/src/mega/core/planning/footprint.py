@@ -1,0 +1,27 @@
+"""What a model family tells the planner about one pipeline stage (``ModelFamily.memory_model``).
+
+The family knows its layers; the planner knows parallelism, precision, optimizers and schedules.
+They meet here: ``memory_model(config, layers=..., ...) -> StageFootprint`` for one rank of one
+stage (or virtual chunk), for a single micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageFootprint:
+    """One rank of one stage.
+
+    * ``parameters``: elements of the parameters this rank holds (its tensor-parallel shard,
+      replicated norms and biases whole, a tied embedding's last-stage copy included).
+    * ``activation_bytes``: what one micro-batch's forward keeps for the backward (recompute
+      applied: a recomputed region keeps only its input).
+    * ``recompute_bytes``: the largest recomputed region's activations, rebuilt for a moment in
+      the backward (0 without recompute).
+    """
+
+    parameters: int
+    activation_bytes: int
+    recompute_bytes: int = 0

@@ -1,0 +1,119 @@
+"""FLOPs of a step, its estimated time, and the search for layouts that fit.
+
+    step time = FLOPs x recompute / (GPUs x peak x MFU x (1 - bubble))
+
+FLOPs are the family's (Megatron's formula, the model's own work); full recompute repeats the
+layers' forward (x 4/3), selective recompute only the attention core's (not counted). ``MFU`` is
+what the kernels achieve while busy (mega measured ~47% for GPT 1.3B on one H100), and the 1F1B
+bubble is ``(pp - 1) / (vpp * m + pp - 1)`` of the step (m micro-batches per step).
+Communication is not modelled: among equal estimates the search prefers less model parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from mega.core.model_family import ModelFamily
+from mega.core.planning.memory_plan import Layout, PlanError, RankMemory, plan_memory
+
+RECOMPUTE_COST = {None: 1.0, "selective": 1.0, "full": 4.0 / 3.0}
+# Kept free on every GPU for the CUDA context, NCCL buffers and allocator fragmentation.
+MEMORY_HEADROOM = 0.1
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    ranks: list[RankMemory]
+    flops_per_step: float
+    bubble: float
+    step_time_s: float | None  # None without a peak TFLOP/s
+    tokens_per_step: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(rank.total for rank in self.ranks)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens_per_step / self.step_time_s if self.step_time_s else None
+
+
+def with_recompute(config, recompute: str | None):
+    """The model config with Megatron's recompute settings (full: uniform, one layer per region)."""
+    full = recompute == "full"
+    return dataclasses.replace(config, recompute_granularity=recompute,
+                               recompute_method="uniform" if full else None,
+                               recompute_num_layers=1 if full else None)
+
+
+def estimate(family: ModelFamily, config, layout: Layout, *, global_batch_size: int, dtype_bytes: int,
+             optimizer: str = "adam", peak_tflops: float | None = None, mfu: float = 0.45,
+             device_type: str = "cuda") -> Estimate:
+    per_step = layout.micro_batch_size * layout.dp
+    if global_batch_size % per_step:
+        raise PlanError(f"--global-batch-size {global_batch_size} is not divisible by micro-batch "
+                        f"{layout.micro_batch_size} x dp {layout.dp}")
+    microbatches = global_batch_size // per_step
+    if layout.vpp > 1 and microbatches % layout.pp:
+        raise PlanError(f"the interleaved schedule needs the micro-batches ({microbatches}) to be a multiple of pp")
+    # The peak of held activations is reached by the end of the warm-up; two rounds of pp
+    # micro-batches show it without walking thousands of them.
+    walked = min(microbatches, 2 * layout.pp)
+    ranks = plan_memory(family, config, layout, dtype_bytes=dtype_bytes, optimizer=optimizer,
+                        num_microbatches=walked, device_type=device_type)
+    flops = family.num_floating_point_operations(config, global_batch_size)
+    bubble = (layout.pp - 1) / (layout.vpp * microbatches + layout.pp - 1)
+    step_time = None
+    if peak_tflops:
+        busy = flops * RECOMPUTE_COST[layout.recompute] / (layout.world_size * peak_tflops * 1e12 * mfu)
+        step_time = busy / (1.0 - bubble)
+    return Estimate(layout, ranks, flops, bubble, step_time, global_batch_size * config.seq_length)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+
+def search(family: ModelFamily, config, *, world_size: int, global_batch_size: int, gpu_memory_bytes: int,
+           dtype_bytes: int, optimizer: str = "adam", peak_tflops: float | None = None, mfu: float = 0.45,
+           gpus_per_node: int = 8, micro_batch_sizes=(1, 2, 4, 8), device_type: str = "cuda") -> list[Estimate]:
+    """Every layout that fits in ``gpu_memory_bytes`` (less the headroom), fastest first."""
+    budget = gpu_memory_bytes * (1.0 - MEMORY_HEADROOM)
+    fitting = []
+    for recompute in (None, "selective", "full"):
+        model = with_recompute(config, recompute)
+        for tp in _powers_of_two(min(gpus_per_node, world_size)):
+            try:
+                model.validate(tp)
+            except ValueError:
+                continue
+            for cp in _powers_of_two(world_size // tp):
+                if config.seq_length % (2 * cp) and cp > 1:
+                    continue
+                for pp in range(1, min(config.num_layers, world_size // (tp * cp)) + 1):
+                    if world_size % (tp * cp * pp):
+                        continue
+                    dp = world_size // (tp * cp * pp)
+                    for vpp in [1] + [v for v in (2, 4) if pp > 1 and config.num_layers % (pp * v) == 0]:
+                        for micro in micro_batch_sizes:
+                            layout = Layout(tp=tp, pp=pp, cp=cp, vpp=vpp, dp=dp, sequence_parallel=tp > 1,
+                                            distributed_optimizer=dp * cp > 1, recompute=recompute,
+                                            micro_batch_size=micro)
+                            try:
+                                result = estimate(family, model, layout, global_batch_size=global_batch_size,
+                                                  dtype_bytes=dtype_bytes, optimizer=optimizer,
+                                                  peak_tflops=peak_tflops, mfu=mfu, device_type=device_type)
+                            except PlanError:
+                                continue
+                            if result.peak_bytes <= budget:
+                                fitting.append(result)
+
+    def speed(result: Estimate):
+        layout = result.layout
+        time = result.step_time_s if result.step_time_s is not None else (
+            RECOMPUTE_COST[layout.recompute] / (1.0 - result.bubble))
+        return (time, layout.tp * layout.cp * layout.pp, -layout.micro_batch_size, result.peak_bytes)
+
+    return sorted(fitting, key=speed)

@@ -1,0 +1,88 @@
+"""`mega plan` reproduces the seeds' figures: the 175B memory table and seed 004's layouts.
+
+The seeds: GPT-3 175B in fp16 with Adam needs ~2,800 GB before activations (350 GB weights,
+350 GB gradients, 2,100 GB of fp32 master weights and moments). Seed 004's layout table for
+80 GB GPUs: 7B tp1 pp1 dp8; 13B tp2 pp1 dp4; 70B tp4 pp4 dp4; 405B tp8 pp8 dp2 cp2.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mega.core.planning.plan_command import main as plan_main
+
+GB = 1e9
+
+
+def _plan(capsys, *argv: str):
+    code = plan_main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_175b_in_fp16_with_adam_needs_2800_gb_before_activations(capsys):
+    code, plan = _plan(capsys, "--model-preset", "175b", "--fp16")
+    assert code == 0
+    rank = plan["ranks"][0]
+    assert rank["parameters"] == pytest.approx(175e9, rel=0.01)
+    assert rank["weights"] / GB == pytest.approx(350, rel=0.01)
+    assert rank["gradients"] / GB == pytest.approx(350, rel=0.01)
+    assert rank["optimizer"] / GB == pytest.approx(2100, rel=0.01)
+    assert (rank["weights"] + rank["gradients"] + rank["optimizer"]) / GB == pytest.approx(2800, rel=0.01)
+    assert not plan["fits"]
+
+
+# (preset, GPUs, tp, pp, cp, dp, global batch)
+SEED_004 = [
+    ("llama2-7b", 8, 1, 1, 1, 8, 256),
+    ("llama2-13b", 8, 2, 1, 1, 4, 256),
+    ("llama3-70b", 64, 4, 4, 1, 4, 1024),
+    ("llama3-405b", 256, 8, 8, 2, 2, 1024),
+]
+
+
+@pytest.mark.parametrize(("preset", "gpus", "tp", "pp", "cp", "dp", "batch"), SEED_004)
+def test_seed_004_layouts_are_among_those_search_finds(capsys, preset, gpus, tp, pp, cp, dp, batch):
+    code, layouts = _plan(capsys, "--model-family", "llama", "--model-preset", preset, "--bf16",
+                          "--gpus", str(gpus), "--global-batch-size", str(batch), "--search", "--top", "100000")
+    assert code == 0
+    found = [entry["layout"] for entry in layouts]
+    assert any((f["tp"], f["pp"], f["cp"], f["dp"]) == (tp, pp, cp, dp) for f in found), \
+        f"{preset}: seed 004's tp{tp} pp{pp} cp{cp} dp{dp} is not among the {len(found)} layouts that fit"
+    assert all(entry["peak_bytes"] <= 0.9 * 80 * 1024**3 for entry in layouts)
+
+
+def test_a_layout_that_cannot_fit_is_said_so(capsys):
+    # 13B on one 80 GB GPU: 26 GB of bf16 weights, 26 GB of gradients, 156 GB of optimizer state.
+    code, plan = _plan(capsys, "--model-family", "llama", "--model-preset", "llama2-13b", "--bf16")
+    assert code == 0 and not plan["fits"]
+    assert plan["ranks"][0]["optimizer"] / GB == pytest.approx(13.0e9 * 12 / GB, rel=0.02)
+
+
+def test_plan_names_a_bad_flag(capsys):
+    assert plan_main(["--model-preset", "175b", "--tensor-model-parallel-size", "3", "--gpus", "8"]) == 2
+    assert "world size 8 is not divisible by tp*cp*pp" in capsys.readouterr().err
+
+
+def test_pipeline_stages_hold_the_micro_batches_1f1b_keeps_in_flight():
+    from mega.core.planning.memory_plan import Layout, plan_memory
+    from mega.core.plugins import get_plugins
+
+    family = get_plugins().models.get("gpt")
+    config = family.preset("1.3b")
+    ranks = plan_memory(family, config, Layout(pp=4, dp=2), dtype_bytes=2, num_microbatches=8)
+    assert [rank.in_flight for rank in ranks] == [4, 3, 2, 1]  # stage i keeps pp - i
+    per_microbatch = family.memory_model(config, layers=6, pre_process=False, post_process=False,
+                                         parallel=Layout(pp=4).parallel, micro_batch_size=1, dtype_bytes=2)
+    assert ranks[1].activations == 3 * per_microbatch.activation_bytes
+    interleaved = plan_memory(family, config, Layout(pp=4, vpp=2, dp=2), dtype_bytes=2, num_microbatches=8)
+    assert interleaved[0].in_flight == 2 * 3 + 4 + 1  # Megatron's warm-up (pp-1)*2 + (vpp-1)*pp, plus one
+
+
+def test_plan_prints_a_table_per_stage(capsys):
+    assert plan_main(["--model-preset", "1.3b", "--bf16", "--gpus", "8", "--pipeline-model-parallel-size", "2",
+                      "--use-distributed-optimizer", "--micro-batch-size", "4", "--global-batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "tp1 pp2 dp4 distopt mb4" in out and "weights GiB" in out and "fits in 80 GiB per GPU" in out
+    assert out.count("\n    0 ") == 1 and out.count("\n    1 ") == 1  # one row per stage
