@@ -36,7 +36,7 @@ def split_layers(
             raise PartitionError(
                 f"cannot split {num_layers} layers evenly into pp*vpp = {pp}*{vpp} = {stages} "
                 f"stages ({num_layers} is not divisible by {stages}); pass layers_per_stage with "
-                f"{stages} counts in pipeline order, e.g. {_suggest(num_layers, stages)}"
+                f"{stages} counts in pipeline order, e.g. {even_layer_counts(num_layers, stages)}"
             )
         layers_per_stage = [num_layers // stages] * stages
     counts = list(layers_per_stage)
@@ -68,7 +68,7 @@ def pipeline_chunks(
     return [nn.Sequential(OrderedDict((str(i), layers[i]) for i in indices)) for indices in ranges]
 
 
-def _suggest(num_layers: int, stages: int) -> list[int]:
+def even_layer_counts(num_layers: int, stages: int) -> list[int]:
     """An even-as-possible split, the larger stages first."""
     base, extra = divmod(num_layers, stages)
     return [base + 1] * extra + [base] * (stages - extra)

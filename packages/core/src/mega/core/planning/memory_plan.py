@@ -22,7 +22,7 @@ from mega.core.distributed.ddp import DDPConfig
 from mega.core.distributed.grad_buffer import SHARD_ALIGNMENT
 from mega.core.model_family import ModelFamily
 from mega.core.parallel import ParallelConfig
-from mega.core.pipeline.partition import _suggest, split_layers
+from mega.core.pipeline.partition import even_layer_counts, split_layers
 from mega.core.pipeline.schedule_table import FORWARD, schedule_table
 from mega.core.planning.footprint import StageFootprint
 
@@ -90,7 +90,7 @@ def layer_split(num_layers: int, pp: int, vpp: int) -> list[list[range]]:
     stages = pp * vpp
     if num_layers < stages:
         raise PlanError(f"cannot split {num_layers} layers into pp*vpp = {stages} stages")
-    counts = None if num_layers % stages == 0 else _suggest(num_layers, stages)
+    counts = None if num_layers % stages == 0 else even_layer_counts(num_layers, stages)
     return split_layers(num_layers, pp, vpp, counts)
 
 

@@ -70,9 +70,9 @@ def _plan(run, family, machine) -> int:
     from mega.core.planning.memory_plan import Layout
     from mega.core.planning.step_estimate import MEMORY_HEADROOM, estimate, search
     from mega.core.training.device_peaks import peak_tflops_of
-    from mega.core.training.run_config import _model_with_megatron_shorthands
+    from mega.core.training.run_config import model_with_megatron_shorthands
 
-    model = _model_with_megatron_shorthands(run)
+    model = model_with_megatron_shorthands(run)
     parallel = run.parallel
     world = machine.world_size or parallel.tp * parallel.pp * parallel.cp
     dtype_bytes = 2 if (run.precision.bf16 or run.precision.fp16) else 4

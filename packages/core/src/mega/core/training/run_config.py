@@ -64,7 +64,7 @@ class Derived:
 
 def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
     """Check the run against the world size; return it with derived fields filled in."""
-    run = dataclasses.replace(run, model=_model_with_megatron_shorthands(run),
+    run = dataclasses.replace(run, model=model_with_megatron_shorthands(run),
                               kernels=_kernels_with_megatron_shorthands(run))
     check_supported(run)
     parallel = run.parallel
@@ -107,7 +107,7 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
     return run, Derived(world_size, dp, global_batch, microbatches)
 
 
-def _model_with_megatron_shorthands(run: RunConfig):
+def model_with_megatron_shorthands(run: RunConfig):
     """Apply the flag Megatron spells outside the model config: --recompute-activations."""
     model = run.model
     if run.training.recompute_activations and getattr(model, "recompute_granularity", "") is None:
