@@ -20,12 +20,11 @@ Megatron's ``shared_embedding`` attribute on both stages, so the pipeline
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mega.core.kernels import get_attention_backend
 from mega.core.parallel import Group, ParallelConfig
-from mega.core.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mega.core.parallel.cross_entropy import cross_entropy
 from mega.core.parallel.param_attrs import mark_padded_vocab
 from mega.core.pipeline.tied import tie_across_stages
 from mega.models.block import TransformerBlock
@@ -89,14 +88,9 @@ class LanguageModel(nn.Module):
         return self.output_layer(hidden[-logits_to_keep:] if logits_to_keep else hidden)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, tp_group: Group | None = None) -> torch.Tensor:
-        """Per-token cross-entropy ``[b, s]`` (fp32) of logits ``[s, b, vocab (shard)]``."""
-        labels = labels.transpose(0, 1)
-        if tp_group is None or tp_group.size == 1:
-            losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-            losses = losses.view(labels.shape)
-        else:
-            losses = vocab_parallel_cross_entropy(logits, labels, tp_group)
-        return losses.transpose(0, 1)
+        """Per-token cross-entropy ``[b, s]`` (fp32) of logits ``[s, b, vocab (shard)]``; the
+        padded vocabulary rows take no part."""
+        return cross_entropy(logits, labels.transpose(0, 1), tp_group, self.config.vocab_size).transpose(0, 1)
 
 
 def _drop_tied_output_weight(module, state_dict, prefix, local_metadata):

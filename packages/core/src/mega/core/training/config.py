@@ -7,6 +7,7 @@ its parser, TOML loading and `--help` from these classes. Values are checked in
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,6 +52,10 @@ class TrainingConfig:
 class PrecisionConfig:
     bf16: bool = option(False, "bf16 parameters and compute with fp32 main weights")
     fp16: bool = option(False, "fp16 parameters and compute with fp32 main weights and loss scaling")
+    accumulate_allreduce_grads_in_fp32: bool | None = option(
+        None, "accumulate gradients over micro-batches and all-reduce them in fp32 (default: with --bf16; "
+        "--no-accumulate-allreduce-grads-in-fp32 keeps them in the parameters' dtype)",
+        action=argparse.BooleanOptionalAction)
     loss_scale: float | None = option(None, "static loss scale for fp16 (default: dynamic)")
     initial_loss_scale: float = option(2.0**32, "initial dynamic loss scale")
     min_loss_scale: float = option(1.0, "smallest dynamic loss scale")

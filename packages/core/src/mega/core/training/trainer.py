@@ -30,7 +30,7 @@ from mega.core.pipeline.tied import setup_tied_weights
 from mega.core.plugins import Events, Plugins
 from mega.core.training.batches import MicroBatches
 from mega.core.training.lr_schedule import LearningRateSchedule
-from mega.core.training.precision import grad_scaler_for, model_dtype
+from mega.core.training.precision import grad_scaler_for, grads_in_fp32, model_dtype
 from mega.core.training.run_config import Derived, RunConfig
 
 
@@ -91,6 +91,7 @@ class Trainer:
         ddp_config = DDPConfig(
             overlap_grad_reduce=run.optimizer.overlap_grad_reduce,
             use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
+            grad_reduce_in_fp32=grads_in_fp32(run.precision),
         )
         chunks = []
         for index, layers in enumerate(ranges):
