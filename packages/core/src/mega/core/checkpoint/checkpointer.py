@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mega.core.checkpoint import rng
+from mega.core.checkpoint.config_check import check_model_config
 from mega.core.checkpoint.directory import (
     RELEASE,
     find_checkpoint,
@@ -185,10 +186,7 @@ class Checkpointer:
         if metadata.model_family != trainer.family.name:
             raise CheckpointError(f"{path} holds a {metadata.model_family!r} model; this run trains "
                                   f"{trainer.family.name!r} (--model-family)")
-        saved_vocab = metadata.model_config.get("vocab_size")
-        if saved_vocab != trainer.run.model.vocab_size:
-            raise CheckpointError(f"{path} was trained with vocab_size {saved_vocab}; this run has "
-                                  f"{trainer.run.model.vocab_size} (check the tokenizer)")
+        check_model_config(path, metadata.model_config, trainer.run.model)
         weights_only = config.finetune or path.name == RELEASE
         with_optimizer = not weights_only and config.load_optim and metadata.optimizer is not None
         wanted = model_entries(trainer.chunks, self.groups.tp)
