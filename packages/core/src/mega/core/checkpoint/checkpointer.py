@@ -166,6 +166,7 @@ class Checkpointer:
             tokenizer=tokenizer_entry(trainer.tokenizer_spec),
             num_parameters=trainer.family.num_parameters(run.model, self.groups.tp.size),
             consumed_samples=state.consumed_samples,
+            consumed_valid_samples=state.consumed_valid_samples,
             skipped_iterations=state.skipped_iterations,
             nan_iterations=state.nan_iterations,
             optimizer=optimizer,
@@ -215,6 +216,7 @@ class Checkpointer:
         if not weights_only:
             state.iteration = metadata.iteration
             state.consumed_samples = metadata.consumed_samples
+            state.consumed_valid_samples = metadata.consumed_valid_samples
             state.skipped_iterations = metadata.skipped_iterations
             state.nan_iterations = metadata.nan_iterations
             self._last_saved = metadata.iteration

@@ -45,6 +45,7 @@ class RunState:
     flops_per_iteration: float
     iteration: int = 0
     consumed_samples: int = 0
+    consumed_valid_samples: int = 0  # as Megatron, each evaluation continues where the last stopped
     skipped_iterations: int = 0
     nan_iterations: int = 0
     losses: list[float] = field(default_factory=list)
@@ -205,12 +206,13 @@ class Trainer:
         return state
 
     def evaluate(self) -> dict:
-        """``--eval-iters`` global batches of the validation set, forward only."""
+        """The next ``--eval-iters`` global batches of the validation set, forward only."""
         for chunk in self.chunks:
             chunk.eval()
-        data = self._microbatches(self.valid_data, 0)
+        data = self._microbatches(self.valid_data, self.state.consumed_valid_samples)
         with torch.no_grad():
             losses = [self._run_schedule(data, forward_only=True) for _ in range(self.run.training.eval_iters)]
+        self.state.consumed_valid_samples += self.run.training.eval_iters * self.derived.global_batch_size
         for chunk in self.chunks:
             chunk.train()
         loss = sum(losses) / len(losses)
