@@ -170,6 +170,20 @@ def test_model_that_does_not_match(saved, capsys):
     assert "does not match this model" in capsys.readouterr().err
 
 
+def test_a_model_config_that_differs_where_shapes_agree_is_refused(saved, capsys):
+    """8 heads of 8 channels in 8 groups have the QKV shape of the saved 4 heads of 16 channels;
+    the norm epsilon has no shape at all. Dropout, recompute and the vocabulary padding may change."""
+    reinterpreting = ["--num-attention-heads", "8", "--kv-channels", "8", "--num-query-groups", "8", "--norm-epsilon", "1e-6"]
+    assert train_main(TINY + ["--train-iters", "3", *reinterpreting, "--load", str(saved)]) == 2
+    error = capsys.readouterr().err
+    assert "does not match this model: it was saved with num_attention_heads (--num-attention-heads) 4 where this " \
+           "run has 8; num_query_groups (--num-query-groups) 4 where this run has 8; kv_channels (--kv-channels) 16 " \
+           "where this run has 8; layernorm_epsilon (--norm-epsilon) 1e-05 where this run has 1e-06." in error
+    may_change = ["--hidden-dropout", "0.3", "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                  "--make-vocab-size-divisible-by", "96"]
+    assert train_main(TINY + ["--train-iters", "3", *may_change, "--load", str(saved)]) == 0
+
+
 def test_checkpoint_info(saved, capsys):
     assert info_main([str(saved)]) == 0
     out = capsys.readouterr().out

@@ -53,6 +53,7 @@ def measured_and_planned(argv: list[str]) -> dict:
     from mega.core.testing.saved_activations import saved_activation_bytes
     from mega.core.training.command import parse_run
     from mega.core.training.data_setup import build_datasets
+    from mega.core.training.precision import grads_in_fp32
     from mega.core.training.run_config import derive
     from mega.core.training.trainer import Trainer
 
@@ -98,8 +99,9 @@ def measured_and_planned(argv: list[str]) -> dict:
                     dp=derived.data_parallel_size, sequence_parallel=parallel.sequence_parallel,
                     distributed_optimizer=run.optimizer.use_distributed_optimizer,
                     recompute=model.recompute_granularity, micro_batch_size=micro)
+    grad_bytes = 4 if grads_in_fp32(run.precision) else trainer.dtype.itemsize
     rank = plan_memory(family, model, layout, dtype_bytes=trainer.dtype.itemsize, num_microbatches=derived.num_microbatches,
-                       device_type="cpu")[groups.pp.rank]
+                       device_type="cpu", grad_dtype_bytes=grad_bytes)[groups.pp.rank]
     planned = {"weights": rank.weights, "gradients": rank.gradients, "optimizer": rank.optimizer,
                "activations": planned_activations}
     return {"measured": measured, "planned": planned}

@@ -78,12 +78,14 @@ def input_ids(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def hf_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
+def hf_logits(directory: Path, ids: torch.Tensor, with_loss: bool = False):
+    """transformers' logits of ``ids`` (and, ``with_loss``, its next-token loss over them)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
-        return model(ids).logits
+        output = model(ids, labels=ids if with_loss else None)
+    return (output.logits, output.loss) if with_loss else output.logits
 
 
 def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:

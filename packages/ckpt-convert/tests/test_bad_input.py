@@ -126,3 +126,15 @@ def test_mega_checkpoints_damaged_or_not_expressible_in_transformers(hf_dirs, ca
                                                                                     "--input", str(mega))
     (mega / "release" / "__0_0.distcp").unlink()
     assert "is incomplete: __0_0.distcp is missing" in fails(capsys, tmp_path, "--to", "hf", "--input", str(mega))
+
+
+def test_a_weight_whose_header_says_integer_is_refused(hf_dirs, capsys, tmp_path):
+    """An F32 tensor relabelled I32 (same size) would convert to an integer model weight."""
+    source = copy_of(hf_dirs, tmp_path)
+    weights = source / "model.safetensors"
+    data = weights.read_bytes()
+    relabelled = data.replace(b'"model.norm.weight":{"dtype":"F32"', b'"model.norm.weight":{"dtype":"I32"')
+    assert relabelled != data
+    weights.write_bytes(relabelled)
+    error = fails(capsys, tmp_path, "--to", "mega", "--input", str(source))
+    assert "model.safetensors: model.norm.weight is stored as int32; a model weight must be floating point" in error

@@ -1,5 +1,6 @@
 """Hugging Face models converted to mega at tp1/pp1, tp2, pp2 and tp2 x pp2, loaded into stages
-built at that layout, give the logits transformers gives (fp32, 1e-5 relative). One world of 4
+built at that layout, give the logits and the loss transformers gives (fp32, 1e-5 relative); the
+300-token vocabulary pads to 384 rows at tp1 and 512 at tp2, and the padding takes no part. One world of 4
 gloo ranks runs every multi-rank layout (dp takes the ranks tp and pp leave)."""
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from mega.ckpt_convert import WriteOptions, convert  # noqa: E402
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # name -> (tp, pp), on 4 ranks
 
 
-def stage_logits(source, ids: torch.Tensor, groups) -> torch.Tensor | None:
-    """Logits ``[b, s, vocab]`` of the model in ``source`` (a mega checkpoint path or a model
-    source) built as this rank's stage of ``groups``' layout; None on ranks not last in the pipeline."""
+def stage_logits(source, ids: torch.Tensor, groups) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Logits ``[b, s, vocab]`` and next-token loss (the mean over ``ids``' positions but the
+    last) of the model in ``source`` (a mega checkpoint path or a model source) built as this
+    rank's stage of ``groups``' layout; None on ranks not last in the pipeline."""
     import torch.distributed as dist
 
     from mega.ckpt_convert import open_checkpoint
@@ -46,7 +48,9 @@ def stage_logits(source, ids: torch.Tensor, groups) -> torch.Tensor | None:
     if not last:
         dist.send(outputs, dst=groups.pp.ranks[pp_rank + 1])
         return None
-    return gather_along(outputs, groups.tp, dim=-1).transpose(0, 1)[..., : config.vocab_size]
+    next_ids = torch.roll(ids, -1, dims=1)  # the last position's label is never used
+    loss = stage.loss(outputs, next_ids, groups.tp)[:, :-1].mean()
+    return gather_along(outputs, groups.tp, dim=-1).transpose(0, 1)[..., : config.vocab_size], loss
 
 
 def every_layout(checkpoints: dict, hf_dirs: dict, ids: torch.Tensor) -> dict:
@@ -81,18 +85,22 @@ def test_one_process_logits_equal_transformers(checkpoints, hf_dirs, assert_clos
 
     ids = input_ids()
     for variant in VARIANTS:
-        logits = stage_logits(checkpoints[variant, "tp1pp1"], ids, ParallelGroups(ParallelConfig()))
-        assert_close(logits, hf_logits(hf_dirs[variant], ids), what=variant)
+        logits, loss = stage_logits(checkpoints[variant, "tp1pp1"], ids, ParallelGroups(ParallelConfig()))
+        expected_logits, expected_loss = hf_logits(hf_dirs[variant], ids, with_loss=True)
+        assert_close(logits, expected_logits, what=variant)
+        assert_close(loss, expected_loss, what=f"{variant} loss")
 
 
 def test_every_layout_logits_equal_transformers(worlds, checkpoints, hf_dirs, assert_close):
     ids = input_ids(seed=1)
     ranks = worlds.run(4, every_layout, checkpoints, {k: str(v) for k, v in hf_dirs.items()}, ids)
     for variant in VARIANTS:
-        expected = hf_logits(hf_dirs[variant], ids)
+        expected, expected_loss = hf_logits(hf_dirs[variant], ids, with_loss=True)
         for layout, (_, pp) in LAYOUTS.items():
             for what in (layout, "tp2 from hf") if layout == "tp2" else (layout,):
                 last_stage_ranks = [r for r, results in enumerate(ranks) if results[variant, what] is not None]
                 assert len(last_stage_ranks) == 4 // pp
                 for rank in last_stage_ranks:
-                    assert_close(ranks[rank][variant, what], expected, what=f"{variant} {what} rank {rank}")
+                    logits, loss = ranks[rank][variant, what]
+                    assert_close(logits, expected, what=f"{variant} {what} rank {rank}")
+                    assert_close(loss, expected_loss, what=f"{variant} {what} rank {rank} loss")

@@ -68,14 +68,22 @@ def test_tensors_are_produced_only_when_written(tmp_path):
     (lambda data: struct.pack("<Q", 10**12) + data[8:], "header length"),
     (lambda data: data[:8] + b"!" + data[9:], "the header is not JSON"),
     (lambda data: data[:-4], "truncated or corrupt"),
+    (lambda data: data + b"\0" * 8, "8 bytes follow the last tensor"),
+    (lambda data: data.replace(b'"data_offsets":[16,32]', b'"data_offsets":[20,36]') + b"\0" * 4,
+     r"tensor 'b' at bytes \[20, 36\) leaves bytes \[16, 20\) unused"),
+    (lambda data: data.replace(b'"data_offsets":[16,32]', b'"data_offsets":[12,28]'),
+     r"tensor 'b' at bytes \[12, 28\) overlaps the tensor before it"),
 ])
 def test_damaged_files_are_named(damage, message, tmp_path):
+    """Every file rejected here the safetensors library rejects too."""
     path = tmp_path / "damaged.safetensors"
-    save_file({"a": torch.ones(4)}, path)
+    save_file({"a": torch.ones(4), "b": torch.ones(4)}, path)
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(SafetensorsError, match=message) as error:
         SafetensorsReader(path)
     assert str(path) in str(error.value)
+    with pytest.raises(Exception):  # noqa: B017 (the library raises its own kinds)
+        load_file(path)
 
 
 def test_conversions_read_each_tensor_once(hf_dirs, tmp_path, monkeypatch):

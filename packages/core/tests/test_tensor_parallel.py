@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mega.core.parallel import ParallelConfig, ParallelGroups
-from mega.core.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mega.core.parallel.cross_entropy import cross_entropy, vocab_parallel_cross_entropy
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.core.testing.equivalence import max_relative_error
 from mega.core.testing.tiny_lm import MLP_PLAN, PLAN, TinyConfig, TinyLM, TinyMLP, make_batch
@@ -234,32 +234,54 @@ def test_layers_initialise_like_one_device_and_compute_the_same(worlds):
         assert "gather_output with chunks > 1" in messages[3]
 
 
-def cross_entropy_check(label_smoothing):
+# (label smoothing, real vocabulary rows of 16): no padding, padding inside rank 1's shard, and
+# a rank 1 holding padding only.
+CROSS_ENTROPY_CASES = [(0.0, 16), (0.1, 16), (0.0, 11), (0.1, 11), (0.1, 7)]
+
+
+def cross_entropy_inputs():
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 3, 16, generator=generator) * 4
+    target = torch.randint(0, 7, (5, 3), generator=generator)
+    return logits, target, torch.rand(5, 3, generator=generator)
+
+
+def cross_entropy_check():
     from mega.core.parallel.collectives import split_along
 
     groups = ParallelGroups(ParallelConfig(tp=2))
-    generator = torch.Generator().manual_seed(3)
-    logits = torch.randn(5, 3, 16, generator=generator) * 4
-    target = torch.randint(0, 16, (5, 3), generator=generator)
-    shard = split_along(logits, groups.tp, -1).requires_grad_(True)
-    loss = vocab_parallel_cross_entropy(shard, target, groups.tp, label_smoothing)
-    weights = torch.rand(5, 3, generator=generator)
-    (loss * weights).sum().backward()
-    return loss.detach(), shard.grad
+    logits, target, weights = cross_entropy_inputs()
+    results = []
+    for label_smoothing, vocab_size in CROSS_ENTROPY_CASES:
+        shard = split_along(logits, groups.tp, -1).requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(shard, target, groups.tp, label_smoothing, vocab_size)
+        (loss * weights).sum().backward()
+        results.append((loss.detach(), shard.grad))
+    return results
 
 
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_vocab_parallel_cross_entropy_matches_torch(worlds, label_smoothing):
-    generator = torch.Generator().manual_seed(3)
-    logits = (torch.randn(5, 3, 16, generator=generator) * 4).requires_grad_(True)
-    target = torch.randint(0, 16, (5, 3), generator=generator)
-    loss = F.cross_entropy(logits.view(-1, 16), target.view(-1), reduction="none",
-                           label_smoothing=label_smoothing).view(5, 3)
-    weights = torch.rand(5, 3, generator=generator)
-    (loss * weights).sum().backward()
-    for rank, (parallel_loss, grad) in enumerate(worlds.run(2, cross_entropy_check, label_smoothing)):
-        assert_close(parallel_loss, loss.detach(), "loss")
-        assert_close(grad, logits.grad[..., 8 * rank:8 * rank + 8], "grad")
+def test_vocab_parallel_cross_entropy_matches_torch_over_the_real_vocabulary(worlds):
+    """Padded rows (from vocab_size on) take no part: the loss is torch's over the real rows
+    only, at tp2 and in one process, and the padded logits get no gradient."""
+    logits, target, weights = cross_entropy_inputs()
+    expected = []
+    for label_smoothing, vocab_size in CROSS_ENTROPY_CASES:
+        real = logits[..., :vocab_size].clone().requires_grad_(True)
+        loss = F.cross_entropy(real.view(-1, vocab_size), target.view(-1), reduction="none",
+                               label_smoothing=label_smoothing).view(5, 3)
+        (loss * weights).sum().backward()
+        grad = torch.cat([real.grad, torch.zeros(5, 3, 16 - vocab_size)], dim=-1)
+        expected.append((loss.detach(), grad))
+
+        whole = logits.clone().requires_grad_(True)
+        one_process = cross_entropy(whole, target, None, vocab_size, label_smoothing)
+        (one_process * weights).sum().backward()
+        assert_close(one_process.detach(), loss.detach(), "one-process loss")
+        assert_close(whole.grad, grad, "one-process grad")
+    for rank, results in enumerate(worlds.run(2, cross_entropy_check)):
+        for (parallel_loss, grad), (loss, full_grad), case in zip(results, expected, CROSS_ENTROPY_CASES, strict=True):
+            assert_close(parallel_loss, loss, f"loss {case}")
+            assert_close(grad, full_grad[..., 8 * rank:8 * rank + 8], f"grad {case}")
 
 
 def test_cross_entropy_is_stable_for_huge_logits_on_one_process():

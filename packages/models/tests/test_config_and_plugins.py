@@ -13,6 +13,9 @@ from mega.core.kernels import KernelBackendError, get_kernel_backend, select_bac
 from mega.core.model_family import ModelFamily
 from mega.core.plugins import get_plugins, hookimpl, load_plugins
 from mega.models.config import ModelConfigError, TransformerConfig
+from mega.models.gpt import PRESETS as GPT_PRESETS
+
+GPT_TINY = GPT_PRESETS["tiny"]
 
 
 def test_derived_sizes_follow_megatron():
@@ -21,6 +24,23 @@ def test_derived_sizes_follow_megatron():
     assert config.max_position_embeddings == 2048
     assert TransformerConfig(hidden_size=4096, num_attention_heads=32, swiglu=True).ffn_hidden_size == 10880
     assert config.attention_softmax_scale == pytest.approx(128**-0.5)
+
+
+def test_a_preset_derives_what_it_did_not_choose_from_the_values_in_force():
+    """A preset's derived sizes follow the flags that override what they derive from; what the
+    preset chose (LLaMA-3 8B's 8 query groups and 14336-wide MLP) stays."""
+    from mega.core.training.command import parse_run
+
+    def model(*argv):
+        return parse_run([*argv, "--mock-data"])[0].model
+
+    resized = model("--model-preset", "tiny", "--hidden-size", "4096", "--num-attention-heads", "32")
+    assert (resized.kv_channels, resized.num_query_groups, resized.ffn_hidden_size) == (128, 32, 16384)
+    assert model("--model-preset", "tiny") == GPT_TINY
+    llama = model("--model-family", "llama", "--model-preset", "llama3-8b", "--hidden-size", "2048")
+    assert (llama.kv_channels, llama.num_query_groups, llama.ffn_hidden_size) == (64, 8, 14336)
+    given = model("--model-preset", "tiny", "--hidden-size", "128", "--kv-channels", "16")
+    assert (given.kv_channels, given.ffn_hidden_size) == (16, 512)
 
 
 @pytest.mark.parametrize(("vocab", "divisible_by", "tp", "padded"), [

@@ -69,7 +69,7 @@ def test_gpt_count_equals_hugging_face_gpt2_on_meta():
 def test_flops_equal_the_classic_closed_form_for_a_plain_gpt():
     config = GPT.presets["1.3b"]
     B, s, L, h = 512, config.seq_length, config.num_layers, config.hidden_size
-    V = config.padded_vocab_size()
+    V = config.vocab_size  # the real vocabulary: padded rows are no useful work (Megatron counts them)
     classic = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
     assert num_floating_point_operations(config, B, causal=False) == pytest.approx(classic, rel=1e-12)
     # Megatron counts the causal half of the attention scores: s/(6h) becomes s/(12h).
@@ -81,8 +81,9 @@ def test_flops_follow_megatrons_expression_with_gqa_and_swiglu():
     config = LLAMA.presets["llama3-8b"]
     B, s, L, h = 8, config.seq_length, config.num_layers, config.hidden_size
     n, g, F = config.num_attention_heads, config.num_query_groups, config.ffn_hidden_size
-    V, q_ratio = config.padded_vocab_size(), config.query_projection_size / h
-    # megatron/training/training.py: num_floating_point_operations, dense layers.
+    V, q_ratio = config.vocab_size, config.query_projection_size / h
+    # megatron/training/training.py: num_floating_point_operations, dense layers (with the real
+    # vocabulary where Megatron takes the padded one).
     megatron = 12 * B * s * L * h**2 * (
         (1 + g / n + s / h / 2) * q_ratio + (F / h) * 1.5 + V / (2 * L * h)
     )

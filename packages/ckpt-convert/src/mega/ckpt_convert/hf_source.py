@@ -127,6 +127,12 @@ class HFSource(ClosingSource):
                                           f"{list(self._weights.shape(stored))}, but {config_path} implies "
                                           f"{list(shape)}; the weights and the config disagree")
             dtypes = {self._weights.dtype(self._stored[name]) for name in tensor_map.other}
+            for name in tensor_map.other:
+                dtype = self._weights.dtype(self._stored[name])
+                if not dtype.is_floating_point:
+                    raise ConversionError(f"{self._weights.file(self._stored[name])}: {self._stored[name]} is stored "
+                                          f"as {str(dtype).removeprefix('torch.')}; a model weight must be floating "
+                                          "point (is the header's dtype wrong?)")
             if len(dtypes) > 1:
                 raise ConversionError(f"{self.directory}: {format_names(tensor_map.other)} are converted together "
                                       f"but have different dtypes ({', '.join(map(str, dtypes))})")

@@ -84,7 +84,22 @@ class SafetensorsReader:
                 raise SafetensorsError(f"{self.path}: tensor {name!r} ({entry['dtype']} {list(shape)}) spans "
                                        f"bytes [{begin}, {end}) of {data_size}; the file is truncated or corrupt")
             tensors[name] = TensorInfo(shape, dtype, data_start + begin, end - begin)
+        self._check_coverage(tensors, data_start, data_size)
         return tensors, metadata
+
+    def _check_coverage(self, tensors: dict[str, TensorInfo], data_start: int, data_size: int) -> None:
+        """The tensors tile the data exactly, as the library requires: no gap, no overlap, no
+        trailing bytes (which would mean a header that does not describe the file)."""
+        covered = 0
+        for name, info in sorted(tensors.items(), key=lambda item: (item[1].offset, item[1].nbytes)):
+            begin = info.offset - data_start
+            if begin != covered:
+                what = "overlaps the tensor before it" if begin < covered else f"leaves bytes [{covered}, {begin}) unused"
+                raise SafetensorsError(f"{self.path}: tensor {name!r} at bytes [{begin}, {begin + info.nbytes}) {what}")
+            covered += info.nbytes
+        if covered != data_size:
+            raise SafetensorsError(f"{self.path}: {data_size - covered} bytes follow the last tensor; "
+                                   "the header does not describe the whole file")
 
     def read(self, name: str) -> torch.Tensor:
         info = self.tensors[name]

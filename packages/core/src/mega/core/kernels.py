@@ -25,8 +25,9 @@ The kinds and what their component is:
 * ``activation``: ``factory(name) -> fn(x)`` for ``"gelu"``, ``"gelu_tanh"``, ``"swiglu"``
   (``x`` is ``[gate; up]`` stacked on the last dimension), ``"relu"``, ``"geglu"``.
 * ``rotary``: ``fn(x, cos, sin)`` rotating ``x`` ``[seq, batch, heads, head_dim]`` (rotate-half).
-* ``loss``: ``fn(logits, labels, tp_group) -> [same shape as labels]`` per-token cross-entropy
-  of logits ``[..., vocab (shard over tp_group)]``.
+* ``loss``: ``fn(logits, labels, tp_group, vocab_size) -> [same shape as labels]`` per-token
+  cross-entropy of logits ``[..., vocab (shard over tp_group)]`` over the first ``vocab_size``
+  rows: the padded rows take no part (None: every row is real).
 
 A backend may also have ``features`` (a set of capabilities such as ``"fp8"`` or
 ``"tp_comm_overlap"``) that flags like ``--fp8-hybrid`` ask for. Modules a backend builds may
@@ -162,8 +163,8 @@ class Kernels:
     def rotary(self, x, cos, sin):
         return self.get("rotary")(x, cos, sin)
 
-    def loss(self, logits, labels, tp_group=None):
-        return self.get("loss")(logits, labels, tp_group)
+    def loss(self, logits, labels, tp_group=None, vocab_size: int | None = None):
+        return self.get("loss")(logits, labels, tp_group, vocab_size)
 
     def __repr__(self) -> str:
         return f"Kernels({self.selection})"

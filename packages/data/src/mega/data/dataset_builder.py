@@ -22,6 +22,7 @@ from mega.data.index_cache import IndexCache
 from mega.data.indexed_dataset import IndexedDataset
 from mega.data.mock_dataset import MockTokenSource
 from mega.data.splits import SPLIT_NAMES, parse_split, split_bounds, split_documents
+from mega.data.token_range import check_token_ids
 
 Blend = tuple[list[str], "list[float] | None"]
 
@@ -65,14 +66,18 @@ def _size_per_dataset(weights: list[float], target_sizes: Sequence[int | None], 
 
 
 class _Builder:
-    def __init__(self, config: GPTDatasetConfig, cache_for_prefix):
+    def __init__(self, config: GPTDatasetConfig, cache_for_prefix, vocabulary: tuple[int, str] | None = None):
         self.config = config
         self.cache_for_prefix = cache_for_prefix
+        self.vocabulary = vocabulary
         self._sources: dict[str, IndexedDataset] = {}
 
     def source(self, prefix: str) -> IndexedDataset:
         if prefix not in self._sources:
-            self._sources[prefix] = IndexedDataset(prefix)
+            dataset = IndexedDataset(prefix)
+            if self.vocabulary is not None:
+                check_token_ids(dataset, *self.vocabulary, self.cache_for_prefix(prefix))
+            self._sources[prefix] = dataset
         return self._sources[prefix]
 
     def splits_of(self, prefix: str, bounds, sizes) -> list[GPTDataset | None]:
@@ -119,11 +124,13 @@ def build_gpt_datasets(
     config: GPTDatasetConfig,
     blend_per_split: Sequence[Sequence[str] | None] | None = None,
     rank_context: RankContext | None = None,
+    vocabulary: tuple[int, str] | None = None,
 ) -> list:
     """[train, valid, test] datasets (``None`` for a split that gets no data).
 
     ``sizes`` are the sample counts per split (``None``: one epoch). Give ``data_path`` (with
     ``config.split``) or ``blend_per_split`` (three ``--data-path``-style lists or ``None``).
+    ``vocabulary``: (size, description); every file's token ids must be below the size.
     """
     if (data_path is None) == (blend_per_split is None):
         raise ValueError("give either data_path (with a split) or blend_per_split")
@@ -134,7 +141,7 @@ def build_gpt_datasets(
         return IndexCache(directory) if directory else None
 
     def build() -> list:
-        builder = _Builder(config, cache_for_prefix)
+        builder = _Builder(config, cache_for_prefix, vocabulary)
         if data_path is not None:
             prefixes, weights = parse_data_path(data_path)
             _check_prefixes(prefixes)

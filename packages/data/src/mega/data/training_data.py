@@ -24,7 +24,10 @@ def gpt_datasets(request: DatasetRequest) -> TrainingData:
     tokenizer = request.tokenizer
     eod = tokenizer.eod if tokenizer is not None else None
     pad = getattr(tokenizer, "pad", None) if tokenizer is not None else None
-    splits = build_gpt_datasets(request.data_path, request.num_samples, _config(request, eod, pad))
+    vocabulary = (f"the vocabulary of {type(tokenizer).__name__}" if tokenizer is not None
+                  else f"--vocab-size {request.vocab_size}")
+    splits = build_gpt_datasets(request.data_path, request.num_samples, _config(request, eod, pad),
+                                vocabulary=(request.vocab_size, vocabulary))
     return TrainingData(*splits)
 
 

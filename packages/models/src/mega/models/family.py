@@ -52,7 +52,7 @@ def language_model_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str,
     """Mean cross-entropy over the tokens ``loss_mask`` keeps; logged as Megatron's ``lm loss``."""
     logits = outputs["logits"]  # [s, b, vocab (shard)]
     labels, loss_mask = batch["labels"], batch["loss_mask"]
-    per_token = per_token_cross_entropy(context.kernels, logits, labels, context.tp_group)
+    per_token = per_token_cross_entropy(context.kernels, logits, labels, context.tp_group, context.config.vocab_size)
     loss = (per_token * loss_mask).sum() / loss_mask.sum().clamp_min(1.0)
     return loss, {"lm loss": loss.detach()}
 

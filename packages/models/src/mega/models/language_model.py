@@ -101,14 +101,16 @@ class LanguageModel(nn.Module):
 
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
-        """Per-token cross-entropy ``[b, s]`` (fp32) of logits ``[s, b, vocab (shard)]``."""
-        return per_token_cross_entropy(self.kernels, logits, labels, tp_group)
+        """Per-token cross-entropy ``[b, s]`` (fp32) of logits ``[s, b, vocab (shard)]``; the
+        padded vocabulary rows take no part."""
+        return per_token_cross_entropy(self.kernels, logits, labels, tp_group, self.config.vocab_size)
 
 
-def per_token_cross_entropy(kernels: Kernels, logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """``[b, s]`` cross-entropy of logits ``[s, b, vocab (shard over tp_group)]`` against labels ``[b, s]``,
-    from the selected loss kernel."""
-    return kernels.loss(logits, labels.transpose(0, 1), tp_group).transpose(0, 1)
+def per_token_cross_entropy(kernels: Kernels, logits: torch.Tensor, labels: torch.Tensor, tp_group=None,
+                            vocab_size: int | None = None) -> torch.Tensor:
+    """``[b, s]`` cross-entropy of logits ``[s, b, vocab (shard over tp_group)]`` against labels ``[b, s]``
+    from the selected loss kernel, over the first ``vocab_size`` rows (the rest is padding)."""
+    return kernels.loss(logits, labels.transpose(0, 1), tp_group, vocab_size).transpose(0, 1)
 
 
 def _drop_tied_output_weight(module, state_dict, prefix, local_metadata):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mega.core.kernels import AttentionMask
-from mega.core.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mega.core.parallel.cross_entropy import cross_entropy
 
 # Only the CUDA flash kernel takes fewer key/value heads natively (torch >= 2.5); elsewhere
 # ``enable_gqa`` falls back to the unfused math kernel, slower than repeating the heads.
@@ -83,12 +83,12 @@ def activation(name: str):
     return functions[name]
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """Per-token cross-entropy (fp32) of ``logits`` ``[..., vocab (shard)]``, shaped like ``labels``."""
-    if tp_group is None or tp_group.size == 1:
-        losses = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
-        return losses.view(labels.shape)
-    return vocab_parallel_cross_entropy(logits, labels, tp_group)
+def loss(logits: torch.Tensor, labels: torch.Tensor, tp_group=None, vocab_size: int | None = None) -> torch.Tensor:
+    """Per-token cross-entropy (fp32) of ``logits`` ``[..., vocab (shard)]``, shaped like ``labels``,
+    over the first ``vocab_size`` rows (the rest is padding; None: every row)."""
+    if vocab_size is None:
+        vocab_size = logits.shape[-1] * (tp_group.size if tp_group is not None else 1)
+    return cross_entropy(logits, labels, tp_group, vocab_size)
 
 
 class TorchKernels:
@@ -100,7 +100,7 @@ class TorchKernels:
 
     def component(self, kind: str):
         return {"attention": sdpa_attention, "norm": norm, "linear": linear, "activation": activation,
-                "rotary": apply_rotary, "loss": cross_entropy}[kind]
+                "rotary": apply_rotary, "loss": loss}[kind]
 
 
 TORCH = TorchKernels()

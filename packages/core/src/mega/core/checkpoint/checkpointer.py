@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mega.core.checkpoint import rng, space
+from mega.core.checkpoint.config_check import check_model_config
 from mega.core.checkpoint.directory import (
     RELEASE,
     find_checkpoint,
@@ -204,6 +205,7 @@ class Checkpointer:
             tokenizer=tokenizer_entry(saved.tokenizer_spec),
             num_parameters=saved.family.num_parameters(run.model, self.groups.tp.size),
             consumed_samples=state.consumed_samples,
+            consumed_valid_samples=state.consumed_valid_samples,
             skipped_iterations=state.skipped_iterations,
             nan_iterations=state.nan_iterations,
             optimizer=optimizer,
@@ -229,10 +231,7 @@ class Checkpointer:
         if metadata.model_family != saved.family.name:
             raise CheckpointError(f"{path} holds a {metadata.model_family!r} model; this run trains "
                                   f"{saved.family.name!r} (--model-family)")
-        saved_vocab = metadata.model_config.get("vocab_size")
-        if saved_vocab != saved.run.model.vocab_size:
-            raise CheckpointError(f"{path} was trained with vocab_size {saved_vocab}; this run has "
-                                  f"{saved.run.model.vocab_size} (check the tokenizer)")
+        check_model_config(path, metadata.model_config, saved.run.model)
         weights_only = config.finetune or path.name == RELEASE
         with_optimizer = not weights_only and config.load_optim and metadata.optimizer is not None
         wanted = model_entries(saved.chunks, self.groups.tp)
@@ -264,6 +263,7 @@ class Checkpointer:
         if not weights_only:
             state.iteration = metadata.iteration
             state.consumed_samples = metadata.consumed_samples
+            state.consumed_valid_samples = metadata.consumed_valid_samples
             state.skipped_iterations = metadata.skipped_iterations
             state.nan_iterations = metadata.nan_iterations
             self._last_saved = metadata.iteration

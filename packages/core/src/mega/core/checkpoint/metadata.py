@@ -33,6 +33,7 @@ class CheckpointMetadata:
     tokenizer: dict[str, Any] | None = None  # {"type", "options"}; files under tokenizer/
     num_parameters: int = 0
     consumed_samples: int = 0
+    consumed_valid_samples: int = 0  # evaluations continue through the validation set
     skipped_iterations: int = 0
     nan_iterations: int = 0
     # {"state_keys": [...], "scalars": {...}, "main_params": bool} of the inner optimizer

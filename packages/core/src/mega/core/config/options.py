@@ -14,8 +14,8 @@ from typing import Any
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,
-           choices: tuple | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
-    metadata = {"help": help, "flag": flag, "choices": choices}
+           choices: tuple | None = None, default_factory: Any = dataclasses.MISSING, action: Any = None) -> Any:
+    metadata = {"help": help, "flag": flag, "choices": choices, "action": action}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

@@ -135,7 +135,8 @@ def parse(argv: list[str], sections: dict[str, type], parser: argparse.ArgumentP
           bases: dict[str, Any] | None = None) -> dict[str, Any]:
     """Parse ``argv`` (with an optional ``--config FILE``) into one dataclass per section.
 
-    ``bases`` gives a section a starting instance (a model preset) instead of the class defaults.
+    ``bases`` gives a section a starting instance (a model preset) instead of the class defaults;
+    what the instance only derived is derived again from the values in force (see chosen_values).
     """
     bases = bases or {}
     namespace, unknown = parser.parse_known_args(argv)
@@ -156,10 +157,27 @@ def parse(argv: list[str], sections: dict[str, type], parser: argparse.ArgumentP
     for section, cls in sections.items():
         try:
             given = values.get(section, {})
-            configs[section] = dataclasses.replace(bases[section], **given) if section in bases else cls(**given)
+            start = chosen_values(bases[section]) if section in bases else {}
+            configs[section] = cls(**{**start, **given})
         except (TypeError, ValueError) as error:
             raise ConfigError(f"[{section}]: {error}") from None
     return configs
+
+
+def chosen_values(config: Any) -> dict[str, Any]:
+    """The init fields of a config instance that were chosen rather than derived.
+
+    A field whose class default is None is derived in ``__post_init__`` from others (Megatron's
+    kv_channels = hidden / heads, ffn = 4 * hidden, ...). Where the instance holds exactly what
+    the class would derive, the field is left out, so that flags changing what it derives from
+    change it too: ``--model-preset tiny --hidden-size 4096 --num-attention-heads 32`` gets 128
+    channels per head, not the preset's 16.
+    """
+    fields = [field for field in dataclasses.fields(config) if field.init]
+    derivable = {field.name for field in fields if field.default is None}
+    derived = dataclasses.replace(config, **dict.fromkeys(derivable))
+    return {field.name: getattr(config, field.name) for field in fields
+            if field.name not in derivable or getattr(config, field.name) != getattr(derived, field.name)}
 
 
 def flag_reference(sections: dict[str, type]) -> str:

@@ -7,6 +7,11 @@ and two all-reduces of ``[s, b]``-sized tensors finish the job: the max (for a n
 stable log-sum-exp), then the sum of exponentials together with the target's logit (and, with
 label smoothing, the sum of logits).
 
+The vocabulary is padded (to a multiple of ``make_vocab_size_divisible_by x tp``), so the last
+rows of the output layer are no token at all. Every function here takes ``vocab_size``, the
+number of real rows, and leaves the rest out of the softmax: otherwise the loss (and a resume at
+another tensor-parallel size, which pads differently) would depend on the layout.
+
 Label smoothing follows ``torch.nn.functional.cross_entropy``: the target distribution is
 ``(1 - eps) * one_hot + eps / V``, so the loss is ``(1 - eps) * nll + eps * mean_j(-log p_j)``.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from mega.core.parallel.collectives import all_reduce
 from mega.core.parallel.groups import Group
@@ -22,22 +28,26 @@ from mega.core.parallel.groups import Group
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, label_smoothing):
+    def forward(ctx, logits, target, group, label_smoothing, vocab_size):
         shard = logits.float()
         partition = shard.shape[-1]
-        vocab = partition * group.size
         vocab_start = group.rank * partition
+        real = min(max(vocab_size - vocab_start, 0), partition)  # this shard's real rows
 
-        global_max = shard.max(dim=-1).values
+        if real > 0:
+            global_max = shard[..., :real].max(dim=-1).values
+        else:  # a shard of padding only: the other ranks hold the maximum
+            global_max = shard.new_full(shard.shape[:-1], float("-inf"))
         all_reduce(global_max, group, op=dist.ReduceOp.MAX)
         shifted = shard - global_max.unsqueeze(-1)
+        shifted[..., real:] = float("-inf")  # padded rows: probability 0
 
-        outside = (target < vocab_start) | (target >= vocab_start + partition)
+        outside = (target < vocab_start) | (target >= vocab_start + real)
         local_target = (target - vocab_start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         sums = [target_logit, None]
         if label_smoothing > 0:
-            sums.append(shifted.sum(dim=-1))
+            sums.append(shifted[..., :real].sum(dim=-1))
         exp = shifted.exp_()  # shifted is no longer needed as logits: reuse its memory
         sums[1] = exp.sum(dim=-1)
         # One all-reduce for every per-token sum (target logit, sum of exp[, sum of logits]).
@@ -48,38 +58,55 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         log_sum_exp = sum_exp.log()
         loss = log_sum_exp - target_logit
         if label_smoothing > 0:
-            mean_neg_log_prob = log_sum_exp - stacked[2] / vocab
+            mean_neg_log_prob = log_sum_exp - stacked[2] / vocab_size
             loss = (1.0 - label_smoothing) * loss + label_smoothing * mean_neg_log_prob
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, outside)
-        ctx.label_smoothing, ctx.vocab, ctx.logits_dtype = label_smoothing, vocab, logits.dtype
+        ctx.label_smoothing, ctx.vocab, ctx.real, ctx.logits_dtype = label_smoothing, vocab_size, real, logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_target, outside = ctx.saved_tensors
         eps = ctx.label_smoothing
-        # d loss / d logit_j = softmax_j - (1 - eps) * [j == target] - eps / V
+        # d loss / d logit_j = softmax_j - (1 - eps) * [j == target] - eps / V for a real row j;
+        # a padded row has softmax 0 and gets no gradient.
         grad = softmax
         rows = grad.view(-1, grad.shape[-1])
         hit = (~outside).reshape(-1).to(grad.dtype) * (1.0 - eps)
         rows[torch.arange(rows.shape[0], device=rows.device), local_target.reshape(-1)] -= hit
         if eps > 0:
-            grad.sub_(eps / ctx.vocab)
+            grad[..., : ctx.real].sub_(eps / ctx.vocab)
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Group,
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, vocab_size: int | None = None) -> torch.Tensor:
     """Per-token loss (float32, shape of ``target``) from vocabulary-sharded ``logits [..., V/tp]``.
 
-    On a tensor group of size 1 this is ``F.cross_entropy(logits, target, reduction="none",
-    label_smoothing=label_smoothing)`` computed in float32.
+    ``vocab_size``: the real vocabulary (default: every row); rows from ``vocab_size`` on are
+    padding and left out. On a tensor group of size 1 this is ``F.cross_entropy(logits[...,
+    :vocab_size], target, reduction="none", label_smoothing=label_smoothing)`` in float32.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree")
-    return _VocabParallelCrossEntropy.apply(logits, target, group, label_smoothing)
+    padded = logits.shape[-1] * group.size
+    vocab_size = padded if vocab_size is None else vocab_size
+    if not 0 < vocab_size <= padded:
+        raise ValueError(f"vocab_size {vocab_size} must be in [1, {padded}] (the logits' padded vocabulary)")
+    return _VocabParallelCrossEntropy.apply(logits, target, group, label_smoothing, vocab_size)
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Group | None, vocab_size: int,
+                  label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token loss (float32) of the first ``vocab_size`` rows of ``logits [..., V (shard)]``:
+    in one process (``group`` None or of size 1) by ``F.cross_entropy``, else vocab-parallel."""
+    if group is not None and group.size > 1:
+        return vocab_parallel_cross_entropy(logits, target, group, label_smoothing, vocab_size)
+    losses = F.cross_entropy(logits[..., :vocab_size].float().flatten(0, -2), target.flatten(),
+                             reduction="none", label_smoothing=label_smoothing)
+    return losses.view(target.shape)

@@ -3,8 +3,9 @@
 What each rank holds, as `mega train` allocates it:
 
     weights      every parameter of its stage's chunks, in the run's dtype
-    gradients    DDP's gradient buffers, in the parameters' dtype (padded per bucket to
-                 128 x dp elements with the distributed optimizer)
+    gradients    DDP's gradient buffers, in fp32 with bf16 (--accumulate-allreduce-grads-in-fp32,
+                 the default) else in the parameters' dtype (padded per bucket to 128 x dp
+                 elements with the distributed optimizer)
     optimizer    fp32 main copies of 16-bit parameters plus the inner optimizer's state (Adam:
                  two fp32 moments; SGD: one momentum), over dp*cp ranks with the distributed
                  optimizer
@@ -120,8 +121,11 @@ def _gradient_elements(footprints: list[StageFootprint], tied_embedding: list[in
 
 
 def plan_memory(family: ModelFamily, config, layout: Layout, *, dtype_bytes: int, optimizer: str = "adam",
-                num_microbatches: int = 1, device_type: str = "cuda") -> list[RankMemory]:
-    """One :class:`RankMemory` per pipeline stage (every rank of a stage holds the same)."""
+                num_microbatches: int = 1, device_type: str = "cuda",
+                grad_dtype_bytes: int | None = None) -> list[RankMemory]:
+    """One :class:`RankMemory` per pipeline stage (every rank of a stage holds the same);
+    ``grad_dtype_bytes``: of the gradient buffers (default: the parameters')."""
+    grad_dtype_bytes = grad_dtype_bytes or dtype_bytes
     if family.memory_model is None:
         raise PlanError(f"model family {family.name!r} does not describe its memory (no memory_model)")
     if optimizer not in OPTIMIZER_STATE_BYTES:
@@ -160,5 +164,5 @@ def plan_memory(family: ModelFamily, config, layout: Layout, *, dtype_bytes: int
         activations = peak + max(f.recompute_bytes for f in footprints)
         weights = (gradient_elements if layout.distributed_optimizer else parameters) * dtype_bytes
         ranks.append(RankMemory(stage, sum(len(c) for c in chunks), parameters, weights,
-                                gradient_elements * dtype_bytes, optimizer_bytes, activations, peak_chunks))
+                                gradient_elements * grad_dtype_bytes, optimizer_bytes, activations, peak_chunks))
     return ranks

@@ -70,6 +70,7 @@ def _plan(run, family, machine) -> int:
     from mega.core.planning.memory_plan import Layout
     from mega.core.planning.step_estimate import MEMORY_HEADROOM, estimate, search
     from mega.core.training.device_peaks import peak_tflops_of
+    from mega.core.training.precision import grads_in_fp32
     from mega.core.training.run_config import model_with_megatron_shorthands
 
     model = model_with_megatron_shorthands(run)
@@ -79,7 +80,7 @@ def _plan(run, family, machine) -> int:
     peak = run.logging.peak_tflops or peak_tflops_of(machine.gpu, fp32=dtype_bytes == 4)
     budget = machine.gpu_memory * GIB
     common = dict(dtype_bytes=dtype_bytes, optimizer=run.optimizer.optimizer, peak_tflops=peak, mfu=machine.mfu,
-                  device_type=machine.device)
+                  device_type=machine.device, grad_dtype_bytes=4 if grads_in_fp32(run.precision) else dtype_bytes)
     if machine.search:
         micro = run.training.micro_batch_size
         global_batch = run.training.global_batch_size or micro * world

@@ -50,7 +50,7 @@ def with_recompute(config, recompute: str | None):
 
 def estimate(family: ModelFamily, config, layout: Layout, *, global_batch_size: int, dtype_bytes: int,
              optimizer: str = "adam", peak_tflops: float | None = None, mfu: float = 0.45,
-             device_type: str = "cuda") -> Estimate:
+             device_type: str = "cuda", grad_dtype_bytes: int | None = None) -> Estimate:
     per_step = layout.micro_batch_size * layout.dp
     if global_batch_size % per_step:
         raise PlanError(f"--global-batch-size {global_batch_size} is not divisible by micro-batch "
@@ -62,7 +62,7 @@ def estimate(family: ModelFamily, config, layout: Layout, *, global_batch_size: 
     # micro-batches show it without walking thousands of them.
     walked = min(microbatches, 2 * layout.pp)
     ranks = plan_memory(family, config, layout, dtype_bytes=dtype_bytes, optimizer=optimizer,
-                        num_microbatches=walked, device_type=device_type)
+                        num_microbatches=walked, device_type=device_type, grad_dtype_bytes=grad_dtype_bytes)
     flops = family.num_floating_point_operations(config, global_batch_size)
     bubble = (layout.pp - 1) / (layout.vpp * microbatches + layout.pp - 1)
     step_time = None
@@ -78,7 +78,8 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def search(family: ModelFamily, config, *, world_size: int, global_batch_size: int, gpu_memory_bytes: int,
            dtype_bytes: int, optimizer: str = "adam", peak_tflops: float | None = None, mfu: float = 0.45,
-           gpus_per_node: int = 8, micro_batch_sizes=(1, 2, 4, 8), device_type: str = "cuda") -> list[Estimate]:
+           gpus_per_node: int = 8, micro_batch_sizes=(1, 2, 4, 8), device_type: str = "cuda",
+           grad_dtype_bytes: int | None = None) -> list[Estimate]:
     """Every layout that fits in ``gpu_memory_bytes`` (less the headroom), fastest first."""
     budget = gpu_memory_bytes * (1.0 - MEMORY_HEADROOM)
     fitting = []
@@ -104,7 +105,8 @@ def search(family: ModelFamily, config, *, world_size: int, global_batch_size: i
                             try:
                                 result = estimate(family, model, layout, global_batch_size=global_batch_size,
                                                   dtype_bytes=dtype_bytes, optimizer=optimizer,
-                                                  peak_tflops=peak_tflops, mfu=mfu, device_type=device_type)
+                                                  peak_tflops=peak_tflops, mfu=mfu, device_type=device_type,
+                                                  grad_dtype_bytes=grad_dtype_bytes)
                             except PlanError:
                                 continue
                             if result.peak_bytes <= budget:

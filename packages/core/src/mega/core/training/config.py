@@ -7,6 +7,7 @@ its parser, TOML loading and `--help` from these classes. Values are checked in
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,7 +18,7 @@ from mega.core.optim.config import OptimizerConfig  # noqa: F401  (a section of 
 @dataclass
 class TrainingConfig:
     model_family: str = option("gpt", "registered model family (see `mega plugins`)")
-    model_preset: str | None = option(None, "start from a preset of the family (e.g. tiny, 1.3b, llama3-8b)")
+    model_preset: str | None = option(None, "start from a preset of the family (e.g. tiny, 1.3b, llama3-8b); flags override it, and the sizes it derives (kv channels, ffn, query groups) follow the flags")
     micro_batch_size: int = option(1, "samples per micro-batch on each data-parallel rank")
     global_batch_size: int | None = option(
         None, "samples per optimizer step over all ranks (default: micro batch x data-parallel size)"
@@ -54,6 +55,10 @@ class TrainingConfig:
 class PrecisionConfig:
     bf16: bool = option(False, "bf16 parameters and compute with fp32 main weights")
     fp16: bool = option(False, "fp16 parameters and compute with fp32 main weights and loss scaling")
+    accumulate_allreduce_grads_in_fp32: bool | None = option(
+        None, "accumulate gradients over micro-batches and all-reduce them in fp32 (default: with --bf16; "
+        "--no-accumulate-allreduce-grads-in-fp32 keeps them in the parameters' dtype)",
+        action=argparse.BooleanOptionalAction)
     loss_scale: float | None = option(None, "static loss scale for fp16 (default: dynamic)")
     initial_loss_scale: float = option(2.0**32, "initial dynamic loss scale")
     min_loss_scale: float = option(1.0, "smallest dynamic loss scale")

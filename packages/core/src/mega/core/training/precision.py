@@ -13,6 +13,15 @@ def model_dtype(precision: PrecisionConfig) -> torch.dtype:
     return torch.bfloat16 if precision.bf16 else torch.float16 if precision.fp16 else torch.float32
 
 
+def grads_in_fp32(precision: PrecisionConfig) -> bool:
+    """Whether gradients are accumulated over micro-batches and all-reduced in fp32: by default
+    with bf16 (as Megatron forces), whose 8-bit mantissa would otherwise round away the smaller
+    micro-batches' and ranks' contributions; fp32 trivially; fp16 only when asked (loss scaling)."""
+    if precision.accumulate_allreduce_grads_in_fp32 is not None:
+        return precision.accumulate_allreduce_grads_in_fp32
+    return precision.bf16
+
+
 def grad_scaler_for(precision: PrecisionConfig) -> ConstantGradScaler | DynamicGradScaler | None:
     """fp16 needs loss scaling (static with ``--loss-scale``, else dynamic); bf16 and fp32 do not."""
     if not precision.fp16:

@@ -30,7 +30,7 @@ from mega.core.pipeline.tied import setup_tied_weights
 from mega.core.plugins import Events, Plugins
 from mega.core.training.batches import MicroBatches
 from mega.core.training.lr_schedule import LearningRateSchedule
-from mega.core.training.precision import grad_scaler_for, model_dtype
+from mega.core.training.precision import grad_scaler_for, grads_in_fp32, model_dtype
 from mega.core.training.run_config import Derived, RunConfig
 
 
@@ -45,6 +45,7 @@ class RunState:
     flops_per_iteration: float
     iteration: int = 0
     consumed_samples: int = 0
+    consumed_valid_samples: int = 0  # as Megatron, each evaluation continues where the last stopped
     skipped_iterations: int = 0
     nan_iterations: int = 0
     losses: list[float] = field(default_factory=list)
@@ -107,6 +108,7 @@ class Trainer:
         ddp_config = DDPConfig(
             overlap_grad_reduce=run.optimizer.overlap_grad_reduce,
             use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
+            grad_reduce_in_fp32=grads_in_fp32(run.precision),
         )
         chunks = []
         for stage in self.stages:
@@ -227,12 +229,13 @@ class Trainer:
         return state
 
     def evaluate(self) -> dict:
-        """``--eval-iters`` global batches of the validation set, forward only."""
+        """The next ``--eval-iters`` global batches of the validation set, forward only."""
         for chunk in self.chunks:
             chunk.eval()
-        data = self._microbatches(self.valid_data, 0)
+        data = self._microbatches(self.valid_data, self.state.consumed_valid_samples)
         with torch.no_grad():
             losses = [self._run_schedule(data, forward_only=True) for _ in range(self.run.training.eval_iters)]
+        self.state.consumed_valid_samples += self.run.training.eval_iters * self.derived.global_batch_size
         for chunk in self.chunks:
             chunk.train()
         loss = sum(losses) / len(losses)

@@ -1,0 +1,51 @@
+"""A checkpoint resumes only into the model it was saved from.
+
+Shapes do not tell every model apart: 8 heads of 8 channels in 4 groups have the QKV weight of 4
+heads of 16 channels in 2 groups, and RoPE's base or a norm's epsilon have no shape at all. A
+model loaded under another such setting computes another function with the same weights, so
+the saved model configuration is compared with the run's, field by field, before anything is
+loaded. Only what is meant to change on a resume or a fine-tune may differ: how the model is
+run (recompute, the attention kernel, the vocabulary padding, which takes no part in any
+result), how it is trained (dropout, the initialisation that loading replaces) and the sequence
+length (up to the position table, whose size is a saved field). Layout, batch sizes and schedule
+are not model settings and may change freely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from mega.core.checkpoint.metadata import CheckpointError
+from mega.core.config.options import flag_of
+
+MAY_CHANGE_ON_RESUME = frozenset({
+    "seq_length", "make_vocab_size_divisible_by", "init_method_std", "hidden_dropout", "attention_dropout",
+    "attention_backend", "recompute_granularity", "recompute_method", "recompute_num_layers",
+})
+_HINTS = {"vocab_size": " (check the tokenizer)"}
+
+
+def check_model_config(path: Path, saved: dict[str, Any], current: Any) -> None:
+    """Raise naming every field of the dataclass ``current`` (and its flag) whose saved value
+    differs from this run's, other than those that may change on a resume. Fields the checkpoint
+    does not record (an older mega) are not compared."""
+    differences = [
+        f"{field.name} ({flag_of(field)}) {saved[field.name]!r} where this run has "
+        f"{getattr(current, field.name)!r}{_HINTS.get(field.name, '')}"
+        for field in dataclasses.fields(current)
+        if field.name in saved and field.name not in MAY_CHANGE_ON_RESUME
+        and not _same(saved[field.name], getattr(current, field.name))
+    ]
+    if differences:
+        raise CheckpointError(f"{path} does not match this model: it was saved with " + "; ".join(differences)
+                              + ". Give the settings it was saved with: loading it otherwise would compute "
+                              "another function with the same weights")
+
+
+def _same(saved: Any, current: Any) -> bool:
+    # The metadata is JSON: tuples come back as lists, floats written as ints (10000 vs 10000.0) agree.
+    if isinstance(saved, list | tuple) and isinstance(current, list | tuple):
+        return len(saved) == len(current) and all(_same(a, b) for a, b in zip(saved, current, strict=True))
+    return saved == current
