@@ -125,3 +125,16 @@ def test_commands_are_registered_without_importing_torch():
 
     args = build_parser().parse_args(["--load", "x"])
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 5000, None)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_missing_load_path_fails_before_torch_is_imported(command):
+    import subprocess
+
+    code = ("import sys\nfrom mega.core.cli.main import main\n"
+            "try:\n    status = main([sys.argv[1], '--load', '/nonexistent/ckpt', '--prompt', 'x'][:4 if sys.argv[1] == 'serve' else 6])\n"
+            "except SystemExit as exit:\n    status = exit.code\n"
+            "print(status, 'torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code, command], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["2", "False"], result.stderr
+    assert "--load: /nonexistent/ckpt: no such file or directory" in result.stderr

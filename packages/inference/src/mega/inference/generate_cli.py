@@ -12,7 +12,7 @@ import json
 import sys
 
 from mega.core.cli.argparser import CommandParser
-from mega.inference.loader import add_load_arguments
+from mega.inference.load_arguments import add_load_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:

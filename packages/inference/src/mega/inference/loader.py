@@ -20,9 +20,10 @@ from torch import nn
 from mega.core.build import build_stage
 from mega.core.parallel import ParallelGroups
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
+from mega.inference.load_arguments import DTYPE_NAMES
 
 HF_FORMAT = "hf"  # the registered checkpoint format that reads Hugging Face directories
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class LoadError(RuntimeError):
@@ -40,23 +41,6 @@ class LoadedModel:
     @property
     def max_positions(self) -> int:
         return getattr(self.config, "max_position_embeddings", None) or self.config.seq_length
-
-
-def add_load_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model")
-    group.add_argument("--load", required=True, metavar="PATH",
-                       help="mega checkpoint (save directory or one iteration's directory) or a Hugging "
-                            "Face model directory (with config.json)")
-    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available, "
-                       "each torchrun rank its LOCAL_RANK's GPU)")
-    group.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                       help="parameter and activation dtype (default float32)")
-    group = parser.add_argument_group("tokenizer (default: the one the checkpoint names)")
-    group.add_argument("--tokenizer-type", help="registered tokenizer, e.g. GPT2BPETokenizer, HuggingFaceTokenizer")
-    group.add_argument("--vocab-file", help="vocabulary (GPT-2 vocab.json, BERT vocab.txt)")
-    group.add_argument("--merge-file", help="BPE merges (GPT-2 merges.txt)")
-    group.add_argument("--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its directory), .tiktoken")
-    group.add_argument("--vocab-size", type=int, help="NullTokenizer ids")
 
 
 def default_device() -> torch.device:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from mega.core.cli.argparser import CommandParser
-from mega.inference.loader import add_load_arguments
+from mega.inference.load_arguments import add_load_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,32 @@
+"""The model and tokenizer flags of `mega generate` and `mega serve`, checked before torch is
+imported: a mistyped ``--load`` fails at once, not after seconds of imports."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def existing_path(value: str) -> str:
+    if not Path(value).exists():
+        raise argparse.ArgumentTypeError(f"{value}: no such file or directory")
+    return value
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--load", required=True, metavar="PATH", type=existing_path,
+                       help="mega checkpoint (save directory or one iteration's directory) or a Hugging "
+                            "Face model directory (with config.json)")
+    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available, "
+                       "each torchrun rank its LOCAL_RANK's GPU)")
+    group.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
+                       help="parameter and activation dtype (default float32)")
+    group = parser.add_argument_group("tokenizer (default: the one the checkpoint names)")
+    group.add_argument("--tokenizer-type", help="registered tokenizer, e.g. GPT2BPETokenizer, HuggingFaceTokenizer")
+    group.add_argument("--vocab-file", help="vocabulary (GPT-2 vocab.json, BERT vocab.txt)")
+    group.add_argument("--merge-file", help="BPE merges (GPT-2 merges.txt)")
+    group.add_argument("--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its directory), .tiktoken")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer ids")
