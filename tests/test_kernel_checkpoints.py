@@ -105,8 +105,10 @@ def test_extra_state_comes_back_with_the_same_backend(tmp_path):
     from mega.core.kernels import Kernels
 
     train(TINY + FUSED + ["--train-iters", "2", "--save", str(tmp_path)])
-    family = get_plugins().models.get("gpt")
-    config = family.preset("tiny", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=128)
+    from mega.core.training.command import parse_run
+
+    run, family = parse_run(TINY + ["--train-iters", "2"])  # the model config exactly as mega train makes it
+    config = run.model
     model = build_stage(family, config, kernels=Kernels({"norm_linear": "fused-norm-linear"}), init=False)
     load_model_weights(tmp_path, [model])
     # 2 steps x 2 micro-batches, one forward each (no recompute)

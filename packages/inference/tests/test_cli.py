@@ -109,8 +109,10 @@ def test_generate_errors_are_clear(checkpoints, capsys, tmp_path):
     broken_hf = tmp_path / "broken-hf"
     broken_hf.mkdir()
     (broken_hf / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    for load, message in [(tmp_path / "missing", "no such file or directory"),
-                          (broken_hf, "has no model.safetensors"),
+    with pytest.raises(SystemExit) as stop:  # refused by the argument parser, before torch is needed
+        generate_main(["--load", str(tmp_path / "missing"), "--prompt", "Hi"])
+    assert stop.value.code == 2 and "no such file or directory" in capsys.readouterr().err
+    for load, message in [(broken_hf, "has no model.safetensors"),
                           (tmp_path, "is not a mega checkpoint")]:
         with pytest.raises(SystemExit, match=message) as stop:
             generate_main(["--load", str(load), "--prompt", "Hi"])
@@ -123,7 +125,7 @@ def test_commands_are_registered_without_importing_torch():
     assert get_plugins().commands.entry("serve").target.main == "mega.inference.serve_cli:main"
     from mega.inference.serve_cli import build_parser
 
-    args = build_parser().parse_args(["--load", "x"])
+    args = build_parser().parse_args(["--load", "."])
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 5000, None)
 
 

@@ -26,8 +26,10 @@ def gpt_datasets(request: DatasetRequest) -> TrainingData:
     pad = getattr(tokenizer, "pad", None) if tokenizer is not None else None
     vocabulary = (f"the vocabulary of {type(tokenizer).__name__}" if tokenizer is not None
                   else f"--vocab-size {request.vocab_size}")
+    # A request that leaves the size to the tokenizer (0) is bounded by the tokenizer's.
+    size = request.vocab_size or (tokenizer.vocab_size if tokenizer is not None else 0)
     splits = build_gpt_datasets(request.data_path, request.num_samples, _config(request, eod, pad),
-                                vocabulary=(request.vocab_size, vocabulary))
+                                vocabulary=(size, vocabulary))
     return TrainingData(*splits)
 
 
