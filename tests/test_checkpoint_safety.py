@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import random
+import re
 import shutil
 import signal
 import subprocess
