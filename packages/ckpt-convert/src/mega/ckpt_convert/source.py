@@ -92,7 +92,7 @@ def model_parameters(family, config, tensor_parallel_size: int = 1) -> dict[str,
     """Name -> (global shape, whether dim 0 is the padded vocabulary) of every parameter of the
     whole model at ``tensor_parallel_size``, from a build on the meta device (nothing allocated)."""
     from mega.core.build import build_stage
-    from mega.core.checkpoint.aliases import canonical, canonical_names
+    from mega.core.checkpoint.state import named_parameters
     from mega.core.parallel import ParallelConfig
     from mega.core.parallel.param_attrs import is_padded_vocab
 
@@ -103,9 +103,8 @@ def model_parameters(family, config, tensor_parallel_size: int = 1) -> dict[str,
             f"cannot be split for tensor parallel size {tensor_parallel_size}"
         raise ConversionError(f"the {family.name} model {problem}: {error}") from None
     model = build_stage(family, config, parallel=ParallelConfig(tp=tensor_parallel_size), device="meta")
-    aliases = canonical_names(model)
-    return {canonical(name, aliases): (tuple(param.shape), is_padded_vocab(param))
-            for name, param in model.named_parameters()}
+    named, _ = named_parameters([model])  # by canonical name, as checkpoints store them
+    return {name: (tuple(param.shape), is_padded_vocab(param)) for name, param in named.items()}
 
 
 def format_names(names, limit: int = 4) -> str:
