@@ -87,7 +87,7 @@ def test_families_and_the_torch_backend_are_registered():
     assert {"llama2-7b", "llama2-70b", "llama3-8b", "llama3-405b"} <= set(plugins.models.get("llama").presets)
     torch_backend = get_kernel_backend("torch", "attention", plugins)
     assert torch_backend.name == "torch"
-    assert torch_backend.kinds == {"attention", "norm", "linear", "activation", "rotary", "loss"}
+    assert torch_backend.kinds == {"attention", "norm", "linear", "activation", "rotary", "loss", "block_attention"}
     with pytest.raises(KeyError, match="no preset '7b'; presets: tiny, llama2-7b"):
         plugins.models.get("llama").preset("7b")
 

@@ -7,6 +7,11 @@ and optionally ``loss_mask`` (1.0 where a label counts): the shape of Megatron's
 samples. Every rank calls the builder at the same time; a builder that caches indices or
 prepares files coordinates that itself (rank 0 builds, the others wait and load).
 
+Families whose samples are not GPT's (BERT's masked-LM pairs, T5's span corruption) name their
+builders in ``ModelFamily.datasets``; those samples are dicts of the family's ``batch_keys``
+under Megatron's names (``text``, ``types``, ``is_random``, ``padding_mask``; ``text_enc``,
+``text_dec``, ``enc_mask``, ``dec_mask``...).
+
 A builder that brings its own tokenizer (a corpus it prepares, say) returns it in
 ``TrainingData.tokenizer``; the model's vocabulary then follows that tokenizer.
 """
@@ -27,6 +32,9 @@ class DatasetRequest:
     cache_path: str | None
     tokenizer: Any | None  # a mega.core.tokenizer.Tokenizer, when the run has one
     vocab_size: int  # of the model (before padding); mock data draws tokens below it
+    model: Any = None  # the family's model config (an encoder-decoder's lengths, BERT's binary head)
+    mask_prob: float = 0.15  # masked-LM / span-corruption share of tokens (--mask-prob)
+    short_seq_prob: float = 0.1  # chance of a shorter target length (--short-seq-prob)
 
 
 @dataclass

@@ -28,6 +28,15 @@ The kinds and what their component is:
 * ``loss``: ``fn(logits, labels, tp_group, vocab_size) -> [same shape as labels]`` per-token
   cross-entropy of logits ``[..., vocab (shard over tp_group)]`` over the first ``vocab_size``
   rows: the padded rows take no part (None: every row is real).
+* ``block_attention``: attention over one block of keys at a time, for attention split across
+  ranks (context parallelism: ring attention merges the blocks by the online-softmax rule). An
+  object with ``forward(query, key, value, *, causal, softmax_scale) -> (out, lse)`` and
+  ``backward(grad_out, query, key, value, out, lse, *, causal, softmax_scale) -> (grad_query,
+  grad_key, grad_value)``, shapes as for ``attention`` (``key``/``value`` may have fewer heads;
+  their gradients have as many as they do). ``lse`` is the fp32 ``[batch, heads, queries]``
+  (or wider) log-sum-exp of the scaled scores; ``causal`` aligns at the end as ``AttentionMask.causal``.
+  ``backward`` is given the *final* ``out`` and ``lse`` of each query (merged over every key
+  block) and returns this block's share of the gradients, as flash-attention's backward does.
 
 A backend may also have ``features`` (a set of capabilities such as ``"fp8"`` or
 ``"tp_comm_overlap"``) that flags like ``--fp8-hybrid`` ask for. Modules a backend builds may
@@ -50,7 +59,7 @@ if TYPE_CHECKING:
 
     from mega.core.plugins import Plugins
 
-KINDS = ("attention", "norm", "linear", "norm_linear", "activation", "rotary", "loss")
+KINDS = ("attention", "norm", "linear", "norm_linear", "activation", "rotary", "loss", "block_attention")
 DEFAULT_BACKEND = "torch"
 
 

@@ -204,6 +204,8 @@ class ModelFamily:
     * ``boundary(config, stage, micro_batch_size, parallel, dtype) -> {name: TensorSpec}``: what
       ``stage`` sends to the next stage (default :func:`hidden_boundary`).
     * ``batch_keys``: the micro-batch fields the family's stages and loss read.
+    * ``datasets``: the registered dataset builders (:mod:`mega.core.datasets`) that make those
+      fields: ``(from --data-path, for --mock-data)``; GPT's samples by default.
     * ``loss(outputs, batch, context: LossContext) -> (loss, metrics)``.
 
     Describing: ``num_parameters(config, tensor_parallel_size=1) -> int`` (whole model, vocabulary
@@ -231,6 +233,7 @@ class ModelFamily:
     pipeline_stages: Callable[..., list[Stage]] = stack_stages
     boundary: Callable[..., dict[str, TensorSpec]] = hidden_boundary
     batch_keys: tuple[str, ...] = ("tokens", "labels", "loss_mask")
+    datasets: tuple[str, str] = ("gpt", "mock")
     features: frozenset[str] = frozenset()
     description: str = ""
     hf_mapping: HFMapping | None = None

@@ -91,16 +91,66 @@ def loss(logits: torch.Tensor, labels: torch.Tensor, tp_group=None, vocab_size: 
     return cross_entropy(logits, labels, tp_group, vocab_size)
 
 
+class BlockAttention:
+    """Attention over one block of keys with its log-sum-exp, and the block's share of the
+    gradients given the final output and log-sum-exp (the ``block_attention`` contract).
+
+    Plain matrix products in fp32 (or the inputs' dtype when wider): the reference that fused
+    backends are compared with, and what context parallelism runs on the CPU.
+    """
+
+    @staticmethod
+    def _scores(query, key, causal: bool, softmax_scale: float) -> torch.Tensor:
+        scores = torch.matmul(query, key.transpose(-1, -2)) * softmax_scale
+        if causal:
+            q_len, k_len = scores.shape[-2:]
+            allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return scores
+
+    @staticmethod
+    def _widen(*tensors):
+        dtype = torch.promote_types(tensors[0].dtype, torch.float32)
+        return [t.to(dtype) for t in tensors]
+
+    def forward(self, query, key, value, *, causal: bool, softmax_scale: float):
+        repeats = query.shape[1] // key.shape[1]
+        q, k, v = self._widen(query, key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1))
+        scores = self._scores(q, k, causal, softmax_scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        # A query that sees no key of this block (causal, keys after it) has lse -inf and output 0.
+        probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
+        return torch.matmul(probs, v).to(query.dtype), lse
+
+    def backward(self, grad_out, query, key, value, out, lse, *, causal: bool, softmax_scale: float):
+        repeats = query.shape[1] // key.shape[1]
+        q, k, v, dout, o = self._widen(query, key.repeat_interleave(repeats, 1),
+                                       value.repeat_interleave(repeats, 1), grad_out, out)
+        scores = self._scores(q, k, causal, softmax_scale)
+        probs = torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1)).nan_to_num_(0.0)
+        grad_v = torch.matmul(probs.transpose(-1, -2), dout)
+        grad_probs = torch.matmul(dout, v.transpose(-1, -2))
+        delta = (dout * o).sum(-1, keepdim=True)
+        grad_scores = probs * (grad_probs - delta) * softmax_scale
+        grad_q = torch.matmul(grad_scores, k)
+        grad_k = torch.matmul(grad_scores.transpose(-1, -2), q)
+        if repeats > 1:  # each key/value head served ``repeats`` query heads: sum their shares
+            batch, heads, seq, dim = grad_k.shape
+            grad_k = grad_k.view(batch, heads // repeats, repeats, seq, dim).sum(2)
+            grad_v = grad_v.view(batch, heads // repeats, repeats, seq, dim).sum(2)
+        return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
+
+
 class TorchKernels:
     name = "torch"
-    kinds = frozenset({"attention", "norm", "linear", "activation", "rotary", "loss"})
+    kinds = frozenset({"attention", "norm", "linear", "activation", "rotary", "loss", "block_attention"})
 
     def is_available(self) -> tuple[bool, str]:
         return True, ""
 
     def component(self, kind: str):
         return {"attention": sdpa_attention, "norm": norm, "linear": linear, "activation": activation,
-                "rotary": apply_rotary, "loss": loss}[kind]
+                "rotary": apply_rotary, "loss": loss, "block_attention": BlockAttention()}[kind]
 
 
 TORCH = TorchKernels()

@@ -94,6 +94,8 @@ class DataConfig:
     merge_file: str | None = option(None, "BPE merges file")
     dataloader_type: Literal["single", "cyclic"] = option("single", "single pass or cycling sampler")
     data_cache_path: str | None = option(None, "where sample indices are cached (default: beside the data)")
+    mask_prob: float = option(0.15, "share of tokens masked in masked-LM (BERT) and span-corruption (T5) samples")
+    short_seq_prob: float = option(0.1, "probability of a shorter target length in BERT and T5 samples")
 
 
 @dataclass
@@ -136,11 +138,14 @@ class KernelConfig:
     activation_backend: str | None = option(None, "MLP activation kernel backend")
     rotary_backend: str | None = option(None, "rotary-embedding kernel backend")
     loss_backend: str | None = option(None, "cross-entropy (loss head) kernel backend")
+    block_attention_backend: str | None = option(
+        None, "blockwise attention returning the log-sum-exp (context parallelism's ring) kernel backend")
 
     def overrides(self) -> dict[str, str | None]:
         return {"attention": self.attention_backend, "norm": self.normalization_backend,
                 "linear": self.linear_backend, "norm_linear": self.norm_linear_backend,
-                "activation": self.activation_backend, "rotary": self.rotary_backend, "loss": self.loss_backend}
+                "activation": self.activation_backend, "rotary": self.rotary_backend, "loss": self.loss_backend,
+                "block_attention": self.block_attention_backend}
 
     def selection(self, plugins=None) -> dict[str, str]:
         """Kind -> backend name; every chosen backend checked usable here (see select_backends)."""

@@ -21,13 +21,16 @@ def tokenizer_spec(run: RunConfig) -> TokenizerSpec | None:
     ))
 
 
-def dataset_name(run: RunConfig) -> str:
+def dataset_name(run: RunConfig, plugins: Plugins) -> str:
+    """``--dataset``, else the family's builder for ``--mock-data`` or ``--data-path`` (GPT's
+    samples and mock samples for decoder families; an encoder or encoder-decoder family names its own)."""
     if run.data.dataset:
         return run.data.dataset
+    from_files, mock = plugins.models.get(run.training.model_family).datasets
     if run.data.mock_data:
-        return "mock"
+        return mock
     if run.data.data_path:
-        return "gpt"
+        return from_files
     raise ConfigError("no training data: give --data-path PREFIX (see `mega preprocess`) or --mock-data")
 
 
@@ -44,11 +47,12 @@ def build_datasets(run: RunConfig, derived: Derived, plugins: Plugins) -> tuple[
     tokenizer = spec.build(plugins) if spec else None
     if tokenizer is not None:
         run = _with_vocab_size(run, tokenizer.vocab_size)
-    builder = plugins.datasets.get(dataset_name(run))
+    builder = plugins.datasets.get(dataset_name(run, plugins))
     data = builder(DatasetRequest(
         data_path=run.data.data_path, split=run.data.split, seq_length=run.model.seq_length,
         seed=run.training.seed, num_samples=sample_counts(run, derived), cache_path=run.data.data_cache_path,
-        tokenizer=tokenizer, vocab_size=run.model.vocab_size,
+        tokenizer=tokenizer, vocab_size=run.model.vocab_size, model=run.model,
+        mask_prob=run.data.mask_prob, short_seq_prob=run.data.short_seq_prob,
     ))
     if data.tokenizer is not None and tokenizer is None:
         run = _with_vocab_size(run, data.tokenizer.vocab_size)
