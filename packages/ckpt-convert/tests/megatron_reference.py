@@ -1,0 +1,179 @@
+"""megatron-core as the reference for the Megatron-LM checkpoint tests: functions that run on the
+ranks of a 2-rank gloo world (``mega.core.testing.DistributedWorld``), build megatron-core's own
+``GPTModel`` on the CPU and write, load and describe checkpoints with megatron-core's code.
+
+Test-only shims let its checkpoint writer run without CUDA (reference/megatron-checkpoints.md).
+Legacy files are written the way Megatron-LM's ``save_checkpoint`` writes them (a ``torch.save``
+per tp/pp rank of ``{args, checkpoint_version, iteration, model, rng_state, ...}``), each stage's
+``model`` from megatron-core's ``state_dict()`` of a model built for that stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from pathlib import Path
+
+import torch
+
+VOCAB = 200  # pads to 256 at tp 1 and 2, so megatron-core loads one checkpoint at either
+MODELS = {
+    "llama": dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                  swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
+                  untie_embeddings_and_output_weights=True),
+    "gpt": dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=128,
+                swiglu=False, normalization="LayerNorm", position_embedding_type="learned_absolute",
+                add_bias_linear=True, untie_embeddings_and_output_weights=False),
+}
+SEQ = 32
+
+
+def _shims() -> None:
+    import multiprocessing
+
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    # megatron-core's writer starts a helper process, which Python refuses to daemonic processes
+    # such as the test world's ranks (they are ended by the world anyway).
+    multiprocessing.current_process()._config["daemon"] = False
+
+
+def padded_vocab(tp: int) -> int:
+    return math.ceil(VOCAB / (128 * tp)) * 128 * tp
+
+
+def megatron_args(family: str, tp: int, pp: int, iteration: int, ckpt_format: str) -> argparse.Namespace:
+    """The args Megatron-LM's pretrain_gpt.py would hold for this model (the ones checkpoints keep)."""
+    from megatron.core.enums import ModelType
+
+    m = MODELS[family]
+    return argparse.Namespace(
+        num_layers=m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
+        num_attention_heads=m["num_attention_heads"], group_query_attention=m["num_query_groups"] != 4,
+        num_query_groups=m["num_query_groups"], kv_channels=16, seq_length=SEQ, max_position_embeddings=SEQ,
+        vocab_size=VOCAB, padded_vocab_size=padded_vocab(tp), make_vocab_size_divisible_by=128,
+        swiglu=m["swiglu"], normalization=m["normalization"], position_embedding_type=m["position_embedding_type"],
+        add_bias_linear=m["add_bias_linear"], add_qkv_bias=False, norm_epsilon=1e-5, rotary_base=10000,
+        rotary_percent=1.0, untie_embeddings_and_output_weights=m["untie_embeddings_and_output_weights"],
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, params_dtype=torch.float32,
+        model_type=ModelType.encoder_or_decoder, ckpt_format=ckpt_format, iteration=iteration,
+        tokenizer_type="NullTokenizer", transformer_impl="local", qk_layernorm=False, num_experts=None,
+    )
+
+
+def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, post: bool = True, seed: int = 0):
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    _shims()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, 1)
+    m = MODELS[family]
+    config = TransformerConfig(
+        num_layers=layers or m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
+        num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
+        gated_linear_unit=m["swiglu"], activation_func=F.silu if m["swiglu"] else F.gelu,
+        normalization=m["normalization"], add_bias_linear=m["add_bias_linear"], hidden_dropout=0.0,
+        attention_dropout=0.0, use_cpu_initialization=True, perform_initialization=True,
+        tensor_model_parallel_size=tp)
+    torch.manual_seed(seed)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=m["normalization"]),
+                     vocab_size=padded_vocab(tp), max_sequence_length=SEQ, pre_process=pre, post_process=post,
+                     position_embedding_type=m["position_embedding_type"],
+                     share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"])
+    generator = torch.Generator().manual_seed(seed + 1 + torch.distributed.get_rank())
+    with torch.no_grad():  # norms start at 1 and biases at 0: make every value count
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
+def save_torch_dist(family: str, tp: int, directory: str, iteration: int = 7, seed: int = 0) -> None:
+    """What Megatron-LM's save_checkpoint writes with --ckpt-format torch_dist (the model part)."""
+    from megatron.core import dist_checkpointing
+
+    model = _model(family, tp, seed=seed)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    state = {"args": megatron_args(family, tp, 1, iteration, "torch_dist"), "checkpoint_version": 3.0,
+             "iteration": iteration, "model": model.sharded_state_dict()}
+    dist_checkpointing.save(state, directory)
+    if torch.distributed.get_rank() == 0:
+        Path(directory).parent.joinpath("latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+
+
+def load_torch_dist(family: str, tp: int, directory: str) -> dict[str, torch.Tensor]:
+    """megatron-core's dist_checkpointing.load of ``directory`` into a fresh model at ``tp``: the
+    model's state dict on rank 0 (tp 1) or this rank's shards."""
+    from megatron.core import dist_checkpointing
+
+    model = _model(family, tp, seed=123)
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), directory)
+    model.load_state_dict(loaded, strict=True)
+    return {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+
+def _rank_state(args, iteration: int, model_state) -> dict:
+    """One rank's dict as Megatron-LM's save_checkpoint builds it (generate_state_dict)."""
+    import numpy
+
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": numpy.random.get_state(),
+           "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
+    return {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model_state,
+            "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-4, "params": [0, 1]}]}},
+            "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": iteration * 8}, "rng_state": [rng],
+            "num_floating_point_operations_so_far": 0}
+
+
+def stage_models(family: str, tp: int, pp: int, seed: int = 0) -> list:
+    """This tp rank's megatron-core models of each pipeline stage (built one stage at a time)."""
+    layers = MODELS[family]["num_layers"] // pp
+    models = [_model(family, tp, layers, pre=stage == 0, post=stage == pp - 1, seed=seed + stage)
+              for stage in range(pp)]
+    if pp > 1 and not MODELS[family]["untie_embeddings_and_output_weights"]:
+        with torch.no_grad():  # Megatron keeps the last stage's copy equal to the embedding
+            models[-1].output_layer.weight.copy_(models[0].embedding.word_embeddings.weight)
+    return models
+
+
+def save_legacy(family: str, tp: int, pp: int, directory: str, iteration: int = 9) -> list[dict]:
+    """Megatron-LM's legacy files of a tp x pp run; returns this tp rank's stage state dicts."""
+    rank = torch.distributed.get_rank()
+    states = []
+    for stage, model in enumerate(stage_models(family, tp, pp)):
+        name = f"mp_rank_{rank:02d}" if pp == 1 else f"mp_rank_{rank:02d}_{stage:03d}"
+        path = Path(directory) / f"iter_{iteration:07d}" / name / "model_optim_rng.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = model.state_dict()
+        torch.save(_rank_state(megatron_args(family, tp, pp, iteration, "torch"), iteration, state), path)
+        states.append({k: v for k, v in state.items() if torch.is_tensor(v)})
+    if rank == 0:
+        (Path(directory) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+    return states
+
+
+def load_legacy(family: str, tp: int, pp: int, directory: str, iteration: int | None) -> list[dict]:
+    """Each of this tp rank's files loaded into a fresh megatron-core stage model with strict
+    load_state_dict (every key present, every shape right); the models' tensors."""
+    rank = torch.distributed.get_rank()
+    loaded = []
+    if rank >= tp:  # the world has more ranks than the layout
+        return loaded
+    for stage, model in enumerate(stage_models(family, tp, pp, seed=321)):
+        name = f"mp_rank_{rank:02d}" if pp == 1 else f"mp_rank_{rank:02d}_{stage:03d}"
+        step = "release" if iteration is None else f"iter_{iteration:07d}"
+        state = torch.load(Path(directory) / step / name / "model_optim_rng.pt", weights_only=False)
+        model.load_state_dict(state["model"], strict=True)
+        loaded.append({k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)})
+    return loaded
+
+
