@@ -5,7 +5,8 @@ ranks of a 2-rank gloo world (``mega.core.testing.DistributedWorld``), build meg
 Test-only shims let its checkpoint writer run without CUDA (reference/megatron-checkpoints.md).
 Legacy files are written the way Megatron-LM's ``save_checkpoint`` writes them (a ``torch.save``
 per tp/pp rank of ``{args, checkpoint_version, iteration, model, rng_state, ...}``), each stage's
-``model`` from megatron-core's ``state_dict()`` of a model built for that stage.
+``model`` cut from megatron-core's ``state_dict()``; exported legacy files are checked by loading
+them into megatron-core models built for each stage, with strict ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -95,8 +96,12 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
     return model
 
 
-def save_torch_dist(family: str, tp: int, directory: str, iteration: int = 7, seed: int = 0) -> None:
+def save_torch_dist(family: str, tp: int, directory: str, iteration: int = 7) -> None:
     """What Megatron-LM's save_checkpoint writes with --ckpt-format torch_dist (the model part)."""
+    _save_torch_dist(family, tp, directory, iteration)
+
+
+def _save_torch_dist(family: str, tp: int, directory: str, iteration: int, seed: int = 0):
     from megatron.core import dist_checkpointing
 
     model = _model(family, tp, seed=seed)
@@ -107,6 +112,38 @@ def save_torch_dist(family: str, tp: int, directory: str, iteration: int = 7, se
     dist_checkpointing.save(state, directory)
     if torch.distributed.get_rank() == 0:
         Path(directory).parent.joinpath("latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+    return model
+
+
+def save_both(family: str, torch_dist_dir: str, legacy_dir: str, pp: int = 2, iteration: int = 7) -> None:
+    """One tp 2 megatron-core model saved twice: as torch_dist, and as the legacy files of a tp 2 x
+    pp ``pp`` run, each stage's state dict cut from the model's (layers renumbered from 0 per
+    stage, the tied embedding's copy as the last stage's output_layer.weight)."""
+    tp, rank = 2, torch.distributed.get_rank()
+    model = _save_torch_dist(family, tp, torch_dist_dir, iteration)
+    state = model.state_dict()
+    layers = MODELS[family]["num_layers"] // pp
+    tied = not MODELS[family]["untie_embeddings_and_output_weights"]
+    for stage in range(pp):
+        stage_state = {}
+        for key, value in state.items():
+            if key.startswith("decoder.layers."):
+                number, rest = key[len("decoder.layers."):].split(".", 1)
+                if int(number) // layers == stage:
+                    stage_state[f"decoder.layers.{int(number) - stage * layers}.{rest}"] = value
+            elif key.startswith("embedding."):
+                if stage == 0:
+                    stage_state[key] = value
+            elif stage == pp - 1:
+                stage_state[key] = value
+        if tied and pp > 1 and stage == pp - 1:
+            stage_state["output_layer.weight"] = state["embedding.word_embeddings.weight"].clone()
+        path = Path(legacy_dir) / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}_{stage:03d}" / "model_optim_rng.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(_rank_state(megatron_args(family, tp, pp, iteration, "torch"), iteration, stage_state), path)
+    if rank == 0:
+        (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     torch.distributed.barrier()
 
 
@@ -133,32 +170,11 @@ def _rank_state(args, iteration: int, model_state) -> dict:
             "num_floating_point_operations_so_far": 0}
 
 
-def stage_models(family: str, tp: int, pp: int, seed: int = 0) -> list:
+def stage_models(family: str, tp: int, pp: int) -> list:
     """This tp rank's megatron-core models of each pipeline stage (built one stage at a time)."""
     layers = MODELS[family]["num_layers"] // pp
-    models = [_model(family, tp, layers, pre=stage == 0, post=stage == pp - 1, seed=seed + stage)
-              for stage in range(pp)]
-    if pp > 1 and not MODELS[family]["untie_embeddings_and_output_weights"]:
-        with torch.no_grad():  # Megatron keeps the last stage's copy equal to the embedding
-            models[-1].output_layer.weight.copy_(models[0].embedding.word_embeddings.weight)
-    return models
-
-
-def save_legacy(family: str, tp: int, pp: int, directory: str, iteration: int = 9) -> list[dict]:
-    """Megatron-LM's legacy files of a tp x pp run; returns this tp rank's stage state dicts."""
-    rank = torch.distributed.get_rank()
-    states = []
-    for stage, model in enumerate(stage_models(family, tp, pp)):
-        name = f"mp_rank_{rank:02d}" if pp == 1 else f"mp_rank_{rank:02d}_{stage:03d}"
-        path = Path(directory) / f"iter_{iteration:07d}" / name / "model_optim_rng.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        state = model.state_dict()
-        torch.save(_rank_state(megatron_args(family, tp, pp, iteration, "torch"), iteration, state), path)
-        states.append({k: v for k, v in state.items() if torch.is_tensor(v)})
-    if rank == 0:
-        (Path(directory) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    torch.distributed.barrier()
-    return states
+    return [_model(family, tp, layers, pre=stage == 0, post=stage == pp - 1, seed=321 + stage)
+            for stage in range(pp)]
 
 
 def load_legacy(family: str, tp: int, pp: int, directory: str, iteration: int | None) -> list[dict]:
@@ -168,7 +184,7 @@ def load_legacy(family: str, tp: int, pp: int, directory: str, iteration: int | 
     loaded = []
     if rank >= tp:  # the world has more ranks than the layout
         return loaded
-    for stage, model in enumerate(stage_models(family, tp, pp, seed=321)):
+    for stage, model in enumerate(stage_models(family, tp, pp)):
         name = f"mp_rank_{rank:02d}" if pp == 1 else f"mp_rank_{rank:02d}_{stage:03d}"
         step = "release" if iteration is None else f"iter_{iteration:07d}"
         state = torch.load(Path(directory) / step / name / "model_optim_rng.pt", weights_only=False)

@@ -17,6 +17,7 @@ MEGATRON_FORMATS = (LEGACY, TORCH_DIST)
 
 class MegatronFormat:
     name = "megatron"
+    load_for_training = True  # mega train --load converts it on the fly (mega.core.checkpoint.foreign)
 
     def detect(self, path: Path) -> bool:
         return find(path) is not None

@@ -59,7 +59,7 @@ def _numpy_globals() -> dict[str, Any]:
         import numpy
     except ImportError:
         return {}
-    reconstruct = getattr(getattr(numpy, "_core", numpy.core), "multiarray")._reconstruct
+    reconstruct = getattr(numpy, "_core", numpy.core).multiarray._reconstruct
     found = {f"{prefix}.multiarray._reconstruct": reconstruct for prefix in ("numpy.core", "numpy._core")}
     found.update({"numpy.ndarray": numpy.ndarray, "numpy.dtype": numpy.dtype})
     for name in dir(getattr(numpy, "dtypes", None) or ()):  # numpy >= 1.25 pickles dtypes by class

@@ -15,7 +15,13 @@ from pathlib import Path
 import torch
 
 from mega.ckpt_convert.errors import ConversionError
-from mega.ckpt_convert.megatron_args import family_of, layout_of, model_settings, shape_args, tokenizer_from_args
+from mega.ckpt_convert.megatron_args import (
+    family_of,
+    layout_of,
+    model_settings,
+    shape_args,
+    tokenizer_from_args,
+)
 from mega.ckpt_convert.megatron_layout import TensorLayout, model_layouts
 from mega.ckpt_convert.source import ClosingSource, format_names
 
