@@ -153,8 +153,8 @@ def load_torch_dist(family: str, tp: int, directory: str) -> dict[str, torch.Ten
     from megatron.core import dist_checkpointing
 
     model = _model(family, tp, seed=123)
-    loaded = dist_checkpointing.load(model.sharded_state_dict(), directory)
-    model.load_state_dict(loaded, strict=True)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)  # as Megatron-LM does
+    model.load_state_dict(loaded["model"], strict=True)
     return {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
 

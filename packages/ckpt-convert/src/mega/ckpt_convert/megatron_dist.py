@@ -14,7 +14,6 @@ slice when DCP writes it, so memory stays at one layer's tensors either way.
 
 from __future__ import annotations
 
-import io
 import json
 import warnings
 from pathlib import Path
@@ -123,12 +122,9 @@ class TorchDistSource(MegatronSource):
         return buffer if layer is None else buffer[0]
 
 
-def empty_extra_state() -> io.BytesIO:
-    """What a Megatron-Core module without FP8 state saves as its ``_extra_state`` object."""
-    buffer = io.BytesIO()
-    torch.save(None, buffer)
-    buffer.seek(0)
-    return buffer
+# What a Megatron-Core module without FP8 state saves as its ``_extra_state`` object: the list of
+# the objects' data under one key (one object, None), which DCP's writer torch.saves as bytes.
+EMPTY_EXTRA_STATE = [None]
 
 
 def _file_key(names, rest: str) -> str:
@@ -166,7 +162,7 @@ def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteratio
             (_lazy(source, "embedding.word_embeddings.weight", layout), (0,) * len(layout.shape))])
     for module in names.extra_state_layer_modules:
         for n in range(num_layers):
-            entries[f"{LAYER_PREFIX}{module}._extra_state/shard_{n}_{num_layers}"] = empty_extra_state()
+            entries[f"{LAYER_PREFIX}{module}._extra_state/shard_{n}_{num_layers}"] = EMPTY_EXTRA_STATE
     checkpoint_dir = directory / iteration_dir_name(iteration)
     checkpoint_dir.mkdir(parents=True)
     args = args_for(config, tp, pp, config.padded_vocab_size(tp), iteration or 0, TORCH_DIST, source.tokenizer)
@@ -178,14 +174,14 @@ def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteratio
 
 
 class _SavePlanner(DefaultSavePlanner):
-    """DCP's planner for global tensors offered as :class:`ShardedEntry` pieces and byte objects."""
+    """DCP's planner for global tensors offered as :class:`ShardedEntry` pieces, and objects."""
 
     def __init__(self):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def lookup_object(self, index: MetadataIndex):
         value = self.state_dict[index.fqn]
-        return value if isinstance(value, io.BytesIO) else value.__get_tensor_shard__(index)
+        return value.__get_tensor_shard__(index) if isinstance(value, ShardedEntry) else value
 
 
 def save_dcp(directory: Path, entries: dict) -> None:
