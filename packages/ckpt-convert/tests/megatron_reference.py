@@ -40,6 +40,16 @@ def _shims() -> None:
     multiprocessing.current_process()._config["daemon"] = False
 
 
+def _stop_writer_helper() -> None:
+    """End the helper process megatron-core's writer started (it would outlive the rank)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = filesystem_async._results_queue
+    if queue is not None and getattr(queue, "_manager", None) is not None:
+        queue._manager.shutdown()
+    filesystem_async._results_queue = None
+
+
 def padded_vocab(tp: int) -> int:
     return math.ceil(VOCAB / (128 * tp)) * 128 * tp
 
@@ -88,7 +98,7 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
                      vocab_size=padded_vocab(tp), max_sequence_length=SEQ, pre_process=pre, post_process=post,
                      position_embedding_type=m["position_embedding_type"],
                      share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"])
-    generator = torch.Generator().manual_seed(seed + 1 + torch.distributed.get_rank())
+    generator = torch.Generator().manual_seed(seed + 1)  # the same on every rank: norms are replicated
     with torch.no_grad():  # norms start at 1 and biases at 0: make every value count
         for param in model.parameters():
             if param.dim() == 1:
@@ -110,6 +120,7 @@ def _save_torch_dist(family: str, tp: int, directory: str, iteration: int, seed:
     state = {"args": megatron_args(family, tp, 1, iteration, "torch_dist"), "checkpoint_version": 3.0,
              "iteration": iteration, "model": model.sharded_state_dict()}
     dist_checkpointing.save(state, directory)
+    _stop_writer_helper()
     if torch.distributed.get_rank() == 0:
         Path(directory).parent.joinpath("latest_checkpointed_iteration.txt").write_text(str(iteration))
     torch.distributed.barrier()
@@ -180,10 +191,8 @@ def stage_models(family: str, tp: int, pp: int) -> list:
 def load_legacy(family: str, tp: int, pp: int, directory: str, iteration: int | None) -> list[dict]:
     """Each of this tp rank's files loaded into a fresh megatron-core stage model with strict
     load_state_dict (every key present, every shape right); the models' tensors."""
-    rank = torch.distributed.get_rank()
+    rank = torch.distributed.get_rank() % tp  # every rank builds (collectively); ranks beyond tp repeat
     loaded = []
-    if rank >= tp:  # the world has more ranks than the layout
-        return loaded
     for stage, model in enumerate(stage_models(family, tp, pp)):
         name = f"mp_rank_{rank:02d}" if pp == 1 else f"mp_rank_{rank:02d}_{stage:03d}"
         step = "release" if iteration is None else f"iter_{iteration:07d}"

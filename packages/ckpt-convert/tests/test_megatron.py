@@ -146,15 +146,24 @@ def _refused(capsys, tmp_path, source: Path, message: str) -> None:
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
 
 
+class Exploit:
+    """What a malicious checkpoint pickles: unpickling it would run a shell command."""
+
+    def __reduce__(self):
+        return os.system, ("touch pwned",)
+
+
 def test_a_pickled_class_outside_the_allowlist_is_refused(made, tmp_path, capsys):
+    """Even with megatron-core imported in this process (it registers its own allowlist with torch)."""
     root, _ = made
     bad = tmp_path / "bad"
     shutil.copytree(root / "llama-legacy", bad)
     file = bad / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt"
     state = torch.load(file, weights_only=False)
-    state["opt_param_scheduler"] = {"decay": Path("/somewhere")}  # any class mega did not list
+    state["opt_param_scheduler"] = {"decay": Exploit()}
     torch.save(state, file)
-    _refused(capsys, tmp_path, bad, "pickles pathlib.PosixPath, which mega does not unpickle")
+    _refused(capsys, tmp_path, bad, "pickles posix.system, which mega does not unpickle")
+    assert not Path("pwned").exists()
 
 
 def test_a_truncated_distcp_file_is_named(made, tmp_path, capsys):
@@ -175,3 +184,55 @@ def test_args_that_contradict_the_tensors_name_both(made, tmp_path, capsys):
     state["args"].ffn_hidden_size = 128
     torch.save(state, common)
     _refused(capsys, tmp_path, bad, "ffn_hidden_size=128")
+
+
+# Megatron-LM's older (non-core) GPT model: a nested state dict and other layer names.
+OLD_LAYER_NAMES = {"input_layernorm.": "input_norm.", "self_attention.linear_qkv.": "self_attention.query_key_value.",
+                   "self_attention.linear_proj.": "self_attention.dense.", "pre_mlp_layernorm.": "post_attention_norm.",
+                   "mlp.linear_fc1.": "mlp.dense_h_to_4h.", "mlp.linear_fc2.": "mlp.dense_4h_to_h."}
+
+
+def _old_model_state(state: dict) -> dict:
+    language_model = {"embedding": {}, "encoder": {}}
+    for key, value in state.items():
+        if key.endswith("_extra_state"):
+            continue
+        if key.startswith("embedding."):
+            language_model["embedding"].setdefault(key.split(".")[1], {})["weight"] = value
+        elif key.startswith("decoder.layers."):
+            number, rest = key[len("decoder.layers."):].split(".", 1)
+            old = next(new + rest[len(core):] for core, new in OLD_LAYER_NAMES.items() if rest.startswith(core))
+            language_model["encoder"][f"layers.{number}.{old}"] = value
+        elif key.startswith("decoder.final_layernorm."):
+            language_model["encoder"]["final_norm." + key.rsplit(".", 1)[1]] = value
+        else:
+            language_model["output_layer"] = {"weight": value}
+    return {"language_model": language_model}
+
+
+def test_older_megatron_lm_names_import_the_same(made, tmp_path):
+    root, truth = made
+    old = tmp_path / "old"
+    shutil.copytree(root / "llama-legacy", old)
+    for file in old.glob("iter_0000007/*/model_optim_rng.pt"):
+        state = torch.load(file, weights_only=False)
+        state["model"] = _old_model_state(state["model"])
+        torch.save(state, file)
+    convert(old, tmp_path / "mega", to_format="mega")
+    assert_same_model(tmp_path / "mega", truth["llama"])
+
+
+def test_mega_train_loads_a_megatron_directory(made, capsys):
+    from mega.core.training.command import main as train_main
+
+    root, _ = made
+    flags = ["--mock-data", "--model-family", "llama", "--num-layers", "4", "--hidden-size", "64",
+             "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "96", "--swiglu",
+             "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+             "--untie-embeddings-and-output-weights", "--seq-length", "32", "--max-position-embeddings", "32",
+             "--vocab-size", str(ref.VOCAB), "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
+             "--train-iters", "1", "--eval-iters", "0", "--load", str(root / "llama-tp2")]
+    assert train_main(flags) == 0
+    assert "loaded megatron torch_dist (dist_checkpointing) checkpoint" in capsys.readouterr().out
+    assert train_main([*flags[:-1], str(root / "gpt-legacy")]) == 2  # a GPT model: told, not loaded
+    assert "does not match this model" in capsys.readouterr().err

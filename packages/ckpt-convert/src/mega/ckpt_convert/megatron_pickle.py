@@ -4,21 +4,29 @@ without unpickling anything we did not list.
 ``torch.load(weights_only=True)`` already refuses every class but tensors and plain containers;
 Megatron's files also hold a few objects of their own, allowed here by name and nothing else:
 
-* ``argparse.Namespace``: the run's arguments (``args``);
-* Megatron's enums (``args.model_type`` is a ``ModelType``, ``args.attention_backend`` an
-  ``AttnBackend``...): megatron is not a dependency, so each comes back as a :class:`MegatronEnum`
-  holding the enum's name and the pickled value;
+* ``argparse.Namespace`` and ``types.SimpleNamespace``: the run's arguments (``args``);
+* ``pathlib.PosixPath`` and ``signal.Signals`` (``args.exit_signal``), as megatron-core's own
+  allowlist (``megatron.core.safe_globals``) has them;
+* Megatron's enums and small records (``args.model_type`` is a ``ModelType``, ``args.attention_backend``
+  an ``AttnBackend``, the rerun state machine's ``RerunState``, ``OptimizerConfig``...): megatron is
+  not a dependency, so each comes back as a :class:`MegatronObject` holding the class's name and
+  the pickled values, and no megatron code runs;
 * ``io.BytesIO``: Transformer Engine's ``_extra_state`` in older versions;
 * numpy arrays: the numpy RNG state tuple in ``rng_state`` (Python's own RNG state is a tuple of
   ints, torch's a tensor).
 
-Any other class in a file is refused before a byte is unpickled, naming the class.
+Any other class or function in a file is refused before a byte is unpickled, naming it. The
+allowlist is this module's alone: whatever other code registered with torch (megatron-core
+registers its own list when imported) is set aside while a file is read.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import pathlib
+import signal
+import types
 from pathlib import Path
 from typing import Any
 
@@ -26,31 +34,43 @@ import torch
 
 from mega.ckpt_convert.errors import ConversionError
 
-# Modules whose enums Megatron-LM pickles in its args (checked by name: megatron is not imported).
-MEGATRON_ENUM_MODULES = ("megatron.core.enums", "megatron.core.transformer.enums", "megatron.training.enums",
-                         "megatron.core.fp8_utils", "megatron.core.rerun_state_machine")
+# Megatron classes its checkpoints pickle (checked by name: megatron is not imported).
+MEGATRON_CLASSES = frozenset({
+    "megatron.core.enums.ModelType", "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.CudaGraphScope", "megatron.core.transformer.enums.AttnMaskType",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig", "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.rerun_state_machine.RerunMode", "megatron.core.rerun_state_machine.RerunState",
+})
 
 
-class MegatronEnum:
-    """A Megatron enum member read from a pickle: the enum's dotted name and the member's value."""
+class MegatronObject:
+    """A Megatron enum member or record read from a pickle: the class's dotted name and the values
+    it was pickled with (an enum's value, a record's fields); nothing of megatron runs."""
 
-    enum_name = ""
+    class_name = ""
 
-    def __init__(self, value: Any):
-        self.value = value
+    def __init__(self, *args: Any):
+        self.args, self.state = args, None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    @property
+    def value(self) -> Any:
+        return self.args[0] if len(self.args) == 1 else self.args
 
     def __repr__(self) -> str:
-        return f"{self.enum_name}({self.value!r})"
+        return f"{self.class_name}{self.args!r}"
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, MegatronEnum) and (self.enum_name, self.value) == (other.enum_name, other.value)
+        return isinstance(other, MegatronObject) and (self.class_name, self.args) == (other.class_name, other.args)
 
     def __hash__(self) -> int:
-        return hash((self.enum_name, self.value))
+        return hash((self.class_name, self.args))
 
 
-def _enum_stand_in(full_name: str) -> type:
-    return type(full_name.rsplit(".", 1)[1], (MegatronEnum,), {"enum_name": full_name})
+def _stand_in(full_name: str) -> type:
+    return type(full_name.rsplit(".", 1)[1], (MegatronObject,), {"class_name": full_name})
 
 
 def _numpy_globals() -> dict[str, Any]:
@@ -70,14 +90,15 @@ def _numpy_globals() -> dict[str, Any]:
 
 def allowed_globals(found: list[str]) -> dict[str, Any]:
     """The objects the globals ``found`` in a file stand for, when every one is allowed."""
-    allowed = {"argparse.Namespace": argparse.Namespace, "_io.BytesIO": io.BytesIO, "io.BytesIO": io.BytesIO,
-               **_numpy_globals()}
+    allowed = {"argparse.Namespace": argparse.Namespace, "types.SimpleNamespace": types.SimpleNamespace,
+               "_io.BytesIO": io.BytesIO, "io.BytesIO": io.BytesIO, "pathlib.PosixPath": pathlib.PosixPath,
+               "signal.Signals": signal.Signals, **_numpy_globals()}
     objects, refused = {}, []
     for name in found:
         if name in allowed:
             objects[name] = allowed[name]
-        elif name.rsplit(".", 1)[0] in MEGATRON_ENUM_MODULES:
-            objects[name] = _enum_stand_in(name)
+        elif name in MEGATRON_CLASSES:
+            objects[name] = _stand_in(name)
         else:
             refused.append(name)
     if refused:
@@ -94,10 +115,21 @@ class _Refused(Exception):
 
 
 def load_megatron_pickle(path: Path) -> Any:
-    """The object a Megatron-LM ``torch.save`` file holds, tensors on the CPU.
+    """The object a Megatron-LM ``torch.save`` file holds, tensors on the CPU (memory-mapped: a rank
+    file's optimizer state is paged in only if used, never here).
 
     Raises :class:`ConversionError` naming the file and the class when the file pickles
     anything but tensors, containers and the objects listed in this module's docstring."""
+    registered = torch.serialization.get_safe_globals()  # others' (megatron-core's): set aside
+    torch.serialization.clear_safe_globals()
+    try:
+        return _load(path)
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(registered)
+
+
+def _load(path: Path) -> Any:
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except FileNotFoundError:
@@ -109,11 +141,10 @@ def load_megatron_pickle(path: Path) -> Any:
         objects = allowed_globals(found)
     except _Refused as refused:
         raise ConversionError(f"{path} pickles {', '.join(refused.names)}, which mega does not unpickle (only "
-                              "tensors, containers, argparse.Namespace, Megatron's enums, RNG states and "
-                              "io.BytesIO are allowed); the file was not loaded") from None
+                              "tensors, containers, the args' namespace, paths and signals, Megatron's enums and "
+                              "records, RNG states and io.BytesIO are allowed); the file was not loaded") from None
     try:
         with torch.serialization.safe_globals([(obj, name) for name, obj in objects.items()]):
-            # mmap: a rank file (optimizer state included) is paged in as its tensors are used, not read whole
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
         raise ConversionError(f"{path} could not be read (truncated or damaged?): "
