@@ -109,7 +109,10 @@ class MegaFormat:
     name = "mega"
 
     def detect(self, path: Path) -> bool:
-        return (path / METADATA_FILE).is_file() or (path / TRACKER_FILE).is_file()
+        from mega.ckpt_convert.megatron_directory import find
+
+        # Megatron-LM save directories have the same tracker file.
+        return (path / METADATA_FILE).is_file() or ((path / TRACKER_FILE).is_file() and find(path) is None)
 
     def open(self, path: Path, model_family: str | None = None) -> MegaSource:
         return MegaSource(path, model_family)
