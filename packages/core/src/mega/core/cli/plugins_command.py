@@ -30,6 +30,26 @@ def main(argv: list[str]) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=False)) + "  " + row[3])
+    _print_kernel_backends(plugins)
     if plugins.disabled:
         print(f"\ndisabled by MEGA_LOAD_PLUGINS / MEGA_DISABLE_PLUGINS: {', '.join(plugins.disabled)}")
     return 0
+
+
+def _print_kernel_backends(plugins) -> None:
+    """Each kernel backend, the kinds it fills, and whether it is usable on this machine (what
+    is missing when not): what ``--kernels NAME`` would say before a run."""
+    rows = [("kernel backend", "kinds", "usable here")]
+    for name in plugins.kernel_backends.names():
+        try:
+            backend = plugins.kernel_backends.get(name)
+            kinds = ", ".join(sorted(getattr(backend, "kinds", ())))
+            usable, missing = backend.is_available()
+            status = "yes" if usable else f"no: {missing}"
+        except Exception as error:  # a broken backend must not hide the others
+            kinds, status = "?", f"ERROR {error}"
+        rows.append((name, kinds, status))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    print()
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row[:2], widths, strict=False)) + "  " + row[2])

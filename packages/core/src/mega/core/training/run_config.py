@@ -170,6 +170,10 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
     if run.optimizer.optimizer not in plugins.optimizers:
         raise ConfigError(f"--optimizer {run.optimizer.optimizer!r} is not registered; optimizers: "
                           f"{', '.join(plugins.optimizers.names())}")
+    # An optimizer that needs a library or a GPU says so, like a kernel backend, before any work.
+    usable, missing = getattr(plugins.optimizers.get(run.optimizer.optimizer), "is_available", lambda: (True, ""))()
+    if not usable:
+        raise ConfigError(f"--optimizer {run.optimizer.optimizer} is not available: {missing}")
     if run.optimizer.cpu_optimizer:
         raise ConfigError("--cpu-optimizer: optimizer offloading is not available in this version")
     checkpoint = run.checkpoint
