@@ -132,3 +132,15 @@ def test_train_refuses_apex_adam_before_any_work():
     run, _ = parse_run(["--mock-data", "--model-family", "gpt", "--model-preset", "tiny", "--optimizer", "apex-adam"])
     with pytest.raises(ConfigError, match=r"--optimizer apex-adam is not available: apex is not installed"):
         derive(run, world_size=1)
+
+
+def test_mega_train_without_the_library_fails_in_one_line_naming_it(capsys):
+    """`mega train --kernels apex` where apex is absent: exit status 2 before any work, one line."""
+    if importlib.util.find_spec("apex") is not None:
+        pytest.skip("apex is installed here")
+    from mega.core.training.command import main
+
+    assert main(["--mock-data", "--model-family", "gpt", "--model-preset", "tiny", "--kernels", "apex",
+                 "--train-iters", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "kernel backend 'apex' is not available: apex is not installed" in lines[0]

@@ -165,3 +165,15 @@ def test_is_available_names_what_is_missing(monkeypatch):
     fa2.__version__ = "2.5.8"
     assert FlashAttnBackend(gpu=FixedGPU()).is_available() == (
         False, "flash-attn >= 2.7 is needed, flash-attn 2.5.8 is installed (pip install flash-attn --no-build-isolation)")
+
+
+def test_mega_train_without_the_library_fails_in_one_line_naming_it(capsys):
+    """`mega train --kernels flash-attn` where flash_attn is absent: exit status 2 before any work, one line."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash_attn is installed here")
+    from mega.core.training.command import main
+
+    assert main(["--mock-data", "--model-family", "gpt", "--model-preset", "tiny", "--kernels", "flash-attn",
+                 "--train-iters", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "kernel backend 'flash-attn' is not available: flash-attn >= 2.7 is not installed" in lines[0]

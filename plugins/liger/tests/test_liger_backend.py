@@ -206,3 +206,15 @@ def test_gpt_trains_with_liger(liger_here):
     with_liger = _train(TINY + GPT + ["--kernels", "liger", "--train-iters", "1"])
     assert set(liger_here.calls) == {"liger_layer_norm", "liger_fused_linear_cross_entropy"}
     assert with_liger == pytest.approx(straight, rel=1e-5)
+
+
+def test_mega_train_without_the_library_fails_in_one_line_naming_it(capsys):
+    """`mega train --kernels liger` where liger_kernel is absent: exit status 2 before any work, one line."""
+    if importlib.util.find_spec("liger_kernel") is not None:
+        pytest.skip("liger_kernel is installed here")
+    from mega.core.training.command import main
+
+    assert main(["--mock-data", "--model-family", "gpt", "--model-preset", "tiny", "--kernels", "liger",
+                 "--train-iters", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "kernel backend 'liger' is not available: liger-kernel >= 0.5.0 is not installed" in lines[0]
