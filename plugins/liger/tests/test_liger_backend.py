@@ -218,3 +218,14 @@ def test_mega_train_without_the_library_fails_in_one_line_naming_it(capsys):
                  "--train-iters", "1"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "kernel backend 'liger' is not available: liger-kernel >= 0.5.0 is not installed" in lines[0]
+
+
+def test_mega_plugins_shows_each_kernel_backend_and_whether_it_is_usable(capsys):
+    from mega.core.cli.plugins_command import main
+
+    assert main([]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert rows["torch"].endswith("  yes")
+    assert "activation, linear_loss, norm, rotary" in rows["liger"]
+    if importlib.util.find_spec("liger_kernel") is None:
+        assert rows["liger"].endswith("no: liger-kernel >= 0.5.0 is not installed (pip install 'liger-kernel >= 0.5.0')")
