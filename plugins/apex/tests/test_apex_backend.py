@@ -13,12 +13,12 @@ import importlib
 
 import pytest
 import torch
+from mega_apex import standin
+from mega_apex.backend import ApexNorms, ApexSoftmax, FusedAdamFactory
 
 from mega.core.kernel_requirements import FixedGPU
 from mega.core.kernels import AttentionMask
 from mega.models import torch_kernels
-from mega_apex import standin
-from mega_apex.backend import ApexNorms, ApexSoftmax, FusedAdamFactory
 
 
 def _real_library_here() -> str:

@@ -14,12 +14,12 @@ import importlib
 
 import pytest
 import torch
+from mega_flash_attn import standin
+from mega_flash_attn.backend import FlashAttnBackend
 
 from mega.core.kernel_requirements import FixedGPU
 from mega.core.kernels import AttentionMask
 from mega.models.torch_kernels import BlockAttention, sdpa_attention
-from mega_flash_attn import standin
-from mega_flash_attn.backend import FlashAttnBackend
 
 
 def _real_library_here() -> str:
@@ -47,7 +47,10 @@ def setup(request, monkeypatch):
 
 def _qkv(batch, heads, kv_heads, q_len, k_len, head_dim, device, dtype, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    make = lambda h, s: torch.randn(batch, h, s, head_dim, generator=generator).to(device, dtype).requires_grad_()
+
+    def make(h, s):
+        return torch.randn(batch, h, s, head_dim, generator=generator).to(device, dtype).requires_grad_()
+
     return make(heads, q_len), make(kv_heads, k_len), make(kv_heads, k_len)
 
 

@@ -15,11 +15,11 @@ import importlib
 
 import pytest
 import torch
+from mega_liger import standin
+from mega_liger.backend import LigerBackend
 
 from mega.core.kernel_requirements import FixedGPU
 from mega.models import torch_kernels
-from mega_liger import standin
-from mega_liger.backend import LigerBackend
 
 
 def _real_library_here() -> str:
