@@ -154,13 +154,17 @@ def test_fused_linear_cross_entropy_refusals(monkeypatch):
 
 def test_is_available_names_what_is_missing(monkeypatch):
     if importlib.util.find_spec("liger_kernel") is None:
-        assert LigerBackend().is_available() == (False, "liger-kernel >= 0.5.0 is not installed "
-                                                        "(pip install 'liger-kernel >= 0.5.0')")
-    standin.install(monkeypatch)
+        assert LigerBackend().is_available() == (False, "liger-kernel >= 0.5.3 is not installed "
+                                                        "(pip install 'liger-kernel >= 0.5.3')")
+    functional = standin.install(monkeypatch)
     assert LigerBackend(gpu=FixedGPU((7, 0))).is_available() == (True, "")
     if not torch.cuda.is_available():
         assert LigerBackend().is_available() == (
             False, "a CUDA GPU of compute capability >= 7.0 (torch sees no CUDA device)")
+    monkeypatch.setattr(importlib.import_module("liger_kernel"), "__version__", "0.5.2")
+    assert LigerBackend(gpu=FixedGPU()).is_available() == (
+        False, "liger-kernel >= 0.5.3 is needed, liger-kernel 0.5.2 is installed (pip install 'liger-kernel >= 0.5.3')")
+    assert functional.calls == {}
 
 
 # -- training --------------------------------------------------------------------------------
@@ -217,7 +221,7 @@ def test_mega_train_without_the_library_fails_in_one_line_naming_it(capsys):
     assert main(["--mock-data", "--model-family", "gpt", "--model-preset", "tiny", "--kernels", "liger",
                  "--train-iters", "1"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "kernel backend 'liger' is not available: liger-kernel >= 0.5.0 is not installed" in lines[0]
+    assert len(lines) == 1 and "kernel backend 'liger' is not available: liger-kernel >= 0.5.3 is not installed" in lines[0]
 
 
 def test_mega_plugins_shows_each_kernel_backend_and_whether_it_is_usable(capsys):
@@ -228,4 +232,4 @@ def test_mega_plugins_shows_each_kernel_backend_and_whether_it_is_usable(capsys)
     assert rows["torch"].endswith("  yes")
     assert "activation, linear_loss, norm, rotary" in rows["liger"]
     if importlib.util.find_spec("liger_kernel") is None:
-        assert rows["liger"].endswith("no: liger-kernel >= 0.5.0 is not installed (pip install 'liger-kernel >= 0.5.0')")
+        assert rows["liger"].endswith("no: liger-kernel >= 0.5.3 is not installed (pip install 'liger-kernel >= 0.5.3')")

@@ -1,14 +1,16 @@
 """The ``liger`` backend: Liger-Kernel's Triton kernels, and whether they can run here.
 
 Liger-Kernel is a pure-Python wheel, but its kernels are Triton programs: they need ``triton``
-and a CUDA GPU (Triton compiles for compute capability 7.0 and newer).
+and a CUDA GPU (Triton compiles for compute capability 7.0 and newer). 0.5.3 is the first
+release whose RoPE reads per-sequence ``cos``/``sin`` (``[batch, seq, d]``; earlier ones take
+the first sequence's positions for every sequence).
 """
 
 from __future__ import annotations
 
 from mega.core.kernel_requirements import GPU, CudaGPU, first_problem, package_problem
 
-MINIMUM_VERSION = "0.5.0"
+MINIMUM_VERSION = "0.5.3"
 MINIMUM_CAPABILITY = (7, 0)
 
 
