@@ -144,3 +144,31 @@ def test_mega_train_without_the_library_fails_in_one_line_naming_it(capsys):
                  "--train-iters", "1"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "kernel backend 'apex' is not available: apex is not installed" in lines[0]
+
+
+def test_gpt_trains_with_apex_norms_and_fused_adam_and_torch_resumes_it(monkeypatch, tmp_path):
+    """``--kernels apex --optimizer apex-adam`` reaches the torch run's losses (stand-ins: the
+    plumbing), and its checkpoint (norms under torch's names, Adam's step per parameter) resumes
+    with the torch backend and optimizer, and with apex's."""
+    from mega.core.plugins import get_plugins
+    from mega.core.training.command import parse_run
+    from mega.core.training.launch_run import run_training
+
+    calls = standin.install(monkeypatch)
+    plugins = get_plugins()
+    monkeypatch.setattr(plugins.kernel_backends.get("apex"), "gpu", FixedGPU())
+    monkeypatch.setattr(plugins.optimizers.get("apex-adam"), "gpu", FixedGPU())
+    argv = ["--mock-data", "--model-family", "gpt", "--model-preset", "tiny", "--num-layers", "2",
+            "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "100",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3", "--lr-decay-style", "constant",
+            "--eval-iters", "0", "--log-interval", "100", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--seed", "5"]
+    straight = run_training(*parse_run(argv + ["--train-iters", "3"])).losses
+    apex_run = argv + ["--kernels", "apex", "--optimizer", "apex-adam", "--train-iters", "2", "--save", str(tmp_path)]
+    assert run_training(*parse_run(apex_run)).losses == pytest.approx(straight[:2], rel=1e-5)
+    assert calls["fused_layer_norm_affine"] > 0
+    resumed = run_training(*parse_run(argv + ["--train-iters", "3", "--load", str(tmp_path)])).losses
+    assert resumed == pytest.approx(straight[2:], rel=1e-5)
+    # FusedAdam counts steps per group; resumed, it continues the count the checkpoint holds.
+    resumed_apex = argv + ["--kernels", "apex", "--optimizer", "apex-adam", "--train-iters", "3", "--load", str(tmp_path)]
+    assert run_training(*parse_run(resumed_apex)).losses == pytest.approx(straight[2:], rel=1e-5)

@@ -180,3 +180,22 @@ def test_mega_train_without_the_library_fails_in_one_line_naming_it(capsys):
                  "--train-iters", "1"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "kernel backend 'flash-attn' is not available: flash-attn >= 2.7 is not installed" in lines[0]
+
+
+def test_llama_trains_with_flash_attn_to_the_torch_backends_losses(monkeypatch):
+    """The adapter inside the model (``[s, b, h, d]`` in, GQA, causal): the same losses as sdpa."""
+    from mega.core.plugins import get_plugins
+    from mega.core.training.command import parse_run
+    from mega.core.training.launch_run import run_training
+
+    fa2 = standin.install(monkeypatch)
+    monkeypatch.setattr(get_plugins().kernel_backends.get("flash-attn"), "gpu", FixedGPU())
+    argv = ["--mock-data", "--model-family", "llama", "--model-preset", "tiny", "--num-layers", "2",
+            "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "64",
+            "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--lr", "1e-3", "--lr-decay-style", "constant", "--eval-iters", "0", "--log-interval", "100",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "5", "--train-iters", "2"]
+    straight = run_training(*parse_run(argv)).losses
+    flash = run_training(*parse_run(argv + ["--use-flash-attn"])).losses
+    assert flash == pytest.approx(straight, rel=1e-5)
+    assert {call[:3] for call in fa2.calls} == {("flash_attn_func", (2, 16, 4, 8), (2, 16, 2, 8))}

@@ -66,10 +66,9 @@ class FusedAdamFactory(_ApexPart):
         available, missing = self.is_available()
         if not available:
             raise RuntimeError(f"--optimizer apex-adam needs {missing}")
-        from apex.optimizers import FusedAdam
+        from mega_apex.optimizer import fused_adam
 
-        return FusedAdam(param_groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                         eps=config.adam_eps, weight_decay=config.weight_decay, adam_w_mode=True)
+        return fused_adam(param_groups, config)
 
 
 NORMS, SOFTMAX, FUSED_ADAM = ApexNorms(), ApexSoftmax(), FusedAdamFactory()

@@ -27,7 +27,8 @@ def fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_effi
 
 
 class FusedAdam(torch.optim.Optimizer):
-    """apex's FusedAdam as documented: Adam, with decoupled weight decay when ``adam_w_mode``."""
+    """apex's FusedAdam as documented: Adam, with decoupled weight decay when ``adam_w_mode``;
+    the step count kept per parameter group, as apex keeps it."""
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                  weight_decay=0.0, amsgrad=False, set_grad_none=True):
@@ -40,19 +41,20 @@ class FusedAdam(torch.optim.Optimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            # As apex: the step count is the group's, and a parameter's state is only its moments
+            # (created when the state is empty).
+            group["step"] = group.get("step", 0) + 1
             for param in group["params"]:
                 if param.grad is None:
                     continue
                 grad = param.grad if self.adam_w_mode else param.grad + group["weight_decay"] * param
                 state = self.state[param]
-                if not state:
-                    state["step"] = 0
+                if len(state) == 0:
                     state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(param), torch.zeros_like(param)
-                state["step"] += 1
                 state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
                 state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                correction1 = 1 - beta1 ** state["step"] if group["bias_correction"] else 1.0
-                correction2 = 1 - beta2 ** state["step"] if group["bias_correction"] else 1.0
+                correction1 = 1 - beta1 ** group["step"] if group["bias_correction"] else 1.0
+                correction2 = 1 - beta2 ** group["step"] if group["bias_correction"] else 1.0
                 update = (state["exp_avg"] / correction1) / ((state["exp_avg_sq"] / correction2).sqrt() + group["eps"])
                 if self.adam_w_mode:
                     update = update + group["weight_decay"] * param
