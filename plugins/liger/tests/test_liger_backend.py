@@ -124,22 +124,32 @@ def test_fused_linear_cross_entropy_equals_logits_then_loss(setup):
 
 
 def test_fused_linear_cross_entropy_refusals(monkeypatch):
-    """Under tensor parallelism the model refuses it at build time (naming the flags); the kernel
-    itself refuses a split vocabulary and token weights other than 0 and 1."""
+    """Under tensor parallelism the run is refused before any work, and a model built directly
+    at build time (naming the flags); the kernel itself refuses a split vocabulary and token
+    weights other than 0 and 1."""
+    from mega.core.config import ConfigError
     from mega.core.kernels import KernelBackendError, Kernels
     from mega.core.model_family import Stage
     from mega.core.parallel import ParallelConfig
     from mega.core.plugins import get_plugins
-    from mega.models.config import ModelConfigError, TransformerConfig
+    from mega.core.training.command import parse_run
+    from mega.core.training.run_config import derive
+    from mega.models.config import TransformerConfig
     from mega.models.language_model import LanguageModel
 
     standin.install(monkeypatch)
     monkeypatch.setattr(get_plugins().kernel_backends.get("liger"), "gpu", FixedGPU())
+    refusal = (r"--linear-loss-backend liger \(the output layer fused into the cross-entropy\) needs the whole "
+               r"vocabulary on one rank, but --tensor-model-parallel-size is 2; add --linear-loss-backend torch")
+    run, _ = parse_run(TINY + GPT + ["--kernels", "liger", "--tensor-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match=refusal):
+        derive(run, world_size=2)
+    derive(parse_run(TINY + GPT + ["--kernels", "liger", "--tensor-model-parallel-size", "2",
+                                   "--linear-loss-backend", "torch"])[0], world_size=2)
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100)
-    stage = Stage(0, 1, {"decoder": range(2)})
-    with torch.device("meta"), pytest.raises(ModelConfigError, match=r"--linear-loss-backend liger .* "
-                                             r"--tensor-model-parallel-size is 2; use --linear-loss-backend torch"):
-        LanguageModel(config, stage, Kernels({"linear_loss": "liger"}), ParallelConfig(tp=2))
+    with torch.device("meta"), pytest.raises(KernelBackendError, match=refusal):
+        LanguageModel(config, Stage(0, 1, {"decoder": range(2)}), Kernels({"linear_loss": "liger"}),
+                      ParallelConfig(tp=2))
 
     class SplitGroup:
         size = 2

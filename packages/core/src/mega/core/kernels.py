@@ -35,7 +35,8 @@ The kinds and what their component is:
   ``hidden`` ``[tokens, hidden_size]``, ``weight`` the output layer's ``[vocab (padded), hidden]``,
   ``labels`` and ``loss_mask`` ``[tokens]``. Optional: with ``torch`` selected the model computes
   logits and uses ``loss``. A component whose ``vocab_parallel`` attribute is not True serves only
-  a vocabulary held whole (``tp_group`` None or of size 1); models refuse it at build time otherwise.
+  a vocabulary held whole (``tp_group`` None or of size 1); :func:`check_linear_loss` refuses it
+  otherwise (the run's checks, before any work, and models when built).
 * ``block_attention``: attention over one block of keys at a time, for attention split across
   ranks (context parallelism: ring attention merges the blocks by the online-softmax rule). An
   object with ``forward(query, key, value, *, causal, softmax_scale) -> (out, lse)`` and
@@ -148,6 +149,17 @@ def select_backends(preset: str | None = None, overrides: Mapping[str, str | Non
         if kind not in OPTIONAL_KINDS or name != DEFAULT_BACKEND:  # torch fuses neither
             get_kernel_backend(name, kind, plugins)
     return chosen
+
+
+def check_linear_loss(kernels: Kernels, tp: int) -> None:
+    """Refuse a ``linear_loss`` component that needs the whole vocabulary when ``tp`` ranks
+    split it (the run's checks call this before any work, and models when they are built)."""
+    component = kernels.get("linear_loss")
+    if component is not None and tp > 1 and not getattr(component, "vocab_parallel", False):
+        name = kernels.selection["linear_loss"]
+        raise KernelBackendError(
+            f"--linear-loss-backend {name} (the output layer fused into the cross-entropy) needs the whole "
+            f"vocabulary on one rank, but --tensor-model-parallel-size is {tp}; add --linear-loss-backend torch")
 
 
 class Kernels:

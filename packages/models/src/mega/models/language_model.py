@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from mega.core.kernels import Kernels
+from mega.core.kernels import Kernels, check_linear_loss
 from mega.core.model_family import Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.param_attrs import mark_padded_vocab
@@ -65,11 +65,8 @@ class LanguageModel(nn.Module):
         # A backend that fuses the output layer into the loss: the last stage then hands the loss
         # its final hidden states and the output weight instead of logits (see forward).
         self.fused_loss = kernels.get("linear_loss") is not None if post_process else False
-        if self.fused_loss and parallel.tp > 1 and not getattr(kernels.get("linear_loss"), "vocab_parallel", False):
-            raise ModelConfigError(
-                f"--linear-loss-backend {kernels.selection['linear_loss']} (the fused output layer + cross-entropy) "
-                f"needs the whole vocabulary on one rank, but --tensor-model-parallel-size is {parallel.tp}; "
-                "use --linear-loss-backend torch")
+        if self.fused_loss:
+            check_linear_loss(kernels, parallel.tp)
         if post_process:
             self.output_layer = kernels.linear(config.hidden_size, vocab, bias=False)
             mark_padded_vocab(self.output_layer.weight)
