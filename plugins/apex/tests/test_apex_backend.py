@@ -172,3 +172,13 @@ def test_gpt_trains_with_apex_norms_and_fused_adam_and_torch_resumes_it(monkeypa
     # FusedAdam counts steps per group; resumed, it continues the count the checkpoint holds.
     resumed_apex = argv + ["--kernels", "apex", "--optimizer", "apex-adam", "--train-iters", "3", "--load", str(tmp_path)]
     assert run_training(*parse_run(resumed_apex)).losses == pytest.approx(straight[2:], rel=1e-5)
+
+
+def test_mega_plugins_says_whether_apex_adam_is_usable(capsys):
+    from mega.core.cli.plugins_command import main
+
+    assert main([]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert rows["adam"].endswith("  yes") and "(optimizer)" in rows["apex-adam"]
+    if importlib.util.find_spec("apex") is None:
+        assert "no: apex is not installed" in rows["apex-adam"] and "no: apex is not installed" in rows["apex"]

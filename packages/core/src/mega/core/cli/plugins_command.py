@@ -37,14 +37,16 @@ def main(argv: list[str]) -> int:
 
 
 def _print_kernel_backends(plugins) -> None:
-    """Each kernel backend, the kinds it fills, and whether it is usable on this machine (what
-    is missing when not): what ``--kernels NAME`` would say before a run."""
-    rows = [("kernel backend", "kinds", "usable here")]
-    for name in plugins.kernel_backends.names():
+    """Each kernel backend (the kinds it fills) and optimizer, and whether it is usable on this
+    machine (what is missing when not): what ``--kernels NAME`` / ``--optimizer NAME`` would say."""
+    rows = [("kernel backend or optimizer", "kinds", "usable here")]
+    listed = [(name, plugins.kernel_backends) for name in plugins.kernel_backends.names()]
+    listed += [(name, plugins.optimizers) for name in plugins.optimizers.names()]
+    for name, registry in listed:
         try:
-            backend = plugins.kernel_backends.get(name)
-            kinds = ", ".join(sorted(getattr(backend, "kinds", ())))
-            usable, missing = backend.is_available()
+            obj = registry.get(name)
+            kinds = ", ".join(sorted(getattr(obj, "kinds", ()))) if registry is plugins.kernel_backends else "(optimizer)"
+            usable, missing = getattr(obj, "is_available", lambda: (True, ""))()
             status = "yes" if usable else f"no: {missing}"
         except Exception as error:  # a broken backend must not hide the others
             kinds, status = "?", f"ERROR {error}"
