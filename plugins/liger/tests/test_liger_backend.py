@@ -243,3 +243,15 @@ def test_mega_plugins_shows_each_kernel_backend_and_whether_it_is_usable(capsys)
     assert "activation, linear_loss, norm, rotary" in rows["liger"]
     if importlib.util.find_spec("liger_kernel") is None:
         assert rows["liger"].endswith("no: liger-kernel >= 0.5.3 is not installed (pip install 'liger-kernel >= 0.5.3')")
+
+
+def test_the_fused_loss_across_pipeline_stages_equals_one_process():
+    """pp2 with ``--kernels liger``: the last stage (holding its copy of the tied embedding) hands
+    the fused loss its hidden states and output weight; the losses are one torch process's."""
+    from mega.core.testing import DistributedWorld
+
+    argv = TINY + GPT + ["--train-iters", "2", "--num-layers", "4"]
+    straight = _train(argv)
+    with DistributedWorld(2, timeout_s=900) as world:
+        ranks = world.run(standin.train_on_this_rank, argv + ["--kernels", "liger", "--pipeline-model-parallel-size", "2"])
+    assert ranks[0] == ranks[1] and ranks[0] == pytest.approx(straight, rel=1e-5)

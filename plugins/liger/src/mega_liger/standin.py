@@ -82,10 +82,11 @@ def fused_linear_cross_entropy(input, weight, target, bias=None, ce_weight=None,
                            label_smoothing=label_smoothing)
 
 
-def install(monkeypatch) -> types.ModuleType:
+def install(monkeypatch=None) -> types.ModuleType:
     """Put the stand-in into ``sys.modules`` as ``liger_kernel`` (0.5.10) and its
-    ``transformers.functional`` for one test; returns the functional module, whose ``calls``
-    counts the calls of each function."""
+    ``transformers.functional`` for one test (without ``monkeypatch``: for the rest of the
+    process, a spawned test rank); returns the functional module, whose ``calls`` counts the
+    calls of each function."""
     calls: dict[str, int] = {}
 
     def counted(name, fn):
@@ -108,5 +109,21 @@ def install(monkeypatch) -> types.ModuleType:
     package.transformers, transformers.functional = transformers, module
     for name, value in [("liger_kernel", package), ("liger_kernel.transformers", transformers),
                         ("liger_kernel.transformers.functional", module)]:
-        monkeypatch.setitem(sys.modules, name, value)
+        if monkeypatch is None:
+            sys.modules[name] = value
+        else:
+            monkeypatch.setitem(sys.modules, name, value)
     return module
+
+
+def train_on_this_rank(argv: list[str]) -> list[float]:
+    """For a test's spawned rank: the stand-in installed for the process, the registered
+    backend's GPU requirement bypassed, ``mega train argv`` run; its losses."""
+    from mega.core.kernel_requirements import FixedGPU
+    from mega.core.plugins import get_plugins
+    from mega.core.training.command import parse_run
+    from mega.core.training.launch_run import run_training
+
+    install()
+    get_plugins().kernel_backends.get("liger").gpu = FixedGPU()
+    return run_training(*parse_run(argv)).losses
