@@ -15,7 +15,7 @@ from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.models.config import TransformerConfig
 from mega.models.flops import num_floating_point_operations
 from mega.models.initialization import init_parameter
-from mega.models.language_model import LanguageModel, per_token_cross_entropy
+from mega.models.language_model import LanguageModel, fused_linear_cross_entropy, per_token_cross_entropy
 from mega.models.memory import stage_footprint
 from mega.models.parallel_plan import tensor_parallel_plan
 from mega.models.parameter_count import num_parameters
@@ -50,10 +50,16 @@ def parallelize_language_model(model: LanguageModel, groups: ParallelGroups, run
 def language_model_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor],
                         context: LossContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean cross-entropy over the tokens ``loss_mask`` keeps; logged as Megatron's ``lm loss``."""
-    logits = outputs["logits"]  # [s, b, vocab (shard)]
     labels, loss_mask = batch["labels"], batch["loss_mask"]
-    per_token = per_token_cross_entropy(context.kernels, logits, labels, context.tp_group, context.config.vocab_size)
-    loss = (per_token * loss_mask).sum() / loss_mask.sum().clamp_min(1.0)
+    vocab_size = context.config.vocab_size
+    if "output_hidden" in outputs:  # a fused linear_loss kernel: no logits were made
+        total = fused_linear_cross_entropy(context.kernels, outputs["output_hidden"], outputs["output_weight"],
+                                           labels, loss_mask, context.tp_group, vocab_size)
+    else:
+        logits = outputs["logits"]  # [s, b, vocab (shard)]
+        per_token = per_token_cross_entropy(context.kernels, logits, labels, context.tp_group, vocab_size)
+        total = (per_token * loss_mask).sum()
+    loss = total / loss_mask.sum().clamp_min(1.0)
     return loss, {"lm loss": loss.detach()}
 
 

@@ -141,12 +141,14 @@ class KernelConfig:
     loss_backend: str | None = option(None, "cross-entropy (loss head) kernel backend")
     block_attention_backend: str | None = option(
         None, "blockwise attention returning the log-sum-exp (context parallelism's ring) kernel backend")
+    linear_loss_backend: str | None = option(
+        None, "output layer fused with the cross-entropy, no full logits (e.g. liger; torch: unfused)")
 
     def overrides(self) -> dict[str, str | None]:
         return {"attention": self.attention_backend, "norm": self.normalization_backend,
                 "linear": self.linear_backend, "norm_linear": self.norm_linear_backend,
                 "activation": self.activation_backend, "rotary": self.rotary_backend, "loss": self.loss_backend,
-                "block_attention": self.block_attention_backend}
+                "block_attention": self.block_attention_backend, "linear_loss": self.linear_loss_backend}
 
     def selection(self, plugins=None) -> dict[str, str]:
         """Kind -> backend name; every chosen backend checked usable here (see select_backends)."""

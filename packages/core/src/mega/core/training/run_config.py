@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mega.core.config import ConfigError
-from mega.core.kernels import KernelBackendError
+from mega.core.kernels import KernelBackendError, Kernels, check_linear_loss
 from mega.core.parallel import ParallelConfig
 from mega.core.plugins import PluginError
 from mega.core.training.config import (
@@ -156,7 +156,7 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
             raise ConfigError(f"{flag} {needs}; {family.name!r} is not one ({where})")
     precision, kernels = run.precision, run.kernels
     try:
-        kernels.selection(plugins)
+        check_linear_loss(Kernels(kernels.selection(plugins), plugins), run.parallel.tp)
     except (KernelBackendError, PluginError) as error:
         if precision.use_flash_attn:
             raise ConfigError(f"--use-flash-attn needs the flash-attn kernel plugin and a GPU: {error}") from None
@@ -170,6 +170,10 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
     if run.optimizer.optimizer not in plugins.optimizers:
         raise ConfigError(f"--optimizer {run.optimizer.optimizer!r} is not registered; optimizers: "
                           f"{', '.join(plugins.optimizers.names())}")
+    # An optimizer that needs a library or a GPU says so, like a kernel backend, before any work.
+    usable, missing = getattr(plugins.optimizers.get(run.optimizer.optimizer), "is_available", lambda: (True, ""))()
+    if not usable:
+        raise ConfigError(f"--optimizer {run.optimizer.optimizer} is not available: {missing}")
     if run.optimizer.cpu_optimizer:
         raise ConfigError("--cpu-optimizer: optimizer offloading is not available in this version")
     checkpoint = run.checkpoint
