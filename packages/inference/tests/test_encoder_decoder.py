@@ -45,13 +45,13 @@ def t5_pair(request):
     return hf_model, EncoderDecoderEngine(model, vocab_size=VOCAB, max_positions=32)
 
 
-def hf_generate(hf_model, prompts, new_tokens=NEW_TOKENS, **options):
+def hf_generate(hf_model, prompts, new_tokens=NEW_TOKENS, eos=EOS):
     width = max(map(len, prompts))
     ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
     mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
     return hf_model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=EOS, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
-                             **options)
+                             eos_token_id=eos, pad_token_id=0, decoder_start_token_id=0, return_dict_in_generate=True,
+                             output_scores=True)
 
 
 def cut(row: list[int]) -> list[int]:
@@ -79,7 +79,7 @@ def test_greedy_batch_of_mixed_lengths_equals_transformers(t5_pair):
 def test_logprobs_equal_transformers_scores(t5_pair, assert_close):
     hf_model, engine = t5_pair
     prompt = PROMPTS[0]
-    output = hf_generate(hf_model, [prompt], new_tokens=6, eos_token_id=None)
+    output = hf_generate(hf_model, [prompt], new_tokens=6, eos=None)
     scores = torch.stack(output.scores)[:, 0].log_softmax(-1)  # [steps, vocab]
     tokens = output.sequences[0, 1:]
     result = engine.generate([GenerationRequest(prompt, 6, logprobs=True, top_logprobs=2)])[0]

@@ -121,8 +121,8 @@ class _EncoderDecoderRun:
             if group is not None and group.size > 1:
                 logits = gather_along(logits, group, dim=-1)
             chosen, keep = self._step(logits[..., : self.engine.vocab_size].float())
-            if keep is not None:
-                rows = torch.tensor(keep, device=chosen.device)
+            if keep is not None and self.active:
+                rows = torch.tensor(keep, dtype=torch.long, device=chosen.device)
                 encoder_output, padding, chosen = encoder_output[:, rows], padding[rows], chosen[rows]
             tokens = chosen[:, None]
         return [self.finished[i] for i in range(len(self.requests))]
@@ -169,7 +169,7 @@ class _EncoderDecoderRun:
                     self.on_finish(i, result)
         self.active = [active[row] for row in keep]
         if self.active:
-            self.cache.keep(torch.tensor(keep, device=chosen.device))
+            self.cache.keep(torch.tensor(keep, dtype=torch.long, device=chosen.device))
             self.sampler.keep(keep)
         return chosen, keep
 
