@@ -92,6 +92,7 @@ class DataConfig:
     tokenizer_model: str | None = option(None, "tokenizer model file (SentencePiece, tokenizer.json, ...)")
     vocab_file: str | None = option(None, "vocabulary file")
     merge_file: str | None = option(None, "BPE merges file")
+    vocab_extra_ids: int = option(0, "sentinel tokens <extra_id_N> appended to a WordPiece vocabulary (T5: 100)")
     dataloader_type: Literal["single", "cyclic"] = option("single", "single pass or cycling sampler")
     data_cache_path: str | None = option(None, "where sample indices are cached (default: beside the data)")
     mask_prob: float = option(0.15, "share of tokens masked in masked-LM (BERT) and span-corruption (T5) samples")
