@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import Kernels
-from mega.core.model_family import ModelFamily, Stage, StageRun
+from mega.core.model_family import LossContext, ModelFamily, Stage, StageRun
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.param_attrs import mark_tensor_parallel
 from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
@@ -95,6 +95,14 @@ def parallelize_t5(model: T5Model, groups: ParallelGroups, run: StageRun) -> nn.
     return model
 
 
+def t5_loss(outputs, batch, context: LossContext):
+    """Mean cross-entropy of the decoder's predictions over the tokens ``loss_mask`` keeps,
+    logged as Megatron's ``lm loss``. Megatron's T5 samples label padding -1: any id the mask
+    drops is read as 0, so the loss kernel never sees an id outside the vocabulary."""
+    labels = torch.where(batch["loss_mask"] > 0, batch["labels"], torch.zeros_like(batch["labels"]))
+    return language_model_loss(outputs, {"labels": labels, "loss_mask": batch["loss_mask"]}, context)
+
+
 def num_parameters(config: T5Config, tensor_parallel_size: int = 1) -> int:
     """The whole model's parameters (vocabulary padded for ``tensor_parallel_size``), counted on
     the meta device: nothing is allocated."""
@@ -124,7 +132,7 @@ FAMILY = ModelFamily(
     presets=PRESETS,
     build=build_t5,
     init_parameter=init_parameter,
-    loss=language_model_loss,
+    loss=t5_loss,
     num_parameters=num_parameters,
     num_floating_point_operations=num_floating_point_operations,
     tensor_parallel_plan=tensor_parallel_plan,
