@@ -52,8 +52,9 @@ class T5Config:
     hidden_dropout: float = option(0.1, "residual dropout")
     attention_dropout: float = option(0.1, "attention-probability dropout")
 
-    # What the shared modules read; fixed for T5.
+    # What the shared modules read; fixed for T5 (word embeddings only: positions are relative).
     normalization = "RMSNorm"
+    position_embedding_type = "relative"
     attention_softmax_scale = 1.0
     recompute_granularity = None
 

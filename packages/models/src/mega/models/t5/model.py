@@ -89,9 +89,9 @@ class T5Model(nn.Module):
         self.tied = not config.untie_embeddings_and_output_weights
         vocab = config.padded_vocab_size(parallel.tp)
         if self.pre_process:
-            self.embedding = Embedding(_no_positions(config), vocab)
+            self.embedding = Embedding(config, vocab)
         elif self.post_process and self.tied:  # the last stage's copy, used only by the output layer
-            self.embedding = Embedding(_no_positions(config), vocab, words_only=True)
+            self.embedding = Embedding(config, vocab, words_only=True)
         if self.tied and (self.pre_process or self.post_process):
             tie_across_stages(self.embedding.word_embeddings.weight)
 
@@ -197,15 +197,6 @@ class DecoderCache(KVCache):
         if cache is None:
             cache = self._layers[number] = DecoderLayerCache(self.max_length)
         return cache
-
-
-def _no_positions(config: T5Config):
-    """The embedding module's view of the config: word embeddings only (T5 has no position table)."""
-    class _View:
-        hidden_size = config.hidden_size
-        hidden_dropout = config.hidden_dropout
-        position_embedding_type = "relative"
-    return _View
 
 
 def _drop_tied_output_weight(module, state_dict, prefix, local_metadata):
