@@ -32,7 +32,7 @@ class Job:
         self.loop = loop
         self.results: list[GenerationResult | None] = [None] * len(self.requests)
         self.done: asyncio.Future = loop.create_future()
-        # Streaming: ("token", index, token, logprob) and ("finished", index, result) in order.
+        # Streaming: ("token", index, token, logprob, top) and ("finished", index, result) in order.
         self.events: asyncio.Queue | None = asyncio.Queue() if stream else None
 
     def cancel(self) -> None:
@@ -44,9 +44,9 @@ class Job:
         return all(request.cancelled for request in self.requests)
 
     # Called on the worker thread.
-    def token(self, index: int, token: int, logprob: float | None) -> None:
+    def token(self, index: int, token: int, logprob: float | None, top=None) -> None:
         if self.events is not None:
-            self._on_loop(self.events.put_nowait, ("token", index, token, logprob))
+            self._on_loop(self.events.put_nowait, ("token", index, token, logprob, top))
 
     def finished(self, index: int, result: GenerationResult) -> None:
         self._on_loop(self._finished, index, result)
@@ -133,9 +133,9 @@ class BatchingWorker:
         owners = [(job, index) for job in batch for index in range(len(job.requests))]
         requests = [request for job in batch for request in job.requests]
 
-        def on_token(row: int, token: int, logprob: float | None) -> None:
+        def on_token(row: int, token: int, logprob: float | None, top) -> None:
             job, index = owners[row]
-            job.token(index, token, logprob)
+            job.token(index, token, logprob, top)
 
         def on_finish(row: int, result: GenerationResult) -> None:
             job, index = owners[row]

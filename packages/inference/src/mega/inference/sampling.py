@@ -7,6 +7,11 @@ token always stays), then sampled. ``top_k == 1`` is greedy, as in Megatron's AP
 Every sequence draws from its own CPU random stream, one uniform number per step, and picks its
 token by inverse transform of the filtered distribution. So a seeded request gives the same
 tokens whichever other requests share its batch, and on every device.
+
+Before any of that, OpenAI's adjustments change the logits (greedy choices too): ``logit_bias``
+adds a fixed value per token id, and ``presence_penalty`` / ``frequency_penalty`` subtract
+``presence * [count > 0] + frequency * count``, counting each token among the tokens this
+sequence has generated so far (not its prompt), as vLLM does.
 """
 
 from __future__ import annotations
@@ -27,9 +32,14 @@ class SamplingParams:
     temperature: float = 1.0  # > 0
     top_k: int = 0  # 0: no top-k filter; 1: greedy
     top_p: float = 0.0  # 0 or 1: no top-p filter
-    seed: int | None = None  # None: a fresh random stream
+    seed: int | None = None  # None: a fresh random stream; else in [0, 2**64)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise SamplingError(f"seed must be in [0, 2**64), got {self.seed}")
         if not self.temperature > 0:
             raise SamplingError(f"temperature must be positive, got {self.temperature}")
         if self.top_k < 0:
@@ -41,7 +51,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.top_k == 1
 
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+
+SEED_LIMIT = 2**64  # torch.Generator takes an unsigned 64-bit seed
 GREEDY = SamplingParams(top_k=1)
 
 
@@ -57,6 +72,12 @@ class Sampler:
             torch.Generator().manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
             for p in params
         ]
+        self.adjusted = any(p.adjusts_logits for p in params)
+        if self.adjusted:
+            self.presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+            self.frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+            self.bias = [p.logit_bias for p in params]
+            self.counts: torch.Tensor | None = None  # [batch, vocab] generated tokens, once the vocabulary is known
 
     def keep(self, rows: list[int]) -> None:
         """Keep the streams and settings of the sequences at ``rows`` (the others finished)."""
@@ -64,6 +85,31 @@ class Sampler:
         self.greedy, self.temperature = self.greedy[index], self.temperature[index]
         self.top_k, self.top_p = self.top_k[index], self.top_p[index]
         self.generators = [self.generators[row] for row in rows]
+        if self.adjusted:
+            self.presence, self.frequency = self.presence[index], self.frequency[index]
+            self.bias = [self.bias[row] for row in rows]
+            if self.counts is not None:
+                self.counts, self.bias_values = self.counts[index], self.bias_values[index]
+
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with each sequence's logit bias and penalties applied."""
+        if not self.adjusted:
+            return logits
+        if self.counts is None:  # the vocabulary is known from the first logits
+            self.counts = torch.zeros_like(logits)
+            self.bias_values = torch.zeros_like(logits)
+            for row, bias in enumerate(self.bias):
+                for token, value in bias:
+                    if token < logits.shape[-1]:
+                        self.bias_values[row, token] += value
+        return logits + self.bias_values - self.presence * (self.counts > 0) - self.frequency * self.counts
+
+    def observe(self, tokens: torch.Tensor, generated: Sequence[bool]) -> None:
+        """Count ``tokens`` for the penalties where ``generated`` (not prompt tokens)."""
+        if not self.adjusted or self.counts is None:
+            return
+        rows = torch.tensor(generated, device=tokens.device).nonzero(as_tuple=True)[0]
+        self.counts.index_put_((rows, tokens[rows]), torch.ones_like(rows, dtype=self.counts.dtype), accumulate=True)
 
     def sample(self, logits: torch.Tensor, drawing: Sequence[bool]) -> torch.Tensor:
         """Token ids ``[batch]`` from fp32 logits ``[batch, vocab]``.
@@ -71,6 +117,7 @@ class Sampler:
         Only the sequences flagged in ``drawing`` advance their streams (the others are still
         being fed their prompts), so a stream's draws never depend on its batch-mates.
         """
+        logits = self.adjust(logits)
         greedy_tokens = logits.argmax(dim=-1)
         if bool(self.greedy.all()):
             return greedy_tokens

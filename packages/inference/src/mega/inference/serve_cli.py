@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     worker = BatchingWorker(setup.engine, args.max_batch_size,
                             before_batch=lambda requests: lead(requests, setup.tp_group))
-    service = InferenceService(setup.engine, worker, setup.loaded.tokenizer, setup.loaded.name)
+    service = InferenceService(setup.engine, worker, setup.loaded.tokenizer, setup.loaded.name,
+                               chat_template=setup.loaded.chat_template)
     worker.start()
     try:
         uvicorn.run(create_app(service, api_key=args.api_key), host=args.host, port=args.port,

@@ -1,24 +1,37 @@
-"""The REST server: Megatron's ``PUT /api``, OpenAI-style ``POST /v1/completions``, ``GET /v1/health``.
+"""The REST server: Megatron's ``PUT /api``; OpenAI-style ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models``; ``/tokenize``, ``/detokenize``,
+``/tokenizer_info``; ``GET /v1/health``; ``GET /metrics``.
 
 The OpenAPI schema and its browsable page are at ``/openapi.json`` and ``/docs``. Invalid
 requests get 400 with a message naming the field (Megatron's API answers with the message
-string, as Megatron does; ``/v1`` with OpenAI's error object); bodies over ``max_body_bytes``
-get 413. With an API key, the generation routes want ``Authorization: Bearer KEY``.
+string, as Megatron does; ``/v1`` with OpenAI's error object, for every status: 400, 401, 404,
+405, 413 and 500); bodies over ``max_body_bytes`` get 413. With an API key, the generation
+routes want ``Authorization: Bearer KEY``.
+
+:func:`api_routers` is the one place that lists the routers; a new endpoint module adds its
+router there.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
+import re
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from mega.core.version import __version__
+from mega.inference.chat_api import chat_router
 from mega.inference.megatron_api import megatron_router
 from mega.inference.openai_api import completions_router
 from mega.inference.service import InferenceService, RequestError
+from mega.inference.tokenizer_api import tokenizer_router
+
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20  # 128 long prompts fit many times over
 
@@ -27,8 +40,8 @@ def create_app(service: InferenceService, api_key: str | None = None, max_body_b
     app = FastAPI(title="mega text generation", version=__version__,
                   description=f"Serving {service.model_name}: Megatron's PUT /api and OpenAI-style completions.")
     guard = [Depends(_api_key_check(api_key))] if api_key else []
-    app.include_router(megatron_router(service), dependencies=guard)
-    app.include_router(completions_router(service), dependencies=guard)
+    for router in api_routers(service):
+        app.include_router(router, dependencies=guard)
 
     @app.get("/v1/health", summary="liveness")
     async def health() -> dict:
@@ -36,8 +49,15 @@ def create_app(service: InferenceService, api_key: str | None = None, max_body_b
 
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _server_error)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     return app
+
+
+def api_routers(service: InferenceService) -> list[APIRouter]:
+    """Every router the server serves behind the API key (health and metrics stay open)."""
+    return [megatron_router(service), completions_router(service), chat_router(service), tokenizer_router(service)]
 
 
 def _api_key_check(api_key: str):
@@ -51,10 +71,23 @@ def _api_key_check(api_key: str):
     return check
 
 
+# OpenAI's error types by status, for errors that name none.
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               413: "invalid_request_error", 500: "server_error"}
+
+
+def openai_error(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    kind = ERROR_TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def speaks_openai(path: str) -> bool:
+    return path.startswith("/v1/") or path in ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
+
+
 def error_response(request: Request, error: RequestError) -> JSONResponse:
-    if request.url.path.startswith("/v1/"):
-        kind = "authentication_error" if error.status == 401 else "invalid_request_error"
-        content = {"error": {"message": error.message, "type": kind, "param": error.param, "code": None}}
+    if speaks_openai(request.url.path):
+        content = openai_error(error.message, error.status, error.param, error.kind)
     else:
         content = error.message  # Megatron's server answers with the bare message
     return JSONResponse(content, status_code=error.status)
@@ -64,12 +97,36 @@ async def _request_error(request: Request, error: RequestError) -> JSONResponse:
     return error_response(request, error)
 
 
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """404 (no such route), 405 (wrong method)... as the API's own errors."""
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    text = message.get(error.status_code, str(error.detail))
+    response = error_response(request, RequestError(text, status=error.status_code))
+    for name, value in (error.headers or {}).items():
+        response.headers[name] = value
+    return response
+
+
+async def _server_error(request: Request, error: Exception) -> JSONResponse:
+    log.error("request %s %s failed", request.method, request.url.path, exc_info=error)
+    return error_response(request, RequestError(f"the server failed: {type(error).__name__}: {error}", status=500))
+
+
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     first = error.errors()[0]
-    field = ".".join(str(part) for part in first["loc"][1:]) or None  # loc[0] is "body"
+    loc = [str(part) for part in first["loc"][1:]]  # loc[0] is "body"
+    # A union's failures name the member tried (prompt.str, prompt.list[int]...): not the client's words.
+    loc = [part for part in loc if not (part in {"str", "int", "float", "bool"} or part.startswith(("list[", "dict[")))]
+    field = ".".join(loc) or None
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "json_invalid":
         field, message = None, "the body is not valid JSON"
+    elif first["type"] == "extra_forbidden":
+        message = "unknown field (not part of this API)"
+    elif first["type"] == "missing":
+        message = "required field missing"
+    elif not field and (named := re.match(r"(\w+): ", message)):  # a check of several fields names one
+        field = named.group(1)
     if field and not message.startswith(field.split(".")[0]):
         message = f"{field}: {message}"
     return error_response(request, RequestError(message, field))
@@ -87,7 +144,7 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(send)
+            return await self._refuse(scope, send)
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -96,7 +153,7 @@ class BodySizeLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                return await self._refuse(send)
+                return await self._refuse(scope, send)
             more = message.get("more_body", False)
         replayed = False
 
@@ -109,8 +166,9 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send) -> None:
-        body = json.dumps(f"the request body exceeds {self.max_bytes} bytes").encode()
+    async def _refuse(self, scope, send) -> None:
+        message = f"the request body exceeds {self.max_bytes} bytes"
+        body = json.dumps(openai_error(message, 413) if speaks_openai(scope["path"]) else message).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
