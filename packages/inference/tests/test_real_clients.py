@@ -188,10 +188,9 @@ def test_chat_completions_with_the_tokenizers_template(server, client):
     _, hf_model, tokenizer, _ = server
     name = client.models.list().data[0].id
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict):  # transformers >= 5 answers with a BatchEncoding
-        ids = ids["input_ids"]
-    expected = tokenizer.decode(hf_greedy(hf_model, list(ids), 8), skip_special_tokens=True)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    expected = tokenizer.decode(hf_greedy(hf_model, ids, 8), skip_special_tokens=True)
     reply = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0)
     assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content == expected
     assert reply.usage.prompt_tokens == len(ids)
@@ -252,9 +251,9 @@ def test_every_v1_error_is_an_openai_error_object(server):
 
 # --- lm-evaluation-harness ------------------------------------------------------------------
 
-MC_DOCS = [{"question": "The colour of the sky is", "choices": [" blue", " green", " made of cheese"], "answer": 0},
-           {"question": "Two plus two is", "choices": [" four", " five"], "answer": 1},
-           {"question": "Cats say", "choices": [" meow", " woof", " moo", " hello there"], "answer": 2}]
+MC_DOCS = [{"question": "The colour of the sky is", "choices": ["blue", "green", "made of cheese"], "answer": 0},
+           {"question": "Two plus two is", "choices": ["four", "five"], "answer": 1},
+           {"question": "Cats say", "choices": ["meow", "woof", "moo", "hello there"], "answer": 2}]
 ROLLING_DOCS = [{"text": "It was the best of times, it was the worst of times."},
                 {"text": "A short one."},
                 {"text": "Call me Ishmael. Some years ago, never mind how long precisely."}]
@@ -291,12 +290,13 @@ def test_lm_evaluation_harness_local_completions(server, tmp_path):
         tasks=["mega_tiny_mc", "mega_tiny_rolling"], task_manager=TaskManager(include_path=str(tmp_path)),
         log_samples=True, batch_size=4)
     eot = tokenizer.eos_token_id
-    # Multiple choice: log p(choice | question), byte tokens, so context and choice tokenize apart.
+    # Multiple choice: log p(" " + choice | question) (lm-eval's target delimiter is a space);
+    # byte tokens, so context and continuation tokenize apart.
     mc = sorted(results["samples"]["mega_tiny_mc"], key=lambda s: s["doc_id"])
     for sample, doc in zip(mc, MC_DOCS, strict=True):
         context = tokenizer.encode(doc["question"])
         for (loglikelihood, _), choice in zip([r[0] for r in sample["resps"]], doc["choices"], strict=True):
-            continuation = tokenizer.encode(choice)
+            continuation = tokenizer.encode(" " + choice)
             expected = hf_logprobs(hf_model, context + continuation)[len(context) - 1:].sum().item()
             assert loglikelihood == pytest.approx(expected, abs=1e-4)
     # Rolling: each document (shorter than a window) after the end-of-text token.

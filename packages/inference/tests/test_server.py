@@ -159,7 +159,17 @@ def test_completions_greedy_echo_logprobs_and_stop(served):
 
 @pytest.mark.parametrize("body, param", [
     ({"max_tokens": 4}, "prompt"),
-    ({"prompt": "5", "n": 2}, "n"),
+    ({"prompt": "5", "n": 0}, "n"),
+    ({"prompt": "5", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "5", "seed": 2**64}, "seed"),
+    ({"prompt": "5", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "5", "logit_bias": {"3": 101}}, "logit_bias"),
+    ({"prompt": "5", "logit_bias": {"300": 1}}, "logit_bias"),
+    ({"prompt": "5", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "5", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "5", "max_tokne": 3}, "max_tokne"),
+    ({"prompt": [5, -1]}, "prompt"),
+    ({"prompt": [[5], []]}, "prompt"),
     ({"prompt": "5", "temperature": -1}, "temperature"),
     ({"prompt": "5", "top_p": 0}, "top_p"),
     ({"prompt": "5", "stop": ["a", "b", "c", "d", "e"]}, "stop"),

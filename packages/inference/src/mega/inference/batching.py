@@ -17,9 +17,11 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from mega.inference.engine import GenerationEngine, GenerationRequest, GenerationResult
+from mega.inference.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ class Job:
     def __init__(self, requests: Sequence[GenerationRequest], loop: asyncio.AbstractEventLoop, stream: bool = False):
         self.requests = list(requests)
         self.loop = loop
+        self.submitted_at = time.monotonic()
         self.results: list[GenerationResult | None] = [None] * len(self.requests)
         self.done: asyncio.Future = loop.create_future()
         # Streaming: ("token", index, token, logprob, top) and ("finished", index, result) in order.
@@ -84,10 +87,12 @@ class BatchingWorker:
     tensor-parallel leader hands the batch to the other ranks there)."""
 
     def __init__(self, engine: GenerationEngine, max_batch_size: int = 32,
-                 before_batch: Callable[[list[GenerationRequest]], None] | None = None):
+                 before_batch: Callable[[list[GenerationRequest]], None] | None = None,
+                 metrics: ServerMetrics | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         self.engine, self.max_batch_size, self.before_batch = engine, max_batch_size, before_batch
+        self.metrics = metrics or ServerMetrics()
         self._pending: collections.deque[Job] = collections.deque()
         self._condition = threading.Condition()
         self._stopping = False
@@ -102,6 +107,9 @@ class BatchingWorker:
             self._stopping = True
             self._condition.notify()
         self._thread.join()
+
+    def check(self, request: GenerationRequest) -> None:
+        """Every request the engine takes fits a batch."""
 
     def submit(self, job: Job) -> None:
         with self._condition:
@@ -138,9 +146,17 @@ class BatchingWorker:
             job.token(index, token, logprob, top)
 
         def on_finish(row: int, result: GenerationResult) -> None:
+            self.metrics.generated(len(result.generated))
             job, index = owners[row]
             job.finished(index, result)
 
+        now = time.monotonic()
+        for job in batch:
+            for _ in job.requests:
+                self.metrics.admitted(now - job.submitted_at)
+        with self._condition:
+            queued = sum(len(job.requests) for job in self._pending)
+        self.metrics.step(len(requests), self.max_batch_size, queued, 0)
         try:
             if self.before_batch is not None:
                 self.before_batch(requests)

@@ -22,7 +22,7 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 
-from mega.inference.completion_text import TextStream, completion_text
+from mega.inference.completion_text import TextStream, completion_text, tokens_covering
 from mega.inference.engine import GenerationRequest, GenerationResult
 from mega.inference.openai_fields import MAX_SEQUENCES, MAX_TOP_LOGPROBS, Flag, Integer, SamplingFields
 from mega.inference.service import MAX_PROMPTS, InferenceService, RequestError
@@ -174,9 +174,12 @@ def _choice(service: InferenceService, body: CompletionRequest, index: int, prom
     logprobs = None
     if body.logprobs is not None:
         generated = result.generated
-        if generated and generated[-1] in rules.stop_ids:
+        ended_by_token = bool(generated) and generated[-1] in rules.stop_ids
+        if ended_by_token:
             generated = generated[:-1]
-        kept = _within_text(service, generated, len(text))
+        kept = tokens_covering(service.tokenizer, generated, len(text))
+        if ended_by_token and kept == len(generated):
+            kept += 1  # the end-of-text token was generated (and scored) too, as OpenAI lists it
         first = 0 if body.echo else result.prompt_length
         tokens = result.tokens[first: result.prompt_length + kept]
         values = ([None] + result.logprobs)[first: first + len(tokens)]
@@ -184,17 +187,6 @@ def _choice(service: InferenceService, body: CompletionRequest, index: int, prom
         logprobs = _logprobs(service, tokens, values, tops, 0 if body.echo else len(prompt_text))
     return Choice(text=(prompt_text if body.echo else "") + text, index=index, logprobs=logprobs,
                   finish_reason="length" if result.finish_reason == "length" else "stop")
-
-
-def _within_text(service: InferenceService, tokens: list[int], length: int) -> int:
-    """How many of ``tokens`` begin inside the first ``length`` characters of their text: a stop
-    string cuts the text, and the tokens after the cut leave the logprobs too."""
-    offset = 0
-    for count, token in enumerate(tokens):
-        if offset >= length:
-            return count
-        offset += len(service.detokenize([token]))
-    return len(tokens)
 
 
 def _logprobs(service: InferenceService, tokens, values, tops, offset: int) -> Logprobs:
@@ -218,25 +210,40 @@ def _top_dict(service: InferenceService, top: list[tuple[int, float]]) -> dict[s
 
 
 class _StreamedChoice:
-    """One sequence of a stream: its text so far and the tokens whose logprobs are not sent yet."""
+    """One sequence of a stream: its text so far and the tokens whose logprobs are not sent yet.
+
+    A token's logprobs go out with the event whose text reaches it (so text held back for a
+    possible stop string holds its tokens back too); at the end, the tokens the whole text
+    needs (:func:`tokens_covering`) and the end-of-text token that ended it, nothing after.
+    """
 
     def __init__(self, service: InferenceService, rules: StopRules, offset: int):
         self.service, self.rules = service, rules
         self.text = TextStream(service.tokenizer, rules)
+        self.ids: list[int] = []  # every generated token
         self.pending: list[tuple[int, float | None, list | None]] = []
+        self.sent_tokens = 0  # tokens whose logprobs were sent
         self.offset = offset  # text offset of the next token, counted from the echoed prompt's start
         self.base = offset  # where the completion's text begins
 
-    def logprobs(self, with_top: bool, sent_length: int | None = None) -> Logprobs:
-        """The pending tokens' logprobs; at the end (``sent_length``: the completion's whole
-        length) the stop token and the tokens past a stop string are left out."""
-        pending, self.pending = self.pending, []
-        if sent_length is not None:
-            pending = [p for p in pending if p[0] not in self.rules.stop_ids]
+    def logprobs(self, with_top: bool, final: bool = False) -> Logprobs:
+        if final:
+            text_ids = [t for t in self.ids if t not in self.rules.stop_ids]
+            count = tokens_covering(self.service.tokenizer, text_ids, self.text.sent) - self.sent_tokens
+            if len(self.ids) > len(text_ids) and count == len(text_ids) - self.sent_tokens:
+                count += 1  # the end-of-text token that ended a text no stop string cut
+        else:
+            count = 0
+            offset = self.offset
+            for token, _, _ in self.pending:
+                if offset - self.base >= self.text.sent:
+                    break
+                offset += len(self.service.detokenize([token]))
+                count += 1
+        ready, self.pending = self.pending[:max(count, 0)], self.pending[max(count, 0):]
+        self.sent_tokens += len(ready)
         tokens, values, tops, offsets = [], [], [], []
-        for token, value, top in pending:
-            if sent_length is not None and self.offset - self.base >= sent_length:
-                break
+        for token, value, top in ready:
             text = self.service.detokenize([token])
             tokens.append(text)
             values.append(value)
@@ -276,6 +283,7 @@ async def _events(service: InferenceService, body: CompletionRequest, requests: 
             index, choice = details[0], choices[details[0]]
             if kind == "token":
                 token, logprob, top = details[1:]
+                choice.ids.append(token)
                 choice.pending.append((token, logprob, top))
                 piece = choice.text.push(token)
                 if piece:
@@ -287,7 +295,7 @@ async def _events(service: InferenceService, body: CompletionRequest, requests: 
                 completion_tokens += len(result.generated)
                 reason = "length" if result.finish_reason == "length" else "stop"
                 piece = choice.text.finish()
-                logprobs = choice.logprobs(with_top, choice.text.sent) if body.logprobs is not None else None
+                logprobs = choice.logprobs(with_top, final=True) if body.logprobs is not None else None
                 yield event(index, piece, reason, logprobs)
         if body.include_usage:
             prompt_tokens = sum(len(request.prompt) for request in requests)

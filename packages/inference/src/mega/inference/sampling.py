@@ -61,48 +61,71 @@ GREEDY = SamplingParams(top_k=1)
 
 
 class Sampler:
-    """The sampling state of a batch: settings as tensors, one random stream per sequence."""
+    """The sampling state of a batch: settings as tensors, one random stream per sequence.
+
+    Rows leave (:meth:`keep`) as sequences finish and join (:meth:`extend`) under continuous
+    batching; each row's stream and penalty counts travel with it.
+    """
 
     def __init__(self, params: Sequence[SamplingParams], device: torch.device):
-        self.greedy = torch.tensor([p.greedy for p in params], device=device)
+        self.greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device)
         self.temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-        self.top_k = torch.tensor([p.top_k for p in params], device=device)
+        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
         self.top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 0.0 for p in params], device=device)
         self.generators = [
             torch.Generator().manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
             for p in params
         ]
+        self.presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        self.frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        self.bias = [p.logit_bias for p in params]
         self.adjusted = any(p.adjusts_logits for p in params)
-        if self.adjusted:
-            self.presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-            self.frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-            self.bias = [p.logit_bias for p in params]
-            self.counts: torch.Tensor | None = None  # [batch, vocab] generated tokens, once the vocabulary is known
+        # [batch, vocab] counts of generated tokens and logit biases, once the vocabulary is known.
+        self.counts: torch.Tensor | None = None
+        self.bias_values: torch.Tensor | None = None
+
+    _ROW_TENSORS = ("greedy", "temperature", "top_k", "top_p", "presence", "frequency")
 
     def keep(self, rows: list[int]) -> None:
         """Keep the streams and settings of the sequences at ``rows`` (the others finished)."""
-        index = torch.tensor(rows, device=self.greedy.device)
-        self.greedy, self.temperature = self.greedy[index], self.temperature[index]
-        self.top_k, self.top_p = self.top_k[index], self.top_p[index]
+        index = torch.tensor(rows, dtype=torch.long, device=self.greedy.device)
+        for name in self._ROW_TENSORS:
+            setattr(self, name, getattr(self, name)[index])
         self.generators = [self.generators[row] for row in rows]
-        if self.adjusted:
-            self.presence, self.frequency = self.presence[index], self.frequency[index]
-            self.bias = [self.bias[row] for row in rows]
-            if self.counts is not None:
-                self.counts, self.bias_values = self.counts[index], self.bias_values[index]
+        self.bias = [self.bias[row] for row in rows]
+        if self.counts is not None:
+            self.counts, self.bias_values = self.counts[index], self.bias_values[index]
+
+    def extend(self, other: Sampler) -> None:
+        """Add ``other``'s rows after this batch's (sequences joining a running batch)."""
+        for name in self._ROW_TENSORS:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.generators += other.generators
+        self.bias += other.bias
+        self.adjusted = self.adjusted or other.adjusted
+        if self.counts is not None or other.counts is not None:
+            vocab = (self.counts if self.counts is not None else other.counts).shape[-1]
+            mine, theirs = self._materialised(vocab), other._materialised(vocab)
+            self.counts = torch.cat([mine[0], theirs[0]])
+            self.bias_values = torch.cat([mine[1], theirs[1]])
+
+    def _materialised(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.counts is None:
+            rows, device = len(self.generators), self.greedy.device
+            self.counts = torch.zeros(rows, vocab, device=device)
+            self.bias_values = torch.zeros(rows, vocab, device=device)
+            for row, bias in enumerate(self.bias):
+                for token, value in bias:
+                    if token < vocab:
+                        self.bias_values[row, token] += value
+        return self.counts, self.bias_values
 
     def adjust(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with each sequence's logit bias and penalties applied."""
         if not self.adjusted:
             return logits
-        if self.counts is None:  # the vocabulary is known from the first logits
-            self.counts = torch.zeros_like(logits)
-            self.bias_values = torch.zeros_like(logits)
-            for row, bias in enumerate(self.bias):
-                for token, value in bias:
-                    if token < logits.shape[-1]:
-                        self.bias_values[row, token] += value
-        return logits + self.bias_values - self.presence * (self.counts > 0) - self.frequency * self.counts
+        counts, bias_values = self._materialised(logits.shape[-1])
+        return logits + bias_values - self.presence * (counts > 0) - self.frequency * counts
 
     def observe(self, tokens: torch.Tensor, generated: Sequence[bool]) -> None:
         """Count ``tokens`` for the penalties where ``generated`` (not prompt tokens)."""

@@ -18,10 +18,11 @@ import hmac
 import json
 import logging
 import re
+import time
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from mega.core.version import __version__
@@ -47,11 +48,17 @@ def create_app(service: InferenceService, api_key: str | None = None, max_body_b
     async def health() -> dict:
         return {"status": "ok", "model": service.model_name}
 
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=service.metrics,
+                       routes={route.path for route in app.routes if hasattr(route, "methods")})
     return app
 
 
@@ -112,24 +119,61 @@ async def _server_error(request: Request, error: Exception) -> JSONResponse:
     return error_response(request, RequestError(f"the server failed: {type(error).__name__}: {error}", status=500))
 
 
+def _is_union_member(part: str) -> bool:
+    """A location part naming the member of a union pydantic tried (``str``, ``list[int]``...)."""
+    return part in {"str", "int", "float", "bool"} or part.startswith(("list[", "dict[", "function-"))
+
+
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    first = error.errors()[0]
+    errors = error.errors()
+    first = errors[0]
     loc = [str(part) for part in first["loc"][1:]]  # loc[0] is "body"
-    # A union's failures name the member tried (prompt.str, prompt.list[int]...): not the client's words.
-    loc = [part for part in loc if not (part in {"str", "int", "float", "bool"} or part.startswith(("list[", "dict[")))]
-    field = ".".join(loc) or None
+    tried = [part for part in loc if _is_union_member(part)]
+    path = ".".join(part if not part.isdigit() else f"[{part}]" for part in loc if not _is_union_member(part))
+    path = path.replace(".[", "[")
+    field = loc[0] if loc else None
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "json_invalid":
-        field, message = None, "the body is not valid JSON"
+        field, path, message = None, "", "the body is not valid JSON"
     elif first["type"] == "extra_forbidden":
         message = "unknown field (not part of this API)"
     elif first["type"] == "missing":
         message = "required field missing"
+    elif tried:  # no member of a union matched: name them all, not just the first one tried
+        members = [m for e in errors if e["loc"][1:2] == first["loc"][1:2]
+                   for m in map(str, e["loc"][2:]) if _is_union_member(m)]
+        path = field
+        message = f"must be one of {', '.join(dict.fromkeys(members))} ({message.lower()})"
     elif not field and (named := re.match(r"(\w+): ", message)):  # a check of several fields names one
-        field = named.group(1)
-    if field and not message.startswith(field.split(".")[0]):
-        message = f"{field}: {message}"
+        field = path = named.group(1)
+    if path and not message.startswith(path.split(".")[0].split("[")[0]):
+        message = f"{path}: {message}"
     return error_response(request, RequestError(message, field))
+
+
+class RequestMetrics:
+    """Counts every HTTP request by route and status, and times it to the end of its answer
+    (a stream's last event). Paths that are no route count as "other"."""
+
+    def __init__(self, app, metrics, routes: set[str]):
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.monotonic(), 500
+
+        async def recording_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            route = scope["path"] if scope["path"] in self.routes else "other"
+            self.metrics.request(route, status, time.monotonic() - start)
 
 
 class BodySizeLimit:

@@ -38,6 +38,11 @@ class InferenceService:
     chat_template: object | None = None  # mega.inference.chat_template.ChatTemplate
 
     @property
+    def metrics(self):
+        """The worker's :class:`~mega.inference.metrics.ServerMetrics`."""
+        return self.worker.metrics
+
+    @property
     def max_positions(self) -> int:
         return self.engine.max_positions
 
@@ -85,6 +90,7 @@ class InferenceService:
         for index, request in enumerate(requests):
             try:
                 self.engine.check(request)
+                self.worker.check(request)
             except GenerationError as error:
                 where = f"{param}[{index}]" if len(requests) > 1 else param
                 raise RequestError(f"{where}: {error}", param) from None
