@@ -72,16 +72,19 @@ class PagedKVCache:
         and brings ``new_tokens`` more."""
         size = self.allocator.block_size
         lengths = [c + new_tokens for c in cached]
-        longest = max(lengths)
-        read = torch.zeros(len(tables), longest, dtype=torch.long)
-        for row, (table, length) in enumerate(zip(tables, lengths, strict=True)):
-            positions = torch.arange(length)
-            read[row, :length] = torch.tensor(table, dtype=torch.long)[positions // size] * size + positions % size
-        starts = torch.tensor(cached, dtype=torch.long)[:, None] + torch.arange(new_tokens)[None, :]
-        self.write_slots = read.gather(1, starts).to(device)  # [b, new]
-        self.read_slots = read.to(device)  # [b, longest]
-        ragged = min(lengths) != longest  # equal lengths need no mask beyond the causal rule
-        self.padding = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]).to(device) if ragged else None
+        self.longest = max(lengths)
+        blocks = math.ceil(self.longest / size)
+        table = torch.zeros(len(tables), blocks, dtype=torch.long)
+        for row, (own, length) in enumerate(zip(tables, lengths, strict=True)):
+            used = math.ceil(length / size)
+            table[row, :used] = torch.tensor(own[:used], dtype=torch.long)
+        positions = torch.tensor(cached, dtype=torch.long)[:, None] + torch.arange(new_tokens)[None, :]
+        write = table.gather(1, positions // size) * size + positions % size  # [b, new] token slots
+        self.block_table = table.to(device)  # [b, blocks]: whole blocks are gathered, not single tokens
+        self.write_slots = write.reshape(-1).to(device)
+        ragged = min(lengths) != self.longest  # equal lengths need no mask beyond the causal rule
+        self.padding = (torch.arange(self.longest)[None, :] < torch.tensor(lengths)[:, None]).to(device) \
+            if ragged else None
         self.cached = list(cached)
 
     @property
@@ -96,7 +99,7 @@ class PagedKVCache:
 
 
 class PagedLayer:
-    """One layer's pools ``[slots, kv heads, head_dim]``, allocated at its first keys."""
+    """One layer's pools ``[blocks, block_size, kv heads, head_dim]``, allocated at its first keys."""
 
     def __init__(self, cache: PagedKVCache):
         self.cache = cache
@@ -108,14 +111,15 @@ class PagedLayer:
         return each row's keys and values so far ``[longest, batch, heads, dim]`` and the mask."""
         cache = self.cache
         if self.keys is None:
-            slots = cache.allocator.num_blocks * cache.allocator.block_size
-            self.keys = key.new_zeros(slots, key.shape[2], key.shape[3])
-            self.values = value.new_zeros(slots, value.shape[2], value.shape[3])
-        new, batch = key.shape[0], key.shape[1]
-        write = cache.write_slots.reshape(-1)
-        self.keys[write] = key.transpose(0, 1).reshape(batch * new, *key.shape[2:])
-        self.values[write] = value.transpose(0, 1).reshape(batch * new, *value.shape[2:])
-        keys = self.keys[cache.read_slots].transpose(0, 1)  # [longest, b, heads, dim]
-        values = self.values[cache.read_slots].transpose(0, 1)
-        # Causal, aligned at the end: a row's new tokens see its cache and each other in order.
-        return keys, values, AttentionMask(causal=True, padding=cache.padding)
+            shape = (cache.allocator.num_blocks, cache.allocator.block_size, key.shape[2], key.shape[3])
+            self.keys, self.values = key.new_zeros(shape), value.new_zeros(shape)
+        new, batch, heads, dim = key.shape
+        for pool, tensor in ((self.keys, key), (self.values, value)):
+            pool.view(-1, heads, dim).index_copy_(0, cache.write_slots, tensor.transpose(0, 1).reshape(-1, heads, dim))
+        gathered = []
+        for pool in (self.keys, self.values):
+            rows = pool[cache.block_table]  # [b, blocks, block_size, heads, dim]
+            gathered.append(rows.view(batch, -1, heads, dim)[:, : cache.longest].transpose(0, 1))
+        # Causal, aligned at the end: a row's new tokens see its cache and each other in order
+        # (several new tokens come from one prefill, whose rows are all of one length).
+        return gathered[0], gathered[1], AttentionMask(causal=True, padding=cache.padding)

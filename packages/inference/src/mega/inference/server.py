@@ -41,7 +41,8 @@ def create_app(service: InferenceService, api_key: str | None = None, max_body_b
     app = FastAPI(title="mega text generation", version=__version__,
                   description=f"Serving {service.model_name}: Megatron's PUT /api and OpenAI-style completions.")
     guard = [Depends(_api_key_check(api_key))] if api_key else []
-    for router in api_routers(service):
+    routers = api_routers(service)
+    for router in routers:
         app.include_router(router, dependencies=guard)
 
     @app.get("/v1/health", summary="liveness")
@@ -57,8 +58,8 @@ def create_app(service: InferenceService, api_key: str | None = None, max_body_b
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    app.add_middleware(RequestMetrics, metrics=service.metrics,
-                       routes={route.path for route in app.routes if hasattr(route, "methods")})
+    paths = {route.path for router in routers for route in router.routes} | {"/v1/health", "/metrics"}
+    app.add_middleware(RequestMetrics, metrics=service.metrics, routes=paths)
     return app
 
 
