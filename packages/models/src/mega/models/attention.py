@@ -82,8 +82,10 @@ class SelfAttention(nn.Module):
             cos, sin = rotary_cos_sin(self.config, seq, position_ids, qkv.device)
             query, key = self.kernels.rotary(query, cos, sin), self.kernels.rotary(key, cos, sin)
         if inference_cache is not None:
-            key, value, causal = inference_cache.append(key, value)
-            context = self.core_attention(query, key, value, AttentionMask(causal=causal))
+            key, value, mask = inference_cache.append(key, value)
+            # A cache says causal or not, or (a paged cache, sequences of several lengths) the whole mask.
+            mask = mask if isinstance(mask, AttentionMask) else AttentionMask(causal=mask)
+            context = self.core_attention(query, key, value, mask)
         elif self.recompute_core and is_recomputing_allowed(self):
             context = recomputed(self.core_attention, query, key, value, rng_tracker=self.rng_tracker)
         else:
