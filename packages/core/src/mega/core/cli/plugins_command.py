@@ -30,6 +30,27 @@ def main(argv: list[str]) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=False)) + "  " + row[3])
+    backends = kernel_backend_rows(plugins)
+    if backends:
+        print("\nkernel backends (--kernels NAME, --attention-backend NAME, ...):")
+        width = max(len(name) for name, _ in backends)
+        for name, state in backends:
+            print(f"  {name.ljust(width)}  {state}")
     if plugins.disabled:
         print(f"\ndisabled by MEGA_LOAD_PLUGINS / MEGA_DISABLE_PLUGINS: {', '.join(plugins.disabled)}")
     return 0
+
+
+def kernel_backend_rows(plugins) -> list[tuple[str, str]]:
+    """(name, "usable: kinds" or "unusable: what is missing") for every registered kernel backend."""
+    rows = []
+    for name in plugins.kernel_backends.names():
+        try:
+            backend = plugins.kernel_backends.get(name)
+            available, missing = backend.is_available()
+        except Exception as error:  # a backend that fails to load is reported, not fatal
+            rows.append((name, f"unusable: {type(error).__name__}: {error}"))
+            continue
+        kinds = ", ".join(sorted(getattr(backend, "kinds", ())))
+        rows.append((name, f"usable: {kinds}" if available else f"unusable: {missing}"))
+    return rows
