@@ -34,23 +34,45 @@ def config_of(family, args):
                          attention_dropout=0.0)
 
 
-def step_times(family, config, args, compiled: bool):
-    model = build_stage(family, config, seed=1)
-    if compiled:
-        compile_stage(family, model, args.backend)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-    labels = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-    times, losses = [], []
-    for _ in range(args.warmup + args.steps):
+class Stepper:
+    """One model and one batch; ``step()`` runs forward, loss and backward, timed."""
+
+    def __init__(self, family, config, args, compiled: bool):
+        self.model = build_stage(family, config, seed=1)
+        if compiled:
+            compile_stage(family, self.model, args.backend)
+        gen = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+        self.labels = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+
+    def step(self) -> tuple[float, float]:
         start = time.perf_counter()
-        logits = model(tokens)  # [s, b, vocab]
-        loss = model.loss(logits, labels).mean()
+        logits = self.model(self.tokens)  # [s, b, vocab]
+        loss = self.model.loss(logits, self.labels).mean()
         loss.backward()
-        model.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    return times, losses
+        self.model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start, loss.item()
+
+
+def measure(family, config, args) -> dict:
+    """Warm both up (compiling), then alternate eager and compiled steps so that load on the
+    machine affects both alike."""
+    eager, compiled = Stepper(family, config, args, False), Stepper(family, config, args, True)
+    compile_s, first_losses = 0.0, None
+    for _ in range(max(1, args.warmup)):
+        eager_loss = eager.step()[1]
+        seconds, compiled_loss = compiled.step()
+        compile_s += seconds
+        first_losses = first_losses or (eager_loss, compiled_loss)
+    first_eager, first_compiled = first_losses
+    times = {"eager": [], "compiled": []}
+    for _ in range(args.steps):
+        times["eager"].append(eager.step()[0])
+        times["compiled"].append(compiled.step()[0])
+    eager_ms, compiled_ms = (statistics.median(times[k]) * 1e3 for k in ("eager", "compiled"))
+    return {"eager_ms": round(eager_ms, 1), "compiled_ms": round(compiled_ms, 1),
+            "speedup": round(eager_ms / compiled_ms, 2), "compile_s": round(compile_s, 1),
+            "first_loss_eager": round(first_eager, 5), "first_loss_compiled": round(first_compiled, 5)}
 
 
 def main() -> None:
@@ -73,13 +95,7 @@ def main() -> None:
     for name in FAMILIES if args.family == "all" else [args.family]:
         family = FAMILIES[name]
         config = config_of(family, args)
-        eager, eager_losses = step_times(family, config, args, compiled=False)
-        compiled, compiled_losses = step_times(family, config, args, compiled=True)
-        eager_ms = statistics.median(eager[args.warmup:]) * 1e3
-        compiled_ms = statistics.median(compiled[args.warmup:]) * 1e3
-        rows.append({"family": name, "eager_ms": round(eager_ms, 1), "compiled_ms": round(compiled_ms, 1),
-                     "speedup": round(eager_ms / compiled_ms, 2), "compile_s": round(sum(compiled[:args.warmup]), 1),
-                     "first_loss_eager": round(eager_losses[0], 5), "first_loss_compiled": round(compiled_losses[0], 5)})
+        rows.append({"family": name, **measure(family, config, args)})
     if args.json:
         print(json.dumps(rows, indent=2))
         return
