@@ -74,3 +74,12 @@ def test_compile_units_are_the_layers_and_names_stay():
     compile_stage(family, model, "aot_eager")
     assert all(layer._compiled_call_impl is not None for layer in model.decoder.layers.values())
     assert [name for name, _ in model.named_parameters()] == names  # checkpoints see eager names
+
+
+def test_compile_with_selective_recompute_is_refused_before_any_work():
+    from mega.core.config import ConfigError
+    from mega.core.training.run_config import derive
+
+    run, _ = parse(TINY + FAMILIES["gpt"] + ["--compile", "--recompute-activations"])
+    with pytest.raises(ConfigError, match="--compile with --recompute-granularity selective"):
+        derive(run, 1)

@@ -171,6 +171,9 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
     if run.optimizer.optimizer not in plugins.optimizers:
         raise ConfigError(f"--optimizer {run.optimizer.optimizer!r} is not registered; optimizers: "
                           f"{', '.join(plugins.optimizers.names())}")
+    if run.kernels.compile and getattr(run.model, "recompute_granularity", None) == "selective":
+        raise ConfigError("--compile with --recompute-granularity selective (or --recompute-activations): dynamo "
+                          "cannot trace the recompute's RNG-tracker context; use full recompute or none")
     if precision.fp8_param_gather:
         raise ConfigError("--fp8-param-gather: gathering FP8 parameters in the distributed optimizer is not "
                           "available in this version (FP8 compute with --fp8-format is)")
