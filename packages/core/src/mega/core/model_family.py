@@ -31,7 +31,7 @@ directories through it one :class:`TensorMap` at a time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -218,6 +218,9 @@ class ModelFamily:
       dtype_bytes, device_type="cuda") -> StageFootprint``: parameters and saved activations of
       one rank of a stage of ``layers`` layers (:mod:`mega.core.planning.footprint`), for
       `mega plan`; None if the family cannot tell.
+    * ``compile_units(module) -> modules``: what ``--compile`` compiles one by one in a built
+      stage (torchtitan compiles each transformer layer: small graphs, compiled once and reused
+      by every layer of the same shape); None: the whole stage module.
     """
 
     name: str
@@ -238,6 +241,7 @@ class ModelFamily:
     description: str = ""
     hf_mapping: HFMapping | None = None
     memory_model: Callable[..., Any] | None = None
+    compile_units: Callable[[nn.Module], Iterable[nn.Module]] | None = None
 
     def preset(self, name: str, **overrides: Any) -> Any:
         """The config of preset ``name``, with ``overrides`` replacing fields (e.g. seq_length).

@@ -37,6 +37,7 @@ class CoreAttention(nn.Module):
     def __init__(self, config: TransformerConfig, kernels: Kernels):
         super().__init__()
         self.kernels = kernels
+        kernels.get("attention")  # resolve the backend now: a compiled forward must not trace the plugin lookup
         self.dropout_p = config.attention_dropout
         self.softmax_scale = config.attention_softmax_scale
         self.dropout_rng_tracker = None
@@ -65,6 +66,8 @@ class SelfAttention(nn.Module):
         self.core_attention = CoreAttention(config, kernels)
         self.linear_proj = kernels.linear(config.query_projection_size, config.hidden_size,
                                           bias=config.add_bias_linear)
+        if config.position_embedding_type == "rope":
+            kernels.get("rotary")  # resolved now, as the attention kernel is
         self.recompute_core = False
         self.rng_tracker = None
 

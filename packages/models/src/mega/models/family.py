@@ -63,6 +63,11 @@ def language_model_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str,
     return loss, {"lm loss": loss.detach()}
 
 
+def transformer_layers(model: LanguageModel) -> list[nn.Module]:
+    """What ``--compile`` compiles one by one: each transformer layer of the stage."""
+    return list(model.decoder.layers.values())
+
+
 def transformer_family(name: str, presets: Mapping[str, TransformerConfig], description: str,
                        hf_mapping: HFMapping | None = None) -> ModelFamily:
     return ModelFamily(
@@ -79,4 +84,5 @@ def transformer_family(name: str, presets: Mapping[str, TransformerConfig], desc
         description=description,
         hf_mapping=hf_mapping,
         memory_model=stage_footprint,
+        compile_units=transformer_layers,
     )

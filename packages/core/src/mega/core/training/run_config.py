@@ -136,6 +136,7 @@ FEATURE_FLAGS = {
 # Flags that need a kernel backend with a capability (KernelBackend.features), and what they need.
 KERNEL_FLAGS = {
     "--fp8-hybrid": ("fp8", lambda run: run.precision.fp8_hybrid),
+    "--fp8-format": ("fp8", lambda run: run.precision.fp8_format is not None),
     "--tp-comm-overlap": ("tp_comm_overlap", lambda run: run.precision.tp_comm_overlap),
 }
 TRANSFORMER_ENGINE = "NVIDIA Transformer Engine on a GPU (the mega-transformer-engine kernel plugin, --kernels transformer-engine)"
@@ -174,6 +175,12 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
     usable, missing = getattr(plugins.optimizers.get(run.optimizer.optimizer), "is_available", lambda: (True, ""))()
     if not usable:
         raise ConfigError(f"--optimizer {run.optimizer.optimizer} is not available: {missing}")
+    if run.kernels.compile and getattr(run.model, "recompute_granularity", None) == "selective":
+        raise ConfigError("--compile with --recompute-granularity selective (or --recompute-activations): dynamo "
+                          "cannot trace the recompute's RNG-tracker context; use full recompute or none")
+    if precision.fp8_param_gather:
+        raise ConfigError("--fp8-param-gather: gathering FP8 parameters in the distributed optimizer is not "
+                          "available in this version (FP8 compute with --fp8-format is)")
     if run.optimizer.cpu_optimizer:
         raise ConfigError("--cpu-optimizer: optimizer offloading is not available in this version")
     checkpoint = run.checkpoint

@@ -29,6 +29,7 @@ from mega.core.pipeline.schedules import forward_backward
 from mega.core.pipeline.tied import setup_tied_weights
 from mega.core.plugins import Events, Plugins
 from mega.core.training.batches import MicroBatches
+from mega.core.training.compile import compile_stage
 from mega.core.training.lr_schedule import LearningRateSchedule
 from mega.core.training.precision import grad_scaler_for, grads_in_fp32, model_dtype
 from mega.core.training.run_config import Derived, RunConfig
@@ -114,6 +115,8 @@ class Trainer:
         for stage in self.stages:
             module = build_stage(self.family, run.model, stage, groups=groups, kernels=self.kernels,
                                  rng_tracker=self.rng_tracker, seed=run.training.seed, dtype=self.dtype)
+            if run.kernels.compile:
+                compile_stage(self.family, module, run.kernels.compile_backend)
             chunks.append(module)
         setup_tied_weights(chunks, groups)
         return [DistributedDataParallel(chunk, groups, ddp_config) for chunk in chunks]
