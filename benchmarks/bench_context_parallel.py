@@ -15,7 +15,7 @@ ranks, each holding its 2 load-balanced chunks. Per rank it reports
   backward), a2a ``2 (cp - 1)/cp (2 B_q + B_kv')`` (queries, keys, values and output each way;
   ``B_kv'`` has the key/value heads repeated up to a multiple of cp).
 
-    python benchmarks/bench_context_parallel.py [--seq 8192] [--cp 1 2 4] [--comm p2p all_gather a2a] [--json]
+    python benchmarks/bench_context_parallel.py [--seq 4096] [--cp 1 2 4] [--comm p2p all_gather a2a] [--json]
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def measure(cp: int, comm: str, seq: int, hidden: int, heads: int, groups_kv: in
 
     family = get_plugins().models.get("llama")
     config = family.preset("tiny", num_layers=layers, hidden_size=hidden, ffn_hidden_size=2 * hidden,
-                           num_attention_heads=heads, num_query_groups=groups_kv, seq_length=seq,
+                           num_attention_heads=heads, num_query_groups=groups_kv, kv_channels=hidden // heads,
+                           seq_length=seq, max_position_embeddings=seq,
                            vocab_size=1024)
     parallel = ParallelConfig(cp=cp, cp_comm_type=comm)
     groups = ParallelGroups(parallel)
@@ -67,7 +68,7 @@ def measure(cp: int, comm: str, seq: int, hidden: int, heads: int, groups_kv: in
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq", type=int, default=8192, help="sequence length (8192)")
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length (4096)")
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="context-parallel sizes (1 2 4)")
     parser.add_argument("--comm", nargs="+", default=["p2p", "all_gather", "a2a"], help="comm types")
     parser.add_argument("--hidden", type=int, default=256)
