@@ -154,12 +154,14 @@ class StageRun:
 @dataclass(frozen=True)
 class LossContext:
     """What a family's loss needs besides outputs and batch: the config, the tensor group over
-    which the last stage's vocabulary (or other output) is split, and the kernels (the loss
-    head is a kernel kind)."""
+    which the last stage's vocabulary (or other output) is split, the kernels (the loss
+    head is a kernel kind) and the context group over which the sequence is split (a loss over
+    the sequence sums over it: :func:`mega.core.parallel.context_parallel.sequence_mean`)."""
 
     config: Any
     tp_group: Any = None
     kernels: Any = None
+    cp_group: Any = None
 
 
 def stack_stages(config: Any, pp: int, vpp: int = 1, *, stack: str = "decoder",

@@ -11,8 +11,10 @@ from torch import nn
 from mega.core.kernels import Kernels
 from mega.core.model_family import HFMapping, LossContext, ModelFamily, Stage, StageRun
 from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.parallel.context_parallel import sequence_mean
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.models.config import TransformerConfig
+from mega.models.context_parallel import apply_context_parallel
 from mega.models.flops import num_floating_point_operations
 from mega.models.initialization import init_parameter
 from mega.models.language_model import LanguageModel, fused_linear_cross_entropy, per_token_cross_entropy
@@ -44,12 +46,13 @@ def parallelize_language_model(model: LanguageModel, groups: ParallelGroups, run
         attention.recompute_core = run.training and run.config.recompute_granularity == "selective"
         # Under sequence parallelism the whole block already runs in the model-parallel stream.
         attention.core_attention.dropout_rng_tracker = None if sequence_parallel else tracker
-    return model
+    return apply_context_parallel(model, groups, run.config, run.parallel)
 
 
 def language_model_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor],
                         context: LossContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Mean cross-entropy over the tokens ``loss_mask`` keeps; logged as Megatron's ``lm loss``."""
+    """Mean cross-entropy over the tokens ``loss_mask`` keeps (of the whole sequence when the
+    context group splits it); logged as Megatron's ``lm loss``."""
     labels, loss_mask = batch["labels"], batch["loss_mask"]
     vocab_size = context.config.vocab_size
     if "output_hidden" in outputs:  # a fused linear_loss kernel: no logits were made
@@ -59,8 +62,8 @@ def language_model_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str,
         logits = outputs["logits"]  # [s, b, vocab (shard)]
         per_token = per_token_cross_entropy(context.kernels, logits, labels, context.tp_group, vocab_size)
         total = (per_token * loss_mask).sum()
-    loss = total / loss_mask.sum().clamp_min(1.0)
-    return loss, {"lm loss": loss.detach()}
+    loss, mean = sequence_mean(total, loss_mask.sum(), context.cp_group)
+    return loss, {"lm loss": mean}
 
 
 def transformer_layers(model: LanguageModel) -> list[nn.Module]:
@@ -85,4 +88,5 @@ def transformer_family(name: str, presets: Mapping[str, TransformerConfig], desc
         hf_mapping=hf_mapping,
         memory_model=stage_footprint,
         compile_units=transformer_layers,
+        features=frozenset({"context_parallel"}),
     )

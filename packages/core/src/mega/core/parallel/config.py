@@ -17,7 +17,8 @@ class ParallelConfig:
 
     ``tp`` tensor, ``pp`` pipeline, ``cp`` context, ``ep`` expert parallel; ``vpp`` virtual
     pipeline chunks per stage (interleaved 1F1B); ``sequence_parallel`` splits the non-tensor-
-    parallel regions (norms, dropout) along the sequence over the tensor-parallel group.
+    parallel regions (norms, dropout) along the sequence over the tensor-parallel group;
+    ``cp_comm_type``: how attention crosses the context group (:mod:`mega.core.parallel.context_attention`).
     """
 
     tp: int = option(1, "tensor-parallel size", flag="--tensor-model-parallel-size")
@@ -29,6 +30,10 @@ class ParallelConfig:
     )
     sequence_parallel: bool = option(
         False, "split norms and dropout along the sequence over the tensor-parallel group"
+    )
+    cp_comm_type: str = option(
+        "p2p", "how attention crosses the context group: p2p (ring attention), all_gather (gather keys "
+        "and values), a2a (Ulysses: trade the sequence split for a head split)", choices=("p2p", "all_gather", "a2a")
     )
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -60,6 +65,8 @@ class ParallelConfig:
                 f"ep = {self.ep} must divide dp*cp = {dp}*{self.cp} = {dp * self.cp} "
                 f"(world size {world_size}, tp={self.tp}, pp={self.pp})"
             )
+        if self.cp_comm_type not in ("p2p", "all_gather", "a2a"):
+            raise ParallelConfigError(f"cp_comm_type must be p2p, all_gather or a2a, got {self.cp_comm_type!r}")
         if self.vpp is not None:
             if not isinstance(self.vpp, int) or self.vpp < 1:
                 raise ParallelConfigError(f"vpp must be a positive integer, got {self.vpp!r}")

@@ -15,6 +15,7 @@ from typing import Any
 from mega.core.config import ConfigError
 from mega.core.kernels import KernelBackendError, Kernels, check_linear_loss
 from mega.core.parallel import ParallelConfig
+from mega.core.parallel.context_parallel import check_sequence_length
 from mega.core.plugins import PluginError
 from mega.core.training.config import (
     CheckpointConfig,
@@ -82,6 +83,10 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     run.model.validate(parallel.tp)
+    try:
+        check_sequence_length(run.model.seq_length, parallel.cp)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
     training = run.training
     per_step = training.micro_batch_size * dp
