@@ -10,6 +10,7 @@ from mega.core.plugins import hookimpl
 def register_models(register):
     register("gpt", "mega.models.gpt:FAMILY", "GPT-2/GPT-3 (tiny ... 175b)")
     register("llama", "mega.models.llama:FAMILY", "LLaMA-2 7b/13b/70b, LLaMA-3 8b/70b/405b")
+    register("mixtral", "mega.models.mixtral:FAMILY", "Mixtral mixture of experts (tiny, 8x7b, 8x22b)")
 
 
 @hookimpl
