@@ -40,8 +40,6 @@ class MoETransformerConfig(TransformerConfig):
                                     "(torch._grouped_mm on a GPU); a loop over experts elsewhere, same numbers")
 
     def __post_init__(self) -> None:
-        if self.moe_ffn_hidden_size is None and self.ffn_hidden_size is not None:
-            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
         super().__post_init__()
         if self.moe_ffn_hidden_size is None:
             object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
@@ -70,11 +68,12 @@ class MoETransformerConfig(TransformerConfig):
         need(not self.moe_pad_expert_input_to_capacity or factor is not None,
              "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
         need(self.swiglu, "the experts are SwiGLU MLPs: MoE models need --swiglu")
-        need(isinstance(self.moe_ffn_hidden_size, int) and self.moe_ffn_hidden_size > 0,
-             f"--moe-ffn-hidden-size must be a positive integer, got {self.moe_ffn_hidden_size!r}")
+        # (None only while __post_init__ runs: it is derived from ffn_hidden_size right after.)
+        moe_ffn = self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_hidden_size
+        need(isinstance(moe_ffn, int) and moe_ffn > 0, f"--moe-ffn-hidden-size must be a positive integer, got {moe_ffn!r}")
         if tensor_parallel_size > 1:
-            need(self.moe_ffn_hidden_size % tensor_parallel_size == 0,
-                 f"--moe-ffn-hidden-size {self.moe_ffn_hidden_size} is not divisible by "
+            need(moe_ffn % tensor_parallel_size == 0,
+                 f"--moe-ffn-hidden-size {moe_ffn} is not divisible by "
                  f"--tensor-model-parallel-size {tensor_parallel_size}")
 
     def validate_parallel(self, parallel) -> None:
