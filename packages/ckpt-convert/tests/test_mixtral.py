@@ -34,7 +34,7 @@ def make_mixtral():
     torch.manual_seed(16)
     model = transformers.MixtralForCausalLM(config).eval()
     with torch.no_grad():  # norms start at 1: make every value count
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.1)
     return model
@@ -113,10 +113,10 @@ def test_mega_to_hugging_face_is_bit_exact(converted, tmp_path):
 
 
 def test_greedy_generation_equals_transformers(hf_model, converted):
+    from mega.ckpt_convert import open_checkpoint
     from mega.core.build import build_stage
     from mega.core.checkpoint import load_model_weights
     from mega.core.plugins import get_plugins
-    from mega.ckpt_convert import open_checkpoint
     from mega.inference.engine import GenerationEngine, GenerationRequest
 
     with open_checkpoint(str(converted[1])) as source:
