@@ -1,7 +1,7 @@
 """The ``mixtral`` family against transformers' ``MixtralForCausalLM`` (4 experts, top-2, GQA):
 converted Hugging Face -> mega, the logits and loss equal transformers' (fp32, 1e-5 relative) on
 one process and at tp2, ep2, tp2 x ep2 and pp2 on one world of 4 gloo ranks;
-mega -> Hugging Face gives back the same tensors bit for bit; greedy generation equals
+Hugging Face -> mega (tp2, ep2) -> Hugging Face gives back the same tensors bit for bit; greedy generation equals
 transformers' ``generate`` token for token."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def converted(hf_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("mixtral")
     hf_dir = save_hf_model(hf_model, root / "hf")
     mega_dir = root / "mega"
-    convert(hf_dir, mega_dir, to_format="mega", options=WriteOptions(tensor_parallel_size=2))
+    convert(hf_dir, mega_dir, to_format="mega", options=WriteOptions(tensor_parallel_size=2, expert_parallel_size=2))
     return hf_dir, mega_dir
 
 
@@ -110,6 +110,14 @@ def test_mega_to_hugging_face_is_bit_exact(converted, tmp_path):
     assert sorted(back) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name
+
+
+def test_experts_that_do_not_split_over_the_target_ep_are_refused(converted, tmp_path):
+    from mega.ckpt_convert import ConversionError
+
+    with pytest.raises(ConversionError, match="--num-experts 4 is not divisible by --target-expert-parallel-size 3"):
+        convert(converted[0], tmp_path / "ep3", to_format="mega", options=WriteOptions(expert_parallel_size=3))
+    assert not (tmp_path / "ep3").exists()
 
 
 def test_greedy_generation_equals_transformers(hf_model, converted):
