@@ -92,6 +92,9 @@ def test_bad_input_names_the_flags():
     run, _ = parse_run(base + ["--num-experts", "6", "--expert-model-parallel-size", "4"])
     with pytest.raises(ModelConfigError, match="--num-experts 6 is not divisible by --expert-model-parallel-size 4"):
         derive(run, 4)
+    run, _ = parse_run(base + ["--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size", "2"])
+    with pytest.raises(ModelConfigError, match="--expert-tensor-parallel-size 1 differs from --tensor-model-parallel"):
+        derive(run, 2)
     with pytest.raises(ConfigError, match="--moe-router-topk 5 must be between 1 and --num-experts 4"):
         parse_run(base + ["--moe-router-topk", "5"])
     run, _ = parse_run(base + ["--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2"])

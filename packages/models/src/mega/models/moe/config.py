@@ -36,6 +36,9 @@ class MoETransformerConfig(TransformerConfig):
         False, "pad every expert's input to its capacity (fixed shapes; needs --moe-expert-capacity-factor)")
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = option(
         "alltoall", "how tokens reach the experts of other expert-parallel ranks")
+    expert_tensor_parallel_size: int | None = option(
+        None, "tensor-parallel size of the experts; default (and, in this version, the only choice) "
+        "--tensor-model-parallel-size")
     moe_grouped_gemm: bool = option(False, "run the experts as one grouped GEMM where the device has one "
                                     "(torch._grouped_mm on a GPU); a loop over experts elsewhere, same numbers")
 
@@ -79,11 +82,13 @@ class MoETransformerConfig(TransformerConfig):
     def validate_parallel(self, parallel) -> None:
         """What the layout (a ``ParallelConfig``) asks of the experts: they split evenly over
         --expert-model-parallel-size."""
-        if self.num_experts % parallel.ep:
-            raise ModelConfigError(f"--num-experts {self.num_experts} is not divisible by "
-                                   f"--expert-model-parallel-size {parallel.ep}")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp != parallel.tp:
+            raise ModelConfigError(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
+                                   f"{parallel.tp}: experts split like the dense layers only, in this version")
+        self.validate_expert_split(parallel.ep)
 
-    @property
-    def active_ffn_hidden_size(self) -> int:
-        """MLP width a token passes through: topk experts' worth."""
-        return self.moe_router_topk * self.moe_ffn_hidden_size
+    def validate_expert_split(self, expert_parallel_size: int) -> None:
+        if self.num_experts % expert_parallel_size:
+            raise ModelConfigError(f"--num-experts {self.num_experts} is not divisible by "
+                                   f"--expert-model-parallel-size {expert_parallel_size}")

@@ -65,7 +65,7 @@ class MoELanguageModel(LanguageModel):
 
 def build_moe_model(config: MoETransformerConfig, stage: Stage, *, kernels: Kernels,
                     parallel: ParallelConfig) -> MoELanguageModel:
-    config.validate_parallel(parallel)
+    config.validate_expert_split(parallel.ep)  # (a trained model loads at any tp: no --expert-tensor-parallel-size check)
     return MoELanguageModel(config, stage, kernels, parallel)
 
 
