@@ -1,8 +1,9 @@
 """The ``mixtral`` family against transformers' ``MixtralForCausalLM`` (4 experts, top-2, GQA):
 converted Hugging Face -> mega, the logits and loss equal transformers' (fp32, 1e-5 relative) on
-one process and at tp2, ep2, tp2 x ep2 and pp2 on one world of 4 gloo ranks;
-Hugging Face -> mega (tp2, ep2) -> Hugging Face gives back the same tensors bit for bit; greedy generation equals
-transformers' ``generate`` token for token."""
+one process and at tp2, ep2, tp2 x ep2 and pp2 on one world of 4 gloo ranks; Hugging Face ->
+mega (tp2, ep2) -> Hugging Face gives back the same tensors bit for bit; greedy generation, on
+one process and tensor-parallel (tp2, leader and follower), equals transformers' ``generate``
+token for token."""
 
 from __future__ import annotations
 
@@ -74,7 +75,44 @@ def layout_logits(mega_dir, ids):
         with open_checkpoint(str(mega_dir)) as source:
             source.config = dataclasses.replace(source.config, moe_token_dispatcher_type=dispatcher)
             results[name] = stage_logits(source, ids, groups)
+    results["tp2 generation"] = tensor_parallel_greedy(mega_dir)
     return results
+
+
+PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+NEW_TOKENS = 12
+
+
+def tensor_parallel_greedy(mega_dir):
+    """Greedy continuations of PROMPTS served at tp2 (the leader's; None on followers)."""
+    from mega.ckpt_convert import open_checkpoint
+    from mega.core.build import build_stage
+    from mega.core.checkpoint import load_model_weights
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.core.plugins import get_plugins
+    from mega.inference.engine import GenerationEngine, GenerationRequest
+    from mega.inference.tp_serving import follow, lead
+
+    groups = ParallelGroups(ParallelConfig(tp=2))
+    with open_checkpoint(str(mega_dir)) as source:
+        family, config = get_plugins().models.get(source.family), source.config
+    model = build_stage(family, config, groups=groups, init=False, training=False)
+    load_model_weights(str(mega_dir), [model.eval()], groups)
+    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings,
+                              tp_group=groups.tp)
+    if groups.tp.rank != 0:
+        follow(engine, groups.tp)
+        return None
+    requests = [GenerationRequest(prompt, NEW_TOKENS) for prompt in PROMPTS]
+    lead(requests, groups.tp)
+    results = engine.generate(requests)
+    lead(None, groups.tp)
+    return [result.tokens for result in results]
+
+
+def hf_greedy(model, prompt):
+    return model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0].tolist()
 
 
 def test_one_process_logits_equal_transformers(hf_model, converted, assert_close):
@@ -99,6 +137,10 @@ def test_every_layout_logits_equal_transformers(worlds, hf_model, converted, ass
         for logits, loss in last:
             assert_close(logits, expected, what=name)
             assert_close(loss, expected_loss, what=f"{name} loss")
+    leaders = [results["tp2 generation"] for results in ranks if results["tp2 generation"] is not None]
+    assert len(leaders) == 2
+    for tokens in leaders:
+        assert tokens == [hf_greedy(hf_model, prompt) for prompt in PROMPTS], "tp2 greedy generation"
 
 
 def test_mega_to_hugging_face_is_bit_exact(converted, tmp_path):
@@ -132,9 +174,6 @@ def test_greedy_generation_equals_transformers(hf_model, converted):
     model = build_stage(family, config, init=False, training=False)
     load_model_weights(str(converted[1]), [model.eval()])
     engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings)
-    prompts = [[5, 17, 42, 8, 99, 3, 61], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
-    for prompt in prompts:
-        [result] = engine.generate([GenerationRequest(prompt, 12)])
-        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)[0].tolist()
-        assert result.tokens == expected
+    for prompt in PROMPTS:
+        [result] = engine.generate([GenerationRequest(prompt, NEW_TOKENS)])
+        assert result.tokens == hf_greedy(hf_model, prompt)
