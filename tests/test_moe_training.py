@@ -20,14 +20,18 @@ COMMON = [
 ]
 CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 ALLGATHER = ["--moe-token-dispatcher-type", "allgather"]
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
 LAYOUTS = {  # name -> (extra flags, uses capacity)
     "ep4 allgather": (["--expert-model-parallel-size", "4", *ALLGATHER], False),
     "tp2 x ep2 sp alltoall": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                               "--expert-model-parallel-size", "2"], False),
-    "ep2 x pp2 distributed optimizer": (["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                         "--use-distributed-optimizer"], False),
-    "ep2 alltoall capacity padded": (["--expert-model-parallel-size", "2", *CAPACITY,
-                                      "--moe-pad-expert-input-to-capacity"], True),
+                               "--expert-model-parallel-size", "2", *ALLTOALL], False),
+    "ep2 x pp2 alltoall": (["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *ALLTOALL],
+                           False),
+    "ep2 allgather distributed optimizer": (["--expert-model-parallel-size", "2", *ALLGATHER,
+                                             "--use-distributed-optimizer"], False),
+    "ep2 alltoall capacity padded distributed optimizer": (
+        ["--expert-model-parallel-size", "2", *CAPACITY, *ALLTOALL, "--moe-pad-expert-input-to-capacity",
+         "--use-distributed-optimizer"], True),
     "ep4 allgather capacity": (["--expert-model-parallel-size", "4", *ALLGATHER, *CAPACITY], True),
 }
 SAVED = "tp2 x ep2 sp alltoall"
@@ -42,16 +46,6 @@ def train_losses(argv: list[str]) -> list[float]:
     return run_training(run, family).losses
 
 
-def four_ranks(save_dir: str) -> dict:
-    results = {}
-    for name, (extra, _) in LAYOUTS.items():
-        saving = ["--save", save_dir, "--save-interval", "3"] if name == SAVED else []
-        results[name] = train_losses(COMMON + extra + saving)
-    for name, extra in RESUMED.items():
-        results[f"resumed at {name}"] = train_losses(COMMON + extra + ["--load", f"{save_dir}/iter_0000003"])
-    return results
-
-
 def assert_close(losses, reference, what):
     assert len(losses) == len(reference), what
     for step, (got, want) in enumerate(zip(losses, reference, strict=True)):
@@ -63,9 +57,11 @@ def test_expert_parallel_layouts_match_one_process(worlds, tmp_path):
     assert dropless[-1] < dropless[0], "the tiny model should learn the mock data"
     assert dropless != capacity, "capacity 1.0 should drop tokens and change the losses"
 
-    ranks = worlds.run(4, four_ranks, str(tmp_path))
-    for name, (_, uses_capacity) in LAYOUTS.items():
-        assert all(results[name] == ranks[0][name] for results in ranks), name
-        assert_close(ranks[0][name], capacity if uses_capacity else dropless, name)
-    for name in RESUMED:
-        assert_close(ranks[0][f"resumed at {name}"], dropless[3:], f"resumed at {name} from tp2 x ep2")
+    for name, (extra, uses_capacity) in LAYOUTS.items():  # one call per run: each within the world's timeout
+        saving = ["--save", str(tmp_path), "--save-interval", "3"] if name == SAVED else []
+        ranks = worlds.run(4, train_losses, COMMON + extra + saving)
+        assert all(losses == ranks[0] for losses in ranks), name
+        assert_close(ranks[0], capacity if uses_capacity else dropless, name)
+    for name, extra in RESUMED.items():
+        ranks = worlds.run(4, train_losses, COMMON + extra + ["--load", str(tmp_path / "iter_0000003")])
+        assert_close(ranks[0], dropless[3:], f"resumed at {name} from tp2 x ep2")

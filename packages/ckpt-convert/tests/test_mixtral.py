@@ -61,7 +61,8 @@ def hf_logits(model, ids):
     return out.logits, out.loss
 
 
-def layout_logits(mega_dir, ids):
+def layout_logits(mega_dir, ids, name: str):
+    """This rank's (logits, loss) at layout ``name`` (None off the last pipeline stage)."""
     import dataclasses
 
     from test_layout_logits import stage_logits
@@ -69,14 +70,11 @@ def layout_logits(mega_dir, ids):
     from mega.ckpt_convert import open_checkpoint
     from mega.core.parallel import ParallelConfig, ParallelGroups
 
-    results = {}
-    for name, (tp, pp, ep, dispatcher) in LAYOUTS.items():
-        groups = ParallelGroups(ParallelConfig(tp=tp, pp=pp, ep=ep))
-        with open_checkpoint(str(mega_dir)) as source:
-            source.config = dataclasses.replace(source.config, moe_token_dispatcher_type=dispatcher)
-            results[name] = stage_logits(source, ids, groups)
-    results["tp2 generation"] = tensor_parallel_greedy(mega_dir)
-    return results
+    tp, pp, ep, dispatcher = LAYOUTS[name]
+    groups = ParallelGroups(ParallelConfig(tp=tp, pp=pp, ep=ep))
+    with open_checkpoint(str(mega_dir)) as source:
+        source.config = dataclasses.replace(source.config, moe_token_dispatcher_type=dispatcher)
+        return stage_logits(source, ids, groups)
 
 
 PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -129,15 +127,14 @@ def test_one_process_logits_equal_transformers(hf_model, converted, assert_close
 
 def test_every_layout_logits_equal_transformers(worlds, hf_model, converted, assert_close):
     ids = input_ids(seed=1)
-    ranks = worlds.run(4, layout_logits, str(converted[1]), ids)
     expected, expected_loss = hf_logits(hf_model, ids)
-    for name, (_, pp, _, _) in LAYOUTS.items():
-        last = [results[name] for results in ranks if results[name] is not None]
+    for name, (_, pp, _, _) in LAYOUTS.items():  # one call per layout: each within the world's timeout
+        last = [result for result in worlds.run(4, layout_logits, str(converted[1]), ids, name) if result is not None]
         assert len(last) == 4 // pp, name
         for logits, loss in last:
             assert_close(logits, expected, what=name)
             assert_close(loss, expected_loss, what=f"{name} loss")
-    leaders = [results["tp2 generation"] for results in ranks if results["tp2 generation"] is not None]
+    leaders = [tokens for tokens in worlds.run(4, tensor_parallel_greedy, str(converted[1])) if tokens is not None]
     assert len(leaders) == 2
     for tokens in leaders:
         assert tokens == [hf_greedy(hf_model, prompt) for prompt in PROMPTS], "tp2 greedy generation"

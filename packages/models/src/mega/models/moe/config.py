@@ -34,8 +34,9 @@ class MoETransformerConfig(TransformerConfig):
         "router probabilities are dropped. Default: dropless")
     moe_pad_expert_input_to_capacity: bool = option(
         False, "pad every expert's input to its capacity (fixed shapes; needs --moe-expert-capacity-factor)")
-    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = option(
-        "alltoall", "how tokens reach the experts of other expert-parallel ranks")
+    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = option(
+        "allgather", "how tokens reach the experts of other expert-parallel ranks (Megatron's default: "
+        "allgather; its Mixtral recipes use alltoall)")
     expert_tensor_parallel_size: int | None = option(
         None, "tensor-parallel size of the experts; default (and, in this version, the only choice) "
         "--tensor-model-parallel-size")
