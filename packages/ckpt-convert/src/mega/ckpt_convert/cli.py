@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--megatron-format", choices=["legacy", "torch_dist"],
                         help="megatron output: legacy (iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt, one torch.save "
                              "per rank) or torch_dist (megatron-core dist_checkpointing; default)")
+    parser.add_argument("--target-expert-parallel-size", type=int, default=1, metavar="EP",
+                        help="mega output (MoE families): expert-parallel size the layout records; the "
+                             "experts must split evenly over it (default 1; any ep loads the checkpoint)")
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="cast floating-point weights (default: keep each tensor's dtype)")
     parser.add_argument("--max-shard-size", type=byte_size, default="5GB", metavar="SIZE",
@@ -90,7 +93,8 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     for flag, value in (("--target-tensor-parallel-size", args.target_tensor_parallel_size),
-                        ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size)):
+                        ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size),
+                        ("--target-expert-parallel-size", args.target_expert_parallel_size)):
         if value < 1:
             parser.error(f"{flag} must be at least 1")
         if value != 1 and args.to_format not in LAYOUT_OUTPUTS:
@@ -109,6 +113,7 @@ def main(argv: list[str]) -> int:
     options = WriteOptions(
         tensor_parallel_size=args.target_tensor_parallel_size,
         pipeline_parallel_size=args.target_pipeline_parallel_size,
+        expert_parallel_size=args.target_expert_parallel_size,
         max_shard_bytes=args.max_shard_size,
         progress={"auto": None, "always": True, "never": False}[args.progress],
         megatron_format=args.megatron_format or "torch_dist",

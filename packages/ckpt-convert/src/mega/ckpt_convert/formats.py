@@ -32,6 +32,7 @@ class WriteOptions:
 
     tensor_parallel_size: int = 1  # mega, megatron: the layout recorded and the vocabulary padding
     pipeline_parallel_size: int = 1  # mega, megatron
+    expert_parallel_size: int = 1  # mega: the layout recorded (MoE families check their experts split evenly)
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES  # hf
     progress: bool | None = None  # None: on a terminal only
     megatron_format: str = "torch_dist"  # megatron: "legacy" (torch.save per rank) or "torch_dist"

@@ -29,12 +29,13 @@ def build_language_model(config: TransformerConfig, stage: Stage, *, kernels: Ke
     return LanguageModel(config, stage, kernels, parallel)
 
 
-def parallelize_language_model(model: LanguageModel, groups: ParallelGroups, run: StageRun) -> nn.Module:
-    """Tensor (and sequence) parallelism by the plan, then what the run's layout and recompute
-    settings ask of the layers: where dropout forks into the tracker's streams, which regions
-    are recomputed."""
-    apply_tensor_parallel(model, tensor_parallel_plan(run.config, model.stage), groups,
-                          sequence_parallel=run.parallel.sequence_parallel)
+def parallelize_language_model(model: LanguageModel, groups: ParallelGroups, run: StageRun,
+                               plan: Mapping | None = None) -> nn.Module:
+    """Tensor (and sequence) parallelism by the plan (default: the dense transformer's), then
+    what the run's layout and recompute settings ask of the layers: where dropout forks into the
+    tracker's streams, which regions are recomputed."""
+    plan = plan if plan is not None else tensor_parallel_plan(run.config, model.stage)
+    apply_tensor_parallel(model, plan, groups, sequence_parallel=run.parallel.sequence_parallel)
     tracker, sequence_parallel = run.rng_tracker, run.parallel.sequence_parallel
     block = model.decoder
     block.rng_tracker, block.fork_rng = tracker, sequence_parallel

@@ -62,7 +62,7 @@ class ParallelConfig:
         # Experts are spread over the data- and context-parallel ranks of one tensor shard.
         if (dp * self.cp) % self.ep:
             raise ParallelConfigError(
-                f"ep = {self.ep} must divide dp*cp = {dp}*{self.cp} = {dp * self.cp} "
+                f"--expert-model-parallel-size: ep = {self.ep} must divide dp*cp = {dp}*{self.cp} = {dp * self.cp} "
                 f"(world size {world_size}, tp={self.tp}, pp={self.pp})"
             )
         if self.cp_comm_type not in ("p2p", "all_gather", "a2a"):

@@ -41,6 +41,16 @@ SECTIONS: dict[str, type] = {
 }
 
 
+def run_sections(model_config_class: type) -> dict[str, type]:
+    """The model section then the others; a section whose every field the model's config declares
+    itself (an MoE family's config holds --num-experts and the --moe-* flags) is left to the model,
+    so each flag is declared once."""
+    model_fields = {field.name for field in dataclasses.fields(model_config_class)}
+    return {"model": model_config_class,
+            **{name: cls for name, cls in SECTIONS.items()
+               if not {field.name for field in dataclasses.fields(cls)} <= model_fields}}
+
+
 @dataclass
 class RunConfig:
     model: Any  # the model family's config (e.g. mega.models.TransformerConfig)
@@ -87,6 +97,9 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
         check_sequence_length(run.model.seq_length, parallel.cp)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    check_layout = getattr(run.model, "validate_parallel", None)  # a family's own layout needs (experts / ep)
+    if check_layout is not None:
+        check_layout(parallel)
 
     training = run.training
     per_step = training.micro_batch_size * dp
@@ -133,7 +146,8 @@ def _kernels_with_megatron_shorthands(run: RunConfig) -> KernelConfig:
 # Features a flag may ask of the model family (ModelFamily.features): the feature, what the
 # flag asks for in words, and whether the run asks for it.
 FEATURE_FLAGS = {
-    "--num-experts": ("moe", "(mixture of experts) needs an MoE model family", lambda run: bool(run.moe.num_experts)),
+    "--num-experts": ("moe", "(mixture of experts) needs an MoE model family",
+                      lambda run: bool(getattr(run.model, "num_experts", None) or run.moe.num_experts)),
     "--expert-model-parallel-size": ("moe", "> 1 needs an MoE model family", lambda run: run.parallel.ep > 1),
     "--context-parallel-size": ("context_parallel", "> 1 needs a model family with context parallelism",
                                 lambda run: run.parallel.cp > 1),
