@@ -10,6 +10,7 @@ from mega.core.plugins import hookimpl
 def register_models(register):
     register("gpt", "mega.models.gpt:FAMILY", "GPT-2/GPT-3 (tiny ... 175b)")
     register("llama", "mega.models.llama:FAMILY", "LLaMA-2 7b/13b/70b, LLaMA-3 8b/70b/405b")
+    register("bert", "mega.models.bert:FAMILY", "BERT base/large, MiniLM-L6 (masked-LM encoder, embeddings)")
 
 
 @hookimpl
