@@ -27,6 +27,8 @@ from mega.data.index_cache import description_hash
 
 logger = logging.getLogger(__name__)
 
+# Megatron's mid_level_dataset_surplus: each blended dataset is asked for 0.5% more than its share.
+MID_LEVEL_SURPLUS = 0.005
 _MIN_BLOCK = 512
 _MAX_BLOCKS = 16384
 _BURN_IN = 128

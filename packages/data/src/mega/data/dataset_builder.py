@@ -65,9 +65,14 @@ def _size_per_dataset(weights: list[float], target_sizes: Sequence[int | None], 
     ]
 
 
-class _Builder:
-    def __init__(self, config: GPTDatasetConfig, cache_for_prefix, vocabulary: tuple[int, str] | None = None):
-        self.config = config
+class SplitBuilder:
+    """Builds the datasets of one kind: ``make(source, prefix, units, size, split_name, cache)``
+    makes one split's dataset from the units (GPT: sequences; masked-LM: documents) that
+    ``count_units(source)`` counts; ``surplus``: the extra share each blended dataset provides."""
+
+    def __init__(self, make, count_units, surplus: float, cache_for_prefix,
+                 vocabulary: tuple[int, str] | None = None):
+        self.make, self.count_units, self.surplus = make, count_units, surplus
         self.cache_for_prefix = cache_for_prefix
         self.vocabulary = vocabulary
         self._sources: dict[str, IndexedDataset] = {}
@@ -80,12 +85,12 @@ class _Builder:
             self._sources[prefix] = dataset
         return self._sources[prefix]
 
-    def splits_of(self, prefix: str, bounds, sizes) -> list[GPTDataset | None]:
+    def splits_of(self, prefix: str, bounds, sizes) -> list:
         source = self.source(prefix)
         cache = self.cache_for_prefix(prefix)
         return [
-            None if bound is None else GPTDataset(
-                source, prefix, split_documents(bound, len(source.sequence_lengths)), size, name, self.config, cache
+            None if bound is None else self.make(
+                source, prefix, split_documents(bound, self.count_units(source)), size, name, cache
             )
             for name, bound, size in zip(SPLIT_NAMES, bounds, sizes, strict=True)
         ]
@@ -96,7 +101,7 @@ class _Builder:
         if weights is not None:
             weights = normalize(weights)
             targets = _size_per_dataset(weights, sizes)
-            buffered = _size_per_dataset(weights, sizes, self.config.mid_level_dataset_surplus)
+            buffered = _size_per_dataset(weights, sizes, self.surplus)
         else:
             targets = buffered = [[None] * len(SPLIT_NAMES) for _ in prefixes]
         per_prefix = [self.splits_of(prefix, bounds, buffered[i]) for i, prefix in enumerate(prefixes)]
@@ -132,32 +137,44 @@ def build_gpt_datasets(
     ``config.split``) or ``blend_per_split`` (three ``--data-path``-style lists or ``None``).
     ``vocabulary``: (size, description); every file's token ids must be below the size.
     """
-    if (data_path is None) == (blend_per_split is None):
-        raise ValueError("give either data_path (with a split) or blend_per_split")
-    sizes = list(sizes) + [None] * (len(SPLIT_NAMES) - len(sizes))
-
     def cache_for_prefix(prefix: str) -> IndexCache | None:
         directory = default_cache_directory(prefix, config)
         return IndexCache(directory) if directory else None
 
+    def make(source, prefix, sequences, size, name, cache):
+        return GPTDataset(source, prefix, sequences, size, name, config, cache)
+
+    builder = SplitBuilder(make, lambda source: len(source.sequence_lengths), config.mid_level_dataset_surplus,
+                       cache_for_prefix, vocabulary)
+    return build_split_datasets(builder, data_path, sizes, config.split, blend_per_split, rank_context)
+
+
+def build_split_datasets(builder: SplitBuilder, data_path: Sequence[str] | None, sizes: Sequence[int | None],
+                         split: str, blend_per_split: Sequence[Sequence[str] | None] | None = None,
+                         rank_context: RankContext | None = None) -> list:
+    """[train, valid, test] of ``builder``'s kind from ``--data-path`` and ``--split`` (or one
+    blend per split), rank 0 first; see :func:`build_gpt_datasets`."""
+    if (data_path is None) == (blend_per_split is None):
+        raise ValueError("give either data_path (with a split) or blend_per_split")
+    sizes = list(sizes) + [None] * (len(SPLIT_NAMES) - len(sizes))
+
     def build() -> list:
-        builder = _Builder(config, cache_for_prefix, vocabulary)
         if data_path is not None:
             prefixes, weights = parse_data_path(data_path)
             _check_prefixes(prefixes)
-            return builder.blend(prefixes, weights, split_bounds(parse_split(config.split)), sizes)
+            return builder.blend(prefixes, weights, split_bounds(parse_split(split)), sizes)
         result = []
-        for split, words in enumerate(blend_per_split):
+        for index, words in enumerate(blend_per_split):
             if words is None:
                 result.append(None)
                 continue
             prefixes, weights = parse_data_path(words)
             _check_prefixes(prefixes)
             bounds = [None] * len(SPLIT_NAMES)
-            bounds[split] = (0.0, 1.0)
+            bounds[index] = (0.0, 1.0)
             split_sizes = [0] * len(SPLIT_NAMES)
-            split_sizes[split] = sizes[split]
-            result.append(builder.blend(prefixes, weights, bounds, split_sizes)[split])
+            split_sizes[index] = sizes[index]
+            result.append(builder.blend(prefixes, weights, bounds, split_sizes)[index])
         return result
 
     return _rank_zero_first(build, rank_context)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mega.data.blending import MID_LEVEL_SURPLUS
 from mega.data.index_cache import IndexCache, description_hash, files_fingerprint
 from mega.data.sample_index import build_gpt_indices
 
@@ -41,7 +42,7 @@ class GPTDatasetConfig:
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
     path_to_cache: str | None = None
-    mid_level_dataset_surplus: float = 0.005
+    mid_level_dataset_surplus: float = MID_LEVEL_SURPLUS
 
     def __post_init__(self):
         if self.sequence_length < 2:

@@ -19,6 +19,12 @@ def register_tokenizers(register):
 def register_datasets(register):
     register("gpt", "mega.data.training_data:gpt_datasets", "Megatron GPTDataset splits and blends of .bin/.idx data")
     register("mock", "mega.data.training_data:mock_datasets", "synthetic GPT samples (Megatron's mock data)")
+    register("bert", "mega.data.training_data:bert_datasets",
+             "megatron-core's BERT masked-LM sentence pairs over sentence-split .bin/.idx data")
+    register("bert-mock", "mega.data.training_data:bert_mock_datasets", "BERT samples over synthetic sentences")
+    register("t5", "mega.data.training_data:t5_datasets",
+             "megatron-core's T5 span-corruption samples over sentence-split .bin/.idx data")
+    register("t5-mock", "mega.data.training_data:t5_mock_datasets", "T5 samples over synthetic sentences")
     register("pydoc-topics", "mega.data.embedded_corpus:pydoc_topics_datasets",
              "the text of Python's pydoc topics with a BPE tokenizer trained on it (the embedded default)")
 
