@@ -56,6 +56,9 @@ class Embedder:
     def token_ids(self, inputs: Sequence[str | Sequence[int]]) -> list[list[int]]:
         """Each input as the token ids the model reads, checked against the model."""
         texts = [(index, text) for index, text in enumerate(inputs) if isinstance(text, str)]
+        empty = next((index for index, item in enumerate(inputs) if len(item) == 0), None)
+        if empty is not None:  # an empty text would be [CLS] [SEP] alone: not what anyone means
+            raise EmbeddingInputError(f"input[{empty}] is empty", empty)
         if texts and self.tokenizer is None:
             raise EmbeddingInputError("text inputs need a tokenizer, and the model names none; send token ids",
                                       texts[0][0])
@@ -75,8 +78,6 @@ class Embedder:
         return sequences
 
     def _checked(self, ids: list[int], index: int) -> list[int]:
-        if not ids:
-            raise EmbeddingInputError(f"input[{index}] is empty", index)
         if len(ids) > self.max_positions:
             raise EmbeddingInputError(f"input[{index}] has {len(ids)} tokens, more than the model's "
                                       f"{self.max_positions} positions", index)
