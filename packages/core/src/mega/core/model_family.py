@@ -79,6 +79,11 @@ class HFMapping:
       order (embeddings, layer 0, layer 1, ..., final norm, output layer).
     * ``ignored``: regular expressions of Hugging Face tensors that no map takes and that are
       skipped when present (buffers some versions saved, a tied output layer's duplicate).
+    * ``also_reads``: further ``architectures`` read as this family (BERT's ``BertModel`` and
+      ``BertForMaskedLM`` beside ``BertForPreTraining``); ``config_from_hf`` tells them apart.
+    * ``optional``: regular expressions of Hugging Face tensors a directory may lack (the heads
+      a bare base model has not); a map all of whose tensors are absent is initialised by the
+      family's ``init_parameter`` instead, and the converter says so.
     """
 
     architecture: str
@@ -88,6 +93,8 @@ class HFMapping:
     config_to_hf: Callable[[Any], dict]
     tensor_maps: Callable[[Any], list[TensorMap]]
     ignored: tuple[str, ...] = ()
+    also_reads: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
 
 
 class ModelConfig(Protocol):

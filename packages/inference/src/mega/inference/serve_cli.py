@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from mega.core.cli.argparser import CommandParser
+from mega.inference.embed_cli import add_embedding_arguments, is_encoder_checkpoint, serve_embeddings
 from mega.inference.load_arguments import add_load_arguments
 
 
@@ -16,10 +17,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="mega serve",
         description="Serve a mega checkpoint or a Hugging Face model directory over HTTP: Megatron's "
-                    "PUT /api, OpenAI-style POST /v1/completions (streaming too), GET /v1/health; "
+                    "PUT /api, OpenAI-style POST /v1/completions (streaming too), GET /v1/health; an encoder "
+                    "(bert family) serves OpenAI-style POST /v1/embeddings instead; "
                     "the API's schema is browsable at /docs.",
     )
     add_load_arguments(parser)
+    add_embedding_arguments(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
@@ -46,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise SystemExit(f"mega serve: error: --{flag.replace('_', '-')} must be positive, got {value}")
+    if is_encoder_checkpoint(args.load):  # an encoder serves POST /v1/embeddings instead
+        return serve_embeddings(args)
     import uvicorn
 
     from mega.inference.batching import BatchingWorker

@@ -72,9 +72,10 @@ class SelfAttention(nn.Module):
         self.rng_tracker = None
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                inference_cache: LayerKVCache | None = None) -> torch.Tensor:
+                inference_cache: LayerKVCache | None = None, mask: AttentionMask = CAUSAL) -> torch.Tensor:
         """``inference_cache``: this layer's keys and values so far, when generating (see
-        :mod:`mega.models.kv_cache`); the new ones are appended and attended to."""
+        :mod:`mega.models.kv_cache`); the new ones are appended and attended to. ``mask``: which
+        keys each query sees (an encoder's padding mask; causal by default)."""
         qkv = self.linear_qkv(hidden)
         seq, batch, _ = qkv.shape
         d, per_group = self.head_dim, self.queries_per_group
@@ -90,7 +91,7 @@ class SelfAttention(nn.Module):
             mask = mask if isinstance(mask, AttentionMask) else AttentionMask(causal=mask)
             context = self.core_attention(query, key, value, mask)
         elif self.recompute_core and is_recomputing_allowed(self):
-            context = recomputed(self.core_attention, query, key, value, rng_tracker=self.rng_tracker)
+            context = recomputed(self.core_attention, query, key, value, mask, rng_tracker=self.rng_tracker)
         else:
-            context = self.core_attention(query, key, value)
+            context = self.core_attention(query, key, value, mask)
         return self.linear_proj(context)
