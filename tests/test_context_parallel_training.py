@@ -2,10 +2,10 @@
 
 GPT (learned positions, tied) and LLaMA (RoPE in every layer, GQA) train 5 steps in fp32 on
 Megatron's mock data with 64-token sequences, from the same seed: one process, then on a 4-rank
-gloo world cp4 and cp2 x dp2 with each --cp-comm-type (ring p2p, all_gather, a2a; the a2a run
-with the distributed optimizer), cp2 x tp2 with sequence parallelism, cp2 x pp2 (LLaMA: the
-later stage's RoPE needs the chunks' positions too) and, for LLaMA, cp2 x pp2 interleaved with
-selective recompute. Every loss must agree with one process's to 1e-5 (relative). A checkpoint
+gloo world cp4 with each --cp-comm-type (ring p2p, all_gather, a2a), and cp2 with each: p2p at
+cp2 x dp2 and at cp2 x pp2 (LLaMA: the later stage's RoPE needs the chunks' positions too), a2a
+at cp2 x dp2 with the distributed optimizer, all_gather at cp2 x tp2 with sequence parallelism;
+for LLaMA also cp2 x pp2 interleaved with selective recompute. Every loss must agree with one process's to 1e-5 (relative). A checkpoint
 written at cp2 resumes at cp4 and in one process and continues the one-process losses. Bad
 input fails naming the flags.
 
@@ -33,11 +33,11 @@ CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
 LAYOUTS = {
     **{f"cp4-{comm}": CP4 + ["--cp-comm-type", comm] for comm in ("p2p", "all_gather", "a2a")},
     "cp2-dp2-p2p": CP2,
-    "cp2-dp2-all_gather": CP2 + ["--cp-comm-type", "all_gather"],
     "cp2-dp2-a2a-distributed-optimizer": CP2 + ["--cp-comm-type", "a2a", "--use-distributed-optimizer",
                                                 "--overlap-grad-reduce"],
-    "cp2-tp2-sp": CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-    "cp2-pp2": CP2 + ["--pipeline-model-parallel-size", "2"],
+    "cp2-tp2-sp-all_gather": CP2 + ["--cp-comm-type", "all_gather", "--tensor-model-parallel-size", "2",
+                                    "--sequence-parallel"],
+    "cp2-pp2-p2p": CP2 + ["--pipeline-model-parallel-size", "2"],
 }
 INTERLEAVED = {"cp2-pp2-vpp2-recompute": CP2 + ["--pipeline-model-parallel-size", "2",
                                                 "--num-layers-per-virtual-pipeline-stage", "1", "--recompute-activations"]}

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from mega.core.config.options import option
 
+# How attention crosses the context group (mega.core.parallel.context_attention has one function each).
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
 
 class ParallelConfigError(ValueError):
     """A layout that cannot be built on the given world size."""
@@ -33,7 +36,7 @@ class ParallelConfig:
     )
     cp_comm_type: str = option(
         "p2p", "how attention crosses the context group: p2p (ring attention), all_gather (gather keys "
-        "and values), a2a (Ulysses: trade the sequence split for a head split)", choices=("p2p", "all_gather", "a2a")
+        "and values), a2a (Ulysses: trade the sequence split for a head split)", choices=CP_COMM_TYPES
     )
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -65,8 +68,9 @@ class ParallelConfig:
                 f"--expert-model-parallel-size: ep = {self.ep} must divide dp*cp = {dp}*{self.cp} = {dp * self.cp} "
                 f"(world size {world_size}, tp={self.tp}, pp={self.pp})"
             )
-        if self.cp_comm_type not in ("p2p", "all_gather", "a2a"):
-            raise ParallelConfigError(f"cp_comm_type must be p2p, all_gather or a2a, got {self.cp_comm_type!r}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ParallelConfigError(f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, "
+                                      f"got {self.cp_comm_type!r}")
         if self.vpp is not None:
             if not isinstance(self.vpp, int) or self.vpp < 1:
                 raise ParallelConfigError(f"vpp must be a positive integer, got {self.vpp!r}")

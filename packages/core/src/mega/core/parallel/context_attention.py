@@ -25,8 +25,8 @@ import torch
 
 from mega.core.kernels import CAUSAL, FULL, Kernels
 from mega.core.parallel.collectives import all_gather_into, all_to_all_single, reduce_scatter_into
+from mega.core.parallel.config import CP_COMM_TYPES
 from mega.core.parallel.context_parallel import (
-    COMM_TYPES,
     ContextParallelError,
     held_chunks,
     to_rank_order,
@@ -48,7 +48,7 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
                                         softmax_scale)
     if comm_type == "a2a":
         return ulysses_attention(query, key, value, group, kernels, causal=causal, softmax_scale=softmax_scale)
-    raise ContextParallelError(f"--cp-comm-type {comm_type!r} is not one of {', '.join(COMM_TYPES)}")
+    raise ContextParallelError(f"--cp-comm-type {comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,8 +21,6 @@ import torch
 from mega.core.parallel.collectives import all_reduce
 from mega.core.parallel.groups import Group
 
-COMM_TYPES = ("p2p", "all_gather", "a2a")
-
 
 class ContextParallelError(ValueError):
     """A run that context parallelism cannot split (the message names the flags)."""
