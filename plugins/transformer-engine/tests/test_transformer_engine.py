@@ -178,14 +178,10 @@ def test_attention_masks_and_gqa_match_torch(standin):
 
 
 # -- FP8: the recipe from the flags, fp8_autocast around every forward ---------------------------
-@pytest.mark.parametrize(("flags", "fmt", "history", "algo", "margin"), [
-    (["--fp8-format", "e4m3", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max",
-      "--fp8-margin", "1"], "E4M3", 16, "max", 1),
-    (["--fp8-hybrid"], "HYBRID", 1, "most_recent", 0),
-])
-def test_fp8_autocast_wraps_every_forward_with_the_flags_recipe(standin, flags, fmt, history, algo, margin):
-    from mega.core.build import build_stage  # noqa: F401  (import before timing-sensitive work)
-
+def test_fp8_autocast_wraps_every_forward_with_the_flags_recipe(standin):
+    flags = ["--fp8-format", "e4m3", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max",
+             "--fp8-margin", "1"]
+    fmt, history, algo, margin = "E4M3", 16, "max", 1
     standin.events.clear()
     losses = train(TINY + FAMILIES["gpt"] + WITH_TE + ["--train-iters", "2"] + flags)
     assert len(losses) == 2
@@ -206,8 +202,12 @@ def test_fp8_runs_linear_layers_under_autocast_and_keeps_their_state(standin, tm
     from mega.core.plugins import get_plugins
     from mega.core.training.command import parse_run
 
-    argv = TINY + FAMILIES["llama"] + WITH_TE + ["--train-iters", "2", "--fp8-format", "hybrid"]
+    argv = TINY + FAMILIES["llama"] + WITH_TE + ["--train-iters", "2", "--fp8-hybrid"]  # Megatron's older flag
+    standin.events.clear()
     train(argv + ["--save", str(tmp_path)])
+    recipe = standin.events[0][1]
+    assert (recipe.fp8_format.name, recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin) == (
+        "HYBRID", 1, "most_recent", 0)  # Megatron's defaults
     run, family = parse_run(argv)
     model = build_stage(family, run.model, kernels=Kernels(select_backends(STANDIN), get_plugins()), init=False)
     load_model_weights(tmp_path, [model])
