@@ -280,3 +280,31 @@ def test_real_te_fp8_trains_close_to_bf16():
     argv = GPU_RUN + FAMILIES["llama"] + ["--kernels", "transformer-engine"]
     fp8 = train(argv + ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"])
     assert fp8 == pytest.approx(train(argv), rel=5e-2)
+
+
+def test_to_tensor_parallel_keeps_this_ranks_shard_of_a_built_layer(standin):
+    """A layer built on a real device (not build_stage's meta) hands its shard to the TE layer
+    that replaces it, marked as mega's own parallel layers mark theirs."""
+    import torch
+    from mega_transformer_engine.layers import linear_factory, norm_linear_factory
+
+    from mega.core.parallel.groups import Group
+    from mega.core.parallel.plan import Colwise, Rowwise
+
+    te = sys.modules["transformer_engine.pytorch"]
+    group = Group("tp", (0, 1), 1, None)  # rank 1 of 2; no communication happens here
+    fc1 = norm_linear_factory(te)("RMSNorm", 4, 8, True, 1e-5)
+    torch.nn.init.normal_(fc1.weight)
+    torch.nn.init.normal_(fc1.layer_norm_weight)
+    column = fc1.to_tensor_parallel(Colwise(chunks=2), group, sequence_parallel=True)
+    assert (column.parallel_mode, column.tp_size, column.sequence_parallel) == ("column", 2, True)
+    gate, up = fc1.weight.chunk(2)
+    torch.testing.assert_close(column.weight, torch.cat([gate[2:], up[2:]]))  # rank 1's half of each block
+    assert (column.weight.partition_dim, column.weight.partition_chunks, column.bias.partition_dim) == (0, 2, 0)
+    torch.testing.assert_close(column.layer_norm_weight, fc1.layer_norm_weight)
+
+    proj = linear_factory(te)(8, 4, True)
+    torch.nn.init.normal_(proj.weight)
+    row = proj.to_tensor_parallel(Rowwise(), group, sequence_parallel=False)
+    torch.testing.assert_close(row.weight, proj.weight[:, 4:])
+    assert row.weight.partition_dim == 1 and not getattr(row.bias, "tensor_model_parallel", False)
