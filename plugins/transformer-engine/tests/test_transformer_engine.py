@@ -243,14 +243,16 @@ def train_with_standin(argvs):
 
 
 def test_te_tensor_and_sequence_parallel_match_one_process(worlds, standin):
-    argvs = [TINY + FAMILIES[family] + ["--train-iters", "3", "--global-batch-size", "4"] for family in FAMILIES]
-    reference = [train(argv) for argv in argvs]
-    runs = [argv + WITH_TE + layout for argv in argvs for layout in LAYOUTS.values()]
+    # GPT at tp2 with and without sequence parallelism; LLaMA (GQA groups and SwiGLU's two blocks
+    # split per rank) with it.
+    argvs = {family: TINY + FAMILIES[family] + ["--train-iters", "3"] for family in FAMILIES}
+    reference = {family: train(argv) for family, argv in argvs.items()}
+    cases = [("gpt", "tp2"), ("gpt", "tp2-sp"), ("llama", "tp2-sp")]
+    runs = [argvs[family] + WITH_TE + LAYOUTS[layout] for family, layout in cases]
     results = worlds.run(2, train_with_standin, runs)
     for rank_losses in results:
-        for index, losses in enumerate(rank_losses):
-            want = reference[index // len(LAYOUTS)]
-            assert losses == pytest.approx(want, rel=1e-5), runs[index]
+        for (family, layout), losses in zip(cases, rank_losses, strict=True):
+            assert losses == pytest.approx(reference[family], rel=1e-5), (family, layout)
 
 
 # -- the real Transformer Engine on a GPU (skipped here: no GPU, no TE) --------------------------
