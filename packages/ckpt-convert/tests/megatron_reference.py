@@ -50,6 +50,14 @@ def _stop_writer_helper() -> None:
     filesystem_async._results_queue = None
 
 
+def leave() -> None:
+    """Before the world closes: the rank is daemonic again, so it exits without waiting for children."""
+    import multiprocessing
+
+    _stop_writer_helper()
+    multiprocessing.current_process()._config["daemon"] = True
+
+
 def padded_vocab(tp: int) -> int:
     return math.ceil(VOCAB / (128 * tp)) * 128 * tp
 

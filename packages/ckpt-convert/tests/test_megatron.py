@@ -33,6 +33,7 @@ FAMILIES = ("llama", "gpt")  # llama: GQA, SwiGLU, RMSNorm, untied; gpt: biases,
 def world():
     with DistributedWorld(2, timeout_s=600) as started:
         yield started
+        started.run(ref.leave)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 from mega.ckpt_convert.errors import ConversionError
 from mega.ckpt_convert.formats import WriteOptions
 from mega.ckpt_convert.megatron_directory import LEGACY, TORCH_DIST, checkpoint, find
-from mega.ckpt_convert.megatron_source import MegatronSource, _family
+from mega.ckpt_convert.megatron_source import MegatronSource, family_by_name
 from mega.ckpt_convert.source import ModelSource, format_names
 
 MEGATRON_FORMATS = (LEGACY, TORCH_DIST)
@@ -43,7 +43,7 @@ class MegatronFormat:
         kind, tp, pp = options.megatron_format, options.tensor_parallel_size, options.pipeline_parallel_size
         if kind not in MEGATRON_FORMATS:
             raise ConversionError(f"--megatron-format {kind!r}: choose {' or '.join(MEGATRON_FORMATS)}")
-        family, config = _family(source.family), source.config
+        family, config = family_by_name(source.family), source.config
         stage_layers(config.num_layers, pp)  # the layers split evenly over the stages
         layouts = model_layouts(family, config, tp)
         if set(source.names()) != set(layouts):

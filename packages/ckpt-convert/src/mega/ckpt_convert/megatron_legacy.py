@@ -54,12 +54,13 @@ class LegacySource(MegatronSource):
     def __init__(self, checkpoint: MegatronCheckpoint, model_family: str | None):
         directory = checkpoint.directory
         files = rank_files(directory)
-        states = {rank_stage: load_megatron_pickle(file) for rank_stage, file in sorted(files.items())}
-        first = states[0, 0]
+        self._files = files
+        first = load_megatron_pickle(files[0, 0])
         where = str(files[0, 0])
         if not isinstance(first, dict) or "model" not in first:
             raise ConversionError(f"{where} holds no 'model' state dict; it is not a Megatron-LM checkpoint file")
         self._setup(directory, first.get("args"), first.get("iteration"), where, model_family)
+        del first
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         found_tp, found_pp = max(r for r, _ in files) + 1, max(s for _, s in files) + 1
         if (found_tp, found_pp) != (tp, pp):
@@ -68,15 +69,13 @@ class LegacySource(MegatronSource):
         names = names_for(self.family)
         stages = _stages(self.args, self.config.num_layers, pp)
         tied = not self.config.untie_embeddings_and_output_weights
-        self._shards: dict[str, dict[int, torch.Tensor]] = {}
+        # mega name -> tp rank -> (pipeline stage, name in the file), and the local shapes
+        self._shards: dict[str, dict[int, tuple[int, str]]] = {}
+        local_shapes: dict[str, tuple[int, ...]] = {}
         self._found = {}
-        for (rank, stage), state in states.items():
-            model = state.get("model") if isinstance(state, dict) else None
-            if not isinstance(model, dict):
-                holds = sorted(state) if isinstance(state, dict) else type(state).__name__
-                raise ConversionError(f"{files[rank, stage]} has no 'model' state dict (it holds {holds}; "
-                                      "interleaved-pipeline model0/model1 files are not supported)")
-            for key, value in flatten(model).items():
+        for (rank, stage), file in sorted(files.items()):
+            # Files are memory-mapped and let go once listed: only their pickles are read here.
+            for key, value in self._model(file).items():
                 if key.endswith("_extra_state"):  # Transformer Engine's FP8 scales: not weights
                     continue
                 if not torch.is_tensor(value):
@@ -85,22 +84,39 @@ class LegacySource(MegatronSource):
                 if tied and pp > 1 and stage == pp - 1 and key in names.tied_copies:
                     continue  # the last stage's copy of the tied embedding
                 name = mega_name(names, key, stages[stage].start)
-                self._shards.setdefault(name, {})[rank] = value
+                self._shards.setdefault(name, {})[rank] = (stage, key)
+                local_shapes.setdefault(name, tuple(value.shape))
                 self._found.setdefault(name, (None, value.dtype, files[rank, stage]))
         for name, shards in self._shards.items():
             layout = self.layouts.get(name)
             if layout is not None and len(shards) != tp:
                 raise ConversionError(f"{directory}: {name} is in {len(shards)} of the {tp} tensor-parallel ranks")
-            local = tuple(shards[min(shards)].shape)
-            shape = list(local)
+            shape = list(local_shapes[name])
             if layout is not None and layout.dim is not None and layout.dim < len(shape):
                 shape[layout.dim] *= tp
             self._found[name] = (tuple(shape), *self._found[name][1:])
         self._check(str(directory))
 
+    @staticmethod
+    def _model(file: Path) -> dict:
+        state = load_megatron_pickle(file)
+        model = state.get("model") if isinstance(state, dict) else None
+        if not isinstance(model, dict):
+            holds = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ConversionError(f"{file} has no 'model' state dict (it holds {holds}; interleaved-pipeline "
+                                  "model0/model1 files are not supported)")
+        return flatten(model)
+
     def get(self, name: str) -> torch.Tensor:
+        """The merged tensor, read from each rank's file mapped just for it: keeping every file
+        mapped would leave each tensor's pages resident, the model's size in all."""
         shards = self._shards[name]
-        return self.layouts[name].merge([shards[rank] for rank in range(len(shards))])
+        local = []
+        for rank in range(len(shards)):
+            stage, key = shards[rank]
+            local.append(self._model(self._files[rank, stage])[key])
+        merged = self.layouts[name].merge(local)
+        return merged.clone() if merged is local[0] else merged
 
 
 def _extra_state_keys(names: MegatronNames, layers: int, last_stage: bool) -> list[str]:

@@ -26,7 +26,7 @@ from mega.ckpt_convert.megatron_layout import TensorLayout, model_layouts
 from mega.ckpt_convert.source import ClosingSource, format_names
 
 
-def _family(name: str):
+def family_by_name(name: str):
     from mega.core.plugins import PluginError, get_plugins
 
     try:
@@ -47,7 +47,7 @@ class MegatronSource(ClosingSource):
         self.directory, self.args, self.iteration = directory, args, iteration
         settings = model_settings(args, where)
         name = model_family or family_of(settings)
-        family = _family(name)
+        family = family_by_name(name)
         self.family = family.name
         try:
             self.config = family.config_class(**settings)
