@@ -119,6 +119,9 @@ def serve_embeddings(args: argparse.Namespace) -> int:
 
     from mega.inference.embeddings_api import create_embeddings_app
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("mega serve: error: an encoder's embeddings are served by one process; start it "
+                         "without torchrun")
     embedder, loaded = load_embedder(args, "serve", args.max_batch_size)
     uvicorn.run(create_embeddings_app(embedder, loaded.name, api_key=args.api_key), host=args.host,
                 port=args.port, log_level=args.log_level)
