@@ -108,7 +108,7 @@ def test_tensor_parallel_size_is_for_mega_outputs_only(hf_dirs, capsys, tmp_path
         main(["--to", "hf", "--input", str(hf_dirs["gpt2-tied"]), "--output", str(tmp_path / "out"),
               "--target-tensor-parallel-size", "2"])
     assert exit_info.value.code == 2
-    assert "applies to mega outputs only" in capsys.readouterr().err
+    assert "applies to mega and megatron outputs only" in capsys.readouterr().err
 
 
 def test_mega_checkpoints_damaged_or_not_expressible_in_transformers(hf_dirs, capsys, tmp_path):

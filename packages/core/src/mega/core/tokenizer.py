@@ -20,6 +20,7 @@ class TokenizerOptions:
     merge_file: str | None = None
     tokenizer_model: str | None = None
     vocab_size: int | None = None
+    vocab_extra_ids: int = 0  # T5's sentinel tokens appended to a WordPiece vocabulary
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class _MaskedDataset(abc.ABC):
         self.masking_config = MaskingConfig(probability=config.masking_probability, **self.masking)
         max_length = config.sequence_length - self.reserved
         min_sentences = self.min_sentences
-        description = json.dumps({
+        self.description = description = json.dumps({
             "class": self.kind, "path": path, "files": files_fingerprint(path), "split": split,
             "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
             "num_samples": num_samples, "random_seed": config.random_seed, "max_length": max_length,

@@ -1,7 +1,7 @@
 """Synthetic sentence-split documents and a matching WordPiece-like vocabulary, for BERT and T5
 runs without a dataset (``--mock-data``), the way ``mock_dataset`` serves GPT.
 
-4,000 documents of 1-8 sentences of 1-40 tokens, lengths drawn by ``numpy.random.default_rng(0)``;
+1,000 documents of 1-8 sentences of 1-40 tokens, lengths drawn by ``numpy.random.default_rng(0)``;
 the tokens run through the ordinary ids in order. The vocabulary of ``vocab_size`` ids: 0 pad,
 1 cls, 2 sep, 3 mask, 4 bos, 5 eos, the top ``sentinels`` ids T5's sentinels, the rest ordinary,
 every fourth of them a ``##`` continuation piece (so whole-word masking has words to keep whole).
@@ -32,7 +32,7 @@ def mock_vocabulary(vocab_size: int) -> MaskedVocabulary:
 class MockSentenceSource:
     """An in-memory stand-in for a sentence-split :class:`IndexedDataset`."""
 
-    documents = 4000
+    documents = 1000
 
     def __init__(self, vocabulary: MaskedVocabulary):
         rng = np.random.default_rng(0)

@@ -12,6 +12,7 @@ import torch
 from mega.core.checkpoint import CheckpointError
 from mega.core.launch import init_distributed
 from mega.core.parallel import Group, ParallelConfig, ParallelGroups
+from mega.inference.encoder_decoder import EncoderDecoderEngine, is_encoder_decoder
 from mega.inference.engine import GenerationEngine
 from mega.inference.loader import LoadedModel, LoadError, load_from_args
 from mega.inference.tp_serving import follow, lead
@@ -35,8 +36,10 @@ def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup | None:
         loaded = load_from_args(args, groups)
     except (LoadError, CheckpointError) as error:
         raise SystemExit(f"mega {command}: error: {error}") from None
-    engine = GenerationEngine(loaded.model, vocab_size=loaded.config.vocab_size,
-                              max_positions=loaded.max_positions, tokenizer=loaded.tokenizer, tp_group=groups.tp)
+    # The one place the model kind picks the engine: encoder-decoder models (T5) have their own.
+    engine_class = EncoderDecoderEngine if is_encoder_decoder(loaded.model) else GenerationEngine
+    engine = engine_class(loaded.model, vocab_size=loaded.config.vocab_size,
+                          max_positions=loaded.max_positions, tokenizer=loaded.tokenizer, tp_group=groups.tp)
     if not engine.is_leader:
         follow(engine, groups.tp)
         return None

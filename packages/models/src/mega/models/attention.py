@@ -37,6 +37,7 @@ class CoreAttention(nn.Module):
     def __init__(self, config: TransformerConfig, kernels: Kernels):
         super().__init__()
         self.kernels = kernels
+        kernels.get("attention")  # resolve the backend now: a compiled forward must not trace the plugin lookup
         self.dropout_p = config.attention_dropout
         self.softmax_scale = config.attention_softmax_scale
         self.dropout_rng_tracker = None
@@ -65,6 +66,8 @@ class SelfAttention(nn.Module):
         self.core_attention = CoreAttention(config, kernels)
         self.linear_proj = kernels.linear(config.query_projection_size, config.hidden_size,
                                           bias=config.add_bias_linear)
+        if config.position_embedding_type == "rope":
+            kernels.get("rotary")  # resolved now, as the attention kernel is
         self.recompute_core = False
         self.rng_tracker = None
 
@@ -83,8 +86,10 @@ class SelfAttention(nn.Module):
             cos, sin = rotary_cos_sin(self.config, seq, position_ids, qkv.device)
             query, key = self.kernels.rotary(query, cos, sin), self.kernels.rotary(key, cos, sin)
         if inference_cache is not None:
-            key, value, causal = inference_cache.append(key, value)
-            context = self.core_attention(query, key, value, AttentionMask(causal=causal))
+            key, value, mask = inference_cache.append(key, value)
+            # A cache says causal or not, or (a paged cache, sequences of several lengths) the whole mask.
+            mask = mask if isinstance(mask, AttentionMask) else AttentionMask(causal=mask)
+            context = self.core_attention(query, key, value, mask)
         elif self.recompute_core and is_recomputing_allowed(self):
             context = recomputed(self.core_attention, query, key, value, mask, rng_tracker=self.rng_tracker)
         else:

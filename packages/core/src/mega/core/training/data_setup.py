@@ -17,7 +17,7 @@ def tokenizer_spec(run: RunConfig) -> TokenizerSpec | None:
         return None
     return TokenizerSpec(data.tokenizer_type, TokenizerOptions(
         vocab_file=data.vocab_file, merge_file=data.merge_file, tokenizer_model=data.tokenizer_model,
-        vocab_size=run.model.vocab_size,
+        vocab_size=run.model.vocab_size, vocab_extra_ids=data.vocab_extra_ids,
     ))
 
 

@@ -49,13 +49,13 @@ def make_llama2(options: TokenizerOptions, **settings) -> BaseTokenizer:
 def make_bert_lower_case(options: TokenizerOptions, **settings) -> BaseTokenizer:
     from mega.data.tokenizers.bert_wordpiece import BertWordPieceLowerCase
 
-    return BertWordPieceLowerCase(options.vocab_file)
+    return BertWordPieceLowerCase(options.vocab_file, options.vocab_extra_ids)
 
 
 def make_bert_case(options: TokenizerOptions, **settings) -> BaseTokenizer:
     from mega.data.tokenizers.bert_wordpiece import BertWordPieceCase
 
-    return BertWordPieceCase(options.vocab_file)
+    return BertWordPieceCase(options.vocab_file, options.vocab_extra_ids)
 
 
 def make_tiktoken(options: TokenizerOptions, pattern: str = "v2", num_special_tokens: int = 1000, **settings) -> BaseTokenizer:

@@ -1,0 +1,209 @@
+"""``T5Model``: the part of an encoder-decoder T5 that one pipeline stage holds.
+
+Parameter names are Megatron-Core's T5 names (local spec):
+
+    embedding.word_embeddings.weight                  (shared by encoder and decoder inputs)
+    encoder_relative_pos_emb.relative_attention_bias.weight   decoder_relative_pos_emb....
+    encoder.layers.N.{input_layernorm, self_attention.linear_qkv, self_attention.linear_proj,
+                      pre_mlp_layernorm, mlp.linear_fc1, mlp.linear_fc2}.weight
+    decoder.layers.N.{... as the encoder ..., pre_cross_attn_layernorm,
+                      cross_attention.linear_q, cross_attention.linear_kv, cross_attention.linear_proj}.weight
+    encoder.final_layernorm.weight   decoder.final_layernorm.weight
+    lm_head.output_layer.weight      (untied only; tied, the word embedding, scaled by d_model**-0.5)
+
+A stage holds ``stage.layers["encoder"]`` and ``stage.layers["decoder"]`` (either may be empty),
+visited in that order. What crosses to the next stage (:mod:`mega.models.t5.stages`): while the
+encoder runs, its hidden state, its relative-position bias and the embedded decoder inputs (the
+first stage embeds both, so one word embedding serves both stacks without a third tied copy);
+once it has run, the encoder's output (carried to every decoder stage, each of whose layers
+cross-attends to it) and the decoder's hidden state and bias.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from mega.core.kernels import AttentionMask, Kernels
+from mega.core.model_family import Stage
+from mega.core.parallel import ParallelConfig
+from mega.core.parallel.param_attrs import mark_padded_vocab
+from mega.core.pipeline.tied import tie_across_stages
+from mega.models.config import ModelConfigError
+from mega.models.embedding import Embedding
+from mega.models.kv_cache import KVCache, LayerKVCache
+from mega.models.norms import build_norm
+from mega.models.t5.config import T5Config
+from mega.models.t5.layers import DecoderLayer, EncoderLayer
+from mega.models.t5.relative_position import RelativePositionBias
+
+OUTPUT_WEIGHT = "lm_head.output_layer.weight"
+WORD_EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
+
+
+class LMHead(nn.Module):
+    """The output layer; tied to the word embedding, its input is scaled by ``d_model**-0.5`` first
+    (T5's rescaling before a tied projection)."""
+
+    def __init__(self, config: T5Config, kernels: Kernels, vocab: int):
+        super().__init__()
+        self.output_layer = kernels.linear(config.hidden_size, vocab, bias=False)
+        mark_padded_vocab(self.output_layer.weight)
+        self.scale = None if config.untie_embeddings_and_output_weights else config.hidden_size ** -0.5
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output_layer(hidden * self.scale if self.scale is not None else hidden)
+
+
+class Stack(nn.Module):
+    """The layers ``layer_numbers`` of one stack (global numbers in the names), and its final norm
+    when the last layer is among them."""
+
+    def __init__(self, config: T5Config, layer_class, layer_numbers: range, num_layers: int, kernels: Kernels):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(n): layer_class(config, kernels) for n in layer_numbers})
+        self.final_layernorm = build_norm(config, kernels) if layer_numbers.stop == num_layers else None
+        self.final_dropout = nn.Dropout(config.hidden_dropout)
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.final_dropout(self.final_layernorm(hidden)) if self.final_layernorm is not None else hidden
+
+
+def _check_layers(layers: range, num_layers: int, stack: str) -> None:
+    if layers.step != 1 or layers.start < 0 or layers.stop > num_layers:
+        raise ModelConfigError(f"{stack} layers {layers} are not consecutive layers of a {num_layers}-layer stack")
+
+
+class T5Model(nn.Module):
+    def __init__(self, config: T5Config, stage: Stage, kernels: Kernels, parallel: ParallelConfig):
+        super().__init__()
+        config.validate(parallel.tp)
+        self.config, self.stage, self.kernels = config, stage, kernels
+        self.encoder_layers = stage.layers.get("encoder", range(0))
+        self.decoder_layers = stage.layers.get("decoder", range(0))
+        _check_layers(self.encoder_layers, config.num_layers, "encoder")
+        _check_layers(self.decoder_layers, config.decoder_num_layers, "decoder")
+        self.pre_process, self.post_process = stage.is_first, stage.is_last
+        self.tied = not config.untie_embeddings_and_output_weights
+        vocab = config.padded_vocab_size(parallel.tp)
+        if self.pre_process:
+            self.embedding = Embedding(config, vocab)
+        elif self.post_process and self.tied:  # the last stage's copy, used only by the output layer
+            self.embedding = Embedding(config, vocab, words_only=True)
+        if self.tied and (self.pre_process or self.post_process):
+            tie_across_stages(self.embedding.word_embeddings.weight)
+
+        buckets = config.relative_attention_num_buckets, config.relative_attention_max_distance
+        heads = config.num_attention_heads
+        if 0 in self.encoder_layers:
+            self.encoder_relative_pos_emb = RelativePositionBias(*buckets, heads, bidirectional=True)
+        if self.encoder_layers:
+            self.encoder = Stack(config, EncoderLayer, self.encoder_layers, config.num_layers, kernels)
+        if 0 in self.decoder_layers:
+            self.decoder_relative_pos_emb = RelativePositionBias(*buckets, heads, bidirectional=False)
+        if self.decoder_layers:
+            self.decoder = Stack(config, DecoderLayer, self.decoder_layers, config.decoder_num_layers, kernels)
+        if self.post_process:
+            self.lm_head = LMHead(config, kernels, vocab)
+            if self.tied:
+                self.lm_head.output_layer.weight = self.embedding.word_embeddings.weight
+                self.register_state_dict_post_hook(_drop_tied_output_weight)
+                self.register_load_state_dict_pre_hook(_fill_tied_output_weight)
+
+    # -- training (the pipeline's dict interface) ------------------------------------------------
+    def forward(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The micro-batch (``text_enc``, ``text_dec``, ``enc_mask``, ``dec_mask``) and what crossed
+        in -> what crosses out, or ``{"logits": [decoder seq, b, vocab (shard)]}`` on the last stage."""
+        state = dict(inputs)
+        if self.pre_process:
+            state["encoder_hidden"] = self.embedding(inputs["text_enc"])
+            state["decoder_hidden"] = self.embedding(inputs["text_dec"])
+        encoder_padding = inputs["enc_mask"]
+        if self.encoder_layers:
+            if "encoder_bias" not in state:
+                seq = encoder_padding.shape[1]
+                state["encoder_bias"] = self.encoder_relative_pos_emb(seq, seq)
+            mask = AttentionMask(padding=encoder_padding, bias=state["encoder_bias"])
+            hidden = state["encoder_hidden"]
+            for layer in self.encoder.layers.values():
+                hidden = layer(hidden, mask)
+            state["encoder_hidden"] = hidden
+            if self.encoder.final_layernorm is not None:
+                state["encoder_output"] = self.encoder.finish(state.pop("encoder_hidden"))
+                state.pop("encoder_bias")
+        if self.decoder_layers:
+            decoder_padding = inputs["dec_mask"]
+            if "decoder_bias" not in state:
+                seq = decoder_padding.shape[1]
+                state["decoder_bias"] = self.decoder_relative_pos_emb(seq, seq)
+            self_mask = AttentionMask(causal=True, padding=decoder_padding, bias=state["decoder_bias"])
+            cross_mask = AttentionMask(padding=encoder_padding)
+            hidden, encoder_output = state["decoder_hidden"], state["encoder_output"]
+            for layer in self.decoder.layers.values():
+                hidden = layer(hidden, encoder_output, self_mask, cross_mask)
+            state["decoder_hidden"] = hidden
+        if self.post_process:
+            return {"logits": self.lm_head(self.decoder.finish(state["decoder_hidden"]))}
+        return {name: state[name] for name in BOUNDARY_NAMES if name in state}
+
+    # -- generation ------------------------------------------------------------------------------
+    def encode(self, tokens: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        """Encoder output ``[s, b, h]`` of ``tokens`` ``[b, s]`` (``padding`` True at real tokens)."""
+        seq = tokens.shape[1]
+        mask = AttentionMask(padding=padding, bias=self.encoder_relative_pos_emb(seq, seq))
+        hidden = self.embedding(tokens)
+        for layer in self.encoder.layers.values():
+            hidden = layer(hidden, mask)
+        return self.encoder.finish(hidden)
+
+    def decode(self, tokens: torch.Tensor, encoder_output: torch.Tensor, encoder_padding: torch.Tensor,
+               cache: DecoderCache, logits_to_keep: int | None = None) -> torch.Tensor:
+        """Logits ``[s (or logits_to_keep), b, vocab (shard)]`` of decoder ``tokens`` ``[b, s]``
+        continuing the ``cache``d positions."""
+        seq, start = tokens.shape[1], cache.length
+        bias = self.decoder_relative_pos_emb(seq, start + seq, query_offset=start)
+        self_mask = AttentionMask(causal=True, bias=bias)
+        cross_mask = AttentionMask(padding=encoder_padding)
+        hidden = self.embedding(tokens)
+        for number, layer in self.decoder.layers.items():
+            hidden = layer(hidden, encoder_output, self_mask, cross_mask, cache.layer(int(number)))
+        hidden = self.decoder.finish(hidden)
+        return self.lm_head(hidden[-logits_to_keep:] if logits_to_keep else hidden)
+
+
+BOUNDARY_NAMES = ("encoder_hidden", "encoder_bias", "encoder_output", "decoder_hidden", "decoder_bias")
+
+
+class DecoderLayerCache(LayerKVCache):
+    """A decoder layer's self-attention keys and values, and its cross-attention's keys and values
+    of the encoder output (``cross``, computed on the first step)."""
+
+    def __init__(self, max_length: int):
+        super().__init__(max_length)
+        self.cross: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def keep(self, rows: torch.Tensor) -> None:
+        super().keep(rows)
+        if self.cross is not None:
+            # The cross keys/values are [s, b, heads, d]: the batch is dimension 1.
+            self.cross = tuple(t[:, rows] for t in self.cross)
+
+
+class DecoderCache(KVCache):
+    def layer(self, number: int) -> DecoderLayerCache:
+        cache = self._layers.get(number)
+        if cache is None:
+            cache = self._layers[number] = DecoderLayerCache(self.max_length)
+        return cache
+
+
+def _drop_tied_output_weight(module, state_dict, prefix, local_metadata):
+    state_dict.pop(prefix + OUTPUT_WEIGHT, None)
+
+
+def _fill_tied_output_weight(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                             unexpected_keys, error_msgs):
+    if prefix + WORD_EMBEDDING_WEIGHT in state_dict:
+        state_dict.setdefault(prefix + OUTPUT_WEIGHT, state_dict[prefix + WORD_EMBEDDING_WEIGHT])
