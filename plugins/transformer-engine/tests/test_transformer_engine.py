@@ -178,14 +178,10 @@ def test_attention_masks_and_gqa_match_torch(standin):
 
 
 # -- FP8: the recipe from the flags, fp8_autocast around every forward ---------------------------
-@pytest.mark.parametrize(("flags", "fmt", "history", "algo", "margin"), [
-    (["--fp8-format", "e4m3", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max",
-      "--fp8-margin", "1"], "E4M3", 16, "max", 1),
-    (["--fp8-hybrid"], "HYBRID", 1, "most_recent", 0),
-])
-def test_fp8_autocast_wraps_every_forward_with_the_flags_recipe(standin, flags, fmt, history, algo, margin):
-    from mega.core.build import build_stage  # noqa: F401  (import before timing-sensitive work)
-
+def test_fp8_autocast_wraps_every_forward_with_the_flags_recipe(standin):
+    flags = ["--fp8-format", "e4m3", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max",
+             "--fp8-margin", "1"]
+    fmt, history, algo, margin = "E4M3", 16, "max", 1
     standin.events.clear()
     losses = train(TINY + FAMILIES["gpt"] + WITH_TE + ["--train-iters", "2"] + flags)
     assert len(losses) == 2
@@ -206,8 +202,12 @@ def test_fp8_runs_linear_layers_under_autocast_and_keeps_their_state(standin, tm
     from mega.core.plugins import get_plugins
     from mega.core.training.command import parse_run
 
-    argv = TINY + FAMILIES["llama"] + WITH_TE + ["--train-iters", "2", "--fp8-format", "hybrid"]
+    argv = TINY + FAMILIES["llama"] + WITH_TE + ["--train-iters", "2", "--fp8-hybrid"]  # Megatron's older flag
+    standin.events.clear()
     train(argv + ["--save", str(tmp_path)])
+    recipe = standin.events[0][1]
+    assert (recipe.fp8_format.name, recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin) == (
+        "HYBRID", 1, "most_recent", 0)  # Megatron's defaults
     run, family = parse_run(argv)
     model = build_stage(family, run.model, kernels=Kernels(select_backends(STANDIN), get_plugins()), init=False)
     load_model_weights(tmp_path, [model])
@@ -243,14 +243,16 @@ def train_with_standin(argvs):
 
 
 def test_te_tensor_and_sequence_parallel_match_one_process(worlds, standin):
-    argvs = [TINY + FAMILIES[family] + ["--train-iters", "3", "--global-batch-size", "4"] for family in FAMILIES]
-    reference = [train(argv) for argv in argvs]
-    runs = [argv + WITH_TE + layout for argv in argvs for layout in LAYOUTS.values()]
+    # GPT at tp2 with and without sequence parallelism; LLaMA (GQA groups and SwiGLU's two blocks
+    # split per rank) with it.
+    argvs = {family: TINY + FAMILIES[family] + ["--train-iters", "3"] for family in FAMILIES}
+    reference = {family: train(argv) for family, argv in argvs.items()}
+    cases = [("gpt", "tp2"), ("gpt", "tp2-sp"), ("llama", "tp2-sp")]
+    runs = [argvs[family] + WITH_TE + LAYOUTS[layout] for family, layout in cases]
     results = worlds.run(2, train_with_standin, runs)
     for rank_losses in results:
-        for index, losses in enumerate(rank_losses):
-            want = reference[index // len(LAYOUTS)]
-            assert losses == pytest.approx(want, rel=1e-5), runs[index]
+        for (family, layout), losses in zip(cases, rank_losses, strict=True):
+            assert losses == pytest.approx(reference[family], rel=1e-5), (family, layout)
 
 
 # -- the real Transformer Engine on a GPU (skipped here: no GPU, no TE) --------------------------
@@ -280,3 +282,31 @@ def test_real_te_fp8_trains_close_to_bf16():
     argv = GPU_RUN + FAMILIES["llama"] + ["--kernels", "transformer-engine"]
     fp8 = train(argv + ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"])
     assert fp8 == pytest.approx(train(argv), rel=5e-2)
+
+
+def test_to_tensor_parallel_keeps_this_ranks_shard_of_a_built_layer(standin):
+    """A layer built on a real device (not build_stage's meta) hands its shard to the TE layer
+    that replaces it, marked as mega's own parallel layers mark theirs."""
+    import torch
+    from mega_transformer_engine.layers import linear_factory, norm_linear_factory
+
+    from mega.core.parallel.groups import Group
+    from mega.core.parallel.plan import Colwise, Rowwise
+
+    te = sys.modules["transformer_engine.pytorch"]
+    group = Group("tp", (0, 1), 1, None)  # rank 1 of 2; no communication happens here
+    fc1 = norm_linear_factory(te)("RMSNorm", 4, 8, True, 1e-5)
+    torch.nn.init.normal_(fc1.weight)
+    torch.nn.init.normal_(fc1.layer_norm_weight)
+    column = fc1.to_tensor_parallel(Colwise(chunks=2), group, sequence_parallel=True)
+    assert (column.parallel_mode, column.tp_size, column.sequence_parallel) == ("column", 2, True)
+    gate, up = fc1.weight.chunk(2)
+    torch.testing.assert_close(column.weight, torch.cat([gate[2:], up[2:]]))  # rank 1's half of each block
+    assert (column.weight.partition_dim, column.weight.partition_chunks, column.bias.partition_dim) == (0, 2, 0)
+    torch.testing.assert_close(column.layer_norm_weight, fc1.layer_norm_weight)
+
+    proj = linear_factory(te)(8, 4, True)
+    torch.nn.init.normal_(proj.weight)
+    row = proj.to_tensor_parallel(Rowwise(), group, sequence_parallel=False)
+    torch.testing.assert_close(row.weight, proj.weight[:, 4:])
+    assert row.weight.partition_dim == 1 and not getattr(row.bias, "tensor_model_parallel", False)
