@@ -22,6 +22,7 @@ from mega.inference.load_arguments import add_load_arguments
 
 # The capability a model family declares (ModelFamily.features) when its models give embeddings.
 EMBEDDINGS_FEATURE = "embeddings"
+DEFAULT_BATCH_SIZE = 32  # inputs per forward pass
 
 
 def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--input", required=True, metavar="FILE",
                        help='JSON lines: a string, a list of token ids, or {"text": ...} / {"ids": [...]}')
     group.add_argument("--output", metavar="FILE", help="where to write the embeddings (default: stdout)")
-    group.add_argument("--batch-size", type=int, default=32, help="inputs per forward pass (default 32)")
+    group.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                       help=f"inputs per forward pass (default {DEFAULT_BATCH_SIZE})")
     return parser
 
 
@@ -119,7 +121,10 @@ def serve_embeddings(args: argparse.Namespace) -> int:
 
     from mega.inference.embeddings_api import create_embeddings_app
 
-    embedder, loaded = load_embedder(args, "serve", args.max_batch_size)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("mega serve: error: an encoder's embeddings are served by one process; start it "
+                         "without torchrun")
+    embedder, loaded = load_embedder(args, "serve", args.max_batch_size or DEFAULT_BATCH_SIZE)
     uvicorn.run(create_embeddings_app(embedder, loaded.name, api_key=args.api_key), host=args.host,
                 port=args.port, log_level=args.log_level)
     return 0
