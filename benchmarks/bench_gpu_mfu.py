@@ -6,6 +6,7 @@ device; on a machine without one it says so and exits without a figure.
 
     python benchmarks/bench_gpu_mfu.py                      # gpt 1.3b preset, micro-batch 4
     python benchmarks/bench_gpu_mfu.py --micro-batch-size 8 --recompute selective --json
+    python benchmarks/bench_gpu_mfu.py --json --kernels liger          # any further mega train flags
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    # Flags this script does not know go to `mega train` as they are (--kernels, --model-family...).
+    args, train_flags = parser.parse_known_args()
     if not torch.cuda.is_available():
         print("bench_gpu_mfu: no CUDA device here; this benchmark needs a GPU (nothing measured)")
         return 0
@@ -57,6 +59,7 @@ def main() -> int:
         argv += ["--recompute-granularity", args.recompute]
         if args.recompute == "full":
             argv += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    argv += train_flags
     plugins = load_plugins(extra=[("bench", Recorder())])
     run, family = parse_run(argv, plugins)
     state = run_training(run, family, plugins)
@@ -67,6 +70,7 @@ def main() -> int:
     result = {
         "device": torch.cuda.get_device_name(), "preset": args.preset, "seq_length": args.seq_length,
         "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
+        "train_flags": " ".join(train_flags),
         "parameters": family.num_parameters(run.model), "step_s": step,
         "tokens_per_s": args.global_batch_size * args.seq_length / step, "tflops": tflops,
         "peak_tflops": peak, "mfu": tflops / peak if peak else None,

@@ -100,7 +100,9 @@ def test_bert_wordpiece_equals_transformers(plugins, bert_vocab, mixed_corpus, n
     tokenizer = build(plugins, name, vocab_file=bert_vocab)
     assert_interface(tokenizer)
     reference = BertTokenizer(vocab=bert_vocab, do_lower_case=lower_case)
-    assert tokenizer.vocab_size == len(reference) == 30522
+    # Megatron-LM's BERT tokenizer appends [BOS] and [EOS] to the file's 30522 entries.
+    assert len(reference) == 30522 and tokenizer.vocab_size == 30524
+    assert (tokenizer.bos, tokenizer.eos) == (30522, 30523)
     assert (tokenizer.cls, tokenizer.sep, tokenizer.mask, tokenizer.pad) == (
         reference.cls_token_id, reference.sep_token_id, reference.mask_token_id, reference.pad_token_id,
     )

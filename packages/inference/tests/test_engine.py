@@ -135,7 +135,7 @@ def test_stop_tokens_and_callbacks(tiny_pair):
     results = engine.generate(
         [GenerationRequest(PROMPTS[0], 10, stop=StopRules(stop_ids=frozenset({stop_token}))),
          GenerationRequest(PROMPTS[1], 0, logprobs=True)],
-        on_token=lambda i, token, logprob: streamed.append((i, token)),
+        on_token=lambda i, token, logprob, top: streamed.append((i, token)),
         on_finish=lambda i, result: finished.append(i))
     stopped = results[0]
     assert stopped.generated == free.generated[: free.generated.index(stop_token) + 1]
@@ -151,7 +151,7 @@ def test_cancelled_request_ends_and_the_others_go_on(tiny_pair):
     engine = engine_for(model, config)
     requests = [GenerationRequest(PROMPTS[0], 20), GenerationRequest(PROMPTS[1], 20)]
 
-    def cancel_first(i, token, logprob):
+    def cancel_first(i, token, logprob, top):
         if i == 0:
             requests[0].cancelled = True
 

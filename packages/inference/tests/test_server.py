@@ -159,7 +159,17 @@ def test_completions_greedy_echo_logprobs_and_stop(served):
 
 @pytest.mark.parametrize("body, param", [
     ({"max_tokens": 4}, "prompt"),
-    ({"prompt": "5", "n": 2}, "n"),
+    ({"prompt": "5", "n": 0}, "n"),
+    ({"prompt": "5", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "5", "seed": 2**64}, "seed"),
+    ({"prompt": "5", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "5", "logit_bias": {"3": 101}}, "logit_bias"),
+    ({"prompt": "5", "logit_bias": {"300": 1}}, "logit_bias"),
+    ({"prompt": "5", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "5", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "5", "max_tokne": 3}, "max_tokne"),
+    ({"prompt": [5, -1]}, "prompt"),
+    ({"prompt": [[5], []]}, "prompt"),
     ({"prompt": "5", "temperature": -1}, "temperature"),
     ({"prompt": "5", "top_p": 0}, "top_p"),
     ({"prompt": "5", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
@@ -279,3 +289,44 @@ def test_api_key_guards_the_generation_routes(served):
     assert refused.status_code == 401 and "API key" in refused.json()
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
     assert allowed.status_code == 200 and health.status_code == 200
+
+
+def test_chat_without_a_template_is_a_clear_400(served):
+    url, _ = served
+    reply = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "5 6"}]})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "messages" and "chat template" in error["message"]
+
+
+def test_a_failing_engine_is_a_500_error_object_and_the_server_lives_on(served, monkeypatch):
+    url, service = served
+
+    def broken(requests, on_token=None, on_finish=None):
+        raise RuntimeError("the accelerator caught fire")
+
+    monkeypatch.setattr(service.engine, "generate", broken)
+    reply = httpx.post(f"{url}/v1/completions", json={"prompt": "5 6", "max_tokens": 2})
+    assert reply.status_code == 500
+    error = reply.json()["error"]
+    assert error["type"] == "server_error" and "caught fire" in error["message"]
+    monkeypatch.undo()
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "5 6", "max_tokens": 2}).status_code == 200
+
+
+def test_metrics_are_prometheus_text(served):
+    url, _ = served
+    httpx.post(f"{url}/v1/completions", json={"prompt": "5 6", "max_tokens": 2})
+    httpx.get(f"{url}/v1/no-such-route")
+    reply = httpx.get(f"{url}/metrics")
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+    values = {}
+    for line in reply.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values['mega_requests_total{route="/v1/completions",status="200"}'] >= 1
+    assert values['mega_requests_total{route="other",status="404"}'] >= 1
+    assert values["mega_queue_time_seconds_count"] >= 1 and values["mega_batch_occupancy_count"] >= 1
+    assert values['mega_batch_occupancy_bucket{le="+Inf"}'] == values["mega_batch_occupancy_count"]
+    assert values["mega_generated_tokens_total"] >= 2

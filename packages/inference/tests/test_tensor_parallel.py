@@ -42,7 +42,7 @@ def generate(weights, family_name: str, tp: int):
         return None
     batch, counts = requests(), [0] * 4
 
-    def cancel_last(index, token, logprob):
+    def cancel_last(index, token, logprob, top):
         counts[index] += 1
         if index == 3 and counts[index] == 3:
             batch[3].cancelled = True

@@ -59,3 +59,36 @@ def mega_from_hf_weights(hf_config: dict, hf_state: dict, family_name: str, grou
                 weight = shard_of(weight, groups.tp, param.partition_dim, param.partition_chunks)
             param.copy_(weight)
     return model, config
+
+
+BYTE_VOCAB = 257  # 256 byte tokens and <|endoftext|>
+END_OF_TEXT = "<|endoftext|>"
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def hf_byte_level_directory(directory, positions: int = 128):
+    """A Hugging Face directory any client can load: a tiny random GPT-2 and a byte-level BPE
+    tokenizer without merges (each byte one token; ``<|endoftext|>`` 256 its eos, bos and pad),
+    whose ``tokenizer_config.json`` carries a chat template. Returns the transformers model."""
+    import json
+
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([END_OF_TEXT])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": END_OF_TEXT, "bos_token": END_OF_TEXT,
+              "pad_token": END_OF_TEXT, "chat_template": CHAT_TEMPLATE, "model_max_length": positions}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=BYTE_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=positions, initializer_range=0.1,
+        bos_token_id=BYTE_VOCAB - 1, eos_token_id=BYTE_VOCAB - 1)).eval()
+    model.save_pretrained(directory)
+    return model

@@ -1,4 +1,4 @@
-"""``mega convert``: checkpoints between Hugging Face and mega, and mega between layouts."""
+"""``mega convert``: checkpoints between Hugging Face, mega and Megatron-LM, and between layouts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from mega.core.cli.argparser import CommandParser
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
           "fp16": "float16", "float16": "float16"}
-FORMATS = ("hf", "mega")
+FORMATS = ("hf", "mega", "megatron")
+LAYOUT_OUTPUTS = ("mega", "megatron")  # formats whose output has a tp/pp layout
 
 
 def byte_size(text: str) -> int:
@@ -47,26 +48,38 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mega convert",
         description=(
             "Convert a checkpoint between Hugging Face transformers directories (config.json, safetensors, "
-            "tokenizer files) and mega checkpoints, or reshard a mega checkpoint to another tp/pp. "
+            "tokenizer files), mega checkpoints and Megatron-LM save directories (legacy torch.save files or "
+            "torch_dist), or reshard one to another tp/pp. "
             "Weights are converted a layer at a time, so memory stays near the largest tensors, not the "
             "model. The output appears only when complete."
         ),
-        epilog="example: mega convert --from hf --to mega --input ./Llama-3.2-1B --output ./ckpt "
-               "--target-tensor-parallel-size 2",
+        epilog="examples: mega convert --from hf --to mega --input ./Llama-3.2-1B --output ./ckpt "
+               "--target-tensor-parallel-size 2;  mega convert --from megatron --to mega --input ./megatron-save "
+               "--output ./ckpt;  mega convert --from mega --to megatron --megatron-format legacy --input ./ckpt "
+               "--output ./megatron-save --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2",
     )
     parser.add_argument("--from", dest="from_format", choices=FORMATS,
                         help="format of --input (default: recognised from the directory)")
     parser.add_argument("--to", dest="to_format", choices=FORMATS, required=True, help="format of --output")
     parser.add_argument("--input", required=True, metavar="DIR",
-                        help="a Hugging Face model directory, or a mega save directory or checkpoint")
+                        help="a Hugging Face model directory, a mega save directory or checkpoint, or a Megatron-LM "
+                             "save directory (its latest_checkpointed_iteration.txt) or iter_* directory")
     parser.add_argument("--output", required=True, metavar="DIR", help="a new (or empty) directory")
     parser.add_argument("--model-family", metavar="NAME",
                         help="the registered model family (gpt, llama...) when config.json cannot tell it")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1, metavar="TP",
-                        help="mega output: tensor-parallel size the layout records and the vocabulary is "
-                             "padded for (default 1)")
+                        help="mega and megatron outputs: tensor-parallel size the layout records and the "
+                             "vocabulary is padded for (default 1); Megatron legacy files are split into this many "
+                             "ranks")
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1, metavar="PP",
-                        help="mega output: pipeline-parallel size the layout records (default 1)")
+                        help="mega and megatron outputs: pipeline-parallel size the layout records (default 1); "
+                             "Megatron legacy files are split into this many stages")
+    parser.add_argument("--megatron-format", choices=["legacy", "torch_dist"],
+                        help="megatron output: legacy (iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt, one torch.save "
+                             "per rank) or torch_dist (megatron-core dist_checkpointing; default)")
+    parser.add_argument("--target-expert-parallel-size", type=int, default=1, metavar="EP",
+                        help="mega output (MoE families): expert-parallel size the layout records; the "
+                             "experts must split evenly over it (default 1; any ep loads the checkpoint)")
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="cast floating-point weights (default: keep each tensor's dtype)")
     parser.add_argument("--max-shard-size", type=byte_size, default="5GB", metavar="SIZE",
@@ -80,11 +93,14 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     for flag, value in (("--target-tensor-parallel-size", args.target_tensor_parallel_size),
-                        ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size)):
+                        ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size),
+                        ("--target-expert-parallel-size", args.target_expert_parallel_size)):
         if value < 1:
             parser.error(f"{flag} must be at least 1")
-        if value != 1 and args.to_format != "mega":
-            parser.error(f"{flag} applies to mega outputs only (--to mega)")
+        if value != 1 and args.to_format not in LAYOUT_OUTPUTS:
+            parser.error(f"{flag} applies to mega and megatron outputs only (--to mega or --to megatron)")
+    if args.megatron_format is not None and args.to_format != "megatron":
+        parser.error("--megatron-format applies to megatron outputs only (--to megatron)")
 
     import torch
 
@@ -97,8 +113,10 @@ def main(argv: list[str]) -> int:
     options = WriteOptions(
         tensor_parallel_size=args.target_tensor_parallel_size,
         pipeline_parallel_size=args.target_pipeline_parallel_size,
+        expert_parallel_size=args.target_expert_parallel_size,
         max_shard_bytes=args.max_shard_size,
         progress={"auto": None, "always": True, "never": False}[args.progress],
+        megatron_format=args.megatron_format or "torch_dist",
     )
     give_freed_tensors_back()
     start = time.perf_counter()

@@ -38,7 +38,7 @@ def convert(input_path: str | os.PathLike, output_path: str | os.PathLike, *, to
         if dtype is not None:
             source = CastSource(source, dtype)
         staging.mkdir()
-        warnings = target_format.write(source, staging, options)
+        warnings = [*getattr(source, "warnings", []), *target_format.write(source, staging, options)]
         if output_path.exists():  # an empty directory given as the output
             output_path.rmdir()
         os.replace(staging, output_path)

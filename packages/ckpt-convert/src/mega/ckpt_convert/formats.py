@@ -30,10 +30,13 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 class WriteOptions:
     """How to lay the output out; each format reads the fields that concern it."""
 
-    tensor_parallel_size: int = 1  # mega: the layout recorded and the vocabulary padding
-    pipeline_parallel_size: int = 1  # mega
+    tensor_parallel_size: int = 1  # mega, megatron: the layout recorded and the vocabulary padding
+    pipeline_parallel_size: int = 1  # mega, megatron
+    expert_parallel_size: int = 1  # mega: the layout recorded (MoE families check their experts split evenly)
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES  # hf
     progress: bool | None = None  # None: on a terminal only
+    megatron_format: str = "torch_dist"  # megatron: "legacy" (torch.save per rank) or "torch_dist"
+    iteration: int | None = None  # megatron: the iteration recorded (default: the source's, else release)
 
 
 class CheckpointFormat(Protocol):

@@ -19,6 +19,7 @@ from mega.ckpt_convert.hf_tokenizer import read_hf_tokenizer
 from mega.ckpt_convert.hf_weights import HFWeights
 from mega.ckpt_convert.source import ClosingSource, format_names, model_parameters
 from mega.ckpt_convert.tensor_maps import LastConverted, converted_shapes
+from mega.core.build import DEFAULT_SEED, parameter_generator
 from mega.core.model_family import ModelFamily, TensorMap
 
 CONFIG_FILE = "config.json"
@@ -45,7 +46,8 @@ def find_family(config_json: dict, config_path: Path, model_family: str | None, 
 
     def matches(family: ModelFamily) -> bool:
         mapping = family.hf_mapping
-        return mapping.architecture in architectures or (not architectures and model_type == mapping.model_type)
+        read = (mapping.architecture, *mapping.also_reads)
+        return any(name in architectures for name in read) or (not architectures and model_type == mapping.model_type)
 
     if model_family is not None:
         family = plugins.models.get(model_family)
@@ -84,8 +86,11 @@ class HFSource(ClosingSource):
         self._by_name = {name: (tensor_map, i) for tensor_map in self._maps for i, name in enumerate(tensor_map.mega)}
         self._weights = HFWeights(directory)
         self._converted = LastConverted(self._convert)
+        self._family = family
+        self.warnings: list[str] = []  # what the user should know (heads initialised here)
         try:
             self._stored = self._stored_names(mapping.base_model_prefix)
+            self._absent = self._absent_maps(mapping.optional)
             self._shapes = self._check(family, mapping.ignored)
         except BaseException:
             self._weights.close()
@@ -102,7 +107,7 @@ class HFSource(ClosingSource):
     def _check(self, family: ModelFamily, ignored: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
         """Mega name -> shape, after checking the files hold exactly the model config.json describes."""
         config_path = self.directory / CONFIG_FILE
-        wanted = {name for tensor_map in self._maps for name in tensor_map.other}
+        wanted = {name for tensor_map in self._maps if tensor_map not in self._absent for name in tensor_map.other}
         missing = wanted - set(self._stored)
         if missing:
             raise ConversionError(f"{self.directory} lacks {format_names(missing)}, which {config_path} implies "
@@ -119,6 +124,8 @@ class HFSource(ClosingSource):
         shapes = {name: (self.config.vocab_size, *shape[1:]) if padded else shape
                   for name, (shape, padded) in parameters.items()}
         for tensor_map in self._maps:
+            if tensor_map in self._absent:
+                continue
             expected = converted_shapes(tensor_map.from_mega, [shapes[name] for name in tensor_map.mega])
             for name, shape in zip(tensor_map.other, expected, strict=True):
                 stored = self._stored[name]
@@ -138,8 +145,30 @@ class HFSource(ClosingSource):
                                       f"but have different dtypes ({', '.join(map(str, dtypes))})")
         return shapes
 
+    def _absent_maps(self, optional: tuple[str, ...]) -> list[TensorMap]:
+        """The maps none of whose tensors the directory holds, all of them optional (a head the
+        base model lacks): initialised here, and said so in ``warnings``."""
+        absent = [tensor_map for tensor_map in self._maps
+                  if not any(name in self._stored for name in tensor_map.other)
+                  and all(any(re.fullmatch(pattern, name) for pattern in optional) for name in tensor_map.other)]
+        if absent:
+            # Named by module (cls.predictions.*), not tensor by tensor: a head is what is missing.
+            modules = dict.fromkeys(".".join(name.split(".")[:2]) + ".*" for m in absent for name in m.other)
+            self.warnings.append(f"{self.directory} has no {', '.join(modules)}: initialised from seed "
+                                 f"{DEFAULT_SEED} as training would start them (heads a base model lacks)")
+        return absent
+
     def _convert(self, tensor_map: TensorMap) -> tuple[torch.Tensor, ...]:
+        if tensor_map in self._absent:
+            return tuple(self._initialised(name) for name in tensor_map.mega)
         return tensor_map.to_mega(*(self._weights.read(self._stored[name]) for name in tensor_map.other))
+
+    def _initialised(self, name: str) -> torch.Tensor:
+        tensor = torch.empty(self._shapes[name], dtype=self.dtype(name))
+        fill = self._family.init_parameter(self.config, name)
+        block = torch.empty(tensor.shape, dtype=torch.float32)
+        fill(block, parameter_generator(DEFAULT_SEED, name, block.device))
+        return tensor.copy_(block)
 
     # -- ModelSource ---------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -150,6 +179,8 @@ class HFSource(ClosingSource):
 
     def dtype(self, name: str) -> torch.dtype:
         tensor_map, _ = self._by_name[name]
+        if tensor_map in self._absent:  # initialised in the dtype of the weights that are there
+            return self._weights.dtype(self._stored[self._maps[0].other[0]])
         return self._weights.dtype(self._stored[tensor_map.other[0]])
 
     def get(self, name: str) -> torch.Tensor:

@@ -109,12 +109,16 @@ class MegaFormat:
     name = "mega"
 
     def detect(self, path: Path) -> bool:
-        return (path / METADATA_FILE).is_file() or (path / TRACKER_FILE).is_file()
+        from mega.ckpt_convert.megatron_directory import find
+
+        # Megatron-LM save directories have the same tracker file.
+        return (path / METADATA_FILE).is_file() or ((path / TRACKER_FILE).is_file() and find(path) is None)
 
     def open(self, path: Path, model_family: str | None = None) -> MegaSource:
         return MegaSource(path, model_family)
 
     def write(self, source: ModelSource, directory: Path, options: WriteOptions) -> list[str]:
+        from mega.core.parallel import ParallelConfig
         from mega.core.pipeline.partition import PartitionError, split_layers
 
         tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
@@ -123,6 +127,16 @@ class MegaFormat:
             split_layers(config.num_layers, pp)
         except PartitionError as error:
             raise ConversionError(f"--target-pipeline-parallel-size {pp}: {error}") from None
+        ep = options.expert_parallel_size
+        check_layout = getattr(config, "validate_parallel", None)  # experts over ep (MoE families)
+        if ep > 1 and check_layout is None:
+            raise ConversionError(f"--target-expert-parallel-size {ep}: the {source.family} family has no experts")
+        if check_layout is not None:
+            try:
+                check_layout(ParallelConfig(tp=tp, pp=pp, ep=ep))
+            except ValueError as error:
+                raise ConversionError(str(error).replace("--expert-model-parallel-size",
+                                                         "--target-expert-parallel-size")) from None
         parameters = model_parameters(family, config, tp)
         check_tensors(f"the {source.family} source", {name: source.shape(name) for name in source.names()},
                       parameters, config.vocab_size)
@@ -139,7 +153,7 @@ class MegaFormat:
                    for name, (shape, padded) in parameters.items()}
         metadata = CheckpointMetadata(
             iteration=0, model_family=family.name, model_config=dataclasses.asdict(config),
-            layout={"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "cp": 1, "ep": 1, "vpp": 1},
+            layout={"world_size": tp * pp * ep, "tp": tp, "pp": pp, "dp": ep, "cp": 1, "ep": ep, "vpp": 1},
             num_parameters=family.num_parameters(config, tp), mega_version=__version__,
         )
         try:

@@ -110,7 +110,7 @@ def initialize_parameters(module: nn.Module, family: ModelFamily, config, seed: 
         seen.add(id(param))
         global_name = names.get(name, name)
         fill = family.init_parameter(config, global_name)
-        split = TensorParallelSplit.of(param, tp.rank, tp.size) if tp is not None else TensorParallelSplit()
+        split = TensorParallelSplit.of(param, tp.rank, tp.size) if tp is not None else TensorParallelSplit.of(param, 0, 1)
         shape = split.global_shape(tuple(param.shape))
         for piece in tensor_pieces(param.data, split, tuple(param.shape)):
             _fill_piece(piece, shape, fill, seed, global_name)

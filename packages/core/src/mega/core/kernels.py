@@ -4,8 +4,9 @@ Models never import a kernel library. They ask a :class:`Kernels` object for a c
 kind (``kernels.norm("RMSNorm", hidden, eps)``, ``kernels.attention(q, k, v, mask=...)``), and
 the user picks which registered backend fills each kind: ``--kernels NAME`` takes every kind
 that backend fills, ``--attention-backend``, ``--normalization-backend``, ... override one kind.
-mega-models registers ``torch`` (torch-native components, every kind but ``norm_linear``); a
-plugin registers its own backend through ``register_kernel_backends``.
+mega-models registers ``torch`` (torch-native components, every kind but the optional fused ones,
+``norm_linear`` and ``linear_loss``); a plugin registers its own backend through
+``register_kernel_backends``.
 
 The kinds and what their component is:
 
@@ -28,6 +29,14 @@ The kinds and what their component is:
 * ``loss``: ``fn(logits, labels, tp_group, vocab_size) -> [same shape as labels]`` per-token
   cross-entropy of logits ``[..., vocab (shard over tp_group)]`` over the first ``vocab_size``
   rows: the padded rows take no part (None: every row is real).
+* ``linear_loss``: ``fn(hidden, weight, labels, loss_mask, tp_group, vocab_size) -> scalar``: the
+  output layer and the cross-entropy in one, never holding the logits of every token: the fp32
+  sum over tokens of ``loss_mask * cross-entropy(hidden @ weight[:vocab_size].T, labels)``, with
+  ``hidden`` ``[tokens, hidden_size]``, ``weight`` the output layer's ``[vocab (padded), hidden]``,
+  ``labels`` and ``loss_mask`` ``[tokens]``. Optional: with ``torch`` selected the model computes
+  logits and uses ``loss``. A component whose ``vocab_parallel`` attribute is not True serves only
+  a vocabulary held whole (``tp_group`` None or of size 1); :func:`check_linear_loss` refuses it
+  otherwise (the run's checks, before any work, and models when built).
 * ``block_attention``: attention over one block of keys at a time, for attention split across
   ranks (context parallelism: ring attention merges the blocks by the online-softmax rule). An
   object with ``forward(query, key, value, *, causal, softmax_scale) -> (out, lse)`` and
@@ -59,8 +68,12 @@ if TYPE_CHECKING:
 
     from mega.core.plugins import Plugins
 
-KINDS = ("attention", "norm", "linear", "norm_linear", "activation", "rotary", "loss", "block_attention")
+KINDS = ("attention", "norm", "linear", "norm_linear", "activation", "rotary", "loss", "block_attention",
+         "linear_loss")
 DEFAULT_BACKEND = "torch"
+# Fusions the torch backend does not fill: selecting ``torch`` for them means "not fused", and
+# ``Kernels.get`` returns None so the model composes the unfused components instead.
+OPTIONAL_KINDS = frozenset({"norm_linear", "linear_loss"})
 
 
 class KernelBackendError(RuntimeError):
@@ -133,9 +146,20 @@ def select_backends(preset: str | None = None, overrides: Mapping[str, str | Non
         if name is not None:
             chosen[kind] = name
     for kind, name in chosen.items():
-        if kind != "norm_linear" or name != DEFAULT_BACKEND:  # torch fuses no norm into a linear
+        if kind not in OPTIONAL_KINDS or name != DEFAULT_BACKEND:  # torch fuses neither
             get_kernel_backend(name, kind, plugins)
     return chosen
+
+
+def check_linear_loss(kernels: Kernels, tp: int) -> None:
+    """Refuse a ``linear_loss`` component that needs the whole vocabulary when ``tp`` ranks
+    split it (the run's checks call this before any work, and models when they are built)."""
+    component = kernels.get("linear_loss")
+    if component is not None and tp > 1 and not getattr(component, "vocab_parallel", False):
+        name = kernels.selection["linear_loss"]
+        raise KernelBackendError(
+            f"--linear-loss-backend {name} (the output layer fused into the cross-entropy) needs the whole "
+            f"vocabulary on one rank, but --tensor-model-parallel-size is {tp}; add --linear-loss-backend torch")
 
 
 class Kernels:
@@ -147,10 +171,11 @@ class Kernels:
         self._cache: dict[str, Any] = {}
 
     def get(self, kind: str) -> Any:
-        """The component of ``kind``; None for ``norm_linear`` when no backend fuses one."""
+        """The component of ``kind``; None for an optional fusion (``norm_linear``,
+        ``linear_loss``) that no backend was selected for."""
         if kind not in self._cache:
             name = self.selection[kind]
-            if kind == "norm_linear" and name == DEFAULT_BACKEND:
+            if kind in OPTIONAL_KINDS and name == DEFAULT_BACKEND:
                 self._cache[kind] = None
             else:
                 self._cache[kind] = get_kernel_backend(name, kind, self._plugins).component(kind)

@@ -31,7 +31,7 @@ directories through it one :class:`TensorMap` at a time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -79,6 +79,11 @@ class HFMapping:
       order (embeddings, layer 0, layer 1, ..., final norm, output layer).
     * ``ignored``: regular expressions of Hugging Face tensors that no map takes and that are
       skipped when present (buffers some versions saved, a tied output layer's duplicate).
+    * ``also_reads``: further ``architectures`` read as this family (BERT's ``BertModel`` and
+      ``BertForMaskedLM`` beside ``BertForPreTraining``); ``config_from_hf`` tells them apart.
+    * ``optional``: regular expressions of Hugging Face tensors a directory may lack (the heads
+      a bare base model has not); a map all of whose tensors are absent is initialised by the
+      family's ``init_parameter`` instead, and the converter says so.
     """
 
     architecture: str
@@ -88,6 +93,8 @@ class HFMapping:
     config_to_hf: Callable[[Any], dict]
     tensor_maps: Callable[[Any], list[TensorMap]]
     ignored: tuple[str, ...] = ()
+    also_reads: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
 
 
 class ModelConfig(Protocol):
@@ -154,12 +161,14 @@ class StageRun:
 @dataclass(frozen=True)
 class LossContext:
     """What a family's loss needs besides outputs and batch: the config, the tensor group over
-    which the last stage's vocabulary (or other output) is split, and the kernels (the loss
-    head is a kernel kind)."""
+    which the last stage's vocabulary (or other output) is split, the kernels (the loss
+    head is a kernel kind) and the context group over which the sequence is split (a loss over
+    the sequence sums over it: :func:`mega.core.parallel.context_parallel.sequence_mean`)."""
 
     config: Any
     tp_group: Any = None
     kernels: Any = None
+    cp_group: Any = None
 
 
 def stack_stages(config: Any, pp: int, vpp: int = 1, *, stack: str = "decoder",
@@ -218,6 +227,9 @@ class ModelFamily:
       dtype_bytes, device_type="cuda") -> StageFootprint``: parameters and saved activations of
       one rank of a stage of ``layers`` layers (:mod:`mega.core.planning.footprint`), for
       `mega plan`; None if the family cannot tell.
+    * ``compile_units(module) -> modules``: what ``--compile`` compiles one by one in a built
+      stage (torchtitan compiles each transformer layer: small graphs, compiled once and reused
+      by every layer of the same shape); None: the whole stage module.
     """
 
     name: str
@@ -238,6 +250,7 @@ class ModelFamily:
     description: str = ""
     hf_mapping: HFMapping | None = None
     memory_model: Callable[..., Any] | None = None
+    compile_units: Callable[[nn.Module], Iterable[nn.Module]] | None = None
 
     def preset(self, name: str, **overrides: Any) -> Any:
         """The config of preset ``name``, with ``overrides`` replacing fields (e.g. seq_length).

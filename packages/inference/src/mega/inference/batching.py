@@ -17,9 +17,11 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from mega.inference.engine import GenerationEngine, GenerationRequest, GenerationResult
+from mega.inference.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +32,10 @@ class Job:
     def __init__(self, requests: Sequence[GenerationRequest], loop: asyncio.AbstractEventLoop, stream: bool = False):
         self.requests = list(requests)
         self.loop = loop
+        self.submitted_at = time.monotonic()
         self.results: list[GenerationResult | None] = [None] * len(self.requests)
         self.done: asyncio.Future = loop.create_future()
-        # Streaming: ("token", index, token, logprob) and ("finished", index, result) in order.
+        # Streaming: ("token", index, token, logprob, top) and ("finished", index, result) in order.
         self.events: asyncio.Queue | None = asyncio.Queue() if stream else None
 
     def cancel(self) -> None:
@@ -44,9 +47,9 @@ class Job:
         return all(request.cancelled for request in self.requests)
 
     # Called on the worker thread.
-    def token(self, index: int, token: int, logprob: float | None) -> None:
+    def token(self, index: int, token: int, logprob: float | None, top=None) -> None:
         if self.events is not None:
-            self._on_loop(self.events.put_nowait, ("token", index, token, logprob))
+            self._on_loop(self.events.put_nowait, ("token", index, token, logprob, top))
 
     def finished(self, index: int, result: GenerationResult) -> None:
         self._on_loop(self._finished, index, result)
@@ -84,10 +87,12 @@ class BatchingWorker:
     tensor-parallel leader hands the batch to the other ranks there)."""
 
     def __init__(self, engine: GenerationEngine, max_batch_size: int = 32,
-                 before_batch: Callable[[list[GenerationRequest]], None] | None = None):
+                 before_batch: Callable[[list[GenerationRequest]], None] | None = None,
+                 metrics: ServerMetrics | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         self.engine, self.max_batch_size, self.before_batch = engine, max_batch_size, before_batch
+        self.metrics = metrics or ServerMetrics()
         self._pending: collections.deque[Job] = collections.deque()
         self._condition = threading.Condition()
         self._stopping = False
@@ -102,6 +107,9 @@ class BatchingWorker:
             self._stopping = True
             self._condition.notify()
         self._thread.join()
+
+    def check(self, request: GenerationRequest) -> None:
+        """Every request the engine takes fits a batch."""
 
     def submit(self, job: Job) -> None:
         with self._condition:
@@ -133,14 +141,22 @@ class BatchingWorker:
         owners = [(job, index) for job in batch for index in range(len(job.requests))]
         requests = [request for job in batch for request in job.requests]
 
-        def on_token(row: int, token: int, logprob: float | None) -> None:
+        def on_token(row: int, token: int, logprob: float | None, top) -> None:
             job, index = owners[row]
-            job.token(index, token, logprob)
+            job.token(index, token, logprob, top)
 
         def on_finish(row: int, result: GenerationResult) -> None:
+            self.metrics.generated(len(result.generated))
             job, index = owners[row]
             job.finished(index, result)
 
+        now = time.monotonic()
+        for job in batch:
+            for _ in job.requests:
+                self.metrics.admitted(now - job.submitted_at)
+        with self._condition:
+            queued = sum(len(job.requests) for job in self._pending)
+        self.metrics.step(len(requests), self.max_batch_size, queued, 0)
         try:
             if self.before_batch is not None:
                 self.before_batch(requests)

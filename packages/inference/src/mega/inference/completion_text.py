@@ -22,6 +22,22 @@ def completion_text(tokenizer, generated: Sequence[int], rules: StopRules) -> st
     return cut_at_stop_string(tokenizer.detokenize(ids), rules.stop_strings) if ids else ""
 
 
+def tokens_covering(tokenizer, ids: Sequence[int], length: int) -> int:
+    """The fewest of ``ids`` whose text holds the first ``length`` characters of theirs: after a
+    stop string cuts a completion's text, its tokens (and their logprobs) end there too. By
+    decoding prefixes (a binary search), so characters split over tokens count right."""
+    if length <= 0:
+        return 0
+    low, high = 1, len(ids)
+    while low < high:
+        middle = (low + high) // 2
+        if len(tokenizer.detokenize(list(ids[:middle]))) >= length:
+            high = middle
+        else:
+            low = middle + 1
+    return high
+
+
 class TextStream:
     """Feeds a completion's tokens one at a time and returns the text that is safe to send.
 

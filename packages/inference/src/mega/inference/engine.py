@@ -62,7 +62,8 @@ class GenerationResult:
 FINISHED_BY_STOP, FINISHED_BY_LENGTH, FINISHED_BY_CANCEL = 1, 2, 3
 FINISH_REASONS = {FINISHED_BY_STOP: "stop", FINISHED_BY_LENGTH: "length", FINISHED_BY_CANCEL: "cancelled"}
 
-TokenCallback = Callable[[int, int, "float | None"], None]  # (request index, token, logprob)
+# (request index, token, its logprob, the most likely (token, logprob) pairs at its position)
+TokenCallback = Callable[[int, int, "float | None", "list[tuple[int, float]] | None"], None]
 FinishCallback = Callable[[int, GenerationResult], None]  # (request index, result)
 
 
@@ -182,8 +183,10 @@ class _BatchRun:
         finish = [0] * len(active)
         if engine.is_leader:
             in_prompt_list = in_prompt.tolist()
-            sampled = self.sampler.sample(logits, [not prompt for prompt in in_prompt_list])
+            drawing = [not prompt for prompt in in_prompt_list]
+            sampled = self.sampler.sample(logits, drawing)
             chosen = torch.where(in_prompt, self.tokens[active, position], sampled)
+            self.sampler.observe(chosen, drawing)
             self._add(chosen, in_prompt)
             self._record_step_logprobs(logits, chosen)
             for row, i in enumerate(active):
@@ -191,7 +194,8 @@ class _BatchRun:
                 if not in_prompt_list[row]:
                     if self.on_token is not None:
                         logprob = self.logprobs[i][-1] if self.logprobs[i] is not None else None
-                        self.on_token(i, generated[-1], logprob)
+                        top = self.top_logprobs[i][-1] if self.top_logprobs[i] is not None else None
+                        self.on_token(i, generated[-1], logprob, top)
                     if engine.stop_checker.should_stop(request.stop, generated):
                         finish[row] = FINISHED_BY_STOP
                 if request.cancelled:

@@ -37,6 +37,7 @@ class LoadedModel:
     config: Any
     tokenizer: Any  # mega.core.tokenizer.Tokenizer, or None when nothing says which
     name: str  # what the OpenAI API reports as the model
+    chat_template: Any = None  # mega.inference.chat_template.ChatTemplate, when the tokenizer carries one
 
     @property
     def max_positions(self) -> int:
@@ -78,7 +79,8 @@ def load_model(path: str | Path, *, groups: ParallelGroups, device: torch.device
         source = _open_hugging_face(path, plugins)
         try:
             family_name, config = source.family, source.config
-            tokenizer = build_tokenizer(tokenizer_spec or source.tokenizer, plugins)
+            spec = tokenizer_spec or source.tokenizer
+            tokenizer = build_tokenizer(spec, plugins)
             model = build_model(plugins.models.get(family_name), config, groups, device, dtype)
             load_model_weights(source, [model], groups)
         finally:
@@ -90,11 +92,14 @@ def load_model(path: str | Path, *, groups: ParallelGroups, device: torch.device
         checkpoint, metadata = checkpoint_and_metadata(path)
         family_name = metadata.model_family
         config = plugins.models.get(family_name).config_class(**metadata.model_config)
-        tokenizer = build_tokenizer(tokenizer_spec or saved_tokenizer(checkpoint, metadata), plugins)
+        spec = tokenizer_spec or saved_tokenizer(checkpoint, metadata)
+        tokenizer = build_tokenizer(spec, plugins)
         model = build_model(plugins.models.get(family_name), config, groups, device, dtype)
         load_model_weights(checkpoint, [model], groups)
+    from mega.inference.chat_template import find_chat_template
+
     return LoadedModel(model=model, family_name=family_name, config=config, tokenizer=tokenizer,
-                       name=path.resolve().name)
+                       name=path.resolve().name, chat_template=find_chat_template(spec))
 
 
 def _open_hugging_face(path: Path, plugins):

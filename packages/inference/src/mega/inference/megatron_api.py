@@ -4,7 +4,8 @@ Request: ``prompts`` (1 to 128 strings), ``tokens_to_generate`` (64, >= 0; 0 nee
 ``logprobs`` (false), ``temperature`` (1.0, in (0, 100]), ``top_k`` (0, <= 1000; 1 is greedy),
 ``top_p`` (0.0, <= 1; not with ``top_k``), ``add_BOS``, ``stop_on_eol``, ``stop_on_double_eol``,
 ``random_seed`` (>= 0; prompt i draws from seed + i), ``stop_token`` (default: the tokenizer's
-end of document). The retired ``max_len``, ``sentences`` and ``beam_width`` are refused.
+end of document). The retired ``max_len``, ``sentences`` and ``beam_width`` are refused, and so
+is any other field Megatron does not define (a misspelling is never silently ignored).
 Response: ``text`` (prompt and generation), ``segments`` (each token's text), ``logprobs`` (of
 every token after the first, or null) and ``tokens``, one entry per prompt.
 """
@@ -17,7 +18,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from mega.inference.engine import GenerationRequest
-from mega.inference.sampling import SamplingParams
+from mega.inference.sampling import SEED_LIMIT, SamplingParams
 from mega.inference.service import MAX_PROMPTS, InferenceService
 from mega.inference.stopping import StopRules
 
@@ -33,7 +34,7 @@ RETIRED_FIELDS = {
 
 
 class MegatronRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     prompts: list[str] = Field(min_length=1, max_length=MAX_PROMPTS, description="texts to continue")
     tokens_to_generate: Integer = Field(64, ge=0, description="tokens to generate per prompt")
@@ -44,7 +45,8 @@ class MegatronRequest(BaseModel):
     add_BOS: Flag = Field(False, description="prepend the beginning-of-sequence token")
     stop_on_eol: Flag = Field(False, description="stop at a token holding a newline")
     stop_on_double_eol: Flag = Field(False, description="stop at two newlines in a row")
-    random_seed: Integer | None = Field(None, ge=0, description="seed of the sampling (prompt i: seed + i)")
+    random_seed: Integer | None = Field(None, ge=0, lt=SEED_LIMIT,
+                                        description="seed of the sampling, in [0, 2**64) (prompt i: seed + i)")
     stop_token: Integer | None = Field(None, ge=0, description="token id that ends a generation "
                                        "(default: end of document)")
 
@@ -83,21 +85,26 @@ def megatron_router(service: InferenceService) -> APIRouter:
         stop_id = body.stop_token if body.stop_token is not None else service.tokenizer.eod
         stop = StopRules(stop_ids=frozenset({stop_id}), stop_on_eol=body.stop_on_eol,
                          stop_on_double_eol=body.stop_on_double_eol)
+        prompts = await service.tokenize_all(body.prompts, "prompts", body.add_BOS)
         requests = [
             GenerationRequest(
-                prompt=service.tokenize(prompt, "prompts", body.add_BOS), max_new_tokens=body.tokens_to_generate,
+                prompt=ids, max_new_tokens=body.tokens_to_generate,
                 sampling=SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                        seed=None if body.random_seed is None else body.random_seed + index),
+                                        seed=None if body.random_seed is None else (body.random_seed + index) % SEED_LIMIT),
                 stop=stop, logprobs=body.logprobs,
             )
-            for index, prompt in enumerate(body.prompts)
+            for index, ids in enumerate(prompts)
         ]
         results = await service.complete(requests, "prompts")
-        return MegatronResponse(
-            text=[service.detokenize(r.tokens) for r in results],
-            segments=[[service.detokenize([t]) for t in r.tokens] for r in results],
-            logprobs=[r.logprobs for r in results] if body.logprobs else None,
-            tokens=[r.tokens for r in results],
-        )
+
+        def response() -> MegatronResponse:
+            return MegatronResponse(
+                text=[service.detokenize(r.tokens) for r in results],
+                segments=[[service.detokenize([t]) for t in r.tokens] for r in results],
+                logprobs=[r.logprobs for r in results] if body.logprobs else None,
+                tokens=[r.tokens for r in results],
+            )
+
+        return await service.off_loop(response)
 
     return router

@@ -1,10 +1,14 @@
 """OpenAI-style completions: ``POST /v1/completions``, whole or streamed as server-sent events.
 
-Fields: ``prompt`` (a string or up to 128), ``max_tokens`` (16), ``temperature`` (1.0; 0 is
-greedy), ``top_p`` (1.0), ``top_k`` (0: off; mega's extension), ``stop`` (up to 4 strings, left
-out of the text), ``echo`` (the prompt before the completion), ``logprobs`` (null, or how many
-most likely alternatives to list per token, up to 20), ``seed`` (prompt i draws from seed + i),
-``stream``. ``n`` must be 1; other OpenAI fields are accepted and ignored.
+Fields: ``prompt`` (a string, a list of up to 128 strings, a list of token ids, or a list of
+lists of token ids), ``max_tokens`` (16; null: up to the model's positions), ``temperature``
+(1.0; 0 is greedy), ``top_p`` (1.0), ``top_k`` (0: off; mega's extension), ``stop`` (up to 4
+strings, left out of the text and of the logprobs), ``echo`` (the prompt before the
+completion), ``logprobs`` (null, or how many most likely alternatives to list per token, up to
+20), ``seed`` (sequence i draws from seed + i), ``n`` and ``best_of`` (``best_of`` sequences per
+prompt, the ``n`` with the highest mean log-probability per token returned), ``logit_bias``,
+``presence_penalty``, ``frequency_penalty``, ``stream``, ``stream_options.include_usage``,
+``user`` (ignored). ``suffix`` is refused unless empty: these models only continue text.
 """
 
 from __future__ import annotations
@@ -16,59 +20,54 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import BaseModel, Field, model_validator
 
-from mega.inference.completion_text import TextStream, completion_text
+from mega.inference.completion_text import TextStream, completion_text, tokens_covering
 from mega.inference.engine import GenerationRequest, GenerationResult
-from mega.inference.sampling import GREEDY, SamplingParams
-from mega.inference.service import MAX_PROMPTS, InferenceService
+from mega.inference.openai_fields import MAX_SEQUENCES, MAX_TOP_LOGPROBS, Flag, Integer, SamplingFields
+from mega.inference.service import MAX_PROMPTS, InferenceService, RequestError
 from mega.inference.stopping import StopRules
 
-Number = Annotated[float, Strict()]
-Integer = Annotated[int, Strict()]
-Flag = Annotated[bool, Strict()]
-
-MAX_STOP_STRINGS = 4
-MAX_TOP_LOGPROBS = 20
+TokenIds = Annotated[list[Integer], Field(min_length=1)]
+Prompt = (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+          | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = Field(None, description="accepted for compatibility; the server has one model")
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
-    max_tokens: Integer = Field(16, ge=0, description="tokens to generate per prompt")
-    temperature: Number = Field(1.0, ge=0.0, le=100.0, description="0 is greedy")
-    top_p: Number = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 is off")
-    top_k: Integer = Field(0, ge=0, description="sample from the k most likely tokens; 0 is off")
-    stop: str | list[str] | None = Field(None, validate_default=True,
-                                         description=f"up to {MAX_STOP_STRINGS} stop strings")
+class CompletionRequest(SamplingFields):
+    prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of such lists")
+    suffix: str | None = Field(None, description="refused unless empty: the models only continue text")
+    max_tokens: Integer | None = Field(16, ge=0, description="tokens to generate per sequence; null: up to the "
+                                       "model's positions")
     echo: Flag = Field(False, description="return the prompt before the completion")
     logprobs: Integer | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                      description="log-probabilities, with this many alternatives per token")
-    seed: Integer | None = Field(None, description="seed of the sampling (prompt i: seed + i)")
-    stream: Flag = Field(False, description="send the completion as server-sent events")
-    n: Integer = Field(1, ge=1, le=1, description="completions per prompt (only 1)")
+    best_of: Integer | None = Field(None, ge=1, le=MAX_SEQUENCES,
+                                    description="sequences generated per prompt, the n best returned")
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, stop):
-        stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
-        return stops
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.suffix:
+            raise ValueError("suffix: not supported (the models continue text left to right); leave it out")
+        if self.best_of is not None and self.best_of < self.copies:
+            raise ValueError(f"best_of: must be >= n ({self.copies}), got {self.best_of}")
+        if self.stream and self.sequences_per_prompt > self.copies:
+            raise ValueError("best_of: cannot stream when best_of > n")
+        if len(self.prompts) * self.sequences_per_prompt > MAX_SEQUENCES:
+            raise ValueError(f"n: {len(self.prompts)} prompts x {self.sequences_per_prompt} sequences each is more "
+                             f"than {MAX_SEQUENCES}")
+        return self
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    def prompts(self) -> list[str] | list[list[int]]:
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return self.prompt
 
-    def sampling(self, index: int) -> SamplingParams:
-        if self.temperature == 0 or self.top_k == 1:
-            return GREEDY
-        seed = None if self.seed is None else self.seed + index
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed)
+    @property
+    def sequences_per_prompt(self) -> int:
+        return self.best_of or self.copies
 
 
 class Logprobs(BaseModel):
@@ -100,6 +99,12 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+def check_model(service: InferenceService, name: str | None) -> None:
+    if name is not None and name != service.model_name:
+        raise RequestError(f"model: the model {name!r} does not exist; this server serves {service.model_name!r}",
+                           "model", status=404, kind="model_not_found")
+
+
 def completions_router(service: InferenceService) -> APIRouter:
     router = APIRouter()
 
@@ -108,43 +113,77 @@ def completions_router(service: InferenceService) -> APIRouter:
                  responses={200: {"content": {"text/event-stream": {}}, "description": "with stream: "
                                   "server-sent events of Completion chunks, then [DONE]"}})
     async def complete(body: CompletionRequest):
+        check_model(service, body.model)
+        prompts = await _prompt_ids(service, body)
         stop = StopRules(stop_ids=frozenset({service.tokenizer.eod}), stop_strings=tuple(body.stop))
-        requests = [
-            GenerationRequest(prompt=service.tokenize(prompt, "prompt"), max_new_tokens=body.max_tokens,
-                              sampling=body.sampling(index), stop=stop, logprobs=body.logprobs is not None,
-                              top_logprobs=body.logprobs or 0)
-            for index, prompt in enumerate(body.prompts)
-        ]
+        requests = []
+        for index, ids in enumerate(prompts):
+            for copy in range(body.sequences_per_prompt):
+                sequence = index * body.sequences_per_prompt + copy
+                max_tokens = body.max_tokens if body.max_tokens is not None else service.max_positions - len(ids)
+                requests.append(GenerationRequest(
+                    prompt=ids, max_new_tokens=max_tokens, sampling=body.sampling(sequence, service.engine.vocab_size),
+                    stop=stop, logprobs=body.logprobs is not None or body.sequences_per_prompt > body.copies,
+                    top_logprobs=body.logprobs or 0))
         header = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=service.model_name)
         if body.stream:
             job = service.submit(requests, "prompt", stream=True)
-            return StreamingResponse(_events(service, body, requests, job, header), media_type="text/event-stream")
+            prompt_texts = await service.off_loop(lambda: [service.detokenize(ids) for ids in prompts])
+            return StreamingResponse(_events(service, body, requests, prompt_texts, job, header),
+                                     media_type="text/event-stream")
         results = await service.complete(requests, "prompt")
-        choices = [_choice(service, body, index, result) for index, result in enumerate(results)]
-        prompt_tokens = sum(r.prompt_length for r in results)
-        completion_tokens = sum(len(r.generated) for r in results)
-        return Completion(**header, choices=choices, usage=Usage(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens))
+        return await service.off_loop(_completion, service, body, prompts, results, header)
 
     return router
 
 
-def _choice(service: InferenceService, body: CompletionRequest, index: int, result: GenerationResult) -> Choice:
+async def _prompt_ids(service: InferenceService, body: CompletionRequest) -> list[list[int]]:
+    prompts = body.prompts
+    many = len(prompts) > 1
+    if prompts and isinstance(prompts[0], str):
+        return await service.tokenize_all(prompts, "prompt")
+    return [service.check_ids(ids, f"prompt[{i}]" if many else "prompt") for i, ids in enumerate(prompts)]
+
+
+def _completion(service: InferenceService, body: CompletionRequest, prompts: list[list[int]],
+                results: list[GenerationResult], header: dict) -> Completion:
+    choices = []
+    per_prompt = body.sequences_per_prompt
+    for index, ids in enumerate(prompts):
+        candidates = results[index * per_prompt: (index + 1) * per_prompt]
+        if per_prompt > body.copies:
+            candidates = sorted(candidates, key=_mean_logprob, reverse=True)[: body.copies]
+        prompt_text = service.detokenize(ids)
+        for copy, result in enumerate(candidates):
+            choices.append(_choice(service, body, index * body.copies + copy, prompt_text, result))
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    completion_tokens = sum(len(r.generated) for r in results)
+    return Completion(**header, choices=choices, usage=Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens))
+
+
+def _mean_logprob(result: GenerationResult) -> float:
+    generated = result.logprobs[result.prompt_length - 1:]
+    return sum(generated) / len(generated) if generated else 0.0
+
+
+def _choice(service: InferenceService, body: CompletionRequest, index: int, prompt_text: str,
+            result: GenerationResult) -> Choice:
     rules = StopRules(stop_ids=frozenset({service.tokenizer.eod}), stop_strings=tuple(body.stop))
     text = completion_text(service.tokenizer, result.generated, rules)
-    prompt_text = body.prompts[index]
     logprobs = None
     if body.logprobs is not None:
         generated = result.generated
-        if generated and generated[-1] in rules.stop_ids:
+        ended_by_token = bool(generated) and generated[-1] in rules.stop_ids
+        if ended_by_token:
             generated = generated[:-1]
+        kept = tokens_covering(service.tokenizer, generated, len(text))
+        if ended_by_token and kept == len(generated):
+            kept += 1  # the end-of-text token was generated (and scored) too, as OpenAI lists it
         first = 0 if body.echo else result.prompt_length
-        tokens = result.tokens[first: result.prompt_length + len(generated)]
+        tokens = result.tokens[first: result.prompt_length + kept]
         values = ([None] + result.logprobs)[first: first + len(tokens)]
-        tops = None
-        if body.logprobs > 0:
-            tops = ([None] + result.top_logprobs)[first: first + len(tokens)]
+        tops = ([None] + result.top_logprobs)[first: first + len(tokens)] if body.logprobs > 0 else None
         logprobs = _logprobs(service, tokens, values, tops, 0 if body.echo else len(prompt_text))
     return Choice(text=(prompt_text if body.echo else "") + text, index=index, logprobs=logprobs,
                   finish_reason="length" if result.finish_reason == "length" else "stop")
@@ -158,50 +197,111 @@ def _logprobs(service: InferenceService, tokens, values, tops, offset: int) -> L
         offset += len(text)
     top_logprobs = None
     if tops is not None:
-        top_logprobs = [None if top is None else {service.detokenize([t]): v for t, v in top} for top in tops]
+        top_logprobs = [None if top is None else _top_dict(service, top) for top in tops]
     return Logprobs(tokens=texts, token_logprobs=values, top_logprobs=top_logprobs, text_offset=offsets)
 
 
-async def _events(service: InferenceService, body: CompletionRequest, requests: list[GenerationRequest], job, header):
-    """Server-sent events: text pieces as they are generated, each choice's finish, [DONE]."""
+def _top_dict(service: InferenceService, top: list[tuple[int, float]]) -> dict[str, float]:
+    """Alternatives by their text; two tokens with the same text keep the likelier."""
+    alternatives: dict[str, float] = {}
+    for token, value in top:
+        alternatives.setdefault(service.detokenize([token]), value)
+    return alternatives
+
+
+class _StreamedChoice:
+    """One sequence of a stream: its text so far and the tokens whose logprobs are not sent yet.
+
+    A token's logprobs go out with the event whose text reaches it (so text held back for a
+    possible stop string holds its tokens back too); at the end, the tokens the whole text
+    needs (:func:`tokens_covering`) and the end-of-text token that ended it, nothing after.
+    """
+
+    def __init__(self, service: InferenceService, rules: StopRules, offset: int):
+        self.service, self.rules = service, rules
+        self.text = TextStream(service.tokenizer, rules)
+        self.ids: list[int] = []  # every generated token
+        self.pending: list[tuple[int, float | None, list | None]] = []
+        self.sent_tokens = 0  # tokens whose logprobs were sent
+        self.offset = offset  # text offset of the next token, counted from the echoed prompt's start
+        self.base = offset  # where the completion's text begins
+
+    def logprobs(self, with_top: bool, final: bool = False) -> Logprobs:
+        if final:
+            text_ids = [t for t in self.ids if t not in self.rules.stop_ids]
+            count = tokens_covering(self.service.tokenizer, text_ids, self.text.sent) - self.sent_tokens
+            if len(self.ids) > len(text_ids) and count == len(text_ids) - self.sent_tokens:
+                count += 1  # the end-of-text token that ended a text no stop string cut
+        else:
+            count = 0
+            offset = self.offset
+            for token, _, _ in self.pending:
+                if offset - self.base >= self.text.sent:
+                    break
+                offset += len(self.service.detokenize([token]))
+                count += 1
+        ready, self.pending = self.pending[:max(count, 0)], self.pending[max(count, 0):]
+        self.sent_tokens += len(ready)
+        tokens, values, tops, offsets = [], [], [], []
+        for token, value, top in ready:
+            text = self.service.detokenize([token])
+            tokens.append(text)
+            values.append(value)
+            tops.append(_top_dict(self.service, top) if top is not None else None)
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return Logprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops if with_top else None,
+                        text_offset=offsets)
+
+
+async def _events(service: InferenceService, body: CompletionRequest, requests: list[GenerationRequest],
+                  prompt_texts: list[str], job, header):
+    """Server-sent events: text pieces as they are generated, each choice's finish, the usage
+    (with ``stream_options.include_usage``), [DONE]."""
 
     def event(index: int, text: str, finish_reason=None, logprobs=None) -> str:
         choice = Choice(text=text, index=index, logprobs=logprobs, finish_reason=finish_reason)
-        return f"data: {json.dumps(Completion(**header, choices=[choice]).model_dump(exclude={'usage'}))}\n\n"
+        chunk = Completion(**header, choices=[choice]).model_dump(exclude=None if body.include_usage else {"usage"})
+        return f"data: {json.dumps(chunk)}\n\n"
 
-    streams = [TextStream(service.tokenizer, request.stop) for request in requests]
-    pending: list[list[tuple[int, float | None]]] = [[] for _ in requests]  # tokens not sent yet
+    with_top = bool(body.logprobs)
+    choices = [_StreamedChoice(service, request.stop, len(prompt_texts[index // body.copies]))
+               for index, request in enumerate(requests)]
+    completion_tokens = 0
     try:
         if body.echo:
-            for index, prompt in enumerate(body.prompts):
-                yield event(index, prompt)
+            for index in range(len(requests)):
+                yield event(index, prompt_texts[index // body.copies])
         unfinished = len(requests)
         while unfinished:
             kind, *details = await job.events.get()
             if kind == "failed":
-                yield f"data: {json.dumps({'error': {'message': str(details[0]), 'type': 'server_error'}})}\n\n"
+                error = {"message": f"generation failed: {details[0]}", "type": "server_error", "param": None,
+                         "code": None}
+                yield f"data: {json.dumps({'error': error})}\n\n"
                 return
-            index = details[0]
+            index, choice = details[0], choices[details[0]]
             if kind == "token":
-                token, logprob = details[1], details[2]
-                pending[index].append((token, logprob))
-                piece = streams[index].push(token)
+                token, logprob, top = details[1:]
+                choice.ids.append(token)
+                choice.pending.append((token, logprob, top))
+                piece = choice.text.push(token)
                 if piece:
-                    yield event(index, piece, logprobs=_streamed_logprobs(service, body, pending[index]))
+                    logprobs = choice.logprobs(with_top) if body.logprobs is not None else None
+                    yield event(index, piece, logprobs=logprobs)
             else:
                 unfinished -= 1
                 result = details[1]
+                completion_tokens += len(result.generated)
                 reason = "length" if result.finish_reason == "length" else "stop"
-                yield event(index, streams[index].finish(), reason, _streamed_logprobs(service, body, pending[index]))
+                piece = choice.text.finish()
+                logprobs = choice.logprobs(with_top, final=True) if body.logprobs is not None else None
+                yield event(index, piece, reason, logprobs)
+        if body.include_usage:
+            prompt_tokens = sum(len(request.prompt) for request in requests)
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)
+            yield f"data: {json.dumps(Completion(**header, choices=[], usage=usage).model_dump())}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         job.cancel()  # the client left (or all is done: then it changes nothing)
-
-
-def _streamed_logprobs(service: InferenceService, body: CompletionRequest, pending: list) -> Logprobs | None:
-    """The log-probabilities of the tokens since the last event (alternatives are not streamed)."""
-    if body.logprobs is None:
-        return None
-    tokens, values = [t for t, _ in pending], [v for _, v in pending]
-    pending.clear()
-    return _logprobs(service, tokens, values, None, 0)

@@ -18,3 +18,13 @@ def register_commands(register):
         Command(help="REST text-generation server: Megatron's PUT /api and OpenAI-style /v1/completions",
                 main="mega.inference.serve_cli:main"),
     )
+    register(
+        "eval",
+        Command(help="Megatron's zero-shot tasks: wikitext-ppl (perplexity) and lambada (last-word accuracy)",
+                main="mega.inference.eval_cli:main"),
+    )
+    register(
+        "embed",
+        Command(help="embed texts or token ids from a JSON-lines file with an encoder model (bert family)",
+                main="mega.inference.embed_cli:main"),
+    )

@@ -7,6 +7,11 @@ token always stays), then sampled. ``top_k == 1`` is greedy, as in Megatron's AP
 Every sequence draws from its own CPU random stream, one uniform number per step, and picks its
 token by inverse transform of the filtered distribution. So a seeded request gives the same
 tokens whichever other requests share its batch, and on every device.
+
+Before any of that, OpenAI's adjustments change the logits (greedy choices too): ``logit_bias``
+adds a fixed value per token id, and ``presence_penalty`` / ``frequency_penalty`` subtract
+``presence * [count > 0] + frequency * count``, counting each token among the tokens this
+sequence has generated so far (not its prompt), as vLLM does.
 """
 
 from __future__ import annotations
@@ -27,9 +32,14 @@ class SamplingParams:
     temperature: float = 1.0  # > 0
     top_k: int = 0  # 0: no top-k filter; 1: greedy
     top_p: float = 0.0  # 0 or 1: no top-p filter
-    seed: int | None = None  # None: a fresh random stream
+    seed: int | None = None  # None: a fresh random stream; else in [0, 2**64)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise SamplingError(f"seed must be in [0, 2**64), got {self.seed}")
         if not self.temperature > 0:
             raise SamplingError(f"temperature must be positive, got {self.temperature}")
         if self.top_k < 0:
@@ -41,29 +51,88 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.top_k == 1
 
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+
+SEED_LIMIT = 2**64  # torch.Generator takes an unsigned 64-bit seed
 GREEDY = SamplingParams(top_k=1)
 
 
 class Sampler:
-    """The sampling state of a batch: settings as tensors, one random stream per sequence."""
+    """The sampling state of a batch: settings as tensors, one random stream per sequence.
+
+    Rows leave (:meth:`keep`) as sequences finish and join (:meth:`extend`) under continuous
+    batching; each row's stream and penalty counts travel with it.
+    """
 
     def __init__(self, params: Sequence[SamplingParams], device: torch.device):
-        self.greedy = torch.tensor([p.greedy for p in params], device=device)
+        self.greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device)
         self.temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-        self.top_k = torch.tensor([p.top_k for p in params], device=device)
+        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
         self.top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 0.0 for p in params], device=device)
         self.generators = [
             torch.Generator().manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
             for p in params
         ]
+        self.presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        self.frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        self.bias = [p.logit_bias for p in params]
+        self.adjusted = any(p.adjusts_logits for p in params)
+        # [batch, vocab] counts of generated tokens and logit biases, once the vocabulary is known.
+        self.counts: torch.Tensor | None = None
+        self.bias_values: torch.Tensor | None = None
+
+    _ROW_TENSORS = ("greedy", "temperature", "top_k", "top_p", "presence", "frequency")
 
     def keep(self, rows: list[int]) -> None:
         """Keep the streams and settings of the sequences at ``rows`` (the others finished)."""
-        index = torch.tensor(rows, device=self.greedy.device)
-        self.greedy, self.temperature = self.greedy[index], self.temperature[index]
-        self.top_k, self.top_p = self.top_k[index], self.top_p[index]
+        index = torch.tensor(rows, dtype=torch.long, device=self.greedy.device)
+        for name in self._ROW_TENSORS:
+            setattr(self, name, getattr(self, name)[index])
         self.generators = [self.generators[row] for row in rows]
+        self.bias = [self.bias[row] for row in rows]
+        if self.counts is not None:
+            self.counts, self.bias_values = self.counts[index], self.bias_values[index]
+
+    def extend(self, other: Sampler) -> None:
+        """Add ``other``'s rows after this batch's (sequences joining a running batch)."""
+        for name in self._ROW_TENSORS:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.generators += other.generators
+        self.bias += other.bias
+        self.adjusted = self.adjusted or other.adjusted
+        if self.counts is not None or other.counts is not None:
+            vocab = (self.counts if self.counts is not None else other.counts).shape[-1]
+            mine, theirs = self._materialised(vocab), other._materialised(vocab)
+            self.counts = torch.cat([mine[0], theirs[0]])
+            self.bias_values = torch.cat([mine[1], theirs[1]])
+
+    def _materialised(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.counts is None:
+            rows, device = len(self.generators), self.greedy.device
+            self.counts = torch.zeros(rows, vocab, device=device)
+            self.bias_values = torch.zeros(rows, vocab, device=device)
+            for row, bias in enumerate(self.bias):
+                for token, value in bias:
+                    if token < vocab:
+                        self.bias_values[row, token] += value
+        return self.counts, self.bias_values
+
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with each sequence's logit bias and penalties applied."""
+        if not self.adjusted:
+            return logits
+        counts, bias_values = self._materialised(logits.shape[-1])
+        return logits + bias_values - self.presence * (counts > 0) - self.frequency * counts
+
+    def observe(self, tokens: torch.Tensor, generated: Sequence[bool]) -> None:
+        """Count ``tokens`` for the penalties where ``generated`` (not prompt tokens)."""
+        if not self.adjusted or self.counts is None:
+            return
+        rows = torch.tensor(generated, device=tokens.device).nonzero(as_tuple=True)[0]
+        self.counts.index_put_((rows, tokens[rows]), torch.ones_like(rows, dtype=self.counts.dtype), accumulate=True)
 
     def sample(self, logits: torch.Tensor, drawing: Sequence[bool]) -> torch.Tensor:
         """Token ids ``[batch]`` from fp32 logits ``[batch, vocab]``.
@@ -71,6 +140,7 @@ class Sampler:
         Only the sequences flagged in ``drawing`` advance their streams (the others are still
         being fed their prompts), so a stream's draws never depend on its batch-mates.
         """
+        logits = self.adjust(logits)
         greedy_tokens = logits.argmax(dim=-1)
         if bool(self.greedy.all()):
             return greedy_tokens

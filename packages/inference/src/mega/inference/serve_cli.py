@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from mega.core.cli.argparser import CommandParser
+from mega.inference.embed_cli import add_embedding_arguments, is_encoder_checkpoint, serve_embeddings
 from mega.inference.load_arguments import add_load_arguments
 
 
@@ -16,10 +17,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="mega serve",
         description="Serve a mega checkpoint or a Hugging Face model directory over HTTP: Megatron's "
-                    "PUT /api, OpenAI-style POST /v1/completions (streaming too), GET /v1/health; "
+                    "PUT /api, OpenAI-style POST /v1/completions (streaming too), GET /v1/health; an encoder "
+                    "(bert family) serves OpenAI-style POST /v1/embeddings instead; "
                     "the API's schema is browsable at /docs.",
     )
     add_load_arguments(parser)
+    add_embedding_arguments(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
@@ -27,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the generation routes")
     group.add_argument("--max-batch-size", type=int, default=32,
                        help="sequences the engine runs together; concurrent requests share batches (default 32)")
+    group.add_argument("--batching", choices=["continuous", "lockstep"], default="continuous",
+                       help="continuous (default): a new request joins the running batch at the next step, its KV "
+                            "cache in blocks; lockstep: batches run to their end, as Megatron's (always under "
+                            "tensor parallelism)")
+    group.add_argument("--max-num-tokens", type=int, default=None, metavar="N",
+                       help="continuous batching: tokens the KV cache holds for all running sequences together; a "
+                            "request is admitted once its prompt and max tokens fit (default: --max-batch-size "
+                            "times the model's positions)")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level")
     return parser
@@ -34,9 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for flag in ("max_batch_size", "max_num_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise SystemExit(f"mega serve: error: --{flag.replace('_', '-')} must be positive, got {value}")
+    if is_encoder_checkpoint(args.load):  # an encoder serves POST /v1/embeddings instead
+        return serve_embeddings(args)
     import uvicorn
 
     from mega.inference.batching import BatchingWorker
+    from mega.inference.continuous import ContinuousBatchingWorker
     from mega.inference.engine_setup import setup_engine
     from mega.inference.server import create_app
     from mega.inference.service import InferenceService
@@ -45,9 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     setup = setup_engine(args, "serve")
     if setup is None:  # a follower: the leader has stopped serving
         return 0
-    worker = BatchingWorker(setup.engine, args.max_batch_size,
-                            before_batch=lambda requests: lead(requests, setup.tp_group))
-    service = InferenceService(setup.engine, worker, setup.loaded.tokenizer, setup.loaded.name)
+    if args.batching == "continuous" and setup.tp_group.size == 1:
+        worker = ContinuousBatchingWorker(setup.engine, args.max_batch_size, args.max_num_tokens)
+    else:
+        worker = BatchingWorker(setup.engine, args.max_batch_size,
+                                before_batch=lambda requests: lead(requests, setup.tp_group))
+    service = InferenceService(setup.engine, worker, setup.loaded.tokenizer, setup.loaded.name,
+                               chat_template=setup.loaded.chat_template)
     worker.start()
     try:
         uvicorn.run(create_app(service, api_key=args.api_key), host=args.host, port=args.port,

@@ -37,6 +37,7 @@ class CoreAttention(nn.Module):
     def __init__(self, config: TransformerConfig, kernels: Kernels):
         super().__init__()
         self.kernels = kernels
+        kernels.get("attention")  # resolve the backend now: a compiled forward must not trace the plugin lookup
         self.dropout_p = config.attention_dropout
         self.softmax_scale = config.attention_softmax_scale
         self.dropout_rng_tracker = None
@@ -65,13 +66,16 @@ class SelfAttention(nn.Module):
         self.core_attention = CoreAttention(config, kernels)
         self.linear_proj = kernels.linear(config.query_projection_size, config.hidden_size,
                                           bias=config.add_bias_linear)
+        if config.position_embedding_type == "rope":
+            kernels.get("rotary")  # resolved now, as the attention kernel is
         self.recompute_core = False
         self.rng_tracker = None
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                inference_cache: LayerKVCache | None = None) -> torch.Tensor:
+                inference_cache: LayerKVCache | None = None, mask: AttentionMask = CAUSAL) -> torch.Tensor:
         """``inference_cache``: this layer's keys and values so far, when generating (see
-        :mod:`mega.models.kv_cache`); the new ones are appended and attended to."""
+        :mod:`mega.models.kv_cache`); the new ones are appended and attended to. ``mask``: which
+        keys each query sees (an encoder's padding mask; causal by default)."""
         qkv = self.linear_qkv(hidden)
         seq, batch, _ = qkv.shape
         d, per_group = self.head_dim, self.queries_per_group
@@ -82,10 +86,12 @@ class SelfAttention(nn.Module):
             cos, sin = rotary_cos_sin(self.config, seq, position_ids, qkv.device)
             query, key = self.kernels.rotary(query, cos, sin), self.kernels.rotary(key, cos, sin)
         if inference_cache is not None:
-            key, value, causal = inference_cache.append(key, value)
-            context = self.core_attention(query, key, value, AttentionMask(causal=causal))
+            key, value, mask = inference_cache.append(key, value)
+            # A cache says causal or not, or (a paged cache, sequences of several lengths) the whole mask.
+            mask = mask if isinstance(mask, AttentionMask) else AttentionMask(causal=mask)
+            context = self.core_attention(query, key, value, mask)
         elif self.recompute_core and is_recomputing_allowed(self):
-            context = recomputed(self.core_attention, query, key, value, rng_tracker=self.rng_tracker)
+            context = recomputed(self.core_attention, query, key, value, mask, rng_tracker=self.rng_tracker)
         else:
-            context = self.core_attention(query, key, value)
+            context = self.core_attention(query, key, value, mask)
         return self.linear_proj(context)

@@ -30,7 +30,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = None if fused else build_norm(config, kernels)
         self.self_attention = SelfAttention(config, kernels)
         self.pre_mlp_layernorm = None if fused else build_norm(config, kernels)
-        self.mlp = MLP(config, kernels)
+        self.mlp = build_mlp(config, kernels)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
         if fused:
             self.parameter_aliases = fused_norm_aliases(config)
@@ -41,6 +41,15 @@ class TransformerLayer(nn.Module):
         hidden = hidden + self.hidden_dropout(self.self_attention(normed, position_ids, inference_cache))
         normed = self.pre_mlp_layernorm(hidden) if self.pre_mlp_layernorm is not None else hidden
         return hidden + self.hidden_dropout(self.mlp(normed))
+
+
+def build_mlp(config: TransformerConfig, kernels: Kernels) -> nn.Module:
+    """A dense MLP, or a mixture of experts when the config has experts (the ``mixtral`` family)."""
+    if getattr(config, "num_experts", None):
+        from mega.models.moe.layer import MoELayer
+
+        return MoELayer(config, kernels)
+    return MLP(config, kernels)
 
 
 class TransformerBlock(nn.Module):

@@ -11,11 +11,13 @@ from torch import nn
 from mega.core.kernels import Kernels
 from mega.core.model_family import HFMapping, LossContext, ModelFamily, Stage, StageRun
 from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.parallel.context_parallel import sequence_mean
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.models.config import TransformerConfig
+from mega.models.context_parallel import apply_context_parallel
 from mega.models.flops import num_floating_point_operations
 from mega.models.initialization import init_parameter
-from mega.models.language_model import LanguageModel, per_token_cross_entropy
+from mega.models.language_model import LanguageModel, fused_linear_cross_entropy, per_token_cross_entropy
 from mega.models.memory import stage_footprint
 from mega.models.parallel_plan import tensor_parallel_plan
 from mega.models.parameter_count import num_parameters
@@ -27,12 +29,13 @@ def build_language_model(config: TransformerConfig, stage: Stage, *, kernels: Ke
     return LanguageModel(config, stage, kernels, parallel)
 
 
-def parallelize_language_model(model: LanguageModel, groups: ParallelGroups, run: StageRun) -> nn.Module:
-    """Tensor (and sequence) parallelism by the plan, then what the run's layout and recompute
-    settings ask of the layers: where dropout forks into the tracker's streams, which regions
-    are recomputed."""
-    apply_tensor_parallel(model, tensor_parallel_plan(run.config, model.stage), groups,
-                          sequence_parallel=run.parallel.sequence_parallel)
+def parallelize_language_model(model: LanguageModel, groups: ParallelGroups, run: StageRun,
+                               plan: Mapping | None = None) -> nn.Module:
+    """Tensor (and sequence) parallelism by the plan (default: the dense transformer's), then
+    what the run's layout and recompute settings ask of the layers: where dropout forks into the
+    tracker's streams, which regions are recomputed."""
+    plan = plan if plan is not None else tensor_parallel_plan(run.config, model.stage)
+    apply_tensor_parallel(model, plan, groups, sequence_parallel=run.parallel.sequence_parallel)
     tracker, sequence_parallel = run.rng_tracker, run.parallel.sequence_parallel
     block = model.decoder
     block.rng_tracker, block.fork_rng = tracker, sequence_parallel
@@ -44,17 +47,29 @@ def parallelize_language_model(model: LanguageModel, groups: ParallelGroups, run
         attention.recompute_core = run.training and run.config.recompute_granularity == "selective"
         # Under sequence parallelism the whole block already runs in the model-parallel stream.
         attention.core_attention.dropout_rng_tracker = None if sequence_parallel else tracker
-    return model
+    return apply_context_parallel(model, groups, run.config, run.parallel)
 
 
 def language_model_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor],
                         context: LossContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Mean cross-entropy over the tokens ``loss_mask`` keeps; logged as Megatron's ``lm loss``."""
-    logits = outputs["logits"]  # [s, b, vocab (shard)]
+    """Mean cross-entropy over the tokens ``loss_mask`` keeps (of the whole sequence when the
+    context group splits it); logged as Megatron's ``lm loss``."""
     labels, loss_mask = batch["labels"], batch["loss_mask"]
-    per_token = per_token_cross_entropy(context.kernels, logits, labels, context.tp_group, context.config.vocab_size)
-    loss = (per_token * loss_mask).sum() / loss_mask.sum().clamp_min(1.0)
-    return loss, {"lm loss": loss.detach()}
+    vocab_size = context.config.vocab_size
+    if "output_hidden" in outputs:  # a fused linear_loss kernel: no logits were made
+        total = fused_linear_cross_entropy(context.kernels, outputs["output_hidden"], outputs["output_weight"],
+                                           labels, loss_mask, context.tp_group, vocab_size)
+    else:
+        logits = outputs["logits"]  # [s, b, vocab (shard)]
+        per_token = per_token_cross_entropy(context.kernels, logits, labels, context.tp_group, vocab_size)
+        total = (per_token * loss_mask).sum()
+    loss, mean = sequence_mean(total, loss_mask.sum(), context.cp_group)
+    return loss, {"lm loss": mean}
+
+
+def transformer_layers(model: LanguageModel) -> list[nn.Module]:
+    """What ``--compile`` compiles one by one: each transformer layer of the stage."""
+    return list(model.decoder.layers.values())
 
 
 def transformer_family(name: str, presets: Mapping[str, TransformerConfig], description: str,
@@ -73,4 +88,6 @@ def transformer_family(name: str, presets: Mapping[str, TransformerConfig], desc
         description=description,
         hf_mapping=hf_mapping,
         memory_model=stage_footprint,
+        compile_units=transformer_layers,
+        features=frozenset({"context_parallel"}),
     )

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from mega.core.kernels import Kernels
+from mega.core.kernels import Kernels, check_linear_loss
 from mega.core.model_family import Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.param_attrs import mark_padded_vocab
@@ -62,6 +62,11 @@ class LanguageModel(nn.Module):
         if self.tied and (pre_process or post_process):
             tie_across_stages(self.embedding.word_embeddings.weight)
         self.decoder = TransformerBlock(config, layers, post_process, kernels)
+        # A backend that fuses the output layer into the loss: the last stage then hands the loss
+        # its final hidden states and the output weight instead of logits (see forward).
+        self.fused_loss = kernels.get("linear_loss") is not None if post_process else False
+        if self.fused_loss:
+            check_linear_loss(kernels, parallel.tp)
         if post_process:
             self.output_layer = kernels.linear(config.hidden_size, vocab, bias=False)
             mark_padded_vocab(self.output_layer.weight)
@@ -78,7 +83,9 @@ class LanguageModel(nn.Module):
 
         In a pipeline (``inputs`` a dict, see :mod:`mega.core.model_family`) the first stage
         reads ``tokens`` (and ``position_ids``), later ones ``hidden``; the result is
-        ``{"hidden": ...}`` or, on the last stage, ``{"logits": ...}``.
+        ``{"hidden": ...}`` or, on the last stage, ``{"logits": ...}``; with a fused
+        ``linear_loss`` kernel the last stage returns ``{"output_hidden": [s, b, h], "output_weight":
+        the output layer's weight}`` instead, and the loss applies both (no logits tensor).
 
         ``inference_cache`` (generation, :mod:`mega.models.kv_cache`): the inputs continue the
         cached positions; ``position_ids`` then default to those that follow the cache.
@@ -87,17 +94,25 @@ class LanguageModel(nn.Module):
         """
         if isinstance(inputs, Mapping):
             hidden = inputs["tokens"] if self.pre_process else inputs["hidden"]
+            if self.fused_loss:
+                hidden = self._final_hidden(hidden, inputs.get("position_ids"))
+                return {"output_hidden": hidden, "output_weight": self.output_layer.weight}
             output = self.forward(hidden, inputs.get("position_ids"))
             return {"logits" if self.post_process else "hidden": output}
         if inference_cache is not None and position_ids is None:
             seq = inputs.shape[1] if self.pre_process else inputs.shape[0]
             start = inference_cache.length
             position_ids = torch.arange(start, start + seq, device=inputs.device)[None, :]
-        hidden = self.embedding(inputs, position_ids) if self.pre_process else inputs
-        hidden = self.decoder(hidden, position_ids, inference_cache)
+        hidden = self._final_hidden(inputs, position_ids, inference_cache)
         if not self.post_process:
             return hidden
         return self.output_layer(hidden[-logits_to_keep:] if logits_to_keep else hidden)
+
+    def _final_hidden(self, inputs: torch.Tensor, position_ids: torch.Tensor | None,
+                      inference_cache: KVCache | None = None) -> torch.Tensor:
+        """The decoder's output ``[s, b, h]`` (after the final norm on the last stage)."""
+        hidden = self.embedding(inputs, position_ids) if self.pre_process else inputs
+        return self.decoder(hidden, position_ids, inference_cache)
 
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
@@ -111,6 +126,15 @@ def per_token_cross_entropy(kernels: Kernels, logits: torch.Tensor, labels: torc
     """``[b, s]`` cross-entropy of logits ``[s, b, vocab (shard over tp_group)]`` against labels ``[b, s]``
     from the selected loss kernel, over the first ``vocab_size`` rows (the rest is padding)."""
     return kernels.loss(logits, labels.transpose(0, 1), tp_group, vocab_size).transpose(0, 1)
+
+
+def fused_linear_cross_entropy(kernels: Kernels, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               loss_mask: torch.Tensor, tp_group=None, vocab_size: int | None = None) -> torch.Tensor:
+    """The fp32 sum of ``loss_mask`` x cross-entropy of hidden ``[s, b, h]`` through the output
+    ``weight`` against labels ``[b, s]``, from the selected ``linear_loss`` kernel (no logits)."""
+    tokens = hidden.reshape(-1, hidden.shape[-1])  # [s * b, h], s-major like the labels below
+    return kernels.get("linear_loss")(tokens, weight, labels.t().reshape(-1), loss_mask.t().reshape(-1),
+                                      tp_group, vocab_size)
 
 
 def _drop_tied_output_weight(module, state_dict, prefix, local_metadata):

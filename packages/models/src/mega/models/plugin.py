@@ -11,6 +11,8 @@ def register_models(register):
     register("gpt", "mega.models.gpt:FAMILY", "GPT-2/GPT-3 (tiny ... 175b)")
     register("llama", "mega.models.llama:FAMILY", "LLaMA-2 7b/13b/70b, LLaMA-3 8b/70b/405b")
     register("t5", "mega.models.t5.family:FAMILY", "T5 encoder-decoder: v1.0 small/base/large, v1.1 base")
+    register("mixtral", "mega.models.mixtral:FAMILY", "Mixtral mixture of experts (tiny, 8x7b, 8x22b)")
+    register("bert", "mega.models.bert:FAMILY", "BERT base/large, MiniLM-L6 (masked-LM encoder, embeddings)")
 
 
 @hookimpl

@@ -163,11 +163,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class _Rotate(torch.autograd.Function):
-    """``x * cos + rotate_half(x) * sin``, written half by half into one output.
+    """``x * cos + rotate_half(x) * sin``, each half computed from the other in one fused
+    multiply-add.
 
-    The textbook form concatenates a negated half (and autograd concatenates again in the
-    backward); on the CPU those copies cost more than the arithmetic. The gradient is the
-    inverse rotation of the incoming gradient.
+    The textbook form negates a half and concatenates (and autograd concatenates again in the
+    backward); this saves only ``cos``/``sin`` and its gradient is the inverse rotation of the
+    incoming gradient. Every op is out-of-place, so ``torch.compile`` traces it whole (writing
+    with ``out=`` into the halves of one buffer, as this once did, breaks dynamo's graph).
     """
 
     @staticmethod
@@ -183,20 +185,17 @@ class _Rotate(torch.autograd.Function):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out_first, out_second = out.chunk(2, dim=-1)
     sign = 1.0 if inverse else -1.0
-    torch.mul(first, cos, out=out_first).addcmul_(second, sin, value=sign)  # x1 cos -/+ x2 sin
-    torch.mul(second, cos, out=out_second).addcmul_(first, sin, value=-sign)  # x2 cos +/- x1 sin
-    return out
+    return torch.cat((torch.addcmul(first * cos, second, sin, value=sign),  # x1 cos -/+ x2 sin
+                      torch.addcmul(second * cos, first, sin, value=-sign)), dim=-1)  # x2 cos +/- x1 sin
 
 
 class _SwiGLU(torch.autograd.Function):
     """``silu(gate) * up`` of the stacked ``[gate; up]`` output.
 
-    Autograd would keep ``gate``, ``silu(gate)`` and ``up`` and concatenate the two gradients
-    in the backward; this keeps only the input and writes both gradients straight into one
-    buffer (less memory, one copy fewer, the same numbers).
+    Autograd would keep ``gate``, ``silu(gate)`` and ``up``; this keeps only the input and
+    computes both gradients from it (less memory, the same numbers). Out-of-place throughout, so
+    ``torch.compile`` traces it whole and fuses it with the surrounding elementwise ops.
     """
 
     @staticmethod
@@ -209,8 +208,4 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (stacked,) = ctx.saved_tensors
         gate, up = stacked.chunk(2, dim=-1)
-        grad_stacked = torch.empty_like(stacked)
-        grad_gate, grad_up = grad_stacked.chunk(2, dim=-1)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
-        torch.mul(grad, F.silu(gate), out=grad_up)
-        return grad_stacked
+        return torch.cat((torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)), dim=-1)

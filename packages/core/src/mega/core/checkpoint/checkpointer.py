@@ -38,6 +38,7 @@ from mega.core.checkpoint.directory import (
     remove_leftovers,
     staging_path,
 )
+from mega.core.checkpoint.foreign import foreign_format
 from mega.core.checkpoint.lock import SaveDirLock
 from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
 from mega.core.checkpoint.pieces import Piece
@@ -218,6 +219,10 @@ class Checkpointer:
     def load(self) -> None:
         """Restore the run from ``--load`` (nothing when that directory holds no checkpoint yet)."""
         saved, state, config = self.state, self.state.progress, self.config
+        foreign = foreign_format(config.load, capability="load_for_training")
+        if foreign is not None:
+            self._load_foreign(foreign)
+            return
         found = find_checkpoint(config.load, checksums=config.verify_checksums)
         if found is None:
             if config.finetune:  # weights were asked for: training random ones would waste the run
@@ -272,6 +277,22 @@ class Checkpointer:
         what = "weights" if weights_only else "weights" + (", optimizer" if with_optimizer else "") + " and run state"
         self._say(f"loaded checkpoint {path} ({what}; saved at iteration {metadata.iteration}, "
                   f"layout {_layout_text(metadata.layout)})")
+
+    def _load_foreign(self, checkpoint_format) -> None:
+        """The weights of a checkpoint in another format (a Megatron-LM directory), converted by its
+        plugin as they are read; optimizer, RNG and data position start fresh, as with --finetune."""
+        from mega.core.checkpoint.model_io import load_model_weights
+
+        saved, path = self.state, Path(self.config.load)
+        with checkpoint_format.open(path, saved.family.name) as source:
+            check_model_config(path, dataclasses.asdict(source.config), saved.run.model)
+            load_model_weights(source, saved.chunks, self.groups)
+            kind = getattr(source, "kind", "")
+            iteration = getattr(source, "iteration", None)
+        refresh_main_params(saved.optimizer.main_params)
+        self._barrier()
+        self._say(f"loaded {checkpoint_format.name} {kind} checkpoint {path} (saved at iteration {iteration}): "
+                  "weights converted on the fly; optimizer, RNG and data position start fresh at iteration 0")
 
     def _restore_rng(self, path: Path, metadata: CheckpointMetadata) -> None:
         if not self.config.load_rng:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from mega.core.checkpoint.directory import checkpoint_and_metadata, read_tracker, saved_iterations
 from mega.core.checkpoint.metadata import CheckpointError
@@ -30,8 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path, metadata = checkpoint_and_metadata(args.directory)  # checks completeness
     except CheckpointError as error:
-        print(f"mega checkpoint info: {error}", file=sys.stderr)
-        return 1
+        return _describe_foreign(args.directory, error)
     if args.json:
         print(metadata.to_json())
         return 0
@@ -57,4 +57,20 @@ def main(argv: list[str] | None = None) -> int:
         others = [str(i) for i, _ in saved_iterations(save_dir)]
         lines.append(f"in {save_dir}:  iterations {', '.join(others) or 'none'}; tracker -> {read_tracker(save_dir)}")
     print("\n".join(lines))
+    return 0
+
+
+def _describe_foreign(directory: str, error: CheckpointError) -> int:
+    """A checkpoint of another format a plugin recognises (a Megatron-LM save directory)."""
+    from mega.core.checkpoint.foreign import foreign_format
+
+    checkpoint_format = foreign_format(directory, capability="describe")
+    if checkpoint_format is None:
+        print(f"mega checkpoint info: {error}", file=sys.stderr)
+        return 1
+    try:
+        print("\n".join(checkpoint_format.describe(Path(directory))))
+    except CheckpointError as foreign_error:
+        print(f"mega checkpoint info: {foreign_error}", file=sys.stderr)
+        return 1
     return 0

@@ -8,6 +8,9 @@ resolves. This module computes the pieces:
 * a tensor-parallel shard sits at ``tp_rank * size`` along its ``partition_dim``; with
   ``partition_chunks`` > 1 (SwiGLU's gate and up) each block sits in its own part of the global
   tensor, so the global tensor is the one-device layout ``[gate; up]``;
+* an expert-parallel shard (``expert_shard`` = (ep rank, ep size), see
+  :mod:`mega.core.parallel.param_attrs`) holds whole experts along dimension 0, so it sits at
+  ``ep_rank * local_experts`` there (composed with any tensor-parallel split of another dimension);
 * a distributed optimizer's state covers a flat range of a parameter, which is cut into the
   rectangular boxes it is made of (a partial first row, whole rows, a partial last row).
 """
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mega.core.parallel.param_attrs import is_tensor_parallel
+from mega.core.parallel.param_attrs import expert_shard, is_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -36,21 +39,35 @@ class TensorParallelSplit:
     chunks: int = 1
     rank: int = 0
     size: int = 1
+    expert_rank: int = 0  # whole experts along dimension 0, split over the expert group
+    expert_size: int = 1
 
     @classmethod
     def of(cls, param: torch.Tensor, tp_rank: int, tp_size: int) -> TensorParallelSplit:
+        expert_rank, expert_size = expert_shard(param)
         if tp_size == 1 or not is_tensor_parallel(param):
-            return cls()
-        return cls(param.partition_dim, getattr(param, "partition_chunks", 1), tp_rank, tp_size)
+            return cls(expert_rank=expert_rank, expert_size=expert_size)
+        return cls(param.partition_dim, getattr(param, "partition_chunks", 1), tp_rank, tp_size,
+                   expert_rank, expert_size)
 
     def global_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
         shape = list(local_shape)
         if self.dim is not None:
             shape[self.dim] *= self.size
+        if self.expert_size > 1:
+            shape[0] *= self.expert_size
         return tuple(shape)
 
     def pieces(self, local: torch.Tensor, local_offsets: tuple[int, ...], local_shape: tuple[int, ...]) -> list[Piece]:
         """The global pieces of ``local``, a box at ``local_offsets`` of a shard shaped ``local_shape``."""
+        pieces = self._tensor_parallel_pieces(local, local_offsets, local_shape)
+        if self.expert_size == 1:
+            return pieces
+        first_expert = self.expert_rank * local_shape[0]
+        return [Piece(p.data, (p.offsets[0] + first_expert, *p.offsets[1:])) for p in pieces]
+
+    def _tensor_parallel_pieces(self, local: torch.Tensor, local_offsets: tuple[int, ...],
+                                local_shape: tuple[int, ...]) -> list[Piece]:
         if self.dim is None:
             return [Piece(local, tuple(local_offsets))]
         d = self.dim

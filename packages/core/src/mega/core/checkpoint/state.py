@@ -45,7 +45,7 @@ class Entries:
 
     def add(self, key: str, tensor: torch.Tensor, param: nn.Parameter, tp: Group | None,
             flat_range: tuple[int, int] | None = None) -> None:
-        split = TensorParallelSplit.of(param, tp.rank, tp.size) if tp is not None else TensorParallelSplit()
+        split = TensorParallelSplit.of(param, tp.rank, tp.size) if tp is not None else TensorParallelSplit.of(param, 0, 1)
         shape = tuple(param.shape)
         pieces = tensor_pieces(tensor.detach(), split, shape, flat_range)
         self.entries[key] = ShardedEntry(split.global_shape(shape), tensor.dtype, pieces)

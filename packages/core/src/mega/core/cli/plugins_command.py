@@ -30,6 +30,28 @@ def main(argv: list[str]) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=False)) + "  " + row[3])
+    _print_kernel_backends(plugins)
     if plugins.disabled:
         print(f"\ndisabled by MEGA_LOAD_PLUGINS / MEGA_DISABLE_PLUGINS: {', '.join(plugins.disabled)}")
     return 0
+
+
+def _print_kernel_backends(plugins) -> None:
+    """Each kernel backend (the kinds it fills) and optimizer, and whether it is usable on this
+    machine (what is missing when not): what ``--kernels NAME`` / ``--optimizer NAME`` would say."""
+    rows = [("kernel backend or optimizer", "kinds", "usable here")]
+    listed = [(name, plugins.kernel_backends) for name in plugins.kernel_backends.names()]
+    listed += [(name, plugins.optimizers) for name in plugins.optimizers.names()]
+    for name, registry in listed:
+        try:
+            obj = registry.get(name)
+            kinds = ", ".join(sorted(getattr(obj, "kinds", ()))) if registry is plugins.kernel_backends else "(optimizer)"
+            usable, missing = getattr(obj, "is_available", lambda: (True, ""))()
+            status = "yes" if usable else f"no: {missing}"
+        except Exception as error:  # a broken backend must not hide the others
+            kinds, status = "?", f"ERROR {error}"
+        rows.append((name, kinds, status))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    print()
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row[:2], widths, strict=False)) + "  " + row[2])

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from mega.core.config.options import option
 
+# How attention crosses the context group (mega.core.parallel.context_attention has one function each).
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
 
 class ParallelConfigError(ValueError):
     """A layout that cannot be built on the given world size."""
@@ -17,7 +20,8 @@ class ParallelConfig:
 
     ``tp`` tensor, ``pp`` pipeline, ``cp`` context, ``ep`` expert parallel; ``vpp`` virtual
     pipeline chunks per stage (interleaved 1F1B); ``sequence_parallel`` splits the non-tensor-
-    parallel regions (norms, dropout) along the sequence over the tensor-parallel group.
+    parallel regions (norms, dropout) along the sequence over the tensor-parallel group;
+    ``cp_comm_type``: how attention crosses the context group (:mod:`mega.core.parallel.context_attention`).
     """
 
     tp: int = option(1, "tensor-parallel size", flag="--tensor-model-parallel-size")
@@ -29,6 +33,10 @@ class ParallelConfig:
     )
     sequence_parallel: bool = option(
         False, "split norms and dropout along the sequence over the tensor-parallel group"
+    )
+    cp_comm_type: str = option(
+        "p2p", "how attention crosses the context group: p2p (ring attention), all_gather (gather keys "
+        "and values), a2a (Ulysses: trade the sequence split for a head split)", choices=CP_COMM_TYPES
     )
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -57,9 +65,12 @@ class ParallelConfig:
         # Experts are spread over the data- and context-parallel ranks of one tensor shard.
         if (dp * self.cp) % self.ep:
             raise ParallelConfigError(
-                f"ep = {self.ep} must divide dp*cp = {dp}*{self.cp} = {dp * self.cp} "
+                f"--expert-model-parallel-size: ep = {self.ep} must divide dp*cp = {dp}*{self.cp} = {dp * self.cp} "
                 f"(world size {world_size}, tp={self.tp}, pp={self.pp})"
             )
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ParallelConfigError(f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, "
+                                      f"got {self.cp_comm_type!r}")
         if self.vpp is not None:
             if not isinstance(self.vpp, int) or self.vpp < 1:
                 raise ParallelConfigError(f"vpp must be a positive integer, got {self.vpp!r}")

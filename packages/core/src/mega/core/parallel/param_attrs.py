@@ -12,6 +12,9 @@ where it has one, so readers of either code base recognise them.
   so its gradient is summed over the tensor group (norm weights under sequence parallelism).
 * ``expert_parallel`` (bool): belongs to an expert; sharded over the expert group, replicated
   (and gradient-averaged) over the expert data-parallel group.
+* ``expert_shard`` ((int, int)): (expert-parallel rank, size) of a grouped expert weight whose
+  dimension 0 is the experts: this rank holds experts ``rank * n`` .. ``(rank + 1) * n - 1`` of
+  ``size * n``, so checkpoints and initialisation place it in the global tensor.
 * ``shared_embedding`` (bool): a weight tied across pipeline stages (set on both copies by
   :func:`mega.core.pipeline.tied.tie_across_stages`); with the distributed optimizer it gets a
   bucket of its own, so both stages shard it alike and the cross-stage gradient sum after the
@@ -52,6 +55,16 @@ def mark_expert_parallel(param: torch.Tensor) -> None:
 
 def is_expert_parallel(param: torch.Tensor) -> bool:
     return getattr(param, "expert_parallel", False)
+
+
+def mark_expert_shard(param: torch.Tensor, rank: int, size: int) -> None:
+    """``param``'s dimension 0 is this rank's block of the experts (see the module docstring)."""
+    param.expert_parallel = True
+    param.expert_shard = (rank, size)
+
+
+def expert_shard(param: torch.Tensor) -> tuple[int, int]:
+    return getattr(param, "expert_shard", (0, 1))
 
 
 def mark_padded_vocab(param: torch.Tensor) -> None:

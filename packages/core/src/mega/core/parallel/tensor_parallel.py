@@ -82,7 +82,7 @@ def apply_tensor_parallel(module: nn.Module, plan: Mapping[str, PlanStyle], grou
 
 # Marks a model or the pipeline set before the split (e.g. a word embedding tied across stages)
 # must survive on the shard that replaces the parameter.
-_CARRIED_MARKS = ("shared_embedding", "shared", "expert_parallel", "padded_vocab")
+_CARRIED_MARKS = ("shared_embedding", "shared", "expert_parallel", "expert_shard", "padded_vocab")
 
 
 def _carry_marks(old: nn.Parameter, new: nn.Parameter) -> None:

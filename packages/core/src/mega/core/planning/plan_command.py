@@ -145,6 +145,5 @@ def _print_search(results, machine, world: int, global_batch: int) -> int:
           f"(global batch {global_batch}); the {min(machine.top, len(results))} fastest:")
     for result in results[:machine.top]:
         speed = f"{result.tokens_per_s:>12,.0f} tokens/s" if result.tokens_per_s else ""
-        note = "  (context parallelism: not in this version of mega train)" if result.layout.cp > 1 else ""
-        print(f"  {result.layout.describe():<52} peak {_gb(result.peak_bytes):>7} GiB  {speed}{note}")
+        print(f"  {result.layout.describe():<52} peak {_gb(result.peak_bytes):>7} GiB  {speed}")
     return 0

@@ -64,16 +64,29 @@ class PrecisionConfig:
     min_loss_scale: float = option(1.0, "smallest dynamic loss scale")
     loss_scale_window: int = option(1000, "clean steps before the dynamic loss scale grows")
     hysteresis: int = option(2, "overflowing steps tolerated before the loss scale backs off")
-    fp8_hybrid: bool = option(False, "FP8 training (E4M3 forward, E5M2 backward); needs a GPU and Transformer Engine")
+    fp8_format: Literal["e4m3", "hybrid"] | None = option(
+        None, "FP8 training through Transformer Engine (a GPU of compute capability >= 8.9): e4m3 everywhere, "
+        "or hybrid (E4M3 forward, E5M2 gradients)")
+    fp8_hybrid: bool = option(False, "shorthand for --fp8-format hybrid")
+    fp8_margin: int = option(0, "FP8 scaling margin: scales leave 2^margin of headroom below the format's maximum")
     fp8_amax_compute_algo: Literal["most_recent", "max"] = option("most_recent", "FP8 amax algorithm")
     fp8_amax_history_len: int = option(1, "FP8 amax history length")
-    transformer_impl: Literal["local", "transformer_engine"] = option("local", "layer implementation")
+    fp8_param_gather: bool = option(False, "keep FP8 parameters and all-gather them in FP8 (not available yet)")
+    transformer_impl: Literal["local", "transformer_engine"] = option(
+        "local", "layer implementation: local (mega's kernels), or transformer_engine (--kernels transformer-engine)")
     use_flash_attn: bool = option(False, "use the flash-attn kernel backend for attention")
     tp_comm_overlap: bool = option(False, "overlap tensor-parallel communication with GEMMs (needs Transformer Engine)")
 
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 are mutually exclusive")
+        if self.fp8_hybrid and self.fp8_format == "e4m3":
+            raise ValueError("--fp8-hybrid means --fp8-format hybrid; it contradicts --fp8-format e4m3")
+
+    @property
+    def fp8(self) -> str | None:
+        """The FP8 format the run trains in (--fp8-format, or hybrid for --fp8-hybrid), None without FP8."""
+        return "hybrid" if self.fp8_hybrid else self.fp8_format
 
     @property
     def dtype_name(self) -> str:
@@ -141,12 +154,18 @@ class KernelConfig:
     loss_backend: str | None = option(None, "cross-entropy (loss head) kernel backend")
     block_attention_backend: str | None = option(
         None, "blockwise attention returning the log-sum-exp (context parallelism's ring) kernel backend")
+    linear_loss_backend: str | None = option(
+        None, "output layer fused with the cross-entropy, no full logits (e.g. liger; torch: unfused)")
+    compile: bool = option(False, "torch.compile each transformer layer (each unit the model family names), "
+                                  "fusing its elementwise chains (bias+GELU/SwiGLU, dropout+residual, RoPE)")
+    compile_backend: str = option("inductor", "torch.compile backend for --compile (inductor; aot_eager to "
+                                  "check tracing without generating code)")
 
     def overrides(self) -> dict[str, str | None]:
         return {"attention": self.attention_backend, "norm": self.normalization_backend,
                 "linear": self.linear_backend, "norm_linear": self.norm_linear_backend,
                 "activation": self.activation_backend, "rotary": self.rotary_backend, "loss": self.loss_backend,
-                "block_attention": self.block_attention_backend}
+                "block_attention": self.block_attention_backend, "linear_loss": self.linear_loss_backend}
 
     def selection(self, plugins=None) -> dict[str, str]:
         """Kind -> backend name; every chosen backend checked usable here (see select_backends)."""

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mega.core.config import ConfigError
-from mega.core.kernels import KernelBackendError
+from mega.core.kernels import KernelBackendError, Kernels, check_linear_loss
 from mega.core.parallel import ParallelConfig
+from mega.core.parallel.context_parallel import check_sequence_length
 from mega.core.plugins import PluginError
 from mega.core.training.config import (
     CheckpointConfig,
@@ -38,6 +39,16 @@ SECTIONS: dict[str, type] = {
     "moe": MoEConfig,
     "kernels": KernelConfig,
 }
+
+
+def run_sections(model_config_class: type) -> dict[str, type]:
+    """The model section then the others; a section whose every field the model's config declares
+    itself (an MoE family's config holds --num-experts and the --moe-* flags) is left to the model,
+    so each flag is declared once."""
+    model_fields = {field.name for field in dataclasses.fields(model_config_class)}
+    return {"model": model_config_class,
+            **{name: cls for name, cls in SECTIONS.items()
+               if not {field.name for field in dataclasses.fields(cls)} <= model_fields}}
 
 
 @dataclass
@@ -82,6 +93,13 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     run.model.validate(parallel.tp)
+    try:
+        check_sequence_length(run.model.seq_length, parallel.cp)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    check_layout = getattr(run.model, "validate_parallel", None)  # a family's own layout needs (experts / ep)
+    if check_layout is not None:
+        check_layout(parallel)
 
     training = run.training
     per_step = training.micro_batch_size * dp
@@ -128,7 +146,8 @@ def _kernels_with_megatron_shorthands(run: RunConfig) -> KernelConfig:
 # Features a flag may ask of the model family (ModelFamily.features): the feature, what the
 # flag asks for in words, and whether the run asks for it.
 FEATURE_FLAGS = {
-    "--num-experts": ("moe", "(mixture of experts) needs an MoE model family", lambda run: bool(run.moe.num_experts)),
+    "--num-experts": ("moe", "(mixture of experts) needs an MoE model family",
+                      lambda run: bool(getattr(run.model, "num_experts", None) or run.moe.num_experts)),
     "--expert-model-parallel-size": ("moe", "> 1 needs an MoE model family", lambda run: run.parallel.ep > 1),
     "--context-parallel-size": ("context_parallel", "> 1 needs a model family with context parallelism",
                                 lambda run: run.parallel.cp > 1),
@@ -136,6 +155,7 @@ FEATURE_FLAGS = {
 # Flags that need a kernel backend with a capability (KernelBackend.features), and what they need.
 KERNEL_FLAGS = {
     "--fp8-hybrid": ("fp8", lambda run: run.precision.fp8_hybrid),
+    "--fp8-format": ("fp8", lambda run: run.precision.fp8_format is not None),
     "--tp-comm-overlap": ("tp_comm_overlap", lambda run: run.precision.tp_comm_overlap),
 }
 TRANSFORMER_ENGINE = "NVIDIA Transformer Engine on a GPU (the mega-transformer-engine kernel plugin, --kernels transformer-engine)"
@@ -156,7 +176,7 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
             raise ConfigError(f"{flag} {needs}; {family.name!r} is not one ({where})")
     precision, kernels = run.precision, run.kernels
     try:
-        kernels.selection(plugins)
+        check_linear_loss(Kernels(kernels.selection(plugins), plugins), run.parallel.tp)
     except (KernelBackendError, PluginError) as error:
         if precision.use_flash_attn:
             raise ConfigError(f"--use-flash-attn needs the flash-attn kernel plugin and a GPU: {error}") from None
@@ -170,6 +190,16 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
     if run.optimizer.optimizer not in plugins.optimizers:
         raise ConfigError(f"--optimizer {run.optimizer.optimizer!r} is not registered; optimizers: "
                           f"{', '.join(plugins.optimizers.names())}")
+    # An optimizer that needs a library or a GPU says so, like a kernel backend, before any work.
+    usable, missing = getattr(plugins.optimizers.get(run.optimizer.optimizer), "is_available", lambda: (True, ""))()
+    if not usable:
+        raise ConfigError(f"--optimizer {run.optimizer.optimizer} is not available: {missing}")
+    if run.kernels.compile and getattr(run.model, "recompute_granularity", None) == "selective":
+        raise ConfigError("--compile with --recompute-granularity selective (or --recompute-activations): dynamo "
+                          "cannot trace the recompute's RNG-tracker context; use full recompute or none")
+    if precision.fp8_param_gather:
+        raise ConfigError("--fp8-param-gather: gathering FP8 parameters in the distributed optimizer is not "
+                          "available in this version (FP8 compute with --fp8-format is)")
     if run.optimizer.cpu_optimizer:
         raise ConfigError("--cpu-optimizer: optimizer offloading is not available in this version")
     checkpoint = run.checkpoint

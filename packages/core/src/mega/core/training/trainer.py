@@ -24,11 +24,13 @@ from mega.core.kernels import Kernels
 from mega.core.model_family import LossContext, ModelFamily
 from mega.core.optim.build import build_optimizer
 from mega.core.parallel import ParallelGroups
+from mega.core.parallel.context_parallel import split_batch
 from mega.core.parallel.random import seed_parallel_rng
 from mega.core.pipeline.schedules import forward_backward
 from mega.core.pipeline.tied import setup_tied_weights
 from mega.core.plugins import Events, Plugins
 from mega.core.training.batches import MicroBatches
+from mega.core.training.compile import compile_stage
 from mega.core.training.lr_schedule import LearningRateSchedule
 from mega.core.training.precision import grad_scaler_for, grads_in_fp32, model_dtype
 from mega.core.training.run_config import Derived, RunConfig
@@ -66,12 +68,14 @@ class Trainer:
         torch.manual_seed(seed)
         self.rng_tracker = seed_parallel_rng(seed, self.groups)
         self.kernels = Kernels(run.kernels.selection(), plugins)
-        self.loss_context = LossContext(run.model, self.groups.tp, self.kernels)
+        self.loss_context = LossContext(run.model, self.groups.tp, self.kernels, self.groups.cp)
         pp, vpp = self.groups.pp.size, run.parallel.vpp or 1
         self.all_stages = family.pipeline_stages(run.model, pp, vpp)
         # Virtual stage c * pp + r is model chunk c of pipeline rank r (interleaved order).
         self.stages = [self.all_stages[chunk * pp + self.groups.pp.rank] for chunk in range(vpp)]
-        self.reads_batch = [bool(stage.batch_keys) or stage.is_last for stage in self.stages]
+        # Under context parallelism every stage reads its chunks' positions (RoPE in every layer).
+        self.reads_batch = [bool(stage.batch_keys) or stage.is_last or self.groups.cp.size > 1
+                            for stage in self.stages]
         self.chunks = self._build_model_chunks()
         self.optimizer = build_optimizer(self.chunks, self.groups, run.optimizer, grad_scaler_for(run.precision),
                                          plugins)
@@ -114,6 +118,8 @@ class Trainer:
         for stage in self.stages:
             module = build_stage(self.family, run.model, stage, groups=groups, kernels=self.kernels,
                                  rng_tracker=self.rng_tracker, seed=run.training.seed, dtype=self.dtype)
+            if run.kernels.compile:
+                compile_stage(self.family, module, run.kernels.compile_backend)
             chunks.append(module)
         setup_tied_weights(chunks, groups)
         return [DistributedDataParallel(chunk, groups, ddp_config) for chunk in chunks]
@@ -137,6 +143,8 @@ class Trainer:
         stage_keys = tuple(key for stage in self.all_stages for key in stage.batch_keys)
         batches = MicroBatches(dataset, self.run, self.groups, consumed_samples, self.groups.device,
                                self.family.batch_keys, stage_keys)
+        if self.groups.cp.size > 1:  # each context rank keeps its two chunks of every sequence
+            batches = (split_batch(batch, self.groups.cp, self.run.model.seq_length) for batch in batches)
         return ((batch, batch) for batch in batches)
 
     def _run_schedule(self, data: Iterator, forward_only: bool) -> float:

@@ -1,0 +1,206 @@
+"""Megatron-LM's torch_dist checkpoints (megatron-core ``dist_checkpointing``): a
+``torch.distributed.checkpoint`` directory (``.metadata``, ``__R_S.distcp``) of global tensors, plus
+``common.pt`` (args, iteration) and ``metadata.json`` (the backend).
+
+Keys are Megatron-Core's, with its Transformer Engine names for the norms
+(``decoder.layers.self_attention.linear_qkv.layer_norm_weight``) and the layer dimension stacked
+in front (``[num_layers, ...]`` under ``decoder.layers.<rest>``), or one key per layer
+(``decoder.layers.N.<rest>``). A tied output layer is saved under its own key too (a copy). Modules' ``_extra_state``
+are byte objects (``<module>._extra_state/shard_<layer>_<layers>``).
+
+Reading takes one layer's slice of a stacked tensor at a time; writing produces each layer's
+slice when DCP writes it, so memory stays at one layer's tensors either way.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+from mega.ckpt_convert.errors import ConversionError
+from mega.ckpt_convert.megatron_args import args_for
+from mega.ckpt_convert.megatron_directory import (
+    COMMON_FILE,
+    DIST_CONFIG,
+    TORCH_DIST,
+    TRACKER_FILE,
+    MegatronCheckpoint,
+    iteration_dir_name,
+    read_dist_config,
+)
+from mega.ckpt_convert.megatron_layout import TensorLayout, model_layouts
+from mega.ckpt_convert.megatron_names import LAYER_PREFIX, mega_name, names_for, split_layer
+from mega.ckpt_convert.megatron_pickle import load_megatron_pickle
+from mega.ckpt_convert.megatron_source import MegatronSource
+from mega.core.checkpoint import CheckpointError
+from mega.core.checkpoint.pieces import Piece
+from mega.core.checkpoint.sharded_io import LazyTensor, SafeFileSystemReader, ShardedEntry, load_entries
+
+CHECKPOINT_VERSION = 3.0
+DIST_CONFIG_CONTENT = {"sharded_backend": TORCH_DIST, "sharded_backend_version": 1, "common_backend": "torch",
+                       "common_backend_version": 1}
+NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine_state")
+
+
+def check_file_sizes(directory: Path, metadata) -> None:
+    """Every ``.distcp`` file holds the bytes the index places in it (a truncated or missing file
+    is named here, not as an error deep inside a read)."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = directory / name
+        if not path.is_file():
+            raise ConversionError(f"{path} is missing; {directory / '.metadata'} places tensors in it")
+        actual = path.stat().st_size
+        if actual < size:
+            raise ConversionError(f"{path} has {actual} bytes, but {directory / '.metadata'} places data up to byte "
+                                  f"{size}: the file is truncated")
+
+
+def read_index(directory: Path):
+    try:
+        metadata = SafeFileSystemReader(str(directory)).read_metadata()
+    except FileNotFoundError:
+        raise ConversionError(f"{directory / '.metadata'} is missing; the torch_dist checkpoint is incomplete") \
+            from None
+    except CheckpointError as error:
+        raise ConversionError(str(error)) from None
+    check_file_sizes(directory, metadata)
+    return metadata
+
+
+class TorchDistSource(MegatronSource):
+    kind = "torch_dist (dist_checkpointing)"
+
+    def __init__(self, checkpoint: MegatronCheckpoint, model_family: str | None):
+        directory = checkpoint.directory
+        read_dist_config(directory)
+        common_path = directory / COMMON_FILE
+        common = load_megatron_pickle(common_path)
+        if not isinstance(common, dict):
+            raise ConversionError(f"{common_path} holds a {type(common).__name__}, not Megatron's common state dict")
+        self._setup(directory, common.get("args"), common.get("iteration"), str(common_path), model_family)
+        metadata = read_index(directory)
+        names = names_for(self.family)
+        self._index = {key: md for key, md in metadata.state_dict_metadata.items()
+                       if isinstance(md, TensorStorageMetadata) and not key.startswith(NOT_MODEL)}
+        self._keys: dict[str, tuple[str, int | None]] = {}  # mega name -> (key, layer in a stacked key)
+        self._found = {}
+        tied = not self.config.untie_embeddings_and_output_weights
+        for key, md in self._index.items():
+            if tied and key in names.tied_copies:  # megatron-core saves the tied output layer under its own key
+                continue
+            size, dtype = tuple(md.size), md.properties.dtype
+            stacked = key.startswith(LAYER_PREFIX) and split_layer(key) is None
+            for layer in range(size[0]) if stacked else (None,):
+                file_name = key if layer is None else f"{LAYER_PREFIX}{layer}.{key[len(LAYER_PREFIX):]}"
+                name = mega_name(names, file_name)
+                if name in self._keys:
+                    raise ConversionError(f"{directory}: {key} and {self._keys[name][0]} both hold {name}")
+                self._keys[name] = (key, layer)
+                self._found[name] = (size[1:] if stacked else size, dtype, directory / ".metadata")
+        self._check(str(directory))
+
+    def get(self, name: str) -> torch.Tensor:
+        key, layer = self._keys[name]
+        md = self._index[key]
+        size = tuple(md.size)
+        if layer is None:
+            buffer, offsets = torch.empty(size, dtype=md.properties.dtype), (0,) * len(size)
+        else:
+            buffer, offsets = torch.empty((1, *size[1:]), dtype=md.properties.dtype), (layer,) + (0,) * (len(size) - 1)
+        entries = {key: ShardedEntry(size, md.properties.dtype, [Piece(buffer, offsets)])}
+        load_entries(self.directory, entries, alone=True)
+        return buffer if layer is None else buffer[0]
+
+
+# What a Megatron-Core module without FP8 state saves as its ``_extra_state`` object: the list of
+# the objects' data under one key (one object, None), which DCP's writer torch.saves as bytes.
+EMPTY_EXTRA_STATE = [None]
+
+
+def _file_key(names, rest: str) -> str:
+    """The Megatron-Core (Transformer Engine) name of a layer-local mega name."""
+    reverse = {mega: te for te, mega in names.layer_aliases.items()}
+    return reverse.get(rest, rest)
+
+
+def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteration: int | None) -> None:
+    """``source`` as a torch_dist checkpoint Megatron-LM loads at tp x pp (the vocabulary is padded
+    for ``tp``; the rest of the checkpoint is layout-free) in ``directory`` (a new save directory)."""
+    config = source.config
+    layouts: dict[str, TensorLayout] = model_layouts(family, config, tp)
+    names = names_for(family.name)
+    num_layers = config.num_layers
+    entries: dict[str, object] = {}
+    stacked: dict[str, list[str]] = {}  # key -> the mega names of its layers, in order
+    for name, layout in layouts.items():
+        layer = split_layer(name)
+        if layer is None:
+            entries[name] = ShardedEntry(layout.shape, source.dtype(name), [(_lazy(source, name, layout), (0,) * len(layout.shape))])
+        else:
+            stacked.setdefault(LAYER_PREFIX + _file_key(names, layer[1]), []).append(name)
+    for key, layer_names in stacked.items():
+        if len(layer_names) != num_layers:
+            raise ConversionError(f"{key}: {len(layer_names)} of {num_layers} layers have it; mega writes only "
+                                  "models whose layers are alike")
+        layout = layouts[layer_names[0]]
+        pieces = [(_lazy(source, name, layout, unsqueeze=True), (n,) + (0,) * len(layout.shape))
+                  for n, name in enumerate(layer_names)]
+        entries[key] = ShardedEntry((num_layers, *layout.shape), source.dtype(layer_names[0]), pieces)
+    if not config.untie_embeddings_and_output_weights:  # megatron-core loads a tied output layer by its own key
+        layout = layouts["embedding.word_embeddings.weight"]
+        entries["output_layer.weight"] = ShardedEntry(layout.shape, source.dtype("embedding.word_embeddings.weight"), [
+            (_lazy(source, "embedding.word_embeddings.weight", layout), (0,) * len(layout.shape))])
+    for module in names.extra_state_layer_modules:
+        for n in range(num_layers):
+            entries[f"{LAYER_PREFIX}{module}._extra_state/shard_{n}_{num_layers}"] = EMPTY_EXTRA_STATE
+    checkpoint_dir = directory / iteration_dir_name(iteration)
+    checkpoint_dir.mkdir(parents=True)
+    args = args_for(config, tp, pp, config.padded_vocab_size(tp), iteration or 0, TORCH_DIST, source.tokenizer)
+    with open(checkpoint_dir / COMMON_FILE, "wb") as stream:
+        torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0}, stream)
+    save_dcp(checkpoint_dir, entries)
+    (checkpoint_dir / DIST_CONFIG).write_text(json.dumps(DIST_CONFIG_CONTENT))
+    (directory / TRACKER_FILE).write_text(f"{iteration if iteration is not None else 'release'}\n")
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's planner for global tensors offered as :class:`ShardedEntry` pieces, and objects."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex):
+        value = self.state_dict[index.fqn]
+        return value.__get_tensor_shard__(index) if isinstance(value, ShardedEntry) else value
+
+
+def save_dcp(directory: Path, entries: dict) -> None:
+    """Write ``entries`` from this one process, a file per piece: DCP keeps every tensor of a file
+    alive until the file is closed, so a file each holds one layer's tensor at a time."""
+    writer = FileSystemWriter(str(directory), sync_files=True, single_file_per_rank=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(entries, storage_writer=writer, planner=_SavePlanner(), no_dist=True)
+
+
+def _lazy(source, name: str, layout: TensorLayout, unsqueeze: bool = False) -> LazyTensor:
+    from mega.ckpt_convert.megatron_legacy import fit_rows
+
+    def produce() -> torch.Tensor:
+        tensor = source.get(name)
+        if layout.padded_vocab:
+            tensor = fit_rows(tensor, layout.shape[0])
+        return tensor[None] if unsqueeze else tensor
+
+    shape = (1, *layout.shape) if unsqueeze else layout.shape
+    return LazyTensor(shape, source.dtype(name), produce)

@@ -1,0 +1,74 @@
+"""The ``megatron`` checkpoint format: Megatron-LM save directories, legacy or torch_dist, read at
+the layout they were saved at and written at the layout asked for (``WriteOptions``:
+``megatron_format``, tensor/pipeline parallel sizes, the iteration)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mega.ckpt_convert.errors import ConversionError
+from mega.ckpt_convert.formats import WriteOptions
+from mega.ckpt_convert.megatron_directory import LEGACY, TORCH_DIST, checkpoint, find
+from mega.ckpt_convert.megatron_source import MegatronSource, _family
+from mega.ckpt_convert.source import ModelSource, format_names
+
+MEGATRON_FORMATS = (LEGACY, TORCH_DIST)
+
+
+class MegatronFormat:
+    name = "megatron"
+    load_for_training = True  # mega train --load converts it on the fly (mega.core.checkpoint.foreign)
+
+    def detect(self, path: Path) -> bool:
+        return find(path) is not None
+
+    def open(self, path: Path, model_family: str | None = None) -> MegatronSource:
+        found = checkpoint(path)
+        if found.kind == LEGACY:
+            from mega.ckpt_convert.megatron_legacy import LegacySource
+
+            return LegacySource(found, model_family)
+        from mega.ckpt_convert.megatron_dist import TorchDistSource
+
+        return TorchDistSource(found, model_family)
+
+    def describe(self, path: Path) -> list[str]:
+        """Lines for ``mega checkpoint info``."""
+        with self.open(path) as source:
+            return source.describe()
+
+    def write(self, source: ModelSource, directory: Path, options: WriteOptions) -> list[str]:
+        from mega.ckpt_convert.megatron_layout import model_layouts, stage_layers
+
+        kind, tp, pp = options.megatron_format, options.tensor_parallel_size, options.pipeline_parallel_size
+        if kind not in MEGATRON_FORMATS:
+            raise ConversionError(f"--megatron-format {kind!r}: choose {' or '.join(MEGATRON_FORMATS)}")
+        family, config = _family(source.family), source.config
+        stage_layers(config.num_layers, pp)  # the layers split evenly over the stages
+        layouts = model_layouts(family, config, tp)
+        if set(source.names()) != set(layouts):
+            raise ConversionError(f"the {source.family} source does not match its model config: "
+                                  f"{format_names(set(source.names()) ^ set(layouts))}")
+        for name, layout in layouts.items():
+            shape = source.shape(name)
+            fits = shape[1:] == layout.shape[1:] if layout.padded_vocab else shape == layout.shape
+            if not fits or (layout.padded_vocab and shape[0] < config.vocab_size):
+                raise ConversionError(f"the {source.family} source: {name} has shape {list(shape)}, but its "
+                                      f"model config implies {list(layout.shape)}")
+        iteration = options.iteration if options.iteration is not None else getattr(source, "iteration", None)
+        if kind == LEGACY:
+            from mega.ckpt_convert.megatron_legacy import write_legacy
+
+            write_legacy(source, family, directory, tp, pp, iteration or None)
+        else:
+            from mega.ckpt_convert.megatron_dist import write_torch_dist
+
+            write_torch_dist(source, family, directory, tp, pp, iteration or None)
+        warnings = list(getattr(source, "warnings", []))
+        if source.tokenizer is not None:
+            warnings.append(f"the tokenizer ({source.tokenizer.type}) is recorded in the args by type and file paths "
+                            "only; Megatron-LM checkpoints carry no tokenizer files")
+        return warnings
+
+
+MEGATRON_FORMAT = MegatronFormat()

@@ -1,0 +1,115 @@
+"""How each model family's parameters are named in Megatron-LM's files, as one table per family.
+
+mega's canonical names are Megatron-Core's local-spec names (``decoder.layers.3.mlp.linear_fc1.weight``),
+so most names pass unchanged. What differs:
+
+* Transformer Engine's spec fuses each norm into the linear layer after it:
+  ``self_attention.linear_qkv.layer_norm_weight`` is mega's ``input_layernorm.weight``;
+* Megatron-LM's older (non-core) models nest their state dict as ``language_model.encoder.layers.N...``
+  with other layer names (``query_key_value``, ``dense_h_to_4h``...);
+* torch_dist checkpoints stack a layer dimension in front of every layer tensor, under the key
+  without the layer number (``decoder.layers.mlp.linear_fc1.weight``, ``[num_layers, ...]``).
+
+How tensors are split over tensor-parallel ranks is not here: it is mega's own parallel plan
+(the ``partition_dim``/``partition_chunks`` marks on each parameter), which follows Megatron's.
+
+A family joins by adding a :class:`MegatronNames` to :data:`FAMILIES` (the Mixtral family adds
+its router and experts there).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+LAYER_PREFIX = "decoder.layers."
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class MegatronNames:
+    """One family's names in Megatron files that are not mega's (mega name on the right)."""
+
+    # Layer-local names of Megatron-Core specs other than the local one (Transformer Engine's).
+    layer_aliases: dict[str, str] = field(default_factory=dict)
+    # Older Megatron-LM models: whole names outside the layers, layer-local prefixes inside them.
+    legacy_names: dict[str, str] = field(default_factory=dict)
+    legacy_layer_prefix: str = "language_model.encoder.layers."
+    legacy_layer_parts: dict[str, str] = field(default_factory=dict)
+    # Entries in files that carry no weights mega keeps: tied copies on the last pipeline stage.
+    tied_copies: tuple[str, ...] = ()
+    # Modules of Megatron-Core's local spec with an ``_extra_state`` entry (None) in their state
+    # dict, which Megatron's strict loading expects: layer-local ones, then the others.
+    extra_state_layer_modules: tuple[str, ...] = ()
+    extra_state_modules: tuple[str, ...] = ()
+
+
+DECODER_ONLY = MegatronNames(
+    layer_aliases={
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+        "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    },
+    legacy_names={
+        "language_model.embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+        "language_model.embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+        "language_model.encoder.final_norm.weight": "decoder.final_layernorm.weight",
+        "language_model.encoder.final_norm.bias": "decoder.final_layernorm.bias",
+        "language_model.encoder.final_layernorm.weight": "decoder.final_layernorm.weight",
+        "language_model.encoder.final_layernorm.bias": "decoder.final_layernorm.bias",
+        "language_model.output_layer.weight": "output_layer.weight",
+    },
+    legacy_layer_parts={
+        "input_norm.": "input_layernorm.",
+        "input_layernorm.": "input_layernorm.",
+        "self_attention.query_key_value.": "self_attention.linear_qkv.",
+        "self_attention.dense.": "self_attention.linear_proj.",
+        "post_attention_norm.": "pre_mlp_layernorm.",
+        "post_attention_layernorm.": "pre_mlp_layernorm.",
+        "mlp.dense_h_to_4h.": "mlp.linear_fc1.",
+        "mlp.dense_4h_to_h.": "mlp.linear_fc2.",
+    },
+    # Megatron-Core's last stage holds output_layer.weight as a copy of the tied embedding; older
+    # models name that copy word_embeddings_for_head.
+    tied_copies=("output_layer.weight", "word_embeddings_for_head.weight"),
+    extra_state_layer_modules=("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
+                               "mlp.linear_fc2"),
+    extra_state_modules=("output_layer",),
+)
+
+FAMILIES: dict[str, MegatronNames] = {"gpt": DECODER_ONLY, "llama": DECODER_ONLY}
+
+
+def names_for(family: str) -> MegatronNames:
+    from mega.ckpt_convert.errors import ConversionError
+
+    if family not in FAMILIES:
+        raise ConversionError(f"model family {family!r} has no Megatron-LM name table (mega converts "
+                              f"{', '.join(sorted(FAMILIES))} checkpoints of Megatron-LM)")
+    return FAMILIES[family]
+
+
+def split_layer(name: str) -> tuple[int, str] | None:
+    """(layer number, layer-local name) of ``decoder.layers.N.rest``; None for other names."""
+    match = _LAYER.fullmatch(name)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+def mega_name(names: MegatronNames, file_name: str, layer_offset: int = 0) -> str:
+    """mega's global name of a tensor a Megatron file (a pipeline stage whose first layer is
+    ``layer_offset``) names ``file_name``; names it does not know pass unchanged."""
+    if file_name in names.legacy_names:
+        return names.legacy_names[file_name]
+    if file_name.startswith(names.legacy_layer_prefix):
+        number, _, rest = file_name[len(names.legacy_layer_prefix):].partition(".")
+        for old, new in names.legacy_layer_parts.items():
+            if rest.startswith(old):
+                rest = new + rest[len(old):]
+                break
+        file_name = f"{LAYER_PREFIX}{number}.{rest}"
+    layer = split_layer(file_name)
+    if layer is None:
+        return file_name
+    number, rest = layer
+    return f"{LAYER_PREFIX}{number + layer_offset}.{names.layer_aliases.get(rest, rest)}"

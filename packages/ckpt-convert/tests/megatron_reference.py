@@ -1,0 +1,204 @@
+"""megatron-core as the reference for the Megatron-LM checkpoint tests: functions that run on the
+ranks of a 2-rank gloo world (``mega.core.testing.DistributedWorld``), build megatron-core's own
+``GPTModel`` on the CPU and write, load and describe checkpoints with megatron-core's code.
+
+Test-only shims let its checkpoint writer run without CUDA (reference/megatron-checkpoints.md).
+Legacy files are written the way Megatron-LM's ``save_checkpoint`` writes them (a ``torch.save``
+per tp/pp rank of ``{args, checkpoint_version, iteration, model, rng_state, ...}``), each stage's
+``model`` cut from megatron-core's ``state_dict()``; exported legacy files are checked by loading
+them into megatron-core models built for each stage, with strict ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from pathlib import Path
+
+import torch
+
+VOCAB = 200  # pads to 256 at tp 1 and 2, so megatron-core loads one checkpoint at either
+MODELS = {
+    "llama": dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                  swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
+                  untie_embeddings_and_output_weights=True),
+    "gpt": dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=128,
+                swiglu=False, normalization="LayerNorm", position_embedding_type="learned_absolute",
+                add_bias_linear=True, untie_embeddings_and_output_weights=False),
+}
+SEQ = 32
+
+
+def _shims() -> None:
+    import multiprocessing
+
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    # megatron-core's writer starts a helper process, which Python refuses to daemonic processes
+    # such as the test world's ranks (they are ended by the world anyway).
+    multiprocessing.current_process()._config["daemon"] = False
+
+
+def _stop_writer_helper() -> None:
+    """End the helper process megatron-core's writer started (it would outlive the rank)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = filesystem_async._results_queue
+    if queue is not None and getattr(queue, "_manager", None) is not None:
+        queue._manager.shutdown()
+    filesystem_async._results_queue = None
+
+
+def padded_vocab(tp: int) -> int:
+    return math.ceil(VOCAB / (128 * tp)) * 128 * tp
+
+
+def megatron_args(family: str, tp: int, pp: int, iteration: int, ckpt_format: str) -> argparse.Namespace:
+    """The args Megatron-LM's pretrain_gpt.py would hold for this model (the ones checkpoints keep)."""
+    from megatron.core.enums import ModelType
+
+    m = MODELS[family]
+    return argparse.Namespace(
+        num_layers=m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
+        num_attention_heads=m["num_attention_heads"], group_query_attention=m["num_query_groups"] != 4,
+        num_query_groups=m["num_query_groups"], kv_channels=16, seq_length=SEQ, max_position_embeddings=SEQ,
+        vocab_size=VOCAB, padded_vocab_size=padded_vocab(tp), make_vocab_size_divisible_by=128,
+        swiglu=m["swiglu"], normalization=m["normalization"], position_embedding_type=m["position_embedding_type"],
+        add_bias_linear=m["add_bias_linear"], add_qkv_bias=False, norm_epsilon=1e-5, rotary_base=10000,
+        rotary_percent=1.0, untie_embeddings_and_output_weights=m["untie_embeddings_and_output_weights"],
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, params_dtype=torch.float32,
+        model_type=ModelType.encoder_or_decoder, ckpt_format=ckpt_format, iteration=iteration,
+        tokenizer_type="NullTokenizer", transformer_impl="local", qk_layernorm=False, num_experts=None,
+    )
+
+
+def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, post: bool = True, seed: int = 0):
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    _shims()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, 1)
+    m = MODELS[family]
+    config = TransformerConfig(
+        num_layers=layers or m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
+        num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
+        gated_linear_unit=m["swiglu"], activation_func=F.silu if m["swiglu"] else F.gelu,
+        normalization=m["normalization"], add_bias_linear=m["add_bias_linear"], hidden_dropout=0.0,
+        attention_dropout=0.0, use_cpu_initialization=True, perform_initialization=True,
+        tensor_model_parallel_size=tp)
+    torch.manual_seed(seed)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=m["normalization"]),
+                     vocab_size=padded_vocab(tp), max_sequence_length=SEQ, pre_process=pre, post_process=post,
+                     position_embedding_type=m["position_embedding_type"],
+                     share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"])
+    generator = torch.Generator().manual_seed(seed + 1)  # the same on every rank: norms are replicated
+    with torch.no_grad():  # norms start at 1 and biases at 0: make every value count
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
+def save_torch_dist(family: str, tp: int, directory: str, iteration: int = 7) -> None:
+    """What Megatron-LM's save_checkpoint writes with --ckpt-format torch_dist (the model part)."""
+    _save_torch_dist(family, tp, directory, iteration)
+
+
+def _save_torch_dist(family: str, tp: int, directory: str, iteration: int, seed: int = 0):
+    from megatron.core import dist_checkpointing
+
+    model = _model(family, tp, seed=seed)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    state = {"args": megatron_args(family, tp, 1, iteration, "torch_dist"), "checkpoint_version": 3.0,
+             "iteration": iteration, "model": model.sharded_state_dict()}
+    dist_checkpointing.save(state, directory)
+    _stop_writer_helper()
+    if torch.distributed.get_rank() == 0:
+        Path(directory).parent.joinpath("latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+    return model
+
+
+def save_both(family: str, torch_dist_dir: str, legacy_dir: str, pp: int = 2, iteration: int = 7) -> None:
+    """One tp 2 megatron-core model saved twice: as torch_dist, and as the legacy files of a tp 2 x
+    pp ``pp`` run, each stage's state dict cut from the model's (layers renumbered from 0 per
+    stage, the tied embedding's copy as the last stage's output_layer.weight)."""
+    tp, rank = 2, torch.distributed.get_rank()
+    model = _save_torch_dist(family, tp, torch_dist_dir, iteration)
+    state = model.state_dict()
+    layers = MODELS[family]["num_layers"] // pp
+    tied = not MODELS[family]["untie_embeddings_and_output_weights"]
+    for stage in range(pp):
+        stage_state = {}
+        for key, value in state.items():
+            if key.startswith("decoder.layers."):
+                number, rest = key[len("decoder.layers."):].split(".", 1)
+                if int(number) // layers == stage:
+                    stage_state[f"decoder.layers.{int(number) - stage * layers}.{rest}"] = value
+            elif key.startswith("embedding."):
+                if stage == 0:
+                    stage_state[key] = value
+            elif stage == pp - 1:
+                stage_state[key] = value
+        if tied and pp > 1 and stage == pp - 1:
+            stage_state["output_layer.weight"] = state["embedding.word_embeddings.weight"].clone()
+        path = Path(legacy_dir) / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}_{stage:03d}" / "model_optim_rng.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(_rank_state(megatron_args(family, tp, pp, iteration, "torch"), iteration, stage_state), path)
+    if rank == 0:
+        (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+
+
+def load_torch_dist(family: str, tp: int, directory: str) -> dict[str, torch.Tensor]:
+    """megatron-core's dist_checkpointing.load of ``directory`` into a fresh model at ``tp``: the
+    model's state dict on rank 0 (tp 1) or this rank's shards."""
+    from megatron.core import dist_checkpointing
+
+    model = _model(family, tp, seed=123)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)  # as Megatron-LM does
+    model.load_state_dict(loaded["model"], strict=True)
+    return {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+
+def _rank_state(args, iteration: int, model_state) -> dict:
+    """One rank's dict as Megatron-LM's save_checkpoint builds it (generate_state_dict)."""
+    import numpy
+
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": numpy.random.get_state(),
+           "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
+    return {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model_state,
+            "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-4, "params": [0, 1]}]}},
+            "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": iteration * 8}, "rng_state": [rng],
+            "num_floating_point_operations_so_far": 0}
+
+
+def stage_models(family: str, tp: int, pp: int) -> list:
+    """This tp rank's megatron-core models of each pipeline stage (built one stage at a time)."""
+    layers = MODELS[family]["num_layers"] // pp
+    return [_model(family, tp, layers, pre=stage == 0, post=stage == pp - 1, seed=321 + stage)
+            for stage in range(pp)]
+
+
+def load_legacy(family: str, tp: int, pp: int, directory: str, iteration: int | None) -> list[dict]:
+    """Each of this tp rank's files loaded into a fresh megatron-core stage model with strict
+    load_state_dict (every key present, every shape right); the models' tensors."""
+    rank = torch.distributed.get_rank() % tp  # every rank builds (collectively); ranks beyond tp repeat
+    loaded = []
+    for stage, model in enumerate(stage_models(family, tp, pp)):
+        name = f"mp_rank_{rank:02d}" if pp == 1 else f"mp_rank_{rank:02d}_{stage:03d}"
+        step = "release" if iteration is None else f"iter_{iteration:07d}"
+        state = torch.load(Path(directory) / step / name / "model_optim_rng.pt", weights_only=False)
+        model.load_state_dict(state["model"], strict=True)
+        loaded.append({k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)})
+    return loaded
+
+

@@ -1,0 +1,238 @@
+"""Megatron-LM checkpoints against megatron-core itself: genuine torch_dist checkpoints saved by
+``dist_checkpointing.save`` at tp 1 and tp 2 (a 2-rank gloo world) and legacy files of a tp 2 x pp 2
+run import as exactly megatron-core's tensors (its own tp 1 view of them) at other layouts; exports
+load back into megatron-core models (``dist_checkpointing.load``, strict ``load_state_dict``) with
+equal tensors. One world serves the whole module; the models are tiny.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+pytest.importorskip("megatron.core")
+
+import megatron_reference as ref  # noqa: E402
+
+from mega.ckpt_convert import WriteOptions, convert  # noqa: E402
+from mega.ckpt_convert.cli import main as convert_main  # noqa: E402
+from mega.core.checkpoint import read_tensors, tensor_shapes  # noqa: E402
+from mega.core.testing import DistributedWorld  # noqa: E402
+
+FAMILIES = ("llama", "gpt")  # llama: GQA, SwiGLU, RMSNorm, untied; gpt: biases, LayerNorm, learned positions, tied
+
+
+@pytest.fixture(scope="module")
+def world():
+    with DistributedWorld(2, timeout_s=600) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def made(world, tmp_path_factory):
+    """Checkpoints megatron-core wrote, and megatron-core's tp 1 view of each model (the truth)."""
+    root = tmp_path_factory.mktemp("megatron")
+    world.run(ref.save_torch_dist, "llama", 1, str(root / "llama-tp1" / "iter_0000007"))
+    truth = {"llama-tp1": world.run(ref.load_torch_dist, "llama", 1, str(root / "llama-tp1" / "iter_0000007"))[0]}
+    for family in FAMILIES:
+        world.run(ref.save_both, family, str(root / f"{family}-tp2" / "iter_0000007"), str(root / f"{family}-legacy"))
+        truth[family] = world.run(ref.load_torch_dist, family, 1, str(root / f"{family}-tp2" / "iter_0000007"))[0]
+    return root, truth
+
+
+def assert_same_model(mega_dir: Path, truth: dict[str, torch.Tensor], rows: int | None = None) -> None:
+    """The mega checkpoint's tensors equal ``truth`` bit for bit (the first ``rows`` vocabulary
+    rows only, where a conversion through Hugging Face dropped the padding)."""
+    names = list(tensor_shapes(mega_dir))
+    tensors = read_tensors(mega_dir, names)
+    assert set(names) <= set(truth)
+    for name in names:
+        vocab = name in ("embedding.word_embeddings.weight", "output_layer.weight")
+        assert torch.equal(tensors[name][:rows] if vocab else tensors[name],
+                           truth[name][:rows] if vocab else truth[name]), name
+
+
+@pytest.mark.parametrize(("checkpoint", "truth_of", "layout"), [
+    ("llama-tp1", "llama-tp1", (2, 2)),  # a tp1 torch_dist checkpoint laid out for tp2 x pp2
+    ("llama-tp2", "llama", (1, 1)),      # tp2 (saved by two ranks) to one process
+    ("gpt-tp2", "gpt", (2, 1)),
+    ("llama-legacy", "llama", (1, 1)),   # legacy tp2 x pp2 files merged
+    ("gpt-legacy", "gpt", (1, 2)),
+])
+def test_import_gives_megatron_cores_tensors(checkpoint, truth_of, layout, made, tmp_path):
+    root, truth = made
+    output = tmp_path / "mega"
+    convert(root / checkpoint, output, from_format="megatron", to_format="mega",
+            options=WriteOptions(tensor_parallel_size=layout[0], pipeline_parallel_size=layout[1]))
+    assert_same_model(output, truth[truth_of])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_torch_dist_export_loads_in_megatron_core(family, made, world, tmp_path):
+    """megatron -> mega -> megatron torch_dist at tp 2 and tp 1: megatron-core's
+    dist_checkpointing.load fills its models with the tensors of the original checkpoint."""
+    root, truth = made
+    convert(root / f"{family}-legacy", tmp_path / "mega", from_format="megatron", to_format="mega")
+    for tp in (2, 1):
+        exported = tmp_path / f"tp{tp}"
+        convert(tmp_path / "mega", exported, to_format="megatron",
+                options=WriteOptions(tensor_parallel_size=tp, megatron_format="torch_dist", iteration=7))
+        assert sorted(p.name for p in (exported / "iter_0000007").iterdir() if not p.name.startswith("__")) == \
+            [".metadata", "common.pt", "metadata.json"]
+        loaded = world.run(ref.load_torch_dist, family, tp, str(exported / "iter_0000007"))
+        original = world.run(ref.load_torch_dist, family, tp, str(root / f"{family}-tp2" / "iter_0000007"))
+        for rank in range(2):
+            assert loaded[rank].keys() == original[rank].keys()
+            for name, tensor in loaded[rank].items():
+                assert torch.equal(tensor, original[rank][name]), (tp, rank, name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_legacy_export_loads_in_megatron_core(family, made, world, tmp_path):
+    """megatron torch_dist -> legacy tp2 x pp2 files: each loads into megatron-core's stage model
+    with strict load_state_dict and equals the legacy files megatron-core's state dicts made;
+    and legacy tp1 x pp1 loads into a whole model equal to megatron-core's own tp1 view."""
+    root, truth = made
+    exported = tmp_path / "legacy"
+    convert(root / f"{family}-tp2", exported, from_format="megatron", to_format="megatron",
+            options=WriteOptions(tensor_parallel_size=2, pipeline_parallel_size=2, megatron_format="legacy"))
+    assert (exported / "latest_checkpointed_iteration.txt").read_text().strip() == "7"
+    loaded = world.run(ref.load_legacy, family, 2, 2, str(exported), 7)
+    for rank in range(2):
+        for stage in range(2):
+            original = torch.load(root / f"{family}-legacy" / "iter_0000007" / f"mp_rank_{rank:02d}_{stage:03d}" /
+                                  "model_optim_rng.pt", weights_only=False)["model"]
+            for name, tensor in loaded[rank][stage].items():
+                assert torch.equal(tensor, original[name]), (rank, stage, name)
+    single = tmp_path / "legacy-tp1"
+    convert(root / f"{family}-tp2", single, from_format="megatron", to_format="megatron",
+            options=WriteOptions(megatron_format="legacy"))
+    (whole,) = world.run(ref.load_legacy, family, 1, 1, str(single), 7)[0]
+    for name, tensor in whole.items():
+        assert torch.equal(tensor, truth[family][name]), name
+
+
+def test_checkpoint_info_and_hugging_face(made, tmp_path, capsys):
+    """`mega checkpoint info` describes a Megatron-LM directory; megatron -> hf -> megatron keeps
+    every tensor (the Hugging Face side is checked by the hf tests)."""
+    from mega.core.checkpoint.info_command import main as info_main
+
+    root, truth = made
+    assert info_main([str(root / "llama-legacy")]) == 0
+    out = capsys.readouterr().out
+    assert "Megatron-LM legacy" in out and "iteration:        7" in out and "tp=2, pp=2" in out
+    assert convert_main(["--from", "megatron", "--to", "hf", "--input", str(root / "llama-tp2"),
+                         "--output", str(tmp_path / "hf"), "--progress", "never"]) == 0
+    assert convert_main(["--to", "megatron", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "back"),
+                         "--megatron-format", "torch_dist", "--progress", "never"]) == 0
+    convert(tmp_path / "back", tmp_path / "mega", to_format="mega")
+    assert_same_model(tmp_path / "mega", truth["llama"], rows=ref.VOCAB)
+
+
+# -- bad input: one clear error each, nothing written -------------------------------------------
+
+def _refused(capsys, tmp_path, source: Path, message: str) -> None:
+    code = convert_main(["--from", "megatron", "--to", "mega", "--input", str(source), "--output",
+                         str(tmp_path / "out"), "--progress", "never"])
+    err = capsys.readouterr().err
+    assert code == 1 and message in err, err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+class Exploit:
+    """What a malicious checkpoint pickles: unpickling it would run a shell command."""
+
+    def __reduce__(self):
+        return os.system, ("touch pwned",)
+
+
+def test_a_pickled_class_outside_the_allowlist_is_refused(made, tmp_path, capsys):
+    """Even with megatron-core imported in this process (it registers its own allowlist with torch)."""
+    root, _ = made
+    bad = tmp_path / "bad"
+    shutil.copytree(root / "llama-legacy", bad)
+    file = bad / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt"
+    state = torch.load(file, weights_only=False)
+    state["opt_param_scheduler"] = {"decay": Exploit()}
+    torch.save(state, file)
+    _refused(capsys, tmp_path, bad, "pickles posix.system, which mega does not unpickle")
+    assert not Path("pwned").exists()
+
+
+def test_a_truncated_distcp_file_is_named(made, tmp_path, capsys):
+    root, _ = made
+    bad = tmp_path / "bad"
+    shutil.copytree(root / "llama-tp2", bad)
+    file = max((bad / "iter_0000007").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    os.truncate(file, file.stat().st_size // 2)
+    _refused(capsys, tmp_path, bad, f"{file.name} has {file.stat().st_size} bytes")
+
+
+def test_args_that_contradict_the_tensors_name_both(made, tmp_path, capsys):
+    root, _ = made
+    bad = tmp_path / "bad"
+    shutil.copytree(root / "llama-tp2", bad)
+    common = bad / "iter_0000007" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"].ffn_hidden_size = 128
+    torch.save(state, common)
+    _refused(capsys, tmp_path, bad, "ffn_hidden_size=128")
+
+
+# Megatron-LM's older (non-core) GPT model: a nested state dict and other layer names.
+OLD_LAYER_NAMES = {"input_layernorm.": "input_norm.", "self_attention.linear_qkv.": "self_attention.query_key_value.",
+                   "self_attention.linear_proj.": "self_attention.dense.", "pre_mlp_layernorm.": "post_attention_norm.",
+                   "mlp.linear_fc1.": "mlp.dense_h_to_4h.", "mlp.linear_fc2.": "mlp.dense_4h_to_h."}
+
+
+def _old_model_state(state: dict) -> dict:
+    language_model = {"embedding": {}, "encoder": {}}
+    for key, value in state.items():
+        if key.endswith("_extra_state"):
+            continue
+        if key.startswith("embedding."):
+            language_model["embedding"].setdefault(key.split(".")[1], {})["weight"] = value
+        elif key.startswith("decoder.layers."):
+            number, rest = key[len("decoder.layers."):].split(".", 1)
+            old = next(new + rest[len(core):] for core, new in OLD_LAYER_NAMES.items() if rest.startswith(core))
+            language_model["encoder"][f"layers.{number}.{old}"] = value
+        elif key.startswith("decoder.final_layernorm."):
+            language_model["encoder"]["final_norm." + key.rsplit(".", 1)[1]] = value
+        else:
+            language_model["output_layer"] = {"weight": value}
+    return {"language_model": language_model}
+
+
+def test_older_megatron_lm_names_import_the_same(made, tmp_path):
+    root, truth = made
+    old = tmp_path / "old"
+    shutil.copytree(root / "llama-legacy", old)
+    for file in old.glob("iter_0000007/*/model_optim_rng.pt"):
+        state = torch.load(file, weights_only=False)
+        state["model"] = _old_model_state(state["model"])
+        torch.save(state, file)
+    convert(old, tmp_path / "mega", to_format="mega")
+    assert_same_model(tmp_path / "mega", truth["llama"])
+
+
+def test_mega_train_loads_a_megatron_directory(made, capsys):
+    from mega.core.training.command import main as train_main
+
+    root, _ = made
+    flags = ["--mock-data", "--model-family", "llama", "--num-layers", "4", "--hidden-size", "64",
+             "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "96", "--swiglu",
+             "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+             "--untie-embeddings-and-output-weights", "--seq-length", "32", "--max-position-embeddings", "32",
+             "--vocab-size", str(ref.VOCAB), "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
+             "--train-iters", "1", "--eval-iters", "0", "--load", str(root / "llama-tp2")]
+    assert train_main(flags) == 0
+    assert "loaded megatron torch_dist (dist_checkpointing) checkpoint" in capsys.readouterr().out
+    assert train_main([*flags[:-1], str(root / "gpt-legacy")]) == 2  # a GPT model: told, not loaded
+    assert "does not match this model" in capsys.readouterr().err

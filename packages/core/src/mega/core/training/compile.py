@@ -1,0 +1,22 @@
+"""``--compile``: ``torch.compile`` applied to each unit a model family names, as torchtitan does
+per transformer layer.
+
+Each unit is compiled in place (``nn.Module.compile``), so parameter names, hooks and checkpoints
+stay those of the eager module. Layers of one shape share their compiled code: the first layer
+compiles, the others reuse it (dynamo guards on the module's parameters' shapes, not identities
+when ``inline_inbuilt_nn_modules`` is on, torch's default since 2.5).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from mega.core.model_family import ModelFamily
+
+
+def compile_stage(family: ModelFamily, module: nn.Module, backend: str = "inductor") -> nn.Module:
+    """Compile ``module``'s units (``family.compile_units``, or the whole module) with ``backend``."""
+    units = list(family.compile_units(module)) if family.compile_units is not None else [module]
+    for unit in units:
+        unit.compile(backend=backend)
+    return module

@@ -1,0 +1,123 @@
+"""Attention across the context group equals whole-sequence attention, forward and backward.
+
+The reference is torch's own attention (``scaled_dot_product_attention`` with autograd) on the
+whole sequence in fp64; each comm type (ring ``p2p``, ``all_gather``, Ulysses ``a2a``) runs on
+the load-balanced chunks of a 4-rank gloo world split as cp4 and as cp2 (x dp2), with a causal
+and a full mask, grouped-query heads (GQA) included. Outputs and the gradients of queries, keys
+and values must agree within 1e-6 (relative to the largest entry). One world serves every case.
+
+Also: the byte count of the ring's sends (the benchmark's formula) and the chunk bookkeeping.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mega.core.parallel.context_parallel import (
+    held_chunks,
+    split_batch,
+    split_sequence,
+    to_rank_order,
+    to_sequence_order,
+)
+from mega.core.parallel.groups import Group
+from mega.core.parallel.ring_attention import visible_block
+
+BATCH, HEADS, KV_HEADS, SEQ, DIM = 2, 4, 2, 16, 8
+
+
+def _whole_sequence_case(causal: bool):
+    """Inputs, upstream gradient, and torch's attention output and gradients for the whole sequence."""
+    generator = torch.Generator().manual_seed(11)
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+    query, key, value = draw(BATCH, HEADS, SEQ, DIM), draw(BATCH, KV_HEADS, SEQ, DIM), draw(BATCH, KV_HEADS, SEQ, DIM)
+    grad_out = draw(BATCH, HEADS, SEQ, DIM)
+    leaves = [t.clone().requires_grad_() for t in (query, key, value)]
+    repeats = HEADS // KV_HEADS
+    out = torch.nn.functional.scaled_dot_product_attention(
+        leaves[0], leaves[1].repeat_interleave(repeats, 1), leaves[2].repeat_interleave(repeats, 1),
+        is_causal=causal, scale=0.3)
+    out.backward(grad_out)
+    return (query, key, value, grad_out), (out.detach(), *(leaf.grad for leaf in leaves))
+
+
+def _relative_error(actual, expected):
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+def attention_errors(cp: int) -> dict:
+    """On every rank of the world: the largest relative error of output and gradients per case."""
+    from mega.core.kernels import Kernels
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.core.parallel.collectives import CommCounter
+    from mega.core.parallel.context_attention import context_parallel_attention
+
+    groups = ParallelGroups(ParallelConfig(cp=cp))
+    errors = {}
+    for causal in (True, False):
+        inputs, expected = _whole_sequence_case(causal)
+        for comm_type in ("p2p", "all_gather", "a2a"):
+            local = [split_sequence(t, groups.cp, dim=2).requires_grad_() for t in inputs[:3]]
+            with CommCounter() as counts:
+                out = context_parallel_attention(*local, groups.cp, comm_type, Kernels(), causal=causal,
+                                                 softmax_scale=0.3)
+                out.backward(split_sequence(inputs[3], groups.cp, dim=2))
+            got = [out.detach()] + [t.grad for t in local]
+            want = [split_sequence(t, groups.cp, dim=2) for t in expected]
+            errors[(causal, comm_type)] = max(_relative_error(g, w) for g, w in zip(got, want, strict=True))
+            if comm_type == "p2p":
+                errors[("sent bytes", causal)] = counts.summary().get("send/cp", {}).get("bytes", 0)
+    return errors
+
+
+@pytest.mark.parametrize("cp", [4, 2])
+def test_attention_across_ranks_matches_whole_sequence(worlds, cp):
+    results = worlds.run(4, attention_errors, cp)
+    for rank, errors in enumerate(results):
+        for case, error in errors.items():
+            if case[0] == "sent bytes":
+                continue
+            causal, comm_type = case
+            assert error <= 1e-6, f"cp{cp} rank {rank} {comm_type} {'causal' if causal else 'full'}: {error:.3g}"
+        # Ring sends per rank: (cp - 1) key/value blocks forward, (cp - 1) again and cp gradient
+        # blocks backward, each 2 x batch x kv_heads x seq/cp x head_dim fp64 values.
+        block = 2 * BATCH * KV_HEADS * (SEQ // cp) * DIM * 8
+        for causal in (True, False):
+            assert errors[("sent bytes", causal)] == (3 * cp - 2) * block
+
+
+def test_visible_blocks_cover_the_causal_mask_once():
+    """The ring's blocks, laid over the whole sequence, are exactly the causal mask's allowed pairs."""
+    for size in (1, 2, 3, 4):
+        seq = 4 * size
+        chunk = seq // (2 * size)
+        covered = torch.zeros(seq, seq, dtype=torch.long)
+        for rank in range(size):
+            positions = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in held_chunks(rank, size)])
+            for step in range(size):
+                source = (rank - step) % size
+                key_positions = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in held_chunks(source, size)])
+                rows, columns, masked = visible_block(step, rank, size, True, 2 * chunk, 2 * chunk)
+                q, k = positions[rows], key_positions[columns]
+                allowed = k[None, :] <= q[:, None] if masked else torch.ones(len(q), len(k), dtype=torch.bool)
+                assert bool((k[None, :] <= q[:, None])[allowed].all()), "a computed pair is masked"
+                covered[q[:, None].expand_as(allowed)[allowed], k[None, :].expand_as(allowed)[allowed]] += 1
+        assert torch.equal(covered, torch.ones(seq, seq, dtype=torch.long).tril()), f"cp{size}"
+
+
+def test_chunk_order_and_batch_split():
+    size = 3
+    whole = torch.arange(2 * 12).view(2, 12)
+    shards = [split_sequence(whole, Group("cp", tuple(range(size)), rank, None), dim=1) for rank in range(size)]
+    assert shards[0].tolist()[0] == [0, 1, 10, 11] and shards[2].tolist()[0] == [4, 5, 6, 7]
+    assert torch.equal(to_sequence_order(torch.cat(shards, dim=1), size, dim=1), whole)
+    assert torch.equal(to_rank_order(whole, size, dim=1), torch.cat(shards, dim=1))
+    group = Group("cp", (0, 1, 2), 1, None)
+    batch = split_batch({"tokens": whole, "labels": whole + 1, "loss_mask": torch.ones(2, 12)}, group, 12)
+    assert batch["tokens"].tolist()[0] == [2, 3, 8, 9]
+    assert batch["position_ids"].tolist() == [[2, 3, 8, 9]] * 2  # positions follow the chunks
+    assert batch["labels"].tolist()[1] == [15, 16, 21, 22]
+    with pytest.raises(ValueError, match="--seq-length 10 must be divisible by 2 x --context-parallel-size = 6"):
+        split_batch({"tokens": torch.zeros(1, 10)}, group, 10)

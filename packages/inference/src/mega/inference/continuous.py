@@ -1,0 +1,224 @@
+"""``ContinuousBatchingWorker``: the engine's thread, with sequences joining the running batch at
+the next step rather than the next batch.
+
+Each step: queued sequences are admitted (first come, first served) while the batch has fewer
+than ``max_batch_size`` sequences and the paged KV cache (:mod:`mega.inference.paged_kv_cache`)
+has blocks for the sequence's prompt and all the tokens it may generate (so a running sequence
+never runs out); each admitted one is prefilled alone (its whole prompt, one forward); the
+sequences already running decode one token each in one forward; then every sequence with new
+logits chooses its token, and those that finish leave the batch and free their blocks at once.
+
+Sequences are independent: each sits at its own position with its own cache blocks, so a
+sequence computes what it would alone (the same tokens as :class:`GenerationEngine` gives it;
+sampling streams are per sequence, as there). One process only: tensor-parallel serving keeps
+the lock-step :class:`~mega.inference.batching.BatchingWorker`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from mega.inference.batching import Job
+from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest, GenerationResult, _top
+from mega.inference.metrics import ServerMetrics
+from mega.inference.paged_kv_cache import BlockAllocator, PagedKVCache
+from mega.inference.sampling import Sampler
+
+log = logging.getLogger(__name__)
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class _Sequence:
+    job: Job
+    index: int  # within its job
+    request: GenerationRequest
+    blocks: list[int] = field(default_factory=list)
+    cached: int = 0  # tokens whose keys are in the cache
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list | None = None
+    logits: torch.Tensor | None = None  # [vocab] the next token's, once computed
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompt + self.generated
+
+
+class ContinuousBatchingWorker:
+    def __init__(self, engine: GenerationEngine, max_batch_size: int = 32, max_num_tokens: int | None = None,
+                 block_size: int = BLOCK_SIZE, metrics: ServerMetrics | None = None):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
+        if engine.tp_group is not None and engine.tp_group.size > 1:
+            raise ValueError("continuous batching runs in one process; tensor-parallel serving batches in lock-step")
+        self.engine, self.max_batch_size = engine, max_batch_size
+        self.max_num_tokens = max_num_tokens or max_batch_size * engine.max_positions
+        if self.max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be positive, got {self.max_num_tokens}")
+        self.allocator = BlockAllocator(max(1, self.max_num_tokens // block_size), block_size)
+        self.cache = PagedKVCache(self.allocator)
+        self.metrics = metrics or ServerMetrics()
+        self._pending: collections.deque[_Sequence] = collections.deque()
+        self._running: list[_Sequence] = []
+        self._sampler = Sampler([], engine.device)
+        self._condition = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="mega-continuous-batching", daemon=True)
+        self.batches_run = 0  # engine steps, for tests and logs
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._condition:
+            self._stopping = True
+            self._condition.notify()
+        self._thread.join()
+
+    def check(self, request: GenerationRequest) -> None:
+        """A sequence longer than the whole cache could never be admitted."""
+        tokens = len(request.prompt) + request.max_new_tokens
+        if self.allocator.blocks_for(tokens) > self.allocator.num_blocks:
+            raise GenerationError(f"{tokens} tokens exceed the server's KV cache of {self.max_num_tokens} tokens "
+                                  "(--max-num-tokens)")
+
+    def submit(self, job: Job) -> None:
+        with self._condition:
+            for index, request in enumerate(job.requests):
+                self._pending.append(_Sequence(job, index, request))
+            self._condition.notify()
+
+    # The worker thread.
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._pending and not self._running and not self._stopping:
+                    self._condition.wait()
+                if self._stopping:
+                    return
+                admitted = self._admit()
+            try:
+                self._step(admitted)
+            except Exception as error:  # the server lives on; the sequences of this step get the error
+                log.exception("generation failed in a step of %d sequences", len(self._running) + len(admitted))
+                for sequence in [*self._running, *admitted]:
+                    self.allocator.free(sequence.blocks)
+                    sequence.job.failed(error)
+                self._running, self._sampler = [], Sampler([], self.engine.device)
+
+    def _admit(self) -> list[_Sequence]:
+        """Queued sequences that fit now, in order; cancelled ones are dropped."""
+        admitted: list[_Sequence] = []
+        now = time.monotonic()
+        while self._pending and len(self._running) + len(admitted) < self.max_batch_size:
+            sequence = self._pending[0]
+            if sequence.request.cancelled:
+                self._pending.popleft()
+                self._finish(sequence, "cancelled")
+                continue
+            request = sequence.request
+            if not self.allocator.can_hold(len(request.prompt) + request.max_new_tokens):
+                break  # first come, first served: wait for blocks to free
+            self._pending.popleft()
+            sequence.blocks = self.allocator.allocate(len(request.prompt) + request.max_new_tokens)
+            sequence.logprobs = [] if request.logprobs else None
+            sequence.top_logprobs = [] if request.top_logprobs else None
+            self.metrics.admitted(now - sequence.job.submitted_at)
+            admitted.append(sequence)
+        return admitted
+
+    def _forward(self, sequences: list[_Sequence], tokens: torch.Tensor, logits_to_keep: int | None) -> torch.Tensor:
+        """fp32 logits ``[kept, batch, vocab]`` of ``tokens`` ``[batch, new]`` continuing each sequence."""
+        device = self.engine.device
+        cached = [s.cached for s in sequences]
+        self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device)
+        positions = torch.tensor(cached, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
+        logits = self.engine.model(tokens, positions, inference_cache=self.cache, logits_to_keep=logits_to_keep)
+        for sequence in sequences:
+            sequence.cached += tokens.shape[1]
+        return logits[..., : self.engine.vocab_size].float()
+
+    def _prefill(self, sequence: _Sequence) -> None:
+        request = sequence.request
+        tokens = torch.tensor([request.prompt], device=self.engine.device)
+        logits = self._forward([sequence], tokens, None if request.logprobs else 1)[:, 0]  # [kept, vocab]
+        if request.logprobs and len(request.prompt) > 1:
+            log_probs = F.log_softmax(logits[:-1], dim=-1)
+            sequence.logprobs.extend(log_probs.gather(-1, tokens[0, 1:, None]).squeeze(-1).tolist())
+            if sequence.top_logprobs is not None:
+                sequence.top_logprobs.extend(_top(log_probs, request.top_logprobs))
+        sequence.logits = logits[-1]
+
+    def _step(self, admitted: list[_Sequence]) -> None:
+        decoding = [s for s in self._running if s.logits is None]
+        if decoding:
+            tokens = torch.tensor([[s.tokens[-1]] for s in decoding], device=self.engine.device)
+            logits = self._forward(decoding, tokens, 1)[0]
+            for row, sequence in enumerate(decoding):
+                sequence.logits = logits[row]
+        for sequence in admitted:
+            self._prefill(sequence)
+            if sequence.request.max_new_tokens == 0:  # scoring only: done with the prompt
+                self._finish(sequence, "length")
+                continue
+            self._running.append(sequence)
+            self._sampler.extend(Sampler([sequence.request.sampling], self.engine.device))
+        with self._condition:
+            queued = len(self._pending)
+        self.metrics.step(len(self._running), self.max_batch_size, queued, len(self._running))
+        self.batches_run += 1
+        if self._running:
+            self._choose()
+
+    def _choose(self) -> None:
+        """Every running sequence's next token; the finished ones leave the batch."""
+        running = self._running
+        logits = torch.stack([s.logits for s in running])
+        drawing = [True] * len(running)
+        chosen = self._sampler.sample(logits, drawing)
+        self._sampler.observe(chosen, drawing)
+        wants_logprobs = [row for row, s in enumerate(running) if s.logprobs is not None]
+        log_probs = F.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None
+        chosen_list = chosen.tolist()
+        finished: dict[int, str] = {}
+        for k, row in enumerate(wants_logprobs):
+            sequence = running[row]
+            sequence.logprobs.append(log_probs[k, chosen_list[row]].item())
+            if sequence.top_logprobs is not None:
+                sequence.top_logprobs.extend(_top(log_probs[k: k + 1], sequence.request.top_logprobs))
+        for row, sequence in enumerate(running):
+            request = sequence.request
+            sequence.generated.append(chosen_list[row])
+            sequence.logits = None
+            logprob = sequence.logprobs[-1] if sequence.logprobs is not None else None
+            top = sequence.top_logprobs[-1] if sequence.top_logprobs is not None else None
+            sequence.job.token(sequence.index, chosen_list[row], logprob, top)
+            if self.engine.stop_checker.should_stop(request.stop, sequence.generated):
+                finished[row] = "stop"
+            elif request.cancelled:
+                finished[row] = "cancelled"
+            elif len(sequence.generated) >= request.max_new_tokens:
+                finished[row] = "length"
+        if finished:
+            for row, reason in finished.items():
+                self._finish(running[row], reason)
+            kept = [row for row in range(len(running)) if row not in finished]
+            self._running = [running[row] for row in kept]
+            self._sampler.keep(kept)
+
+    def _finish(self, sequence: _Sequence, reason: str) -> None:
+        self.allocator.free(sequence.blocks)
+        sequence.blocks = []
+        request = sequence.request
+        sequence.job.finished(sequence.index, GenerationResult(
+            tokens=sequence.tokens, prompt_length=len(request.prompt), finish_reason=reason,
+            logprobs=sequence.logprobs, top_logprobs=sequence.top_logprobs))

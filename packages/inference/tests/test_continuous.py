@@ -1,0 +1,103 @@
+"""Continuous batching: sequences that join a running batch, each with its own paged KV cache
+blocks, get exactly what the lock-step engine gives each alone (greedy tokens, log-probabilities,
+seeded sampling with penalties); a short request overtakes a long one; blocks come back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_models import POSITIONS  # noqa: E402
+
+from mega.inference.batching import Job  # noqa: E402
+from mega.inference.continuous import ContinuousBatchingWorker  # noqa: E402
+from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest  # noqa: E402
+from mega.inference.sampling import SamplingParams  # noqa: E402
+from mega.inference.stopping import StopRules  # noqa: E402
+
+PROMPTS = [[5, 17, 42, 8, 99, 3, 1], [7], [200, 13, 60], list(range(30, 50)), [11, 12]]
+
+
+def engine_for(model, config) -> GenerationEngine:
+    return GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
+
+
+def requests() -> list[GenerationRequest]:
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=3, frequency_penalty=0.5, logit_bias=((4, 2.0),))
+    return [
+        GenerationRequest(PROMPTS[0], 12, logprobs=True, top_logprobs=2),
+        GenerationRequest(PROMPTS[1], 20, sampling=sampled),
+        GenerationRequest(PROMPTS[2], 0, logprobs=True),
+        GenerationRequest(PROMPTS[3], 9, stop=StopRules(stop_ids=frozenset({1, 2, 3}))),
+        GenerationRequest(PROMPTS[4], 30, sampling=SamplingParams(top_k=5, seed=11)),
+    ]
+
+
+async def run_staggered(worker: ContinuousBatchingWorker, batch: list[GenerationRequest]):
+    """Each request submitted once the one before has streamed a token: they join a running batch."""
+    loop = asyncio.get_running_loop()
+    jobs = []
+    for request in batch:
+        job = Job([request], loop, stream=True)
+        worker.submit(job)
+        jobs.append(job)
+        if request.max_new_tokens:
+            while (await job.events.get())[0] != "token":
+                pass
+    return [(await job.done)[0] for job in jobs]
+
+
+def test_joining_sequences_get_what_each_gets_alone(tiny_pair):
+    _, model, config = tiny_pair
+    engine = engine_for(model, config)
+    alone = [engine.generate([request])[0] for request in requests()]
+    worker = ContinuousBatchingWorker(engine, max_batch_size=3, max_num_tokens=96, block_size=8)
+    worker.start()
+    try:
+        together = asyncio.run(run_staggered(worker, requests()))
+    finally:
+        worker.stop()
+    for expected, got in zip(alone, together, strict=True):
+        assert got.tokens == expected.tokens and got.finish_reason == expected.finish_reason
+        if expected.logprobs is not None:
+            assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(expected.logprobs), atol=1e-5)
+        if expected.top_logprobs is not None:
+            assert [[t for t, _ in top] for top in got.top_logprobs] == \
+                   [[t for t, _ in top] for top in expected.top_logprobs]
+    assert worker.allocator.free_blocks == worker.allocator.num_blocks  # every block came back
+
+
+def test_a_short_request_overtakes_a_long_one(tiny_pair):
+    _, model, config = tiny_pair
+    worker = ContinuousBatchingWorker(engine_for(model, config), max_batch_size=8)
+    worker.start()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        long = Job([GenerationRequest(PROMPTS[0], 50)], loop, stream=True)
+        worker.submit(long)
+        while (await long.events.get())[0] != "token":
+            pass
+        short = Job([GenerationRequest(PROMPTS[1], 2)], loop)
+        worker.submit(short)
+        await short.done
+        return long.done.done()
+
+    try:
+        long_was_done = asyncio.run(run())
+    finally:
+        worker.stop()
+    assert not long_was_done  # the short one joined the running batch and finished first
+
+
+def test_requests_larger_than_the_cache_are_refused(tiny_pair):
+    _, model, config = tiny_pair
+    worker = ContinuousBatchingWorker(engine_for(model, config), max_batch_size=2, max_num_tokens=32, block_size=16)
+    worker.check(GenerationRequest([1] * 16, 16))
+    with pytest.raises(GenerationError, match="--max-num-tokens"):
+        worker.check(GenerationRequest([1] * 16, 17))

@@ -1,0 +1,225 @@
+"""``BertModel``: the part of a BERT encoder that one pipeline stage (or chunk) holds.
+
+Hugging Face's ``BertForPreTraining`` computed the Megatron way (``[seq, batch, hidden]``,
+fused QKV per head, parallel layers swapped in from outside). Parameter names are
+Megatron-Core's ``BertModel``'s where it has the module; its layers are pre-LN, BERT's are
+post-LN, so the two norms of a layer and the embedding's norm have names of their own:
+
+    embedding.word_embeddings.weight   embedding.position_embeddings.weight
+    embedding.tokentype_embeddings.weight   embedding.layernorm.{weight,bias}
+    encoder.layers.N.self_attention.linear_qkv.{weight,bias}   ...linear_proj.{weight,bias}
+    encoder.layers.N.post_self_attn_layernorm.{weight,bias}
+    encoder.layers.N.mlp.linear_fc1.{weight,bias}   encoder.layers.N.mlp.linear_fc2.{weight,bias}
+    encoder.layers.N.post_mlp_layernorm.{weight,bias}
+    lm_head.dense.{weight,bias}   lm_head.layer_norm.{weight,bias}   output_layer.bias
+    pooler.dense.{weight,bias}   binary_head.{weight,bias}            (with the binary head)
+
+The masked-LM decoder is the word embedding (tied; a later pipeline stage holds a copy, synced
+as GPT's is) with a bias of its own over the vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from mega.core.kernels import AttentionMask, Kernels
+from mega.core.model_family import Stage
+from mega.core.parallel import ParallelConfig
+from mega.core.parallel.collectives import gather_from_sequence_parallel_region
+from mega.core.parallel.param_attrs import mark_padded_vocab
+from mega.core.pipeline.tied import tie_across_stages
+from mega.models.attention import SelfAttention
+from mega.models.bert_config import BertConfig
+from mega.models.config import ModelConfigError
+from mega.models.language_model import _drop_tied_output_weight, _fill_tied_output_weight
+from mega.models.mlp import MLP
+from mega.models.norms import build_norm
+from mega.models.recompute import is_recomputing_allowed, recomputed
+
+
+def padding_attention_mask(padding_mask: torch.Tensor | None) -> AttentionMask:
+    """Every query sees every real key: ``padding_mask`` ``[batch, seq]`` is 1 at real tokens."""
+    return AttentionMask(padding=None if padding_mask is None else padding_mask > 0)
+
+
+class BertEmbedding(nn.Module):
+    """LayerNorm(word + token type + position), then dropout; returns ``[seq, batch, hidden]``.
+
+    ``words_only``: a later pipeline stage's copy of the word embedding, the MLM decoder's weight.
+    """
+
+    def __init__(self, config: BertConfig, padded_vocab_size: int, kernels: Kernels, words_only: bool = False):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(padded_vocab_size, config.hidden_size)
+        mark_padded_vocab(self.word_embeddings.weight)
+        if words_only:
+            return
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.tokentype_embeddings = (nn.Embedding(config.num_tokentypes, config.hidden_size)
+                                     if config.num_tokentypes > 0 else None)
+        self.layernorm = build_norm(config, kernels)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, text: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.word_embeddings(text)  # [b, s, h]
+        if self.tokentype_embeddings is not None:
+            types = types if types is not None else torch.zeros_like(text)
+            hidden = hidden + self.tokentype_embeddings(types)
+        positions = torch.arange(text.shape[1], device=text.device)[None, :]
+        hidden = self.layernorm(hidden + self.position_embeddings(positions))
+        return self.dropout(hidden.transpose(0, 1).contiguous())
+
+
+class BertLayer(nn.Module):
+    """x = norm(x + dropout(attention(x))), then x = norm(x + dropout(mlp(x))): post-LN."""
+
+    def __init__(self, config: BertConfig, kernels: Kernels):
+        super().__init__()
+        self.self_attention = SelfAttention(config, kernels)
+        self.post_self_attn_layernorm = build_norm(config, kernels)
+        self.mlp = MLP(config, kernels)
+        self.post_mlp_layernorm = build_norm(config, kernels)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        attention = self.self_attention(hidden, mask=mask)
+        hidden = self.post_self_attn_layernorm(hidden + self.hidden_dropout(attention))
+        return self.post_mlp_layernorm(hidden + self.hidden_dropout(self.mlp(hidden)))
+
+
+class BertEncoder(nn.Module):
+    """The layers numbered ``layer_numbers`` (global numbers: ``encoder.layers.N``). No final
+    norm: each post-LN layer ends in one.
+
+    Set from outside by ``parallelize``, as for the decoder block: ``rng_tracker``,
+    ``fork_rng`` (sequence parallelism) and ``recompute_runs`` (full recompute).
+    """
+
+    def __init__(self, config: BertConfig, layer_numbers: range, kernels: Kernels):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(number): BertLayer(config, kernels) for number in layer_numbers})
+        self.rng_tracker = None
+        self.fork_rng = False
+        self.recompute_runs = [(0, len(self.layers), False)]
+
+    def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        layers = list(self.layers.values())
+        fork = self.rng_tracker.fork() if self.rng_tracker is not None and self.fork_rng else contextlib.nullcontext()
+        with fork:
+            for start, end, recompute in self.recompute_runs:
+                run = _LayerRun(layers[start:end], mask)
+                if recompute and is_recomputing_allowed(self):
+                    hidden = recomputed(run, hidden, rng_tracker=self.rng_tracker)
+                else:
+                    hidden = run(hidden)
+        return hidden
+
+
+class _LayerRun:
+    """Consecutive layers as one callable of the hidden state: the unit full recompute checkpoints."""
+
+    def __init__(self, layers: list[BertLayer], mask: AttentionMask):
+        self.layers, self.mask = layers, mask
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            hidden = layer(hidden, self.mask)
+        return hidden
+
+
+class BertLMHead(nn.Module):
+    """The masked-LM transform: LayerNorm(gelu(dense(x))), before the tied decoder."""
+
+    def __init__(self, config: BertConfig, kernels: Kernels):
+        super().__init__()
+        self.dense = kernels.linear(config.hidden_size, config.hidden_size, bias=True)
+        self.activation = kernels.activation("gelu_tanh" if config.openai_gelu else "gelu")
+        self.layer_norm = build_norm(config, kernels)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.layer_norm(self.activation(self.dense(hidden)))
+
+
+class Pooler(nn.Module):
+    """tanh(dense(hidden of the first token)): the binary head's input.
+
+    Under sequence parallelism the first token lives on one rank, so the sequence is gathered
+    first (``sequence_parallel_group``, set by ``parallelize``) and every rank computes the same
+    pooler; the gathered tensor's gradient is split back, not summed, for the same reason.
+    """
+
+    def __init__(self, config: BertConfig, kernels: Kernels):
+        super().__init__()
+        self.dense = kernels.linear(config.hidden_size, config.hidden_size, bias=True)
+        self.sequence_parallel_group = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel_group is not None:
+            hidden = gather_from_sequence_parallel_region(hidden, self.sequence_parallel_group,
+                                                          tensor_parallel_output_grad=False)
+        return torch.tanh(self.dense(hidden[0]))
+
+
+class BertModel(nn.Module):
+    """``stage``: which layers (``stage.layers["encoder"]``), and whether the embeddings (first
+    stage) and the heads (last stage) are held; ``parallel``: the layout the vocabulary is
+    padded for; ``kernels``: where the components come from."""
+
+    def __init__(self, config: BertConfig, stage: Stage, kernels: Kernels, parallel: ParallelConfig):
+        super().__init__()
+        config.validate(parallel.tp)
+        if kernels.get("norm_linear") is not None:
+            raise ModelConfigError("BERT's layers are post-LN: no norm feeds a linear layer, so a norm_linear "
+                                   "kernel backend cannot be used (choose --normalization-backend instead)")
+        layers = stage.layers["encoder"]
+        if layers.step != 1 or layers.start < 0 or layers.stop > config.num_layers:
+            raise ModelConfigError(f"layers {layers} are not consecutive layers of a {config.num_layers}-layer model")
+        pre_process, post_process = stage.is_first, stage.is_last
+        self.config, self.stage, self.pre_process, self.post_process = config, stage, pre_process, post_process
+        self.kernels = kernels
+        tied = not config.untie_embeddings_and_output_weights
+        vocab = config.padded_vocab_size(parallel.tp)
+
+        if pre_process:
+            self.embedding = BertEmbedding(config, vocab, kernels)
+        elif post_process and tied:
+            self.embedding = BertEmbedding(config, vocab, kernels, words_only=True)
+        if tied and (pre_process or post_process):
+            tie_across_stages(self.embedding.word_embeddings.weight)
+        self.encoder = BertEncoder(config, layers, kernels)
+        if not post_process:
+            return
+        self.lm_head = BertLMHead(config, kernels)
+        self.output_layer = kernels.linear(config.hidden_size, vocab, bias=True)
+        mark_padded_vocab(self.output_layer.weight)
+        mark_padded_vocab(self.output_layer.bias)
+        if tied:
+            self.output_layer.weight = self.embedding.word_embeddings.weight
+            self.register_state_dict_post_hook(_drop_tied_output_weight)
+            self.register_load_state_dict_pre_hook(_fill_tied_output_weight)
+        if config.bert_binary_head:
+            self.pooler = Pooler(config, kernels)
+            self.binary_head = kernels.linear(config.hidden_size, 2, bias=True)
+
+    def encode(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """This stage's encoder output ``[seq, batch, hidden]`` (of the last layer on the last
+        stage: what ``BertModel`` calls ``last_hidden_state``, transposed). The first stage
+        reads ``text`` (and ``types``), later ones ``hidden``; every stage ``padding_mask``."""
+        mask = padding_attention_mask(batch.get("padding_mask"))
+        hidden = self.embedding(batch["text"], batch.get("types")) if self.pre_process else batch["hidden"]
+        return self.encoder(hidden, mask)
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{"hidden"}`` to send on, or on the last stage ``{"logits"}`` ``[seq, batch, vocab
+        (shard)]`` and, with the binary head, ``{"binary_logits"}`` ``[batch, 2]``."""
+        hidden = self.encode(batch)
+        if not self.post_process:
+            return {"hidden": hidden}
+        outputs = {"logits": self.output_layer(self.lm_head(hidden))}
+        if self.config.bert_binary_head:
+            outputs["binary_logits"] = self.binary_head(self.pooler(hidden))
+        return outputs

@@ -1,0 +1,68 @@
+"""Context parallelism for the decoder-only LMs, applied from outside like tensor parallelism.
+
+Every layer's :class:`~mega.models.attention.CoreAttention` is swapped for
+:class:`ContextParallelAttention`, which attends this rank's chunks of the sequence to the whole
+sequence's keys across the context group (``--cp-comm-type``, see
+:mod:`mega.core.parallel.context_attention`). Nothing else in the model changes: the trainer
+hands each rank its chunks of the micro-batch with their ``position_ids`` (so learned positions
+and RoPE follow the chunks), norms and MLPs are per token, and the loss sums over the whole
+sequence (:func:`mega.core.parallel.context_parallel.sequence_mean`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mega.core.kernels import CAUSAL, AttentionMask
+from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.parallel.context_attention import check_heads, context_parallel_attention
+from mega.models.attention import CoreAttention
+from mega.models.config import ModelConfigError, TransformerConfig
+
+
+def check_context_parallel(config: TransformerConfig, parallel: ParallelConfig) -> None:
+    """What context parallelism cannot run, named by its flags."""
+    if parallel.cp <= 1:
+        return
+    if config.attention_dropout:
+        raise ModelConfigError(
+            f"--attention-dropout {config.attention_dropout} with --context-parallel-size {parallel.cp}: "
+            f"attention split across ranks has no dropout; pass --attention-dropout 0"
+        )
+    if parallel.cp_comm_type == "a2a":
+        try:
+            check_heads(config.num_attention_heads // parallel.tp, parallel.cp)
+        except ValueError as error:
+            raise ModelConfigError(str(error)) from None
+
+
+class ContextParallelAttention(nn.Module):
+    """``CoreAttention``'s interface (``[seq, batch, heads, head_dim]`` in, ``[seq, batch,
+    heads * head_dim]`` out) over the context group; causal or full masks only."""
+
+    def __init__(self, core: CoreAttention, groups: ParallelGroups, comm_type: str):
+        super().__init__()
+        self.kernels, self.softmax_scale = core.kernels, core.softmax_scale
+        self.group, self.comm_type = groups.cp, comm_type
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: AttentionMask = CAUSAL) -> torch.Tensor:
+        if mask.padding is not None or mask.cu_seqlens is not None or mask.bias is not None:
+            raise ValueError("context parallelism takes causal or full attention masks only")
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = context_parallel_attention(query, key, value, self.group, self.comm_type, self.kernels,
+                                         causal=mask.causal, softmax_scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).flatten(2)
+
+
+def apply_context_parallel(model: nn.Module, groups: ParallelGroups, config: TransformerConfig,
+                           parallel: ParallelConfig) -> nn.Module:
+    """Swap every layer's core attention for the context-parallel one (nothing when cp is 1)."""
+    if groups.cp.size <= 1:
+        return model
+    check_context_parallel(config, parallel)
+    for layer in model.decoder.layers.values():
+        attention = layer.self_attention
+        attention.core_attention = ContextParallelAttention(attention.core_attention, groups, parallel.cp_comm_type)
+    return model

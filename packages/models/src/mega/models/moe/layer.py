@@ -1,0 +1,75 @@
+"""``MoELayer``: the MLP of a mixture-of-experts transformer layer (router -> dispatch -> experts
+-> weighted sum), written for one device; ``parallelize`` sets its groups from outside.
+
+Tensor parallelism (experts split as dense MLPs are, see :mod:`mega.models.moe.experts`):
+
+* the router is replicated; under sequence parallelism it scores this rank's slice of the
+  sequence and the logits are gathered, so routing (top-k, capacity, losses) always sees the
+  whole micro-batch, identically on every tensor rank;
+* the experts' partial outputs are summed over the tensor group *before* the routing weights
+  are applied, so the router's gradient is whole on every rank;
+* under sequence parallelism each rank keeps its slice of the output.
+
+After each forward ``stats`` holds ``[load-balancing loss, z-loss, least-loaded expert,
+most-loaded expert]`` (loads relative to a perfectly even spread: 1.0 each) for the family's
+loss and logs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mega.core.kernels import Kernels
+from mega.core.parallel.collectives import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from mega.models.moe.config import MoETransformerConfig
+from mega.models.moe.dispatch import dispatch
+from mega.models.moe.experts import GroupedExperts
+from mega.models.moe.routing import route
+
+STATS = ("load_balancing_loss", "z_loss", "expert load min", "expert load max")
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config: MoETransformerConfig, kernels: Kernels):
+        super().__init__()
+        self.config = config
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size, kernels,
+                                      grouped_gemm=config.moe_grouped_gemm)
+        # Set by parallelize: the tensor and expert groups, and whether the input is a sequence shard.
+        self.tp_group = None
+        self.ep_group = None
+        self.sequence_parallel = False
+        self.stats: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        seq, batch, width = hidden.shape
+        tokens = hidden.reshape(-1, width)
+        logits = self.router(tokens)
+        tp = self.tp_group
+        split = tp is not None and tp.size > 1
+        if split and self.sequence_parallel:
+            logits = gather_from_sequence_parallel_region(logits, tp, tensor_parallel_output_grad=False)
+            tokens = gather_from_sequence_parallel_region(tokens, tp, tensor_parallel_output_grad=True)
+        elif split:
+            tokens = copy_to_tensor_parallel_region(tokens, tp)
+        routing = route(logits, self.config, sequences=batch)
+        outputs = dispatch(tokens, routing, self.experts, self.ep_group, self.config.moe_token_dispatcher_type)
+        if split:
+            outputs = reduce_from_tensor_parallel_region(outputs, tp)
+        combined = (outputs * routing.weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
+        if split and self.sequence_parallel:
+            combined = scatter_to_sequence_parallel_region(combined, tp)
+        self.stats = self._stats(routing, logits.shape[0])
+        return combined.view(seq, batch, width)
+
+    def _stats(self, routing, tokens: int) -> torch.Tensor:
+        even = tokens * self.config.moe_router_topk / self.config.num_experts
+        load = routing.load.float() / even
+        return torch.stack([routing.aux_loss.float(), routing.z_loss.float(), load.min(), load.max()])

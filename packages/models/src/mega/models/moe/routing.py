@@ -1,0 +1,96 @@
+"""Top-k routing of tokens to experts: which experts, with which weights, which slots are kept,
+and the router's auxiliary losses. Pure functions of the router logits (Megatron-Core's
+``topk_routing_with_score_function``, ``switch_load_balancing_loss_func``, ``z_loss_func`` and
+``get_capacity`` define the behaviour).
+
+Routing always sees one micro-batch's tokens whole (the layer gathers the logits of a
+sequence-parallel shard first), so dropping, capacity and the losses are the same at every layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mega.models.moe.config import MoETransformerConfig
+
+
+@dataclass
+class Routing:
+    """``experts`` [T, k]: the chosen experts of each token; ``weights`` [T, k] (fp32): their
+    weights in the output; ``kept`` [T, k] (bool): the slot is computed (False: dropped over
+    capacity); ``capacity``: per-expert slots when padding to capacity, else None.
+    ``aux_loss`` / ``z_loss``: scalars (zero when off); ``load`` [E]: slots routed per expert."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    kept: torch.Tensor
+    capacity: int | None
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    load: torch.Tensor
+
+
+def route(logits: torch.Tensor, config: MoETransformerConfig, sequences: int = 1) -> Routing:
+    """Route the tokens whose router logits are ``logits`` [T, E] (token ``t`` of sequence
+    ``t % sequences``: the ``[s, b]`` order flattened)."""
+    topk, num_experts = config.moe_router_topk, config.num_experts
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # over every expert
+    if config.moe_router_pre_softmax:
+        weights, experts = torch.topk(scores, topk, dim=-1)
+    else:  # softmax over the chosen logits: Mixtral's renormalised top-k weights
+        top_logits, experts = torch.topk(logits, topk, dim=-1)
+        weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
+    load = torch.bincount(experts.reshape(-1), minlength=num_experts)
+    kept, capacity = _apply_capacity(experts, weights, config)
+    balancing = config.moe_router_load_balancing_type
+    if balancing == "aux_loss":
+        aux = switch_load_balancing_loss(scores, load, topk)
+    elif balancing == "seq_aux_loss":
+        per_sequence = [switch_load_balancing_loss(scores[b::sequences], _load(experts[b::sequences], num_experts), topk)
+                        for b in range(sequences)]
+        aux = torch.stack(per_sequence).mean()
+    else:
+        aux = scores.new_zeros(())
+    z = z_loss(logits) if config.moe_z_loss_coeff else scores.new_zeros(())
+    return Routing(experts, weights * kept, kept, capacity if config.moe_pad_expert_input_to_capacity else None,
+                   aux, z, load)
+
+
+def _load(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    return torch.bincount(experts.reshape(-1), minlength=num_experts)
+
+
+def switch_load_balancing_loss(scores: torch.Tensor, load: torch.Tensor, topk: int) -> torch.Tensor:
+    """E * sum_e f_e * P_e, f_e = slots routed to e / (T * topk), P_e = mean probability of e."""
+    tokens, num_experts = scores.shape
+    return (scores.sum(0) * load.to(scores.dtype)).sum() * (num_experts / (topk * tokens * tokens))
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+def expert_capacity(tokens: int, config: MoETransformerConfig) -> int:
+    return math.ceil(tokens * config.moe_router_topk / config.num_experts * config.moe_expert_capacity_factor)
+
+
+def _apply_capacity(experts: torch.Tensor, weights: torch.Tensor,
+                    config: MoETransformerConfig) -> tuple[torch.Tensor, int | None]:
+    """Keep at most ``capacity`` slots per expert, those with the highest router weights
+    (Megatron's "probs" drop policy; ties go to the earlier slot)."""
+    if config.moe_expert_capacity_factor is None:
+        return torch.ones_like(experts, dtype=torch.bool), None
+    capacity = expert_capacity(experts.shape[0], config)
+    flat_experts, flat_weights = experts.reshape(-1), weights.detach().reshape(-1)
+    order = torch.sort(-flat_weights, stable=True).indices
+    order = order[torch.sort(flat_experts[order], stable=True).indices]  # by expert, then weight
+    counts = torch.bincount(flat_experts, minlength=config.num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[flat_experts[order]]
+    kept = torch.empty_like(flat_experts, dtype=torch.bool)
+    kept[order] = rank_in_expert < capacity
+    return kept.view_as(experts), capacity

@@ -1,0 +1,1 @@
+"""mega's Liger kernel backend: see README.md (``--kernels liger``)."""

@@ -1,0 +1,99 @@
+"""mega's component kinds on Liger-Kernel's functions (``liger_kernel.transformers.functional``).
+
+* ``norm``: RMSNorm (Liger's "llama" casting: the statistics in fp32, like torch's and Hugging
+  Face's) and LayerNorm, holding ``weight`` (and ``bias``) as torch's norms do, so checkpoints
+  do not depend on the backend.
+* ``rotary``: Liger's RoPE (rotate-half, Hugging Face's layout ``[batch, heads, seq, d]`` with
+  ``cos``/``sin`` ``[1 or batch, seq, d]``). Liger rotates a query and a key in one call, in
+  place; mega's contract rotates one tensor, so it gets a private copy and a one-head key.
+* ``activation``: SwiGLU and GeGLU (Liger's GeGLU uses the tanh approximation of GELU: within
+  1e-3 of the exact one torch's ``geglu`` uses); the others are torch's.
+* ``linear_loss``: the fused linear cross-entropy: logits are made a chunk of tokens at a time
+  and their gradients at once, so the ``[tokens, vocab]`` logits never exist whole.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from mega.core.kernels import KernelBackendError
+from mega.models import torch_kernels
+
+# Liger's (and torch's) ignore_index: tokens the loss mask drops take no part.
+IGNORE_INDEX = -100
+
+
+def functional():
+    """``liger_kernel.transformers.functional``, looked up at call time (tests put a stand-in there)."""
+    return importlib.import_module("liger_kernel.transformers.functional")
+
+
+class LigerNorm(nn.Module):
+    def __init__(self, kind: str, hidden_size: int, eps: float):
+        super().__init__()
+        if kind not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"no normalization {kind!r}; choose LayerNorm or RMSNorm")
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if kind == "LayerNorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "RMSNorm":
+            # in_place=False: the backward must not overwrite the incoming gradient, which
+            # recompute and pipelining may still hold.
+            return functional().liger_rms_norm(x, self.weight, self.eps, in_place=False)
+        return functional().liger_layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[seq, batch, heads, d]`` by ``cos``/``sin`` ``[seq, batch or 1, 1, d / 2]``."""
+    # [b, s, h, d]: always our own copy (never a view of x), which Liger rotates in place.
+    query = x.transpose(0, 1).clone(memory_format=torch.contiguous_format)
+    key = query.new_zeros(*query.shape[:2], 1, query.shape[3])  # Liger's kernel rotates a key too
+    cos, sin = (torch.cat([t, t], dim=-1)[:, :, 0].transpose(0, 1).to(x.dtype) for t in (cos, sin))  # [B, s, d]
+    rotated, _ = functional().liger_rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    return rotated.transpose(1, 2).transpose(0, 1)  # [b, h, s, d] -> [s, b, h, d]
+
+
+def _glu(function_name: str):
+    def glu(x: torch.Tensor) -> torch.Tensor:
+        # Liger's kernels index both halves with one row stride: they must be contiguous.
+        gate, up = (half.contiguous() for half in x.chunk(2, dim=-1))
+        return getattr(functional(), function_name)(gate, up)
+
+    return glu
+
+
+def activation(name: str):
+    if name == "swiglu":
+        return _glu("liger_swiglu")
+    if name == "geglu":
+        return _glu("liger_geglu")
+    return torch_kernels.activation(name)
+
+
+class LinearCrossEntropy:
+    """The ``linear_loss`` kind on ``liger_fused_linear_cross_entropy``.
+
+    Liger's kernel needs the whole vocabulary (``vocab_parallel`` False: models refuse it under
+    tensor parallelism). It weighs each token 0 or 1 (``ignore_index``); summed, not averaged,
+    so the family divides by the loss mask's sum exactly as with the unfused loss.
+    """
+
+    vocab_parallel = False
+
+    def __call__(self, hidden, weight, labels, loss_mask, tp_group=None, vocab_size=None):
+        if tp_group is not None and tp_group.size > 1:
+            raise KernelBackendError("liger's fused linear cross-entropy needs the whole vocabulary on one rank "
+                                     "(--tensor-model-parallel-size 1); use --linear-loss-backend torch")
+        keep = loss_mask != 0
+        if bool(((loss_mask != 1) & keep).any()):
+            raise ValueError("liger's fused linear cross-entropy weighs every token 0 or 1, the loss mask has "
+                             "other weights; use --linear-loss-backend torch")
+        rows = vocab_size or weight.shape[0]  # padded vocabulary rows take no part
+        return functional().liger_fused_linear_cross_entropy(
+            hidden, weight[:rows], labels.masked_fill(~keep, IGNORE_INDEX), ignore_index=IGNORE_INDEX,
+            reduction="sum")
