@@ -1,4 +1,4 @@
-"""A T5 checkpoint behind ``mega generate`` and the REST server (PUT /api, /v1/completions): the
+"""A T5 checkpoint behind ``mega generate`` and ``mega serve`` (PUT /api, /v1/completions): the
 greedy continuations are transformers' ``generate`` on the same weights; logprobs of generated
 tokens over the OpenAI API. Tokens are ids as text (NullTokenizer: "5 17 42"), whose end of
 document (the last id) is the model's end token."""
@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import sys
-import threading
 import time
 
 import pytest
@@ -20,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tiny_models  # noqa: E402,F401  (sets HF_HUB_OFFLINE)
 
 transformers = pytest.importorskip("transformers")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 import httpx  # noqa: E402
 
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec  # noqa: E402
@@ -70,31 +69,39 @@ def test_mega_generate_equals_transformers(t5, capsys):
 
 @pytest.fixture(scope="module")
 def served(t5):
-    from mega.core.parallel import ParallelConfig, ParallelGroups
-    from mega.inference.batching import BatchingWorker
-    from mega.inference.encoder_decoder import EncoderDecoderEngine
-    from mega.inference.loader import load_model
-    from mega.inference.server import create_app
-    from mega.inference.service import InferenceService
+    """``mega serve`` on the T5 checkpoint, in its own process (the engine and batching it picks)."""
+    import subprocess
 
-    loaded = load_model(t5[0], groups=ParallelGroups(ParallelConfig()), device=torch.device("cpu"))
-    engine = EncoderDecoderEngine(loaded.model, vocab_size=VOCAB, max_positions=loaded.max_positions,
-                                  tokenizer=loaded.tokenizer)
-    worker = BatchingWorker(engine, max_batch_size=8)
-    service = InferenceService(engine, worker, loaded.tokenizer, "tiny-t5")
-    worker.start()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join()
-    worker.stop()
+    log = open(t5[0] / "serve.log", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mega.core.cli.main", "serve", "--load", str(t5[0]), "--device", "cpu",
+         "--port", str(port), "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if process.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"mega serve exited with {process.returncode}:\n{log.read()}")
+            try:
+                if httpx.get(f"{url}/v1/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "mega serve did not answer within 300 s"
+            time.sleep(0.25)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
 
 
 def test_server_apis_equal_transformers(served, t5):

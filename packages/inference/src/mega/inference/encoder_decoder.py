@@ -133,7 +133,9 @@ class _EncoderDecoderRun:
         active, engine = self.active, self.engine
         finish = [0] * len(active)
         if engine.is_leader:
-            chosen = self.sampler.sample(logits, [True] * len(active))
+            drawing = [True] * len(active)  # every decoder token is generated: none is the prompt's
+            chosen = self.sampler.sample(logits, drawing)
+            self.sampler.observe(chosen, drawing)  # frequency/presence penalties count it
             if any(self.logprobs[i] is not None for i in active):
                 log_probs = F.log_softmax(logits, dim=-1)
                 values = log_probs.gather(-1, chosen[:, None]).squeeze(-1).tolist()
@@ -146,7 +148,9 @@ class _EncoderDecoderRun:
                         top, ids = log_probs[row].topk(request.top_logprobs)
                         self.top_logprobs[i].append(list(zip(ids.tolist(), top.tolist(), strict=True)))
                 if self.on_token is not None:
-                    self.on_token(i, generated[-1], self.logprobs[i][-1] if self.logprobs[i] is not None else None)
+                    logprob = self.logprobs[i][-1] if self.logprobs[i] is not None else None
+                    top = self.top_logprobs[i][-1] if self.top_logprobs[i] is not None else None
+                    self.on_token(i, generated[-1], logprob, top)
                 if engine.stop_checker.should_stop(request.stop, generated):
                     finish[row] = FINISHED_BY_STOP
                 elif request.cancelled:

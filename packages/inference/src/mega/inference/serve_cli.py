@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mega.inference.batching import BatchingWorker
     from mega.inference.continuous import ContinuousBatchingWorker
+    from mega.inference.encoder_decoder import is_encoder_decoder
     from mega.inference.engine_setup import setup_engine
     from mega.inference.server import create_app
     from mega.inference.service import InferenceService
@@ -63,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     setup = setup_engine(args, "serve")
     if setup is None:  # a follower: the leader has stopped serving
         return 0
-    if args.batching == "continuous" and setup.tp_group.size == 1:
+    # Encoder-decoder models (T5) run lock-step batches in their own engine (no paged cache).
+    lockstep = args.batching == "lockstep" or setup.tp_group.size > 1 or is_encoder_decoder(setup.engine.model)
+    if not lockstep:
         worker = ContinuousBatchingWorker(setup.engine, args.max_batch_size, args.max_num_tokens)
     else:
         worker = BatchingWorker(setup.engine, args.max_batch_size,

@@ -56,7 +56,6 @@ class T5Config:
     normalization = "RMSNorm"
     position_embedding_type = "relative"
     attention_softmax_scale = 1.0
-    recompute_granularity = None
 
     def __post_init__(self) -> None:
         derived = {}
