@@ -55,12 +55,22 @@ def write_hf_tokenizer(spec: TokenizerSpec | None, extras: dict[str, Path], dire
             return f"tokenizer file {option}={source!r} is missing: the output has no tokenizer"
         shutil.copyfile(source, directory / name)
     config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if "tokenizer_config.json" in extras else {"tokenizer_class": tokenizer_class}
+    if "tokenizer_config.json" in extras:
+        # Copied as it is, unless it names no end of text: then the tokenizer's own is added.
+        try:
+            config = json.loads(config_path.read_text())
+        except ValueError:  # not ours to repair
+            return None
+        if isinstance(config, dict) and "eos_token" not in config and spec.type == "HuggingFaceTokenizer":
+            eos = _special_tokens(spec).get("eos_token")
+            if eos is not None:
+                config_path.write_text(json.dumps({**config, "eos_token": eos}, indent=2) + "\n")
+        return None
+    config = {"tokenizer_class": tokenizer_class}
     if spec.type == "GPT2BPETokenizer":  # GPT-2's one special token is all three
-        for key in ("bos_token", "eos_token", "unk_token"):
-            config.setdefault(key, "<|endoftext|>")
-    elif spec.type == "HuggingFaceTokenizer":
-        config = {**_special_tokens(spec), **config}  # what the files say wins
+        config.update(dict.fromkeys(("bos_token", "eos_token", "unk_token"), "<|endoftext|>"))
+    elif spec.type == "HuggingFaceTokenizer":  # a bare tokenizer.json: declare what the tokenizer uses
+        config.update(_special_tokens(spec))
     config_path.write_text(json.dumps(config, indent=2) + "\n")
     return None
 
