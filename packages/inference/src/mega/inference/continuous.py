@@ -161,6 +161,7 @@ class ContinuousBatchingWorker:
                 sequence.top_logprobs.extend(_top(log_probs, request.top_logprobs))
         sequence.logits = logits[-1]
 
+    @torch.inference_mode()  # no autograd graph: across steps it would keep every activation alive
     def _step(self, admitted: list[_Sequence]) -> None:
         decoding = [s for s in self._running if s.logits is None]
         if decoding:
