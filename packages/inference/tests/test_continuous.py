@@ -76,6 +76,8 @@ def test_joining_sequences_get_what_each_gets_alone(tiny_pair):
             assert [[t for t, _ in top] for top in got.top_logprobs] == \
                    [[t for t, _ in top] for top in expected.top_logprobs]
     assert worker.allocator.free_blocks == worker.allocator.num_blocks  # every block came back
+    # No autograd: a graph chained through the pools would keep every step's activations alive.
+    assert not any(layer.keys.requires_grad for layer in worker.cache._layers.values())
 
 
 def test_a_short_request_overtakes_a_long_one(llama):
