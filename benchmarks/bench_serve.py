@@ -6,7 +6,9 @@ weights) written as a mega checkpoint and served by ``mega serve --batching MODE
 ``/v1/completions`` requests one after another; each request draws its prompt length and its
 ``max_tokens`` uniformly from ``--prompt-range`` and ``--tokens-range`` (seeded), as real
 traffic mixes short and long requests. Columns: requests, generated tokens per second over the
-level's wall time, median and 99th-percentile request latency.
+level's wall time, median and 99th-percentile request latency. Both servers run side by side
+(idle when not measured) and each concurrency level measures one then the other, so both see
+the same machine load.
 
     python benchmarks/bench_serve.py
     python benchmarks/bench_serve.py --clients 64 --requests 128 --json
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--tokens-range", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"))
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--requests", type=int, default=128, help="requests per concurrency level")
+    parser.add_argument("--requests-one-client", type=int, default=16, help="requests of the one-client level")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--batching", nargs="+", default=["lockstep", "continuous"])
     parser.add_argument("--json", action="store_true")
@@ -101,15 +104,18 @@ def main() -> None:
         config, weights = mega_weights("llama", hf_model("llama", args))
         write_checkpoint(directory, CheckpointMetadata(0, "llama", dataclasses.asdict(config)), weights,
                          tokenizer=TokenizerSpec("NullTokenizer", TokenizerOptions(vocab_size=args.vocab - 1)))
-        for batching in args.batching:
-            server, url = start_server(args, directory, batching)
-            try:
+        servers = {batching: start_server(args, directory, batching) for batching in args.batching}
+        try:
+            for _, url in servers.values():
                 asyncio.run(load(url, 1, 2, args))  # warm-up
-                for clients in args.clients:
-                    row = asyncio.run(load(url, clients, max(1, args.requests // clients), args))
+            for clients in args.clients:
+                requests = args.requests if clients > 1 else args.requests_one_client
+                for batching, (_, url) in servers.items():
+                    row = asyncio.run(load(url, clients, max(1, requests // clients), args))
                     rows.append({"batching": batching, **row})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-            finally:
+        finally:
+            for server, _ in servers.values():
                 server.terminate()
                 server.wait(timeout=60)
     if args.json:

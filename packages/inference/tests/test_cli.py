@@ -66,11 +66,13 @@ def hf_continuation(hf_model, tokenizer, prompt: str) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:])
 
 
-@pytest.mark.parametrize("which", ["hugging-face", "mega"])
+@pytest.mark.parametrize("which", ["hugging-face", "mega", "static-kv-cache"])
 def test_generate_prints_hugging_face_greedy_text(checkpoints, which, capsys):
     hf_dir, mega_dir, hf_model, tokenizer = checkpoints
-    path = hf_dir if which == "hugging-face" else mega_dir
+    path = mega_dir if which == "mega" else hf_dir
     args = ["--load", str(path), "--max-tokens", str(NEW_TOKENS), "--greedy"]
+    if which == "static-kv-cache":
+        args.append("--static-kv-cache")
     assert generate_main(args + [arg for prompt in PROMPTS for arg in ("--prompt", prompt)]) == 0
     lines = capsys.readouterr().out.splitlines()
     expected = [hf_continuation(hf_model, tokenizer, prompt) for prompt in PROMPTS]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tiny_models import POSITIONS  # noqa: E402
+from tiny_models import POSITIONS, hf_tiny, mega_from_hf  # noqa: E402
 
 from mega.inference.batching import Job  # noqa: E402
 from mega.inference.continuous import ContinuousBatchingWorker  # noqa: E402
@@ -25,6 +25,12 @@ PROMPTS = [[5, 17, 42, 8, 99, 3, 1], [7], [200, 13, 60], list(range(30, 50)), [1
 
 def engine_for(model, config) -> GenerationEngine:
     return GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """(mega model, config): the scheduling tests need one family only."""
+    return mega_from_hf(hf_tiny("llama"), "llama")
 
 
 def requests() -> list[GenerationRequest]:
@@ -70,10 +76,12 @@ def test_joining_sequences_get_what_each_gets_alone(tiny_pair):
             assert [[t for t, _ in top] for top in got.top_logprobs] == \
                    [[t for t, _ in top] for top in expected.top_logprobs]
     assert worker.allocator.free_blocks == worker.allocator.num_blocks  # every block came back
+    # No autograd: a graph chained through the pools would keep every step's activations alive.
+    assert not any(layer.keys.requires_grad for layer in worker.cache._layers.values())
 
 
-def test_a_short_request_overtakes_a_long_one(tiny_pair):
-    _, model, config = tiny_pair
+def test_a_short_request_overtakes_a_long_one(llama):
+    model, config = llama
     worker = ContinuousBatchingWorker(engine_for(model, config), max_batch_size=8)
     worker.start()
 
@@ -95,8 +103,8 @@ def test_a_short_request_overtakes_a_long_one(tiny_pair):
     assert not long_was_done  # the short one joined the running batch and finished first
 
 
-def test_requests_larger_than_the_cache_are_refused(tiny_pair):
-    _, model, config = tiny_pair
+def test_requests_larger_than_the_cache_are_refused(llama):
+    model, config = llama
     worker = ContinuousBatchingWorker(engine_for(model, config), max_batch_size=2, max_num_tokens=32, block_size=16)
     worker.check(GenerationRequest([1] * 16, 16))
     with pytest.raises(GenerationError, match="--max-num-tokens"):

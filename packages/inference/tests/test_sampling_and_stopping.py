@@ -114,3 +114,23 @@ def test_streamed_text_is_the_whole_text_and_decodes_only_the_last_tokens():
         for token in ids:
             stream.push(token)
         assert max(tokenizer.decoded_lengths) <= 4, "a push decodes a few tokens, not the whole completion"
+
+
+def test_logit_bias_and_penalties_follow_openais_formula():
+    params = [SamplingParams(top_k=1, logit_bias=((2, 5.0),), presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(top_k=1)]
+    sampler = Sampler(params, torch.device("cpu"))
+    logits = torch.zeros(2, 4)
+    assert sampler.sample(logits, [True, True]).tolist() == [2, 0]  # the bias decides; row 1 untouched
+    for tokens in ([2, 0], [2, 1], [3, 1]):
+        sampler.observe(torch.tensor(tokens), [True, False])  # row 1 is still in its prompt: not counted
+    counts = torch.tensor([[0.0, 0.0, 2.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    expected = torch.tensor([[0.0, 0.0, 5.0, 0.0], [0.0] * 4]) - 0.5 * (counts > 0) - 0.25 * counts
+    assert torch.allclose(sampler.adjust(logits), expected)
+    # Rows that join later keep their own state; rows that leave take theirs along.
+    sampler.extend(Sampler([SamplingParams(top_k=1, frequency_penalty=1.0)], torch.device("cpu")))
+    sampler.keep([0, 2])
+    assert torch.allclose(sampler.adjust(torch.zeros(2, 4))[0], expected[0])
+    assert torch.allclose(sampler.adjust(torch.zeros(2, 4))[1], torch.zeros(4))
+    with pytest.raises(SamplingError, match="seed"):
+        SamplingParams(seed=2**64)

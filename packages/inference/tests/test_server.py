@@ -330,3 +330,28 @@ def test_metrics_are_prometheus_text(served):
     assert values["mega_queue_time_seconds_count"] >= 1 and values["mega_batch_occupancy_count"] >= 1
     assert values['mega_batch_occupancy_bucket{le="+Inf"}'] == values["mega_batch_occupancy_count"]
     assert values["mega_generated_tokens_total"] >= 2
+
+
+def test_tokenizing_runs_off_the_event_loop(served, monkeypatch):
+    """While a (huge, here: held) prompt is being tokenized, the server still answers."""
+    url, service = served
+    entered, release = threading.Event(), threading.Event()
+    original = service.tokenizer.tokenize
+
+    def held(text):
+        entered.set()
+        release.wait(timeout=30)
+        return original(text)
+
+    monkeypatch.setattr(service.tokenizer, "tokenize", held)
+    result = {}
+    sender = threading.Thread(target=lambda: result.update(
+        reply=httpx.post(f"{url}/v1/completions", json={"prompt": "5 6", "max_tokens": 2}, timeout=60)))
+    sender.start()
+    try:
+        assert entered.wait(timeout=30)
+        health = httpx.get(f"{url}/v1/health", timeout=10)  # the event loop is free
+    finally:
+        release.set()
+        sender.join()
+    assert health.status_code == 200 and result["reply"].status_code == 200

@@ -54,9 +54,38 @@ def write_hf_tokenizer(spec: TokenizerSpec | None, extras: dict[str, Path], dire
         if not source or not Path(source).is_file():
             return f"tokenizer file {option}={source!r} is missing: the output has no tokenizer"
         shutil.copyfile(source, directory / name)
-    if "tokenizer_config.json" not in extras:
-        config = {"tokenizer_class": tokenizer_class}
-        if spec.type == "GPT2BPETokenizer":  # GPT-2's one special token is all three
-            config.update(dict.fromkeys(("bos_token", "eos_token", "unk_token"), "<|endoftext|>"))
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    config_path = directory / "tokenizer_config.json"
+    if "tokenizer_config.json" in extras:
+        # Copied as it is, unless it names no end of text: then the tokenizer's own is added.
+        try:
+            config = json.loads(config_path.read_text())
+        except ValueError:  # not ours to repair
+            return None
+        if isinstance(config, dict) and "eos_token" not in config and spec.type == "HuggingFaceTokenizer":
+            eos = _special_tokens(spec).get("eos_token")
+            if eos is not None:
+                config_path.write_text(json.dumps({**config, "eos_token": eos}, indent=2) + "\n")
+        return None
+    config = {"tokenizer_class": tokenizer_class}
+    if spec.type == "GPT2BPETokenizer":  # GPT-2's one special token is all three
+        config.update(dict.fromkeys(("bos_token", "eos_token", "unk_token"), "<|endoftext|>"))
+    elif spec.type == "HuggingFaceTokenizer":  # a bare tokenizer.json: declare what the tokenizer uses
+        config.update(_special_tokens(spec))
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
     return None
+
+
+def _special_tokens(spec: TokenizerSpec) -> dict[str, str]:
+    """eos/bos/pad token strings of the tokenizer ``spec`` builds: a bare tokenizer.json names
+    none, and clients (lm-evaluation-harness) need the end of text."""
+    from mega.core.plugins import get_plugins
+
+    try:
+        tokenizer = spec.build(get_plugins())
+    except Exception:  # no tokenizer plugin here: the files are copied as they are
+        return {}
+    tokens = {}
+    for key, token_id in (("eos_token", tokenizer.eod), ("bos_token", tokenizer.bos), ("pad_token", tokenizer.pad)):
+        if token_id is not None:
+            tokens[key] = tokenizer.detokenize([token_id])
+    return tokens

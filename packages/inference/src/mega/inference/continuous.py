@@ -47,6 +47,7 @@ class _Sequence:
     logprobs: list[float] | None = None
     top_logprobs: list | None = None
     logits: torch.Tensor | None = None  # [vocab] the next token's, once computed
+    number: int = 0  # unique among the worker's sequences
 
     @property
     def tokens(self) -> list[int]:
@@ -69,6 +70,7 @@ class ContinuousBatchingWorker:
         self.metrics = metrics or ServerMetrics()
         self._pending: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
+        self._numbered = 0
         self._sampler = Sampler([], engine.device)
         self._condition = threading.Condition()
         self._stopping = False
@@ -94,7 +96,8 @@ class ContinuousBatchingWorker:
     def submit(self, job: Job) -> None:
         with self._condition:
             for index, request in enumerate(job.requests):
-                self._pending.append(_Sequence(job, index, request))
+                self._numbered += 1
+                self._pending.append(_Sequence(job, index, request, number=self._numbered))
             self._condition.notify()
 
     # The worker thread.
@@ -140,7 +143,7 @@ class ContinuousBatchingWorker:
         """fp32 logits ``[kept, batch, vocab]`` of ``tokens`` ``[batch, new]`` continuing each sequence."""
         device = self.engine.device
         cached = [s.cached for s in sequences]
-        self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device)
+        self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device, [s.number for s in sequences])
         positions = torch.tensor(cached, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
         logits = self.engine.model(tokens, positions, inference_cache=self.cache, logits_to_keep=logits_to_keep)
         for sequence in sequences:
@@ -158,6 +161,7 @@ class ContinuousBatchingWorker:
                 sequence.top_logprobs.extend(_top(log_probs, request.top_logprobs))
         sequence.logits = logits[-1]
 
+    @torch.inference_mode()  # no autograd graph: across steps it would keep every activation alive
     def _step(self, admitted: list[_Sequence]) -> None:
         decoding = [s for s in self._running if s.logits is None]
         if decoding:

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--stop-on-eol", action="store_true", help="stop at the first newline")
     group.add_argument("--stop-on-double-eol", action="store_true", help="stop at a blank line")
     group.add_argument("--max-batch-size", type=int, default=32, help="prompts generated together (default 32)")
+    group.add_argument("--static-kv-cache", action="store_true",
+                       help="decode with a static KV cache (fixed shapes per batch-size bucket) and, on CUDA, a "
+                            "captured CUDA graph of the decode step; one process, without --logprobs")
     group = parser.add_argument_group("output")
     group.add_argument("--echo", action="store_true", help="print the prompt before its continuation")
     group.add_argument("--json", action="store_true",
@@ -87,10 +90,17 @@ def main(argv: list[str] | None = None) -> int:
             requests.append(GenerationRequest(ids, args.max_tokens, SamplingParams(
                 sampling.temperature, sampling.top_k, sampling.top_p, seed), stop, logprobs=args.logprobs))
             setup.engine.check(requests[-1])
+        generate = setup.engine.generate
+        if args.static_kv_cache:
+            if args.logprobs or setup.tp_group.size > 1:
+                raise GenerationError("--static-kv-cache runs in one process and without --logprobs")
+            from mega.inference.static_decode import StaticDecoder
+
+            generate = StaticDecoder(setup.engine).generate
         for start in range(0, len(requests), args.max_batch_size):
             batch = requests[start: start + args.max_batch_size]
             lead(batch, setup.tp_group)
-            for offset, result in enumerate(setup.engine.generate(batch)):
+            for offset, result in enumerate(generate(batch)):
                 print_result(args, tokenizer, prompts[start + offset], result, stop)
     except (GenerationError, SamplingError, OSError) as error:
         print(f"mega generate: {error}", file=sys.stderr)

@@ -22,6 +22,8 @@ import torch
 
 from mega.core.kernels import AttentionMask
 
+GATHER_HEADROOM_BLOCKS = 2  # decode steps a gathered view serves before it must grow
+
 
 class CacheFullError(RuntimeError):
     """Not enough free blocks for a sequence."""
@@ -63,17 +65,30 @@ class PagedKVCache:
         self.allocator = allocator
         self._layers: dict[int, PagedLayer] = {}
         self.write_slots: torch.Tensor | None = None
-        self.read_slots: torch.Tensor | None = None
         self.padding: torch.Tensor | None = None
+        self._last_decode: tuple | None = None  # (each row's first block, lengths) of the last decode step
+        self.capacity = 0  # positions the layers' gathered views hold
 
     def bind(self, tables: Sequence[Sequence[int]], cached: Sequence[int], new_tokens: int,
-             device: torch.device) -> None:
+             device: torch.device, ids: Sequence[int] | None = None) -> None:
         """The next forward's batch: row ``r`` holds ``cached[r]`` tokens in blocks ``tables[r]``
-        and brings ``new_tokens`` more."""
+        and brings ``new_tokens`` more; ``ids`` name the rows' sequences (never reused), so a
+        decode step of the same sequences can reuse the gathered keys."""
         size = self.allocator.block_size
         lengths = [c + new_tokens for c in cached]
         self.longest = max(lengths)
+        # Decoding the same sequences as the step before, each one token further: the layers'
+        # gathered keys are reused and extended in place (the steady state), not gathered again.
+        self.decoding = new_tokens == 1
+        identity = tuple(ids) if ids is not None else None
+        self.reuse = (self.decoding and identity is not None and self._last_decode == (identity, list(cached))
+                      and self.longest <= self.capacity)
+        if self.decoding:
+            self._last_decode = (identity, lengths)
         blocks = math.ceil(self.longest / size)
+        if self.decoding and not self.reuse:
+            blocks += GATHER_HEADROOM_BLOCKS
+            self.capacity = blocks * size
         table = torch.zeros(len(tables), blocks, dtype=torch.long)
         for row, (own, length) in enumerate(zip(tables, lengths, strict=True)):
             used = math.ceil(length / size)
@@ -82,6 +97,7 @@ class PagedKVCache:
         write = table.gather(1, positions // size) * size + positions % size  # [b, new] token slots
         self.block_table = table.to(device)  # [b, blocks]: whole blocks are gathered, not single tokens
         self.write_slots = write.reshape(-1).to(device)
+        self.positions = torch.tensor(cached, dtype=torch.long, device=device)  # of the new tokens (decoding)
         ragged = min(lengths) != self.longest  # equal lengths need no mask beyond the causal rule
         self.padding = (torch.arange(self.longest)[None, :] < torch.tensor(lengths)[:, None]).to(device) \
             if ragged else None
@@ -105,6 +121,8 @@ class PagedLayer:
         self.cache = cache
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.view_keys: torch.Tensor | None = None  # [b, capacity, heads, dim]: the decode batch's keys, gathered
+        self.view_values: torch.Tensor | None = None
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMask]:
         """Store ``key``/``value`` ``[new, batch, kv heads, head_dim]`` in the bound rows' slots;
@@ -116,10 +134,17 @@ class PagedLayer:
         new, batch, heads, dim = key.shape
         for pool, tensor in ((self.keys, key), (self.values, value)):
             pool.view(-1, heads, dim).index_copy_(0, cache.write_slots, tensor.transpose(0, 1).reshape(-1, heads, dim))
-        gathered = []
-        for pool in (self.keys, self.values):
-            rows = pool[cache.block_table]  # [b, blocks, block_size, heads, dim]
-            gathered.append(rows.view(batch, -1, heads, dim)[:, : cache.longest].transpose(0, 1))
+        if cache.reuse:  # the views hold every earlier key: add this step's
+            rows = torch.arange(batch, device=key.device)
+            self.view_keys[rows, cache.positions] = key[0]
+            self.view_values[rows, cache.positions] = value[0]
+        else:
+            views = [pool[cache.block_table].view(batch, -1, heads, dim) for pool in (self.keys, self.values)]
+            if not cache.decoding:  # a prefill: nothing to keep
+                return (views[0][:, : cache.longest].transpose(0, 1), views[1][:, : cache.longest].transpose(0, 1),
+                        AttentionMask(causal=True, padding=cache.padding))
+            self.view_keys, self.view_values = views
+        gathered = [view[:, : cache.longest].transpose(0, 1) for view in (self.view_keys, self.view_values)]
         # Causal, aligned at the end: a row's new tokens see its cache and each other in order
         # (several new tokens come from one prefill, whose rows are all of one length).
         return gathered[0], gathered[1], AttentionMask(causal=True, padding=cache.padding)

@@ -17,11 +17,22 @@ TOKENIZER_DIR = "tokenizer"
 FILE_OPTIONS = ("vocab_file", "merge_file", "tokenizer_model")
 
 
+# Files beside a Hugging Face tokenizer that name its special tokens (eos, bos, pad) and chat
+# template: they travel with it, or a reloaded tokenizer would have to guess its end of text.
+TOKEN_DESCRIPTION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                           "chat_template.jinja")
+
+
 def copy_tokenizer_files(spec: TokenizerSpec | None, checkpoint_dir: Path, extra_files: Sequence[Path] = ()) -> None:
-    """The files ``spec`` names, and ``extra_files``, into ``checkpoint_dir/tokenizer/``."""
+    """The files ``spec`` names (and the token descriptions beside them), and ``extra_files``,
+    into ``checkpoint_dir/tokenizer/``."""
     sources = [Path(source) for option in FILE_OPTIONS
                if spec is not None and (source := getattr(spec.options, option)) and Path(source).is_file()]
-    for source in [*sources, *map(Path, extra_files)]:
+    described = [source.parent / name for source in sources for name in TOKEN_DESCRIPTION_FILES
+                 if (source.parent / name).is_file()]
+    extra_names = {Path(extra).name for extra in extra_files}
+    described = [path for path in dict.fromkeys(described) if path.name not in extra_names]
+    for source in [*sources, *described, *map(Path, extra_files)]:
         target = checkpoint_dir / TOKENIZER_DIR / source.name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)

@@ -1,0 +1,32 @@
+"""The static-KV-cache decode path (fixed shapes per batch-size bucket, what CUDA graphs
+capture; run eagerly on CPU here) gives the lock-step engine's tokens, greedy and sampled, for
+prompts of different lengths. The CUDA-graph capture itself needs a GPU and is not run here."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_models import POSITIONS  # noqa: E402
+
+from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
+from mega.inference.sampling import SamplingParams  # noqa: E402
+from mega.inference.static_decode import StaticDecoder, bucket_for  # noqa: E402
+from mega.inference.stopping import StopRules  # noqa: E402
+
+
+def test_static_cache_decoding_equals_the_engine(tiny_pair):
+    _, model, config = tiny_pair
+    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=5, presence_penalty=0.3)
+    requests = [GenerationRequest([5, 17, 42, 8, 99], 12), GenerationRequest([7], 20, sampling=sampled),
+                GenerationRequest(list(range(30, 48)), 9, stop=StopRules(stop_ids=frozenset({1, 2, 3}))),
+                GenerationRequest([11, 12], 0)]
+    expected = [engine.generate([request])[0] for request in requests]
+    decoder = StaticDecoder(engine)
+    assert decoder.use_cuda_graphs is False  # off on CPU
+    got = decoder.generate(requests)
+    assert [r.tokens for r in got] == [r.tokens for r in expected]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
+    assert bucket_for(3) == 4 and bucket_for(64) == 64
