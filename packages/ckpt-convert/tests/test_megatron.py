@@ -237,3 +237,44 @@ def test_mega_train_loads_a_megatron_directory(made, capsys):
     assert "loaded megatron torch_dist (dist_checkpointing) checkpoint" in capsys.readouterr().out
     assert train_main([*flags[:-1], str(root / "gpt-legacy")]) == 2  # a GPT model: told, not loaded
     assert "does not match this model" in capsys.readouterr().err
+
+
+# -- Mixtral: megatron-core's MoE GPTModel (SequentialMLP experts) ----------------------------------
+
+def _as_megatron_core(name: str, tensors: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
+    """mega's ``tensors[name]`` equals megatron-core's: a stacked expert tensor expert by expert."""
+    prefix, _, part = name.rpartition("mlp.experts.")
+    if prefix:
+        experts = tensors[name]
+        assert len(experts) == ref.MODELS["mixtral"]["num_experts"], name
+        for expert, weight in enumerate(experts):
+            assert torch.equal(weight, truth[f"{prefix}mlp.experts.local_experts.{expert}.{part}"]), (name, expert)
+    else:
+        assert torch.equal(tensors[name], truth[name]), name
+
+
+def test_mixtral_imports_and_exports_with_megatron_core(world, tmp_path):
+    """A genuine megatron-core MoE GPTModel (4 experts, top 2) saved by dist_checkpointing at tp 1
+    and as legacy files of its state_dict imports into mega's mixtral bit for bit; exports
+    (torch_dist and legacy) load back into megatron-core models with equal tensors."""
+    dist, legacy = tmp_path / "moe-tp1", tmp_path / "moe-legacy"
+    world.run(ref.save_moe, str(dist / "iter_0000007"), str(legacy))
+    truth = world.run(ref.load_torch_dist, "mixtral", 1, str(dist / "iter_0000007"))[0]
+    for source in (dist, legacy):
+        output = tmp_path / f"mega-{source.name}"
+        convert(source, output, from_format="megatron", to_format="mega")
+        names = list(tensor_shapes(output))
+        assert any(name.endswith("mlp.experts.linear_fc1.weight") for name in names)
+        tensors = read_tensors(output, names)
+        for name in names:
+            _as_megatron_core(name, tensors, truth)
+    convert(tmp_path / "mega-moe-tp1", tmp_path / "out-dist", to_format="megatron",
+            options=WriteOptions(megatron_format="torch_dist", iteration=7))
+    loaded = world.run(ref.load_torch_dist, "mixtral", 1, str(tmp_path / "out-dist" / "iter_0000007"))[0]
+    convert(tmp_path / "mega-moe-legacy", tmp_path / "out-legacy", to_format="megatron",
+            options=WriteOptions(megatron_format="legacy", iteration=7))
+    (whole,) = world.run(ref.load_legacy, "mixtral", 1, 1, str(tmp_path / "out-legacy"), 7)[0]
+    for exported in (loaded, whole):
+        assert exported.keys() == truth.keys()
+        for name, tensor in exported.items():
+            assert torch.equal(tensor, truth[name]), name
