@@ -253,14 +253,39 @@ def _as_megatron_core(name: str, tensors: dict[str, torch.Tensor], truth: dict[s
         assert torch.equal(tensors[name], truth[name]), name
 
 
+def _as_expert_parallel(legacy: Path, directory: Path, ep: int) -> Path:
+    """The tp 1 legacy files as Megatron-LM saves them at expert-parallel size ``ep`` (pp 1):
+    ``mp_rank_00_EEE`` each with its experts numbered from 0, and the dense tensors on every rank."""
+    state = torch.load(legacy / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    state["args"].expert_model_parallel_size = ep
+    local = ref.MODELS["mixtral"]["num_experts"] // ep
+    for expert_rank in range(ep):
+        model = {}
+        for key, value in state["model"].items():
+            prefix, found, rest = key.partition("local_experts.")
+            if found:
+                expert, rest = rest.split(".", 1)
+                if int(expert) // local != expert_rank:
+                    continue
+                key = f"{prefix}local_experts.{int(expert) % local}.{rest}"
+            model[key] = value
+        path = directory / "iter_0000007" / f"mp_rank_00_{expert_rank:03d}" / "model_optim_rng.pt"
+        path.parent.mkdir(parents=True)
+        torch.save({**state, "model": model}, path)
+    (directory / "latest_checkpointed_iteration.txt").write_text("7")
+    return directory
+
+
 def test_mixtral_imports_and_exports_with_megatron_core(world, tmp_path):
     """A genuine megatron-core MoE GPTModel (4 experts, top 2) saved by dist_checkpointing at tp 1
-    and as legacy files of its state_dict imports into mega's mixtral bit for bit; exports
+    and as legacy files of its state_dict (also split as an expert-parallel 2 run saves them) imports
+    into mega's mixtral bit for bit; exports
     (torch_dist and legacy) load back into megatron-core models with equal tensors."""
     dist, legacy = tmp_path / "moe-tp1", tmp_path / "moe-legacy"
     world.run(ref.save_moe, str(dist / "iter_0000007"), str(legacy))
     truth = world.run(ref.load_torch_dist, "mixtral", 1, str(dist / "iter_0000007"))[0]
-    for source in (dist, legacy):
+    expert_parallel = _as_expert_parallel(legacy, tmp_path / "moe-ep2", 2)
+    for source in (dist, legacy, expert_parallel):
         output = tmp_path / f"mega-{source.name}"
         convert(source, output, from_format="megatron", to_format="mega")
         names = list(tensor_shapes(output))
