@@ -26,8 +26,13 @@ MODELS = {
     "gpt": dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=128,
                 swiglu=False, normalization="LayerNorm", position_embedding_type="learned_absolute",
                 add_bias_linear=True, untie_embeddings_and_output_weights=False),
+    # Megatron-Core's MoE GPTModel, SequentialMLP experts (the local spec without grouped GEMM)
+    "mixtral": dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                    swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
+                    untie_embeddings_and_output_weights=True, num_experts=4),
 }
 SEQ = 32
+MOE_ARGS = dict(moe_router_topk=2, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
 
 
 def _shims() -> None:
@@ -67,10 +72,12 @@ def megatron_args(family: str, tp: int, pp: int, iteration: int, ckpt_format: st
     from megatron.core.enums import ModelType
 
     m = MODELS[family]
-    return argparse.Namespace(
+    moe = dict(num_experts=m["num_experts"], moe_ffn_hidden_size=m["ffn_hidden_size"], **MOE_ARGS) \
+        if "num_experts" in m else dict(num_experts=None)
+    return argparse.Namespace(**moe,
         num_layers=m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
         num_attention_heads=m["num_attention_heads"], group_query_attention=m["num_query_groups"] != 4,
-        num_query_groups=m["num_query_groups"], kv_channels=16, seq_length=SEQ, max_position_embeddings=SEQ,
+        num_query_groups=m["num_query_groups"], kv_channels=m["hidden_size"] // m["num_attention_heads"], seq_length=SEQ, max_position_embeddings=SEQ,
         vocab_size=VOCAB, padded_vocab_size=padded_vocab(tp), make_vocab_size_divisible_by=128,
         swiglu=m["swiglu"], normalization=m["normalization"], position_embedding_type=m["position_embedding_type"],
         add_bias_linear=m["add_bias_linear"], add_qkv_bias=False, norm_epsilon=1e-5, rotary_base=10000,
@@ -78,7 +85,7 @@ def megatron_args(family: str, tp: int, pp: int, iteration: int, ckpt_format: st
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, params_dtype=torch.float32,
         model_type=ModelType.encoder_or_decoder, ckpt_format=ckpt_format, iteration=iteration,
-        tokenizer_type="NullTokenizer", transformer_impl="local", qk_layernorm=False, num_experts=None,
+        tokenizer_type="NullTokenizer", transformer_impl="local", qk_layernorm=False,
     )
 
 
@@ -94,7 +101,10 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tp, 1)
     m = MODELS[family]
-    config = TransformerConfig(
+    experts = m.get("num_experts")
+    moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=m["ffn_hidden_size"], moe_aux_loss_coeff=0.0,
+               **MOE_ARGS) if experts else {}
+    config = TransformerConfig(**moe,
         num_layers=layers or m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
         num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
         gated_linear_unit=m["swiglu"], activation_func=F.silu if m["swiglu"] else F.gelu,
@@ -102,7 +112,8 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
         attention_dropout=0.0, use_cpu_initialization=True, perform_initialization=True,
         tensor_model_parallel_size=tp)
     torch.manual_seed(seed)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=m["normalization"]),
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
+                         num_experts=experts, moe_grouped_gemm=False, normalization=m["normalization"]),
                      vocab_size=padded_vocab(tp), max_sequence_length=SEQ, pre_process=pre, post_process=post,
                      position_embedding_type=m["position_embedding_type"],
                      share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"])
@@ -162,6 +173,17 @@ def save_both(family: str, torch_dist_dir: str, legacy_dir: str, pp: int = 2, it
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(_rank_state(megatron_args(family, tp, pp, iteration, "torch"), iteration, stage_state), path)
     if rank == 0:
+        (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+
+
+def save_moe(torch_dist_dir: str, legacy_dir: str, iteration: int = 7) -> None:
+    """A tp 1 MoE model saved as torch_dist and as legacy files (its state_dict: one tensor per expert)."""
+    model = _save_torch_dist("mixtral", 1, torch_dist_dir, iteration)
+    if torch.distributed.get_rank() == 0:
+        path = Path(legacy_dir) / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+        path.parent.mkdir(parents=True)
+        torch.save(_rank_state(megatron_args("mixtral", 1, 1, iteration, "torch"), iteration, model.state_dict()), path)
         (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     torch.distributed.barrier()
 

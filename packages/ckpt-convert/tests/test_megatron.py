@@ -237,3 +237,69 @@ def test_mega_train_loads_a_megatron_directory(made, capsys):
     assert "loaded megatron torch_dist (dist_checkpointing) checkpoint" in capsys.readouterr().out
     assert train_main([*flags[:-1], str(root / "gpt-legacy")]) == 2  # a GPT model: told, not loaded
     assert "does not match this model" in capsys.readouterr().err
+
+
+# -- Mixtral: megatron-core's MoE GPTModel (SequentialMLP experts) ----------------------------------
+
+def _as_megatron_core(name: str, tensors: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
+    """mega's ``tensors[name]`` equals megatron-core's: a stacked expert tensor expert by expert."""
+    prefix, _, part = name.rpartition("mlp.experts.")
+    if prefix:
+        experts = tensors[name]
+        assert len(experts) == ref.MODELS["mixtral"]["num_experts"], name
+        for expert, weight in enumerate(experts):
+            assert torch.equal(weight, truth[f"{prefix}mlp.experts.local_experts.{expert}.{part}"]), (name, expert)
+    else:
+        assert torch.equal(tensors[name], truth[name]), name
+
+
+def _as_expert_parallel(legacy: Path, directory: Path, ep: int) -> Path:
+    """The tp 1 legacy files as Megatron-LM saves them at expert-parallel size ``ep`` (pp 1):
+    ``mp_rank_00_EEE`` each with its experts numbered from 0, and the dense tensors on every rank."""
+    state = torch.load(legacy / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    state["args"].expert_model_parallel_size = ep
+    local = ref.MODELS["mixtral"]["num_experts"] // ep
+    for expert_rank in range(ep):
+        model = {}
+        for key, value in state["model"].items():
+            prefix, found, rest = key.partition("local_experts.")
+            if found:
+                expert, rest = rest.split(".", 1)
+                if int(expert) // local != expert_rank:
+                    continue
+                key = f"{prefix}local_experts.{int(expert) % local}.{rest}"
+            model[key] = value
+        path = directory / "iter_0000007" / f"mp_rank_00_{expert_rank:03d}" / "model_optim_rng.pt"
+        path.parent.mkdir(parents=True)
+        torch.save({**state, "model": model}, path)
+    (directory / "latest_checkpointed_iteration.txt").write_text("7")
+    return directory
+
+
+def test_mixtral_imports_and_exports_with_megatron_core(world, tmp_path):
+    """A genuine megatron-core MoE GPTModel (4 experts, top 2) saved by dist_checkpointing at tp 1
+    and as legacy files of its state_dict (also split as an expert-parallel 2 run saves them) imports
+    into mega's mixtral bit for bit; exports
+    (torch_dist and legacy) load back into megatron-core models with equal tensors."""
+    dist, legacy = tmp_path / "moe-tp1", tmp_path / "moe-legacy"
+    world.run(ref.save_moe, str(dist / "iter_0000007"), str(legacy))
+    truth = world.run(ref.load_torch_dist, "mixtral", 1, str(dist / "iter_0000007"))[0]
+    expert_parallel = _as_expert_parallel(legacy, tmp_path / "moe-ep2", 2)
+    for source in (dist, legacy, expert_parallel):
+        output = tmp_path / f"mega-{source.name}"
+        convert(source, output, from_format="megatron", to_format="mega")
+        names = list(tensor_shapes(output))
+        assert any(name.endswith("mlp.experts.linear_fc1.weight") for name in names)
+        tensors = read_tensors(output, names)
+        for name in names:
+            _as_megatron_core(name, tensors, truth)
+    convert(tmp_path / "mega-moe-tp1", tmp_path / "out-dist", to_format="megatron",
+            options=WriteOptions(megatron_format="torch_dist", iteration=7))
+    loaded = world.run(ref.load_torch_dist, "mixtral", 1, str(tmp_path / "out-dist" / "iter_0000007"))[0]
+    convert(tmp_path / "mega-moe-legacy", tmp_path / "out-legacy", to_format="megatron",
+            options=WriteOptions(megatron_format="legacy", iteration=7))
+    (whole,) = world.run(ref.load_legacy, "mixtral", 1, 1, str(tmp_path / "out-legacy"), 7)[0]
+    for exported in (loaded, whole):
+        assert exported.keys() == truth.keys()
+        for name, tensor in exported.items():
+            assert torch.equal(tensor, truth[name]), name

@@ -23,13 +23,17 @@ SAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "
 # Megatron features mega's GPT/LLaMA models do not have: argument -> the value that means "off".
 UNSUPPORTED = {
     "qk_layernorm": False, "apply_residual_connection_post_layernorm": False, "squared_relu": False,
-    "rotary_interleaved": False, "multi_latent_attention": False, "num_experts": None,
+    "rotary_interleaved": False, "multi_latent_attention": False,
     "apply_layernorm_1p": False, "mtp_num_layers": None,
 }
+# Megatron's MoE arguments, which the mixtral family's config names the same (``--num-experts`` too).
+MOE_SAME = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
+            "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
+            "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type", "moe_grouped_gemm")
 ARGS_OF_SHAPES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                   "kv_channels", "padded_vocab_size", "max_position_embeddings", "swiglu", "add_bias_linear",
                   "add_qkv_bias", "untie_embeddings_and_output_weights", "normalization",
-                  "position_embedding_type")
+                  "position_embedding_type", "num_experts", "moe_ffn_hidden_size")
 
 
 def _arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
@@ -53,6 +57,14 @@ def model_settings(args: argparse.Namespace, where: str) -> dict[str, Any]:
     if missing:
         raise ConversionError(f"{where}: args lack {', '.join(missing)}; the model cannot be known")
     settings = {name: getattr(args, name) for name in SAME if _arg(args, name) is not None}
+    if _arg(args, "num_experts"):  # every layer's MLP a mixture of experts: the mixtral family's model
+        settings.update({name: getattr(args, name) for name in MOE_SAME if _arg(args, name) is not None})
+        if (_arg(args, "moe_layer_freq") or 1) != 1:
+            raise ConversionError(f"{where}: args.moe_layer_freq is {args.moe_layer_freq}; mega's MoE models have "
+                                  "experts in every layer")
+        if _arg(args, "moe_shared_expert_intermediate_size"):
+            raise ConversionError(f"{where}: args.moe_shared_expert_intermediate_size is set; mega's MoE models "
+                                  "have no shared experts")
     heads = args.num_attention_heads
     settings["num_query_groups"] = (_arg(args, "num_query_groups") or heads) if _arg(args, "group_query_attention") \
         else heads
@@ -75,7 +87,10 @@ def model_settings(args: argparse.Namespace, where: str) -> dict[str, Any]:
 
 
 def family_of(settings: dict[str, Any]) -> str:
-    """LLaMA is the RMSNorm + SwiGLU + RoPE decoder; everything else is GPT (the two share one model)."""
+    """Experts make Mixtral; LLaMA is the RMSNorm + SwiGLU + RoPE decoder; everything else is GPT
+    (the two share one model)."""
+    if settings.get("num_experts"):
+        return "mixtral"
     llama = (settings.get("normalization") == "RMSNorm" and settings.get("swiglu")
              and settings.get("position_embedding_type") == "rope")
     return "llama" if llama else "gpt"
@@ -110,6 +125,10 @@ def args_for(config, tensor_parallel_size: int, pipeline_parallel_size: int, pad
     and ``load_checkpoint``'s checks read)."""
     args = argparse.Namespace(**{name: getattr(config, name) for name in SAME})
     args.num_query_groups = config.num_query_groups
+    if getattr(config, "num_experts", None):
+        for name in MOE_SAME:
+            setattr(args, name, getattr(config, name))
+        args.expert_model_parallel_size, args.expert_tensor_parallel_size = 1, tensor_parallel_size
     args.group_query_attention = config.num_query_groups != config.num_attention_heads
     args.position_embedding_type = config.position_embedding_type
     args.use_rotary_position_embeddings = config.position_embedding_type == "rope"

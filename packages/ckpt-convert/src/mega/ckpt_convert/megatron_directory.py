@@ -5,6 +5,8 @@
     SAVE/latest_checkpointed_iteration.txt      "500" or "release"
     SAVE/iter_0000500/mp_rank_00/model_optim_rng.pt          legacy (--ckpt-format torch), pp = 1
     SAVE/iter_0000500/mp_rank_01_003/model_optim_rng.pt      legacy, tp rank 1 of pp stage 3
+    SAVE/iter_0000500/mp_rank_01_003_002/model_optim_rng.pt  ... of expert-parallel rank 2
+    SAVE/iter_0000500/mp_rank_01_002/model_optim_rng.pt      with pp = 1 and ep > 1: expert-parallel rank 2
     SAVE/iter_0000500/{.metadata, __0_0.distcp, common.pt, metadata.json}   torch_dist
 """
 
@@ -22,7 +24,9 @@ RANK_FILE = "model_optim_rng.pt"
 DIST_CONFIG = "metadata.json"  # megatron-core's dist_checkpointing config
 COMMON_FILE = "common.pt"
 LEGACY, TORCH_DIST = "legacy", "torch_dist"
-_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+# Megatron-LM appends the pipeline stage when pp > 1, then the expert-parallel rank when ep > 1: the
+# args say which a lone 3-digit group is.
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 
 
 @dataclass(frozen=True)
@@ -74,20 +78,35 @@ def checkpoint(path: Path) -> MegatronCheckpoint:
     return found
 
 
-def rank_files(directory: Path) -> dict[tuple[int, int], Path]:
-    """(tp rank, pp stage) -> model_optim_rng.pt of a legacy checkpoint, checked to be a full grid."""
+def first_rank_file(directory: Path) -> Path:
+    """The file of tensor rank 0, pipeline stage 0 (expert rank 0), which holds the args."""
+    file = directory / min(entry.name for entry in directory.iterdir() if _RANK_DIR.fullmatch(entry.name)) / RANK_FILE
+    if not file.is_file():
+        raise ConversionError(f"{file} is missing")
+    return file
+
+
+def rank_files(directory: Path, pp: int, ep: int) -> dict[tuple[int, int, int], Path]:
+    """(tp rank, pp stage, ep rank) -> model_optim_rng.pt of a legacy checkpoint saved at pipeline
+    size ``pp`` and expert-parallel size ``ep``, checked to be a full grid."""
     files = {}
     for entry in directory.iterdir():
         match = _RANK_DIR.fullmatch(entry.name)
         if match:
-            files[int(match.group(1)), int(match.group(2) or 0)] = entry / RANK_FILE
-    tp = max(rank for rank, _ in files) + 1
-    pp = max(stage for _, stage in files) + 1
+            groups = [int(group) for group in match.groups()[1:] if group is not None]
+            if len(groups) != (pp > 1) + (ep > 1):
+                raise ConversionError(f"{entry}: a rank directory of a run at pipeline size {pp} and expert-parallel "
+                                      f"size {ep} (the args) is named mp_rank_TT{'_PPP' * (pp > 1)}{'_EEE' * (ep > 1)}")
+            stage = groups.pop(0) if pp > 1 else 0
+            files[int(match.group(1)), stage, groups[0] if ep > 1 else 0] = entry / RANK_FILE
+    tp = max(rank for rank, _, _ in files) + 1
     for rank in range(tp):
         for stage in range(pp):
-            if (rank, stage) not in files:
-                raise ConversionError(f"{directory} lacks the directory of tensor rank {rank}, pipeline stage "
-                                      f"{stage} (it has {len(files)} of {tp} x {pp})")
+            for expert_rank in range(ep):
+                if (rank, stage, expert_rank) not in files:
+                    raise ConversionError(f"{directory} lacks the directory of tensor rank {rank}, pipeline stage "
+                                          f"{stage}, expert rank {expert_rank} (it has {len(files)} of "
+                                          f"{tp} x {pp} x {ep})")
     for file in files.values():
         if not file.is_file():
             raise ConversionError(f"{file} is missing")

@@ -163,6 +163,12 @@ def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteratio
     for module in names.extra_state_layer_modules:
         for n in range(num_layers):
             entries[f"{LAYER_PREFIX}{module}._extra_state/shard_{n}_{num_layers}"] = EMPTY_EXTRA_STATE
+    experts = getattr(config, "num_experts", 0) if names.expert_patterns else 0
+    for part in names.expert_extra_state_parts:  # an object per layer and expert
+        for n in range(num_layers):
+            for e in range(experts):
+                entries[f"{LAYER_PREFIX}mlp.experts.experts.{part}._extra_state/shard_{n}.{e}_{num_layers}.{experts}"] \
+                    = EMPTY_EXTRA_STATE
     checkpoint_dir = directory / iteration_dir_name(iteration)
     checkpoint_dir.mkdir(parents=True)
     args = args_for(config, tp, pp, config.padded_vocab_size(tp), iteration or 0, TORCH_DIST, source.tokenizer)

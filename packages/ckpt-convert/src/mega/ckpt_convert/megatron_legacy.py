@@ -20,12 +20,20 @@ from mega.ckpt_convert.megatron_directory import (
     RANK_FILE,
     TRACKER_FILE,
     MegatronCheckpoint,
+    first_rank_file,
     iteration_dir_name,
     rank_dir_name,
     rank_files,
 )
 from mega.ckpt_convert.megatron_layout import TensorLayout, model_layouts, stage_layers, stage_of
-from mega.ckpt_convert.megatron_names import LAYER_PREFIX, MegatronNames, mega_name, names_for
+from mega.ckpt_convert.megatron_names import (
+    LAYER_PREFIX,
+    MegatronNames,
+    expert_of,
+    mega_name,
+    names_for,
+    split_layer,
+)
 from mega.ckpt_convert.megatron_pickle import load_megatron_pickle
 from mega.ckpt_convert.megatron_source import MegatronSource
 
@@ -53,40 +61,61 @@ class LegacySource(MegatronSource):
 
     def __init__(self, checkpoint: MegatronCheckpoint, model_family: str | None):
         directory = checkpoint.directory
-        files = rank_files(directory)
-        self._files = files
-        first = load_megatron_pickle(files[0, 0])
-        where = str(files[0, 0])
+        where = str(first_rank_file(directory))
+        first = load_megatron_pickle(Path(where))
         if not isinstance(first, dict) or "model" not in first:
             raise ConversionError(f"{where} holds no 'model' state dict; it is not a Megatron-LM checkpoint file")
         self._setup(directory, first.get("args"), first.get("iteration"), where, model_family)
         del first
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        found_tp, found_pp = max(r for r, _ in files) + 1, max(s for _, s in files) + 1
-        if (found_tp, found_pp) != (tp, pp):
-            raise ConversionError(f"{directory} holds {found_tp} x {found_pp} rank directories (tp x pp), but its "
-                                  f"args say tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}")
+        ep = getattr(self.args, "expert_model_parallel_size", None) or 1
+        self._files = files = rank_files(directory, pp, ep)
+        found_tp = max(r for r, _, _ in files) + 1
+        if found_tp != tp:
+            raise ConversionError(f"{directory} holds rank directories of {found_tp} tensor-parallel ranks, but its "
+                                  f"args say tensor_model_parallel_size={tp}")
+        local_experts = (getattr(self.config, "num_experts", None) or ep) // ep
         names = names_for(self.family)
         stages = _stages(self.args, self.config.num_layers, pp)
         tied = not self.config.untie_embeddings_and_output_weights
         # mega name -> tp rank -> (pipeline stage, name in the file), and the local shapes
         self._shards: dict[str, dict[int, tuple[int, str]]] = {}
+        # mega name of a stacked expert tensor -> global expert -> (pipeline stage, expert rank, name in the file)
+        self._experts: dict[str, dict[int, tuple[int, int, str]]] = {}
         local_shapes: dict[str, tuple[int, ...]] = {}
         self._found = {}
-        for (rank, stage), file in sorted(files.items()):
+        for (rank, stage, expert_rank), file in sorted(files.items()):
             # Files are memory-mapped and let go once listed: only their pickles are read here.
             for key, value in self._model(file).items():
                 if key.endswith("_extra_state"):  # Transformer Engine's FP8 scales: not weights
                     continue
                 if not torch.is_tensor(value):
-                    raise ConversionError(f"{files[rank, stage]}: model entry {key} is a {type(value).__name__}, "
+                    raise ConversionError(f"{file}: model entry {key} is a {type(value).__name__}, "
                                           "not a tensor")
                 if tied and pp > 1 and stage == pp - 1 and key in names.tied_copies:
                     continue  # the last stage's copy of the tied embedding
                 name = mega_name(names, key, stages[stage].start)
+                layer = split_layer(name)
+                expert = expert_of(names, layer[1]) if layer is not None else None
+                if expert is not None:
+                    if tp > 1:
+                        raise ConversionError(f"{file}: {key} is one tensor-parallel rank's part of "
+                                              "an expert; mega reads MoE checkpoints saved at tensor parallel size 1")
+                    name = f"{LAYER_PREFIX}{layer[0]}.{expert[0]}"
+                    global_expert = expert_rank * local_experts + expert[1]  # files number their own experts from 0
+                    self._experts.setdefault(name, {})[global_expert] = (stage, expert_rank, key)
+                    self._found.setdefault(name, (tuple(value.shape), value.dtype, file))
+                    continue
+                if expert_rank > 0:  # every expert rank holds the same dense tensors
+                    continue
                 self._shards.setdefault(name, {})[rank] = (stage, key)
                 local_shapes.setdefault(name, tuple(value.shape))
-                self._found.setdefault(name, (None, value.dtype, files[rank, stage]))
+                self._found.setdefault(name, (None, value.dtype, file))
+        for name, experts in self._experts.items():
+            if sorted(experts) != list(range(len(experts))):
+                raise ConversionError(f"{directory}: {name} has experts {sorted(experts)}, not 0 to {len(experts) - 1}")
+            shape, *rest = self._found[name]
+            self._found[name] = ((len(experts), *shape), *rest)
         for name, shards in self._shards.items():
             layout = self.layouts.get(name)
             if layout is not None and len(shards) != tp:
@@ -110,18 +139,23 @@ class LegacySource(MegatronSource):
     def get(self, name: str) -> torch.Tensor:
         """The merged tensor, read from each rank's file mapped just for it: keeping every file
         mapped would leave each tensor's pages resident, the model's size in all."""
+        if name in self._experts:
+            experts = self._experts[name]
+            return torch.stack([self._model(self._files[0, stage, expert_rank])[key] for stage, expert_rank, key in
+                                (experts[e] for e in range(len(experts)))])
         shards = self._shards[name]
         local = []
         for rank in range(len(shards)):
             stage, key = shards[rank]
-            local.append(self._model(self._files[rank, stage])[key])
+            local.append(self._model(self._files[rank, stage, 0])[key])
         merged = self.layouts[name].merge(local)
         return merged.clone() if merged is local[0] else merged
 
 
-def _extra_state_keys(names: MegatronNames, layers: int, last_stage: bool) -> list[str]:
-    keys = [f"{LAYER_PREFIX}{n}.{module}._extra_state" for n in range(layers)
-            for module in names.extra_state_layer_modules]
+def _extra_state_keys(names: MegatronNames, layers: int, last_stage: bool, experts: int) -> list[str]:
+    modules = [*names.extra_state_layer_modules, *(names.expert_file_name.format(expert=e, part=part)
+                                                   for e in range(experts) for part in names.expert_extra_state_parts)]
+    keys = [f"{LAYER_PREFIX}{n}.{module}._extra_state" for n in range(layers) for module in modules]
     return keys + ([f"{module}._extra_state" for module in names.extra_state_modules] if last_stage else [])
 
 
@@ -151,8 +185,14 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
                         tensor = source.get(name)
                         if layout.padded_vocab:
                             tensor = fit_rows(tensor, layout.shape[0])
+                        prefix, _, part = key.rpartition("mlp.experts.")
+                        if names.expert_patterns and prefix and part.startswith("linear_fc"):
+                            for expert, weight in enumerate(tensor.to(source.dtype(name))):  # one key per expert
+                                model[prefix + names.expert_file_name.format(expert=expert, part=part)] = weight.clone()
+                            continue
                         model[key] = layout.split(tensor, rank, tp).to(source.dtype(name)).clone()
-            for key in _extra_state_keys(names, len(stages[stage]), stage == pp - 1):
+            experts = getattr(config, "num_experts", 0) if names.expert_patterns else 0
+            for key in _extra_state_keys(names, len(stages[stage]), stage == pp - 1, experts):
                 model[key] = None
             path = checkpoint_dir / rank_dir_name(rank, stage, pp) / RANK_FILE
             path.parent.mkdir(parents=True)

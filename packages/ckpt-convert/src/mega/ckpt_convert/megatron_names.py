@@ -13,14 +13,19 @@ so most names pass unchanged. What differs:
 How tensors are split over tensor-parallel ranks is not here: it is mega's own parallel plan
 (the ``partition_dim``/``partition_chunks`` marks on each parameter), which follows Megatron's.
 
-A family joins by adding a :class:`MegatronNames` to :data:`FAMILIES` (the Mixtral family adds
-its router and experts there).
+* Mixture-of-experts layers hold each expert's tensors on their own in a rank's ``state_dict()``
+  (SequentialMLP ``mlp.experts.local_experts.{e}.linear_fc1.weight``, TEGroupedMLP
+  ``mlp.experts.linear_fc1.weight{e}``; ``e`` local to the expert-parallel rank), which mega
+  stacks as ``mlp.experts.linear_fc1.weight`` ``[experts, ...]``; torch_dist checkpoints stack
+  them already, under ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` ``[layers, experts, ...]``.
+
+A family joins by adding a :class:`MegatronNames` to :data:`FAMILIES`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 LAYER_PREFIX = "decoder.layers."
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -42,6 +47,11 @@ class MegatronNames:
     # dict, which Megatron's strict loading expects: layer-local ones, then the others.
     extra_state_layer_modules: tuple[str, ...] = ()
     extra_state_modules: tuple[str, ...] = ()
+    # Per-expert names in a rank's state dict: patterns whose groups are (expert, mega's name in
+    # ``mlp.experts.``); the SequentialMLP one is what mega writes.
+    expert_patterns: tuple[re.Pattern, ...] = ()
+    expert_file_name: str = "mlp.experts.local_experts.{expert}.{part}"
+    expert_extra_state_parts: tuple[str, ...] = ()
 
 
 DECODER_ONLY = MegatronNames(
@@ -78,7 +88,18 @@ DECODER_ONLY = MegatronNames(
     extra_state_modules=("output_layer",),
 )
 
-FAMILIES: dict[str, MegatronNames] = {"gpt": DECODER_ONLY, "llama": DECODER_ONLY}
+MIXTURE_OF_EXPERTS = replace(
+    DECODER_ONLY,
+    layer_aliases={**DECODER_ONLY.layer_aliases,
+                   "mlp.experts.experts.linear_fc1.weight": "mlp.experts.linear_fc1.weight",
+                   "mlp.experts.experts.linear_fc2.weight": "mlp.experts.linear_fc2.weight"},
+    extra_state_layer_modules=("self_attention.linear_proj", "self_attention.linear_qkv"),
+    expert_patterns=(re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)"),
+                     re.compile(r"mlp\.experts\.(linear_fc[12]\.weight)(\d+)")),
+    expert_extra_state_parts=("linear_fc1", "linear_fc2"),
+)
+
+FAMILIES: dict[str, MegatronNames] = {"gpt": DECODER_ONLY, "llama": DECODER_ONLY, "mixtral": MIXTURE_OF_EXPERTS}
 
 
 def names_for(family: str) -> MegatronNames:
@@ -113,3 +134,14 @@ def mega_name(names: MegatronNames, file_name: str, layer_offset: int = 0) -> st
         return file_name
     number, rest = layer
     return f"{LAYER_PREFIX}{number + layer_offset}.{names.layer_aliases.get(rest, rest)}"
+
+
+def expert_of(names: MegatronNames, layer_local: str) -> tuple[str, int] | None:
+    """(mega's layer-local name, expert number in the file) of one expert's tensor; None otherwise."""
+    for pattern in names.expert_patterns:
+        match = pattern.fullmatch(layer_local)
+        if match:
+            first, second = match.groups()
+            expert, part = (first, second) if first.isdigit() else (second, first)
+            return f"mlp.experts.{part}", int(expert)
+    return None

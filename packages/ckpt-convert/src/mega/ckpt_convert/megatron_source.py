@@ -96,6 +96,7 @@ class MegatronSource(ClosingSource):
         args = self.args
         keep = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "padded_vocab_size", "vocab_size", "seq_length", "position_embedding_type", "normalization", "swiglu",
+                "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "expert_model_parallel_size",
                 "untie_embeddings_and_output_weights", "add_bias_linear", "params_dtype", "bf16", "fp16",
                 "tokenizer_type", "transformer_impl")
         shown = ", ".join(f"{key}={getattr(args, key)}" for key in keep if getattr(args, key, None) is not None)
