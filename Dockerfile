@@ -16,6 +16,7 @@ ENV CUDA_DEVICE_MAX_CONNECTIONS=1 \
 
 WORKDIR /opt/mega
 COPY packages/ packages/
+COPY plugins/ plugins/
 
 # Pin torch to the image's own build so no dependency can replace it with a wheel from PyPI
 # (the repository's constraints.txt pins the CPU wheel for development and is not used here).
@@ -23,6 +24,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /opt/mega/torch-constraint.txt \
     && PIP_CONSTRAINT=/opt/mega/torch-constraint.txt pip install --no-cache-dir \
         ./packages/core ./packages/models ./packages/data ./packages/ckpt-convert ./packages/inference \
+        ./plugins/flash-attn ./plugins/transformer-engine ./plugins/apex ./plugins/liger \
     && mega plugins
 
 WORKDIR /workspace

@@ -92,7 +92,7 @@ def test_doctor_on_this_machine_lists_every_check_and_passes(capsys):
     for name in ("python", "torch", "driver", "cudnn", "nccl", "gpus", "topology", "packages", "plugins",
                  "kernel backends", "env CUDA_DEVICE_MAX_CONNECTIONS", "env NCCL_SOCKET_IFNAME", "env OMP_NUM_THREADS"):
         assert f"  {name} " in out, name
-    assert "mega-core" in out and "torch (activation,attention,linear,loss,norm,rotary): available" in out
+    assert "mega-core" in out and "torch (activation,attention,block_attention,linear,loss,norm,rotary): available" in out
     assert doctor_main(["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] and {c["status"] for c in report["checks"]} <= {"pass", "warn", "skip"}
