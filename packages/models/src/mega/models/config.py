@@ -20,6 +20,25 @@ class ModelConfigError(ValueError):
     """A model config that cannot be built; the message names the flags and the numbers."""
 
 
+def need(condition: bool, message: str) -> None:
+    """Raise ``ModelConfigError(message)`` unless ``condition`` holds."""
+    if not condition:
+        raise ModelConfigError(message)
+
+
+def need_positive_integers(config, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        need(isinstance(value, int) and value > 0,
+             f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def need_dropout_probabilities(config, names: tuple[str, ...] = ("hidden_dropout", "attention_dropout")) -> None:
+    for name in names:
+        value = getattr(config, name)
+        need(0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     # Shape.
@@ -74,15 +93,9 @@ class TransformerConfig:
         self.validate()
 
     def validate(self, tensor_parallel_size: int = 1) -> None:
-        def need(condition: bool, message: str) -> None:
-            if not condition:
-                raise ModelConfigError(message)
-
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                     "ffn_hidden_size", "kv_channels", "num_query_groups", "make_vocab_size_divisible_by"):
-            value = getattr(self, name)
-            need(isinstance(value, int) and value > 0, f"--{name.replace('_', '-')} must be a positive "
-                 f"integer, got {value!r}")
+        need_positive_integers(self, ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                                      "ffn_hidden_size", "kv_channels", "num_query_groups",
+                                      "make_vocab_size_divisible_by"))
         heads, groups, tp = self.num_attention_heads, self.num_query_groups, tensor_parallel_size
         need(heads % groups == 0, f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
         need(self.position_embedding_type in ("learned_absolute", "rope"),
@@ -94,9 +107,7 @@ class TransformerConfig:
                  f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}")
         else:
             need(self.kv_channels % 2 == 0, f"RoPE needs an even head size, got --kv-channels {self.kv_channels}")
-        for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            need(0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+        need_dropout_probabilities(self)
         self._validate_recompute()
         if tp > 1:
             need(heads % tp == 0, f"--num-attention-heads {heads} is not divisible by "

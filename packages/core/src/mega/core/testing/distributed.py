@@ -83,7 +83,13 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s:
         except BaseException:
             reply = pickle.dumps(("error", traceback.format_exc()))
         conn.send_bytes(reply)
-    # No destroy_process_group: with many groups it takes seconds, and the process ends anyway.
+    # No destroy_process_group and no interpreter shutdown: with many groups, gloo threads and
+    # loaded models they take seconds per rank, and nothing is left to flush (results went back
+    # through the pipe).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.close()
+    os._exit(0)
 
 
 class DistributedWorld:

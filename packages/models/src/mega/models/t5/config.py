@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mega.core.config.options import option
-from mega.models.config import ModelConfigError
+from mega.models.config import need, need_dropout_probabilities, need_positive_integers
 
 FEED_FORWARD_KINDS = ("relu", "gated-gelu")
 
@@ -73,23 +73,15 @@ class T5Config:
         self.validate()
 
     def validate(self, tensor_parallel_size: int = 1) -> None:
-        def need(condition: bool, message: str) -> None:
-            if not condition:
-                raise ModelConfigError(message)
-
-        for name in ("num_layers", "decoder_num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                     "kv_channels", "seq_length", "decoder_seq_length", "vocab_size", "make_vocab_size_divisible_by",
-                     "relative_attention_num_buckets", "relative_attention_max_distance"):
-            value = getattr(self, name)
-            need(isinstance(value, int) and value > 0, f"--{name.replace('_', '-')} must be a positive integer, "
-                 f"got {value!r}")
+        need_positive_integers(self, ("num_layers", "decoder_num_layers", "hidden_size", "ffn_hidden_size",
+                                      "num_attention_heads", "kv_channels", "seq_length", "decoder_seq_length",
+                                      "vocab_size", "make_vocab_size_divisible_by",
+                                      "relative_attention_num_buckets", "relative_attention_max_distance"))
         need(self.relative_attention_num_buckets >= 4, "--relative-attention-num-buckets must be at least 4 "
              f"(half exact, half logarithmic, each way), got {self.relative_attention_num_buckets}")
         need(self.feed_forward_proj in FEED_FORWARD_KINDS,
              f"--feed-forward-proj must be relu or gated-gelu, got {self.feed_forward_proj!r}")
-        for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            need(0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+        need_dropout_probabilities(self)
         tp = tensor_parallel_size
         if tp > 1:
             need(self.num_attention_heads % tp == 0, f"--num-attention-heads {self.num_attention_heads} is not "
