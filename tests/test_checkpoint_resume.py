@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from mega.core.testing.training_runs import assert_losses_close, train_losses
+
 COMMON = [
     "--mock-data", "--model-family", "llama", "--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "32",
     "--num-query-groups", "2", "--seq-length", "16", "--vocab-size", "90", "--make-vocab-size-divisible-by", "32",
@@ -29,17 +31,9 @@ STOP, LATER = 6, 9
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
 
-def train(argv: list[str]) -> list[float]:
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
-
-    run, family = parse_run(argv)
-    return run_training(run, family).losses
-
-
 def stop_and_resume(argv: list[str], save_dir: str, resume_argv: list[str] | None = None) -> tuple[list, list]:
-    first = train(argv + ["--exit-interval", str(STOP), "--save", save_dir])
-    second = train((resume_argv or argv) + ["--load", save_dir])
+    first = train_losses(argv + ["--exit-interval", str(STOP), "--save", save_dir])
+    second = train_losses((resume_argv or argv) + ["--load", save_dir])
     return first, second
 
 
@@ -47,30 +41,24 @@ def four_ranks(save_dir: str) -> dict:
     """tp2 x pp2: uninterrupted and resumed with dropout; then, without dropout, the reference
     run whose iteration-STOP checkpoint the other layouts resume from."""
     base = COMMON + TP2_PP2
-    results = {"full": train(base + DROPOUT)}
+    results = {"full": train_losses(base + DROPOUT)}
     results["first"], results["resumed"] = stop_and_resume(base + DROPOUT, f"{save_dir}/dropout")
-    results["reference"] = train(base + NO_DROPOUT + ["--save", f"{save_dir}/tp2pp2", "--save-interval", str(STOP)])
+    results["reference"] = train_losses(base + NO_DROPOUT + ["--save", f"{save_dir}/tp2pp2", "--save-interval", str(STOP)])
     return results
 
 
 def two_ranks(save_dir: str) -> dict:
     checkpoint = f"{save_dir}/tp2pp2/iter_{STOP:07d}"
     return {
-        "tp1-pp2": train(COMMON + NO_DROPOUT + ["--pipeline-model-parallel-size", "2", "--load", checkpoint]),
-        "pp2-vpp2": train(COMMON + NO_DROPOUT + ["--pipeline-model-parallel-size", "2",
+        "tp1-pp2": train_losses(COMMON + NO_DROPOUT + ["--pipeline-model-parallel-size", "2", "--load", checkpoint]),
+        "pp2-vpp2": train_losses(COMMON + NO_DROPOUT + ["--pipeline-model-parallel-size", "2",
                                                  "--num-layers-per-virtual-pipeline-stage", "1", "--load", checkpoint]),
         # The distributed optimizer takes the whole Adam moments as its dp slices, and saves them
         # as slices again at iteration LATER.
-        "dp2-distributed-optimizer": train(COMMON + NO_DROPOUT + [
+        "dp2-distributed-optimizer": train_losses(COMMON + NO_DROPOUT + [
             "--use-distributed-optimizer", "--load", checkpoint, "--save", f"{save_dir}/distopt",
             "--save-interval", str(LATER)]),
     }
-
-
-def assert_close(losses, reference, what):
-    assert len(losses) == len(reference), what
-    for step, (got, want) in enumerate(zip(losses, reference, strict=True)):
-        assert abs(got - want) <= 1e-5 * abs(want), f"{what}: loss {step + 1} is {got}, expected {want}"
 
 
 @pytest.mark.parametrize("precision,save_mode", [([], []), ([], ["--async-save"]), (["--bf16"], []), (["--fp16"], [])],
@@ -78,7 +66,7 @@ def assert_close(losses, reference, what):
 def test_one_process_resume_is_exact(tmp_path, precision, save_mode):
     """bf16/fp16 also bring back the fp32 main weights; fp16 the dynamic loss scaler's state."""
     argv = COMMON + DROPOUT + precision
-    full = train(argv)
+    full = train_losses(argv)
     first, second = stop_and_resume(argv + save_mode, str(tmp_path / "ckpt"), resume_argv=argv)
     assert first == full[:STOP]
     assert second == full[STOP:]
@@ -92,12 +80,12 @@ def test_resume_at_the_same_and_at_other_layouts(worlds, tmp_path):
 
     reference_next = four["reference"][STOP:]
     two = worlds.run(2, two_ranks, save_dir)[0]
-    assert_close(two["tp1-pp2"], reference_next, "tp2 x pp2 -> tp1 x pp2")
-    assert_close(two["pp2-vpp2"], reference_next, "tp2 x pp2 -> pp2 x vpp2 (interleaved)")
-    assert_close(two["dp2-distributed-optimizer"], reference_next, "tp2 x pp2 -> dp2 distributed optimizer")
+    assert_losses_close(two["tp1-pp2"], reference_next, "tp2 x pp2 -> tp1 x pp2")
+    assert_losses_close(two["pp2-vpp2"], reference_next, "tp2 x pp2 -> pp2 x vpp2 (interleaved)")
+    assert_losses_close(two["dp2-distributed-optimizer"], reference_next, "tp2 x pp2 -> dp2 distributed optimizer")
 
-    one = train(COMMON + NO_DROPOUT + ["--load", f"{save_dir}/tp2pp2/iter_{STOP:07d}"])
-    assert_close(one, reference_next, "tp2 x pp2 -> tp1 x pp1")
-    from_sharded_optimizer = train(COMMON + NO_DROPOUT + ["--load", f"{save_dir}/distopt/iter_{LATER:07d}"])
+    one = train_losses(COMMON + NO_DROPOUT + ["--load", f"{save_dir}/tp2pp2/iter_{STOP:07d}"])
+    assert_losses_close(one, reference_next, "tp2 x pp2 -> tp1 x pp1")
+    from_sharded_optimizer = train_losses(COMMON + NO_DROPOUT + ["--load", f"{save_dir}/distopt/iter_{LATER:07d}"])
     assert Path(save_dir, "distopt", f"iter_{LATER:07d}").is_dir()
-    assert_close(from_sharded_optimizer, four["reference"][LATER:], "dp2 distributed optimizer -> tp1 x pp1")
+    assert_losses_close(from_sharded_optimizer, four["reference"][LATER:], "dp2 distributed optimizer -> tp1 x pp1")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import pytest
 
+from mega.core.testing.training_runs import assert_losses_close, train_losses
+
 COMMON = [
     "--mock-data", "--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "32", "--seq-length", "64",
     "--max-position-embeddings", "64", "--vocab-size", "90", "--make-vocab-size-divisible-by", "32",
@@ -44,14 +46,6 @@ INTERLEAVED = {"cp2-pp2-vpp2-recompute": CP2 + ["--pipeline-model-parallel-size"
 SAVED_AT = 3
 
 
-def train_losses(argv: list[str]) -> list[float]:
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
-
-    run, family = parse_run(argv)
-    return run_training(run, family).losses
-
-
 def four_ranks(layouts: dict, base: list[str], save_dir: str) -> dict:
     """Every layout; the cp2 x dp2 ring run saves at iteration 3, and cp4 resumes from it."""
     results = {}
@@ -60,12 +54,6 @@ def four_ranks(layouts: dict, base: list[str], save_dir: str) -> dict:
         results[name] = train_losses(base + extra + save)
     results["cp2 -> cp4"] = train_losses(base + CP4 + ["--load", f"{save_dir}/iter_{SAVED_AT:07d}"])
     return results
-
-
-def assert_close(losses, reference, layout):
-    assert len(losses) == len(reference), layout
-    for step, (got, want) in enumerate(zip(losses, reference, strict=True)):
-        assert abs(got - want) <= 1e-5 * abs(want), f"{layout}: step {step + 1} loss {got} != {want}"
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -79,10 +67,10 @@ def test_context_parallel_layouts_match_one_process(worlds, tmp_path, family):
     for layout in results[0]:
         assert all(rank[layout] == results[0][layout] for rank in results), f"{layout}: ranks disagree"
     for layout in layouts:
-        assert_close(results[0][layout], reference, layout)
-    assert_close(results[0]["cp2 -> cp4"], reference[SAVED_AT:], "saved at cp2, resumed at cp4")
+        assert_losses_close(results[0][layout], reference, layout)
+    assert_losses_close(results[0]["cp2 -> cp4"], reference[SAVED_AT:], "saved at cp2, resumed at cp4")
     one = train_losses(base + ["--load", f"{tmp_path}/iter_{SAVED_AT:07d}"])
-    assert_close(one, reference[SAVED_AT:], "saved at cp2, resumed in one process")
+    assert_losses_close(one, reference[SAVED_AT:], "saved at cp2, resumed in one process")
 
 
 def test_bad_context_parallel_input_names_the_flags():

@@ -10,6 +10,8 @@ untied v1.1 variant is checked at tp2 against transformers in mega-models' tests
 
 from __future__ import annotations
 
+from mega.core.testing.training_runs import assert_losses_close, train_each, train_losses
+
 COMMON = [
     "--model-family", "t5", "--mock-data", "--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32",
     "--num-attention-heads", "4", "--kv-channels", "8", "--ffn-hidden-size", "64", "--seq-length", "16",
@@ -26,24 +28,6 @@ TWO_RANK_LAYOUTS = {
 FOUR_RANK_LAYOUTS = {"pp4": ["--pipeline-model-parallel-size", "4"]}
 
 
-def train_losses(argv: list[str]) -> list[float]:
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
-
-    run, family = parse_run(argv)
-    return run_training(run, family).losses
-
-
-def train_each(argvs: list[list[str]]) -> list[list[float]]:
-    return [train_losses(argv) for argv in argvs]
-
-
-def assert_close(losses, reference, layout):
-    assert len(losses) == len(reference) == 5, layout
-    for step, (got, want) in enumerate(zip(losses, reference, strict=True)):
-        assert abs(got - want) <= 1e-5 * abs(want), f"{layout}: step {step + 1} loss {got} != {want}"
-
-
 def test_every_t5_layout_matches_one_process(worlds):
     reference = train_losses(COMMON)
     assert reference[-1] < reference[0], "the tiny T5 should learn the mock data"
@@ -51,9 +35,9 @@ def test_every_t5_layout_matches_one_process(worlds):
     results = worlds.run(2, train_each, [COMMON + extra for extra in TWO_RANK_LAYOUTS.values()])
     for index, layout in enumerate(TWO_RANK_LAYOUTS):
         assert results[0][index] == results[1][index], layout
-        assert_close(results[0][index], reference, layout)
+        assert_losses_close(results[0][index], reference, layout)
 
     four = worlds.run(4, train_each, [COMMON + extra for extra in FOUR_RANK_LAYOUTS.values()])
     for index, layout in enumerate(FOUR_RANK_LAYOUTS):
         assert all(losses[index] == four[0][index] for losses in four), layout
-        assert_close(four[0][index], reference, layout)
+        assert_losses_close(four[0][index], reference, layout)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import pytest
 
+from mega.core.testing.training_runs import assert_losses_close, train_each, train_losses
+
 COMMON = [
     "--mock-data", "--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "32", "--seq-length", "16",
     "--vocab-size", "90", "--make-vocab-size-divisible-by", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "5",
@@ -39,24 +41,6 @@ EIGHT_RANK_LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-para
                      "--sequence-parallel", "--use-distributed-optimizer"]
 
 
-def train_losses(argv: list[str]) -> list[float]:
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
-
-    run, family = parse_run(argv)
-    return run_training(run, family).losses
-
-
-def train_each(argvs: list[list[str]]) -> list[list[float]]:
-    return [train_losses(argv) for argv in argvs]
-
-
-def assert_close(losses, reference, layout):
-    assert len(losses) == len(reference) == 5, layout
-    for step, (got, want) in enumerate(zip(losses, reference, strict=True)):
-        assert abs(got - want) <= 1e-5 * abs(want), f"{layout}: step {step + 1} loss {got} != {want}"
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_layout_matches_one_process(worlds, family):
     base = COMMON + FAMILIES[family]
@@ -67,8 +51,8 @@ def test_every_layout_matches_one_process(worlds, family):
     for index, layout in enumerate(TWO_RANK_LAYOUTS):
         # Every rank reports the same losses (they are shared from the last stage).
         assert results[0][index] == results[1][index], layout
-        assert_close(results[0][index], reference, layout)
+        assert_losses_close(results[0][index], reference, layout)
 
     eight = worlds.run(8, train_losses, base + EIGHT_RANK_LAYOUT)
     assert all(losses == eight[0] for losses in eight)
-    assert_close(eight[0], reference, "tp2 x pp2 x dp2 (sequence parallel, distributed optimizer)")
+    assert_losses_close(eight[0], reference, "tp2 x pp2 x dp2 (sequence parallel, distributed optimizer)")
