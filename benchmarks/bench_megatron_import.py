@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_convert import BYTES_PER_PARAMETER, DTYPES, run_measured  # noqa: E402
+from bench_convert import DTYPES, measure_conversions, write_model_in_child  # noqa: E402
 
 FLOOR = ("import torch, mega.ckpt_convert.cli, mega.ckpt_convert.megatron_format, mega.ckpt_convert.megatron_dist, "
          "mega.ckpt_convert.mega_format; from mega.core.plugins import get_plugins; get_plugins().models.get('llama')")
@@ -45,13 +43,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         root = Path(workdir)
-        start = time.perf_counter()
-        maker = Path(__file__).resolve().parent / "bench_convert.py"
-        model_bytes = int(subprocess.run([sys.executable, str(maker), "--write-model", str(root / "hf"), "--dtype",
-                                          args.dtype], check=True, capture_output=True, text=True).stdout)
-        print(f"synthetic LLaMA-style model: {model_bytes / BYTES_PER_PARAMETER[args.dtype] / 1e9:.2f}B "
-              f"parameters, {model_bytes / 2**30:.2f} GiB of {args.dtype} weights, written in "
-              f"{time.perf_counter() - start:.1f} s")
+        model_bytes = write_model_in_child(root, args.dtype)
         convert = [sys.executable, "-m", "mega.core.cli.main", "convert", "--progress", "never"]
         runs = {
             "hf -> megatron torch_dist (tp1)": [*convert, "--to", "megatron", "--megatron-format", "torch_dist",
@@ -65,20 +57,8 @@ def main() -> int:
             "megatron legacy -> mega (tp1)": [*convert, "--from", "megatron", "--to", "mega",
                                               "--input", str(root / "legacy"), "--output", str(root / "mega2")],
         }
-        _, floor = run_measured([sys.executable, "-c", FLOOR])
-        results = {"model_bytes": model_bytes, "dtype": args.dtype, "floor_rss_bytes": floor, "runs": {}}
-        print("\n| conversion | time (s) | peak RSS (MiB) | peak RSS / model bytes | above floor / model bytes |")
-        print("|---|---|---|---|---|")
-        print(f"| floor: imports only | - | {floor / 2**20:.0f} | {floor / model_bytes:.1%} | - |")
-        for name, argv in runs.items():
-            seconds, rss = run_measured(argv)
-            output = Path(argv[argv.index("--output") + 1])
-            written = weight_bytes(output)
-            if not 0.99 * model_bytes <= written:
-                raise SystemExit(f"{name}: wrote {written} bytes of weights, expected about {model_bytes}")
-            results["runs"][name] = {"seconds": seconds, "peak_rss_bytes": rss}
-            print(f"| {name} | {seconds:.1f} | {rss / 2**20:.0f} | {rss / model_bytes:.1%} | "
-                  f"{(rss - floor) / model_bytes:.1%} |", flush=True)
+        results = {"dtype": args.dtype, **measure_conversions(runs, model_bytes, FLOOR, weight_bytes,
+                                                                exact_size=False)}
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
