@@ -157,6 +157,7 @@ def test_attention_masks_and_gqa_match_torch(standin):
     import torch
     from mega_transformer_engine.layers import TEAttention
 
+    from mega.core.config import ConfigError
     from mega.core.kernels import AttentionMask
     from mega.models.torch_kernels import sdpa_attention
 
@@ -173,8 +174,10 @@ def test_attention_masks_and_gqa_match_torch(standin):
     # fewer queries than keys (a cached prefix): mega's causal mask aligns at the end
     got = attention(q[:, :, -2:], k, v, mask=AttentionMask(causal=True))
     torch.testing.assert_close(got, sdpa_attention(q[:, :, -2:], k, v, mask=AttentionMask(causal=True)))
-    with pytest.raises(NotImplementedError, match="packed sequences"):
+    with pytest.raises(ConfigError, match="--attention-backend transformer-engine does not take packed sequences"):
         attention(q, k, v, mask=AttentionMask(cu_seqlens=torch.tensor([0, 3, 6])))
+    with pytest.raises(ConfigError, match="--attention-backend transformer-engine takes a padding mask only"):
+        attention(q[:, :, -2:], k, v, mask=AttentionMask(causal=True, padding=padding))
 
 
 # -- FP8: the recipe from the flags, fp8_autocast around every forward ---------------------------

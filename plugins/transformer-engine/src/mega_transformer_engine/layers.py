@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from mega.core.config import ConfigError
 from mega.core.kernels import AttentionMask
 from mega.core.parallel.layers import shard_of
 from mega.core.parallel.param_attrs import mark_tensor_parallel
@@ -129,8 +130,8 @@ class TEAttention:
     def __call__(self, query, key, value, *, mask: AttentionMask, dropout_p: float = 0.0,
                  softmax_scale: float | None = None):
         if mask.cu_seqlens is not None:
-            raise NotImplementedError("the transformer-engine attention does not take packed sequences "
-                                      "(cu_seqlens); use --attention-backend torch")
+            raise ConfigError("--attention-backend transformer-engine does not take packed sequences (cu_seqlens: "
+                              "TE's thd format is not wired); use --attention-backend torch or flash-attn")
         batch, heads, q_len, head_dim = query.shape
         k_len = key.shape[2]
         mask_type, extra = _mask_arguments(mask, q_len, k_len)
@@ -145,8 +146,9 @@ def _mask_arguments(mask: AttentionMask, q_len: int, k_len: int) -> tuple[str, d
     extra: dict = {}
     if mask.padding is not None:
         if q_len != k_len:
-            raise NotImplementedError("the transformer-engine attention takes a padding mask only when "
-                                      "queries and keys are equally many")
+            raise ConfigError("--attention-backend transformer-engine takes a padding mask only when queries and "
+                              "keys are equally many (TE's padding masks are not aligned at the end); use "
+                              "--attention-backend torch")
         extra["attention_mask"] = ~mask.padding.to(torch.bool)[:, None, None, :]  # TE: True = masked out
         mask_type = "padding_causal" if mask.causal else "padding"
     else:
