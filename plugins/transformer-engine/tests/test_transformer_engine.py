@@ -133,10 +133,16 @@ def test_te_modules_compute_what_torch_computes_and_checkpoints_move(standin, fa
     model = build_stage(model_family, run.model, kernels=kernels)
     layer = model.decoder.layers["0"]
     assert type(layer.self_attention.linear_qkv).__name__ == "TELayerNormLinear"
-    assert type(layer.mlp.linear_fc1).__name__ == "TELayerNormLinear"
     assert type(layer.self_attention.linear_proj).__name__ == "TELinear"
+    if family == "llama":  # SwiGLU: TE's LayerNormMLP holds the norm, fc1, the activation and fc2
+        assert type(layer.mlp).__name__ == "TELayerNormMLP" and layer.mlp.activation == "swiglu"
+        assert layer.mlp.normalization == "RMSNorm"
+    else:  # GPT's exact GELU is not TE's (tanh) "gelu": LayerNormLinear, GELU, Linear
+        assert type(layer.mlp.linear_fc1).__name__ == "TELayerNormLinear"
+        assert type(layer.mlp.linear_fc2).__name__ == "TELinear"
     assert isinstance(model.decoder.final_layernorm, te_standin.RMSNorm if family == "llama" else te_standin.LayerNorm)
     assert layer.input_layernorm is None and layer.self_attention.linear_qkv.normalization == run.model.normalization
+    assert layer.pre_mlp_layernorm is None
 
     straight = train(base + ["--train-iters", "4"])
     te_ckpt, torch_ckpt = tmp_path / "te", tmp_path / "torch"
@@ -145,7 +151,8 @@ def test_te_modules_compute_what_torch_computes_and_checkpoints_move(standin, fa
     keys = set(read_index(te_ckpt / "iter_0000002"))
     assert "model.decoder.layers.0.input_layernorm.weight" in keys
     assert "model.decoder.layers.1.pre_mlp_layernorm.weight" in keys
-    assert not any("layer_norm_weight" in key for key in keys)
+    assert "model.decoder.layers.1.mlp.linear_fc1.weight" in keys and "model.decoder.layers.1.mlp.linear_fc2.weight" in keys
+    assert not any("layer_norm_weight" in key or "fc1_weight" in key for key in keys)
     assert "buffer.decoder.layers.0.self_attention.linear_qkv._extra_state.tp0of1" in keys
     assert train(base + ["--train-iters", "4", "--load", str(te_ckpt)]) == pytest.approx(straight[2:], rel=1e-5)
     train(base + ["--train-iters", "2", "--save", str(torch_ckpt)])
@@ -216,7 +223,7 @@ def test_fp8_runs_linear_layers_under_autocast_and_keeps_their_state(standin, tm
     load_model_weights(tmp_path, [model])
     layer = model.decoder.layers["1"]
     # every forward ran in FP8 (4 of them), and the count came back from the checkpoint's extra state
-    assert layer.self_attention.linear_qkv.fp8_forwards == layer.mlp.linear_fc2.fp8_forwards == 4
+    assert layer.self_attention.linear_qkv.fp8_forwards == layer.mlp.fp8_forwards == 4  # the MLP: LayerNormMLP
 
 
 def test_fp8_flags_refused_clearly(standin):

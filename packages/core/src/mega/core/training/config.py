@@ -149,6 +149,8 @@ class KernelConfig:
     normalization_backend: str | None = option(None, "LayerNorm/RMSNorm kernel backend")
     linear_backend: str | None = option(None, "linear-layer kernel backend")
     norm_linear_backend: str | None = option(None, "fused norm + linear kernel backend")
+    norm_mlp_backend: str | None = option(None, "fused norm + whole MLP kernel backend (e.g. transformer-engine's "
+                                          "LayerNormMLP; torch: unfused)")
     activation_backend: str | None = option(None, "MLP activation kernel backend")
     rotary_backend: str | None = option(None, "rotary-embedding kernel backend")
     loss_backend: str | None = option(None, "cross-entropy (loss head) kernel backend")
@@ -164,6 +166,7 @@ class KernelConfig:
     def overrides(self) -> dict[str, str | None]:
         return {"attention": self.attention_backend, "norm": self.normalization_backend,
                 "linear": self.linear_backend, "norm_linear": self.norm_linear_backend,
+                "norm_mlp": self.norm_mlp_backend,
                 "activation": self.activation_backend, "rotary": self.rotary_backend, "loss": self.loss_backend,
                 "block_attention": self.block_attention_backend, "linear_loss": self.linear_loss_backend}
 
