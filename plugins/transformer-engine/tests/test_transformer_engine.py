@@ -160,6 +160,56 @@ def test_te_modules_compute_what_torch_computes_and_checkpoints_move(standin, fa
         straight[2:], rel=1e-5)
 
 
+def test_layer_norm_mlp_outputs_and_gradients_equal_torch(standin):
+    """TE's LayerNormMLP for GPT (biases; --openai-gelu, TE's tanh "gelu") and LLaMA (SwiGLU, no
+    biases): the model's logits and every gradient, by canonical name, equal the torch backend's."""
+    import torch
+
+    from mega.core.build import build_stage
+    from mega.core.checkpoint.state import named_parameters
+    from mega.core.kernels import Kernels, select_backends
+    from mega.core.plugins import get_plugins
+    from mega.core.training.command import parse_run
+
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    for family, extra in (("gpt", ["--openai-gelu"]), ("llama", [])):
+        run, model_family = parse_run(TINY + FAMILIES[family] + extra + ["--train-iters", "1"])
+        results = []
+        for kernels in (Kernels(), Kernels(select_backends(STANDIN), get_plugins())):
+            model = build_stage(model_family, run.model, kernels=kernels)
+            logits = model(tokens)
+            (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+            grads = {name: param.grad for name, param in named_parameters([model])[0].items()}
+            results.append((logits, grads, model.decoder.layers["1"]))
+        (torch_logits, torch_grads, _), (te_logits, te_grads, te_layer) = results
+        assert type(te_layer.mlp).__name__ == "TELayerNormMLP", family
+        torch.testing.assert_close(te_logits, torch_logits, msg=family)
+        assert te_grads.keys() == torch_grads.keys()
+        if family == "gpt":
+            assert {"decoder.layers.1.mlp.linear_fc1.bias", "decoder.layers.1.mlp.linear_fc2.bias",
+                    "decoder.layers.1.pre_mlp_layernorm.bias"} <= te_grads.keys()
+        for name, grad in torch_grads.items():
+            torch.testing.assert_close(te_grads[name], grad, msg=f"{family}: {name}")
+
+
+def test_standin_layer_norm_mlp_returns_bias_and_norm_output_as_te_documents(standin):
+    import torch
+
+    te = sys.modules["transformer_engine.pytorch"]
+    torch.manual_seed(0)
+    plain = te.LayerNormMLP(8, 12, activation="swiglu", normalization="RMSNorm", device="cpu")
+    split = te.LayerNormMLP(8, 12, activation="swiglu", normalization="RMSNorm", device="cpu", return_bias=True,
+                            return_layernorm_output=True)
+    split.load_state_dict(plain.state_dict())
+    torch.nn.init.normal_(plain.fc2_bias)
+    split.fc2_bias.data.copy_(plain.fc2_bias)
+    assert plain.fc1_weight.shape == (24, 8) and plain.fc2_weight.shape == (8, 12)  # [gate; up] stacked
+    x = torch.randn(5, 2, 8)
+    out, bias, ln_out = split(x)
+    torch.testing.assert_close(out + bias, plain(x))  # fc2's bias left out, and returned
+    torch.testing.assert_close(ln_out, torch.nn.functional.rms_norm(x, (8,), plain.layer_norm_weight, 1e-5))
+
+
 def test_attention_masks_and_gqa_match_torch(standin):
     import torch
     from mega_transformer_engine.layers import TEAttention
@@ -255,9 +305,11 @@ def train_with_standin(argvs):
 def test_te_tensor_and_sequence_parallel_match_one_process(worlds, standin):
     # GPT at tp2 with and without sequence parallelism; LLaMA (GQA groups and SwiGLU's two blocks
     # split per rank) with it.
-    argvs = {family: TINY + FAMILIES[family] + ["--train-iters", "3"] for family in FAMILIES}
+    # LLaMA's and GPT-with-tanh-GELU's MLPs are TE's LayerNormMLP (set_parallel_mode).
+    families = FAMILIES | {"gpt-tanh": FAMILIES["gpt"] + ["--openai-gelu"]}
+    argvs = {family: TINY + families[family] + ["--train-iters", "3"] for family in families}
     reference = {family: train(argv) for family, argv in argvs.items()}
-    cases = [("gpt", "tp2"), ("gpt", "tp2-sp"), ("llama", "tp2-sp")]
+    cases = [("gpt", "tp2"), ("gpt", "tp2-sp"), ("llama", "tp2-sp"), ("gpt-tanh", "tp2-sp")]
     runs = [argvs[family] + WITH_TE + LAYOUTS[layout] for family, layout in cases]
     results = worlds.run(2, train_with_standin, runs)
     for rank_losses in results:
@@ -298,10 +350,10 @@ def test_to_tensor_parallel_keeps_this_ranks_shard_of_a_built_layer(standin):
     """A layer built on a real device (not build_stage's meta) hands its shard to the TE layer
     that replaces it, marked as mega's own parallel layers mark theirs."""
     import torch
-    from mega_transformer_engine.layers import linear_factory, norm_linear_factory
+    from mega_transformer_engine.layers import linear_factory, norm_linear_factory, norm_mlp_factory
 
     from mega.core.parallel.groups import Group
-    from mega.core.parallel.plan import Colwise, Rowwise
+    from mega.core.parallel.plan import ColumnThenRow, Colwise, Rowwise
 
     te = sys.modules["transformer_engine.pytorch"]
     group = Group("tp", (0, 1), 1, None)  # rank 1 of 2; no communication happens here
@@ -314,6 +366,23 @@ def test_to_tensor_parallel_keeps_this_ranks_shard_of_a_built_layer(standin):
     torch.testing.assert_close(column.weight, torch.cat([gate[2:], up[2:]]))  # rank 1's half of each block
     assert (column.weight.partition_dim, column.weight.partition_chunks, column.bias.partition_dim) == (0, 2, 0)
     torch.testing.assert_close(column.layer_norm_weight, fc1.layer_norm_weight)
+
+    mlp = norm_mlp_factory(te)("LayerNorm", 4, 6, "swiglu", True, 1e-5)
+    for param in mlp.parameters():
+        torch.nn.init.normal_(param)
+    parallel = mlp.to_tensor_parallel(ColumnThenRow(chunks=2), group, sequence_parallel=True)
+    assert (parallel.set_parallel_mode, parallel.tp_size, parallel.sequence_parallel) == (True, 2, True)
+    gate, up = mlp.fc1_weight.chunk(2)
+    torch.testing.assert_close(parallel.fc1_weight, torch.cat([gate[3:], up[3:]]))
+    torch.testing.assert_close(parallel.fc2_weight, mlp.fc2_weight[:, 3:])
+    torch.testing.assert_close(parallel.fc2_bias, mlp.fc2_bias)  # added once, after the reduction
+    assert (parallel.fc1_weight.partition_chunks, parallel.fc1_bias.partition_dim, parallel.fc2_weight.partition_dim) \
+        == (2, 0, 1)
+    assert not getattr(parallel.fc2_bias, "tensor_model_parallel", False)
+    with pytest.raises(TypeError, match="split as ColumnThenRow"):
+        mlp.to_tensor_parallel(Colwise(), group, sequence_parallel=False)
+    with pytest.raises(ValueError, match="no activation equal to 'gelu'"):  # exact GELU: TE's is tanh
+        norm_mlp_factory(te)("LayerNorm", 4, 6, "gelu", True, 1e-5)
 
     proj = linear_factory(te)(8, 4, True)
     torch.nn.init.normal_(proj.weight)
