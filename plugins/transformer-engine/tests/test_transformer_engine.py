@@ -284,8 +284,10 @@ def test_fp8_flags_refused_clearly(standin):
     def check(argv):  # what `mega train` does before any work
         derive(parse_run(TINY + FAMILIES["gpt"] + argv)[0], 1)
 
-    with pytest.raises(ConfigError, match="--fp8-param-gather"):
+    with pytest.raises(ConfigError, match="--fp8-param-gather is not supported: it needs FP8 parameter tensors"):
         check(WITH_TE + ["--fp8-format", "hybrid", "--fp8-param-gather"])
+    with pytest.raises(ConfigError, match="--fp8-param-gather needs --fp8-format"):
+        check(WITH_TE + ["--fp8-param-gather"])
     with pytest.raises((ConfigError, ValueError), match="contradicts --fp8-format e4m3"):
         check(WITH_TE + ["--fp8-format", "e4m3", "--fp8-hybrid"])
     with pytest.raises(ConfigError, match="--fp8-format needs"):

@@ -71,7 +71,8 @@ class PrecisionConfig:
     fp8_margin: int = option(0, "FP8 scaling margin: scales leave 2^margin of headroom below the format's maximum")
     fp8_amax_compute_algo: Literal["most_recent", "max"] = option("most_recent", "FP8 amax algorithm")
     fp8_amax_history_len: int = option(1, "FP8 amax history length")
-    fp8_param_gather: bool = option(False, "keep FP8 parameters and all-gather them in FP8 (not available yet)")
+    fp8_param_gather: bool = option(False, "keep FP8 parameters and all-gather them in FP8 (refused: the "
+                                    "distributed optimizer gathers bf16/fp32 parameters only)")
     transformer_impl: Literal["local", "transformer_engine"] = option(
         "local", "layer implementation: local (mega's kernels), or transformer_engine (--kernels transformer-engine)")
     use_flash_attn: bool = option(False, "use the flash-attn kernel backend for attention")
