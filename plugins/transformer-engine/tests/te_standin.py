@@ -56,13 +56,19 @@ STATE = FP8State()
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: DelayedScaling | None = None,
                  fp8_group=None):
+    """Records ("enter", recipe, fp8_group) and ("exit",). Like TE, the outermost autocast
+    reduces the amaxes over ``fp8_group`` (None: every rank) as it exits: here a max-all-reduce of
+    the forwards it saw, so ranks of a group that do not exit together wait for each other."""
     saved = (STATE.enabled, STATE.recipe)
+    outermost = not STATE.enabled
     STATE.enabled, STATE.recipe = enabled, fp8_recipe or DelayedScaling()
-    STATE.events.append(("enter", STATE.recipe))
+    STATE.events.append(("enter", STATE.recipe, fp8_group))
     try:
         yield
     finally:
         STATE.enabled, STATE.recipe = saved
+        if outermost and enabled and dist.is_initialized():
+            dist.all_reduce(torch.ones(1), op=dist.ReduceOp.MAX, group=fp8_group)
         STATE.events.append(("exit",))
 
 

@@ -300,8 +300,18 @@ LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
 
 
 def train_with_standin(argvs):
-    use_standin()
-    return [train(argv) for argv in argvs]
+    """Each run's losses, its fp8_autocast entries and the ranks of the amax groups they named."""
+    import torch.distributed as dist
+
+    state = use_standin()
+    results = []
+    for argv in argvs:
+        state.events.clear()
+        losses = train(argv)
+        groups = [event[2] for event in state.events if event[0] == "enter"]
+        ranks = {None if group is None else tuple(dist.get_process_group_ranks(group)) for group in groups}
+        results.append((losses, len(groups), ranks))
+    return results
 
 
 def test_te_tensor_and_sequence_parallel_match_one_process(worlds, standin):
@@ -311,12 +321,22 @@ def test_te_tensor_and_sequence_parallel_match_one_process(worlds, standin):
     families = FAMILIES | {"gpt-tanh": FAMILIES["gpt"] + ["--openai-gelu"]}
     argvs = {family: TINY + families[family] + ["--train-iters", "3"] for family in families}
     reference = {family: train(argv) for family, argv in argvs.items()}
-    cases = [("gpt", "tp2"), ("gpt", "tp2-sp"), ("llama", "tp2-sp"), ("gpt-tanh", "tp2-sp")]
-    runs = [argvs[family] + WITH_TE + LAYOUTS[layout] for family, layout in cases]
+    # FP8 with pipeline parallelism: each stage enters fp8_autocast once per micro-batch forward,
+    # its amaxes reduced over its own stage's ranks (the stand-in's autocast all-reduces over
+    # fp8_group as it exits: the whole world would leave the stages waiting for each other).
+    fp8 = ["--fp8-format", "hybrid"]
+    reference["gpt-fp8"] = train(argvs["gpt"] + WITH_TE + fp8)
+    cases = [("gpt", "tp2"), ("gpt", "tp2-sp"), ("llama", "tp2-sp"), ("gpt-tanh", "tp2-sp"), ("gpt-fp8", "pp2")]
+    runs = [argvs[family] + WITH_TE + LAYOUTS[layout] for family, layout in cases[:-1]]
+    runs.append(argvs["gpt"] + WITH_TE + fp8 + ["--pipeline-model-parallel-size", "2"])
     results = worlds.run(2, train_with_standin, runs)
-    for rank_losses in results:
-        for (family, layout), losses in zip(cases, rank_losses, strict=True):
+    for rank, rank_results in enumerate(results):
+        for (family, layout), (losses, fp8_forwards, amax_groups) in zip(cases, rank_results, strict=True):
             assert losses == pytest.approx(reference[family], rel=1e-5), (family, layout)
+            if layout == "pp2":  # 3 steps x 2 micro-batches, one forward each on each stage
+                assert (fp8_forwards, amax_groups) == (6, {(rank,)}), rank
+            else:
+                assert fp8_forwards == 0
 
 
 # -- the real Transformer Engine on a GPU (skipped here: no GPU, no TE) --------------------------
