@@ -1,5 +1,5 @@
 """A stand-in for NVIDIA Transformer Engine's PyTorch API, in plain torch, for tests without TE or
-a GPU. It implements the documented call signatures mega uses (``Linear``, ``LayerNormLinear``,
+a GPU. It implements the documented call signatures mega uses (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``,
 ``LayerNorm``, ``RMSNorm``, ``DotProductAttention``, ``fp8_autocast``, ``recipe.DelayedScaling``)
 with TE's semantics where they matter to the plumbing: local shard shapes from ``tp_size`` and
 ``parallel_mode``, tensor/sequence-parallel communication over ``tp_group`` (all-gather of the
@@ -56,13 +56,19 @@ STATE = FP8State()
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: DelayedScaling | None = None,
                  fp8_group=None):
+    """Records ("enter", recipe, fp8_group) and ("exit",). Like TE, the outermost autocast
+    reduces the amaxes over ``fp8_group`` (None: every rank) as it exits: here a max-all-reduce of
+    the forwards it saw, so ranks of a group that do not exit together wait for each other."""
     saved = (STATE.enabled, STATE.recipe)
+    outermost = not STATE.enabled
     STATE.enabled, STATE.recipe = enabled, fp8_recipe or DelayedScaling()
-    STATE.events.append(("enter", STATE.recipe))
+    STATE.events.append(("enter", STATE.recipe, fp8_group))
     try:
         yield
     finally:
         STATE.enabled, STATE.recipe = saved
+        if outermost and enabled and dist.is_initialized():
+            dist.all_reduce(torch.ones(1), op=dist.ReduceOp.MAX, group=fp8_group)
         STATE.events.append(("exit",))
 
 
@@ -130,7 +136,26 @@ class _ReduceScatter(torch.autograd.Function):  # row output under SP
         return _all_gather(grad, ctx.group), None
 
 
-class _ParallelLinearBase(nn.Module):
+class _FP8Counted(nn.Module):
+    """TE keeps FP8 scaling state in ``get_extra_state()``; the stand-in counts the forwards
+    run under ``fp8_autocast`` there instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.fp8_forwards = 0
+
+    def _count_fp8_forward(self):
+        self.fp8_forwards += int(STATE.enabled)
+
+    def get_extra_state(self):
+        return torch.tensor([self.fp8_forwards], dtype=torch.int64)
+
+    def set_extra_state(self, state):
+        if state is not None and state.numel():
+            self.fp8_forwards = int(state[0])
+
+
+class _ParallelLinearBase(_FP8Counted):
     def __init__(self, in_features, out_features, bias=True, *, init_method=None, sequence_parallel=False,
                  tp_group=None, tp_size=1, parallel_mode=None, device="cuda", params_dtype=None, **unused):
         super().__init__()
@@ -144,14 +169,13 @@ class _ParallelLinearBase(nn.Module):
         options = {"device": device, "dtype": params_dtype or torch.float32}
         self.weight = nn.Parameter(torch.empty(local_out, local_in, **options))
         self.bias = nn.Parameter(torch.empty(local_out, **options)) if bias else None
-        self.fp8_forwards = 0  # TE keeps FP8 scaling state in get_extra_state(); this counts its uses
         if self.weight.device.type != "meta":
             (init_method or (lambda w: nn.init.normal_(w, 0.0, 0.023)))(self.weight)
             if self.bias is not None:
                 nn.init.zeros_(self.bias)
 
     def _linear(self, x):
-        self.fp8_forwards += int(STATE.enabled)
+        self._count_fp8_forward()
         if self.parallel_mode == "column":
             x = (_Gather if self.sequence_parallel else _Copy).apply(x, self.tp_group)
             return F.linear(x, self.weight, self.bias)
@@ -160,13 +184,6 @@ class _ParallelLinearBase(nn.Module):
             y = (_ReduceScatter if self.sequence_parallel else _Reduce).apply(y, self.tp_group)
             return y + self.bias if self.bias is not None else y
         return F.linear(x, self.weight, self.bias)
-
-    def get_extra_state(self):
-        return torch.tensor([self.fp8_forwards], dtype=torch.int64)
-
-    def set_extra_state(self, state):
-        if state is not None and state.numel():
-            self.fp8_forwards = int(state[0])
 
 
 class Linear(_ParallelLinearBase):
@@ -193,6 +210,94 @@ class LayerNormLinear(_ParallelLinearBase):
         # TE normalises the local sequence shard, then gathers the normalised input.
         return self._linear(_normalize(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias,
                                        self.eps))
+
+
+def _gated(activation):
+    return lambda x: (lambda gate, up: activation(gate) * up)(*x.chunk(2, dim=-1))
+
+
+# TE's activations ("gelu" is the tanh approximation in TE's kernels); the gated ones take
+# [gate; up] stacked on the last dimension, as TE's swiglu does.
+MLP_ACTIVATIONS = {"gelu": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu,
+                   "geglu": _gated(lambda x: F.gelu(x, approximate="tanh")), "reglu": _gated(F.relu),
+                   "swiglu": _gated(F.silu)}
+GATED = {"geglu", "reglu", "swiglu"}
+
+
+class LayerNormMLP(_FP8Counted):
+    """norm -> fc1 -> activation -> fc2, TE's parameters (``layer_norm_weight``/``_bias``,
+    ``fc1_weight``/``_bias``, ``fc2_weight``/``_bias``) and parallelism: with
+    ``set_parallel_mode`` fc1 is column- and fc2 row-parallel over ``tp_group`` (the normalised
+    input all-gathered along the sequence and the output reduce-scattered under sequence
+    parallelism), fc2's bias added after the reduction. ``return_bias`` leaves fc2's bias out
+    of the output and returns it; ``return_layernorm_output`` returns the norm's output too
+    (this rank's sequence shard, or gathered with ``return_layernorm_output_gathered``)."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, sequence_parallel=False, return_bias=False,
+                 get_rng_state_tracker=None, tp_group=None, tp_size=1, init_method=None, bias=True,
+                 normalization="LayerNorm", activation="gelu", output_layer_init_method=None, params_dtype=None,
+                 return_layernorm_output=False, return_layernorm_output_gathered=False, set_parallel_mode=False,
+                 zero_centered_gamma=False, device="cuda", **unused):
+        super().__init__()
+        if normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization {normalization!r}")
+        if activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}")
+        self.tp_group = tp_group
+        self.tp_size = tp_size if tp_group is None else _size(tp_group)
+        self.sequence_parallel = self.tp_size > 1 and sequence_parallel
+        self.set_parallel_mode, self.eps, self.normalization = set_parallel_mode, eps, normalization
+        self.activation, self.use_bias, self.return_bias = activation, bias, return_bias
+        self.apply_bias = bias and not return_bias
+        self.return_layernorm_output = return_layernorm_output
+        self.return_layernorm_output_gathered = return_layernorm_output_gathered
+        self.zero_centered_gamma = zero_centered_gamma
+        if ffn_hidden_size % self.tp_size:
+            raise ValueError(f"ffn_hidden_size {ffn_hidden_size} is not divisible by tp_size {self.tp_size}")
+        local = ffn_hidden_size // self.tp_size
+        fc1_out = 2 * local if activation in GATED else local
+        options = {"device": device, "dtype": params_dtype or torch.get_default_dtype()}
+        self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, **options))
+        self.layer_norm_bias = (nn.Parameter(torch.empty(hidden_size, **options))
+                                if normalization == "LayerNorm" else None)
+        self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **options))
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, local, **options))
+        if bias:
+            self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **options))
+            self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **options))
+        else:  # TE keeps empty tensors, not parameters
+            self.fc1_bias = self.fc2_bias = torch.empty(0, **options)
+        if self.fc1_weight.device.type != "meta":
+            with torch.no_grad():
+                self.layer_norm_weight.fill_(0.0 if zero_centered_gamma else 1.0)
+                if self.layer_norm_bias is not None:
+                    self.layer_norm_bias.zero_()
+                (init_method or (lambda w: nn.init.normal_(w, 0.0, 0.023)))(self.fc1_weight)
+                (output_layer_init_method or (lambda w: nn.init.normal_(w, 0.0, 0.023)))(self.fc2_weight)
+                if bias:
+                    self.fc1_bias.zero_()
+                    self.fc2_bias.zero_()
+
+    def forward(self, inp, is_first_microbatch=None):
+        self._count_fp8_forward()
+        gamma = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
+        ln_out = _normalize(inp, self.normalization, gamma, self.layer_norm_bias, self.eps)
+        parallel = self.set_parallel_mode and self.tp_size > 1
+        x = ln_out
+        if parallel:
+            x = (_Gather if self.sequence_parallel else _Copy).apply(x, self.tp_group)
+        hidden = MLP_ACTIVATIONS[self.activation](F.linear(x, self.fc1_weight, self.fc1_bias if self.use_bias else None))
+        out = F.linear(hidden, self.fc2_weight)
+        if parallel:
+            out = (_ReduceScatter if self.sequence_parallel else _Reduce).apply(out, self.tp_group)
+        if self.apply_bias:
+            out = out + self.fc2_bias
+        extra = ()
+        if self.return_bias:
+            extra += (self.fc2_bias,)
+        if self.return_layernorm_output:
+            extra += (x if self.return_layernorm_output_gathered else ln_out,)
+        return (out, *extra) if extra else out
 
 
 class LayerNorm(nn.Module):
@@ -272,7 +377,8 @@ def install(monkeypatch=None) -> FP8State:
     package.__version__ = __version__
     package.__path__ = []
     pytorch = types.ModuleType("transformer_engine.pytorch")
-    for name in ("Linear", "LayerNormLinear", "LayerNorm", "RMSNorm", "DotProductAttention", "fp8_autocast"):
+    for name in ("Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "DotProductAttention",
+                 "fp8_autocast"):
         setattr(pytorch, name, getattr(this, name))
     common = types.ModuleType("transformer_engine.common")
     common.__path__ = []

@@ -133,10 +133,16 @@ def test_te_modules_compute_what_torch_computes_and_checkpoints_move(standin, fa
     model = build_stage(model_family, run.model, kernels=kernels)
     layer = model.decoder.layers["0"]
     assert type(layer.self_attention.linear_qkv).__name__ == "TELayerNormLinear"
-    assert type(layer.mlp.linear_fc1).__name__ == "TELayerNormLinear"
     assert type(layer.self_attention.linear_proj).__name__ == "TELinear"
+    if family == "llama":  # SwiGLU: TE's LayerNormMLP holds the norm, fc1, the activation and fc2
+        assert type(layer.mlp).__name__ == "TELayerNormMLP" and layer.mlp.activation == "swiglu"
+        assert layer.mlp.normalization == "RMSNorm"
+    else:  # GPT's exact GELU is not TE's (tanh) "gelu": LayerNormLinear, GELU, Linear
+        assert type(layer.mlp.linear_fc1).__name__ == "TELayerNormLinear"
+        assert type(layer.mlp.linear_fc2).__name__ == "TELinear"
     assert isinstance(model.decoder.final_layernorm, te_standin.RMSNorm if family == "llama" else te_standin.LayerNorm)
     assert layer.input_layernorm is None and layer.self_attention.linear_qkv.normalization == run.model.normalization
+    assert layer.pre_mlp_layernorm is None
 
     straight = train(base + ["--train-iters", "4"])
     te_ckpt, torch_ckpt = tmp_path / "te", tmp_path / "torch"
@@ -145,7 +151,8 @@ def test_te_modules_compute_what_torch_computes_and_checkpoints_move(standin, fa
     keys = set(read_index(te_ckpt / "iter_0000002"))
     assert "model.decoder.layers.0.input_layernorm.weight" in keys
     assert "model.decoder.layers.1.pre_mlp_layernorm.weight" in keys
-    assert not any("layer_norm_weight" in key for key in keys)
+    assert "model.decoder.layers.1.mlp.linear_fc1.weight" in keys and "model.decoder.layers.1.mlp.linear_fc2.weight" in keys
+    assert not any("layer_norm_weight" in key or "fc1_weight" in key for key in keys)
     assert "buffer.decoder.layers.0.self_attention.linear_qkv._extra_state.tp0of1" in keys
     assert train(base + ["--train-iters", "4", "--load", str(te_ckpt)]) == pytest.approx(straight[2:], rel=1e-5)
     train(base + ["--train-iters", "2", "--save", str(torch_ckpt)])
@@ -153,10 +160,61 @@ def test_te_modules_compute_what_torch_computes_and_checkpoints_move(standin, fa
         straight[2:], rel=1e-5)
 
 
+def test_layer_norm_mlp_outputs_and_gradients_equal_torch(standin):
+    """TE's LayerNormMLP for GPT (biases; --openai-gelu, TE's tanh "gelu") and LLaMA (SwiGLU, no
+    biases): the model's logits and every gradient, by canonical name, equal the torch backend's."""
+    import torch
+
+    from mega.core.build import build_stage
+    from mega.core.checkpoint.state import named_parameters
+    from mega.core.kernels import Kernels, select_backends
+    from mega.core.plugins import get_plugins
+    from mega.core.training.command import parse_run
+
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    for family, extra in (("gpt", ["--openai-gelu"]), ("llama", [])):
+        run, model_family = parse_run(TINY + FAMILIES[family] + extra + ["--train-iters", "1"])
+        results = []
+        for kernels in (Kernels(), Kernels(select_backends(STANDIN), get_plugins())):
+            model = build_stage(model_family, run.model, kernels=kernels)
+            logits = model(tokens)
+            (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+            grads = {name: param.grad for name, param in named_parameters([model])[0].items()}
+            results.append((logits, grads, model.decoder.layers["1"]))
+        (torch_logits, torch_grads, _), (te_logits, te_grads, te_layer) = results
+        assert type(te_layer.mlp).__name__ == "TELayerNormMLP", family
+        torch.testing.assert_close(te_logits, torch_logits, msg=family)
+        assert te_grads.keys() == torch_grads.keys()
+        if family == "gpt":
+            assert {"decoder.layers.1.mlp.linear_fc1.bias", "decoder.layers.1.mlp.linear_fc2.bias",
+                    "decoder.layers.1.pre_mlp_layernorm.bias"} <= te_grads.keys()
+        for name, grad in torch_grads.items():
+            torch.testing.assert_close(te_grads[name], grad, msg=f"{family}: {name}")
+
+
+def test_standin_layer_norm_mlp_returns_bias_and_norm_output_as_te_documents(standin):
+    import torch
+
+    te = sys.modules["transformer_engine.pytorch"]
+    torch.manual_seed(0)
+    plain = te.LayerNormMLP(8, 12, activation="swiglu", normalization="RMSNorm", device="cpu")
+    split = te.LayerNormMLP(8, 12, activation="swiglu", normalization="RMSNorm", device="cpu", return_bias=True,
+                            return_layernorm_output=True)
+    split.load_state_dict(plain.state_dict())
+    torch.nn.init.normal_(plain.fc2_bias)
+    split.fc2_bias.data.copy_(plain.fc2_bias)
+    assert plain.fc1_weight.shape == (24, 8) and plain.fc2_weight.shape == (8, 12)  # [gate; up] stacked
+    x = torch.randn(5, 2, 8)
+    out, bias, ln_out = split(x)
+    torch.testing.assert_close(out + bias, plain(x))  # fc2's bias left out, and returned
+    torch.testing.assert_close(ln_out, torch.nn.functional.rms_norm(x, (8,), plain.layer_norm_weight, 1e-5))
+
+
 def test_attention_masks_and_gqa_match_torch(standin):
     import torch
     from mega_transformer_engine.layers import TEAttention
 
+    from mega.core.config import ConfigError
     from mega.core.kernels import AttentionMask
     from mega.models.torch_kernels import sdpa_attention
 
@@ -173,8 +231,10 @@ def test_attention_masks_and_gqa_match_torch(standin):
     # fewer queries than keys (a cached prefix): mega's causal mask aligns at the end
     got = attention(q[:, :, -2:], k, v, mask=AttentionMask(causal=True))
     torch.testing.assert_close(got, sdpa_attention(q[:, :, -2:], k, v, mask=AttentionMask(causal=True)))
-    with pytest.raises(NotImplementedError, match="packed sequences"):
+    with pytest.raises(ConfigError, match="--attention-backend transformer-engine does not take packed sequences"):
         attention(q, k, v, mask=AttentionMask(cu_seqlens=torch.tensor([0, 3, 6])))
+    with pytest.raises(ConfigError, match="--attention-backend transformer-engine takes a padding mask only"):
+        attention(q[:, :, -2:], k, v, mask=AttentionMask(causal=True, padding=padding))
 
 
 # -- FP8: the recipe from the flags, fp8_autocast around every forward ---------------------------
@@ -213,7 +273,7 @@ def test_fp8_runs_linear_layers_under_autocast_and_keeps_their_state(standin, tm
     load_model_weights(tmp_path, [model])
     layer = model.decoder.layers["1"]
     # every forward ran in FP8 (4 of them), and the count came back from the checkpoint's extra state
-    assert layer.self_attention.linear_qkv.fp8_forwards == layer.mlp.linear_fc2.fp8_forwards == 4
+    assert layer.self_attention.linear_qkv.fp8_forwards == layer.mlp.fp8_forwards == 4  # the MLP: LayerNormMLP
 
 
 def test_fp8_flags_refused_clearly(standin):
@@ -224,8 +284,10 @@ def test_fp8_flags_refused_clearly(standin):
     def check(argv):  # what `mega train` does before any work
         derive(parse_run(TINY + FAMILIES["gpt"] + argv)[0], 1)
 
-    with pytest.raises(ConfigError, match="--fp8-param-gather"):
+    with pytest.raises(ConfigError, match="--fp8-param-gather is not supported: it needs FP8 parameter tensors"):
         check(WITH_TE + ["--fp8-format", "hybrid", "--fp8-param-gather"])
+    with pytest.raises(ConfigError, match="--fp8-param-gather needs --fp8-format"):
+        check(WITH_TE + ["--fp8-param-gather"])
     with pytest.raises((ConfigError, ValueError), match="contradicts --fp8-format e4m3"):
         check(WITH_TE + ["--fp8-format", "e4m3", "--fp8-hybrid"])
     with pytest.raises(ConfigError, match="--fp8-format needs"):
@@ -238,21 +300,43 @@ LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
 
 
 def train_with_standin(argvs):
-    use_standin()
-    return [train(argv) for argv in argvs]
+    """Each run's losses, its fp8_autocast entries and the ranks of the amax groups they named."""
+    import torch.distributed as dist
+
+    state = use_standin()
+    results = []
+    for argv in argvs:
+        state.events.clear()
+        losses = train(argv)
+        groups = [event[2] for event in state.events if event[0] == "enter"]
+        ranks = {None if group is None else tuple(dist.get_process_group_ranks(group)) for group in groups}
+        results.append((losses, len(groups), ranks))
+    return results
 
 
 def test_te_tensor_and_sequence_parallel_match_one_process(worlds, standin):
     # GPT at tp2 with and without sequence parallelism; LLaMA (GQA groups and SwiGLU's two blocks
     # split per rank) with it.
-    argvs = {family: TINY + FAMILIES[family] + ["--train-iters", "3"] for family in FAMILIES}
+    # LLaMA's and GPT-with-tanh-GELU's MLPs are TE's LayerNormMLP (set_parallel_mode).
+    families = FAMILIES | {"gpt-tanh": FAMILIES["gpt"] + ["--openai-gelu"]}
+    argvs = {family: TINY + families[family] + ["--train-iters", "3"] for family in families}
     reference = {family: train(argv) for family, argv in argvs.items()}
-    cases = [("gpt", "tp2"), ("gpt", "tp2-sp"), ("llama", "tp2-sp")]
-    runs = [argvs[family] + WITH_TE + LAYOUTS[layout] for family, layout in cases]
+    # FP8 with pipeline parallelism: each stage enters fp8_autocast once per micro-batch forward,
+    # its amaxes reduced over its own stage's ranks (the stand-in's autocast all-reduces over
+    # fp8_group as it exits: the whole world would leave the stages waiting for each other).
+    fp8 = ["--fp8-format", "hybrid"]
+    reference["gpt-fp8"] = train(argvs["gpt"] + WITH_TE + fp8)
+    cases = [("gpt", "tp2"), ("gpt", "tp2-sp"), ("llama", "tp2-sp"), ("gpt-tanh", "tp2-sp"), ("gpt-fp8", "pp2")]
+    runs = [argvs[family] + WITH_TE + LAYOUTS[layout] for family, layout in cases[:-1]]
+    runs.append(argvs["gpt"] + WITH_TE + fp8 + ["--pipeline-model-parallel-size", "2"])
     results = worlds.run(2, train_with_standin, runs)
-    for rank_losses in results:
-        for (family, layout), losses in zip(cases, rank_losses, strict=True):
+    for rank, rank_results in enumerate(results):
+        for (family, layout), (losses, fp8_forwards, amax_groups) in zip(cases, rank_results, strict=True):
             assert losses == pytest.approx(reference[family], rel=1e-5), (family, layout)
+            if layout == "pp2":  # 3 steps x 2 micro-batches, one forward each on each stage
+                assert (fp8_forwards, amax_groups) == (6, {(rank,)}), rank
+            else:
+                assert fp8_forwards == 0
 
 
 # -- the real Transformer Engine on a GPU (skipped here: no GPU, no TE) --------------------------
@@ -288,10 +372,10 @@ def test_to_tensor_parallel_keeps_this_ranks_shard_of_a_built_layer(standin):
     """A layer built on a real device (not build_stage's meta) hands its shard to the TE layer
     that replaces it, marked as mega's own parallel layers mark theirs."""
     import torch
-    from mega_transformer_engine.layers import linear_factory, norm_linear_factory
+    from mega_transformer_engine.layers import linear_factory, norm_linear_factory, norm_mlp_factory
 
     from mega.core.parallel.groups import Group
-    from mega.core.parallel.plan import Colwise, Rowwise
+    from mega.core.parallel.plan import ColumnThenRow, Colwise, Rowwise
 
     te = sys.modules["transformer_engine.pytorch"]
     group = Group("tp", (0, 1), 1, None)  # rank 1 of 2; no communication happens here
@@ -304,6 +388,23 @@ def test_to_tensor_parallel_keeps_this_ranks_shard_of_a_built_layer(standin):
     torch.testing.assert_close(column.weight, torch.cat([gate[2:], up[2:]]))  # rank 1's half of each block
     assert (column.weight.partition_dim, column.weight.partition_chunks, column.bias.partition_dim) == (0, 2, 0)
     torch.testing.assert_close(column.layer_norm_weight, fc1.layer_norm_weight)
+
+    mlp = norm_mlp_factory(te)("LayerNorm", 4, 6, "swiglu", True, 1e-5)
+    for param in mlp.parameters():
+        torch.nn.init.normal_(param)
+    parallel = mlp.to_tensor_parallel(ColumnThenRow(chunks=2), group, sequence_parallel=True)
+    assert (parallel.set_parallel_mode, parallel.tp_size, parallel.sequence_parallel) == (True, 2, True)
+    gate, up = mlp.fc1_weight.chunk(2)
+    torch.testing.assert_close(parallel.fc1_weight, torch.cat([gate[3:], up[3:]]))
+    torch.testing.assert_close(parallel.fc2_weight, mlp.fc2_weight[:, 3:])
+    torch.testing.assert_close(parallel.fc2_bias, mlp.fc2_bias)  # added once, after the reduction
+    assert (parallel.fc1_weight.partition_chunks, parallel.fc1_bias.partition_dim, parallel.fc2_weight.partition_dim) \
+        == (2, 0, 1)
+    assert not getattr(parallel.fc2_bias, "tensor_model_parallel", False)
+    with pytest.raises(TypeError, match="split as ColumnThenRow"):
+        mlp.to_tensor_parallel(Colwise(), group, sequence_parallel=False)
+    with pytest.raises(ValueError, match="no activation equal to 'gelu'"):  # exact GELU: TE's is tanh
+        norm_mlp_factory(te)("LayerNorm", 4, 6, "gelu", True, 1e-5)
 
     proj = linear_factory(te)(8, 4, True)
     torch.nn.init.normal_(proj.weight)

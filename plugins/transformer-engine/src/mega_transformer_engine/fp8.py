@@ -3,16 +3,22 @@ delayed-scaling recipe, through mega's ``forward_context`` event.
 
 The recipe follows Megatron-Core's flags: ``--fp8-format e4m3`` (E4M3 forward and backward) or
 ``hybrid`` (E4M3 forward, E5M2 gradients; ``--fp8-hybrid`` is the same), ``--fp8-margin``,
-``--fp8-amax-history-len`` and ``--fp8-amax-compute-algo``. TE reduces the amaxes over
-``fp8_group`` when the outermost autocast exits; mega leaves it None (every rank), so FP8 with
-pipeline parallelism, whose stages run their forwards at different times, is refused.
+``--fp8-amax-history-len`` and ``--fp8-amax-compute-algo``.
+
+TE reduces the amaxes over ``fp8_group`` when the outermost autocast exits. As Megatron-Core
+does (its amax reduction group), that group is the ranks of this pipeline stage: tensor-,
+context- and data-parallel ranks run the same micro-batch forwards in the same order, while
+other stages run theirs at other times, so a pipeline works with FP8 too.
 """
 
 from __future__ import annotations
 
 import importlib
 
+import torch.distributed as dist
+
 from mega.core.config import ConfigError
+from mega.core.parallel.layout import rank_groups
 from mega.core.plugins import hookimpl
 
 
@@ -25,15 +31,31 @@ def fp8_recipe(recipe_module, precision):
         amax_history_len=precision.fp8_amax_history_len, amax_compute_algo=precision.fp8_amax_compute_algo)
 
 
+def amax_reduction_group(parallel):
+    """The process group of this rank's pipeline stage (its tensor-, context- and data-parallel
+    ranks); None in a single process. Every rank must call this, in the same order, since it
+    creates one group per stage."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    world = dist.get_world_size()
+    sizes = {"tp": parallel.tp, "cp": parallel.cp, "dp": parallel.data_parallel_size(world), "pp": parallel.pp}
+    mine = None
+    for ranks in rank_groups(sizes, "tp-cp-dp"):
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
 class FP8Autocast:
     """The listener: ``forward_context`` returns TE's autocast for one forward."""
 
-    def __init__(self, te, recipe):
-        self.te, self.recipe = te, recipe
+    def __init__(self, te, recipe, amax_group=None):
+        self.te, self.recipe, self.amax_group = te, recipe, amax_group
 
     @hookimpl
     def forward_context(self, microbatch, chunk):
-        return self.te.fp8_autocast(enabled=True, fp8_recipe=self.recipe)
+        return self.te.fp8_autocast(enabled=True, fp8_recipe=self.recipe, fp8_group=self.amax_group)
 
 
 def fp8_autocast_callback(run_config):
@@ -51,8 +73,6 @@ def fp8_autocast_callback(run_config):
     available, missing = check()
     if not available:
         raise ConfigError(f"--fp8-format {precision.fp8}: {missing}")
-    if run_config.parallel.pp > 1:
-        raise ConfigError("--fp8-format with --pipeline-model-parallel-size > 1 is not supported: FP8 amaxes "
-                          "are reduced over every rank, which pipeline stages do not reach together")
     te = importlib.import_module("transformer_engine.pytorch")
-    return FP8Autocast(te, fp8_recipe(importlib.import_module("transformer_engine.common.recipe"), precision))
+    recipe = fp8_recipe(importlib.import_module("transformer_engine.common.recipe"), precision)
+    return FP8Autocast(te, recipe, amax_reduction_group(run_config.parallel))

@@ -10,7 +10,9 @@ parameters are marked the way mega's own parallel layers are (``partition_dim``,
 
 Parameter names are TE's, which are also Megatron-Core's TE names: ``weight``/``bias``, and in
 LayerNormLinear ``layer_norm_weight``/``layer_norm_bias`` (mega-models maps these to the
-canonical ``input_layernorm.*``/``pre_mlp_layernorm.*``). FP8 scaling state is TE's
+canonical ``input_layernorm.*``/``pre_mlp_layernorm.*``). LayerNormMLP (the whole MLP block)
+holds ``layer_norm_*``, ``fc1_*`` and ``fc2_*``, which mega-models maps to
+``pre_mlp_layernorm.*``, ``mlp.linear_fc1.*`` and ``mlp.linear_fc2.*``. FP8 scaling state is TE's
 ``get_extra_state()``, which mega's checkpoints keep per tensor-parallel rank.
 """
 
@@ -18,10 +20,11 @@ from __future__ import annotations
 
 import torch
 
+from mega.core.config import ConfigError
 from mega.core.kernels import AttentionMask
 from mega.core.parallel.layers import shard_of
 from mega.core.parallel.param_attrs import mark_tensor_parallel
-from mega.core.parallel.plan import Colwise, Rowwise
+from mega.core.parallel.plan import ColumnThenRow, Colwise, Rowwise
 
 
 def _placement() -> dict:
@@ -55,14 +58,44 @@ class _TensorParallel:
         mark_tensor_parallel(layer.weight, dim, chunks)
         if mode == "column" and _has(layer, "bias"):
             mark_tensor_parallel(layer.bias, 0, chunks)
-        if not self.weight.is_meta:  # built on a real device: keep this rank's shard of the weights
-            with torch.no_grad():
-                for name, param in layer.named_parameters():
-                    full = getattr(self, name)
-                    split = getattr(param, "tensor_model_parallel", False)
-                    part = getattr(param, "partition_dim", 0)
-                    param.copy_(shard_of(full, group, part, getattr(param, "partition_chunks", 1)) if split else full)
+        return _with_shards_of(self, layer, group)
+
+
+class _TensorParallelMLP:
+    """Mixed into TE's LayerNormMLP: the ``ColumnThenRow`` style becomes TE's
+    ``set_parallel_mode=True`` (fc1 column-parallel, fc2 row-parallel, fc2's bias added after the
+    reduction), with the tensor group and sequence parallelism."""
+
+    def __init__(self, arguments: dict, **parallel):
+        super().__init__(**arguments, **parallel)
+        self.mega_arguments = arguments
+
+    def to_tensor_parallel(self, style, group, sequence_parallel: bool):
+        if not isinstance(style, ColumnThenRow):
+            raise TypeError(f"{type(self).__name__} (fc1 and fc2 in one module) is split as ColumnThenRow, "
+                            f"not {type(style).__name__}")
+        layer = type(self)(self.mega_arguments, tp_group=group.group, tp_size=group.size, set_parallel_mode=True,
+                           sequence_parallel=sequence_parallel, device=self.fc1_weight.device,
+                           params_dtype=self.fc1_weight.dtype)
+        mark_tensor_parallel(layer.fc1_weight, 0, style.chunks)
+        if _has(layer, "fc1_bias"):
+            mark_tensor_parallel(layer.fc1_bias, 0, style.chunks)
+        mark_tensor_parallel(layer.fc2_weight, 1)
+        return _with_shards_of(self, layer, group)
+
+
+def _with_shards_of(whole: torch.nn.Module, layer: torch.nn.Module, group) -> torch.nn.Module:
+    """``layer`` holding this rank's shard of ``whole``'s weights, unless ``whole`` was built on
+    the meta device (``build_stage``: the shards are initialised later, by name)."""
+    if next(whole.parameters()).is_meta:
         return layer
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            full = getattr(whole, name)
+            split = getattr(param, "tensor_model_parallel", False)
+            part = getattr(param, "partition_dim", 0)
+            param.copy_(shard_of(full, group, part, getattr(param, "partition_chunks", 1)) if split else full)
+    return layer
 
 
 def _has(module, name: str) -> bool:
@@ -87,6 +120,26 @@ def norm_linear_factory(te):
                     "normalization": _norm_kind(norm_kind)}, **_placement())
 
     return norm_linear
+
+
+# mega's activation names -> LayerNormMLP's, where TE computes the same function. TE's "gelu" is
+# the tanh approximation (mega's "gelu_tanh", --openai-gelu); exact GELU has no LayerNormMLP form.
+MLP_ACTIVATIONS = {"gelu_tanh": "gelu", "swiglu": "swiglu", "relu": "relu"}
+
+
+def norm_mlp_factory(te):
+    cls = type("TELayerNormMLP", (_TensorParallelMLP, te.LayerNormMLP), {})
+
+    def norm_mlp(norm_kind: str, hidden_size: int, ffn_hidden_size: int, activation: str, bias: bool, eps: float):
+        if activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"Transformer Engine's LayerNormMLP has no activation equal to {activation!r}; "
+                             f"it fuses {', '.join(MLP_ACTIVATIONS)}")
+        return cls({"hidden_size": hidden_size, "ffn_hidden_size": ffn_hidden_size, "eps": eps, "bias": bias,
+                    "normalization": _norm_kind(norm_kind), "activation": MLP_ACTIVATIONS[activation]},
+                   **_placement())
+
+    norm_mlp.activations = frozenset(MLP_ACTIVATIONS)
+    return norm_mlp
 
 
 def norm_factory(te):
@@ -129,8 +182,8 @@ class TEAttention:
     def __call__(self, query, key, value, *, mask: AttentionMask, dropout_p: float = 0.0,
                  softmax_scale: float | None = None):
         if mask.cu_seqlens is not None:
-            raise NotImplementedError("the transformer-engine attention does not take packed sequences "
-                                      "(cu_seqlens); use --attention-backend torch")
+            raise ConfigError("--attention-backend transformer-engine does not take packed sequences (cu_seqlens: "
+                              "TE's thd format is not wired); use --attention-backend torch or flash-attn")
         batch, heads, q_len, head_dim = query.shape
         k_len = key.shape[2]
         mask_type, extra = _mask_arguments(mask, q_len, k_len)
@@ -145,8 +198,9 @@ def _mask_arguments(mask: AttentionMask, q_len: int, k_len: int) -> tuple[str, d
     extra: dict = {}
     if mask.padding is not None:
         if q_len != k_len:
-            raise NotImplementedError("the transformer-engine attention takes a padding mask only when "
-                                      "queries and keys are equally many")
+            raise ConfigError("--attention-backend transformer-engine takes a padding mask only when queries and "
+                              "keys are equally many (TE's padding masks are not aligned at the end); use "
+                              "--attention-backend torch")
         extra["attention_mask"] = ~mask.padding.to(torch.bool)[:, None, None, :]  # TE: True = masked out
         mask_type = "padding_causal" if mask.causal else "padding"
     else:

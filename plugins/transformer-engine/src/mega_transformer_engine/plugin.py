@@ -6,7 +6,7 @@ from mega.core.plugins import hookimpl
 @hookimpl
 def register_kernel_backends(register):
     register("transformer-engine", "mega_transformer_engine.backend:BACKEND",
-             "Transformer Engine LayerNormLinear, Linear, LayerNorm/RMSNorm, DotProductAttention; FP8")
+             "Transformer Engine LayerNormLinear, LayerNormMLP, Linear, LayerNorm/RMSNorm, DotProductAttention; FP8")
 
 
 @hookimpl

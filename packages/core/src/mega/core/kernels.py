@@ -5,7 +5,7 @@ kind (``kernels.norm("RMSNorm", hidden, eps)``, ``kernels.attention(q, k, v, mas
 the user picks which registered backend fills each kind: ``--kernels NAME`` takes every kind
 that backend fills, ``--attention-backend``, ``--normalization-backend``, ... override one kind.
 mega-models registers ``torch`` (torch-native components, every kind but the optional fused ones,
-``norm_linear`` and ``linear_loss``); a plugin registers its own backend through
+``norm_linear``, ``norm_mlp`` and ``linear_loss``); a plugin registers its own backend through
 ``register_kernel_backends``.
 
 The kinds and what their component is:
@@ -23,6 +23,14 @@ The kinds and what their component is:
   ``layer_norm_weight`` (and ``layer_norm_bias``), ``weight`` and ``bias``; the module that
   uses it declares where the norm's weights live canonically (see
   :func:`mega.core.checkpoint.aliases.canonical_names`).
+* ``norm_mlp``: the whole MLP block with the norm before it in one module (Transformer Engine's
+  LayerNormMLP). A factory ``(norm_kind, hidden_size, ffn_hidden_size, activation, bias, eps)
+  -> nn.Module`` computing ``fc2(act(fc1(norm(x))))``, with an ``activations`` attribute: the
+  activation names (as for ``activation``) it computes exactly as the torch backend does; for
+  any other the model composes the unfused components. The module holds ``layer_norm_weight``
+  (and ``layer_norm_bias``), ``fc1_weight`` (``[gate; up]`` for the gated activations),
+  ``fc2_weight`` (and ``fc1_bias``, ``fc2_bias``); the layer using it declares their canonical
+  names. Under tensor parallelism it is split whole (:class:`~mega.core.parallel.plan.ColumnThenRow`).
 * ``activation``: ``factory(name) -> fn(x)`` for ``"gelu"``, ``"gelu_tanh"``, ``"swiglu"``
   (``x`` is ``[gate; up]`` stacked on the last dimension), ``"relu"``, ``"geglu"``.
 * ``rotary``: ``fn(x, cos, sin)`` rotating ``x`` ``[seq, batch, heads, head_dim]`` (rotate-half).
@@ -68,12 +76,12 @@ if TYPE_CHECKING:
 
     from mega.core.plugins import Plugins
 
-KINDS = ("attention", "norm", "linear", "norm_linear", "activation", "rotary", "loss", "block_attention",
-         "linear_loss")
+KINDS = ("attention", "norm", "linear", "norm_linear", "norm_mlp", "activation", "rotary", "loss",
+         "block_attention", "linear_loss")
 DEFAULT_BACKEND = "torch"
 # Fusions the torch backend does not fill: selecting ``torch`` for them means "not fused", and
 # ``Kernels.get`` returns None so the model composes the unfused components instead.
-OPTIONAL_KINDS = frozenset({"norm_linear", "linear_loss"})
+OPTIONAL_KINDS = frozenset({"norm_linear", "norm_mlp", "linear_loss"})
 
 
 class KernelBackendError(RuntimeError):
@@ -146,7 +154,7 @@ def select_backends(preset: str | None = None, overrides: Mapping[str, str | Non
         if name is not None:
             chosen[kind] = name
     for kind, name in chosen.items():
-        if kind not in OPTIONAL_KINDS or name != DEFAULT_BACKEND:  # torch fuses neither
+        if kind not in OPTIONAL_KINDS or name != DEFAULT_BACKEND:  # torch fuses none of them
             get_kernel_backend(name, kind, plugins)
     return chosen
 
@@ -171,7 +179,7 @@ class Kernels:
         self._cache: dict[str, Any] = {}
 
     def get(self, kind: str) -> Any:
-        """The component of ``kind``; None for an optional fusion (``norm_linear``,
+        """The component of ``kind``; None for an optional fusion (``norm_linear``, ``norm_mlp``,
         ``linear_loss``) that no backend was selected for."""
         if kind not in self._cache:
             name = self.selection[kind]

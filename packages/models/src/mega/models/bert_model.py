@@ -172,9 +172,10 @@ class BertModel(nn.Module):
     def __init__(self, config: BertConfig, stage: Stage, kernels: Kernels, parallel: ParallelConfig):
         super().__init__()
         config.validate(parallel.tp)
-        if kernels.get("norm_linear") is not None:
-            raise ModelConfigError("BERT's layers are post-LN: no norm feeds a linear layer, so a norm_linear "
-                                   "kernel backend cannot be used (choose --normalization-backend instead)")
+        if kernels.get("norm_linear") is not None or kernels.get("norm_mlp") is not None:
+            raise ModelConfigError("BERT's layers are post-LN: no norm feeds a linear layer or the MLP, so "
+                                   "norm_linear / norm_mlp kernel backends cannot be used (choose "
+                                   "--normalization-backend instead)")
         layers = stage.layers["encoder"]
         if layers.step != 1 or layers.start < 0 or layers.stop > config.num_layers:
             raise ModelConfigError(f"layers {layers} are not consecutive layers of a {config.num_layers}-layer model")

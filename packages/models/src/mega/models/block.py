@@ -11,7 +11,7 @@ from mega.core.kernels import Kernels
 from mega.models.attention import SelfAttention
 from mega.models.config import TransformerConfig
 from mega.models.kv_cache import KVCache, LayerKVCache
-from mega.models.mlp import MLP
+from mega.models.mlp import MLP, fused_norm_mlp
 from mega.models.norms import build_norm, fused_norm_aliases
 from mega.models.recompute import is_recomputing_allowed, recomputed
 
@@ -20,20 +20,23 @@ class TransformerLayer(nn.Module):
     """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))).
 
     With a ``norm_linear`` kernel the norms live inside QKV and fc1 (no ``input_layernorm`` /
-    ``pre_mlp_layernorm`` modules); ``parameter_aliases`` maps their weights to the canonical
-    names, so checkpoints do not depend on the kernels.
+    ``pre_mlp_layernorm`` modules), with a ``norm_mlp`` kernel the second norm lives inside the
+    one-module MLP; ``parameter_aliases`` maps their weights to the canonical names, so
+    checkpoints do not depend on the kernels.
     """
 
     def __init__(self, config: TransformerConfig, kernels: Kernels):
         super().__init__()
         fused = kernels.get("norm_linear") is not None
+        fused_mlp = None if getattr(config, "num_experts", None) else fused_norm_mlp(config, kernels)
         self.input_layernorm = None if fused else build_norm(config, kernels)
         self.self_attention = SelfAttention(config, kernels)
-        self.pre_mlp_layernorm = None if fused else build_norm(config, kernels)
-        self.mlp = build_mlp(config, kernels)
+        self.pre_mlp_layernorm = None if fused or fused_mlp is not None else build_norm(config, kernels)
+        self.mlp = fused_mlp if fused_mlp is not None else build_mlp(config, kernels)
+        self.fused_mlp = fused_mlp is not None  # the plan then splits the MLP module whole
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
-        if fused:
-            self.parameter_aliases = fused_norm_aliases(config)
+        if fused or fused_mlp is not None:
+            self.parameter_aliases = fused_norm_aliases(config, norm_linear=fused, norm_mlp=fused_mlp is not None)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 inference_cache: LayerKVCache | None = None) -> torch.Tensor:

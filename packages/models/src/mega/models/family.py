@@ -19,7 +19,7 @@ from mega.models.flops import num_floating_point_operations
 from mega.models.initialization import init_parameter
 from mega.models.language_model import LanguageModel, fused_linear_cross_entropy, per_token_cross_entropy
 from mega.models.memory import stage_footprint
-from mega.models.parallel_plan import tensor_parallel_plan
+from mega.models.parallel_plan import tensor_parallel_plan, with_fused_mlps
 from mega.models.parameter_count import num_parameters
 from mega.models.recompute import layer_runs
 
@@ -34,7 +34,10 @@ def parallelize_language_model(model: LanguageModel, groups: ParallelGroups, run
     """Tensor (and sequence) parallelism by the plan (default: the dense transformer's), then
     what the run's layout and recompute settings ask of the layers: where dropout forks into the
     tracker's streams, which regions are recomputed."""
-    plan = plan if plan is not None else tensor_parallel_plan(run.config, model.stage)
+    if plan is None:
+        plan = tensor_parallel_plan(run.config, model.stage)
+        if any(layer.fused_mlp for layer in model.decoder.layers.values()):  # a norm_mlp kernel's MLPs
+            plan = with_fused_mlps(plan)
     apply_tensor_parallel(model, plan, groups, sequence_parallel=run.parallel.sequence_parallel)
     tracker, sequence_parallel = run.rng_tracker, run.parallel.sequence_parallel
     block = model.decoder

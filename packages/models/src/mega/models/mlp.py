@@ -3,6 +3,9 @@
 With SwiGLU ``linear_fc1`` holds the gate and up projections stacked ``[gate; up]`` (Megatron's
 layout); tensor parallelism splits each half on its own, so ``chunk(2)`` separates them on a
 sharded layer too. The linear layers and the activation come from the selected kernels.
+
+A ``norm_mlp`` kernel (Transformer Engine's LayerNormMLP) replaces the norm before the MLP and
+the MLP together with one module (:func:`fused_norm_mlp`), when it computes the same activation.
 """
 
 from __future__ import annotations
@@ -19,6 +22,18 @@ def activation_name(config: TransformerConfig) -> str:
     if config.swiglu:
         return "swiglu"
     return "gelu_tanh" if config.openai_gelu else "gelu"
+
+
+def fused_norm_mlp(config: TransformerConfig, kernels: Kernels) -> nn.Module | None:
+    """The norm before the MLP and the MLP in one module, from the selected ``norm_mlp`` kernel;
+    None when there is none or it does not compute this activation exactly (TE's "gelu" is the
+    tanh approximation, so GPT's exact GELU keeps the unfused MLP)."""
+    factory = kernels.get("norm_mlp")
+    name = activation_name(config)
+    if factory is None or name not in factory.activations:
+        return None
+    return factory(config.normalization, config.hidden_size, config.ffn_hidden_size, name, config.add_bias_linear,
+                   config.layernorm_epsilon)
 
 
 class MLP(nn.Module):

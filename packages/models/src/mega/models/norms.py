@@ -22,8 +22,18 @@ def input_linear(config: TransformerConfig, kernels: Kernels, out_features: int,
     return fused(config.normalization, config.hidden_size, out_features, bias, config.layernorm_epsilon)
 
 
-def fused_norm_aliases(config: TransformerConfig) -> dict[str, str]:
-    """Where a fused norm's weights live canonically, relative to the transformer layer."""
+def fused_norm_aliases(config: TransformerConfig, norm_linear: bool, norm_mlp: bool) -> dict[str, str]:
+    """Where fused norms' weights live canonically, relative to the transformer layer: the norms
+    inside QKV and fc1 (``norm_linear``) and, with ``norm_mlp``, inside the one-module MLP, whose
+    fc1 and fc2 are canonically ``mlp.linear_fc1`` and ``mlp.linear_fc2``."""
     kinds = ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",)
-    return {f"{linear}.layer_norm_{kind}": f"{norm}.{kind}" for kind in kinds
-            for linear, norm in (("self_attention.linear_qkv", "input_layernorm"), ("mlp.linear_fc1", "pre_mlp_layernorm"))}
+    holders = {"self_attention.linear_qkv": "input_layernorm"} if norm_linear else {}
+    if norm_mlp:
+        holders["mlp"] = "pre_mlp_layernorm"
+    elif norm_linear:
+        holders["mlp.linear_fc1"] = "pre_mlp_layernorm"
+    aliases = {f"{holder}.layer_norm_{kind}": f"{norm}.{kind}" for kind in kinds for holder, norm in holders.items()}
+    if norm_mlp:
+        kinds = ("weight", "bias") if config.add_bias_linear else ("weight",)
+        aliases |= {f"mlp.{fc}_{kind}": f"mlp.linear_{fc}.{kind}" for fc in ("fc1", "fc2") for kind in kinds}
+    return aliases

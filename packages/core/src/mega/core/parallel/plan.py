@@ -52,4 +52,15 @@ class SequenceParallelOutput:
     """
 
 
-PlanStyle = Colwise | Rowwise | VocabEmbedding | SequenceParallelOutput
+@dataclass(frozen=True)
+class ColumnThenRow:
+    """A module holding a column-parallel layer that feeds a row-parallel one (a fused MLP:
+    fc1 split by output features, in ``chunks`` blocks as :class:`Colwise`; fc2 by input
+    features, its partial outputs summed as :class:`Rowwise`). Only a kernel's module that does
+    its own communication (``to_tensor_parallel``) can be split this way.
+    """
+
+    chunks: int = 1
+
+
+PlanStyle = Colwise | Rowwise | VocabEmbedding | SequenceParallelOutput | ColumnThenRow

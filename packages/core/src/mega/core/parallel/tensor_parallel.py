@@ -33,7 +33,14 @@ from mega.core.parallel.collectives import scatter_to_sequence_parallel_region
 from mega.core.parallel.groups import ParallelGroups
 from mega.core.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from mega.core.parallel.param_attrs import is_tensor_parallel, mark_sequence_parallel
-from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
+from mega.core.parallel.plan import (
+    ColumnThenRow,
+    Colwise,
+    PlanStyle,
+    Rowwise,
+    SequenceParallelOutput,
+    VocabEmbedding,
+)
 
 
 def apply_tensor_parallel(module: nn.Module, plan: Mapping[str, PlanStyle], groups: ParallelGroups,
@@ -102,7 +109,7 @@ def _match_plan(module: nn.Module, plan: Mapping[str, PlanStyle], strict: bool) 
     names = [name for name, _ in module.named_modules() if name]
     matches: dict[str, PlanStyle] = {}
     for pattern, style in plan.items():
-        if not isinstance(style, (Colwise, Rowwise, VocabEmbedding, SequenceParallelOutput)):
+        if not isinstance(style, (Colwise, Rowwise, VocabEmbedding, SequenceParallelOutput, ColumnThenRow)):
             raise TypeError(f"plan entry {pattern!r}: {style!r} is not a tensor-parallel style")
         hits = fnmatch.filter(names, pattern)
         if not hits and strict:
@@ -117,6 +124,9 @@ def _match_plan(module: nn.Module, plan: Mapping[str, PlanStyle], strict: bool) 
 def _parallel_layer(name: str, old: nn.Module, style: PlanStyle, group, sequence_parallel: bool) -> nn.Module:
     if hasattr(old, "to_tensor_parallel"):  # a kernel's layer that does its own TP/SP communication
         return old.to_tensor_parallel(style, group, sequence_parallel)
+    if isinstance(style, ColumnThenRow):
+        raise TypeError(f"plan style ColumnThenRow for {name!r} needs a module that does its own tensor-parallel "
+                        f"communication (to_tensor_parallel), found {type(old).__name__}")
     expected = nn.Embedding if isinstance(style, VocabEmbedding) else nn.Linear
     if type(old) is not expected:
         raise TypeError(f"plan style {type(style).__name__} for {name!r} needs an {expected.__name__}, "

@@ -71,7 +71,8 @@ class PrecisionConfig:
     fp8_margin: int = option(0, "FP8 scaling margin: scales leave 2^margin of headroom below the format's maximum")
     fp8_amax_compute_algo: Literal["most_recent", "max"] = option("most_recent", "FP8 amax algorithm")
     fp8_amax_history_len: int = option(1, "FP8 amax history length")
-    fp8_param_gather: bool = option(False, "keep FP8 parameters and all-gather them in FP8 (not available yet)")
+    fp8_param_gather: bool = option(False, "keep FP8 parameters and all-gather them in FP8 (refused: the "
+                                    "distributed optimizer gathers bf16/fp32 parameters only)")
     transformer_impl: Literal["local", "transformer_engine"] = option(
         "local", "layer implementation: local (mega's kernels), or transformer_engine (--kernels transformer-engine)")
     use_flash_attn: bool = option(False, "use the flash-attn kernel backend for attention")
@@ -149,6 +150,8 @@ class KernelConfig:
     normalization_backend: str | None = option(None, "LayerNorm/RMSNorm kernel backend")
     linear_backend: str | None = option(None, "linear-layer kernel backend")
     norm_linear_backend: str | None = option(None, "fused norm + linear kernel backend")
+    norm_mlp_backend: str | None = option(None, "fused norm + whole MLP kernel backend (e.g. transformer-engine's "
+                                          "LayerNormMLP; torch: unfused)")
     activation_backend: str | None = option(None, "MLP activation kernel backend")
     rotary_backend: str | None = option(None, "rotary-embedding kernel backend")
     loss_backend: str | None = option(None, "cross-entropy (loss head) kernel backend")
@@ -164,6 +167,7 @@ class KernelConfig:
     def overrides(self) -> dict[str, str | None]:
         return {"attention": self.attention_backend, "norm": self.normalization_backend,
                 "linear": self.linear_backend, "norm_linear": self.norm_linear_backend,
+                "norm_mlp": self.norm_mlp_backend,
                 "activation": self.activation_backend, "rotary": self.rotary_backend, "loss": self.loss_backend,
                 "block_attention": self.block_attention_backend, "linear_loss": self.linear_loss_backend}
 

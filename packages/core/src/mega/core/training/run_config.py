@@ -197,9 +197,16 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
     if run.kernels.compile and getattr(run.model, "recompute_granularity", None) == "selective":
         raise ConfigError("--compile with --recompute-granularity selective (or --recompute-activations): dynamo "
                           "cannot trace the recompute's RNG-tracker context; use full recompute or none")
+    if precision.fp8_param_gather and precision.fp8 is None:
+        raise ConfigError("--fp8-param-gather needs --fp8-format (FP8 parameters serve FP8 compute)")
     if precision.fp8_param_gather:
-        raise ConfigError("--fp8-param-gather: gathering FP8 parameters in the distributed optimizer is not "
-                          "available in this version (FP8 compute with --fp8-format is)")
+        # Megatron builds TE's weights as FP8 tensors (fp8_model_init) and its distributed optimizer
+        # casts its fp32 shards into their FP8 bytes and all-gathers those (cast_master_weights_to_fp8);
+        # mega's keeps parameters in their own dtype, so there is nothing FP8 to gather yet.
+        raise ConfigError("--fp8-param-gather is not supported: it needs FP8 parameter tensors "
+                          "(te.pytorch.fp8_model_init) gathered as FP8 bytes by the distributed optimizer, "
+                          "which gathers bf16/fp32 parameters only; drop the flag (--fp8-format still "
+                          "computes in FP8)")
     if run.optimizer.cpu_optimizer:
         raise ConfigError("--cpu-optimizer: optimizer offloading is not available in this version")
     checkpoint = run.checkpoint
