@@ -104,9 +104,9 @@ def test_bad_input_names_the_flags():
                                "--sequence-parallel", "--expert-model-parallel-size", "4"])
     with pytest.raises(ConfigError, match=r"ep = 4 must divide dp\*cp\*tp/etp = 1\*1\*2/1 = 2"):
         derive(run, 2)
-    run, _ = parse_run(base + ["--moe-ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"])
-    with pytest.raises(ModelConfigError, match="--moe-ffn-hidden-size 30 is not divisible by "
-                       "--tensor-model-parallel-size 4"):
+    run, _ = parse_run(base + ["--moe-ffn-hidden-size", "31", "--tensor-model-parallel-size", "2"])
+    with pytest.raises(ModelConfigError, match="--moe-ffn-hidden-size 31 is not divisible by "
+                       "--tensor-model-parallel-size 2"):
         derive(run, 4)
     with pytest.raises(ConfigError, match="--moe-router-topk 5 must be between 1 and --num-experts 4"):
         parse_run(base + ["--moe-router-topk", "5"])
