@@ -1,5 +1,5 @@
-"""The experts' SwiGLU MLPs as one autograd function: a loop over experts, each expert's
-``fc1 -> silu(gate) * up -> fc2`` done while its rows are still in cache.
+"""The experts' SwiGLU MLPs as one autograd function: ``fc1 -> silu(gate) * up -> fc2``, each
+matmul a loop over experts.
 
 Where the device has no grouped GEMM (a CPU, or fp32) this is how the experts run. Against the
 plain loop (``rows @ weight[e].T`` per expert, ``torch.cat``, then the activation on every row)
@@ -10,8 +10,9 @@ it saves, forward and backward:
   weight gradient once, straight into its row of the gradient;
 * the ``cat`` of the per-expert outputs and of the activation's two gradients: every product
   is written by ``torch.mm(..., out=)`` into its final place;
-* passes over memory: the activation and its gradient run on one expert's block at a time, just
-  after the matmul that produced it, instead of over every row after all the matmuls.
+* autograd's bookkeeping of the small ops: the activation and its gradient are a handful of
+  elementwise ops over every row (each one parallel region: per-expert blocks would multiply
+  them, and on a busy CPU each region waits for its slowest thread).
 
 The numbers are those of the unfused ops (the same products in the same order, the SwiGLU of
 :mod:`mega.models.torch_kernels`: ``silu(gate) * up``, gradients ``silu_backward(grad * up,
@@ -36,13 +37,12 @@ class _GroupedSwiGLUMLP(torch.autograd.Function):
     def forward(ctx, rows, fc1, fc2, counts):
         ffn = fc2.shape[2]
         projected = rows.new_empty(rows.shape[0], fc1.shape[1])  # fc1's output, kept for backward
-        out = rows.new_empty(rows.shape[0], fc2.shape[1])
-        activation = rows.new_empty(max(counts, default=0), ffn)  # one expert's block, reused
-        for e, (x, h, y) in enumerate(zip(rows.split(counts), projected.split(counts), out.split(counts), strict=True)):
+        for e, (x, h) in enumerate(zip(rows.split(counts), projected.split(counts), strict=True)):
             torch.mm(x, fc1[e].t(), out=h)
-            act = activation[:x.shape[0]]
-            torch.mul(F.silu(h[:, :ffn]), h[:, ffn:], out=act)
-            torch.mm(act, fc2[e].t(), out=y)
+        activation = F.silu(projected[:, :ffn]) * projected[:, ffn:]
+        out = rows.new_empty(rows.shape[0], fc2.shape[1])
+        for e, (a, y) in enumerate(zip(activation.split(counts), out.split(counts), strict=True)):
+            torch.mm(a, fc2[e].t(), out=y)
         ctx.save_for_backward(rows, fc1, fc2, projected)
         ctx.counts = counts
         return out
@@ -53,29 +53,31 @@ class _GroupedSwiGLUMLP(torch.autograd.Function):
         counts, ffn = ctx.counts, fc2.shape[2]
         want_rows, want_fc1, want_fc2 = ctx.needs_input_grad[:3]
         grad_out = grad_out.contiguous()
-        grad_rows = rows.new_empty(rows.shape) if want_rows else None
-        grad_fc1 = fc1.new_empty(fc1.shape) if want_fc1 else None  # (an expert with no rows: zeros)
-        grad_fc2 = fc2.new_empty(fc2.shape) if want_fc2 else None
-        block = max(counts, default=0)
-        grad_projected = rows.new_empty(block, 2 * ffn)  # one expert's blocks, reused
-        grad_act, scratch = rows.new_empty(block, ffn), rows.new_empty(block, ffn)
-        grad_groups = grad_rows.split(counts) if want_rows else [None] * len(counts)
-        splits = zip(rows.split(counts), projected.split(counts), grad_out.split(counts), grad_groups, strict=True)
-        for e, (x, h, dy, dx) in enumerate(splits):
-            n = x.shape[0]
-            gate, up = h[:, :ffn], h[:, ffn:]
-            silu_gate = F.silu(gate)
-            if want_fc2:
-                torch.mm(dy.t(), torch.mul(silu_gate, up, out=scratch[:n]), out=grad_fc2[e])
-            if not (want_rows or want_fc1):
-                continue
-            dact, dh = grad_act[:n], grad_projected[:n]
-            torch.mm(dy, fc2[e], out=dact)
-            torch.mul(dact, silu_gate, out=dh[:, ffn:])  # d up
-            torch.ops.aten.silu_backward.grad_input(torch.mul(dact, up, out=scratch[:n]), gate,
-                                                    grad_input=dh[:, :ffn])  # d gate
-            if want_fc1:
+        gate, up = projected[:, :ffn], projected[:, ffn:]
+        silu_gate = F.silu(gate)
+        grad_rows = grad_fc1 = grad_fc2 = None
+        if want_fc2:
+            grad_fc2 = fc2.new_empty(fc2.shape)  # (an expert with no rows: zeros)
+            activation = silu_gate * up
+            for e, (dy, a) in enumerate(zip(grad_out.split(counts), activation.split(counts), strict=True)):
+                torch.mm(dy.t(), a, out=grad_fc2[e])
+            del activation
+        if not (want_rows or want_fc1):
+            return None, None, grad_fc2, None
+        grad_act = rows.new_empty(rows.shape[0], ffn)
+        for e, (dy, da) in enumerate(zip(grad_out.split(counts), grad_act.split(counts), strict=True)):
+            torch.mm(dy, fc2[e], out=da)
+        grad_projected = torch.empty_like(projected)
+        torch.mul(grad_act, silu_gate, out=grad_projected[:, ffn:])  # d up
+        # d gate (silu_backward straight into the strided half is many times slower than this copy)
+        grad_projected[:, :ffn].copy_(torch.ops.aten.silu_backward(grad_act.mul_(up), gate))
+        del grad_act, silu_gate
+        if want_fc1:
+            grad_fc1 = fc1.new_empty(fc1.shape)
+            for e, (dh, x) in enumerate(zip(grad_projected.split(counts), rows.split(counts), strict=True)):
                 torch.mm(dh.t(), x, out=grad_fc1[e])
-            if want_rows:
+        if want_rows:
+            grad_rows = rows.new_empty(rows.shape)
+            for e, (dh, dx) in enumerate(zip(grad_projected.split(counts), grad_rows.split(counts), strict=True)):
                 torch.mm(dh, fc1[e], out=dx)
         return grad_rows, grad_fc1, grad_fc2, None
