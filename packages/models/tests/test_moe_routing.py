@@ -115,5 +115,7 @@ def test_bad_input_names_the_flags():
         derive(run, 4)
     with pytest.raises(ConfigError, match="--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"):
         parse_run(base + ["--moe-pad-expert-input-to-capacity"])
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size needs an MoE model family; 'gpt' is not one"):
+        derive(parse_run(["--model-family", "gpt", "--expert-tensor-parallel-size", "1", "--mock-data"])[0], 1)
     with pytest.raises(ConfigError, match="--num-experts .*needs an MoE model family; 'gpt' is not one"):
         derive(parse_run(["--model-family", "gpt", "--num-experts", "4", "--mock-data"])[0], 1)
