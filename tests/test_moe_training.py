@@ -5,8 +5,12 @@ load-balancing and z-losses on (they shape the gradients, so a wrong aux-loss gr
 the later losses). On one world of 4 gloo ranks: ep4 (allgather), tp2 x ep2 with sequence
 parallelism (alltoall), ep2 x pp2 with the distributed optimizer, and with capacity-factor
 routing (tokens dropped) ep2 (alltoall, padded to capacity) and ep4 (allgather); the losses equal
-the one-process run's within 1e-5 (relative) at every step. The tp2 x ep2 run saves at step 3,
-and that checkpoint resumes at ep1 and at ep4 with the uninterrupted run's next losses.
+the one-process run's within 1e-5 (relative) at every step. So do tp2 x ep2 with the experts not
+tensor-split (--expert-tensor-parallel-size 1, sequence parallel, distributed optimizer: the
+experts' gradients reduced and sharded over their own data-parallel group) and tp2 x etp1 x ep4
+(experts spread over the tensor ranks too). The tp2 x ep2 run saves at step 3, and that
+checkpoint resumes at ep1 and at ep4 with the uninterrupted run's next losses; the etp1 run's
+checkpoint (global shapes) resumes at tp2 x ep2 with the experts tensor-split.
 """
 
 from __future__ import annotations
@@ -33,9 +37,20 @@ LAYOUTS = {  # name -> (extra flags, uses capacity)
         ["--expert-model-parallel-size", "2", *CAPACITY, *ALLTOALL, "--moe-pad-expert-input-to-capacity",
          "--use-distributed-optimizer"], True),
     "ep4 allgather capacity": (["--expert-model-parallel-size", "4", *ALLGATHER, *CAPACITY], True),
+    "tp2 x etp1 x ep2 sp alltoall distributed optimizer": (
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+         "--expert-model-parallel-size", "2", *ALLTOALL, "--use-distributed-optimizer"], False),
+    "tp2 x etp1 x ep4 sp allgather": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                       "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "4",
+                                       *ALLGATHER], False),
 }
-SAVED = "tp2 x ep2 sp alltoall"
-RESUMED = {"ep1": [], "ep4": ["--expert-model-parallel-size", "4"]}
+SAVED = {"tp2 x ep2 sp alltoall": "tp2-ep2", "tp2 x etp1 x ep2 sp alltoall distributed optimizer": "etp1"}
+RESUMED = {  # (saved by, layout)
+    "ep1": ("tp2-ep2", []), "ep4": ("tp2-ep2", ["--expert-model-parallel-size", "4"]),
+    "tp2 x ep2 (etp2) distributed optimizer": ("etp1", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                         "--expert-model-parallel-size", "2",
+                                                         "--use-distributed-optimizer"]),
+}
 
 
 def train_losses(argv: list[str]) -> list[float]:
@@ -58,10 +73,10 @@ def test_expert_parallel_layouts_match_one_process(worlds, tmp_path):
     assert dropless != capacity, "capacity 1.0 should drop tokens and change the losses"
 
     for name, (extra, uses_capacity) in LAYOUTS.items():  # one call per run: each within the world's timeout
-        saving = ["--save", str(tmp_path), "--save-interval", "3"] if name == SAVED else []
+        saving = ["--save", str(tmp_path / SAVED[name]), "--save-interval", "3"] if name in SAVED else []
         ranks = worlds.run(4, train_losses, COMMON + extra + saving)
         assert all(losses == ranks[0] for losses in ranks), name
         assert_close(ranks[0], capacity if uses_capacity else dropless, name)
-    for name, extra in RESUMED.items():
-        ranks = worlds.run(4, train_losses, COMMON + extra + ["--load", str(tmp_path / "iter_0000003")])
-        assert_close(ranks[0], dropless[3:], f"resumed at {name} from tp2 x ep2")
+    for name, (saved_by, extra) in RESUMED.items():
+        ranks = worlds.run(4, train_losses, COMMON + extra + ["--load", str(tmp_path / saved_by / "iter_0000003")])
+        assert_close(ranks[0], dropless[3:], f"resumed at {name} from {saved_by}")

@@ -3,7 +3,7 @@ converted Hugging Face -> mega, the logits and loss equal transformers' (fp32, 1
 one process and at tp2, ep2, tp2 x ep2 and pp2 on one world of 4 gloo ranks; Hugging Face ->
 mega (tp2, ep2) -> Hugging Face gives back the same tensors bit for bit; greedy generation, on
 one process and tensor-parallel (tp2, leader and follower), equals transformers' ``generate``
-token for token."""
+token for token; so does `mega serve` (greedy /v1/completions)."""
 
 from __future__ import annotations
 
@@ -174,3 +174,51 @@ def test_greedy_generation_equals_transformers(hf_model, converted):
     for prompt in PROMPTS:
         [result] = engine.generate([GenerationRequest(prompt, NEW_TOKENS)])
         assert result.tokens == hf_greedy(hf_model, prompt)
+
+
+def test_mega_serve_completions_equal_transformers(hf_model, converted, monkeypatch):
+    """``mega serve`` (its whole ``main``: the loader, the continuous-batching engine, the app) on
+    the converted checkpoint, in this process on a real socket: greedy /v1/completions equal
+    transformers' ``generate`` token for token. Tokens are ids as text (NullTokenizer: "5 17 42")."""
+    import socket
+    import threading
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    uvicorn = pytest.importorskip("uvicorn")
+    from mega.inference import serve_cli
+
+    servers = []
+
+    def run_in_thread_server(app, host, port, log_level):  # uvicorn.run, but stoppable from the test
+        servers.append(uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)))
+        servers[-1].run()
+
+    monkeypatch.setattr(uvicorn, "run", run_in_thread_server)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = ["--load", str(converted[1]), "--device", "cpu", "--port", str(port), "--log-level", "warning",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1)]
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(serve_cli.main(argv)), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not (servers and servers[0].started):
+        assert thread.is_alive() and time.monotonic() < deadline, f"mega serve did not start: {outcome}"
+        time.sleep(0.05)
+    try:
+        prompts = [" ".join(map(str, prompt)) for prompt in PROMPTS]
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"prompt": prompts, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 1})
+        assert reply.status_code == 200, reply.text
+        for prompt, choice in zip(PROMPTS, reply.json()["choices"], strict=True):
+            expected = hf_greedy(hf_model, prompt)[len(prompt):]
+            if VOCAB - 1 in expected:  # the tokenizer's end of document stops the server's answer
+                expected = expected[:expected.index(VOCAB - 1) + 1]
+            assert choice["logprobs"]["tokens"] == [str(token) for token in expected]
+            assert choice["finish_reason"] == ("stop" if VOCAB - 1 in expected else "length")
+    finally:
+        servers[0].should_exit = True
+        thread.join(timeout=30)
+    assert outcome == [0]

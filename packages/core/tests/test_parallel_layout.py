@@ -41,6 +41,27 @@ def test_expert_groups_match_megatron_core(tp, ep, dp, pp):
         assert rank_groups(sizes, dims) == reference.get_ranks(dims), dims
 
 
+@pytest.mark.parametrize("tp,etp,ep,pp,world", [(2, 1, 2, 1, 4), (2, 1, 4, 1, 4), (4, 2, 2, 1, 8), (4, 1, 4, 2, 16),
+                                                (2, 2, 2, 1, 4)])
+def test_expert_tensor_parallel_groups_match_megatron_core(tp, etp, ep, pp, world):
+    """--expert-tensor-parallel-size: the etp, ep and expert data-parallel groups ParallelGroups
+    builds (planning, no processes) are megatron-core's expert rank generator's."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from mega.core.parallel import ParallelGroups
+
+    config = ParallelConfig(tp=tp, etp=etp, ep=ep, pp=pp, sequence_parallel=True)
+    reference = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    for rank in range(world):
+        groups = ParallelGroups(config, world_size=world, rank=rank)
+        for ours, dims in ((groups.etp, "tp"), (groups.ep, "ep"), (groups.expert_dp, "dp")):
+            theirs = next(ranks for ranks in reference.get_ranks(dims) if rank in ranks)
+            assert list(ours.ranks) == theirs, (rank, dims)
+        assert list(groups.tp.ranks) == next(ranks for ranks in dense.get_ranks("tp") if rank in ranks)
+        assert set(groups.etp.ranks) <= set(groups.tp.ranks), "an etp group lies inside one tensor group"
+
+
 def test_unknown_dimension():
     with pytest.raises(ValueError, match="unknown parallel dimension"):
         rank_groups({"tp": 2}, "tp-zz")
@@ -54,6 +75,12 @@ def test_unknown_dimension():
         (ParallelConfig(tp=2, ep=3), 8, "ep = 3 must divide dp\\*cp = 4\\*1 = 4"),
         (ParallelConfig(pp=1, vpp=2), 4, "vpp = 2 \\(virtual pipeline stages\\) needs pp > 1, got pp = 1"),
         (ParallelConfig(tp=0), 4, "tp must be a positive integer, got 0"),
+        (ParallelConfig(tp=2, etp=4, sequence_parallel=True), 8,
+         "--expert-tensor-parallel-size 4 must be a positive divisor of --tensor-model-parallel-size 2"),
+        (ParallelConfig(tp=2, etp=1), 4, "--expert-tensor-parallel-size 1 differs from --tensor-model-parallel-size "
+         "2: this needs --sequence-parallel"),
+        (ParallelConfig(tp=2, etp=1, ep=3, sequence_parallel=True), 8,
+         "ep = 3 must divide dp\\*cp\\*tp/etp = 4\\*1\\*2/1 = 8 \\(--expert-tensor-parallel-size 1\\)"),
     ],
 )
 def test_bad_layouts_fail_with_the_numbers(config, world, message):

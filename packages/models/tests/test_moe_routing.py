@@ -93,8 +93,21 @@ def test_bad_input_names_the_flags():
     with pytest.raises(ModelConfigError, match="--num-experts 6 is not divisible by --expert-model-parallel-size 4"):
         derive(run, 4)
     run, _ = parse_run(base + ["--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size", "2"])
-    with pytest.raises(ModelConfigError, match="--expert-tensor-parallel-size 1 differs from --tensor-model-parallel"):
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 1 differs from --tensor-model-parallel-size "
+                       "2: this needs --sequence-parallel"):
         derive(run, 2)
+    run, _ = parse_run(base + ["--expert-tensor-parallel-size", "3", "--tensor-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 3 must be a positive divisor of "
+                       "--tensor-model-parallel-size 2"):
+        derive(run, 2)
+    run, _ = parse_run(base + ["--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size", "2",
+                               "--sequence-parallel", "--expert-model-parallel-size", "4"])
+    with pytest.raises(ConfigError, match=r"ep = 4 must divide dp\*cp\*tp/etp = 1\*1\*2/1 = 2"):
+        derive(run, 2)
+    run, _ = parse_run(base + ["--moe-ffn-hidden-size", "31", "--tensor-model-parallel-size", "2"])
+    with pytest.raises(ModelConfigError, match="--moe-ffn-hidden-size 31 is not divisible by "
+                       "--tensor-model-parallel-size 2"):
+        derive(run, 4)
     with pytest.raises(ConfigError, match="--moe-router-topk 5 must be between 1 and --num-experts 4"):
         parse_run(base + ["--moe-router-topk", "5"])
     run, _ = parse_run(base + ["--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2"])
@@ -102,5 +115,7 @@ def test_bad_input_names_the_flags():
         derive(run, 4)
     with pytest.raises(ConfigError, match="--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"):
         parse_run(base + ["--moe-pad-expert-input-to-capacity"])
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size needs an MoE model family; 'gpt' is not one"):
+        derive(parse_run(["--model-family", "gpt", "--expert-tensor-parallel-size", "1", "--mock-data"])[0], 1)
     with pytest.raises(ConfigError, match="--num-experts .*needs an MoE model family; 'gpt' is not one"):
         derive(parse_run(["--model-family", "gpt", "--num-experts", "4", "--mock-data"])[0], 1)

@@ -25,7 +25,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "attention_backend", "recompute_granularity", "recompute_method", "recompute_num_layers",
     # Mixture of experts: how tokens reach the experts and how the experts run (the same function),
     # and the router's auxiliary training losses.
-    "moe_token_dispatcher_type", "moe_grouped_gemm", "expert_tensor_parallel_size",
+    "moe_token_dispatcher_type", "moe_grouped_gemm",
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
 })
 _HINTS = {"vocab_size": " (check the tokenizer)"}

@@ -10,7 +10,8 @@ resolves. This module computes the pieces:
   tensor, so the global tensor is the one-device layout ``[gate; up]``;
 * an expert-parallel shard (``expert_shard`` = (ep rank, ep size), see
   :mod:`mega.core.parallel.param_attrs`) holds whole experts along dimension 0, so it sits at
-  ``ep_rank * local_experts`` there (composed with any tensor-parallel split of another dimension);
+  ``ep_rank * local_experts`` there (composed with any tensor-parallel split of another dimension,
+  over the experts' own tensor group under ``--expert-tensor-parallel-size``);
 * a distributed optimizer's state covers a flat range of a parameter, which is cut into the
   rectangular boxes it is made of (a partial first row, whole rows, a partial last row).
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mega.core.parallel.param_attrs import expert_shard, is_tensor_parallel
+from mega.core.parallel.param_attrs import expert_shard, is_tensor_parallel, tensor_shard
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class TensorParallelSplit:
     @classmethod
     def of(cls, param: torch.Tensor, tp_rank: int, tp_size: int) -> TensorParallelSplit:
         expert_rank, expert_size = expert_shard(param)
+        tp_rank, tp_size = tensor_shard(param, tp_rank, tp_size)  # (an expert's own tensor group)
         if tp_size == 1 or not is_tensor_parallel(param):
             return cls(expert_rank=expert_rank, expert_size=expert_size)
         return cls(param.partition_dim, getattr(param, "partition_chunks", 1), tp_rank, tp_size,

@@ -4,7 +4,8 @@ Every rank sums the squares of the gradient elements it *owns* and one all-reduc
 adds them up, so each element of the whole model counts exactly once:
 
 * a parameter replicated over the tensor group (norms, row-parallel biases) is owned by tensor
-  rank 0; a tensor-parallel shard by its holder;
+  rank 0; a tensor-parallel shard by its holder (for expert parameters the tensor group is the
+  experts' own, ``etp``);
 * a ``shared`` copy (tied embeddings on the last pipeline stage) is owned by the other stage;
 * data-parallel replicas are owned by replica 0 (rank 0 of ``dp_cp``, or of ``expert_dp`` for
   expert parameters), unless the gradients are sharded over data parallelism (distributed
@@ -29,7 +30,8 @@ def owns_gradient(param: torch.Tensor, groups: ParallelGroups, dp_sharded: bool 
     """Whether this rank counts ``param``'s gradient in the global norm."""
     if is_shared_copy(param):
         return False
-    if not is_tensor_parallel(param) and groups.tp.rank != 0:
+    tensor_group = groups.etp if is_expert_parallel(param) else groups.tp
+    if not is_tensor_parallel(param) and tensor_group.rank != 0:
         return False
     if dp_sharded:
         return True

@@ -42,8 +42,9 @@ class ParallelGroups:
     code on one process as in a layout (every group then has size 1 and collectives are no-ops).
 
     Dense layers use the ranks laid out ``tp-cp-dp-pp``; expert layers reuse the same world laid
-    out ``tp-ep-dp-pp`` (experts are spread over what is data and context parallel for dense
-    layers), as Megatron-Core does.
+    out ``etp-ep-dp-pp`` (experts are spread over what is data and context parallel for dense
+    layers, and over tp/etp more ranks when --expert-tensor-parallel-size is smaller than tp), as
+    Megatron-Core does: ``etp``, ``ep`` and ``expert_dp`` are that layout's groups.
     """
 
     def __init__(self, config: ParallelConfig, backend: str | None = None, *,
@@ -60,7 +61,8 @@ class ParallelGroups:
         self.backend = dist.get_backend() if initialized else "none"
         dp = config.data_parallel_size(self.world_size)
         dense = {"tp": config.tp, "cp": config.cp, "dp": dp, "pp": config.pp}
-        expert = {"tp": config.tp, "ep": config.ep, "dp": self.world_size // (config.tp * config.ep * config.pp), "pp": config.pp}
+        etp = config.expert_tp
+        expert = {"tp": etp, "ep": config.ep, "dp": self.world_size // (etp * config.ep * config.pp), "pp": config.pp}
 
         self._backend = backend
         self.tp = self._build("tp", rank_groups(dense, "tp"))
@@ -74,6 +76,8 @@ class ParallelGroups:
         )
         self.ep = self._build("ep", rank_groups(expert, "ep"))
         self.expert_dp = self._build("expert_dp", rank_groups(expert, "dp"))
+        # The experts' tensor group: the tensor group itself unless --expert-tensor-parallel-size differs.
+        self.etp = self.tp if etp == config.tp else self._build("etp", rank_groups(expert, "tp"))
 
     def _build(self, name: str, all_ranks: list[list[int]]) -> Group:
         mine = [ranks for ranks in all_ranks if self.global_rank in ranks]

@@ -15,6 +15,9 @@ where it has one, so readers of either code base recognise them.
 * ``expert_shard`` ((int, int)): (expert-parallel rank, size) of a grouped expert weight whose
   dimension 0 is the experts: this rank holds experts ``rank * n`` .. ``(rank + 1) * n - 1`` of
   ``size * n``, so checkpoints and initialisation place it in the global tensor.
+* ``expert_tensor_shard`` ((int, int)): (rank, size) in the experts' own tensor group
+  (``--expert-tensor-parallel-size``) of an expert weight's tensor-parallel split, where that
+  group is not the tensor group.
 * ``shared_embedding`` (bool): a weight tied across pipeline stages (set on both copies by
   :func:`mega.core.pipeline.tied.tie_across_stages`); with the distributed optimizer it gets a
   bucket of its own, so both stages shard it alike and the cross-stage gradient sum after the
@@ -65,6 +68,16 @@ def mark_expert_shard(param: torch.Tensor, rank: int, size: int) -> None:
 
 def expert_shard(param: torch.Tensor) -> tuple[int, int]:
     return getattr(param, "expert_shard", (0, 1))
+
+
+def mark_expert_tensor_shard(param: torch.Tensor, rank: int, size: int) -> None:
+    param.expert_tensor_shard = (rank, size)
+
+
+def tensor_shard(param: torch.Tensor, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(rank, size) of ``param``'s tensor-parallel split: the experts' own group's where they
+    have one, else the tensor group's ``tp_rank``, ``tp_size``."""
+    return getattr(param, "expert_tensor_shard", (tp_rank, tp_size))
 
 
 def mark_padded_vocab(param: torch.Tensor) -> None:

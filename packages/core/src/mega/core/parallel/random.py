@@ -98,7 +98,7 @@ def parallel_seeds(seed: int, groups: ParallelGroups) -> dict[str, int]:
     return {
         "default": base,
         MODEL_PARALLEL: base + TENSOR_PARALLEL_SEED_OFFSET + tp_rank,
-        EXPERT_PARALLEL: base + EXPERT_PARALLEL_SEED_OFFSET + 100 * max(groups.ep.rank, 0) + tp_rank,
+        EXPERT_PARALLEL: base + EXPERT_PARALLEL_SEED_OFFSET + 100 * max(groups.ep.rank, 0) + max(groups.etp.rank, 0),
     }
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from mega.core.parallel.collectives import scatter_to_sequence_parallel_region
 from mega.core.parallel.groups import ParallelGroups
 from mega.core.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from mega.core.parallel.param_attrs import is_tensor_parallel, mark_sequence_parallel
+from mega.core.parallel.param_attrs import is_expert_parallel, is_tensor_parallel, mark_sequence_parallel
 from mega.core.parallel.plan import (
     ColumnThenRow,
     Colwise,
@@ -89,7 +89,8 @@ def apply_tensor_parallel(module: nn.Module, plan: Mapping[str, PlanStyle], grou
 
 # Marks a model or the pipeline set before the split (e.g. a word embedding tied across stages)
 # must survive on the shard that replaces the parameter.
-_CARRIED_MARKS = ("shared_embedding", "shared", "expert_parallel", "expert_shard", "padded_vocab")
+_CARRIED_MARKS = ("shared_embedding", "shared", "expert_parallel", "expert_shard", "expert_tensor_shard",
+                  "padded_vocab")
 
 
 def _carry_marks(old: nn.Parameter, new: nn.Parameter) -> None:
@@ -148,7 +149,9 @@ def _scatter_output_hook(group):
 
 def _mark_sequence_parallel_params(module: nn.Module, before_split: list[str]) -> None:
     for name, param in module.named_parameters():
-        if is_tensor_parallel(param):
+        # (experts are split over their own groups: under --expert-tensor-parallel-size 1 the
+        # ranks of a tensor group hold different experts, whose gradients must not be summed)
+        if is_tensor_parallel(param) or is_expert_parallel(param):
             continue
         if any(name.startswith(prefix + ".") for prefix in before_split):
             continue

@@ -149,6 +149,7 @@ FEATURE_FLAGS = {
     "--num-experts": ("moe", "(mixture of experts) needs an MoE model family",
                       lambda run: bool(getattr(run.model, "num_experts", None) or run.moe.num_experts)),
     "--expert-model-parallel-size": ("moe", "> 1 needs an MoE model family", lambda run: run.parallel.ep > 1),
+    "--expert-tensor-parallel-size": ("moe", "needs an MoE model family", lambda run: run.parallel.etp is not None),
     "--context-parallel-size": ("context_parallel", "> 1 needs a model family with context parallelism",
                                 lambda run: run.parallel.cp > 1),
 }

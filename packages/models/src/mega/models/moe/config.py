@@ -37,9 +37,6 @@ class MoETransformerConfig(TransformerConfig):
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = option(
         "allgather", "how tokens reach the experts of other expert-parallel ranks (Megatron's default: "
         "allgather; its Mixtral recipes use alltoall)")
-    expert_tensor_parallel_size: int | None = option(
-        None, "tensor-parallel size of the experts; default (and, in this version, the only choice) "
-        "--tensor-model-parallel-size")
     moe_grouped_gemm: bool = option(False, "run the experts as one grouped GEMM where the device has one "
                                     "(torch._grouped_mm on a GPU); a loop over experts elsewhere, same numbers")
 
@@ -75,19 +72,15 @@ class MoETransformerConfig(TransformerConfig):
         # (None only while __post_init__ runs: it is derived from ffn_hidden_size right after.)
         moe_ffn = self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_hidden_size
         need(isinstance(moe_ffn, int) and moe_ffn > 0, f"--moe-ffn-hidden-size must be a positive integer, got {moe_ffn!r}")
-        if tensor_parallel_size > 1:
-            need(moe_ffn % tensor_parallel_size == 0,
-                 f"--moe-ffn-hidden-size {moe_ffn} is not divisible by "
-                 f"--tensor-model-parallel-size {tensor_parallel_size}")
 
     def validate_parallel(self, parallel) -> None:
         """What the layout (a ``ParallelConfig``) asks of the experts: they split evenly over
-        --expert-model-parallel-size."""
-        etp = self.expert_tensor_parallel_size
-        if etp is not None and etp != parallel.tp:
-            raise ModelConfigError(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
-                                   f"{parallel.tp}: experts split like the dense layers only, in this version")
+        --expert-model-parallel-size, and their hidden size over --expert-tensor-parallel-size."""
         self.validate_expert_split(parallel.ep)
+        etp = parallel.expert_tp
+        if self.moe_ffn_hidden_size % etp:
+            flag = "--expert-tensor-parallel-size" if parallel.etp is not None else "--tensor-model-parallel-size"
+            raise ModelConfigError(f"--moe-ffn-hidden-size {self.moe_ffn_hidden_size} is not divisible by {flag} {etp}")
 
     def validate_expert_split(self, expert_parallel_size: int) -> None:
         if self.num_experts % expert_parallel_size:

@@ -10,7 +10,9 @@ split (fc1 column-parallel with gate and up split on their own, fc2 row-parallel
 partial outputs are summed over the tensor group by the layer.
 
 ``grouped_gemm``: on a device with torch's grouped matmul (``torch._grouped_mm``, CUDA bf16) the
-experts run as one kernel; elsewhere a loop over experts computes the same products.
+experts run as two grouped GEMMs around the kernels' activation; elsewhere (and without the flag)
+as :func:`~mega.models.moe.grouped_mlp.grouped_swiglu_mlp`, a fused loop over experts computing
+the same products.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import Kernels
+from mega.models.moe.grouped_mlp import grouped_swiglu_mlp
 
 
 class GroupedLinear(nn.Module):
@@ -29,15 +32,13 @@ class GroupedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
 
-    def forward(self, tokens: torch.Tensor, counts: list[int], grouped_gemm: bool = False) -> torch.Tensor:
-        if grouped_gemm and _has_grouped_mm(tokens):
-            offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
-            return torch._grouped_mm(tokens, self.weight.transpose(-2, -1), offs=offsets)
-        outputs = [group @ self.weight[e].t() for e, group in enumerate(tokens.split(counts))]
-        return torch.cat(outputs) if outputs else tokens.new_zeros(0, self.weight.shape[1])
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One grouped GEMM (a device where :func:`has_grouped_mm`)."""
+        offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(tokens, self.weight.transpose(-2, -1), offs=offsets)
 
 
-def _has_grouped_mm(tokens: torch.Tensor) -> bool:
+def has_grouped_mm(tokens: torch.Tensor) -> bool:
     return hasattr(torch, "_grouped_mm") and tokens.is_cuda and tokens.dtype == torch.bfloat16
 
 
@@ -58,5 +59,6 @@ class GroupedExperts(nn.Module):
         return self.linear_fc1.weight.shape[0]
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        hidden = self.activation(self.linear_fc1(tokens, counts, self.grouped_gemm))
-        return self.linear_fc2(hidden, counts, self.grouped_gemm)
+        if self.grouped_gemm and has_grouped_mm(tokens):
+            return self.linear_fc2(self.activation(self.linear_fc1(tokens, counts)), counts)
+        return grouped_swiglu_mlp(tokens, self.linear_fc1.weight, self.linear_fc2.weight, counts)

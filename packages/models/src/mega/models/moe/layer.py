@@ -10,6 +10,14 @@ Tensor parallelism (experts split as dense MLPs are, see :mod:`mega.models.moe.e
   are applied, so the router's gradient is whole on every rank;
 * under sequence parallelism each rank keeps its slice of the output.
 
+``--expert-tensor-parallel-size`` (``etp``, a divisor of tp; sequence parallelism on) splits the
+experts over a smaller group than the dense layers: routing still sees the whole micro-batch,
+but each group of ``etp`` consecutive tensor ranks runs the experts only on the tokens of its
+own sequence slices, gathered over that group (with ``etp`` 1: each rank its own slice), and
+the experts' partial outputs are reduce-scattered over it. The expert-parallel dispatcher then
+takes these slices from more ranks (``tp / etp`` times as many), which hold whole experts or
+``1 / etp`` of each.
+
 After each forward ``stats`` holds ``[load-balancing loss, z-loss, least-loaded expert,
 most-loaded expert]`` (loads relative to a perfectly even spread: 1.0 each) for the family's
 loss and logs.
@@ -25,12 +33,12 @@ from mega.core.parallel.collectives import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     reduce_from_tensor_parallel_region,
-    scatter_to_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 from mega.models.moe.config import MoETransformerConfig
 from mega.models.moe.dispatch import dispatch
 from mega.models.moe.experts import GroupedExperts
-from mega.models.moe.routing import route
+from mega.models.moe.routing import Routing, route
 
 STATS = ("load_balancing_loss", "z_loss", "expert load min", "expert load max")
 
@@ -42,8 +50,10 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size, kernels,
                                       grouped_gemm=config.moe_grouped_gemm)
-        # Set by parallelize: the tensor and expert groups, and whether the input is a sequence shard.
+        # Set by parallelize: the tensor, expert-tensor and expert groups, and whether the input is
+        # a sequence shard.
         self.tp_group = None
+        self.etp_group = None  # None: the tensor group
         self.ep_group = None
         self.sequence_parallel = False
         self.stats: torch.Tensor | None = None
@@ -53,23 +63,41 @@ class MoELayer(nn.Module):
         tokens = hidden.reshape(-1, width)
         logits = self.router(tokens)
         tp = self.tp_group
+        etp = self.etp_group if self.etp_group is not None else tp
         split = tp is not None and tp.size > 1
+        experts_split = etp is not None and etp.size > 1
         if split and self.sequence_parallel:
             logits = gather_from_sequence_parallel_region(logits, tp, tensor_parallel_output_grad=False)
-            tokens = gather_from_sequence_parallel_region(tokens, tp, tensor_parallel_output_grad=True)
+            if experts_split:
+                tokens = gather_from_sequence_parallel_region(tokens, etp, tensor_parallel_output_grad=True)
         elif split:
             tokens = copy_to_tensor_parallel_region(tokens, tp)
         routing = route(logits, self.config, sequences=batch)
-        outputs = dispatch(tokens, routing, self.experts, self.ep_group, self.config.moe_token_dispatcher_type)
-        if split:
-            outputs = reduce_from_tensor_parallel_region(outputs, tp)
-        combined = (outputs * routing.weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
-        if split and self.sequence_parallel:
-            combined = scatter_to_sequence_parallel_region(combined, tp)
         self.stats = self._stats(routing, logits.shape[0])
+        if split and self.sequence_parallel:
+            # The expert tensor group's slices: this rank's and its etp - 1 neighbours' (all of tp's when etp = tp).
+            mine = _rows(routing, (tp.rank // etp.size) * tokens.shape[0], tokens.shape[0])
+            outputs = dispatch(tokens, mine, self.experts, self.ep_group, self.config.moe_token_dispatcher_type)
+            if experts_split:
+                outputs = reduce_scatter_to_sequence_parallel_region(outputs.flatten(1), etp).view(-1, *outputs.shape[1:])
+            weights = routing.weights[tp.rank * outputs.shape[0]:(tp.rank + 1) * outputs.shape[0]]
+        else:
+            outputs = dispatch(tokens, routing, self.experts, self.ep_group, self.config.moe_token_dispatcher_type)
+            if split:
+                outputs = reduce_from_tensor_parallel_region(outputs, tp)
+            weights = routing.weights
+        combined = (outputs * weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
         return combined.view(seq, batch, width)
 
     def _stats(self, routing, tokens: int) -> torch.Tensor:
         even = tokens * self.config.moe_router_topk / self.config.num_experts
         load = routing.load.float() / even
         return torch.stack([routing.aux_loss.float(), routing.z_loss.float(), load.min(), load.max()])
+
+
+def _rows(routing: Routing, start: int, count: int) -> Routing:
+    """The routing of tokens ``start`` .. ``start + count - 1`` (the losses and loads stay the
+    whole micro-batch's)."""
+    part = slice(start, start + count)
+    return Routing(routing.experts[part], routing.weights[part], routing.kept[part], routing.capacity,
+                   routing.aux_loss, routing.z_loss, routing.load)

@@ -35,7 +35,7 @@ from torch import nn
 from mega.core.kernels import Kernels
 from mega.core.model_family import LossContext, Stage, StageRun, TensorSpec, hidden_boundary
 from mega.core.parallel import ParallelConfig, ParallelGroups
-from mega.core.parallel.param_attrs import mark_expert_shard, mark_tensor_parallel
+from mega.core.parallel.param_attrs import mark_expert_shard, mark_expert_tensor_shard, mark_tensor_parallel
 from mega.models.family import language_model_loss, parallelize_language_model
 from mega.models.flops import num_floating_point_operations as dense_flops
 from mega.models.language_model import LanguageModel
@@ -65,7 +65,7 @@ class MoELanguageModel(LanguageModel):
 
 def build_moe_model(config: MoETransformerConfig, stage: Stage, *, kernels: Kernels,
                     parallel: ParallelConfig) -> MoELanguageModel:
-    config.validate_expert_split(parallel.ep)  # (a trained model loads at any tp: no --expert-tensor-parallel-size check)
+    config.validate_parallel(parallel)
     return MoELanguageModel(config, stage, kernels, parallel)
 
 
@@ -81,15 +81,16 @@ def parallelize_moe_model(model: MoELanguageModel, groups: ParallelGroups, run: 
     for layer in model.decoder.layers.values():
         moe = layer.mlp
         shard_experts(moe.experts, groups)
-        moe.tp_group, moe.ep_group = groups.tp, groups.ep
+        moe.tp_group, moe.etp_group, moe.ep_group = groups.tp, groups.etp, groups.ep
         moe.sequence_parallel = run.parallel.sequence_parallel
     return parallelize_language_model(model, groups, run, plan=moe_tensor_parallel_plan(run.config, model.stage))
 
 
 def shard_experts(experts: nn.Module, groups: ParallelGroups) -> None:
     """Keep this rank's experts (a block over the expert group) and, within each, its
-    tensor-parallel slice (fc1's gate and up each split on their own, fc2 split by input)."""
-    ep, tp = groups.ep, groups.tp
+    tensor-parallel slice over the experts' tensor group (fc1's gate and up each split on their
+    own, fc2 split by input)."""
+    ep, tp = groups.ep, groups.etp
     ep_rank, ep_size = max(ep.rank, 0), max(ep.size, 1)
     for linear, dim, chunks in ((experts.linear_fc1, 1, 2), (experts.linear_fc2, 2, 1)):
         weight = linear.weight.data
@@ -101,6 +102,8 @@ def shard_experts(experts: nn.Module, groups: ParallelGroups) -> None:
         mark_expert_shard(shard, ep_rank, ep_size)
         if tp.size > 1:
             mark_tensor_parallel(shard, dim, chunks)
+            if tp is not groups.tp:
+                mark_expert_tensor_shard(shard, tp.rank, tp.size)
         linear.weight = shard
 
 
