@@ -151,6 +151,26 @@ def test_mega_to_hugging_face_is_bit_exact(converted, tmp_path):
         assert torch.equal(back[name], tensor), name
 
 
+def test_a_checkpoint_that_records_the_expert_tensor_parallel_size_in_its_model_still_loads(converted, tmp_path):
+    """mega before expert tensor parallelism became a layout setting saved it with the model."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from mega.core.checkpoint.metadata import METADATA_FILE
+
+    older = tmp_path / "older"
+    shutil.copytree(converted[1], older)
+    for metadata_path in older.rglob(METADATA_FILE):
+        metadata = json.loads(metadata_path.read_text())
+        metadata["model_config"]["expert_tensor_parallel_size"] = None
+        metadata_path.write_text(json.dumps(metadata))
+    convert(older, tmp_path / "hf", to_format="hf")
+    original, back = load_file(converted[0] / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
+
+
 def test_experts_that_do_not_split_over_the_target_ep_are_refused(converted, tmp_path):
     from mega.ckpt_convert import ConversionError
 

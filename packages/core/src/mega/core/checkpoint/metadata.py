@@ -24,6 +24,14 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message names the directory or file and the problem."""
 
 
+# Model-config fields older mega versions saved that are no longer model settings, with where
+# they went; a checkpoint that records one still loads (the run's own setting applies).
+RETIRED_MODEL_CONFIG_FIELDS = {
+    "expert_tensor_parallel_size": "a layout setting since mega-core's ParallelConfig.etp; expert weights are "
+                                   "saved whole, so any layout can load them",
+}
+
+
 @dataclass
 class CheckpointMetadata:
     iteration: int
@@ -68,4 +76,7 @@ class CheckpointMetadata:
         missing = [name for name in ("iteration", "model_family", "model_config") if name not in data]
         if missing:
             raise CheckpointError(f"{path} lacks the field(s) {', '.join(missing)}")
+        if isinstance(data["model_config"], dict):
+            data["model_config"] = {key: value for key, value in data["model_config"].items()
+                                    if key not in RETIRED_MODEL_CONFIG_FIELDS}
         return cls(**{key: value for key, value in data.items() if key in known})
