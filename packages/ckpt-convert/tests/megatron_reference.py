@@ -232,3 +232,78 @@ def load_legacy(family: str, tp: int, pp: int, directory: str, iteration: int | 
     return loaded
 
 
+
+
+# -- optimizer state: megatron-core's own optimizer (get_megatron_optimizer), stepped on the CPU ----
+
+def _optimizer(model):
+    """megatron-core's optimizer for ``model`` as Megatron-LM builds it (regular, non-distributed
+    Adam; torch's AdamW inside, as megatron-core picks on a machine without TE or apex)."""
+    import megatron.core.optimizer.optimizer as megatron_optimizer
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    class _CpuTensors:  # its wrappers make a one-element CUDA tensor each (the loss scale): make it here
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def tensor(self, *args, device=None, **kwargs):
+            return torch.tensor(*args, **kwargs)
+
+    megatron_optimizer.torch = _CpuTensors()
+    model.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False)
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0,
+                             use_distributed_optimizer=False)
+    return get_megatron_optimizer(config, [model])
+
+
+def _inner(optimizer):
+    return [chained.optimizer for chained in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def save_with_optimizer(family: str, tp: int, directory: str, iteration: int = 9, steps: int = 2) -> None:
+    """A model trained ``steps`` Adam steps by megatron-core's optimizer (gradients drawn at random,
+    its step() without the CUDA-only grad norm), saved as Megatron-LM's save_checkpoint does with
+    --ckpt-format torch_dist: ``model`` and ``optimizer`` sharded state dicts, args, iteration."""
+    from megatron.core import dist_checkpointing
+
+    model = _model(family, tp, seed=5)
+    optimizer = _optimizer(model)
+    generator = torch.Generator().manual_seed(11 + torch.distributed.get_rank())
+    for _ in range(steps):
+        for param in model.parameters():
+            param.grad = torch.randn(param.shape, generator=generator)
+        for inner in _inner(optimizer):
+            inner.step()
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    args = megatron_args(family, tp, 1, iteration, "torch_dist")
+    args.consumed_train_samples = iteration * 4
+    model_state = model.sharded_state_dict()
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model_state,
+             "optimizer": optimizer.sharded_state_dict(model_state)}
+    dist_checkpointing.save(state, directory)
+    _stop_writer_helper()
+    if torch.distributed.get_rank() == 0:
+        Path(directory).parent.joinpath("latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+
+
+def load_optimizer(family: str, tp: int, directory: str) -> dict:
+    """megatron-core's dist_checkpointing.load of the model and optimizer state in ``directory``
+    into a fresh model and optimizer at ``tp`` (as Megatron-LM's load_checkpoint does): this rank's
+    Adam state by parameter name ({name: {exp_avg, exp_avg_sq, step}})."""
+    from megatron.core import dist_checkpointing
+
+    model = _model(family, tp, seed=77)
+    optimizer = _optimizer(model)
+    model_state = model.sharded_state_dict()
+    wanted = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True)}
+    loaded = dist_checkpointing.load(wanted, directory)
+    model.load_state_dict(loaded["model"], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+    states = {}
+    for inner in _inner(optimizer):
+        states.update({id(param): state for param, state in inner.state.items()})
+    return {name: {key: value.clone() for key, value in states[id(param)].items()}
+            for name, param in model.named_parameters()} | {"iteration": loaded.get("iteration")}

@@ -136,6 +136,13 @@ class LegacySource(MegatronSource):
                                   "model0/model1 files are not supported)")
         return flatten(model)
 
+    def optimizer_state(self):
+        raise ConversionError(
+            f"--with-optimizer: {self.directory} is a legacy Megatron-LM checkpoint, whose optimizer state is keyed "
+            "by the position of each parameter in Megatron's param groups (and, with the distributed optimizer, "
+            "kept in distrib_optim.pt as flat buffers); mega carries optimizer state from torch_dist checkpoints: "
+            "save the run with --ckpt-format torch_dist, or convert without --with-optimizer")
+
     def get(self, name: str) -> torch.Tensor:
         """The merged tensor, read from each rank's file mapped just for it: keeping every file
         mapped would leave each tensor's pages resident, the model's size in all."""
