@@ -284,9 +284,21 @@ def test_optimizer_state_moves_between_megatron_and_mega(made, world, tmp_path, 
         "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
         "--untie-embeddings-and-output-weights", "--seq-length", "32", "--max-position-embeddings", "32",
         "--vocab-size", str(ref.VOCAB), "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
-        "--train-iters", "10", "--eval-iters", "0", "--load", str(imported)]) == 0
+        "--train-iters", "10", "--eval-iters", "0", "--load", str(imported), "--save", str(tmp_path / "resumed")]) == 0
     out = capsys.readouterr().out
     assert "weights, optimizer and run state; saved at iteration 9" in out
+
+    # mega's own state after that step (iteration 10, Adam step 3) goes to megatron-core as well
+    trained = tmp_path / "trained-megatron"
+    assert convert_main(["--from", "mega", "--to", "megatron", "--with-optimizer", "--input",
+                         str(tmp_path / "resumed"), "--output", str(trained)]) == 0
+    loaded = world.run(ref.load_optimizer, "llama", 1, str(trained / "iter_0000010"))[0]
+    assert loaded["iteration"] == 10
+    with MegaSource(tmp_path / "resumed", None) as mega:
+        for name in names:
+            assert loaded[name]["step"] == 3, name
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(loaded[name][key], mega.get_optimizer(name, key)), (name, key)
 
     for bad, problem in ((made[0] / "llama-tp2", "holds no optimizer state"),
                          (made[0] / "llama-legacy", "legacy Megatron-LM checkpoint")):
