@@ -294,6 +294,17 @@ def test_optimizer_state_moves_between_megatron_and_mega(made, world, tmp_path, 
                          str(tmp_path / "resumed"), "--output", str(trained)]) == 0
     loaded = world.run(ref.load_optimizer, "llama", 1, str(trained / "iter_0000010"))[0]
     assert loaded["iteration"] == 10
+    # Megatron-LM's scheduler, built from the flags that match mega's run (lr 1e-3, cosine over 10
+    # iterations of 4 samples, weight decay 0.01), takes the exported schedule without overrides
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    scheduler = OptimizerParamScheduler(
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]), init_lr=0.0, max_lr=1e-3, min_lr=0.0,
+        lr_warmup_steps=0, lr_decay_steps=40, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+        wd_incr_steps=40, wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False)
+    scheduler.load_state_dict(torch.load(trained / "iter_0000010" / "common.pt", weights_only=False)
+                              ["opt_param_scheduler"])
+    assert scheduler.num_steps == 40
     with MegaSource(tmp_path / "resumed", None) as mega:
         for name in names:
             assert loaded[name]["step"] == 3, name

@@ -98,6 +98,9 @@ class MegaSource(ClosingSource):
         run = (self._metadata.run_config or {}).get("optimizer") or {}
         hyper = {"lr": run.get("lr"), "betas": (run.get("adam_beta1"), run.get("adam_beta2")),
                  "eps": run.get("adam_eps"), "weight_decay": run.get("weight_decay")}
+        schedule = megatron_schedule(self._metadata)
+        if schedule is not None:
+            hyper["schedule"] = schedule
         return OptimizerState(
             keys=tuple(sorted(set(MOMENTS) | ({MAIN_PARAM} if main_params else set()))),
             step=int(saved["scalars"]["step"]), iteration=self._metadata.iteration,
@@ -204,6 +207,24 @@ class MegaFormat:
         finally:
             meter.close()
         return []
+
+
+def megatron_schedule(metadata: CheckpointMetadata) -> dict | None:
+    """The run's learning-rate and weight-decay schedule as Megatron-LM's ``opt_param_scheduler``
+    state (counted in samples, as Megatron counts it); None when the run's batch size is unknown."""
+    run = metadata.run_config or {}
+    optimizer, training = run.get("optimizer") or {}, run.get("training") or {}
+    batch = training.get("global_batch_size") or (
+        metadata.consumed_samples // metadata.iteration if metadata.iteration else None)
+    if not batch or not optimizer or "train_iters" not in training:
+        return None
+    train_samples = training["train_iters"] * batch
+    return {"max_lr": optimizer["lr"], "min_lr": optimizer["min_lr"],
+            "lr_warmup_steps": optimizer["lr_warmup_iters"] * batch,
+            "lr_decay_steps": (optimizer.get("lr_decay_iters") or training["train_iters"]) * batch,
+            "lr_decay_style": optimizer["lr_decay_style"], "num_steps": metadata.consumed_samples,
+            "start_wd": optimizer["weight_decay"], "end_wd": optimizer["weight_decay"],
+            "wd_incr_style": "constant", "wd_incr_steps": train_samples}
 
 
 def _optimizer_tensors(source, optimizer: OptimizerState, parameters: dict) -> dict[str, LazyTensor]:

@@ -197,6 +197,8 @@ def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteratio
         common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0}
         if optimizer is not None:
             common["optimizer"] = common_optimizer(optimizer)
+            if "schedule" in optimizer.hyperparameters:  # Megatron-LM's load_checkpoint requires it
+                common["opt_param_scheduler"] = optimizer.hyperparameters["schedule"]
         torch.save(common, stream)
     save_dcp(checkpoint_dir, entries)
     (checkpoint_dir / DIST_CONFIG).write_text(json.dumps(DIST_CONFIG_CONTENT))

@@ -93,6 +93,8 @@ def read_optimizer_state(source, common: dict, metadata, names) -> FoundOptimize
                               "or param_groups[].step in common.pt)")
     args = source.args
     hyper = {k: groups[0][k] for k in ("lr", "betas", "eps", "weight_decay") if k in groups[0]}
+    if isinstance(common.get("opt_param_scheduler"), dict):
+        hyper["schedule"] = common["opt_param_scheduler"]
     state = OptimizerState(
         keys=tuple(sorted(keys)), step=int(step), iteration=int(source.iteration or 0),
         consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0), hyperparameters=hyper)
