@@ -307,3 +307,43 @@ def load_optimizer(family: str, tp: int, directory: str) -> dict:
         states.update({id(param): state for param, state in inner.state.items()})
     return {name: {key: value.clone() for key, value in states[id(param)].items()}
             for name, param in model.named_parameters()} | {"iteration": loaded.get("iteration")}
+
+
+def save_interleaved(family: str, legacy_dir: str, pp: int = 2, vpp: int = 2, iteration: int = 7) -> None:
+    """The tp 2 model of :func:`save_both` (the same seed) as the legacy files of an interleaved
+    tp 2 x pp ``pp`` run with ``vpp`` model chunks per stage: each file holds ``model0``,
+    ``model1``... (Megatron-LM's save_checkpoint), chunk v of stage p the v * pp + p-th even
+    piece of the layers numbered from 0, the embedding in stage 0's first chunk, the final norm,
+    output layer (and the tied embedding's copy) in the last stage's last chunk."""
+    tp, rank = 2, torch.distributed.get_rank()
+    state = _model(family, tp, seed=0).state_dict()
+    per_chunk = MODELS[family]["num_layers"] // (pp * vpp)
+    tied = not MODELS[family]["untie_embeddings_and_output_weights"]
+    args = megatron_args(family, tp, pp, iteration, "torch")
+    args.virtual_pipeline_model_parallel_size = vpp
+    for stage in range(pp):
+        chunks = {}
+        for chunk in range(vpp):
+            first = (chunk * pp + stage) * per_chunk
+            chunk_state = {}
+            for key, value in state.items():
+                if key.startswith("decoder.layers."):
+                    number, rest = key[len("decoder.layers."):].split(".", 1)
+                    if first <= int(number) < first + per_chunk:
+                        chunk_state[f"decoder.layers.{int(number) - first}.{rest}"] = value
+                elif key.startswith("embedding."):
+                    if (stage, chunk) == (0, 0):
+                        chunk_state[key] = value
+                elif (stage, chunk) == (pp - 1, vpp - 1):
+                    chunk_state[key] = value
+            if tied and (stage, chunk) == (pp - 1, vpp - 1):
+                chunk_state["output_layer.weight"] = state["embedding.word_embeddings.weight"].clone()
+            chunks[f"model{chunk}"] = chunk_state
+        rank_state = _rank_state(args, iteration, None)
+        del rank_state["model"]
+        path = Path(legacy_dir) / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}_{stage:03d}" / "model_optim_rng.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({**rank_state, **chunks}, path)
+    if rank == 0:
+        (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()

@@ -239,6 +239,18 @@ def test_mega_train_loads_a_megatron_directory(made, capsys):
     assert "does not match this model" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_interleaved_pipeline_legacy_files_import(family, made, world, tmp_path):
+    """Legacy files of an interleaved pipeline (tp 2 x pp 2, two model chunks per stage: model0,
+    model1) import as megatron-core's tensors of the same model."""
+    root, truth = made
+    legacy = tmp_path / "interleaved"
+    world.run(ref.save_interleaved, family, str(legacy))
+    output = tmp_path / "mega"
+    convert(legacy, output, from_format="megatron", to_format="mega")
+    assert_same_model(output, truth[family])
+
+
 # -- optimizer state: megatron-core's own optimizer (get_megatron_optimizer) ----------------------
 
 def test_optimizer_state_moves_between_megatron_and_mega(made, world, tmp_path, capsys):
