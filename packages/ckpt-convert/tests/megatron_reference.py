@@ -103,7 +103,7 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
     m = MODELS[family]
     experts = m.get("num_experts")
     moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=m["ffn_hidden_size"], moe_aux_loss_coeff=0.0,
-               **MOE_ARGS) if experts else {}
+               sequence_parallel=tp > 1, **MOE_ARGS) if experts else {}
     config = TransformerConfig(**moe,
         num_layers=layers or m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
         num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
@@ -111,6 +111,9 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
         normalization=m["normalization"], add_bias_linear=m["add_bias_linear"], hidden_dropout=0.0,
         attention_dropout=0.0, use_cpu_initialization=True, perform_initialization=True,
         tensor_model_parallel_size=tp)
+    # MoE at tp > 1 requires sequence parallelism, which torch's norms (no TE, no apex) refuse to be
+    # built with; it changes no weight or name, only communication: satisfy the check, then build without
+    config.sequence_parallel = False
     torch.manual_seed(seed)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
                          num_experts=experts, moe_grouped_gemm=False, normalization=m["normalization"]),
@@ -184,6 +187,19 @@ def save_moe(torch_dist_dir: str, legacy_dir: str, iteration: int = 7) -> None:
         path = Path(legacy_dir) / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt"
         path.parent.mkdir(parents=True)
         torch.save(_rank_state(megatron_args("mixtral", 1, 1, iteration, "torch"), iteration, model.state_dict()), path)
+        (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+
+
+def save_moe_tp2(torch_dist_dir: str, legacy_dir: str, iteration: int = 7) -> None:
+    """A tp 2 MoE model saved as torch_dist and as the legacy files of a tp 2 run: each rank's
+    state_dict, every local expert split over the two ranks as a dense MLP is."""
+    model = _save_torch_dist("mixtral", 2, torch_dist_dir, iteration)
+    rank = torch.distributed.get_rank()
+    path = Path(legacy_dir) / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(_rank_state(megatron_args("mixtral", 2, 1, iteration, "torch"), iteration, model.state_dict()), path)
+    if rank == 0:
         (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     torch.distributed.barrier()
 

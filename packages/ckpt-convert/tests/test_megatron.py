@@ -395,3 +395,12 @@ def test_mixtral_imports_and_exports_with_megatron_core(world, tmp_path):
         assert exported.keys() == truth.keys()
         for name, tensor in exported.items():
             assert torch.equal(tensor, truth[name]), name
+
+    # legacy files of a tp 2 run: each rank holds its half of every expert
+    world.run(ref.save_moe_tp2, str(tmp_path / "moe-tp2" / "iter_0000007"), str(tmp_path / "moe-tp2-legacy"))
+    truth = world.run(ref.load_torch_dist, "mixtral", 1, str(tmp_path / "moe-tp2" / "iter_0000007"))[0]
+    convert(tmp_path / "moe-tp2-legacy", tmp_path / "mega-moe-tp2", from_format="megatron", to_format="mega")
+    names = list(tensor_shapes(tmp_path / "mega-moe-tp2"))
+    tensors = read_tensors(tmp_path / "mega-moe-tp2", names)
+    for name in names:
+        _as_megatron_core(name, tensors, truth)

@@ -56,6 +56,18 @@ def _stages(args, num_layers: int, pp: int) -> list[range]:
                         getattr(args, "decoder_last_pipeline_num_layers", None))
 
 
+def expert_layout(name: str, config) -> TensorLayout:
+    """How one expert's matrix (shape left out) is split over tensor-parallel ranks: as the dense
+    MLP's (fc1 column-parallel, SwiGLU's gate and up halves each on their own; fc2 row-parallel)."""
+    if name.endswith("linear_fc1.weight"):
+        return TensorLayout((), 0, 2 if config.swiglu else 1, False)
+    return TensorLayout((), 1, 1, False)
+
+
+def _global_shape(local: tuple[int, ...], dim: int, tp: int) -> tuple[int, ...]:
+    return tuple(size * tp if d == dim else size for d, size in enumerate(local))
+
+
 def chunk_layers(args, num_layers: int, pp: int, vpp: int) -> dict[tuple[int, int], range]:
     """(pipeline stage, model chunk) -> its global layers. An interleaved pipeline (``vpp`` chunks
     per stage, files holding ``model0``, ``model1``...) cuts the layers into pp x vpp even pieces
@@ -96,8 +108,8 @@ class LegacySource(MegatronSource):
         # A place is (pipeline stage, model chunk): where a tensor is in a rank's files.
         # mega name -> tp rank -> (place, name in the file), and the local shapes
         self._shards: dict[str, dict[int, tuple[tuple[int, int], str]]] = {}
-        # mega name of a stacked expert tensor -> global expert -> (place, expert rank, name in the file)
-        self._experts: dict[str, dict[int, tuple[tuple[int, int], int, str]]] = {}
+        # mega name of a stacked expert tensor -> global expert -> tp rank -> (place, expert rank, name in the file)
+        self._experts: dict[str, dict[int, dict[int, tuple[tuple[int, int], int, str]]]] = {}
         local_shapes: dict[str, tuple[int, ...]] = {}
         self._found = {}
         for (rank, stage, expert_rank), file in sorted(files.items()):
@@ -115,14 +127,13 @@ class LegacySource(MegatronSource):
                     name = mega_name(names, key, places[place].start)
                     layer = split_layer(name)
                     expert = expert_of(names, layer[1]) if layer is not None else None
-                    if expert is not None:
-                        if tp > 1:
-                            raise ConversionError(f"{file}: {key} is one tensor-parallel rank's part of "
-                                                  "an expert; mega reads MoE checkpoints saved at tensor parallel size 1")
+                    if expert is not None:  # at tp > 1, each rank holds its part of every local expert
                         name = f"{LAYER_PREFIX}{layer[0]}.{expert[0]}"
                         global_expert = expert_rank * local_experts + expert[1]  # files number their own experts from 0
-                        self._experts.setdefault(name, {})[global_expert] = (place, expert_rank, key)
-                        self._found.setdefault(name, (tuple(value.shape), value.dtype, file))
+                        self._experts.setdefault(name, {}).setdefault(global_expert, {})[rank] = (place, expert_rank,
+                                                                                                  key)
+                        self._found.setdefault(name, (_global_shape(tuple(value.shape), expert_layout(name, self.config).dim, tp),
+                                                      value.dtype, file))
                         continue
                     if expert_rank > 0:  # every expert rank holds the same dense tensors
                         continue
@@ -132,6 +143,10 @@ class LegacySource(MegatronSource):
         for name, experts in self._experts.items():
             if sorted(experts) != list(range(len(experts))):
                 raise ConversionError(f"{directory}: {name} has experts {sorted(experts)}, not 0 to {len(experts) - 1}")
+            partial = [e for e, ranks in experts.items() if len(ranks) != tp]
+            if partial:
+                raise ConversionError(f"{directory}: {name} of expert {partial[0]} is in {len(experts[partial[0]])} "
+                                      f"of the {tp} tensor-parallel ranks")
             shape, *rest = self._found[name]
             self._found[name] = ((len(experts), *shape), *rest)
         for name, shards in self._shards.items():
@@ -168,9 +183,10 @@ class LegacySource(MegatronSource):
         """The merged tensor, read from each rank's file mapped just for it: keeping every file
         mapped would leave each tensor's pages resident, the model's size in all."""
         if name in self._experts:
-            experts = self._experts[name]
-            return torch.stack([self._model(self._files[0, stage, expert_rank], chunk, self.chunks)[key]
-                                for (stage, chunk), expert_rank, key in (experts[e] for e in range(len(experts)))])
+            layout = expert_layout(name, self.config)
+            return torch.stack([layout.merge([self._model(self._files[rank, stage, expert_rank], chunk, self.chunks)[key]
+                                              for rank, ((stage, chunk), expert_rank, key) in sorted(ranks.items())])
+                                for _, ranks in sorted(self._experts[name].items())])
         shards = self._shards[name]
         local = []
         for rank in range(len(shards)):
