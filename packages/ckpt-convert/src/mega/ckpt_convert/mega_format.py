@@ -93,7 +93,7 @@ class MegaSource(ClosingSource):
         if not set(MOMENTS) <= keys or "step" not in saved["scalars"]:
             raise ConversionError(f"--with-optimizer: {self.directory} holds optimizer state {sorted(keys)}; mega "
                                   "converts Adam's (exp_avg, exp_avg_sq and a step count)")
-        index = read_index(self.directory)
+        self._index = index = read_index(self.directory)
         main_params = all(f"{OPTIMIZER}{name}.{MAIN_PARAM}" in index for name in self._tensors)
         run = (self._metadata.run_config or {}).get("optimizer") or {}
         hyper = {"lr": run.get("lr"), "betas": (run.get("adam_beta1"), run.get("adam_beta2")),
@@ -109,7 +109,9 @@ class MegaSource(ClosingSource):
 
     def get_optimizer(self, name: str, key: str) -> torch.Tensor:
         entry = f"{OPTIMIZER}{name}.{key}"
-        md = read_index(self.directory)[entry]
+        if getattr(self, "_index", None) is None:
+            self._index = read_index(self.directory)
+        md = self._index[entry]
         tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         load_entries(self.directory, {entry: ShardedEntry(tuple(tensor.shape), tensor.dtype, [
             Piece(tensor, (0,) * tensor.dim())])}, alone=True)

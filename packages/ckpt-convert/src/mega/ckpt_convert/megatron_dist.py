@@ -92,12 +92,12 @@ class TorchDistSource(MegatronSource):
         names = names_for(self.family)
         self._index = {key: md for key, md in metadata.state_dict_metadata.items()
                        if isinstance(md, TensorStorageMetadata) and not key.startswith(NOT_MODEL)}
-        self._keys, shapes = self._map_keys(self._index, names, "")
+        self._keys, shapes = self.map_keys(self._index, names, "")
         self._found = {name: (shape, dtype, directory / ".metadata") for name, (shape, dtype) in shapes.items()}
         self._check(str(directory))
         self._common, self._metadata = common, metadata
 
-    def _map_keys(self, index: dict, names, prefix: str):
+    def map_keys(self, index: dict, names, prefix: str):
         """mega name -> (key, layer in a stacked key) and mega name -> (shape, dtype) of the
         tensors of ``index`` under ``prefix``."""
         keys: dict[str, tuple[str, int | None]] = {}

@@ -65,7 +65,7 @@ def read_optimizer_state(source, common: dict, metadata, names) -> FoundOptimize
         by_megatron.setdefault(state_key, {})
     keys = {}
     for state_key in by_megatron:
-        mapped, shapes = source._map_keys(index, names, f"{STATE_PREFIX}{state_key}.")
+        mapped, shapes = source.map_keys(index, names, f"{STATE_PREFIX}{state_key}.")
         tied_copy = next((n for n in names.tied_copies if f"{STATE_PREFIX}{state_key}.{n}" in index), None)
         embedding = "embedding.word_embeddings.weight"
         if embedding not in mapped and tied_copy is not None:  # the shared weight's state under the output layer's key
