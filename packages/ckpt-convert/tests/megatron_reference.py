@@ -103,7 +103,7 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
     m = MODELS[family]
     experts = m.get("num_experts")
     moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=m["ffn_hidden_size"], moe_aux_loss_coeff=0.0,
-               **MOE_ARGS) if experts else {}
+               sequence_parallel=tp > 1, **MOE_ARGS) if experts else {}
     config = TransformerConfig(**moe,
         num_layers=layers or m["num_layers"], hidden_size=m["hidden_size"], ffn_hidden_size=m["ffn_hidden_size"],
         num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
@@ -111,6 +111,9 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
         normalization=m["normalization"], add_bias_linear=m["add_bias_linear"], hidden_dropout=0.0,
         attention_dropout=0.0, use_cpu_initialization=True, perform_initialization=True,
         tensor_model_parallel_size=tp)
+    # MoE at tp > 1 requires sequence parallelism, which torch's norms (no TE, no apex) refuse to be
+    # built with; it changes no weight or name, only communication: satisfy the check, then build without
+    config.sequence_parallel = False
     torch.manual_seed(seed)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
                          num_experts=experts, moe_grouped_gemm=False, normalization=m["normalization"]),
@@ -188,6 +191,19 @@ def save_moe(torch_dist_dir: str, legacy_dir: str, iteration: int = 7) -> None:
     torch.distributed.barrier()
 
 
+def save_moe_tp2(torch_dist_dir: str, legacy_dir: str, iteration: int = 7) -> None:
+    """A tp 2 MoE model saved as torch_dist and as the legacy files of a tp 2 run: each rank's
+    state_dict, every local expert split over the two ranks as a dense MLP is."""
+    model = _save_torch_dist("mixtral", 2, torch_dist_dir, iteration)
+    rank = torch.distributed.get_rank()
+    path = Path(legacy_dir) / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(_rank_state(megatron_args("mixtral", 2, 1, iteration, "torch"), iteration, model.state_dict()), path)
+    if rank == 0:
+        (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+
+
 def load_torch_dist(family: str, tp: int, directory: str) -> dict[str, torch.Tensor]:
     """megatron-core's dist_checkpointing.load of ``directory`` into a fresh model at ``tp``: the
     model's state dict on rank 0 (tp 1) or this rank's shards."""
@@ -232,3 +248,118 @@ def load_legacy(family: str, tp: int, pp: int, directory: str, iteration: int | 
     return loaded
 
 
+
+
+# -- optimizer state: megatron-core's own optimizer (get_megatron_optimizer), stepped on the CPU ----
+
+def _optimizer(model):
+    """megatron-core's optimizer for ``model`` as Megatron-LM builds it (regular, non-distributed
+    Adam; torch's AdamW inside, as megatron-core picks on a machine without TE or apex)."""
+    import megatron.core.optimizer.optimizer as megatron_optimizer
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    class _CpuTensors:  # its wrappers make a one-element CUDA tensor each (the loss scale): make it here
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def tensor(self, *args, device=None, **kwargs):
+            return torch.tensor(*args, **kwargs)
+
+    megatron_optimizer.torch = _CpuTensors()
+    model.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False)
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0,
+                             use_distributed_optimizer=False)
+    return get_megatron_optimizer(config, [model])
+
+
+def _inner(optimizer):
+    return [chained.optimizer for chained in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def save_with_optimizer(family: str, tp: int, directory: str, iteration: int = 9, steps: int = 2) -> None:
+    """A model trained ``steps`` Adam steps by megatron-core's optimizer (gradients drawn at random,
+    its step() without the CUDA-only grad norm), saved as Megatron-LM's save_checkpoint does with
+    --ckpt-format torch_dist: ``model`` and ``optimizer`` sharded state dicts, args, iteration."""
+    from megatron.core import dist_checkpointing
+
+    model = _model(family, tp, seed=5)
+    optimizer = _optimizer(model)
+    generator = torch.Generator().manual_seed(11 + torch.distributed.get_rank())
+    for _ in range(steps):
+        for param in model.parameters():
+            param.grad = torch.randn(param.shape, generator=generator)
+        for inner in _inner(optimizer):
+            inner.step()
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    args = megatron_args(family, tp, 1, iteration, "torch_dist")
+    args.consumed_train_samples = iteration * 4
+    model_state = model.sharded_state_dict()
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model_state,
+             "optimizer": optimizer.sharded_state_dict(model_state)}
+    dist_checkpointing.save(state, directory)
+    _stop_writer_helper()
+    if torch.distributed.get_rank() == 0:
+        Path(directory).parent.joinpath("latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+
+
+def load_optimizer(family: str, tp: int, directory: str) -> dict:
+    """megatron-core's dist_checkpointing.load of the model and optimizer state in ``directory``
+    into a fresh model and optimizer at ``tp`` (as Megatron-LM's load_checkpoint does): this rank's
+    Adam state by parameter name ({name: {exp_avg, exp_avg_sq, step}})."""
+    from megatron.core import dist_checkpointing
+
+    model = _model(family, tp, seed=77)
+    optimizer = _optimizer(model)
+    model_state = model.sharded_state_dict()
+    wanted = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True)}
+    loaded = dist_checkpointing.load(wanted, directory)
+    model.load_state_dict(loaded["model"], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+    states = {}
+    for inner in _inner(optimizer):
+        states.update({id(param): state for param, state in inner.state.items()})
+    return {name: {key: value.clone() for key, value in states[id(param)].items()}
+            for name, param in model.named_parameters()} | {"iteration": loaded.get("iteration")}
+
+
+def save_interleaved(family: str, legacy_dir: str, pp: int = 2, vpp: int = 2, iteration: int = 7) -> None:
+    """The tp 2 model of :func:`save_both` (the same seed) as the legacy files of an interleaved
+    tp 2 x pp ``pp`` run with ``vpp`` model chunks per stage: each file holds ``model0``,
+    ``model1``... (Megatron-LM's save_checkpoint), chunk v of stage p the v * pp + p-th even
+    piece of the layers numbered from 0, the embedding in stage 0's first chunk, the final norm,
+    output layer (and the tied embedding's copy) in the last stage's last chunk."""
+    tp, rank = 2, torch.distributed.get_rank()
+    state = _model(family, tp, seed=0).state_dict()
+    per_chunk = MODELS[family]["num_layers"] // (pp * vpp)
+    tied = not MODELS[family]["untie_embeddings_and_output_weights"]
+    args = megatron_args(family, tp, pp, iteration, "torch")
+    args.virtual_pipeline_model_parallel_size = vpp
+    for stage in range(pp):
+        chunks = {}
+        for chunk in range(vpp):
+            first = (chunk * pp + stage) * per_chunk
+            chunk_state = {}
+            for key, value in state.items():
+                if key.startswith("decoder.layers."):
+                    number, rest = key[len("decoder.layers."):].split(".", 1)
+                    if first <= int(number) < first + per_chunk:
+                        chunk_state[f"decoder.layers.{int(number) - first}.{rest}"] = value
+                elif key.startswith("embedding."):
+                    if (stage, chunk) == (0, 0):
+                        chunk_state[key] = value
+                elif (stage, chunk) == (pp - 1, vpp - 1):
+                    chunk_state[key] = value
+            if tied and (stage, chunk) == (pp - 1, vpp - 1):
+                chunk_state["output_layer.weight"] = state["embedding.word_embeddings.weight"].clone()
+            chunks[f"model{chunk}"] = chunk_state
+        rank_state = _rank_state(args, iteration, None)
+        del rank_state["model"]
+        path = Path(legacy_dir) / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}_{stage:03d}" / "model_optim_rng.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({**rank_state, **chunks}, path)
+    if rank == 0:
+        (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()

@@ -239,6 +239,98 @@ def test_mega_train_loads_a_megatron_directory(made, capsys):
     assert "does not match this model" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_interleaved_pipeline_legacy_files_import(family, made, world, tmp_path):
+    """Legacy files of an interleaved pipeline (tp 2 x pp 2, two model chunks per stage: model0,
+    model1) import as megatron-core's tensors of the same model."""
+    root, truth = made
+    legacy = tmp_path / "interleaved"
+    world.run(ref.save_interleaved, family, str(legacy))
+    output = tmp_path / "mega"
+    convert(legacy, output, from_format="megatron", to_format="mega")
+    assert_same_model(output, truth[family])
+
+
+# -- optimizer state: megatron-core's own optimizer (get_megatron_optimizer) ----------------------
+
+def test_optimizer_state_moves_between_megatron_and_mega(made, world, tmp_path, capsys):
+    """Adam state megatron-core's optimizer saved at tp 2 (torch_dist, iteration 9, two steps) imports
+    into mega bit for bit under mega's names, mega train resumes from it (optimizer and iteration),
+    and its export loads into megatron-core's optimizer with the same state."""
+    from mega.ckpt_convert import ConversionError
+    from mega.ckpt_convert.mega_format import MegaSource
+    from mega.core.checkpoint import read_metadata
+    from mega.core.training.command import main as train_main
+
+    source = tmp_path / "megatron"
+    world.run(ref.save_with_optimizer, "llama", 2, str(source / "iter_0000009"))
+    truth = world.run(ref.load_optimizer, "llama", 1, str(source / "iter_0000009"))[0]
+    imported = tmp_path / "mega"
+    assert convert_main(["--from", "megatron", "--to", "mega", "--with-optimizer", "--input", str(source),
+                         "--output", str(imported), "--target-tensor-parallel-size", "2"]) == 0
+    metadata = read_metadata(imported / "iter_0000009")
+    assert (metadata.iteration, metadata.consumed_samples) == (9, 36)
+    assert metadata.optimizer == {"state_keys": ["exp_avg", "exp_avg_sq"], "scalars": {"step": 2.0},
+                                  "main_params": False}
+    with MegaSource(imported, None) as mega:
+        names = mega.names()
+        assert set(names) == set(truth) - {"iteration"}
+        for name in names:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(mega.get_optimizer(name, key), truth[name][key]), (name, key)
+
+    exported = tmp_path / "back"
+    assert convert_main(["--from", "mega", "--to", "megatron", "--with-optimizer", "--input", str(imported),
+                         "--output", str(exported), "--target-tensor-parallel-size", "2"]) == 0
+    again = world.run(ref.load_optimizer, "llama", 1, str(exported / "iter_0000009"))[0]
+    assert again["iteration"] == 9
+    for name in names:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(again[name][key], truth[name][key]), (name, key)
+
+    capsys.readouterr()
+    m = ref.MODELS["llama"]
+    assert train_main([
+        "--mock-data", "--model-family", "llama", "--num-layers", str(m["num_layers"]), "--hidden-size", "64",
+        "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "96", "--swiglu",
+        "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--seq-length", "32", "--max-position-embeddings", "32",
+        "--vocab-size", str(ref.VOCAB), "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+        "--train-iters", "10", "--eval-iters", "0", "--load", str(imported), "--save", str(tmp_path / "resumed")]) == 0
+    out = capsys.readouterr().out
+    assert "weights, optimizer and run state; saved at iteration 9" in out
+
+    # mega's own state after that step (iteration 10, Adam step 3) goes to megatron-core as well
+    trained = tmp_path / "trained-megatron"
+    assert convert_main(["--from", "mega", "--to", "megatron", "--with-optimizer", "--input",
+                         str(tmp_path / "resumed"), "--output", str(trained)]) == 0
+    loaded = world.run(ref.load_optimizer, "llama", 1, str(trained / "iter_0000010"))[0]
+    assert loaded["iteration"] == 10
+    # Megatron-LM's scheduler, built from the flags that match mega's run (lr 1e-3, cosine over 10
+    # iterations of 4 samples, weight decay 0.01), takes the exported schedule without overrides
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    scheduler = OptimizerParamScheduler(
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]), init_lr=0.0, max_lr=1e-3, min_lr=0.0,
+        lr_warmup_steps=0, lr_decay_steps=40, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+        wd_incr_steps=40, wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False)
+    scheduler.load_state_dict(torch.load(trained / "iter_0000010" / "common.pt", weights_only=False)
+                              ["opt_param_scheduler"])
+    assert scheduler.num_steps == 40
+    with MegaSource(tmp_path / "resumed", None) as mega:
+        for name in names:
+            assert loaded[name]["step"] == 3, name
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(loaded[name][key], mega.get_optimizer(name, key)), (name, key)
+
+    for bad, problem in ((made[0] / "llama-tp2", "holds no optimizer state"),
+                         (made[0] / "llama-legacy", "legacy Megatron-LM checkpoint")):
+        with pytest.raises(ConversionError, match=problem):
+            convert(bad, tmp_path / "refused", from_format="megatron", to_format="mega",
+                    options=WriteOptions(with_optimizer=True))
+    assert not (tmp_path / "refused").exists()
+
+
 # -- Mixtral: megatron-core's MoE GPTModel (SequentialMLP experts) ----------------------------------
 
 def _as_megatron_core(name: str, tensors: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
@@ -303,3 +395,12 @@ def test_mixtral_imports_and_exports_with_megatron_core(world, tmp_path):
         assert exported.keys() == truth.keys()
         for name, tensor in exported.items():
             assert torch.equal(tensor, truth[name]), name
+
+    # legacy files of a tp 2 run: each rank holds its half of every expert
+    world.run(ref.save_moe_tp2, str(tmp_path / "moe-tp2" / "iter_0000007"), str(tmp_path / "moe-tp2-legacy"))
+    truth = world.run(ref.load_torch_dist, "mixtral", 1, str(tmp_path / "moe-tp2" / "iter_0000007"))[0]
+    convert(tmp_path / "moe-tp2-legacy", tmp_path / "mega-moe-tp2", from_format="megatron", to_format="mega")
+    names = list(tensor_shapes(tmp_path / "mega-moe-tp2"))
+    tensors = read_tensors(tmp_path / "mega-moe-tp2", names)
+    for name in names:
+        _as_megatron_core(name, tensors, truth)

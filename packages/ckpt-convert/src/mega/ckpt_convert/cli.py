@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-expert-parallel-size", type=int, default=1, metavar="EP",
                         help="mega output (MoE families): expert-parallel size the layout records; the "
                              "experts must split evenly over it (default 1; any ep loads the checkpoint)")
+    parser.add_argument("--with-optimizer", action="store_true",
+                        help="mega and megatron torch_dist outputs: carry the optimizer state (Adam's exp_avg and "
+                             "exp_avg_sq per parameter, fp32 main parameters when present, the step count) and the "
+                             "iteration, so training resumes where it stopped; the input must be a mega checkpoint "
+                             "or a Megatron-LM torch_dist one with its optimizer state")
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="cast floating-point weights (default: keep each tensor's dtype)")
     parser.add_argument("--max-shard-size", type=byte_size, default="5GB", metavar="SIZE",
@@ -99,6 +104,8 @@ def main(argv: list[str]) -> int:
             parser.error(f"{flag} must be at least 1")
         if value != 1 and args.to_format not in LAYOUT_OUTPUTS:
             parser.error(f"{flag} applies to mega and megatron outputs only (--to mega or --to megatron)")
+    if args.with_optimizer and args.to_format not in LAYOUT_OUTPUTS:
+        parser.error("--with-optimizer applies to mega and megatron outputs only (--to mega or --to megatron)")
     if args.megatron_format is not None and args.to_format != "megatron":
         parser.error("--megatron-format applies to megatron outputs only (--to megatron)")
 
@@ -117,6 +124,7 @@ def main(argv: list[str]) -> int:
         max_shard_bytes=args.max_shard_size,
         progress={"auto": None, "always": True, "never": False}[args.progress],
         megatron_format=args.megatron_format or "torch_dist",
+        with_optimizer=args.with_optimizer,
     )
     give_freed_tensors_back()
     start = time.perf_counter()

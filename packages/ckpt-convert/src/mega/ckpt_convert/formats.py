@@ -37,6 +37,7 @@ class WriteOptions:
     progress: bool | None = None  # None: on a terminal only
     megatron_format: str = "torch_dist"  # megatron: "legacy" (torch.save per rank) or "torch_dist"
     iteration: int | None = None  # megatron: the iteration recorded (default: the source's, else release)
+    with_optimizer: bool = False  # mega, megatron torch_dist: carry the source's optimizer state and iteration
 
 
 class CheckpointFormat(Protocol):

@@ -16,6 +16,7 @@ import torch
 from mega.ckpt_convert.errors import ConversionError
 from mega.ckpt_convert.formats import WriteOptions
 from mega.ckpt_convert.hf_tokenizer import EXTRA_FILES
+from mega.ckpt_convert.optimizer_state import MAIN_PARAM, MOMENTS, OptimizerState, optimizer_state_of
 from mega.ckpt_convert.progress import Progress
 from mega.ckpt_convert.safetensors_io import tensor_nbytes
 from mega.ckpt_convert.source import ClosingSource, ModelSource, format_names, model_parameters
@@ -31,6 +32,9 @@ from mega.core.checkpoint import (
     write_checkpoint,
 )
 from mega.core.checkpoint.metadata import METADATA_FILE
+from mega.core.checkpoint.pieces import Piece
+from mega.core.checkpoint.sharded_io import ShardedEntry, load_entries, read_index
+from mega.core.checkpoint.state import OPTIMIZER
 from mega.core.checkpoint.tokenizer_files import TOKENIZER_DIR
 from mega.core.version import __version__
 
@@ -63,6 +67,7 @@ class MegaSource(ClosingSource):
         tokenizer_dir = self.directory / TOKENIZER_DIR
         self.tokenizer_extras = {name: tokenizer_dir / name for name in EXTRA_FILES if (tokenizer_dir / name).is_file()}
         self._tensors = tensor_shapes(self.directory)
+        self._metadata = metadata
         tp = metadata.layout.get("tp", 1)
         check_tensors(f"{self.directory}", {name: shape for name, (shape, _) in self._tensors.items()},
                       model_parameters(family, self.config, tp), self.config.vocab_size)
@@ -78,6 +83,39 @@ class MegaSource(ClosingSource):
 
     def get(self, name: str) -> torch.Tensor:
         return read_tensors(self.directory, [name])[name]
+
+    def optimizer_state(self) -> OptimizerState:
+        saved = self._metadata.optimizer
+        if saved is None:
+            raise ConversionError(f"--with-optimizer: {self.directory} holds no optimizer state (a weights-only "
+                                  "checkpoint, or saved before the optimizer's first step)")
+        keys = set(saved["state_keys"])
+        if not set(MOMENTS) <= keys or "step" not in saved["scalars"]:
+            raise ConversionError(f"--with-optimizer: {self.directory} holds optimizer state {sorted(keys)}; mega "
+                                  "converts Adam's (exp_avg, exp_avg_sq and a step count)")
+        self._index = index = read_index(self.directory)
+        main_params = all(f"{OPTIMIZER}{name}.{MAIN_PARAM}" in index for name in self._tensors)
+        run = (self._metadata.run_config or {}).get("optimizer") or {}
+        hyper = {"lr": run.get("lr"), "betas": (run.get("adam_beta1"), run.get("adam_beta2")),
+                 "eps": run.get("adam_eps"), "weight_decay": run.get("weight_decay")}
+        schedule = megatron_schedule(self._metadata)
+        if schedule is not None:
+            hyper["schedule"] = schedule
+        return OptimizerState(
+            keys=tuple(sorted(set(MOMENTS) | ({MAIN_PARAM} if main_params else set()))),
+            step=int(saved["scalars"]["step"]), iteration=self._metadata.iteration,
+            consumed_samples=self._metadata.consumed_samples,
+            hyperparameters={k: v for k, v in hyper.items() if v is not None and v != (None, None)})
+
+    def get_optimizer(self, name: str, key: str) -> torch.Tensor:
+        entry = f"{OPTIMIZER}{name}.{key}"
+        if getattr(self, "_index", None) is None:
+            self._index = read_index(self.directory)
+        md = self._index[entry]
+        tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        load_entries(self.directory, {entry: ShardedEntry(tuple(tensor.shape), tensor.dtype, [
+            Piece(tensor, (0,) * tensor.dim())])}, alone=True)
+        return tensor
 
 
 def check_tensors(what: str, shapes: dict[str, tuple[int, ...]],
@@ -151,18 +189,56 @@ class MegaFormat:
 
         tensors = {name: LazyTensor(shape, source.dtype(name), lambda n=name, s=shape, p=padded: produce(n, s, p))
                    for name, (shape, padded) in parameters.items()}
+        optimizer = optimizer_state_of(source, "the input") if options.with_optimizer else None
+        moments = None if optimizer is None else _optimizer_tensors(source, optimizer, parameters)
         metadata = CheckpointMetadata(
-            iteration=0, model_family=family.name, model_config=dataclasses.asdict(config),
+            iteration=0 if optimizer is None else optimizer.iteration,
+            consumed_samples=0 if optimizer is None else optimizer.consumed_samples,
+            optimizer=None if optimizer is None else {
+                "state_keys": sorted(MOMENTS), "scalars": {"step": float(optimizer.step)},
+                "main_params": MAIN_PARAM in optimizer.keys},
+            model_family=family.name, model_config=dataclasses.asdict(config),
             layout={"world_size": tp * pp * ep, "tp": tp, "pp": pp, "dp": ep, "cp": 1, "ep": ep, "vpp": 1},
             num_parameters=family.num_parameters(config, tp), mega_version=__version__,
         )
         try:
-            write_checkpoint(directory, metadata, tensors, source.tokenizer, list(source.tokenizer_extras.values()))
+            write_checkpoint(directory, metadata, tensors, source.tokenizer, list(source.tokenizer_extras.values()),
+                             optimizer=moments)
         except CheckpointError as error:
             raise ConversionError(str(error)) from None
         finally:
             meter.close()
         return []
+
+
+def megatron_schedule(metadata: CheckpointMetadata) -> dict | None:
+    """The run's learning-rate and weight-decay schedule as Megatron-LM's ``opt_param_scheduler``
+    state (counted in samples, as Megatron counts it); None when the run's batch size is unknown."""
+    run = metadata.run_config or {}
+    optimizer, training = run.get("optimizer") or {}, run.get("training") or {}
+    batch = training.get("global_batch_size") or (
+        metadata.consumed_samples // metadata.iteration if metadata.iteration else None)
+    if not batch or not optimizer or "train_iters" not in training:
+        return None
+    train_samples = training["train_iters"] * batch
+    return {"max_lr": optimizer["lr"], "min_lr": optimizer["min_lr"],
+            "lr_warmup_steps": optimizer["lr_warmup_iters"] * batch,
+            "lr_decay_steps": (optimizer.get("lr_decay_iters") or training["train_iters"]) * batch,
+            "lr_decay_style": optimizer["lr_decay_style"], "num_steps": metadata.consumed_samples,
+            "start_wd": optimizer["weight_decay"], "end_wd": optimizer["weight_decay"],
+            "wd_incr_style": "constant", "wd_incr_steps": train_samples}
+
+
+def _optimizer_tensors(source, optimizer: OptimizerState, parameters: dict) -> dict[str, LazyTensor]:
+    """``<name>.<key>`` -> the source's optimizer tensor, read when written (vocabulary rows fitted
+    to the layout as the weights': padding rows have zero state)."""
+    def produce(name: str, key: str, shape: tuple[int, ...], padded_vocab: bool) -> torch.Tensor:
+        tensor = source.get_optimizer(name, key)
+        return _fit_rows(tensor, shape[0]) if padded_vocab else tensor
+
+    return {f"{name}.{key}": LazyTensor(shape, torch.float32,
+                                        lambda n=name, k=key, s=shape, p=padded: produce(n, k, s, p).float())
+            for name, (shape, padded) in parameters.items() for key in optimizer.keys}
 
 
 MEGA_FORMAT = MegaFormat()

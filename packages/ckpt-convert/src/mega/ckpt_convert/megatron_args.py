@@ -49,10 +49,6 @@ def model_settings(args: argparse.Namespace, where: str) -> dict[str, Any]:
                                   "feature, so this checkpoint cannot be converted")
     if _arg(args, "rotary_percent", 1.0) not in (None, 1.0):
         raise ConversionError(f"{where}: args.rotary_percent is {args.rotary_percent}; mega rotates whole heads")
-    if (_arg(args, "virtual_pipeline_model_parallel_size") or 1) > 1:
-        raise ConversionError(f"{where}: args.virtual_pipeline_model_parallel_size is "
-                              f"{args.virtual_pipeline_model_parallel_size}; interleaved-pipeline checkpoints are "
-                              "not supported yet (re-save at --virtual-pipeline-model-parallel-size 1)")
     missing = [name for name in ("num_layers", "hidden_size", "num_attention_heads") if _arg(args, name) is None]
     if missing:
         raise ConversionError(f"{where}: args lack {', '.join(missing)}; the model cannot be known")

@@ -92,26 +92,36 @@ class TorchDistSource(MegatronSource):
         names = names_for(self.family)
         self._index = {key: md for key, md in metadata.state_dict_metadata.items()
                        if isinstance(md, TensorStorageMetadata) and not key.startswith(NOT_MODEL)}
-        self._keys: dict[str, tuple[str, int | None]] = {}  # mega name -> (key, layer in a stacked key)
-        self._found = {}
+        self._keys, shapes = self.map_keys(self._index, names, "")
+        self._found = {name: (shape, dtype, directory / ".metadata") for name, (shape, dtype) in shapes.items()}
+        self._check(str(directory))
+        self._common, self._metadata = common, metadata
+
+    def map_keys(self, index: dict, names, prefix: str):
+        """mega name -> (key, layer in a stacked key) and mega name -> (shape, dtype) of the
+        tensors of ``index`` under ``prefix``."""
+        keys: dict[str, tuple[str, int | None]] = {}
+        shapes = {}
         tied = not self.config.untie_embeddings_and_output_weights
-        for key, md in self._index.items():
-            if tied and key in names.tied_copies:  # megatron-core saves the tied output layer under its own key
+        for key, md in index.items():
+            if not key.startswith(prefix):
+                continue
+            file_key = key[len(prefix):]
+            if tied and file_key in names.tied_copies:  # megatron-core saves the tied output layer under its own key
                 continue
             size, dtype = tuple(md.size), md.properties.dtype
-            stacked = key.startswith(LAYER_PREFIX) and split_layer(key) is None
+            stacked = file_key.startswith(LAYER_PREFIX) and split_layer(file_key) is None
             for layer in range(size[0]) if stacked else (None,):
-                file_name = key if layer is None else f"{LAYER_PREFIX}{layer}.{key[len(LAYER_PREFIX):]}"
+                file_name = file_key if layer is None else f"{LAYER_PREFIX}{layer}.{file_key[len(LAYER_PREFIX):]}"
                 name = mega_name(names, file_name)
-                if name in self._keys:
-                    raise ConversionError(f"{directory}: {key} and {self._keys[name][0]} both hold {name}")
-                self._keys[name] = (key, layer)
-                self._found[name] = (size[1:] if stacked else size, dtype, directory / ".metadata")
-        self._check(str(directory))
+                if name in keys:
+                    raise ConversionError(f"{self.directory}: {key} and {keys[name][0]} both hold {name}")
+                keys[name] = (key, layer)
+                shapes[name] = (size[1:] if stacked else size, dtype)
+        return keys, shapes
 
-    def get(self, name: str) -> torch.Tensor:
-        key, layer = self._keys[name]
-        md = self._index[key]
+    def _read(self, key: str, layer: int | None, index: dict) -> torch.Tensor:
+        md = index[key]
         size = tuple(md.size)
         if layer is None:
             buffer, offsets = torch.empty(size, dtype=md.properties.dtype), (0,) * len(size)
@@ -120,6 +130,22 @@ class TorchDistSource(MegatronSource):
         entries = {key: ShardedEntry(size, md.properties.dtype, [Piece(buffer, offsets)])}
         load_entries(self.directory, entries, alone=True)
         return buffer if layer is None else buffer[0]
+
+    def optimizer_state(self):
+        from mega.ckpt_convert.megatron_optimizer import read_optimizer_state
+
+        if getattr(self, "_optimizer", None) is None:
+            self._optimizer = read_optimizer_state(self, self._common, self._metadata, names_for(self.family))
+        return self._optimizer.state
+
+    def get_optimizer(self, name: str, key: str) -> torch.Tensor:
+        self.optimizer_state()
+        index_key, layer = self._optimizer.keys[key][name]
+        return self._read(index_key, layer, self._optimizer.index)
+
+    def get(self, name: str) -> torch.Tensor:
+        key, layer = self._keys[name]
+        return self._read(key, layer, self._index)
 
 
 # What a Megatron-Core module without FP8 state saves as its ``_extra_state`` object: the list of
@@ -133,33 +159,26 @@ def _file_key(names, rest: str) -> str:
     return reverse.get(rest, rest)
 
 
-def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteration: int | None) -> None:
+def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteration: int | None,
+                     optimizer=None) -> None:
     """``source`` as a torch_dist checkpoint Megatron-LM loads at tp x pp (the vocabulary is padded
-    for ``tp``; the rest of the checkpoint is layout-free) in ``directory`` (a new save directory)."""
+    for ``tp``; the rest of the checkpoint is layout-free) in ``directory`` (a new save directory);
+    with ``optimizer`` (an :class:`~mega.ckpt_convert.optimizer_state.OptimizerState` of the
+    source), the state megatron-core's regular optimizer saves too."""
+    from mega.ckpt_convert.megatron_optimizer import STATE_PREFIX, TO_MEGATRON, common_optimizer
+
     config = source.config
     layouts: dict[str, TensorLayout] = model_layouts(family, config, tp)
     names = names_for(family.name)
     num_layers = config.num_layers
-    entries: dict[str, object] = {}
-    stacked: dict[str, list[str]] = {}  # key -> the mega names of its layers, in order
-    for name, layout in layouts.items():
-        layer = split_layer(name)
-        if layer is None:
-            entries[name] = ShardedEntry(layout.shape, source.dtype(name), [(_lazy(source, name, layout), (0,) * len(layout.shape))])
-        else:
-            stacked.setdefault(LAYER_PREFIX + _file_key(names, layer[1]), []).append(name)
-    for key, layer_names in stacked.items():
-        if len(layer_names) != num_layers:
-            raise ConversionError(f"{key}: {len(layer_names)} of {num_layers} layers have it; mega writes only "
-                                  "models whose layers are alike")
-        layout = layouts[layer_names[0]]
-        pieces = [(_lazy(source, name, layout, unsqueeze=True), (n,) + (0,) * len(layout.shape))
-                  for n, name in enumerate(layer_names)]
-        entries[key] = ShardedEntry((num_layers, *layout.shape), source.dtype(layer_names[0]), pieces)
+    entries = _tensor_entries(source.get, source.dtype, layouts, names, num_layers, "")
     if not config.untie_embeddings_and_output_weights:  # megatron-core loads a tied output layer by its own key
         layout = layouts["embedding.word_embeddings.weight"]
         entries["output_layer.weight"] = ShardedEntry(layout.shape, source.dtype("embedding.word_embeddings.weight"), [
-            (_lazy(source, "embedding.word_embeddings.weight", layout), (0,) * len(layout.shape))])
+            (_lazy(source.get, source.dtype, "embedding.word_embeddings.weight", layout), (0,) * len(layout.shape))])
+    for key in optimizer.keys if optimizer is not None else ():
+        entries.update(_tensor_entries(lambda name, k=key: source.get_optimizer(name, k).float(), lambda name: torch.float32,
+                                       layouts, names, num_layers, f"{STATE_PREFIX}{TO_MEGATRON[key]}."))
     for module in names.extra_state_layer_modules:
         for n in range(num_layers):
             entries[f"{LAYER_PREFIX}{module}._extra_state/shard_{n}_{num_layers}"] = EMPTY_EXTRA_STATE
@@ -172,11 +191,40 @@ def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteratio
     checkpoint_dir = directory / iteration_dir_name(iteration)
     checkpoint_dir.mkdir(parents=True)
     args = args_for(config, tp, pp, config.padded_vocab_size(tp), iteration or 0, TORCH_DIST, source.tokenizer)
+    if optimizer is not None:
+        args.consumed_train_samples = optimizer.consumed_samples
     with open(checkpoint_dir / COMMON_FILE, "wb") as stream:
-        torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0}, stream)
+        common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0}
+        if optimizer is not None:
+            common["optimizer"] = common_optimizer(optimizer)
+            if "schedule" in optimizer.hyperparameters:  # Megatron-LM's load_checkpoint requires it
+                common["opt_param_scheduler"] = optimizer.hyperparameters["schedule"]
+        torch.save(common, stream)
     save_dcp(checkpoint_dir, entries)
     (checkpoint_dir / DIST_CONFIG).write_text(json.dumps(DIST_CONFIG_CONTENT))
     (directory / TRACKER_FILE).write_text(f"{iteration if iteration is not None else 'release'}\n")
+
+
+def _tensor_entries(get, dtype, layouts: dict[str, TensorLayout], names, num_layers: int, prefix: str) -> dict:
+    """Entries for every tensor ``get(name)`` gives, layers stacked under one key, keys under ``prefix``."""
+    entries: dict[str, object] = {}
+    stacked: dict[str, list[str]] = {}  # key -> the mega names of its layers, in order
+    for name, layout in layouts.items():
+        layer = split_layer(name)
+        if layer is None:
+            entries[prefix + name] = ShardedEntry(layout.shape, dtype(name), [
+                (_lazy(get, dtype, name, layout), (0,) * len(layout.shape))])
+        else:
+            stacked.setdefault(LAYER_PREFIX + _file_key(names, layer[1]), []).append(name)
+    for key, layer_names in stacked.items():
+        if len(layer_names) != num_layers:
+            raise ConversionError(f"{key}: {len(layer_names)} of {num_layers} layers have it; mega writes only "
+                                  "models whose layers are alike")
+        layout = layouts[layer_names[0]]
+        pieces = [(_lazy(get, dtype, name, layout, unsqueeze=True), (n,) + (0,) * len(layout.shape))
+                  for n, name in enumerate(layer_names)]
+        entries[prefix + key] = ShardedEntry((num_layers, *layout.shape), dtype(layer_names[0]), pieces)
+    return entries
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -199,14 +247,14 @@ def save_dcp(directory: Path, entries: dict) -> None:
         dcp.save(entries, storage_writer=writer, planner=_SavePlanner(), no_dist=True)
 
 
-def _lazy(source, name: str, layout: TensorLayout, unsqueeze: bool = False) -> LazyTensor:
+def _lazy(get, dtype, name: str, layout: TensorLayout, unsqueeze: bool = False) -> LazyTensor:
     from mega.ckpt_convert.megatron_legacy import fit_rows
 
     def produce() -> torch.Tensor:
-        tensor = source.get(name)
+        tensor = get(name)
         if layout.padded_vocab:
             tensor = fit_rows(tensor, layout.shape[0])
         return tensor[None] if unsqueeze else tensor
 
     shape = (1, *layout.shape) if unsqueeze else layout.shape
-    return LazyTensor(shape, source.dtype(name), produce)
+    return LazyTensor(shape, dtype(name), produce)

@@ -10,6 +10,7 @@ from mega.ckpt_convert.errors import ConversionError
 from mega.ckpt_convert.formats import WriteOptions
 from mega.ckpt_convert.megatron_directory import LEGACY, TORCH_DIST, checkpoint, find
 from mega.ckpt_convert.megatron_source import MegatronSource, family_by_name
+from mega.ckpt_convert.optimizer_state import optimizer_state_of
 from mega.ckpt_convert.source import ModelSource, format_names
 
 MEGATRON_FORMATS = (LEGACY, TORCH_DIST)
@@ -58,7 +59,19 @@ class MegatronFormat:
         if kind == LEGACY and tp > 1 and getattr(config, "num_experts", None):
             raise ConversionError(f"--tensor-parallel-size {tp}: mega writes legacy MoE checkpoints at tensor "
                                   "parallel size 1 (torch_dist ones at any)")
+        optimizer = None
+        if options.with_optimizer:
+            if kind == LEGACY:
+                raise ConversionError("--with-optimizer: mega writes optimizer state into torch_dist Megatron-LM "
+                                      "checkpoints only (--megatron-format torch_dist); legacy files key it by "
+                                      "Megatron's internal parameter order")
+            if getattr(config, "num_experts", None):
+                raise ConversionError(f"--with-optimizer: the {source.family} model has experts, whose optimizer "
+                                      "state megatron-core keeps in a separate optimizer; mega carries dense models'")
+            optimizer = optimizer_state_of(source, "the input")
         iteration = options.iteration if options.iteration is not None else getattr(source, "iteration", None)
+        if iteration is None and optimizer is not None:
+            iteration = optimizer.iteration
         if kind == LEGACY:
             from mega.ckpt_convert.megatron_legacy import write_legacy
 
@@ -66,7 +79,7 @@ class MegatronFormat:
         else:
             from mega.ckpt_convert.megatron_dist import write_torch_dist
 
-            write_torch_dist(source, family, directory, tp, pp, iteration or None)
+            write_torch_dist(source, family, directory, tp, pp, iteration or None, optimizer)
         warnings = list(getattr(source, "warnings", []))
         if source.tokenizer is not None:
             warnings.append(f"the tokenizer ({source.tokenizer.type}) is recorded in the args by type and file paths "

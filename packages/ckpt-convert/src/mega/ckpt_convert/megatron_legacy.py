@@ -56,6 +56,32 @@ def _stages(args, num_layers: int, pp: int) -> list[range]:
                         getattr(args, "decoder_last_pipeline_num_layers", None))
 
 
+def expert_layout(name: str, config) -> TensorLayout:
+    """How one expert's matrix (shape left out) is split over tensor-parallel ranks: as the dense
+    MLP's (fc1 column-parallel, SwiGLU's gate and up halves each on their own; fc2 row-parallel)."""
+    if name.endswith("linear_fc1.weight"):
+        return TensorLayout((), 0, 2 if config.swiglu else 1, False)
+    return TensorLayout((), 1, 1, False)
+
+
+def _global_shape(local: tuple[int, ...], dim: int, tp: int) -> tuple[int, ...]:
+    return tuple(size * tp if d == dim else size for d, size in enumerate(local))
+
+
+def chunk_layers(args, num_layers: int, pp: int, vpp: int) -> dict[tuple[int, int], range]:
+    """(pipeline stage, model chunk) -> its global layers. An interleaved pipeline (``vpp`` chunks
+    per stage, files holding ``model0``, ``model1``...) cuts the layers into pp x vpp even pieces
+    dealt round the stages: chunk v of stage p holds piece v * pp + p."""
+    if vpp == 1:
+        return {(stage, 0): layers for stage, layers in enumerate(_stages(args, num_layers, pp))}
+    for uneven in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if getattr(args, uneven, None) is not None:
+            raise ConversionError(f"args.{uneven} with virtual_pipeline_model_parallel_size {vpp}: mega reads "
+                                  "interleaved pipelines whose layers split evenly")
+    pieces = stage_layers(num_layers, pp * vpp)
+    return {(stage, chunk): pieces[chunk * pp + stage] for stage in range(pp) for chunk in range(vpp)}
+
+
 class LegacySource(MegatronSource):
     kind = "legacy (--ckpt-format torch)"
 
@@ -63,7 +89,7 @@ class LegacySource(MegatronSource):
         directory = checkpoint.directory
         where = str(first_rank_file(directory))
         first = load_megatron_pickle(Path(where))
-        if not isinstance(first, dict) or "model" not in first:
+        if not isinstance(first, dict) or not ("model" in first or "model0" in first):  # model0...: interleaved
             raise ConversionError(f"{where} holds no 'model' state dict; it is not a Megatron-LM checkpoint file")
         self._setup(directory, first.get("args"), first.get("iteration"), where, model_family)
         del first
@@ -76,44 +102,51 @@ class LegacySource(MegatronSource):
                                   f"args say tensor_model_parallel_size={tp}")
         local_experts = (getattr(self.config, "num_experts", None) or ep) // ep
         names = names_for(self.family)
-        stages = _stages(self.args, self.config.num_layers, pp)
+        self.chunks = vpp = getattr(self.args, "virtual_pipeline_model_parallel_size", None) or 1
+        places = chunk_layers(self.args, self.config.num_layers, pp, vpp)
         tied = not self.config.untie_embeddings_and_output_weights
-        # mega name -> tp rank -> (pipeline stage, name in the file), and the local shapes
-        self._shards: dict[str, dict[int, tuple[int, str]]] = {}
-        # mega name of a stacked expert tensor -> global expert -> (pipeline stage, expert rank, name in the file)
-        self._experts: dict[str, dict[int, tuple[int, int, str]]] = {}
+        # A place is (pipeline stage, model chunk): where a tensor is in a rank's files.
+        # mega name -> tp rank -> (place, name in the file), and the local shapes
+        self._shards: dict[str, dict[int, tuple[tuple[int, int], str]]] = {}
+        # mega name of a stacked expert tensor -> global expert -> tp rank -> (place, expert rank, name in the file)
+        self._experts: dict[str, dict[int, dict[int, tuple[tuple[int, int], int, str]]]] = {}
         local_shapes: dict[str, tuple[int, ...]] = {}
         self._found = {}
         for (rank, stage, expert_rank), file in sorted(files.items()):
-            # Files are memory-mapped and let go once listed: only their pickles are read here.
-            for key, value in self._model(file).items():
-                if key.endswith("_extra_state"):  # Transformer Engine's FP8 scales: not weights
-                    continue
-                if not torch.is_tensor(value):
-                    raise ConversionError(f"{file}: model entry {key} is a {type(value).__name__}, "
-                                          "not a tensor")
-                if tied and pp > 1 and stage == pp - 1 and key in names.tied_copies:
-                    continue  # the last stage's copy of the tied embedding
-                name = mega_name(names, key, stages[stage].start)
-                layer = split_layer(name)
-                expert = expert_of(names, layer[1]) if layer is not None else None
-                if expert is not None:
-                    if tp > 1:
-                        raise ConversionError(f"{file}: {key} is one tensor-parallel rank's part of "
-                                              "an expert; mega reads MoE checkpoints saved at tensor parallel size 1")
-                    name = f"{LAYER_PREFIX}{layer[0]}.{expert[0]}"
-                    global_expert = expert_rank * local_experts + expert[1]  # files number their own experts from 0
-                    self._experts.setdefault(name, {})[global_expert] = (stage, expert_rank, key)
-                    self._found.setdefault(name, (tuple(value.shape), value.dtype, file))
-                    continue
-                if expert_rank > 0:  # every expert rank holds the same dense tensors
-                    continue
-                self._shards.setdefault(name, {})[rank] = (stage, key)
-                local_shapes.setdefault(name, tuple(value.shape))
-                self._found.setdefault(name, (None, value.dtype, file))
+            for chunk in range(vpp):
+                place = (stage, chunk)
+                # Files are memory-mapped and let go once listed: only their pickles are read here.
+                for key, value in self._model(file, chunk, vpp).items():
+                    if key.endswith("_extra_state"):  # Transformer Engine's FP8 scales: not weights
+                        continue
+                    if not torch.is_tensor(value):
+                        raise ConversionError(f"{file}: model entry {key} is a {type(value).__name__}, "
+                                              "not a tensor")
+                    if tied and pp > 1 and place == (pp - 1, vpp - 1) and key in names.tied_copies:
+                        continue  # the last stage's copy of the tied embedding
+                    name = mega_name(names, key, places[place].start)
+                    layer = split_layer(name)
+                    expert = expert_of(names, layer[1]) if layer is not None else None
+                    if expert is not None:  # at tp > 1, each rank holds its part of every local expert
+                        name = f"{LAYER_PREFIX}{layer[0]}.{expert[0]}"
+                        global_expert = expert_rank * local_experts + expert[1]  # files number their own experts from 0
+                        self._experts.setdefault(name, {}).setdefault(global_expert, {})[rank] = (place, expert_rank,
+                                                                                                  key)
+                        self._found.setdefault(name, (_global_shape(tuple(value.shape), expert_layout(name, self.config).dim, tp),
+                                                      value.dtype, file))
+                        continue
+                    if expert_rank > 0:  # every expert rank holds the same dense tensors
+                        continue
+                    self._shards.setdefault(name, {})[rank] = (place, key)
+                    local_shapes.setdefault(name, tuple(value.shape))
+                    self._found.setdefault(name, (None, value.dtype, file))
         for name, experts in self._experts.items():
             if sorted(experts) != list(range(len(experts))):
                 raise ConversionError(f"{directory}: {name} has experts {sorted(experts)}, not 0 to {len(experts) - 1}")
+            partial = [e for e, ranks in experts.items() if len(ranks) != tp]
+            if partial:
+                raise ConversionError(f"{directory}: {name} of expert {partial[0]} is in {len(experts[partial[0]])} "
+                                      f"of the {tp} tensor-parallel ranks")
             shape, *rest = self._found[name]
             self._found[name] = ((len(experts), *shape), *rest)
         for name, shards in self._shards.items():
@@ -127,27 +160,38 @@ class LegacySource(MegatronSource):
         self._check(str(directory))
 
     @staticmethod
-    def _model(file: Path) -> dict:
+    def _model(file: Path, chunk: int = 0, chunks: int = 1) -> dict:
+        """The state dict of model chunk ``chunk`` in ``file`` (``model``, or ``model0``,
+        ``model1``... in an interleaved pipeline's files)."""
         state = load_megatron_pickle(file)
-        model = state.get("model") if isinstance(state, dict) else None
+        key = "model" if chunks == 1 else f"model{chunk}"
+        model = state.get(key) if isinstance(state, dict) else None
         if not isinstance(model, dict):
             holds = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ConversionError(f"{file} has no 'model' state dict (it holds {holds}; interleaved-pipeline "
-                                  "model0/model1 files are not supported)")
+            raise ConversionError(f"{file} has no {key!r} state dict (it holds {holds}); its args say "
+                                  f"virtual_pipeline_model_parallel_size={chunks if chunks > 1 else None}")
         return flatten(model)
+
+    def optimizer_state(self):
+        raise ConversionError(
+            f"--with-optimizer: {self.directory} is a legacy Megatron-LM checkpoint, whose optimizer state is keyed "
+            "by the position of each parameter in Megatron's param groups (and, with the distributed optimizer, "
+            "kept in distrib_optim.pt as flat buffers); mega carries optimizer state from torch_dist checkpoints: "
+            "save the run with --ckpt-format torch_dist, or convert without --with-optimizer")
 
     def get(self, name: str) -> torch.Tensor:
         """The merged tensor, read from each rank's file mapped just for it: keeping every file
         mapped would leave each tensor's pages resident, the model's size in all."""
         if name in self._experts:
-            experts = self._experts[name]
-            return torch.stack([self._model(self._files[0, stage, expert_rank])[key] for stage, expert_rank, key in
-                                (experts[e] for e in range(len(experts)))])
+            layout = expert_layout(name, self.config)
+            return torch.stack([layout.merge([self._model(self._files[rank, stage, expert_rank], chunk, self.chunks)[key]
+                                              for rank, ((stage, chunk), expert_rank, key) in sorted(ranks.items())])
+                                for _, ranks in sorted(self._experts[name].items())])
         shards = self._shards[name]
         local = []
         for rank in range(len(shards)):
-            stage, key = shards[rank]
-            local.append(self._model(self._files[rank, stage, 0])[key])
+            (stage, chunk), key = shards[rank]
+            local.append(self._model(self._files[rank, stage, 0], chunk, self.chunks)[key])
         merged = self.layouts[name].merge(local)
         return merged.clone() if merged is local[0] else merged
 

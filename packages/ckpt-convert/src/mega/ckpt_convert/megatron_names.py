@@ -102,9 +102,23 @@ MIXTURE_OF_EXPERTS = replace(
 FAMILIES: dict[str, MegatronNames] = {"gpt": DECODER_ONLY, "llama": DECODER_ONLY, "mixtral": MIXTURE_OF_EXPERTS}
 
 
+# Families mega has that no name table can convert yet, and why.
+WHY_NOT = {
+    "bert": "Megatron-Core's BertModel is pre-LN (input_layernorm, pre_mlp_layernorm, encoder.final_layernorm, "
+            "no embedding norm) while mega's bert family is post-LN (Hugging Face's BERT): their weights make "
+            "different models, so renaming cannot convert them",
+    "t5": "mega's t5 family already uses Megatron-Core's T5 names, but reading Megatron-LM's T5 args "
+          "(encoder/decoder layer counts, relative attention buckets) and the encoder and decoder stacks of "
+          "torch_dist and legacy files is not written yet",
+}
+
+
 def names_for(family: str) -> MegatronNames:
     from mega.ckpt_convert.errors import ConversionError
 
+    if family in WHY_NOT:
+        raise ConversionError(f"model family {family!r}: mega does not convert its Megatron-LM checkpoints: "
+                              f"{WHY_NOT[family]}")
     if family not in FAMILIES:
         raise ConversionError(f"model family {family!r} has no Megatron-LM name table (mega converts "
                               f"{', '.join(sorted(FAMILIES))} checkpoints of Megatron-LM)")

@@ -105,7 +105,8 @@ class MegatronSource(ClosingSource):
             f"checkpoint:       {self.directory}",
             f"format:           Megatron-LM {self.kind}",
             f"iteration:        {self.iteration if self.iteration is not None else 'unknown'}",
-            f"saved at layout:  tp={self.tensor_parallel_size}, pp={self.pipeline_parallel_size}",
+            f"saved at layout:  tp={self.tensor_parallel_size}, pp={self.pipeline_parallel_size}"
+            + (f", vpp={vpp}" if (vpp := getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1 else ""),
             f"model family:     {self.family} (from the args)",
             f"parameters:       {sum(torch.Size(shape).numel() for shape, _, _ in self._found.values()):,} "
             f"({', '.join(dtypes)})",

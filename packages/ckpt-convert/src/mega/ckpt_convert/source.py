@@ -87,6 +87,12 @@ class CastSource(ClosingSource):
     def close(self) -> None:
         self.source.close()
 
+    def __getattr__(self, name: str):
+        # optimizer_state / get_optimizer / iteration pass through uncast: --dtype concerns the weights
+        if name in ("optimizer_state", "get_optimizer", "iteration"):
+            return getattr(self.source, name)
+        raise AttributeError(name)
+
 
 def model_parameters(family, config, tensor_parallel_size: int = 1) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Name -> (global shape, whether dim 0 is the padded vocabulary) of every parameter of the

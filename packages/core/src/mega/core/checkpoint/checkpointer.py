@@ -302,6 +302,9 @@ class Checkpointer:
             self._say(f"the checkpoint's layout ({_layout_text(metadata.layout)}) differs from this run's "
                       f"({_layout_text(here)}): RNG states are not restored")
             return
+        if not rng.rng_file(path, self.groups.global_rank).is_file():  # converted from another format
+            self._say(f"{path} carries no RNG states (a converted checkpoint): they start fresh")
+            return
         rng.restore(rng.read(path, self.groups.global_rank), self.state.rng_tracker)
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from mega.core.checkpoint import space
 from mega.core.checkpoint.directory import (
     RELEASE,
+    iteration_name,
     publish,
     remove_leftovers,
     resolve_checkpoint,
@@ -30,7 +31,7 @@ from mega.core.checkpoint.directory import (
 from mega.core.checkpoint.metadata import CheckpointMetadata
 from mega.core.checkpoint.pieces import Piece
 from mega.core.checkpoint.sharded_io import LazyTensor, ShardedEntry, load_entries, read_index, save_entries
-from mega.core.checkpoint.state import MODEL, model_entries, prepare_optional
+from mega.core.checkpoint.state import MODEL, OPTIMIZER, model_entries, prepare_optional
 from mega.core.checkpoint.tokenizer_files import copy_tokenizer_files, tokenizer_entry
 from mega.core.checkpoint.validate import check_entries, zero_rows_beyond
 from mega.core.tokenizer import TokenizerSpec
@@ -65,16 +66,22 @@ def read_tensors(path: str | os.PathLike, names: list[str]) -> dict[str, torch.T
 
 def write_checkpoint(save_dir: str | os.PathLike, metadata: CheckpointMetadata,
                      tensors: dict[str, torch.Tensor | LazyTensor], tokenizer: TokenizerSpec | None = None,
-                     tokenizer_files: Sequence[Path] = ()) -> Path:
+                     tokenizer_files: Sequence[Path] = (),
+                     optimizer: dict[str, torch.Tensor | LazyTensor] | None = None) -> Path:
     """Write ``tensors`` (global, by model parameter name) as the ``release`` checkpoint of
     ``save_dir`` and point its tracker at it; on any error nothing new is left behind.
+
+    ``optimizer``: optimizer state by ``<parameter name>.<state key>`` (``metadata.optimizer``
+    describes it); a checkpoint with it is the checkpoint of ``metadata.iteration``, which
+    ``mega train --load`` resumes (optimizer and all), where a release gives weights only.
 
     ``tokenizer_files``: more files for ``tokenizer/`` beside those ``tokenizer`` names (a Hugging
     Face tokenizer's ``tokenizer_config.json``, ``special_tokens_map.json``...), kept by name.
     """
     save_dir = Path(save_dir)
     created = not save_dir.exists()
-    staging = staging_path(save_dir, RELEASE)
+    saved_as = RELEASE if optimizer is None else iteration_name(metadata.iteration)
+    staging = staging_path(save_dir, saved_as)
     try:
         save_dir.mkdir(parents=True, exist_ok=True)
         remove_leftovers(save_dir)
@@ -86,10 +93,14 @@ def write_checkpoint(save_dir: str | os.PathLike, metadata: CheckpointMetadata,
             zeros = (0,) * len(tensor.shape)
             piece = Piece(tensor, zeros) if isinstance(tensor, torch.Tensor) else (tensor, zeros)
             entries[MODEL + name] = ShardedEntry(tuple(tensor.shape), tensor.dtype, [piece])
+        for key, tensor in (optimizer or {}).items():
+            zeros = (0,) * len(tensor.shape)
+            piece = Piece(tensor, zeros) if isinstance(tensor, torch.Tensor) else (tensor, zeros)
+            entries[OPTIMIZER + key] = ShardedEntry(tuple(tensor.shape), tensor.dtype, [piece])
         # A file per tensor: memory stays at one (lazy) tensor, not the whole model.
         with space.removed_if_failed(staging, space.entries_bytes(entries)):
             save_entries(staging, entries, file_per_tensor=True)
-        return publish(save_dir, RELEASE, metadata, RELEASE)
+        return publish(save_dir, saved_as, metadata, RELEASE if optimizer is None else str(metadata.iteration))
     except BaseException:
         shutil.rmtree(save_dir if created else staging, ignore_errors=True)
         raise

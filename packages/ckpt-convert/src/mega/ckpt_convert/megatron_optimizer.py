@@ -1,0 +1,119 @@
+"""Adam state in Megatron-LM's torch_dist checkpoints, read and written.
+
+megatron-core saves the optimizer's ``sharded_state_dict`` beside the model's under ``optimizer``:
+
+* each per-parameter tensor as ``optimizer.state.<key>.<model key>``, shaped (and stacked over
+  the layers) like the parameter it belongs to: ``exp_avg``, ``exp_avg_sq``, and the fp32 main
+  parameter of a bf16/fp16 model (``fp32_param``; ``param`` in a distributed optimizer's
+  ``fully_reshardable`` save). The regular optimizer and the distributed optimizer's layout-free
+  kinds (``fully_reshardable``, ``fully_sharded_model_space``) write these;
+* in ``common.pt``: ``optimizer.param_groups`` (hyperparameters, without the params) and the
+  step count, shared by every parameter, as ``optimizer.state.common_step`` (regular optimizer)
+  or in each param group (distributed optimizer).
+
+The distributed optimizer's ``dp_reshardable`` kind (Megatron-LM's default without
+``--dist-ckpt-optim-fully-reshardable``) saves its flat internal buffers, tied to the data-parallel
+layout, under ``optimizer.distributed.*``/``optimizer.param_state``: it is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from mega.ckpt_convert.errors import ConversionError
+from mega.ckpt_convert.optimizer_state import MAIN_PARAM, MOMENTS, OptimizerState
+
+STATE_PREFIX = "optimizer.state."
+# Megatron's state key -> mega's
+TO_MEGA = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": MAIN_PARAM, "param": MAIN_PARAM}
+TO_MEGATRON = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", MAIN_PARAM: "fp32_param"}
+BUFFER_LAYOUT = ("optimizer.distributed.", "optimizer.param_state")
+
+
+@dataclass
+class FoundOptimizer:
+    state: OptimizerState
+    keys: dict[str, dict[str, tuple[str, int | None]]]  # mega key -> mega name -> (index key, layer)
+    index: dict
+
+
+def read_optimizer_state(source, common: dict, metadata, names) -> FoundOptimizer:
+    """The optimizer state of a torch_dist checkpoint ``source`` (its ``common.pt`` dict and
+    DCP ``metadata``), checked to cover every parameter at the parameter's shape."""
+    where = source.directory
+    everything = metadata.state_dict_metadata
+    if any(key.startswith(BUFFER_LAYOUT) for key in everything):
+        raise ConversionError(
+            f"{where} holds the distributed optimizer's state in its flat buffer layout (Megatron-LM's "
+            "dp_reshardable, tied to the data-parallel layout); mega reads the layout-free kinds: save it "
+            "from Megatron-LM with --dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
+    saved = common.get("optimizer")
+    index = {key: md for key, md in everything.items()
+             if key.startswith(STATE_PREFIX) and isinstance(md, TensorStorageMetadata)}
+    if not isinstance(saved, dict) or not index:
+        raise ConversionError(f"--with-optimizer: {where} holds no optimizer state (Megatron-LM saved it with "
+                              "--no-save-optim, or it is a release checkpoint)")
+    by_megatron: dict[str, dict] = {}
+    for key in index:
+        state_key = key[len(STATE_PREFIX):].partition(".")[0]
+        if state_key not in TO_MEGA:
+            raise ConversionError(f"{where}: {key} is optimizer state mega does not know ({state_key!r}; it "
+                                  f"carries {', '.join(sorted(TO_MEGA))}): an optimizer other than Adam?")
+        by_megatron.setdefault(state_key, {})
+    keys = {}
+    for state_key in by_megatron:
+        mapped, shapes = source.map_keys(index, names, f"{STATE_PREFIX}{state_key}.")
+        tied_copy = next((n for n in names.tied_copies if f"{STATE_PREFIX}{state_key}.{n}" in index), None)
+        embedding = "embedding.word_embeddings.weight"
+        if embedding not in mapped and tied_copy is not None:  # the shared weight's state under the output layer's key
+            mapped[embedding] = (f"{STATE_PREFIX}{state_key}.{tied_copy}", None)
+            shapes[embedding] = (tuple(index[mapped[embedding][0]].size), None)
+        missing, unexpected = set(source.layouts) - set(mapped), set(mapped) - set(source.layouts)
+        if missing or unexpected:
+            from mega.ckpt_convert.source import format_names
+
+            raise ConversionError(f"{where}: the optimizer's {state_key} " + " and ".join(
+                ([f"lacks {format_names(missing)}"] if missing else [])
+                + ([f"holds {format_names(unexpected)}"] if unexpected else [])) + ", unlike the model")
+        for name, (shape, _) in shapes.items():
+            if tuple(shape) != tuple(source.shape(name)):
+                raise ConversionError(f"{where}: the optimizer's {state_key} of {name} has shape {list(shape)}, "
+                                      f"its parameter {list(source.shape(name))}")
+        keys[TO_MEGA[state_key]] = mapped
+    if set(MOMENTS) - set(keys):
+        raise ConversionError(f"{where}: the optimizer state lacks {', '.join(sorted(set(MOMENTS) - set(keys)))}; "
+                              "mega carries Adam's exp_avg and exp_avg_sq")
+    groups = saved.get("param_groups") or [{}]
+    step = (saved.get("state") or {}).get("common_step", groups[0].get("step"))
+    if step is None:
+        raise ConversionError(f"{where}: the optimizer state has no step count (optimizer.state.common_step "
+                              "or param_groups[].step in common.pt)")
+    args = source.args
+    hyper = {k: groups[0][k] for k in ("lr", "betas", "eps", "weight_decay") if k in groups[0]}
+    if isinstance(common.get("opt_param_scheduler"), dict):
+        hyper["schedule"] = common["opt_param_scheduler"]
+    state = OptimizerState(
+        keys=tuple(sorted(keys)), step=int(step), iteration=int(source.iteration or 0),
+        consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0), hyperparameters=hyper)
+    return FoundOptimizer(state, keys, index)
+
+
+def param_groups(state: OptimizerState) -> list[dict]:
+    """Megatron-core's two default param groups (weight-decayed, and not: biases and norms),
+    identified by the keys its ``_filter_and_reorder_param_groups`` matches; the hyperparameters
+    are the run's (Megatron's scheduler sets lr and weight decay every step anyway)."""
+    hyper = state.hyperparameters
+    common = dict(is_expert_parallel=False, default_config=True, lr_mult=1.0, is_decoupled_lr=False,
+                  lr=float(hyper.get("lr", 0.0)), max_lr=float(hyper.get("lr", 0.0)), min_lr=None,
+                  betas=tuple(hyper.get("betas", (0.9, 0.999))), eps=float(hyper.get("eps", 1e-8)),
+                  weight_decay=float(hyper.get("weight_decay", 0.0)), amsgrad=False, maximize=False,
+                  foreach=None, capturable=False, differentiable=False, fused=None, decoupled_weight_decay=True)
+    return [dict(common, wd_mult=1.0), dict(common, wd_mult=0.0)]
+
+
+def common_optimizer(state: OptimizerState) -> dict:
+    """What ``common.pt`` holds under ``optimizer`` for megatron-core's regular optimizer."""
+    return {"state": {"common_step": torch.tensor(float(state.step))}, "param_groups": param_groups(state)}
