@@ -65,7 +65,7 @@ class ContinuousBatchingWorker(EngineWorker):
         if self.max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be positive, got {self.max_num_tokens}")
         self.allocator = BlockAllocator(max(1, self.max_num_tokens // block_size), block_size)
-        self.cache = PagedKVCache(self.allocator, max_batch_size)
+        self.cache = PagedKVCache(self.allocator, max_batch_size, _head_repeats(engine))
         self._pending: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
         self._numbered = 0
@@ -217,3 +217,13 @@ class ContinuousBatchingWorker(EngineWorker):
         sequence.job.finished(sequence.index, GenerationResult(
             tokens=sequence.tokens, prompt_length=len(request.prompt), finish_reason=reason,
             logprobs=sequence.logprobs, top_logprobs=sequence.top_logprobs))
+
+
+def _head_repeats(engine: GenerationEngine) -> int:
+    """Query heads per key head where the attention kernel repeats key heads itself (everywhere
+    but CUDA's native grouped-query attention): the decode views then hold them repeated."""
+    config = getattr(engine.model, "config", None)
+    heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_query_groups", None)
+    if engine.device.type == "cuda" or not heads or not groups:
+        return 1
+    return heads // groups

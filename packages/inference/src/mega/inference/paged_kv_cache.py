@@ -69,9 +69,13 @@ class PagedKVCache:
     row replaced by the last one) so copies a few rows per step, not every row's every key.
     """
 
-    def __init__(self, allocator: BlockAllocator, max_rows: int = 0):
+    def __init__(self, allocator: BlockAllocator, max_rows: int = 0, head_repeats: int = 1):
         self.allocator = allocator
         self.max_rows = max_rows  # rows the views are made for (more rows make them grow)
+        # Grouped-query attention: the views hold every key head repeated for its query heads,
+        # as the attention kernel would repeat them (on CPU) at every step; repeating only the
+        # keys that enter a view saves re-copying the whole view each step.
+        self.head_repeats = head_repeats
         self._layers: dict[int, PagedLayer] = {}
         self.write_slots: torch.Tensor | None = None
         self.padding: torch.Tensor | None = None
@@ -203,20 +207,24 @@ class PagedLayer:
         if not cache.decoding:  # a prefill: its own rows' blocks, nothing kept
             views = [pool[cache.block_table].view(batch, -1, heads, dim)[:, : cache.longest] for pool in pools]
             return views[0].transpose(0, 1), views[1].transpose(0, 1), mask
-        plan = cache.plan
+        plan, repeats = cache.plan, cache.head_repeats
+
+        def widen(tensor: torch.Tensor) -> torch.Tensor:  # [..., kv heads, dim] -> [..., query heads, dim]
+            return tensor.repeat_interleave(repeats, dim=-2) if repeats > 1 else tensor
+
         if plan.rebuild or self.views is None:
-            shape = (cache.view_rows(batch), cache.capacity, heads, dim)
+            shape = (cache.view_rows(batch), cache.capacity, heads * repeats, dim)
             self.views = [pool.new_zeros(shape) for pool in pools]
             for view, pool in zip(self.views, pools, strict=True):
-                view[:batch] = pool[cache.block_table].view(batch, -1, heads, dim)
+                view[:batch] = widen(pool[cache.block_table].view(batch, -1, heads, dim))
         else:
             for view, pool in zip(self.views, pools, strict=True):
                 if plan.move_to is not None:
                     view[plan.move_to] = view[plan.move_from]  # the right side is a copy: moves may chain
                 if plan.fill_rows is not None:
-                    view[plan.fill_rows] = pool[plan.fill_table].view(len(plan.fill_rows), -1, heads, dim)
+                    view[plan.fill_rows] = widen(pool[plan.fill_table].view(len(plan.fill_rows), -1, heads, dim))
         rows = torch.arange(batch, device=key.device)
-        self.views[0][rows, cache.positions] = key[0]
-        self.views[1][rows, cache.positions] = value[0]
+        self.views[0][rows, cache.positions] = widen(key[0])
+        self.views[1][rows, cache.positions] = widen(value[0])
         return (self.views[0][:batch, : cache.longest].transpose(0, 1),
                 self.views[1][:batch, : cache.longest].transpose(0, 1), mask)
