@@ -150,7 +150,8 @@ class _EncoderDecoderRun:
                     finish[row] = FINISHED_BY_LENGTH
             chosen, finish = agree(self.engine.tp_group, chosen, finish)
         else:
-            chosen, finish = agree(self.engine.tp_group, torch.empty(len(active), dtype=torch.long, device=logits.device), finish)
+            nothing = torch.empty(len(active), dtype=torch.long, device=logits.device)
+            chosen, finish = agree(self.engine.tp_group, nothing, finish)
             for row, i in enumerate(active):
                 self.generated[i].append(int(chosen[row]))
         if not any(finish):

@@ -226,7 +226,8 @@ class _BatchRun:
                     finish[row] = FINISHED_BY_LENGTH
             chosen, finish = agree(self.engine.tp_group, chosen, finish)
         else:
-            chosen, finish = agree(self.engine.tp_group, torch.empty(len(active), dtype=torch.long, device=logits.device), finish)
+            nothing = torch.empty(len(active), dtype=torch.long, device=logits.device)
+            chosen, finish = agree(self.engine.tp_group, nothing, finish)
             self._add(chosen, in_prompt)
         self.tokens[active, position] = chosen
         self._retire(finish)
