@@ -30,3 +30,22 @@ def test_static_cache_decoding_equals_the_engine(tiny_pair):
     assert [r.tokens for r in got] == [r.tokens for r in expected]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
     assert bucket_for(3) == 4 and bucket_for(64) == 64
+
+
+def test_static_kv_cache_is_on_by_default_on_cuda_only(tmp_path):
+    import pytest
+    import torch
+
+    from mega.inference.engine import GenerationError
+    from mega.inference.generate_cli import build_parser, static_kv_cache_wanted
+
+    def wanted(flags: list[str], device: str, tp: int = 1) -> bool:
+        args = build_parser().parse_args(["--load", str(tmp_path), *flags])
+        return static_kv_cache_wanted(args, torch.device(device), tp)
+
+    assert wanted([], "cuda") and not wanted([], "cpu")
+    assert not wanted(["--no-static-kv-cache"], "cuda") and wanted(["--static-kv-cache"], "cpu")
+    assert not wanted(["--logprobs"], "cuda") and not wanted([], "cuda", tp=2)  # where it cannot run: off
+    with pytest.raises(GenerationError, match="--static-kv-cache"):
+        wanted(["--static-kv-cache", "--logprobs"], "cpu")
+    assert build_parser().parse_args(["--load", str(tmp_path), "--no-cuda-graphs"]).cuda_graphs is False

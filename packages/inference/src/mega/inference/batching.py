@@ -82,22 +82,21 @@ class Job:
             self.done.set_exception(error)
 
 
-class BatchingWorker:
-    """``before_batch(requests)`` runs on the worker thread before each engine batch (the
-    tensor-parallel leader hands the batch to the other ranks there)."""
+class EngineWorker:
+    """The engine's one thread: started and stopped with the server; ``_run`` (the subclass's)
+    waits on ``_condition`` for work and returns once ``_stopping`` is set."""
 
-    def __init__(self, engine: GenerationEngine, max_batch_size: int = 32,
-                 before_batch: Callable[[list[GenerationRequest]], None] | None = None,
-                 metrics: ServerMetrics | None = None):
+    thread_name = "mega-engine-worker"
+
+    def __init__(self, engine: GenerationEngine, max_batch_size: int, metrics: ServerMetrics | None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
-        self.engine, self.max_batch_size, self.before_batch = engine, max_batch_size, before_batch
+        self.engine, self.max_batch_size = engine, max_batch_size
         self.metrics = metrics or ServerMetrics()
-        self._pending: collections.deque[Job] = collections.deque()
         self._condition = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="mega-batching-worker", daemon=True)
-        self.batches_run = 0  # for tests and logs: how many engine batches ran
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self.batches_run = 0  # engine steps (lock-step: whole batches), for tests and logs
 
     def start(self) -> None:
         self._thread.start()
@@ -110,6 +109,23 @@ class BatchingWorker:
 
     def check(self, request: GenerationRequest) -> None:
         """Every request the engine takes fits a batch."""
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class BatchingWorker(EngineWorker):
+    """``before_batch(requests)`` runs on the worker thread before each engine batch (the
+    tensor-parallel leader hands the batch to the other ranks there)."""
+
+    thread_name = "mega-batching-worker"
+
+    def __init__(self, engine: GenerationEngine, max_batch_size: int = 32,
+                 before_batch: Callable[[list[GenerationRequest]], None] | None = None,
+                 metrics: ServerMetrics | None = None):
+        super().__init__(engine, max_batch_size, metrics)
+        self.before_batch = before_batch
+        self._pending: collections.deque[Job] = collections.deque()
 
     def submit(self, job: Job) -> None:
         with self._condition:

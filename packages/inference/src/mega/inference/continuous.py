@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from mega.inference.batching import Job
+from mega.inference.batching import EngineWorker, Job
 from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest, GenerationResult, _top
 from mega.inference.metrics import ServerMetrics
 from mega.inference.paged_kv_cache import BlockAllocator, PagedKVCache
@@ -54,37 +53,23 @@ class _Sequence:
         return self.request.prompt + self.generated
 
 
-class ContinuousBatchingWorker:
+class ContinuousBatchingWorker(EngineWorker):
+    thread_name = "mega-continuous-batching"
+
     def __init__(self, engine: GenerationEngine, max_batch_size: int = 32, max_num_tokens: int | None = None,
                  block_size: int = BLOCK_SIZE, metrics: ServerMetrics | None = None):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         if engine.tp_group is not None and engine.tp_group.size > 1:
             raise ValueError("continuous batching runs in one process; tensor-parallel serving batches in lock-step")
-        self.engine, self.max_batch_size = engine, max_batch_size
+        super().__init__(engine, max_batch_size, metrics)
         self.max_num_tokens = max_num_tokens or max_batch_size * engine.max_positions
         if self.max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be positive, got {self.max_num_tokens}")
         self.allocator = BlockAllocator(max(1, self.max_num_tokens // block_size), block_size)
-        self.cache = PagedKVCache(self.allocator)
-        self.metrics = metrics or ServerMetrics()
+        self.cache = PagedKVCache(self.allocator, max_batch_size, _head_repeats(engine))
         self._pending: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
         self._numbered = 0
         self._sampler = Sampler([], engine.device)
-        self._condition = threading.Condition()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="mega-continuous-batching", daemon=True)
-        self.batches_run = 0  # engine steps, for tests and logs
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._condition:
-            self._stopping = True
-            self._condition.notify()
-        self._thread.join()
 
     def check(self, request: GenerationRequest) -> None:
         """A sequence longer than the whole cache could never be admitted."""
@@ -215,7 +200,13 @@ class ContinuousBatchingWorker:
         if finished:
             for row, reason in finished.items():
                 self._finish(running[row], reason)
-            kept = [row for row in range(len(running)) if row not in finished]
+            # The last row takes a finished row's place, so the others stay where the cache's
+            # decode views hold them (see PagedKVCache): a step re-gathers no one's keys.
+            kept = list(range(len(running)))
+            for row in sorted(finished, reverse=True):
+                last = kept.pop()
+                if last != row:
+                    kept[row] = last
             self._running = [running[row] for row in kept]
             self._sampler.keep(kept)
 
@@ -226,3 +217,13 @@ class ContinuousBatchingWorker:
         sequence.job.finished(sequence.index, GenerationResult(
             tokens=sequence.tokens, prompt_length=len(request.prompt), finish_reason=reason,
             logprobs=sequence.logprobs, top_logprobs=sequence.top_logprobs))
+
+
+def _head_repeats(engine: GenerationEngine) -> int:
+    """Query heads per key head where the attention kernel repeats key heads itself (everywhere
+    but CUDA's native grouped-query attention): the decode views then hold them repeated."""
+    config = getattr(engine.model, "config", None)
+    heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_query_groups", None)
+    if engine.device.type == "cuda" or not heads or not groups:
+        return 1
+    return heads // groups

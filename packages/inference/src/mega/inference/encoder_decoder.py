@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from mega.core.parallel import Group
@@ -31,14 +30,15 @@ from mega.inference.engine import (
     FINISHED_BY_CANCEL,
     FINISHED_BY_LENGTH,
     FINISHED_BY_STOP,
+    EngineBase,
     FinishCallback,
     GenerationError,
     GenerationRequest,
     GenerationResult,
     TokenCallback,
+    agree,
 )
 from mega.inference.sampling import Sampler
-from mega.inference.stopping import StopChecker
 
 # T5's decoder starts from the padding token (Hugging Face's decoder_start_token_id).
 DECODER_START_TOKEN = 0
@@ -49,7 +49,7 @@ def is_encoder_decoder(model: torch.nn.Module) -> bool:
     return callable(getattr(model, "encode", None)) and callable(getattr(model, "decode", None))
 
 
-class EncoderDecoderEngine:
+class EncoderDecoderEngine(EngineBase):
     """Generates with ``model`` (whole, eval mode, tensor-parallel over ``tp_group`` or not).
     ``max_positions`` bounds both the prompt and the tokens to generate (T5's relative positions
     set no hard limit; the model was trained at its sequence lengths)."""
@@ -60,28 +60,19 @@ class EncoderDecoderEngine:
 
         if not is_encoder_decoder(model):
             raise GenerationError(f"{type(model).__name__} has no encode/decode: it is not an encoder-decoder model")
-        self.model, self.vocab_size, self.max_positions = model, vocab_size, max_positions
-        self.tokenizer, self.tp_group = tokenizer, tp_group
+        super().__init__(model, vocab_size=vocab_size, max_positions=max_positions, tokenizer=tokenizer,
+                         tp_group=tp_group)
         self.decoder_start_token = decoder_start_token
-        self.stop_checker = StopChecker(tokenizer)
-        self.device = next(model.parameters()).device
         self.cache_class = DecoderCache
 
-    @property
-    def is_leader(self) -> bool:
-        return self.tp_group is None or self.tp_group.rank == 0
-
     def check(self, request: GenerationRequest) -> None:
-        if not request.prompt:
-            raise GenerationError("the prompt is empty: give at least one token")
+        self.check_prompt(request)
         if request.max_new_tokens < 1:
             raise GenerationError(f"an encoder-decoder model generates at least one token, got max_new_tokens "
                                   f"{request.max_new_tokens}")
         for what, count in (("prompt tokens", len(request.prompt)), ("tokens to generate", request.max_new_tokens)):
             if count > self.max_positions:
                 raise GenerationError(f"{count} {what} exceed the model's {self.max_positions} positions")
-        if bad := [t for t in request.prompt if not 0 <= t < self.vocab_size]:
-            raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest], on_token: TokenCallback | None = None,
@@ -157,9 +148,10 @@ class _EncoderDecoderRun:
                     finish[row] = FINISHED_BY_CANCEL
                 elif len(generated) >= request.max_new_tokens:
                     finish[row] = FINISHED_BY_LENGTH
-            chosen, finish = self._agree(chosen, finish)
+            chosen, finish = agree(self.engine.tp_group, chosen, finish)
         else:
-            chosen, finish = self._agree(torch.empty(len(active), dtype=torch.long, device=logits.device), finish)
+            nothing = torch.empty(len(active), dtype=torch.long, device=logits.device)
+            chosen, finish = agree(self.engine.tp_group, nothing, finish)
             for row, i in enumerate(active):
                 self.generated[i].append(int(chosen[row]))
         if not any(finish):
@@ -176,15 +168,6 @@ class _EncoderDecoderRun:
             self.cache.keep(torch.tensor(keep, dtype=torch.long, device=chosen.device))
             self.sampler.keep(keep)
         return chosen, keep
-
-    def _agree(self, chosen: torch.Tensor, finish: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """The first rank's tokens and finish flags, on every rank of the tensor group."""
-        group = self.engine.tp_group
-        if group is None or group.size == 1:
-            return chosen, finish
-        packed = torch.stack([chosen, torch.tensor(finish, device=chosen.device)])
-        dist.broadcast(packed, src=group.ranks[0], group=group.group)
-        return packed[0], packed[1].tolist()
 
     def _result(self, i: int, flag: int) -> GenerationResult:
         request = self.requests[i]

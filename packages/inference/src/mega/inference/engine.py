@@ -67,19 +67,12 @@ TokenCallback = Callable[[int, int, "float | None", "list[tuple[int, float]] | N
 FinishCallback = Callable[[int, GenerationResult], None]  # (request index, result)
 
 
-class GenerationEngine:
-    """Generates with ``model``: a whole decoder (first and last stage) in eval mode, tensor-parallel
-    over ``tp_group`` or not, whose forward takes ``inference_cache`` and ``logits_to_keep`` (as
-    :class:`mega.models.language_model.LanguageModel`'s does). ``vocab_size``: the real
-    vocabulary (padded rows are never chosen); ``max_positions``: the longest sequence (prompt
-    and generation) the model takes; ``tokenizer``: for stop strings and end-of-line rules."""
+class EngineBase:
+    """What every engine shares: the model and its limits, the tensor group, the stop rules, and
+    the request checks that do not depend on the architecture."""
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int, tokenizer=None,
                  tp_group: Group | None = None):
-        missing = {"inference_cache", "logits_to_keep"} - set(inspect.signature(model.forward).parameters)
-        if missing:
-            raise GenerationError(f"{type(model).__name__}.forward takes no {' or '.join(sorted(missing))}: "
-                                  "this model family cannot generate")
         self.model = model
         self.vocab_size = vocab_size
         self.max_positions = max_positions
@@ -92,10 +85,41 @@ class GenerationEngine:
     def is_leader(self) -> bool:
         return self.tp_group is None or self.tp_group.rank == 0
 
-    def check(self, request: GenerationRequest) -> None:
-        """Raise :class:`GenerationError` for a request that cannot run, naming the numbers."""
+    def check_prompt(self, request: GenerationRequest) -> None:
         if not request.prompt:
             raise GenerationError("the prompt is empty: give at least one token")
+        if bad := [t for t in request.prompt if not 0 <= t < self.vocab_size]:
+            raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+
+def agree(group: Group | None, chosen: torch.Tensor, finish: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The first rank's tokens and finish flags, on every rank of the tensor group."""
+    if group is None or group.size == 1:
+        return chosen, finish
+    packed = torch.stack([chosen, torch.tensor(finish, device=chosen.device)])
+    dist.broadcast(packed, src=group.ranks[0], group=group.group)
+    return packed[0], packed[1].tolist()
+
+
+class GenerationEngine(EngineBase):
+    """Generates with ``model``: a whole decoder (first and last stage) in eval mode, tensor-parallel
+    over ``tp_group`` or not, whose forward takes ``inference_cache`` and ``logits_to_keep`` (as
+    :class:`mega.models.language_model.LanguageModel`'s does). ``vocab_size``: the real
+    vocabulary (padded rows are never chosen); ``max_positions``: the longest sequence (prompt
+    and generation) the model takes; ``tokenizer``: for stop strings and end-of-line rules."""
+
+    def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int, tokenizer=None,
+                 tp_group: Group | None = None):
+        missing = {"inference_cache", "logits_to_keep"} - set(inspect.signature(model.forward).parameters)
+        if missing:
+            raise GenerationError(f"{type(model).__name__}.forward takes no {' or '.join(sorted(missing))}: "
+                                  "this model family cannot generate")
+        super().__init__(model, vocab_size=vocab_size, max_positions=max_positions, tokenizer=tokenizer,
+                         tp_group=tp_group)
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise :class:`GenerationError` for a request that cannot run, naming the numbers."""
+        self.check_prompt(request)
         if request.max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
         total = len(request.prompt) + request.max_new_tokens
@@ -104,8 +128,6 @@ class GenerationEngine:
                 f"{len(request.prompt)} prompt tokens + {request.max_new_tokens} tokens to generate = "
                 f"{total} exceeds the model's {self.max_positions} positions"
             )
-        if bad := [t for t in request.prompt if not 0 <= t < self.vocab_size]:
-            raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest], on_token: TokenCallback | None = None,
@@ -202,9 +224,10 @@ class _BatchRun:
                     finish[row] = FINISHED_BY_CANCEL
                 elif not finish[row] and position + 1 >= self.limits[i]:
                     finish[row] = FINISHED_BY_LENGTH
-            chosen, finish = self._agree(chosen, finish)
+            chosen, finish = agree(self.engine.tp_group, chosen, finish)
         else:
-            chosen, finish = self._agree(torch.empty(len(active), dtype=torch.long, device=logits.device), finish)
+            nothing = torch.empty(len(active), dtype=torch.long, device=logits.device)
+            chosen, finish = agree(self.engine.tp_group, nothing, finish)
             self._add(chosen, in_prompt)
         self.tokens[active, position] = chosen
         self._retire(finish)
@@ -225,15 +248,6 @@ class _BatchRun:
             self.logprobs[i].append(values[k])
             if self.top_logprobs[i] is not None:
                 self.top_logprobs[i].extend(_top(log_probs[k : k + 1], self.requests[i].top_logprobs))
-
-    def _agree(self, chosen: torch.Tensor, finish: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """The first rank's tokens and finish flags, on every rank of the tensor group."""
-        group = self.engine.tp_group
-        if group is None or group.size == 1:
-            return chosen, finish
-        packed = torch.stack([chosen, torch.tensor(finish, device=chosen.device)])
-        dist.broadcast(packed, src=group.ranks[0], group=group.group)
-        return packed[0], packed[1].tolist()
 
     def _retire(self, finish: list[int]) -> list[int]:
         """Hand out the results of the rows flagged in ``finish`` and drop them from the batch;

@@ -59,36 +59,44 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """The model-facing cache (``layer(number)``, ``length``) over the block pools."""
+    """The model-facing cache (``layer(number)``, ``length``) over the block pools.
 
-    def __init__(self, allocator: BlockAllocator):
+    Decoding attends over each row's keys gathered out of the blocks into a dense per-layer view
+    ``[rows, capacity, heads, dim]``. The view outlives a step: row ``r`` keeps the keys of the
+    sequence it last held, so the next decode step only patches the rows whose sequence changed
+    (a row moved from elsewhere in the view, or a sequence new to decoding gathered from its
+    blocks) and writes each row's one new key. A batcher that keeps its rows in place (a finished
+    row replaced by the last one) so copies a few rows per step, not every row's every key.
+    """
+
+    def __init__(self, allocator: BlockAllocator, max_rows: int = 0, head_repeats: int = 1):
         self.allocator = allocator
+        self.max_rows = max_rows  # rows the views are made for (more rows make them grow)
+        # Grouped-query attention: the views hold every key head repeated for its query heads,
+        # as the attention kernel would repeat them (on CPU) at every step; repeating only the
+        # keys that enter a view saves re-copying the whole view each step.
+        self.head_repeats = head_repeats
         self._layers: dict[int, PagedLayer] = {}
         self.write_slots: torch.Tensor | None = None
         self.padding: torch.Tensor | None = None
-        self._last_decode: tuple | None = None  # (each row's first block, lengths) of the last decode step
-        self.capacity = 0  # positions the layers' gathered views hold
+        self.view_ids: list = []  # the sequence each view row holds (its keys up to view_lengths)
+        self.view_lengths: list[int] = []
+        self.capacity = 0  # positions the layers' views hold
+        self.plan: ViewPlan | None = None
 
     def bind(self, tables: Sequence[Sequence[int]], cached: Sequence[int], new_tokens: int,
              device: torch.device, ids: Sequence[int] | None = None) -> None:
         """The next forward's batch: row ``r`` holds ``cached[r]`` tokens in blocks ``tables[r]``
-        and brings ``new_tokens`` more; ``ids`` name the rows' sequences (never reused), so a
-        decode step of the same sequences can reuse the gathered keys."""
+        and brings ``new_tokens`` more; ``ids`` name the rows' sequences (never reused), so
+        decode steps can reuse what the layers' views hold."""
         size = self.allocator.block_size
         lengths = [c + new_tokens for c in cached]
         self.longest = max(lengths)
-        # Decoding the same sequences as the step before, each one token further: the layers'
-        # gathered keys are reused and extended in place (the steady state), not gathered again.
         self.decoding = new_tokens == 1
-        identity = tuple(ids) if ids is not None else None
-        self.reuse = (self.decoding and identity is not None and self._last_decode == (identity, list(cached))
-                      and self.longest <= self.capacity)
-        if self.decoding:
-            self._last_decode = (identity, lengths)
         blocks = math.ceil(self.longest / size)
-        if self.decoding and not self.reuse:
-            blocks += GATHER_HEADROOM_BLOCKS
-            self.capacity = blocks * size
+        if self.decoding:
+            self.plan = self._plan(tables, cached, lengths, device, ids)
+            blocks = self.capacity // size
         table = torch.zeros(len(tables), blocks, dtype=torch.long)
         for row, (own, length) in enumerate(zip(tables, lengths, strict=True)):
             used = math.ceil(length / size)
@@ -103,6 +111,54 @@ class PagedKVCache:
             if ragged else None
         self.cached = list(cached)
 
+    def _plan(self, tables, cached, lengths, device, ids) -> ViewPlan:
+        """What the layers' views need before this decode step: rebuilt whole (the first step,
+        or a sequence outgrew them), or only some rows moved or gathered."""
+        size = self.allocator.block_size
+        rows = len(cached)
+        where = {} if ids is None else {sid: (row, length) for row, (sid, length)
+                                        in enumerate(zip(self.view_ids, self.view_lengths, strict=True))}
+        rebuild = ids is None or self.longest > self.capacity or rows > len(self.view_ids)
+        if rebuild:
+            self.capacity = (math.ceil(self.longest / size) + GATHER_HEADROOM_BLOCKS) * size
+            plan = ViewPlan(rebuild=True)
+        else:
+            moves, fills = [], []
+            for row, (sid, length) in enumerate(zip(ids, cached, strict=True)):
+                held = where.get(sid)
+                if held == (row, length):
+                    continue
+                if held is not None and held[1] == length:
+                    moves.append((row, held[0]))
+                else:
+                    fills.append(row)
+            plan = ViewPlan(rebuild=False)
+            if moves:
+                plan.move_to = torch.tensor([m[0] for m in moves], device=device)
+                plan.move_from = torch.tensor([m[1] for m in moves], device=device)
+            if fills:
+                blocks = self.capacity // size
+                table = torch.zeros(len(fills), blocks, dtype=torch.long)
+                for k, row in enumerate(fills):
+                    used = math.ceil(lengths[row] / size)
+                    table[k, :used] = torch.tensor(tables[row][:used], dtype=torch.long)
+                plan.fill_rows, plan.fill_table = torch.tensor(fills, device=device), table.to(device)
+        if ids is None:
+            self.view_ids, self.view_lengths = [], []
+            return plan
+        # After this step row r holds ids[r]; rows past the batch keep what they held, except a
+        # sequence that moved into the batch's rows (its old row is stale from now on).
+        rest = max(self.view_rows(rows) - rows, 0)
+        old_ids = [None] * rest if rebuild else self.view_ids[rows: rows + rest]
+        old_lengths = [0] * rest if rebuild else self.view_lengths[rows: rows + rest]
+        batch_ids = set(ids)
+        self.view_ids = list(ids) + [None if sid in batch_ids else sid for sid in old_ids]
+        self.view_lengths = list(lengths) + old_lengths
+        return plan
+
+    def view_rows(self, batch: int) -> int:
+        return max(self.max_rows, batch)
+
     @property
     def length(self) -> int:
         return max(self.cached, default=0)
@@ -114,6 +170,17 @@ class PagedKVCache:
         return layer
 
 
+class ViewPlan:
+    """How a decode step brings the views up to date (see :meth:`PagedKVCache._plan`)."""
+
+    def __init__(self, rebuild: bool):
+        self.rebuild = rebuild
+        self.move_to: torch.Tensor | None = None  # rows that take the keys another row holds
+        self.move_from: torch.Tensor | None = None
+        self.fill_rows: torch.Tensor | None = None  # rows gathered from their blocks
+        self.fill_table: torch.Tensor | None = None
+
+
 class PagedLayer:
     """One layer's pools ``[blocks, block_size, kv heads, head_dim]``, allocated at its first keys."""
 
@@ -121,8 +188,7 @@ class PagedLayer:
         self.cache = cache
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.view_keys: torch.Tensor | None = None  # [b, capacity, heads, dim]: the decode batch's keys, gathered
-        self.view_values: torch.Tensor | None = None
+        self.views: list[torch.Tensor] | None = None  # keys, values [rows, capacity, heads, dim] for decoding
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMask]:
         """Store ``key``/``value`` ``[new, batch, kv heads, head_dim]`` in the bound rows' slots;
@@ -132,19 +198,33 @@ class PagedLayer:
             shape = (cache.allocator.num_blocks, cache.allocator.block_size, key.shape[2], key.shape[3])
             self.keys, self.values = key.new_zeros(shape), value.new_zeros(shape)
         new, batch, heads, dim = key.shape
-        for pool, tensor in ((self.keys, key), (self.values, value)):
+        pools = (self.keys, self.values)
+        for pool, tensor in zip(pools, (key, value), strict=True):
             pool.view(-1, heads, dim).index_copy_(0, cache.write_slots, tensor.transpose(0, 1).reshape(-1, heads, dim))
-        if cache.reuse:  # the views hold every earlier key: add this step's
-            rows = torch.arange(batch, device=key.device)
-            self.view_keys[rows, cache.positions] = key[0]
-            self.view_values[rows, cache.positions] = value[0]
-        else:
-            views = [pool[cache.block_table].view(batch, -1, heads, dim) for pool in (self.keys, self.values)]
-            if not cache.decoding:  # a prefill: nothing to keep
-                return (views[0][:, : cache.longest].transpose(0, 1), views[1][:, : cache.longest].transpose(0, 1),
-                        AttentionMask(causal=True, padding=cache.padding))
-            self.view_keys, self.view_values = views
-        gathered = [view[:, : cache.longest].transpose(0, 1) for view in (self.view_keys, self.view_values)]
         # Causal, aligned at the end: a row's new tokens see its cache and each other in order
         # (several new tokens come from one prefill, whose rows are all of one length).
-        return gathered[0], gathered[1], AttentionMask(causal=True, padding=cache.padding)
+        mask = AttentionMask(causal=True, padding=cache.padding)
+        if not cache.decoding:  # a prefill: its own rows' blocks, nothing kept
+            views = [pool[cache.block_table].view(batch, -1, heads, dim)[:, : cache.longest] for pool in pools]
+            return views[0].transpose(0, 1), views[1].transpose(0, 1), mask
+        plan, repeats = cache.plan, cache.head_repeats
+
+        def widen(tensor: torch.Tensor) -> torch.Tensor:  # [..., kv heads, dim] -> [..., query heads, dim]
+            return tensor.repeat_interleave(repeats, dim=-2) if repeats > 1 else tensor
+
+        if plan.rebuild or self.views is None:
+            shape = (cache.view_rows(batch), cache.capacity, heads * repeats, dim)
+            self.views = [pool.new_zeros(shape) for pool in pools]
+            for view, pool in zip(self.views, pools, strict=True):
+                view[:batch] = widen(pool[cache.block_table].view(batch, -1, heads, dim))
+        else:
+            for view, pool in zip(self.views, pools, strict=True):
+                if plan.move_to is not None:
+                    view[plan.move_to] = view[plan.move_from]  # the right side is a copy: moves may chain
+                if plan.fill_rows is not None:
+                    view[plan.fill_rows] = widen(pool[plan.fill_table].view(len(plan.fill_rows), -1, heads, dim))
+        rows = torch.arange(batch, device=key.device)
+        self.views[0][rows, cache.positions] = widen(key[0])
+        self.views[1][rows, cache.positions] = widen(value[0])
+        return (self.views[0][:batch, : cache.longest].transpose(0, 1),
+                self.views[1][:batch, : cache.longest].transpose(0, 1), mask)
