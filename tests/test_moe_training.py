@@ -15,6 +15,8 @@ checkpoint (global shapes) resumes at tp2 x ep2 with the experts tensor-split.
 
 from __future__ import annotations
 
+from mega.core.testing.training_runs import assert_losses_close, train_losses
+
 COMMON = [
     "--mock-data", "--model-family", "mixtral", "--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32",
     "--ffn-hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "16",
@@ -53,20 +55,6 @@ RESUMED = {  # (saved by, layout)
 }
 
 
-def train_losses(argv: list[str]) -> list[float]:
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
-
-    run, family = parse_run(argv)
-    return run_training(run, family).losses
-
-
-def assert_close(losses, reference, what):
-    assert len(losses) == len(reference), what
-    for step, (got, want) in enumerate(zip(losses, reference, strict=True)):
-        assert abs(got - want) <= 1e-5 * abs(want), f"{what}: step {step + 1} loss {got} != {want}"
-
-
 def test_expert_parallel_layouts_match_one_process(worlds, tmp_path):
     dropless, capacity = train_losses(COMMON), train_losses(COMMON + CAPACITY)
     assert dropless[-1] < dropless[0], "the tiny model should learn the mock data"
@@ -76,7 +64,7 @@ def test_expert_parallel_layouts_match_one_process(worlds, tmp_path):
         saving = ["--save", str(tmp_path / SAVED[name]), "--save-interval", "3"] if name in SAVED else []
         ranks = worlds.run(4, train_losses, COMMON + extra + saving)
         assert all(losses == ranks[0] for losses in ranks), name
-        assert_close(ranks[0], capacity if uses_capacity else dropless, name)
+        assert_losses_close(ranks[0], capacity if uses_capacity else dropless, name)
     for name, (saved_by, extra) in RESUMED.items():
         ranks = worlds.run(4, train_losses, COMMON + extra + ["--load", str(tmp_path / saved_by / "iter_0000003")])
-        assert_close(ranks[0], dropless[3:], f"resumed at {name} from {saved_by}")
+        assert_losses_close(ranks[0], dropless[3:], f"resumed at {name} from {saved_by}")
