@@ -80,6 +80,43 @@ def test_joining_sequences_get_what_each_gets_alone(tiny_pair):
     assert not any(layer.keys.requires_grad for layer in worker.cache._layers.values())
 
 
+@pytest.mark.parametrize("budget", [4096, 40])
+def test_prompts_admitted_together_are_prefilled_together_and_get_what_each_gets_alone(tiny_pair, monkeypatch, budget):
+    """All five requests queue before the worker starts, so one step admits them: the prompts
+    without prompt log-probabilities are prefilled right-padded in one forward (or, with a
+    40-token budget, three and a lone one), the others alone."""
+    import mega.inference.continuous as continuous
+
+    _, model, config = tiny_pair
+    engine = engine_for(model, config)
+    batch = requests() + [GenerationRequest(PROMPTS[3][:13], 6), GenerationRequest(PROMPTS[0][:4], 5)]
+    alone = [engine.generate([request])[0] for request in batch]
+    monkeypatch.setattr(continuous, "PREFILL_TOKENS", budget)
+    worker = ContinuousBatchingWorker(engine, max_batch_size=8, max_num_tokens=256, block_size=8)
+    prefills = []
+    together = worker._prefill_together
+    monkeypatch.setattr(worker, "_prefill_together", lambda group: (prefills.append(len(group)), together(group)))
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        jobs = [Job([request], loop) for request in batch]
+        for job in jobs:
+            worker.submit(job)
+        worker.start()
+        return [(await job.done)[0] for job in jobs]
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        worker.stop()
+    assert prefills == ([4] if budget == 4096 else [3]), prefills
+    for expected, got in zip(alone, results, strict=True):
+        assert got.tokens == expected.tokens and got.finish_reason == expected.finish_reason
+        if expected.logprobs is not None:
+            assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(expected.logprobs), atol=1e-5)
+    assert worker.allocator.free_blocks == worker.allocator.num_blocks
+
+
 def test_a_short_request_overtakes_a_long_one(llama):
     model, config = llama
     worker = ContinuousBatchingWorker(engine_for(model, config), max_batch_size=8)

@@ -4,7 +4,8 @@ the next step rather than the next batch.
 Each step: queued sequences are admitted (first come, first served) while the batch has fewer
 than ``max_batch_size`` sequences and the paged KV cache (:mod:`mega.inference.paged_kv_cache`)
 has blocks for the sequence's prompt and all the tokens it may generate (so a running sequence
-never runs out); each admitted one is prefilled alone (its whole prompt, one forward); the
+never runs out); the admitted prompts are prefilled together, right-padded into as few
+forwards as a token budget allows (one wanting prompt log-probabilities alone); the
 sequences already running decode one token each in one forward; then every sequence with new
 logits chooses its token, and those that finish leave the batch and free their blocks at once.
 
@@ -33,6 +34,7 @@ from mega.inference.sampling import Sampler
 log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16
+PREFILL_TOKENS = 4096  # padded prompt tokens in one prefill forward (bounds its activations)
 
 
 @dataclass
@@ -124,16 +126,55 @@ class ContinuousBatchingWorker(EngineWorker):
             admitted.append(sequence)
         return admitted
 
-    def _forward(self, sequences: list[_Sequence], tokens: torch.Tensor, logits_to_keep: int | None) -> torch.Tensor:
-        """fp32 logits ``[kept, batch, vocab]`` of ``tokens`` ``[batch, new]`` continuing each sequence."""
+    def _forward(self, sequences: list[_Sequence], tokens: torch.Tensor, logits_to_keep: int | torch.Tensor | None,
+                 real: list[int] | None = None) -> torch.Tensor:
+        """fp32 logits ``[kept, batch, vocab]`` of ``tokens`` ``[batch, new]`` continuing each sequence
+        (``real``: right-padded prompts, row ``r``'s own tokens; see :meth:`PagedKVCache.bind`)."""
         device = self.engine.device
         cached = [s.cached for s in sequences]
-        self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device, [s.number for s in sequences])
+        self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device, [s.number for s in sequences],
+                        real)
         positions = torch.tensor(cached, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
         logits = self.engine.model(tokens, positions, inference_cache=self.cache, logits_to_keep=logits_to_keep)
-        for sequence in sequences:
-            sequence.cached += tokens.shape[1]
+        for row, sequence in enumerate(sequences):
+            sequence.cached += tokens.shape[1] if real is None else real[row]
         return logits[..., : self.engine.vocab_size].float()
+
+    def _prefill_together(self, sequences: list[_Sequence]) -> None:
+        """Prompts (no prompt log-probabilities wanted) right-padded into one forward: one large
+        matrix product instead of a small one per prompt, each row's logits taken at its own end."""
+        lengths = [len(s.request.prompt) for s in sequences]
+        tokens = torch.zeros(len(sequences), max(lengths), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            tokens[row, : lengths[row]] = torch.tensor(sequence.request.prompt)
+        ends = torch.tensor(lengths, device=self.engine.device) - 1
+        logits = self._forward(sequences, tokens.to(self.engine.device), ends, real=lengths)[0]  # [batch, vocab]
+        for row, sequence in enumerate(sequences):
+            sequence.logits = logits[row]
+
+    def _prefill_all(self, admitted: list[_Sequence]) -> None:
+        """Prompt log-probabilities need every position's logits: those prefill alone; the others in
+        groups of similar length (sorted, so little padding) of at most PREFILL_TOKENS padded tokens."""
+        together = sorted((s for s in admitted if not s.request.logprobs and len(s.request.prompt) > 1),
+                          key=lambda s: len(s.request.prompt))
+        grouped = {id(s) for s in together}
+        for sequence in admitted:
+            if id(sequence) not in grouped:
+                self._prefill(sequence)
+        group: list[_Sequence] = []
+        for sequence in together:
+            if group and (len(group) + 1) * len(sequence.request.prompt) > PREFILL_TOKENS:
+                self._prefill_group(group)
+                group = []
+            group.append(sequence)
+        if group:
+            self._prefill_group(group)
+
+    def _prefill_group(self, group: list[_Sequence]) -> None:
+        if len(group) == 1:
+            self._prefill(group[0])
+        else:
+            self._prefill_together(group)
 
     def _prefill(self, sequence: _Sequence) -> None:
         request = sequence.request
@@ -154,8 +195,8 @@ class ContinuousBatchingWorker(EngineWorker):
             logits = self._forward(decoding, tokens, 1)[0]
             for row, sequence in enumerate(decoding):
                 sequence.logits = logits[row]
+        self._prefill_all(admitted)
         for sequence in admitted:
-            self._prefill(sequence)
             if sequence.request.max_new_tokens == 0:  # scoring only: done with the prompt
                 self._finish(sequence, "length")
                 continue

@@ -78,6 +78,7 @@ class PagedKVCache:
         self.head_repeats = head_repeats
         self._layers: dict[int, PagedLayer] = {}
         self.write_slots: torch.Tensor | None = None
+        self.written: torch.Tensor | None = None  # which new tokens are stored (None: all)
         self.padding: torch.Tensor | None = None
         self.view_ids: list = []  # the sequence each view row holds (its keys up to view_lengths)
         self.view_lengths: list[int] = []
@@ -85,12 +86,17 @@ class PagedKVCache:
         self.plan: ViewPlan | None = None
 
     def bind(self, tables: Sequence[Sequence[int]], cached: Sequence[int], new_tokens: int,
-             device: torch.device, ids: Sequence[int] | None = None) -> None:
+             device: torch.device, ids: Sequence[int] | None = None, real: Sequence[int] | None = None) -> None:
         """The next forward's batch: row ``r`` holds ``cached[r]`` tokens in blocks ``tables[r]``
         and brings ``new_tokens`` more; ``ids`` name the rows' sequences (never reused), so
-        decode steps can reuse what the layers' views hold."""
+        decode steps can reuse what the layers' views hold. ``real``: prompts prefilled together,
+        right-padded to ``new_tokens``: row ``r``'s first ``real[r]`` new tokens are its own, the
+        rest padding whose keys are neither stored nor attended to."""
         size = self.allocator.block_size
-        lengths = [c + new_tokens for c in cached]
+        if real is not None and (any(cached) or max(real) != new_tokens):
+            raise ValueError("padded rows are for prompts prefilled together: nothing cached, the longest unpadded")
+        real = [new_tokens] * len(cached) if real is None else list(real)
+        lengths = [c + n for c, n in zip(cached, real, strict=True)]
         self.longest = max(lengths)
         self.decoding = new_tokens == 1
         blocks = math.ceil(self.longest / size)
@@ -104,7 +110,9 @@ class PagedKVCache:
         positions = torch.tensor(cached, dtype=torch.long)[:, None] + torch.arange(new_tokens)[None, :]
         write = table.gather(1, positions // size) * size + positions % size  # [b, new] token slots
         self.block_table = table.to(device)  # [b, blocks]: whole blocks are gathered, not single tokens
-        self.write_slots = write.reshape(-1).to(device)
+        own = torch.arange(new_tokens)[None, :] < torch.tensor(real)[:, None]  # [b, new]: not padding
+        self.written = None if bool(own.all()) else own.reshape(-1).nonzero().squeeze(1).to(device)
+        self.write_slots = write[own].to(device)
         self.positions = torch.tensor(cached, dtype=torch.long, device=device)  # of the new tokens (decoding)
         ragged = min(lengths) != self.longest  # equal lengths need no mask beyond the causal rule
         self.padding = (torch.arange(self.longest)[None, :] < torch.tensor(lengths)[:, None]).to(device) \
@@ -200,7 +208,10 @@ class PagedLayer:
         new, batch, heads, dim = key.shape
         pools = (self.keys, self.values)
         for pool, tensor in zip(pools, (key, value), strict=True):
-            pool.view(-1, heads, dim).index_copy_(0, cache.write_slots, tensor.transpose(0, 1).reshape(-1, heads, dim))
+            rows = tensor.transpose(0, 1).reshape(-1, heads, dim)
+            if cache.written is not None:  # padded prompts: only their own tokens' keys are kept
+                rows = rows[cache.written]
+            pool.view(-1, heads, dim).index_copy_(0, cache.write_slots, rows)
         # Causal, aligned at the end: a row's new tokens see its cache and each other in order
         # (several new tokens come from one prefill, whose rows are all of one length).
         mask = AttentionMask(causal=True, padding=cache.padding)

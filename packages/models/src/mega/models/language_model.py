@@ -77,7 +77,7 @@ class LanguageModel(nn.Module):
                 self.register_load_state_dict_pre_hook(_fill_tied_output_weight)
 
     def forward(self, inputs: torch.Tensor | Mapping[str, torch.Tensor], position_ids: torch.Tensor | None = None,
-                inference_cache: KVCache | None = None, logits_to_keep: int | None = None):
+                inference_cache: KVCache | None = None, logits_to_keep: int | torch.Tensor | None = None):
         """Token ids ``[b, s]`` on the first stage, hidden ``[s, b, h]`` after; returns hidden
         ``[s, b, h]``, or logits ``[s, b, vocab (shard)]`` on the last stage.
 
@@ -90,7 +90,9 @@ class LanguageModel(nn.Module):
         ``inference_cache`` (generation, :mod:`mega.models.kv_cache`): the inputs continue the
         cached positions; ``position_ids`` then default to those that follow the cache.
         ``logits_to_keep``: the last stage computes the logits of the last N positions only
-        (generation needs the next token's; the vocabulary projection dominates short models).
+        (generation needs the next token's; the vocabulary projection dominates short models), or,
+        given a tensor ``[b]`` of positions, of that one position per row (right-padded prompts
+        prefilled together each end at their own position): logits ``[1, b, vocab]``.
         """
         if isinstance(inputs, Mapping):
             hidden = inputs["tokens"] if self.pre_process else inputs["hidden"]
@@ -106,7 +108,11 @@ class LanguageModel(nn.Module):
         hidden = self._final_hidden(inputs, position_ids, inference_cache)
         if not self.post_process:
             return hidden
-        return self.output_layer(hidden[-logits_to_keep:] if logits_to_keep else hidden)
+        if isinstance(logits_to_keep, torch.Tensor):
+            hidden = hidden[logits_to_keep, torch.arange(hidden.shape[1], device=hidden.device)][None]
+        elif logits_to_keep:
+            hidden = hidden[-logits_to_keep:]
+        return self.output_layer(hidden)
 
     def _final_hidden(self, inputs: torch.Tensor, position_ids: torch.Tensor | None,
                       inference_cache: KVCache | None = None) -> torch.Tensor:
