@@ -13,6 +13,7 @@ batch at the next step.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import logging
@@ -82,9 +83,10 @@ class Job:
             self.done.set_exception(error)
 
 
-class EngineWorker:
-    """The engine's one thread: started and stopped with the server; ``_run`` (the subclass's)
-    waits on ``_condition`` for work and returns once ``_stopping`` is set."""
+class EngineWorker(abc.ABC):
+    """The engine's one thread: started and stopped with the server. A subclass queues work in
+    ``submit`` and runs it in ``_run``, which waits on ``_condition`` and returns once
+    ``_stopping`` is set."""
 
     thread_name = "mega-engine-worker"
 
@@ -108,10 +110,17 @@ class EngineWorker:
         self._thread.join()
 
     def check(self, request: GenerationRequest) -> None:
-        """Every request the engine takes fits a batch."""
+        """Refuse a request this worker could never run; by default every request the engine
+        takes fits a batch (the continuous worker adds its KV-cache bound)."""
+        return None
 
+    @abc.abstractmethod
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (called on the event loop)."""
+
+    @abc.abstractmethod
     def _run(self) -> None:
-        raise NotImplementedError
+        """The thread's body."""
 
 
 class BatchingWorker(EngineWorker):
