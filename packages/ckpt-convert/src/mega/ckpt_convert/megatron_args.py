@@ -40,8 +40,13 @@ def _arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
-def model_settings(args: argparse.Namespace, where: str) -> dict[str, Any]:
-    """mega TransformerConfig fields from Megatron args (``where`` names the file in errors)."""
+def model_settings(args: argparse.Namespace, where: str, model_family: str | None = None) -> dict[str, Any]:
+    """mega model-config fields from Megatron args (``where`` names the file in errors): a T5's
+    when ``model_family`` or the args say T5, else a TransformerConfig's."""
+    from mega.ckpt_convert.megatron_t5 import is_t5_args, t5_settings
+
+    if model_family == "t5" or (model_family is None and is_t5_args(args)):
+        return t5_settings(args, where)
     for name, off in UNSUPPORTED.items():
         value = _arg(args, name, off)
         if value not in (off, None, False, 0):
@@ -84,7 +89,9 @@ def model_settings(args: argparse.Namespace, where: str) -> dict[str, Any]:
 
 def family_of(settings: dict[str, Any]) -> str:
     """Experts make Mixtral; LLaMA is the RMSNorm + SwiGLU + RoPE decoder; everything else is GPT
-    (the two share one model)."""
+    (the two share one model); a decoder stack besides the encoder's is T5."""
+    if "decoder_num_layers" in settings:
+        return "t5"
     if settings.get("num_experts"):
         return "mixtral"
     llama = (settings.get("normalization") == "RMSNorm" and settings.get("swiglu")
@@ -119,16 +126,21 @@ def args_for(config, tensor_parallel_size: int, pipeline_parallel_size: int, pad
              iteration: int, ckpt_format: str, tokenizer: TokenizerSpec | None) -> argparse.Namespace:
     """The Megatron-LM arguments of a run of ``config`` at this layout (what ``--use-checkpoint-args``
     and ``load_checkpoint``'s checks read)."""
-    args = argparse.Namespace(**{name: getattr(config, name) for name in SAME})
-    args.num_query_groups = config.num_query_groups
-    if getattr(config, "num_experts", None):
-        for name in MOE_SAME:
-            setattr(args, name, getattr(config, name))
-        args.expert_model_parallel_size, args.expert_tensor_parallel_size = 1, tensor_parallel_size
-    args.group_query_attention = config.num_query_groups != config.num_attention_heads
-    args.position_embedding_type = config.position_embedding_type
-    args.use_rotary_position_embeddings = config.position_embedding_type == "rope"
-    args.norm_epsilon = config.layernorm_epsilon
+    from mega.ckpt_convert.megatron_t5 import t5_args
+
+    if hasattr(config, "decoder_num_layers"):  # an encoder-decoder: pretrain_t5.py's arguments
+        args = t5_args(config)
+    else:
+        args = argparse.Namespace(**{name: getattr(config, name) for name in SAME})
+        args.num_query_groups = config.num_query_groups
+        if getattr(config, "num_experts", None):
+            for name in MOE_SAME:
+                setattr(args, name, getattr(config, name))
+            args.expert_model_parallel_size, args.expert_tensor_parallel_size = 1, tensor_parallel_size
+        args.group_query_attention = config.num_query_groups != config.num_attention_heads
+        args.position_embedding_type = config.position_embedding_type
+        args.use_rotary_position_embeddings = config.position_embedding_type == "rope"
+        args.norm_epsilon = config.layernorm_epsilon
     args.vocab_size = config.vocab_size
     args.padded_vocab_size = padded_vocab_size
     args.rotary_percent = 1.0

@@ -36,7 +36,13 @@ from mega.ckpt_convert.megatron_directory import (
     read_dist_config,
 )
 from mega.ckpt_convert.megatron_layout import TensorLayout, model_layouts
-from mega.ckpt_convert.megatron_names import LAYER_PREFIX, mega_name, names_for, split_layer
+from mega.ckpt_convert.megatron_names import (
+    LAYER_PREFIX,
+    mega_name,
+    names_for,
+    split_stack_layer,
+    stack_sizes,
+)
 from mega.ckpt_convert.megatron_pickle import load_megatron_pickle
 from mega.ckpt_convert.megatron_source import MegatronSource
 from mega.core.checkpoint import CheckpointError
@@ -109,10 +115,13 @@ class TorchDistSource(MegatronSource):
             file_key = key[len(prefix):]
             if tied and file_key in names.tied_copies:  # megatron-core saves the tied output layer under its own key
                 continue
+            if file_key in names.duplicate_keys:  # a second name of a tensor held under its first
+                continue
             size, dtype = tuple(md.size), md.properties.dtype
-            stacked = file_key.startswith(LAYER_PREFIX) and split_layer(file_key) is None
+            stack = next((prefix for prefix in names.stacks if file_key.startswith(prefix)), None)
+            stacked = stack is not None and split_stack_layer(file_key) is None
             for layer in range(size[0]) if stacked else (None,):
-                file_name = file_key if layer is None else f"{LAYER_PREFIX}{layer}.{file_key[len(LAYER_PREFIX):]}"
+                file_name = file_key if layer is None else f"{stack}{layer}.{file_key[len(stack):]}"
                 name = mega_name(names, file_name)
                 if name in keys:
                     raise ConversionError(f"{self.directory}: {key} and {keys[name][0]} both hold {name}")
@@ -171,17 +180,25 @@ def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteratio
     layouts: dict[str, TensorLayout] = model_layouts(family, config, tp)
     names = names_for(family.name)
     num_layers = config.num_layers
-    entries = _tensor_entries(source.get, source.dtype, layouts, names, num_layers, "")
+    stacks = stack_sizes(names, layouts)
+    entries = _tensor_entries(source.get, source.dtype, layouts, names, stacks, "")
     if not config.untie_embeddings_and_output_weights:  # megatron-core loads a tied output layer by its own key
         layout = layouts["embedding.word_embeddings.weight"]
         entries["output_layer.weight"] = ShardedEntry(layout.shape, source.dtype("embedding.word_embeddings.weight"), [
             (_lazy(source.get, source.dtype, "embedding.word_embeddings.weight", layout), (0,) * len(layout.shape))])
+    for key, name in names.duplicate_keys.items():
+        if name in entries:
+            entries[key] = entries[name]
     for key in optimizer.keys if optimizer is not None else ():
         entries.update(_tensor_entries(lambda name, k=key: source.get_optimizer(name, k).float(), lambda name: torch.float32,
-                                       layouts, names, num_layers, f"{STATE_PREFIX}{TO_MEGATRON[key]}."))
-    for module in names.extra_state_layer_modules:
-        for n in range(num_layers):
-            entries[f"{LAYER_PREFIX}{module}._extra_state/shard_{n}_{num_layers}"] = EMPTY_EXTRA_STATE
+                                       layouts, names, stacks, f"{STATE_PREFIX}{TO_MEGATRON[key]}."))
+    for stack, size in stacks.items():
+        for module in names.extra_state_layer_modules:
+            if f"{stack}0.{module}.weight" in layouts:
+                for n in range(size):
+                    entries[f"{stack}{module}._extra_state/shard_{n}_{size}"] = EMPTY_EXTRA_STATE
+    for module in names.extra_state_modules:
+        entries[f"{module}._extra_state/shard_0_1"] = EMPTY_EXTRA_STATE
     experts = getattr(config, "num_experts", 0) if names.expert_patterns else 0
     for part in names.expert_extra_state_parts:  # an object per layer and expert
         for n in range(num_layers):
@@ -205,18 +222,20 @@ def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteratio
     (directory / TRACKER_FILE).write_text(f"{iteration if iteration is not None else 'release'}\n")
 
 
-def _tensor_entries(get, dtype, layouts: dict[str, TensorLayout], names, num_layers: int, prefix: str) -> dict:
-    """Entries for every tensor ``get(name)`` gives, layers stacked under one key, keys under ``prefix``."""
+def _tensor_entries(get, dtype, layouts: dict[str, TensorLayout], names, stacks: dict[str, int], prefix: str) -> dict:
+    """Entries for every tensor ``get(name)`` gives, each stack's layers stacked under one key
+    (``stacks``: prefix -> layers), keys under ``prefix``."""
     entries: dict[str, object] = {}
     stacked: dict[str, list[str]] = {}  # key -> the mega names of its layers, in order
     for name, layout in layouts.items():
-        layer = split_layer(name)
-        if layer is None:
+        layer = split_stack_layer(name)
+        if layer is None or layer[0] not in stacks:
             entries[prefix + name] = ShardedEntry(layout.shape, dtype(name), [
                 (_lazy(get, dtype, name, layout), (0,) * len(layout.shape))])
         else:
-            stacked.setdefault(LAYER_PREFIX + _file_key(names, layer[1]), []).append(name)
+            stacked.setdefault(layer[0] + _file_key(names, layer[2]), []).append(name)
     for key, layer_names in stacked.items():
+        num_layers = stacks[split_stack_layer(layer_names[0])[0]]
         if len(layer_names) != num_layers:
             raise ConversionError(f"{key}: {len(layer_names)} of {num_layers} layers have it; mega writes only "
                                   "models whose layers are alike")

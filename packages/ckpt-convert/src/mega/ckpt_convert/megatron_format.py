@@ -45,6 +45,11 @@ class MegatronFormat:
         if kind not in MEGATRON_FORMATS:
             raise ConversionError(f"--megatron-format {kind!r}: choose {' or '.join(MEGATRON_FORMATS)}")
         family, config = family_by_name(source.family), source.config
+        if kind == LEGACY:
+            from mega.ckpt_convert.megatron_legacy import refuse_split_stacks
+            from mega.ckpt_convert.megatron_names import names_for
+
+            refuse_split_stacks(names_for(family.name), pp, f"--pipeline-model-parallel-size {pp}")
         stage_layers(config.num_layers, pp)  # the layers split evenly over the stages
         layouts = model_layouts(family, config, tp)
         if set(source.names()) != set(layouts):

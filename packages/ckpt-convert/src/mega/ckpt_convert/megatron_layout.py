@@ -107,6 +107,8 @@ def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int |
 def stage_of(name: str, stages: list[range], tied: bool) -> list[tuple[int, str]]:
     """(stage, name in that stage's files) of each copy of the mega tensor ``name``: layers get
     their stage-local numbers; a tied embedding is also the last stage's ``output_layer.weight``."""
+    if len(stages) == 1:  # one stage holds everything under its own name (every stack of layers, too)
+        return [(0, name)]
     layer = split_layer(name)
     if layer is not None:
         number, rest = layer

@@ -33,6 +33,7 @@ from mega.ckpt_convert.megatron_names import (
     mega_name,
     names_for,
     split_layer,
+    stack_sizes,
 )
 from mega.ckpt_convert.megatron_pickle import load_megatron_pickle
 from mega.ckpt_convert.megatron_source import MegatronSource
@@ -94,6 +95,7 @@ class LegacySource(MegatronSource):
         self._setup(directory, first.get("args"), first.get("iteration"), where, model_family)
         del first
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        refuse_split_stacks(names_for(self.family), pp, where)
         ep = getattr(self.args, "expert_model_parallel_size", None) or 1
         self._files = files = rank_files(directory, pp, ep)
         found_tp = max(r for r, _, _ in files) + 1
@@ -117,7 +119,7 @@ class LegacySource(MegatronSource):
                 place = (stage, chunk)
                 # Files are memory-mapped and let go once listed: only their pickles are read here.
                 for key, value in self._model(file, chunk, vpp).items():
-                    if key.endswith("_extra_state"):  # Transformer Engine's FP8 scales: not weights
+                    if key.endswith("_extra_state") or key in names.duplicate_keys:  # FP8 scales; second names
                         continue
                     if not torch.is_tensor(value):
                         raise ConversionError(f"{file}: model entry {key} is a {type(value).__name__}, "
@@ -196,10 +198,23 @@ class LegacySource(MegatronSource):
         return merged.clone() if merged is local[0] else merged
 
 
-def _extra_state_keys(names: MegatronNames, layers: int, last_stage: bool, experts: int) -> list[str]:
-    modules = [*names.extra_state_layer_modules, *(names.expert_file_name.format(expert=e, part=part)
-                                                   for e in range(experts) for part in names.expert_extra_state_parts)]
-    keys = [f"{LAYER_PREFIX}{n}.{module}._extra_state" for n in range(layers) for module in modules]
+def refuse_split_stacks(names: MegatronNames, pp: int, where: str) -> None:
+    """Legacy files of an encoder-decoder split over pipeline stages number each stack per stage
+    around ``--pipeline-model-parallel-split-rank``, which mega does not read or write."""
+    if pp > 1 and len(names.stacks) > 1:
+        raise ConversionError(f"{where}: pipeline_model_parallel_size {pp}; mega reads and writes legacy "
+                              "encoder-decoder (T5) files of one pipeline stage (torch_dist ones at any layout)")
+
+
+def _extra_state_keys(names: MegatronNames, layouts, stage_sizes: dict[str, int], last_stage: bool,
+                      experts: int) -> list[str]:
+    """The ``_extra_state`` entries of one stage's state dict (``stage_sizes``: stack -> its layers there)."""
+    keys = []
+    for stack, layers in stage_sizes.items():
+        modules = [module for module in names.extra_state_layer_modules if f"{stack}0.{module}.weight" in layouts]
+        modules += [names.expert_file_name.format(expert=e, part=part)
+                    for e in range(experts) for part in names.expert_extra_state_parts]
+        keys += [f"{stack}{n}.{module}._extra_state" for n in range(layers) for module in modules]
     return keys + ([f"{module}._extra_state" for module in names.extra_state_modules] if last_stage else [])
 
 
@@ -216,6 +231,7 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
     layouts: dict[str, TensorLayout] = model_layouts(family, config, tp)
     names = names_for(family.name)
     stages = stage_layers(config.num_layers, pp)
+    whole_stacks = stack_sizes(names, layouts)
     tied = not config.untie_embeddings_and_output_weights
     args = args_for(config, tp, pp, config.padded_vocab_size(tp), iteration or 0, "torch", source.tokenizer)
     placements = {name: stage_of(name, stages, tied) for name in layouts}
@@ -235,8 +251,12 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
                                 model[prefix + names.expert_file_name.format(expert=expert, part=part)] = weight.clone()
                             continue
                         model[key] = layout.split(tensor, rank, tp).to(source.dtype(name)).clone()
+            for key, name in names.duplicate_keys.items():
+                if name in model:
+                    model[key] = model[name]
             experts = getattr(config, "num_experts", 0) if names.expert_patterns else 0
-            for key in _extra_state_keys(names, len(stages[stage]), stage == pp - 1, experts):
+            stage_sizes = {**whole_stacks, LAYER_PREFIX: len(stages[stage])} if pp > 1 else whole_stacks
+            for key in _extra_state_keys(names, layouts, stage_sizes, stage == pp - 1, experts):
                 model[key] = None
             path = checkpoint_dir / rank_dir_name(rank, stage, pp) / RANK_FILE
             path.parent.mkdir(parents=True)

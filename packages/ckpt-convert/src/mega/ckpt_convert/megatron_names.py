@@ -19,7 +19,12 @@ How tensors are split over tensor-parallel ranks is not here: it is mega's own p
   stacks as ``mlp.experts.linear_fc1.weight`` ``[experts, ...]``; torch_dist checkpoints stack
   them already, under ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` ``[layers, experts, ...]``.
 
-A family joins by adding a :class:`MegatronNames` to :data:`FAMILIES`.
+* An encoder-decoder (T5) has two stacks of layers, ``encoder.layers.N`` and ``decoder.layers.N``,
+  each stacked on its own in torch_dist checkpoints; megatron-core's T5 also registers its output
+  layer under a second name (``output_layer.*`` beside ``lm_head.output_layer.*``), which its files
+  hold twice.
+
+A family joins by adding a :class:`MegatronNames` to :func:`_families`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 LAYER_PREFIX = "decoder.layers."
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_STACK_LAYER = re.compile(r"((?:en|de)coder\.layers\.)(\d+)\.(.+)")
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class MegatronNames:
     layer_aliases: dict[str, str] = field(default_factory=dict)
     # Older Megatron-LM models: whole names outside the layers, layer-local prefixes inside them.
     legacy_names: dict[str, str] = field(default_factory=dict)
-    legacy_layer_prefix: str = "language_model.encoder.layers."
+    legacy_layer_prefix: str | None = "language_model.encoder.layers."  # None: no older names
     legacy_layer_parts: dict[str, str] = field(default_factory=dict)
     # Entries in files that carry no weights mega keeps: tied copies on the last pipeline stage.
     tied_copies: tuple[str, ...] = ()
@@ -52,6 +58,11 @@ class MegatronNames:
     expert_patterns: tuple[re.Pattern, ...] = ()
     expert_file_name: str = "mlp.experts.local_experts.{expert}.{part}"
     expert_extra_state_parts: tuple[str, ...] = ()
+    # The stacks of layers, each stacked on its own in torch_dist files.
+    stacks: tuple[str, ...] = (LAYER_PREFIX,)
+    # Second names a model registers for one of its tensors: file key -> mega name. Reading skips
+    # them; writing repeats the tensor under them, since Megatron's strict loading expects both.
+    duplicate_keys: dict[str, str] = field(default_factory=dict)
 
 
 DECODER_ONLY = MegatronNames(
@@ -99,7 +110,10 @@ MIXTURE_OF_EXPERTS = replace(
     expert_extra_state_parts=("linear_fc1", "linear_fc2"),
 )
 
-FAMILIES: dict[str, MegatronNames] = {"gpt": DECODER_ONLY, "llama": DECODER_ONLY, "mixtral": MIXTURE_OF_EXPERTS}
+def _families() -> dict[str, MegatronNames]:
+    from mega.ckpt_convert.megatron_t5 import T5_NAMES
+
+    return {"gpt": DECODER_ONLY, "llama": DECODER_ONLY, "mixtral": MIXTURE_OF_EXPERTS, "t5": T5_NAMES}
 
 
 # Families mega has that no name table can convert yet, and why.
@@ -107,9 +121,6 @@ WHY_NOT = {
     "bert": "Megatron-Core's BertModel is pre-LN (input_layernorm, pre_mlp_layernorm, encoder.final_layernorm, "
             "no embedding norm) while mega's bert family is post-LN (Hugging Face's BERT): their weights make "
             "different models, so renaming cannot convert them",
-    "t5": "mega's t5 family already uses Megatron-Core's T5 names, but reading Megatron-LM's T5 args "
-          "(encoder/decoder layer counts, relative attention buckets) and the encoder and decoder stacks of "
-          "torch_dist and legacy files is not written yet",
 }
 
 
@@ -119,10 +130,11 @@ def names_for(family: str) -> MegatronNames:
     if family in WHY_NOT:
         raise ConversionError(f"model family {family!r}: mega does not convert its Megatron-LM checkpoints: "
                               f"{WHY_NOT[family]}")
-    if family not in FAMILIES:
+    families = _families()
+    if family not in families:
         raise ConversionError(f"model family {family!r} has no Megatron-LM name table (mega converts "
-                              f"{', '.join(sorted(FAMILIES))} checkpoints of Megatron-LM)")
-    return FAMILIES[family]
+                              f"{', '.join(sorted(families))} checkpoints of Megatron-LM)")
+    return families[family]
 
 
 def split_layer(name: str) -> tuple[int, str] | None:
@@ -136,18 +148,36 @@ def mega_name(names: MegatronNames, file_name: str, layer_offset: int = 0) -> st
     ``layer_offset``) names ``file_name``; names it does not know pass unchanged."""
     if file_name in names.legacy_names:
         return names.legacy_names[file_name]
-    if file_name.startswith(names.legacy_layer_prefix):
+    if names.legacy_layer_prefix and file_name.startswith(names.legacy_layer_prefix):
         number, _, rest = file_name[len(names.legacy_layer_prefix):].partition(".")
         for old, new in names.legacy_layer_parts.items():
             if rest.startswith(old):
                 rest = new + rest[len(old):]
                 break
         file_name = f"{LAYER_PREFIX}{number}.{rest}"
-    layer = split_layer(file_name)
+    layer = split_stack_layer(file_name)
     if layer is None:
         return file_name
-    number, rest = layer
-    return f"{LAYER_PREFIX}{number + layer_offset}.{names.layer_aliases.get(rest, rest)}"
+    stack, number, rest = layer
+    offset = layer_offset if stack == LAYER_PREFIX else 0  # pipelines split the decoder-only stack
+    return f"{stack}{number + offset}.{names.layer_aliases.get(rest, rest)}"
+
+
+def split_stack_layer(name: str) -> tuple[str, int, str] | None:
+    """(stack prefix, layer number, layer-local name) of ``encoder.layers.N.rest`` or
+    ``decoder.layers.N.rest``; None for other names."""
+    match = _STACK_LAYER.fullmatch(name)
+    return (match.group(1), int(match.group(2)), match.group(3)) if match else None
+
+
+def stack_sizes(names: MegatronNames, mega_names) -> dict[str, int]:
+    """Each stack's number of layers among ``mega_names`` (global names of a whole model)."""
+    numbers: dict[str, set[int]] = {stack: set() for stack in names.stacks}
+    for name in mega_names:
+        layer = split_stack_layer(name)
+        if layer is not None and layer[0] in numbers:
+            numbers[layer[0]].add(layer[1])
+    return {stack: len(found) for stack, found in numbers.items() if found}
 
 
 def expert_of(names: MegatronNames, layer_local: str) -> tuple[str, int] | None:

@@ -45,7 +45,7 @@ class MegatronSource(ClosingSource):
             raise ConversionError(f"{where} holds no args (an argparse.Namespace; found {type(args).__name__}); "
                                   "Megatron-LM's save_checkpoint records them, and mega does not guess a model")
         self.directory, self.args, self.iteration = directory, args, iteration
-        settings = model_settings(args, where)
+        settings = model_settings(args, where, model_family)
         name = model_family or family_of(settings)
         family = family_by_name(name)
         self.family = family.name
@@ -98,7 +98,8 @@ class MegatronSource(ClosingSource):
                 "padded_vocab_size", "vocab_size", "seq_length", "position_embedding_type", "normalization", "swiglu",
                 "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "expert_model_parallel_size",
                 "untie_embeddings_and_output_weights", "add_bias_linear", "params_dtype", "bf16", "fp16",
-                "tokenizer_type", "transformer_impl")
+                "tokenizer_type", "transformer_impl", "encoder_num_layers", "decoder_num_layers",
+                "decoder_seq_length", "relative_attention_num_buckets")
         shown = ", ".join(f"{key}={getattr(args, key)}" for key in keep if getattr(args, key, None) is not None)
         dtypes = sorted({str(dtype).removeprefix("torch.") for _, dtype, _ in self._found.values()})
         return [

@@ -19,7 +19,7 @@ from typing import Literal
 from mega.core.config.options import option
 from mega.models.config import need, need_dropout_probabilities, need_positive_integers
 
-FEED_FORWARD_KINDS = ("relu", "gated-gelu")
+FEED_FORWARD_KINDS = ("relu", "gated-gelu", "gelu")
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,17 @@ class T5Config:
     # Architecture choices.
     relative_attention_num_buckets: int = option(32, "relative-position buckets")
     relative_attention_max_distance: int = option(128, "distance beyond which relative positions share a bucket")
-    feed_forward_proj: Literal["relu", "gated-gelu"] = option("relu", "relu (T5 v1.0) or gated-gelu (T5 v1.1, Flan-T5)")
+    feed_forward_proj: Literal["relu", "gated-gelu", "gelu"] = option(
+        "relu", "relu (T5 v1.0), gated-gelu (T5 v1.1, Flan-T5) or gelu (exact, ungated: Megatron-LM's T5)")
     layernorm_epsilon: float = option(1e-6, "norm epsilon", flag="--norm-epsilon")
     untie_embeddings_and_output_weights: bool = option(False, "separate output layer weights (T5 v1.1)")
+    # Where Megatron-Core's T5 differs from Google's (Megatron-LM checkpoints set these).
+    softmax_scale: float = option(1.0, "attention softmax scale: 1 as in T5, which folds 1/sqrt(d) into its "
+                                  "initialisation; Megatron-Core's T5 scales by 1/sqrt(kv_channels)")
+    scale_tied_output: bool = option(True, "feed a tied output layer the decoder's output as it is, as Megatron-Core's "
+                                     "T5 does (T5 scales it by hidden_size**-0.5 first)",
+                                     flag="--no-scale-tied-output")
+    output_layer_bias: bool = option(False, "a bias on the output layer (Megatron-Core's T5 has one when tied)")
     pipeline_model_parallel_split_rank: int | None = option(
         None, "pipeline stages that hold the encoder (the rest hold the decoder); default: encoder and decoder "
         "layers split evenly over all stages as one sequence")
@@ -55,7 +63,6 @@ class T5Config:
     # What the shared modules read; fixed for T5 (word embeddings only: positions are relative).
     normalization = "RMSNorm"
     position_embedding_type = "relative"
-    attention_softmax_scale = 1.0
 
     def __post_init__(self) -> None:
         derived = {}
@@ -80,7 +87,8 @@ class T5Config:
         need(self.relative_attention_num_buckets >= 4, "--relative-attention-num-buckets must be at least 4 "
              f"(half exact, half logarithmic, each way), got {self.relative_attention_num_buckets}")
         need(self.feed_forward_proj in FEED_FORWARD_KINDS,
-             f"--feed-forward-proj must be relu or gated-gelu, got {self.feed_forward_proj!r}")
+             f"--feed-forward-proj must be one of {', '.join(FEED_FORWARD_KINDS)}, got {self.feed_forward_proj!r}")
+        need(self.softmax_scale > 0, f"--softmax-scale must be positive, got {self.softmax_scale}")
         need_dropout_probabilities(self)
         tp = tensor_parallel_size
         if tp > 1:
@@ -93,6 +101,10 @@ class T5Config:
     @property
     def gated(self) -> bool:
         return self.feed_forward_proj == "gated-gelu"
+
+    @property
+    def attention_softmax_scale(self) -> float:
+        return self.softmax_scale
 
     @property
     def num_query_groups(self) -> int:  # multi-head attention: one key/value head per query head

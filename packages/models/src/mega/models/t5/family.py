@@ -109,9 +109,10 @@ def num_parameters(config: T5Config, tensor_parallel_size: int = 1) -> int:
     with torch.device("meta"):
         stage = pipeline_stages(config, 1)[0]
         model = T5Model(config, stage, Kernels(), ParallelConfig(tp=1))
-    padding = (config.padded_vocab_size(tensor_parallel_size) - config.padded_vocab_size(1)) * config.hidden_size
+    padding_rows = config.padded_vocab_size(tensor_parallel_size) - config.padded_vocab_size(1)
     copies = 1 if config.untie_embeddings_and_output_weights else 0
-    return sum(p.numel() for p in model.parameters()) + padding * (1 + copies)
+    bias = padding_rows if config.output_layer_bias else 0
+    return sum(p.numel() for p in model.parameters()) + padding_rows * config.hidden_size * (1 + copies) + bias
 
 
 def num_floating_point_operations(config: T5Config, batch_size: int) -> float:
@@ -141,6 +142,6 @@ FAMILY = ModelFamily(
     boundary=boundary,
     batch_keys=BATCH_KEYS,
     datasets=("t5", "t5-mock"),
-    description="T5 encoder-decoder: relative-position buckets, RMS norms, ReLU (v1.0) or gated-GELU (v1.1)",
+    description="T5 encoder-decoder: relative-position buckets, RMS norms, ReLU (v1.0), gated-GELU (v1.1) or GELU (Megatron-LM's)",
     hf_mapping=T5_MAPPING,
 )

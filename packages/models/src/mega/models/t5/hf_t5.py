@@ -42,14 +42,19 @@ def _untied(hf_config: Mapping[str, Any]) -> bool:
     return hf_config.get("tie_word_embeddings", True) is False or hf_config.get("scale_decoder_outputs") is False
 
 
+# feed_forward_proj -> the activation transformers applies (its dense_act_fn): "gelu" is exact,
+# "gelu_new" the tanh approximation.
+HF_ACTIVATIONS = {"relu": "relu", "gated-gelu": "gelu_new", "gelu": "gelu"}
+
+
 def t5_config(hf_config: Mapping[str, Any], **overrides) -> T5Config:
     """The mega config computing what ``T5ForConditionalGeneration`` computes with this config.json."""
     def get(key):
         return read_field(hf_config, DEFAULTS, key)
 
     proj = get("feed_forward_proj")
-    if proj not in ("relu", "gated-gelu"):
-        raise ValueError(f"feed_forward_proj {proj!r} has no mega equivalent (relu and gated-gelu do)")
+    if proj not in HF_ACTIVATIONS:
+        raise ValueError(f"feed_forward_proj {proj!r} has no mega equivalent ({', '.join(HF_ACTIVATIONS)} do)")
     settings = dict(
         num_layers=get("num_layers"), decoder_num_layers=get("num_decoder_layers") or get("num_layers"),
         hidden_size=get("d_model"), ffn_hidden_size=get("d_ff"), num_attention_heads=get("num_heads"),
@@ -70,6 +75,15 @@ def t5_hf_config(config: T5Config) -> dict:
     if config.hidden_dropout != config.attention_dropout:
         raise ValueError(f"T5ForConditionalGeneration has one dropout_rate; --hidden-dropout {config.hidden_dropout} "
                          f"!= --attention-dropout {config.attention_dropout}")
+    megatron_only = {
+        f"--softmax-scale {config.softmax_scale} (T5 attends unscaled)": config.softmax_scale != 1.0,
+        "--no-scale-tied-output": not config.scale_tied_output and not config.untie_embeddings_and_output_weights,
+        "--output-layer-bias": config.output_layer_bias,
+    }
+    refused = [flag for flag, present in megatron_only.items() if present]
+    if refused:
+        raise ValueError(f"T5ForConditionalGeneration cannot compute this model: it has {', '.join(refused)} "
+                         "(Megatron-Core's T5 conventions, which Hugging Face's T5 lacks)")
     gated = config.feed_forward_proj == "gated-gelu"
     return {
         "architectures": ["T5ForConditionalGeneration"], "model_type": "t5",
@@ -80,7 +94,7 @@ def t5_hf_config(config: T5Config) -> dict:
         "relative_attention_max_distance": config.relative_attention_max_distance,
         "dropout_rate": config.hidden_dropout, "layer_norm_epsilon": config.layernorm_epsilon,
         "initializer_factor": 1.0, "feed_forward_proj": config.feed_forward_proj,
-        "dense_act_fn": "gelu_new" if gated else "relu", "is_gated_act": gated,
+        "dense_act_fn": HF_ACTIVATIONS[config.feed_forward_proj], "is_gated_act": gated,
         "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
         "is_encoder_decoder": True, "use_cache": True, **SPECIAL_TOKENS,
     }

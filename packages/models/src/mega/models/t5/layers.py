@@ -3,8 +3,8 @@ padding mask), cross-attention to the encoder's output (decoder only), and the M
 
 Written for one device with Megatron-Core's module names; tensor parallelism splits the heads
 (QKV, Q and KV column-parallel, output projections row-parallel), so the number of local heads
-is read from the activations, never the config. Attention has no 1/sqrt(d) scaling (T5 folds it
-into the initialisation): the attention core runs with ``softmax_scale`` 1.
+is read from the activations, never the config. Attention runs with the config's ``softmax_scale``:
+1 for T5, which folds 1/sqrt(d) into its initialisation; 1/sqrt(d) for Megatron-Core's T5.
 
 Generation (:mod:`mega.models.kv_cache`): self-attention appends to a per-layer cache;
 cross-attention computes the encoder's keys and values once and keeps them in the cache.
@@ -19,6 +19,9 @@ from mega.core.kernels import AttentionMask, Kernels
 from mega.models.attention import CoreAttention
 from mega.models.norms import build_norm
 from mega.models.t5.config import T5Config
+
+# --feed-forward-proj -> the activation kernel applied to fc1's output (its gate half when gated).
+ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gated-gelu": "gelu_tanh"}
 
 
 def _heads(tensor: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -75,15 +78,16 @@ class CrossAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``relu`` (T5 v1.0): fc2(relu(fc1 x)); ``gated-gelu`` (v1.1): fc1 holds ``[gate; up]`` and
-    the output is fc2(gelu_tanh(gate) * up), Hugging Face's ``wi_0``/``wi_1``."""
+    """``relu`` (T5 v1.0): fc2(relu(fc1 x)); ``gelu`` (Megatron-LM's T5): fc2(gelu(fc1 x)), exact
+    GELU; ``gated-gelu`` (v1.1): fc1 holds ``[gate; up]`` and the output is
+    fc2(gelu_tanh(gate) * up), Hugging Face's ``wi_0``/``wi_1``."""
 
     def __init__(self, config: T5Config, kernels: Kernels):
         super().__init__()
         self.gated = config.gated
         fc1_size = config.ffn_hidden_size * (2 if self.gated else 1)
         self.linear_fc1 = kernels.linear(config.hidden_size, fc1_size, bias=False)
-        self.activation = kernels.activation("gelu_tanh" if self.gated else "relu")
+        self.activation = kernels.activation(ACTIVATIONS[config.feed_forward_proj])
         self.linear_fc2 = kernels.linear(config.ffn_hidden_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

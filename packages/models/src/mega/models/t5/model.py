@@ -10,6 +10,7 @@ Parameter names are Megatron-Core's T5 names (local spec):
                       cross_attention.linear_q, cross_attention.linear_kv, cross_attention.linear_proj}.weight
     encoder.final_layernorm.weight   decoder.final_layernorm.weight
     lm_head.output_layer.weight      (untied only; tied, the word embedding, scaled by d_model**-0.5)
+    lm_head.output_layer.bias        (with --output-layer-bias, as Megatron-Core's tied T5)
 
 A stage holds ``stage.layers["encoder"]`` and ``stage.layers["decoder"]`` (either may be empty),
 visited in that order. What crosses to the next stage (:mod:`mega.models.t5.stages`): while the
@@ -44,14 +45,17 @@ WORD_EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
 
 
 class LMHead(nn.Module):
-    """The output layer; tied to the word embedding, its input is scaled by ``d_model**-0.5`` first
-    (T5's rescaling before a tied projection)."""
+    """The output layer; tied to the word embedding, T5 scales its input by ``d_model**-0.5`` first
+    (``scale_tied_output``). Megatron-Core's T5 does not, and gives a tied output layer a bias."""
 
     def __init__(self, config: T5Config, kernels: Kernels, vocab: int):
         super().__init__()
-        self.output_layer = kernels.linear(config.hidden_size, vocab, bias=False)
+        self.output_layer = kernels.linear(config.hidden_size, vocab, bias=config.output_layer_bias)
         mark_padded_vocab(self.output_layer.weight)
-        self.scale = None if config.untie_embeddings_and_output_weights else config.hidden_size ** -0.5
+        if config.output_layer_bias:
+            mark_padded_vocab(self.output_layer.bias)
+        tied = not config.untie_embeddings_and_output_weights
+        self.scale = config.hidden_size ** -0.5 if tied and config.scale_tied_output else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output_layer(hidden * self.scale if self.scale is not None else hidden)
