@@ -2,7 +2,9 @@
 samples) computes at tp2 with sequence parallelism, pp2, and dp2 with the distributed optimizer
 what one process computes: both logged losses, ``lm loss`` and ``sop loss``, agree to 1e-5
 (relative) at every step. The 90-token vocabulary pads to 96 rows at tp1 and 128 at tp2; the
-mixed sample lengths of the mock data put padding into every micro-batch."""
+mixed sample lengths of the mock data put padding into every micro-batch. Megatron-LM's pre-LN
+BERT (``--bert-pre-layernorm``: a final norm on the last stage, no embedding norm) does the same at
+tp2 with sequence parallelism and at pp2."""
 
 from __future__ import annotations
 
@@ -67,12 +69,19 @@ def assert_close(steps, reference, layout):
                 f"{layout}: step {step + 1} {name} {got[name]} != {want[name]}"
 
 
+PRE_LN = ["--bert-pre-layernorm"]
+PRE_LN_LAYOUTS = ("tp2-sp", "pp2")
+
+
 def test_every_layout_matches_one_process(worlds):
     reference = train_losses(COMMON)
     # Each step's samples and masks are new (the mock sentences are random words, near-uniform for
     # a 5-step model), so the check that training happens is that every step computes its own losses.
     assert len({(step["lm loss"], step["sop loss"]) for step in reference}) == 5
-    results = worlds.run(2, train_each, [COMMON + extra for extra in LAYOUTS.values()])
-    for index, layout in enumerate(LAYOUTS):
+    pre_ln_reference = train_losses(COMMON + PRE_LN)
+    assert pre_ln_reference != reference
+    runs = [COMMON + extra for extra in LAYOUTS.values()] + [COMMON + PRE_LN + LAYOUTS[name] for name in PRE_LN_LAYOUTS]
+    results = worlds.run(2, train_each, runs)
+    for index, layout in enumerate([*LAYOUTS, *(f"pre-LN {name}" for name in PRE_LN_LAYOUTS)]):
         assert results[0][index] == results[1][index], layout  # every rank logs the same losses
-        assert_close(results[0][index], reference, layout)
+        assert_close(results[0][index], reference if index < len(LAYOUTS) else pre_ln_reference, layout)

@@ -111,10 +111,10 @@ def test_hf_through_mega_tp2_pp2_round_trips_bit_for_bit(architecture, tmp_path)
                        options=WriteOptions(tensor_parallel_size=2, pipeline_parallel_size=2))
     assert any("initialised" in warning for warning in warnings) == (architecture in ("BertModel", "MiniLM"))
     convert(tp2pp2, back, to_format="hf")
-    if architecture == "MiniLM":  # Megatron-Core's BERT is another (pre-LN) model: refused, saying so
+    if architecture == "MiniLM":  # Megatron-LM's BERT is pre-LN, Hugging Face's post-LN: refused, saying so
         from mega.ckpt_convert import ConversionError
 
-        with pytest.raises(ConversionError, match="pre-LN .* post-LN"):
+        with pytest.raises(ConversionError, match="post-LN .* pre-LN"):
             convert(tp2pp2, tmp_path / "megatron", to_format="megatron")
         assert not (tmp_path / "megatron").exists()
     original, written = safetensors_of(source), safetensors_of(back)

@@ -141,6 +141,10 @@ def args_for(config, tensor_parallel_size: int, pipeline_parallel_size: int, pad
         args.position_embedding_type = config.position_embedding_type
         args.use_rotary_position_embeddings = config.position_embedding_type == "rope"
         args.norm_epsilon = config.layernorm_epsilon
+        if hasattr(config, "bert_pre_layernorm"):  # pretrain_bert.py's
+            from mega.ckpt_convert.megatron_bert import bert_args
+
+            bert_args(config, args)
     args.vocab_size = config.vocab_size
     args.padded_vocab_size = padded_vocab_size
     args.rotary_percent = 1.0

@@ -86,6 +86,15 @@ def first_rank_file(directory: Path) -> Path:
     return file
 
 
+def last_rank_file(directory: Path) -> Path:
+    """The file of tensor rank 0 on the last pipeline stage (the last expert rank), which holds the heads."""
+    names = [entry.name for entry in directory.iterdir() if _RANK_DIR.fullmatch(entry.name)]
+    file = directory / max(name for name in names if name.startswith("mp_rank_00")) / RANK_FILE
+    if not file.is_file():
+        raise ConversionError(f"{file} is missing")
+    return file
+
+
 def rank_files(directory: Path, pp: int, ep: int) -> dict[tuple[int, int, int], Path]:
     """(tp rank, pp stage, ep rank) -> model_optim_rng.pt of a legacy checkpoint saved at pipeline
     size ``pp`` and expert-parallel size ``ep``, checked to be a full grid."""

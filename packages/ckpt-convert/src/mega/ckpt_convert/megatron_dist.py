@@ -93,8 +93,9 @@ class TorchDistSource(MegatronSource):
         common = load_megatron_pickle(common_path)
         if not isinstance(common, dict):
             raise ConversionError(f"{common_path} holds a {type(common).__name__}, not Megatron's common state dict")
-        self._setup(directory, common.get("args"), common.get("iteration"), str(common_path), model_family)
         metadata = read_index(directory)
+        self._setup(directory, common.get("args"), common.get("iteration"), str(common_path), model_family,
+                    metadata.state_dict_metadata)
         names = names_for(self.family)
         self._index = {key: md for key, md in metadata.state_dict_metadata.items()
                        if isinstance(md, TensorStorageMetadata) and not key.startswith(NOT_MODEL)}

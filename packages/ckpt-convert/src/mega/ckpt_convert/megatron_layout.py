@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mega.ckpt_convert.errors import ConversionError
-from mega.ckpt_convert.megatron_names import LAYER_PREFIX, split_layer
+from mega.ckpt_convert.megatron_names import LAYER_PREFIX, split_stack_layer
 
 
 @dataclass(frozen=True)
@@ -104,17 +104,18 @@ def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int |
     return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
 
 
-def stage_of(name: str, stages: list[range], tied: bool) -> list[tuple[int, str]]:
-    """(stage, name in that stage's files) of each copy of the mega tensor ``name``: layers get
-    their stage-local numbers; a tied embedding is also the last stage's ``output_layer.weight``."""
+def stage_of(name: str, stages: list[range], tied: bool, stack: str = LAYER_PREFIX) -> list[tuple[int, str]]:
+    """(stage, name in that stage's files) of each copy of the mega tensor ``name``: layers of the
+    ``stack`` split over the stages get their stage-local numbers; a tied embedding is also the
+    last stage's ``output_layer.weight``."""
     if len(stages) == 1:  # one stage holds everything under its own name (every stack of layers, too)
         return [(0, name)]
-    layer = split_layer(name)
-    if layer is not None:
-        number, rest = layer
+    layer = split_stack_layer(name)
+    if layer is not None and layer[0] == stack:
+        _, number, rest = layer
         for stage, layers in enumerate(stages):
             if number in layers:
-                return [(stage, f"{LAYER_PREFIX}{number - layers.start}.{rest}")]
+                return [(stage, f"{stack}{number - layers.start}.{rest}")]
         raise ConversionError(f"{name}: layer {number} is in no pipeline stage")
     last = len(stages) - 1
     if name.startswith("embedding."):

@@ -22,6 +22,7 @@ from mega.ckpt_convert.megatron_directory import (
     MegatronCheckpoint,
     first_rank_file,
     iteration_dir_name,
+    last_rank_file,
     rank_dir_name,
     rank_files,
 )
@@ -83,6 +84,12 @@ def chunk_layers(args, num_layers: int, pp: int, vpp: int) -> dict[tuple[int, in
     return {(stage, chunk): pieces[chunk * pp + stage] for stage in range(pp) for chunk in range(vpp)}
 
 
+def _model_keys(state: dict) -> list[str]:
+    """Every name in a rank file's model state dicts (``model``, or ``model0``, ``model1``...)."""
+    return [key for name, model in state.items() if name.startswith("model") and isinstance(model, dict)
+            for key in flatten(model)]
+
+
 class LegacySource(MegatronSource):
     kind = "legacy (--ckpt-format torch)"
 
@@ -92,8 +99,11 @@ class LegacySource(MegatronSource):
         first = load_megatron_pickle(Path(where))
         if not isinstance(first, dict) or not ("model" in first or "model0" in first):  # model0...: interleaved
             raise ConversionError(f"{where} holds no 'model' state dict; it is not a Megatron-LM checkpoint file")
-        self._setup(directory, first.get("args"), first.get("iteration"), where, model_family)
-        del first
+        # The heads are on the last pipeline stage: its names with the first stage's tell the family.
+        last = load_megatron_pickle(last_rank_file(directory))
+        self._setup(directory, first.get("args"), first.get("iteration"), where, model_family,
+                    [*_model_keys(first), *(_model_keys(last) if isinstance(last, dict) else ())])
+        del first, last
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         refuse_split_stacks(names_for(self.family), pp, where)
         ep = getattr(self.args, "expert_model_parallel_size", None) or 1
@@ -234,7 +244,7 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
     whole_stacks = stack_sizes(names, layouts)
     tied = not config.untie_embeddings_and_output_weights
     args = args_for(config, tp, pp, config.padded_vocab_size(tp), iteration or 0, "torch", source.tokenizer)
-    placements = {name: stage_of(name, stages, tied) for name in layouts}
+    placements = {name: stage_of(name, stages, tied, names.stacks[0]) for name in layouts}
     checkpoint_dir = directory / iteration_dir_name(iteration)
     for stage in range(pp):
         for rank in range(tp):
@@ -255,7 +265,7 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
                 if name in model:
                     model[key] = model[name]
             experts = getattr(config, "num_experts", 0) if names.expert_patterns else 0
-            stage_sizes = {**whole_stacks, LAYER_PREFIX: len(stages[stage])} if pp > 1 else whole_stacks
+            stage_sizes = {names.stacks[0]: len(stages[stage])} if pp > 1 else whole_stacks
             for key in _extra_state_keys(names, layouts, stage_sizes, stage == pp - 1, experts):
                 model[key] = None
             path = checkpoint_dir / rank_dir_name(rank, stage, pp) / RANK_FILE

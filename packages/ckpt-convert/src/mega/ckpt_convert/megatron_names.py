@@ -111,25 +111,16 @@ MIXTURE_OF_EXPERTS = replace(
 )
 
 def _families() -> dict[str, MegatronNames]:
+    from mega.ckpt_convert.megatron_bert import BERT_NAMES
     from mega.ckpt_convert.megatron_t5 import T5_NAMES
 
-    return {"gpt": DECODER_ONLY, "llama": DECODER_ONLY, "mixtral": MIXTURE_OF_EXPERTS, "t5": T5_NAMES}
-
-
-# Families mega has that no name table can convert yet, and why.
-WHY_NOT = {
-    "bert": "Megatron-Core's BertModel is pre-LN (input_layernorm, pre_mlp_layernorm, encoder.final_layernorm, "
-            "no embedding norm) while mega's bert family is post-LN (Hugging Face's BERT): their weights make "
-            "different models, so renaming cannot convert them",
-}
+    return {"gpt": DECODER_ONLY, "llama": DECODER_ONLY, "mixtral": MIXTURE_OF_EXPERTS, "t5": T5_NAMES,
+            "bert": BERT_NAMES}
 
 
 def names_for(family: str) -> MegatronNames:
     from mega.ckpt_convert.errors import ConversionError
 
-    if family in WHY_NOT:
-        raise ConversionError(f"model family {family!r}: mega does not convert its Megatron-LM checkpoints: "
-                              f"{WHY_NOT[family]}")
     families = _families()
     if family not in families:
         raise ConversionError(f"model family {family!r} has no Megatron-LM name table (mega converts "
@@ -159,7 +150,7 @@ def mega_name(names: MegatronNames, file_name: str, layer_offset: int = 0) -> st
     if layer is None:
         return file_name
     stack, number, rest = layer
-    offset = layer_offset if stack == LAYER_PREFIX else 0  # pipelines split the decoder-only stack
+    offset = layer_offset if len(names.stacks) == 1 else 0  # pipelines renumber a lone stack's layers
     return f"{stack}{number + offset}.{names.layer_aliases.get(rest, rest)}"
 
 

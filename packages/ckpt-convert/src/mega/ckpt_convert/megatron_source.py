@@ -40,13 +40,19 @@ class MegatronSource(ClosingSource):
 
     kind = ""
 
-    def _setup(self, directory: Path, args, iteration: int | None, where: str, model_family: str | None) -> None:
+    def _setup(self, directory: Path, args, iteration: int | None, where: str, model_family: str | None,
+               file_keys=()) -> None:
+        """The model of ``args`` (``file_keys``, the names in the files, tell BERT from GPT)."""
+        from mega.ckpt_convert.megatron_bert import bert_settings, holds_bert
+
         if not isinstance(args, argparse.Namespace):
             raise ConversionError(f"{where} holds no args (an argparse.Namespace; found {type(args).__name__}); "
                                   "Megatron-LM's save_checkpoint records them, and mega does not guess a model")
         self.directory, self.args, self.iteration = directory, args, iteration
         settings = model_settings(args, where, model_family)
-        name = model_family or family_of(settings)
+        name = model_family or ("bert" if holds_bert(file_keys) else family_of(settings))
+        if name == "bert":
+            settings.update(bert_settings(args))
         family = family_by_name(name)
         self.family = family.name
         try:
@@ -99,7 +105,7 @@ class MegatronSource(ClosingSource):
                 "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "expert_model_parallel_size",
                 "untie_embeddings_and_output_weights", "add_bias_linear", "params_dtype", "bf16", "fp16",
                 "tokenizer_type", "transformer_impl", "encoder_num_layers", "decoder_num_layers",
-                "decoder_seq_length", "relative_attention_num_buckets")
+                "decoder_seq_length", "relative_attention_num_buckets", "bert_binary_head")
         shown = ", ".join(f"{key}={getattr(args, key)}" for key in keep if getattr(args, key, None) is not None)
         dtypes = sorted({str(dtype).removeprefix("torch.") for _, dtype, _ in self._found.values()})
         return [

@@ -5,6 +5,8 @@ BERT is a bidirectional encoder with post-LN layers (Devlin et al. 2018; Hugging
 LayerNorm and a GELU MLP with biases, and rejects the rest with the flag that asked for them.
 The binary (next-sentence / sentence-order) head is on by default, as in Megatron's
 ``pretrain_bert.py``: ``--bert-no-binary-head`` turns it off, ``--bert-binary-head`` on.
+``--bert-pre-layernorm`` builds Megatron-LM's (megatron-core's ``BertModel``) BERT instead:
+pre-LN layers, a final norm after the last one and no norm on the embeddings.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class BertConfig(TransformerConfig):
     bert_binary_head: bool = option(True, "the binary (sentence-order) head and its pooler; "
                                     "--bert-no-binary-head: masked-LM head only", action=BinaryHeadFlag)
     num_tokentypes: int = option(2, "rows of the token-type (segment) embedding; 0: none")
+    bert_pre_layernorm: bool = option(False, "Megatron-LM's BERT: pre-LN layers, a final norm, no embedding norm "
+                                      "(default: post-LN layers and an embedding norm, Hugging Face's BERT)")
 
     def validate(self, tensor_parallel_size: int = 1) -> None:
         super().validate(tensor_parallel_size)

@@ -14,6 +14,10 @@ post-LN, so the two norms of a layer and the embedding's norm have names of thei
     lm_head.dense.{weight,bias}   lm_head.layer_norm.{weight,bias}   output_layer.bias
     pooler.dense.{weight,bias}   binary_head.{weight,bias}            (with the binary head)
 
+With ``bert_pre_layernorm`` the model is megatron-core's ``BertModel`` under its names: no
+``embedding.layernorm``; ``encoder.layers.N.input_layernorm`` and ``...pre_mlp_layernorm`` before
+attention and the MLP; ``encoder.final_layernorm`` after the last layer.
+
 The masked-LM decoder is the word embedding (tied; a later pipeline stage holds a copy, synced
 as GPT's is) with a bias of its own over the vocabulary.
 """
@@ -47,7 +51,8 @@ def padding_attention_mask(padding_mask: torch.Tensor | None) -> AttentionMask:
 
 
 class BertEmbedding(nn.Module):
-    """LayerNorm(word + token type + position), then dropout; returns ``[seq, batch, hidden]``.
+    """LayerNorm(word + token type + position) (no norm when pre-LN), then dropout; returns
+    ``[seq, batch, hidden]``.
 
     ``words_only``: a later pipeline stage's copy of the word embedding, the MLM decoder's weight.
     """
@@ -61,7 +66,7 @@ class BertEmbedding(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.tokentype_embeddings = (nn.Embedding(config.num_tokentypes, config.hidden_size)
                                      if config.num_tokentypes > 0 else None)
-        self.layernorm = build_norm(config, kernels)
+        self.layernorm = None if config.bert_pre_layernorm else build_norm(config, kernels)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, text: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,7 +75,9 @@ class BertEmbedding(nn.Module):
             types = types if types is not None else torch.zeros_like(text)
             hidden = hidden + self.tokentype_embeddings(types)
         positions = torch.arange(text.shape[1], device=text.device)[None, :]
-        hidden = self.layernorm(hidden + self.position_embeddings(positions))
+        hidden = hidden + self.position_embeddings(positions)
+        if self.layernorm is not None:
+            hidden = self.layernorm(hidden)
         return self.dropout(hidden.transpose(0, 1).contiguous())
 
 
@@ -91,9 +98,26 @@ class BertLayer(nn.Module):
         return self.post_mlp_layernorm(hidden + self.hidden_dropout(self.mlp(hidden)))
 
 
+class PreNormBertLayer(nn.Module):
+    """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))): pre-LN, Megatron-LM's BERT."""
+
+    def __init__(self, config: BertConfig, kernels: Kernels):
+        super().__init__()
+        self.input_layernorm = build_norm(config, kernels)
+        self.self_attention = SelfAttention(config, kernels)
+        self.pre_mlp_layernorm = build_norm(config, kernels)
+        self.mlp = MLP(config, kernels)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        hidden = hidden + self.hidden_dropout(self.self_attention(self.input_layernorm(hidden), mask=mask))
+        return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
+
+
 class BertEncoder(nn.Module):
-    """The layers numbered ``layer_numbers`` (global numbers: ``encoder.layers.N``). No final
-    norm: each post-LN layer ends in one.
+    """The layers numbered ``layer_numbers`` (global numbers: ``encoder.layers.N``). Post-LN layers
+    each end in a norm; pre-LN ones are followed by ``final_layernorm`` on the stage holding the
+    last layer.
 
     Set from outside by ``parallelize``, as for the decoder block: ``rng_tracker``,
     ``fork_rng`` (sequence parallelism) and ``recompute_runs`` (full recompute).
@@ -101,7 +125,10 @@ class BertEncoder(nn.Module):
 
     def __init__(self, config: BertConfig, layer_numbers: range, kernels: Kernels):
         super().__init__()
-        self.layers = nn.ModuleDict({str(number): BertLayer(config, kernels) for number in layer_numbers})
+        layer_class = PreNormBertLayer if config.bert_pre_layernorm else BertLayer
+        self.layers = nn.ModuleDict({str(number): layer_class(config, kernels) for number in layer_numbers})
+        last = config.bert_pre_layernorm and layer_numbers.stop == config.num_layers
+        self.final_layernorm = build_norm(config, kernels) if last else None
         self.rng_tracker = None
         self.fork_rng = False
         self.recompute_runs = [(0, len(self.layers), False)]
@@ -116,13 +143,13 @@ class BertEncoder(nn.Module):
                     hidden = recomputed(run, hidden, rng_tracker=self.rng_tracker)
                 else:
                     hidden = run(hidden)
-        return hidden
+        return self.final_layernorm(hidden) if self.final_layernorm is not None else hidden
 
 
 class _LayerRun:
     """Consecutive layers as one callable of the hidden state: the unit full recompute checkpoints."""
 
-    def __init__(self, layers: list[BertLayer], mask: AttentionMask):
+    def __init__(self, layers: list[nn.Module], mask: AttentionMask):
         self.layers, self.mask = layers, mask
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -173,9 +200,9 @@ class BertModel(nn.Module):
         super().__init__()
         config.validate(parallel.tp)
         if kernels.get("norm_linear") is not None or kernels.get("norm_mlp") is not None:
-            raise ModelConfigError("BERT's layers are post-LN: no norm feeds a linear layer or the MLP, so "
-                                   "norm_linear / norm_mlp kernel backends cannot be used (choose "
-                                   "--normalization-backend instead)")
+            raise ModelConfigError("BERT's layers build their norms on their own (post-LN ones have no norm "
+                                   "feeding a linear layer), so norm_linear / norm_mlp kernel backends cannot be "
+                                   "used (choose --normalization-backend instead)")
         layers = stage.layers["encoder"]
         if layers.step != 1 or layers.start < 0 or layers.stop > config.num_layers:
             raise ModelConfigError(f"layers {layers} are not consecutive layers of a {config.num_layers}-layer model")

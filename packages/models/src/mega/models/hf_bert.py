@@ -76,6 +76,8 @@ def bert_hf_config(config: BertConfig) -> dict:
         raise ValueError("kv_channels (BERT heads split hidden_size)")
     if abs(config.attention_softmax_scale * config.kv_channels ** 0.5 - 1.0) > 1e-12:
         raise ValueError("softmax_scale (BERT scales by 1/sqrt(head size))")
+    if config.bert_pre_layernorm:
+        raise ValueError("--bert-pre-layernorm (Hugging Face's BERT is post-LN: pre-LN weights make another model)")
     architecture = "BertForPreTraining" if config.bert_binary_head else "BertForMaskedLM"
     return {
         "architectures": [architecture], "model_type": "bert",
