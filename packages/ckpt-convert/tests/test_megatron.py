@@ -372,7 +372,8 @@ def test_mixtral_imports_and_exports_with_megatron_core(world, tmp_path):
     """A genuine megatron-core MoE GPTModel (4 experts, top 2) saved by dist_checkpointing at tp 1
     and as legacy files of its state_dict (also split as an expert-parallel 2 run saves them) imports
     into mega's mixtral bit for bit; exports
-    (torch_dist and legacy) load back into megatron-core models with equal tensors."""
+    (torch_dist and legacy) load back into megatron-core models with equal tensors; legacy files of a
+    tp 2 run import, and export again at tp 2 as megatron-core's own."""
     dist, legacy = tmp_path / "moe-tp1", tmp_path / "moe-legacy"
     world.run(ref.save_moe, str(dist / "iter_0000007"), str(legacy))
     truth = world.run(ref.load_torch_dist, "mixtral", 1, str(dist / "iter_0000007"))[0]
@@ -404,3 +405,15 @@ def test_mixtral_imports_and_exports_with_megatron_core(world, tmp_path):
     tensors = read_tensors(tmp_path / "mega-moe-tp2", names)
     for name in names:
         _as_megatron_core(name, tensors, truth)
+    # and back to legacy files at tp 2: each loads into megatron-core's tp 2 model with strict
+    # load_state_dict, holding what megatron-core's own files held
+    convert(tmp_path / "mega-moe-tp2", tmp_path / "out-tp2-legacy", to_format="megatron",
+            options=WriteOptions(tensor_parallel_size=2, megatron_format="legacy", iteration=7))
+    loaded = world.run(ref.load_legacy, "mixtral", 2, 1, str(tmp_path / "out-tp2-legacy"), 7)
+    for rank in range(2):
+        original = torch.load(tmp_path / "moe-tp2-legacy" / "iter_0000007" / f"mp_rank_{rank:02d}" /
+                              "model_optim_rng.pt", weights_only=False)["model"]
+        (exported,) = loaded[rank]
+        assert exported.keys() == {key for key, value in original.items() if torch.is_tensor(value)}
+        for name, tensor in exported.items():
+            assert torch.equal(tensor, original[name]), (rank, name)

@@ -61,9 +61,6 @@ class MegatronFormat:
             if not fits or (layout.padded_vocab and shape[0] < config.vocab_size):
                 raise ConversionError(f"the {source.family} source: {name} has shape {list(shape)}, but its "
                                       f"model config implies {list(layout.shape)}")
-        if kind == LEGACY and tp > 1 and getattr(config, "num_experts", None):
-            raise ConversionError(f"--tensor-parallel-size {tp}: mega writes legacy MoE checkpoints at tensor "
-                                  "parallel size 1 (torch_dist ones at any)")
         optimizer = None
         if options.with_optimizer:
             if kind == LEGACY:

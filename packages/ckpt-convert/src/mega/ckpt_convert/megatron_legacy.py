@@ -107,6 +107,11 @@ class LegacySource(MegatronSource):
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         refuse_split_stacks(names_for(self.family), pp, where)
         ep = getattr(self.args, "expert_model_parallel_size", None) or 1
+        etp = getattr(self.args, "expert_tensor_parallel_size", None)
+        if getattr(self.config, "num_experts", None) and etp not in (None, tp):
+            raise ConversionError(f"{where}: args.expert_tensor_parallel_size {etp} differs from "
+                                  f"tensor_model_parallel_size {tp}; mega reads legacy MoE files whose experts are "
+                                  "split over the tensor-parallel ranks as the dense layers are")
         self._files = files = rank_files(directory, pp, ep)
         found_tp = max(r for r, _, _ in files) + 1
         if found_tp != tp:
@@ -257,8 +262,11 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
                             tensor = fit_rows(tensor, layout.shape[0])
                         prefix, _, part = key.rpartition("mlp.experts.")
                         if names.expert_patterns and prefix and part.startswith("linear_fc"):
-                            for expert, weight in enumerate(tensor.to(source.dtype(name))):  # one key per expert
-                                model[prefix + names.expert_file_name.format(expert=expert, part=part)] = weight.clone()
+                            # one key per expert, each split over the tensor-parallel ranks as a dense MLP
+                            split = expert_layout(name, config).split
+                            for expert, weight in enumerate(tensor.to(source.dtype(name))):
+                                model[prefix + names.expert_file_name.format(expert=expert, part=part)] = \
+                                    split(weight, rank, tp).clone()
                             continue
                         model[key] = layout.split(tensor, rank, tp).to(source.dtype(name)).clone()
             for key, name in names.duplicate_keys.items():
