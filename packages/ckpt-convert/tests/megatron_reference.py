@@ -252,14 +252,11 @@ def load_legacy(family: str, tp: int, pp: int, directory: str, iteration: int | 
 
 # -- optimizer state: megatron-core's own optimizer (get_megatron_optimizer), stepped on the CPU ----
 
-def _optimizer(model):
-    """megatron-core's optimizer for ``model`` as Megatron-LM builds it (regular, non-distributed
-    Adam; torch's AdamW inside, as megatron-core picks on a machine without TE or apex)."""
+def _cpu_tensors_in_optimizer() -> None:
+    """megatron-core's optimizer wrappers make a one-element CUDA tensor each (the loss scale): make it here."""
     import megatron.core.optimizer.optimizer as megatron_optimizer
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    class _CpuTensors:  # its wrappers make a one-element CUDA tensor each (the loss scale): make it here
+    class _CpuTensors:
         def __getattr__(self, name):
             return getattr(torch, name)
 
@@ -267,10 +264,44 @@ def _optimizer(model):
             return torch.tensor(*args, **kwargs)
 
     megatron_optimizer.torch = _CpuTensors()
+
+
+def _optimizer(model):
+    """megatron-core's optimizer for ``model`` as Megatron-LM builds it (regular, non-distributed
+    Adam; torch's AdamW inside, as megatron-core picks on a machine without TE or apex)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    _cpu_tensors_in_optimizer()
     model.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False)
     config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0,
                              use_distributed_optimizer=False)
     return get_megatron_optimizer(config, [model])
+
+
+def _mixed_precision_optimizer(model):
+    """megatron-core's bf16 optimizer (Float16OptimizerWithFloat16Params: fp32 main parameters) for
+    ``model`` cast to bf16. It asks each parameter for its CUDA type name; CPU tensors answer with
+    the CUDA spelling while it is built (a test-only shim, as the others)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    _cpu_tensors_in_optimizer()
+    model.to(torch.bfloat16)
+    model.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False)
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0, bf16=True,
+                             use_distributed_optimizer=False)
+    plain_type = torch.Tensor.type
+
+    def cuda_type(tensor, *args, **kwargs):
+        name = plain_type(tensor, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
+
+    torch.Tensor.type = cuda_type
+    try:
+        return get_megatron_optimizer(config, [model])
+    finally:
+        torch.Tensor.type = plain_type
 
 
 def _inner(optimizer):
@@ -363,3 +394,83 @@ def save_interleaved(family: str, legacy_dir: str, pp: int = 2, vpp: int = 2, it
     if rank == 0:
         (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     torch.distributed.barrier()
+
+
+def _state_by_name(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """The Adam state megatron-core's optimizer holds for each of ``model``'s parameters (and its
+    fp32 main parameter, in a bf16 run)."""
+    states = {}
+    for inner in _inner(optimizer):
+        states.update({id(param): state for param, state in inner.state.items()})
+    found = {}
+    for name, param in model.named_parameters():
+        main = getattr(param, "main_param", None)
+        state = states[id(main if main is not None else param)]
+        found[name] = {key: value.clone() for key, value in state.items()}
+        if main is not None:
+            found[name]["main_param"] = main.detach().clone()
+    return found
+
+
+def save_legacy_with_optimizer(family: str, directory: str, bf16: bool = False, iteration: int = 9,
+                               steps: int = 2) -> list[dict]:
+    """The legacy files of a tp 2 x pp 2 run trained ``steps`` Adam steps by megatron-core's regular
+    optimizer (one per stage; gradients drawn at random, the same for the tied embedding's two
+    copies and for a replicated parameter's tensor-parallel copies, as training makes them), each rank file holding
+    ``optimizer.state_dict()`` as Megatron-LM's save_checkpoint stores it: this rank's state by
+    parameter name, per stage."""
+    import zlib
+
+    tp, pp, rank = 2, 2, torch.distributed.get_rank()
+    layers = MODELS[family]["num_layers"] // pp
+    tied = not MODELS[family]["untie_embeddings_and_output_weights"]
+    truth = []
+    for stage in range(pp):
+        model = _model(family, tp, layers, pre=stage == 0, post=stage == pp - 1, seed=5 + stage)
+        if stage == 0:
+            embedding = model.embedding.word_embeddings.weight.detach().clone()
+        elif tied and stage == pp - 1:  # Megatron starts the last stage's copy from the embedding
+            with torch.no_grad():
+                model.output_layer.weight.copy_(embedding)
+        optimizer = _mixed_precision_optimizer(model) if bf16 else _optimizer(model)
+        for step in range(steps):
+            for name, param in model.named_parameters():
+                shared = "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" else name
+                # a parameter whole on every tensor-parallel rank gets the same gradient on each, as it does in training
+                split = rank if getattr(param, "tensor_model_parallel", False) else -1
+                seed = zlib.crc32(f"{split}/{stage * (name == shared)}/{shared}/{step}".encode())
+                generator = torch.Generator().manual_seed(seed)
+                target = getattr(param, "main_param", param)
+                target.grad = torch.randn(target.shape, generator=generator)
+            for inner in _inner(optimizer):
+                inner.step()
+        args = megatron_args(family, tp, pp, iteration, "torch")
+        args.consumed_train_samples, args.bf16 = iteration * 4, bf16
+        state = _rank_state(args, iteration, model.state_dict())
+        state["optimizer"] = optimizer.state_dict()
+        path = Path(directory) / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}_{stage:03d}" / "model_optim_rng.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+        truth.append(_state_by_name(model, optimizer))
+    if rank == 0:
+        (Path(directory) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+    return truth
+
+
+def load_legacy_optimizer(family: str, directory: str, bf16: bool = False, iteration: int = 9) -> list[dict]:
+    """Each of this tp rank's legacy files of a tp 2 x pp 2 run loaded into a fresh megatron-core stage
+    model and optimizer (strict load_state_dict, then optimizer.load_state_dict, as Megatron-LM's
+    load_checkpoint does): the optimizer's state by parameter name, per stage."""
+    tp, pp, rank = 2, 2, torch.distributed.get_rank()
+    layers = MODELS[family]["num_layers"] // pp
+    loaded = []
+    for stage in range(pp):
+        model = _model(family, tp, layers, pre=stage == 0, post=stage == pp - 1, seed=77 + stage)
+        optimizer = _mixed_precision_optimizer(model) if bf16 else _optimizer(model)
+        state = torch.load(Path(directory) / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}_{stage:03d}" /
+                           "model_optim_rng.pt", weights_only=False)
+        model.load_state_dict(state["model"], strict=True)
+        optimizer.load_state_dict(state["optimizer"])
+        loaded.append(_state_by_name(model, optimizer))
+    return loaded

@@ -324,7 +324,7 @@ def test_optimizer_state_moves_between_megatron_and_mega(made, world, tmp_path, 
                 assert torch.equal(loaded[name][key], mega.get_optimizer(name, key)), (name, key)
 
     for bad, problem in ((made[0] / "llama-tp2", "holds no optimizer state"),
-                         (made[0] / "llama-legacy", "legacy Megatron-LM checkpoint")):
+                         (made[0] / "llama-legacy", r"optimizer param group 0 \(wd_mult 1.0\) holds 2 parameters")):
         with pytest.raises(ConversionError, match=problem):
             convert(bad, tmp_path / "refused", from_format="megatron", to_format="mega",
                     options=WriteOptions(with_optimizer=True))
@@ -417,3 +417,50 @@ def test_mixtral_imports_and_exports_with_megatron_core(world, tmp_path):
         assert exported.keys() == {key for key, value in original.items() if torch.is_tensor(value)}
         for name, tensor in exported.items():
             assert torch.equal(tensor, original[name]), (rank, name)
+
+
+def _global_name(name: str, stage: int, family: str) -> str:
+    """mega's name of a tp 2 x pp 2 stage model's parameter (the last stage's tied output layer: the embedding)."""
+    layers = ref.MODELS[family]["num_layers"] // 2
+    if name.startswith("decoder.layers."):
+        number, rest = name[len("decoder.layers."):].split(".", 1)
+        return f"decoder.layers.{int(number) + stage * layers}.{rest}"
+    tied = not ref.MODELS[family]["untie_embeddings_and_output_weights"]
+    return "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" else name
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_legacy_optimizer_state_moves_between_megatron_and_mega(bf16, world, tmp_path):
+    """Legacy tp 2 x pp 2 files whose optimizer entries megatron-core's regular optimizer wrote (fp32:
+    torch Adam's state dict; bf16: with its fp32 main parameters) import into mega under mega's names
+    as megatron-core held them, and export back to files whose every rank's state megatron-core's
+    optimizer loads as it was (the tied embedding's state on both ends of the pipeline)."""
+    from mega.ckpt_convert.mega_format import MegaSource
+    from mega.ckpt_convert.megatron_layout import model_layouts
+    from mega.ckpt_convert.megatron_source import family_by_name
+
+    family = "gpt"  # tied embeddings over two stages, biases and norms in the no-decay group
+    source, imported, exported = tmp_path / "legacy", tmp_path / "mega", tmp_path / "back"
+    truth = world.run(ref.save_legacy_with_optimizer, family, str(source), bf16)
+    convert(source, imported, from_format="megatron", to_format="mega", options=WriteOptions(with_optimizer=True))
+    keys = ("exp_avg", "exp_avg_sq", *(("main_param",) if bf16 else ()))
+    with MegaSource(imported, None) as mega:
+        layouts = model_layouts(family_by_name(family), mega.config, 2)
+        assert mega.optimizer_state().step == 2 and mega.optimizer_state().iteration == 9
+        for rank in range(2):
+            for stage in range(2):
+                for name, state in truth[rank][stage].items():
+                    ours = _global_name(name, stage, family)
+                    for key in keys:
+                        shard = layouts[ours].split(mega.get_optimizer(ours, key), rank, 2)
+                        assert torch.equal(shard, state[key].to(shard.dtype)), (rank, stage, name, key)
+    convert(imported, exported, to_format="megatron",
+            options=WriteOptions(tensor_parallel_size=2, pipeline_parallel_size=2, megatron_format="legacy",
+                                 with_optimizer=True))
+    loaded = world.run(ref.load_legacy_optimizer, family, str(exported), bf16)
+    for rank in range(2):
+        for stage in range(2):
+            assert loaded[rank][stage].keys() == truth[rank][stage].keys()
+            for name, state in truth[rank][stage].items():
+                for key in (*keys, "step"):
+                    assert torch.equal(loaded[rank][stage][name][key], state[key]), (rank, stage, name, key)

@@ -63,10 +63,10 @@ class MegatronFormat:
                                       f"model config implies {list(layout.shape)}")
         optimizer = None
         if options.with_optimizer:
-            if kind == LEGACY:
-                raise ConversionError("--with-optimizer: mega writes optimizer state into torch_dist Megatron-LM "
-                                      "checkpoints only (--megatron-format torch_dist); legacy files key it by "
-                                      "Megatron's internal parameter order")
+            if kind == LEGACY and family.name not in ("gpt", "llama"):
+                raise ConversionError(f"--with-optimizer: mega writes optimizer state into legacy Megatron-LM files "
+                                      f"of GPT and LLaMA models, not {family.name}'s (their parameter order in "
+                                      "megatron-core is not mapped); use --megatron-format torch_dist")
             if getattr(config, "num_experts", None):
                 raise ConversionError(f"--with-optimizer: the {source.family} model has experts, whose optimizer "
                                       "state megatron-core keeps in a separate optimizer; mega carries dense models'")
@@ -77,7 +77,7 @@ class MegatronFormat:
         if kind == LEGACY:
             from mega.ckpt_convert.megatron_legacy import write_legacy
 
-            write_legacy(source, family, directory, tp, pp, iteration or None)
+            write_legacy(source, family, directory, tp, pp, iteration or None, optimizer)
         else:
             from mega.ckpt_convert.megatron_dist import write_torch_dist
 

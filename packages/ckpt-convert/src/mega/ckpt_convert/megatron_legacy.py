@@ -190,11 +190,60 @@ class LegacySource(MegatronSource):
         return flatten(model)
 
     def optimizer_state(self):
-        raise ConversionError(
-            f"--with-optimizer: {self.directory} is a legacy Megatron-LM checkpoint, whose optimizer state is keyed "
-            "by the position of each parameter in Megatron's param groups (and, with the distributed optimizer, "
-            "kept in distrib_optim.pt as flat buffers); mega carries optimizer state from torch_dist checkpoints: "
-            "save the run with --ckpt-format torch_dist, or convert without --with-optimizer")
+        """The regular optimizer's Adam state in every rank file, indexed by mega name and tp rank
+        (:mod:`mega.ckpt_convert.megatron_legacy_optimizer`)."""
+        from mega.ckpt_convert.megatron_legacy_optimizer import read_rank_optimizer
+        from mega.ckpt_convert.optimizer_state import MAIN_PARAM, MOMENTS, OptimizerState
+
+        if getattr(self, "_optimizer", None) is not None:
+            return self._optimizer
+        if getattr(self.args, "use_distributed_optimizer", False):
+            raise ConversionError(
+                f"--with-optimizer: {self.directory} was saved by Megatron-LM's distributed optimizer, which keeps "
+                "its state in distrib_optim.pt flat buffers; mega reads the regular optimizer's state from legacy "
+                "files (and both kinds from torch_dist checkpoints: save with --ckpt-format torch_dist)")
+        names = names_for(self.family)
+        places = chunk_layers(self.args, self.config.num_layers, self.pipeline_parallel_size, self.chunks)
+        tied = not self.config.untie_embeddings_and_output_weights
+        last_place = (self.pipeline_parallel_size - 1, self.chunks - 1)
+        self._optimizer_shards: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        steps, hyper, state = set(), {}, None
+        for (rank, stage, _), file in sorted(self._files.items()):
+            state = load_megatron_pickle(file)
+            chunks = ["model"] if self.chunks == 1 else [f"model{chunk}" for chunk in range(self.chunks)]
+            # The chunk's name in front keeps an interleaved file's chunks apart ("model1.decoder.layers.0...").
+            parameters = [(f"{chunk}.{key}", value) for chunk in chunks for key, value in flatten(state[chunk]).items()
+                          if torch.is_tensor(value)]
+            found, step, hyper = read_rank_optimizer(state.get("optimizer"), parameters, str(file))
+            steps.add(step)
+            for chunk_key, tensors in found.items():
+                chunk, _, key = chunk_key.partition(".")
+                place = (stage, 0 if chunk == "model" else int(chunk[len("model"):]))
+                if tied and self.pipeline_parallel_size > 1 and place == last_place and key in names.tied_copies:
+                    continue  # the last stage's copy of the tied embedding (the first stage's state is carried)
+                name = mega_name(names, key, places[place].start)
+                self._optimizer_shards.setdefault(name, {})[rank] = tensors
+        if len(steps) != 1:
+            raise ConversionError(f"{self.directory}: the rank files' optimizer step counts differ: {sorted(steps)}")
+        missing = set(self.layouts) - set(self._optimizer_shards)
+        if missing:
+            from mega.ckpt_convert.source import format_names
+
+            raise ConversionError(f"{self.directory}: the optimizer state lacks {format_names(missing)}")
+        if isinstance(state.get("opt_param_scheduler"), dict):
+            hyper["schedule"] = state["opt_param_scheduler"]
+        main = all(MAIN_PARAM in ranks[0] for ranks in self._optimizer_shards.values())
+        self._optimizer = OptimizerState(
+            keys=tuple(sorted(set(MOMENTS) | ({MAIN_PARAM} if main else set()))), step=steps.pop(),
+            iteration=int(self.iteration or 0),
+            consumed_samples=int(getattr(self.args, "consumed_train_samples", 0) or 0), hyperparameters=hyper)
+        return self._optimizer
+
+    def get_optimizer(self, name: str, key: str) -> torch.Tensor:
+        self.optimizer_state()
+        shards = self._optimizer_shards[name]
+        merged = self.layouts[name].merge([shards[rank][key] for rank in range(len(shards))])
+        return merged.clone() if merged is shards[0][key] else merged
 
     def get(self, name: str) -> torch.Tensor:
         """The merged tensor, read from each rank's file mapped just for it: keeping every file
@@ -240,8 +289,12 @@ def fit_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
 
 
-def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: int | None) -> None:
-    """``source`` as Megatron-LM's legacy files at tp x pp in ``directory`` (a new save directory)."""
+def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: int | None, optimizer=None) -> None:
+    """``source`` as Megatron-LM's legacy files at tp x pp in ``directory`` (a new save directory);
+    with ``optimizer`` (the source's :class:`~mega.ckpt_convert.optimizer_state.OptimizerState`),
+    each rank's regular-optimizer state too, its model state dict in megatron-core's parameter order."""
+    from mega.ckpt_convert.megatron_legacy_optimizer import megatron_order, rank_optimizer
+
     config = source.config
     layouts: dict[str, TensorLayout] = model_layouts(family, config, tp)
     names = names_for(family.name)
@@ -249,6 +302,8 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
     whole_stacks = stack_sizes(names, layouts)
     tied = not config.untie_embeddings_and_output_weights
     args = args_for(config, tp, pp, config.padded_vocab_size(tp), iteration or 0, "torch", source.tokenizer)
+    if optimizer is not None:
+        args.consumed_train_samples = optimizer.consumed_samples
     placements = {name: stage_of(name, stages, tied, names.stacks[0]) for name in layouts}
     checkpoint_dir = directory / iteration_dir_name(iteration)
     for stage in range(pp):
@@ -272,6 +327,8 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
             for key, name in names.duplicate_keys.items():
                 if name in model:
                     model[key] = model[name]
+            if optimizer is not None:  # indices follow the model's parameter order: megatron-core's
+                model = OrderedDict(sorted(model.items(), key=lambda item: megatron_order(item[0])))
             experts = getattr(config, "num_experts", 0) if names.expert_patterns else 0
             stage_sizes = {names.stacks[0]: len(stages[stage])} if pp > 1 else whole_stacks
             for key in _extra_state_keys(names, layouts, stage_sizes, stage == pp - 1, experts):
@@ -280,6 +337,19 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
             path.parent.mkdir(parents=True)
             state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0,
                      "model": model}
+            if optimizer is not None:
+                owners = {key: name for name in layouts for where, key in placements[name] if where == stage}
+
+                def state_of(key: str, rank: int = rank, owners: dict = owners) -> dict[str, torch.Tensor]:
+                    name = owners[key]
+                    layout = layouts[name]
+                    tensors = {k: source.get_optimizer(name, k) for k in optimizer.keys}
+                    return {k: layout.split(fit_rows(t, layout.shape[0]) if layout.padded_vocab else t, rank, tp)
+                            for k, t in tensors.items()}
+
+                state["optimizer"] = rank_optimizer(model, state_of, optimizer)
+                if "schedule" in optimizer.hyperparameters:  # Megatron-LM's load_checkpoint requires it
+                    state["opt_param_scheduler"] = optimizer.hyperparameters["schedule"]
             with open(path, "wb") as stream:
                 torch.save(state, stream)
                 stream.flush()
