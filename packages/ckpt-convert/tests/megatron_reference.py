@@ -89,7 +89,8 @@ def megatron_args(family: str, tp: int, pp: int, iteration: int, ckpt_format: st
     )
 
 
-def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, post: bool = True, seed: int = 0):
+def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, post: bool = True, seed: int = 0,
+           ep: int = 1):
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -99,7 +100,7 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
     _shims()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tp, 1)
+    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
     m = MODELS[family]
     experts = m.get("num_experts")
     moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=m["ffn_hidden_size"], moe_aux_loss_coeff=0.0,
@@ -110,7 +111,7 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
         gated_linear_unit=m["swiglu"], activation_func=F.silu if m["swiglu"] else F.gelu,
         normalization=m["normalization"], add_bias_linear=m["add_bias_linear"], hidden_dropout=0.0,
         attention_dropout=0.0, use_cpu_initialization=True, perform_initialization=True,
-        tensor_model_parallel_size=tp)
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     # MoE at tp > 1 requires sequence parallelism, which torch's norms (no TE, no apex) refuse to be
     # built with; it changes no weight or name, only communication: satisfy the check, then build without
     config.sequence_parallel = False
@@ -308,13 +309,13 @@ def _inner(optimizer):
     return [chained.optimizer for chained in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
-def save_with_optimizer(family: str, tp: int, directory: str, iteration: int = 9, steps: int = 2) -> None:
+def save_with_optimizer(family: str, tp: int, directory: str, iteration: int = 9, steps: int = 2, ep: int = 1) -> None:
     """A model trained ``steps`` Adam steps by megatron-core's optimizer (gradients drawn at random,
     its step() without the CUDA-only grad norm), saved as Megatron-LM's save_checkpoint does with
     --ckpt-format torch_dist: ``model`` and ``optimizer`` sharded state dicts, args, iteration."""
     from megatron.core import dist_checkpointing
 
-    model = _model(family, tp, seed=5)
+    model = _model(family, tp, seed=5, ep=ep)
     optimizer = _optimizer(model)
     generator = torch.Generator().manual_seed(11 + torch.distributed.get_rank())
     for _ in range(steps):
@@ -325,7 +326,7 @@ def save_with_optimizer(family: str, tp: int, directory: str, iteration: int = 9
     Path(directory).mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
     args = megatron_args(family, tp, 1, iteration, "torch_dist")
-    args.consumed_train_samples = iteration * 4
+    args.consumed_train_samples, args.expert_model_parallel_size = iteration * 4, ep
     model_state = model.sharded_state_dict()
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model_state,
              "optimizer": optimizer.sharded_state_dict(model_state)}
@@ -336,13 +337,13 @@ def save_with_optimizer(family: str, tp: int, directory: str, iteration: int = 9
     torch.distributed.barrier()
 
 
-def load_optimizer(family: str, tp: int, directory: str) -> dict:
+def load_optimizer(family: str, tp: int, directory: str, ep: int = 1) -> dict:
     """megatron-core's dist_checkpointing.load of the model and optimizer state in ``directory``
     into a fresh model and optimizer at ``tp`` (as Megatron-LM's load_checkpoint does): this rank's
     Adam state by parameter name ({name: {exp_avg, exp_avg_sq, step}})."""
     from megatron.core import dist_checkpointing
 
-    model = _model(family, tp, seed=77)
+    model = _model(family, tp, seed=77, ep=ep)
     optimizer = _optimizer(model)
     model_state = model.sharded_state_dict()
     wanted = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True)}

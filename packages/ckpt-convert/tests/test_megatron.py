@@ -464,3 +464,30 @@ def test_legacy_optimizer_state_moves_between_megatron_and_mega(bf16, world, tmp
             for name, state in truth[rank][stage].items():
                 for key in (*keys, "step"):
                     assert torch.equal(loaded[rank][stage][name][key], state[key]), (rank, stage, name, key)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_mixtral_optimizer_state_moves_between_megatron_and_mega(ep, world, tmp_path):
+    """megatron-core's optimizer of a MoE model, without expert parallelism (one optimizer) and at
+    ep 2 (a second optimizer for the experts, its state under ``chained_1.``), saved as torch_dist:
+    the import holds its moments for every parameter, experts included, and the export loads into
+    megatron-core's optimizer of a run without expert parallelism as they were."""
+    source, imported, exported = tmp_path / "megatron", tmp_path / "mega", tmp_path / "back"
+    world.run(ref.save_with_optimizer, "mixtral", 1, str(source / "iter_0000009"), 9, 2, ep)
+    truth = world.run(ref.load_optimizer, "mixtral", 1, str(source / "iter_0000009"), ep)
+    convert(source, imported, from_format="megatron", to_format="mega", options=WriteOptions(with_optimizer=True))
+    convert(imported, exported, to_format="megatron", options=WriteOptions(with_optimizer=True))
+    again = world.run(ref.load_optimizer, "mixtral", 1, str(exported / "iter_0000009"))[0]
+    experts = ref.MODELS["mixtral"]["num_experts"]
+    for name, state in again.items():
+        if name == "iteration":
+            continue
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            if ".experts." in name and ep > 1:  # each rank held half of the experts: local_experts.{e}
+                prefix, number, rest = name.partition("local_experts.")
+                local, _, part = rest.partition(".")
+                rank, local_number = divmod(int(local), experts // ep)
+                held = truth[rank][f"{prefix}{number}{local_number}.{part}"][key]
+            else:
+                held = truth[0][name][key]
+            assert torch.equal(state[key], held), (name, key)

@@ -15,6 +15,7 @@ slice when DCP writes it, so memory stays at one layer's tensors either way.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -53,6 +54,14 @@ CHECKPOINT_VERSION = 3.0
 DIST_CONFIG_CONTENT = {"sharded_backend": TORCH_DIST, "sharded_backend_version": 1, "common_backend": "torch",
                        "common_backend_version": 1}
 NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine_state")
+_CHAINED = re.compile(r"chained_\d+\.")
+
+
+def unchained(key: str) -> str:
+    """A key without the ``chained_N.`` prefix megatron-core's chained optimizer (MoE: a second
+    optimizer for the experts) gives each optimizer's state."""
+    match = _CHAINED.match(key)
+    return key[match.end():] if match else key
 
 
 def check_file_sizes(directory: Path, metadata) -> None:
@@ -98,7 +107,7 @@ class TorchDistSource(MegatronSource):
                     metadata.state_dict_metadata)
         names = names_for(self.family)
         self._index = {key: md for key, md in metadata.state_dict_metadata.items()
-                       if isinstance(md, TensorStorageMetadata) and not key.startswith(NOT_MODEL)}
+                       if isinstance(md, TensorStorageMetadata) and not unchained(key).startswith(NOT_MODEL)}
         self._keys, shapes = self.map_keys(self._index, names, "")
         self._found = {name: (shape, dtype, directory / ".metadata") for name, (shape, dtype) in shapes.items()}
         self._check(str(directory))
@@ -151,7 +160,8 @@ class TorchDistSource(MegatronSource):
     def get_optimizer(self, name: str, key: str) -> torch.Tensor:
         self.optimizer_state()
         index_key, layer = self._optimizer.keys[key][name]
-        return self._read(index_key, layer, self._optimizer.index)
+        stored = self._optimizer.stored_keys.get(index_key, index_key)
+        return self._read(stored, layer, {stored: self._optimizer.index[index_key]})
 
     def get(self, name: str) -> torch.Tensor:
         key, layer = self._keys[name]

@@ -67,9 +67,6 @@ class MegatronFormat:
                 raise ConversionError(f"--with-optimizer: mega writes optimizer state into legacy Megatron-LM files "
                                       f"of GPT and LLaMA models, not {family.name}'s (their parameter order in "
                                       "megatron-core is not mapped); use --megatron-format torch_dist")
-            if getattr(config, "num_experts", None):
-                raise ConversionError(f"--with-optimizer: the {source.family} model has experts, whose optimizer "
-                                      "state megatron-core keeps in a separate optimizer; mega carries dense models'")
             optimizer = optimizer_state_of(source, "the input")
         iteration = options.iteration if options.iteration is not None else getattr(source, "iteration", None)
         if iteration is None and optimizer is not None:

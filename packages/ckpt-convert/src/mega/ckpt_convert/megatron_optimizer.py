@@ -37,7 +37,8 @@ BUFFER_LAYOUT = ("optimizer.distributed.", "optimizer.param_state")
 class FoundOptimizer:
     state: OptimizerState
     keys: dict[str, dict[str, tuple[str, int | None]]]  # mega key -> mega name -> (index key, layer)
-    index: dict
+    index: dict  # index key (no chained_N. prefix) -> its DCP metadata
+    stored_keys: dict[str, str]  # index key -> the key in the files, where a chained optimizer prefixed it
 
 
 def read_optimizer_state(source, common: dict, metadata, names) -> FoundOptimizer:
@@ -50,9 +51,17 @@ def read_optimizer_state(source, common: dict, metadata, names) -> FoundOptimize
             f"{where} holds the distributed optimizer's state in its flat buffer layout (Megatron-LM's "
             "dp_reshardable, tied to the data-parallel layout); mega reads the layout-free kinds: save it "
             "from Megatron-LM with --dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
+    from mega.ckpt_convert.megatron_dist import unchained
+
     saved = common.get("optimizer")
-    index = {key: md for key, md in everything.items()
-             if key.startswith(STATE_PREFIX) and isinstance(md, TensorStorageMetadata)}
+    if isinstance(saved, dict) and saved and all(isinstance(k, int) for k in saved):  # a chained optimizer's
+        steps = {_step(part) for part in saved.values()}
+        if len(steps) != 1:
+            raise ConversionError(f"{where}: the chained optimizers' step counts differ: {sorted(map(str, steps))}")
+        saved = saved[min(saved)]  # megatron-core keeps them in step; the first's param groups serve
+    stored_keys = {unchained(key): key for key, md in everything.items()
+                   if unchained(key).startswith(STATE_PREFIX) and isinstance(md, TensorStorageMetadata)}
+    index = {key: everything[stored] for key, stored in stored_keys.items()}
     if not isinstance(saved, dict) or not index:
         raise ConversionError(f"--with-optimizer: {where} holds no optimizer state (Megatron-LM saved it with "
                               "--no-save-optim, or it is a release checkpoint)")
@@ -87,7 +96,7 @@ def read_optimizer_state(source, common: dict, metadata, names) -> FoundOptimize
         raise ConversionError(f"{where}: the optimizer state lacks {', '.join(sorted(set(MOMENTS) - set(keys)))}; "
                               "mega carries Adam's exp_avg and exp_avg_sq")
     groups = saved.get("param_groups") or [{}]
-    step = (saved.get("state") or {}).get("common_step", groups[0].get("step"))
+    step = _step(saved)
     if step is None:
         raise ConversionError(f"{where}: the optimizer state has no step count (optimizer.state.common_step "
                               "or param_groups[].step in common.pt)")
@@ -98,7 +107,14 @@ def read_optimizer_state(source, common: dict, metadata, names) -> FoundOptimize
     state = OptimizerState(
         keys=tuple(sorted(keys)), step=int(step), iteration=int(source.iteration or 0),
         consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0), hyperparameters=hyper)
-    return FoundOptimizer(state, keys, index)
+    return FoundOptimizer(state, keys, index, {key: stored for key, stored in stored_keys.items() if key != stored})
+
+
+def _step(saved: dict):
+    """The step count ``common.pt`` keeps for an optimizer (regular: common_step; distributed: in the groups)."""
+    groups = saved.get("param_groups") or [{}]
+    step = (saved.get("state") or {}).get("common_step", groups[0].get("step"))
+    return None if step is None else int(step)
 
 
 def param_groups(state: OptimizerState) -> list[dict]:
