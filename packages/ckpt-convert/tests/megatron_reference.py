@@ -475,3 +475,72 @@ def load_legacy_optimizer(family: str, directory: str, bf16: bool = False, itera
         optimizer.load_state_dict(state["optimizer"])
         loaded.append(_state_by_name(model, optimizer))
     return loaded
+
+
+# -- the distributed optimizer: megatron-core's DDP buffers and DistributedOptimizer, on the CPU ----
+
+def save_with_distributed_optimizer(family: str, directory: str, bucket_size: int | None, iteration: int = 9,
+                                    steps: int = 2) -> dict[str, list]:
+    """A tp 1 model, data-parallel over the world's ranks, trained ``steps`` Adam steps by megatron-core's
+    DistributedOptimizer (each rank stepping its shard of the grad buffers; gradients drawn at random),
+    saved as Megatron-LM's save_checkpoint does with --ckpt-format torch_dist and its default
+    ``dp_reshardable`` sharding. ``bucket_size``: DDP's (with --overlap-grad-reduce), or None for
+    one bucket. Returns what this rank's optimizer holds: parameter name -> [(start, end, {param,
+    exp_avg, exp_avg_sq})], each piece a flat range of the parameter."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = _model(family, 1, seed=5)
+    _cpu_tensors_in_optimizer()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                                               overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size)
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0, use_distributed_optimizer=True)
+    plain_type = torch.Tensor.type  # it asks for CUDA type names, as the bf16 optimizer does
+
+    def cuda_type(tensor, *args, **kwargs):
+        name = plain_type(tensor, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
+
+    torch.Tensor.type = cuda_type
+    try:
+        optimizer = get_megatron_optimizer(config, [ddp])
+    finally:
+        torch.Tensor.type = plain_type
+    distributed = getattr(optimizer, "chained_optimizers", [optimizer])
+    generator = torch.Generator().manual_seed(11)  # the same on every rank: gradients already reduced
+    for _ in range(steps):
+        for param in ddp.module.parameters():
+            param.main_grad.copy_(torch.randn(param.shape, generator=generator))
+        for shard in distributed:
+            shard._copy_model_grads_to_main_grads()
+            shard.optimizer.step()
+            shard._copy_main_params_to_model_params()
+    args = megatron_args(family, 1, 1, iteration, "torch_dist")
+    args.consumed_train_samples, args.use_distributed_optimizer = iteration * 4, True
+    args.data_parallel_size, args.overlap_grad_reduce = torch.distributed.get_world_size(), bucket_size is not None
+    args.ddp_bucket_size = bucket_size
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    model_state = ddp.module.sharded_state_dict()
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model_state,
+             "optimizer": optimizer.sharded_state_dict(model_state,
+                                                       metadata={"distrib_optim_sharding_type": "dp_reshardable"})}
+    dist_checkpointing.save(state, directory)
+    _stop_writer_helper()
+    if torch.distributed.get_rank() == 0:
+        Path(directory).parent.joinpath("latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+    names = {id(param): name for name, param in ddp.module.named_parameters()}
+    held: dict[str, list] = {}
+    for shard in distributed:
+        for buffer_ranges in shard.gbuf_ranges:
+            for bucket_ranges in buffer_ranges.values():
+                for bucket in bucket_ranges:
+                    for param, ranges in bucket["param_map"].items():
+                        tensors = shard._get_main_param_and_optimizer_states(param)
+                        held.setdefault(names[id(param)], []).append(
+                            (ranges["param"].start, ranges["param"].end,
+                             {key: value.detach().clone() for key, value in tensors.items()}))
+    return held

@@ -151,14 +151,21 @@ class TorchDistSource(MegatronSource):
         return buffer if layer is None else buffer[0]
 
     def optimizer_state(self):
-        from mega.ckpt_convert.megatron_optimizer import read_optimizer_state
+        from mega.ckpt_convert.megatron_optimizer import BUFFER_LAYOUT, read_optimizer_state
 
         if getattr(self, "_optimizer", None) is None:
-            self._optimizer = read_optimizer_state(self, self._common, self._metadata, names_for(self.family))
+            if any(key.startswith(BUFFER_LAYOUT) for key in self._metadata.state_dict_metadata):
+                from mega.ckpt_convert.megatron_distopt import BufferOptimizer
+
+                self._optimizer = BufferOptimizer(self, self._metadata)
+            else:
+                self._optimizer = read_optimizer_state(self, self._common, self._metadata, names_for(self.family))
         return self._optimizer.state
 
     def get_optimizer(self, name: str, key: str) -> torch.Tensor:
         self.optimizer_state()
+        if hasattr(self._optimizer, "get"):  # the distributed optimizer's buffers
+            return self._optimizer.get(name, key)
         index_key, layer = self._optimizer.keys[key][name]
         stored = self._optimizer.stored_keys.get(index_key, index_key)
         return self._read(stored, layer, {stored: self._optimizer.index[index_key]})

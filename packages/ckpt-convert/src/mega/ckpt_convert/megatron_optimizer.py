@@ -13,7 +13,7 @@ megatron-core saves the optimizer's ``sharded_state_dict`` beside the model's un
 
 The distributed optimizer's ``dp_reshardable`` kind (Megatron-LM's default without
 ``--dist-ckpt-optim-fully-reshardable``) saves its flat internal buffers, tied to the data-parallel
-layout, under ``optimizer.distributed.*``/``optimizer.param_state``: it is refused by name.
+layout, under ``optimizer.distributed.*``: :mod:`mega.ckpt_convert.megatron_distopt` reads those.
 """
 
 from __future__ import annotations
@@ -46,11 +46,6 @@ def read_optimizer_state(source, common: dict, metadata, names) -> FoundOptimize
     DCP ``metadata``), checked to cover every parameter at the parameter's shape."""
     where = source.directory
     everything = metadata.state_dict_metadata
-    if any(key.startswith(BUFFER_LAYOUT) for key in everything):
-        raise ConversionError(
-            f"{where} holds the distributed optimizer's state in its flat buffer layout (Megatron-LM's "
-            "dp_reshardable, tied to the data-parallel layout); mega reads the layout-free kinds: save it "
-            "from Megatron-LM with --dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
     from mega.ckpt_convert.megatron_dist import unchained
 
     saved = common.get("optimizer")
