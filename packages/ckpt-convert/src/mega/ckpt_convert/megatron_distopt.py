@@ -85,7 +85,7 @@ class BufferOptimizer:
     """The dp_reshardable state of a torch_dist ``source``, per parameter: ``state`` and ``get``."""
 
     def __init__(self, source, metadata):
-        where, args, config = source.directory, source.args, source.config
+        where, args = source.directory, source.args
         tp, pp = source.tensor_parallel_size, source.pipeline_parallel_size
         if (tp, pp) != (1, 1) or source.family not in ("gpt", "llama"):
             raise ConversionError(
@@ -106,9 +106,14 @@ class BufferOptimizer:
                 self.tensors[kind, int(bucket)] = key
         if len(dtypes) != 1:
             raise ConversionError(f"{where}: the distributed optimizer's buckets have dtypes {sorted(dtypes)}")
+        # [model chunk][buffer] -> {(param dtype, grad dtype): each bucket's size}
         saved_sizes = read_object(where, metadata, GROUP + "per_bucket_numel_unpadded/shard_0_1")
-        sizes = [size for chunk in saved_sizes for buffers in chunk for size in buffers.values()][0] \
-            if saved_sizes else []
+        try:
+            ((buffer,),) = saved_sizes
+            (sizes,) = buffer.values()
+        except (TypeError, ValueError, AttributeError):
+            raise ConversionError(f"{where}: the distributed optimizer's per_bucket_numel_unpadded is {saved_sizes!r}, "
+                                  "not one model chunk's one buffer (mega reads runs without interleaving)") from None
         dp = getattr(args, "data_parallel_size", None)
         if not dp:
             raise ConversionError(f"{where}: args lack data_parallel_size, which the distributed optimizer's "
