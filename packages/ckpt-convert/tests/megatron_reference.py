@@ -480,13 +480,16 @@ def load_legacy_optimizer(family: str, directory: str, bf16: bool = False, itera
 # -- the distributed optimizer: megatron-core's DDP buffers and DistributedOptimizer, on the CPU ----
 
 def save_with_distributed_optimizer(family: str, directory: str, bucket_size: int | None, iteration: int = 9,
-                                    steps: int = 2) -> dict[str, list]:
+                                    steps: int = 2, legacy_dir: str | None = None) -> dict[str, list]:
     """A tp 1 model, data-parallel over the world's ranks, trained ``steps`` Adam steps by megatron-core's
     DistributedOptimizer (each rank stepping its shard of the grad buffers; gradients drawn at random),
     saved as Megatron-LM's save_checkpoint does with --ckpt-format torch_dist and its default
     ``dp_reshardable`` sharding. ``bucket_size``: DDP's (with --overlap-grad-reduce), or None for
-    one bucket. Returns what this rank's optimizer holds: parameter name -> [(start, end, {param,
-    exp_avg, exp_avg_sq})], each piece a flat range of the parameter."""
+    one bucket. With ``legacy_dir``, also the legacy files of the run (--ckpt-format torch): the
+    model and ``optimizer.state_dict()`` in ``model_optim_rng.pt``, the buffers gathered by
+    ``save_parameter_state`` into ``distrib_optim.pt``. Returns what this rank's optimizer holds:
+    parameter name -> [(start, end, {param, exp_avg, exp_avg_sq})], each piece a flat range of the
+    parameter."""
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -532,6 +535,17 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
     if torch.distributed.get_rank() == 0:
         Path(directory).parent.joinpath("latest_checkpointed_iteration.txt").write_text(str(iteration))
     torch.distributed.barrier()
+    if legacy_dir is not None:
+        rank_dir = Path(legacy_dir) / f"iter_{iteration:07d}" / "mp_rank_00"
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        args.ckpt_format = "torch"
+        distributed[0].save_parameter_state(str(rank_dir / "distrib_optim.pt"))  # gathers on every rank
+        if torch.distributed.get_rank() == 0:
+            rank_state = _rank_state(args, iteration, ddp.module.state_dict())
+            rank_state["optimizer"] = optimizer.state_dict()
+            torch.save(rank_state, rank_dir / "model_optim_rng.pt")
+            (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+        torch.distributed.barrier()
     names = {id(param): name for name, param in ddp.module.named_parameters()}
     held: dict[str, list] = {}
     for shard in distributed:

@@ -496,25 +496,27 @@ def test_mixtral_optimizer_state_moves_between_megatron_and_mega(ep, world, tmp_
 @pytest.mark.parametrize("bucket_size", [None, 20000], ids=["one-bucket", "six-buckets"])
 def test_distributed_optimizer_buffers_import(bucket_size, world, tmp_path, capsys):
     """megatron-core's DistributedOptimizer over two data-parallel ranks, saved with Megatron-LM's
-    default dp_reshardable sharding (flat bucket tensors): every parameter's moments and main
-    parameter imported equal what the two ranks' optimizer shards held; args that contradict the
-    buffer layout are named, nothing written."""
+    default dp_reshardable torch_dist sharding (flat bucket tensors) and as legacy files
+    (distrib_optim.pt): every parameter's moments imported from either equal what the two ranks'
+    optimizer shards held; args that contradict the buffer layout are named, nothing written."""
     from mega.ckpt_convert.mega_format import MegaSource
 
-    source = tmp_path / "megatron"
-    held = world.run(ref.save_with_distributed_optimizer, "gpt", str(source / "iter_0000009"), bucket_size)
-    imported = tmp_path / "mega"
-    convert(source, imported, from_format="megatron", to_format="mega", options=WriteOptions(with_optimizer=True))
-    with MegaSource(imported, None) as mega:
-        assert mega.optimizer_state().step == 2
-        assert set(mega.names()) == set(held[0]) | set(held[1])
-        for name in mega.names():
-            for key in ("exp_avg", "exp_avg_sq"):
-                ours = mega.get_optimizer(name, key).flatten()
-                pieces = [piece for rank in held for piece in rank.get(name, [])]
-                assert sum(end - start for start, end, _ in pieces) == ours.numel(), name
-                for start, end, tensors in pieces:
-                    assert torch.equal(ours[start:end], tensors[key]), (name, key, start)
+    source, legacy = tmp_path / "megatron", tmp_path / "legacy"
+    held = world.run(ref.save_with_distributed_optimizer, "gpt", str(source / "iter_0000009"), bucket_size, 9, 2,
+                     str(legacy))
+    for saved in (source, legacy):
+        imported = tmp_path / f"mega-{saved.name}"
+        convert(saved, imported, from_format="megatron", to_format="mega", options=WriteOptions(with_optimizer=True))
+        with MegaSource(imported, None) as mega:
+            assert mega.optimizer_state().step == 2
+            assert set(mega.names()) == set(held[0]) | set(held[1])
+            for name in mega.names():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    ours = mega.get_optimizer(name, key).flatten()
+                    pieces = [piece for rank in held for piece in rank.get(name, [])]
+                    assert sum(end - start for start, end, _ in pieces) == ours.numel(), name
+                    for start, end, tensors in pieces:
+                        assert torch.equal(ours[start:end], tensors[key]), (saved.name, name, key, start)
     bad = tmp_path / "bad"
     shutil.copytree(source, bad)
     common = bad / "iter_0000009" / "common.pt"

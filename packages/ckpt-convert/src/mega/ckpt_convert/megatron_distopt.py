@@ -16,6 +16,13 @@ one bucket without) and padded at its end to a multiple of lcm(dp, 128) (with 2*
 ``--ddp-pad-buckets-for-high-nccl-busbw``). The rebuilt bucket sizes must equal the saved
 ``per_bucket_numel_unpadded``, or the import stops naming both. Read for one tensor- and
 pipeline-parallel rank (tp = pp = 1) of dense GPT and LLaMA models; other layouts are refused.
+
+Legacy files (``--ckpt-format torch``) keep the same state per tensor x pipeline rank in
+``distrib_optim.pt`` beside ``model_optim_rng.pt`` (``save_parameter_state``): per buffer and
+dtype, one flat tensor per kind of every bucket's elements one after the other (padding between
+buckets left out), ``numel_unpadded`` their total; the step is in ``model_optim_rng.pt``'s
+``optimizer.optimizer.param_groups``. There the parameters are the rank file's model state dict's,
+in its order, so any tensor-parallel size reads; one pipeline stage (no shared-embedding bucket).
 """
 
 from __future__ import annotations
@@ -118,9 +125,7 @@ class BufferOptimizer:
         if not dp:
             raise ConversionError(f"{where}: args lack data_parallel_size, which the distributed optimizer's "
                                   "bucket padding depends on")
-        bucket_size = None
-        if getattr(args, "overlap_grad_reduce", False):
-            bucket_size = getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * dp)
+        bucket_size = bucket_size_of(args)
         params = sorted(source.layouts, key=megatron_order)
         numels = [(name, math.prod(source.layouts[name].shape)) for name in params]
         self.places, built = buffer_layout(numels, dp, bucket_size,
@@ -146,3 +151,51 @@ class BufferOptimizer:
             stored = self.tensors[kind, bucket]
             self._buckets[kind, bucket] = self.source._read(stored, None, {stored: self.metadata.state_dict_metadata[stored]})
         return self._buckets[kind, bucket][start:end].view(self.source.layouts[name].shape).clone()
+
+
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+
+
+def bucket_size_of(args) -> int | None:
+    """DDP's bucket size for a run's args (None: one bucket, without --overlap-grad-reduce)."""
+    if not getattr(args, "overlap_grad_reduce", False):
+        return None
+    return getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * args.data_parallel_size)
+
+
+def read_distrib_optim(rank_file: Path, state: dict, parameters: list[tuple[str, torch.Tensor]], args):
+    """(model key -> {mega key: tensor}, step, group 0's hyperparameters) of one legacy rank:
+    ``state`` its model_optim_rng.pt, ``parameters`` its model's (key, tensor) in order."""
+    path = rank_file.parent / DISTRIB_OPTIM_FILE
+    saved = load_megatron_pickle(path)
+    try:
+        ((dtype, tensors),) = saved[0].items()
+        numel = int(tensors["numel_unpadded"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise ConversionError(f"{path} does not hold one gradient buffer's state (megatron-core's "
+                              "save_parameter_state of a model with one dtype)") from None
+    if 1 in saved:
+        raise ConversionError(f"{path} holds a second gradient buffer (experts, or two dtypes); mega reads one's")
+    dp = getattr(args, "data_parallel_size", None)
+    if not dp:
+        raise ConversionError(f"{rank_file}: args lack data_parallel_size, which the buffer layout depends on")
+    places, sizes = buffer_layout([(key, tensor.numel()) for key, tensor in parameters], dp, bucket_size_of(args),
+                                  bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
+    if sum(sizes) != numel:
+        raise ConversionError(f"{path}: megatron-core's gradient buffer for {rank_file.name}'s parameters and these "
+                              f"args (dp {dp}, bucket size {bucket_size_of(args)}) has {sum(sizes)} elements, but "
+                              f"the file's numel_unpadded is {numel}; the args and the state disagree")
+    offsets = [sum(sizes[:bucket]) for bucket in range(len(sizes))]
+    kinds = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+    if dtype[0] != torch.float32:  # the fp32 main parameters of a bf16/fp16 run
+        kinds[MAIN_PARAM] = "param"
+    found = {}
+    for key, tensor in parameters:
+        bucket, start, end = places[key]
+        found[key] = {mega: tensors[kind][offsets[bucket] + start:offsets[bucket] + end].view(tensor.shape)
+                      for mega, kind in kinds.items()}
+    groups = (state.get("optimizer") or {}).get("optimizer", {}).get("param_groups") or [{}]
+    if "step" not in groups[0]:
+        raise ConversionError(f"{rank_file}: the distributed optimizer's param groups hold no step")
+    hyper = {k: groups[0][k] for k in ("lr", "betas", "eps", "weight_decay") if k in groups[0]}
+    return found, int(groups[0]["step"]), hyper

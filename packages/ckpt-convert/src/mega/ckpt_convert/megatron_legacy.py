@@ -192,16 +192,18 @@ class LegacySource(MegatronSource):
     def optimizer_state(self):
         """The regular optimizer's Adam state in every rank file, indexed by mega name and tp rank
         (:mod:`mega.ckpt_convert.megatron_legacy_optimizer`)."""
+        from mega.ckpt_convert.megatron_distopt import read_distrib_optim
         from mega.ckpt_convert.megatron_legacy_optimizer import read_rank_optimizer
         from mega.ckpt_convert.optimizer_state import MAIN_PARAM, MOMENTS, OptimizerState
 
         if getattr(self, "_optimizer", None) is not None:
             return self._optimizer
-        if getattr(self.args, "use_distributed_optimizer", False):
+        distributed = bool(getattr(self.args, "use_distributed_optimizer", False))
+        if distributed and (self.pipeline_parallel_size > 1 or self.chunks > 1):
             raise ConversionError(
-                f"--with-optimizer: {self.directory} was saved by Megatron-LM's distributed optimizer, which keeps "
-                "its state in distrib_optim.pt flat buffers; mega reads the regular optimizer's state from legacy "
-                "files (and both kinds from torch_dist checkpoints: save with --ckpt-format torch_dist)")
+                f"--with-optimizer: {self.directory} was saved by Megatron-LM's distributed optimizer at pipeline size "
+                f"{self.pipeline_parallel_size}; mega reads its distrib_optim.pt buffers of one pipeline stage "
+                "(save with --ckpt-format torch_dist and --dist-ckpt-optim-fully-reshardable instead)")
         names = names_for(self.family)
         places = chunk_layers(self.args, self.config.num_layers, self.pipeline_parallel_size, self.chunks)
         tied = not self.config.untie_embeddings_and_output_weights
@@ -214,7 +216,10 @@ class LegacySource(MegatronSource):
             # The chunk's name in front keeps an interleaved file's chunks apart ("model1.decoder.layers.0...").
             parameters = [(f"{chunk}.{key}", value) for chunk in chunks for key, value in flatten(state[chunk]).items()
                           if torch.is_tensor(value)]
-            found, step, hyper = read_rank_optimizer(state.get("optimizer"), parameters, str(file))
+            if distributed:
+                found, step, hyper = read_distrib_optim(file, state, parameters, self.args)
+            else:
+                found, step, hyper = read_rank_optimizer(state.get("optimizer"), parameters, str(file))
             steps.add(step)
             for chunk_key, tensors in found.items():
                 chunk, _, key = chunk_key.partition(".")
