@@ -491,26 +491,8 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
     parameter name -> [(start, end, {param, exp_avg, exp_avg_sq})], each piece a flat range of the
     parameter."""
     from megatron.core import dist_checkpointing
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = _model(family, 1, seed=5)
-    _cpu_tensors_in_optimizer()
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
-                                               overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size)
-    ddp = DistributedDataParallel(model.config, ddp_config, model)
-    config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0, use_distributed_optimizer=True)
-    plain_type = torch.Tensor.type  # it asks for CUDA type names, as the bf16 optimizer does
-
-    def cuda_type(tensor, *args, **kwargs):
-        name = plain_type(tensor, *args, **kwargs)
-        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
-
-    torch.Tensor.type = cuda_type
-    try:
-        optimizer = get_megatron_optimizer(config, [ddp])
-    finally:
-        torch.Tensor.type = plain_type
+    ddp, optimizer = _distributed_optimizer(family, bucket_size, seed=5)
     distributed = getattr(optimizer, "chained_optimizers", [optimizer])
     generator = torch.Generator().manual_seed(11)  # the same on every rank: gradients already reduced
     for _ in range(steps):
@@ -546,9 +528,40 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
             torch.save(rank_state, rank_dir / "model_optim_rng.pt")
             (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
         torch.distributed.barrier()
+    return _held_by_name(ddp, optimizer)
+
+
+def _distributed_optimizer(family: str, bucket_size: int | None, seed: int):
+    """A tp 1 model in megatron-core's DDP (gradient buffers, the world's ranks data-parallel) and
+    its DistributedOptimizer, built on the CPU."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = _model(family, 1, seed=seed)
+    _cpu_tensors_in_optimizer()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                                               overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size)
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0, use_distributed_optimizer=True)
+    plain_type = torch.Tensor.type  # it asks for CUDA type names, as the bf16 optimizer does
+
+    def cuda_type(tensor, *args, **kwargs):
+        name = plain_type(tensor, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
+
+    torch.Tensor.type = cuda_type
+    try:
+        return ddp, get_megatron_optimizer(config, [ddp])
+    finally:
+        torch.Tensor.type = plain_type
+
+
+def _held_by_name(ddp, optimizer) -> dict[str, list]:
+    """What this rank's distributed optimizer holds: parameter name -> [(start, end, {param,
+    exp_avg, exp_avg_sq})], each piece a flat range of the parameter."""
     names = {id(param): name for name, param in ddp.module.named_parameters()}
     held: dict[str, list] = {}
-    for shard in distributed:
+    for shard in getattr(optimizer, "chained_optimizers", [optimizer]):
         for buffer_ranges in shard.gbuf_ranges:
             for bucket_ranges in buffer_ranges.values():
                 for bucket in bucket_ranges:
