@@ -20,3 +20,16 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     return {variant: save_hf_model(make_hf_model(variant), root / variant) for variant in VARIANTS}
 
+
+@pytest.fixture(scope="module")
+def world():
+    """A 2-rank gloo world for megatron-core's side of the Megatron-LM checkpoint tests (one per
+    module: megatron-core's writer state is per process)."""
+    pytest.importorskip("megatron.core")
+    import megatron_reference
+
+    from mega.core.testing import DistributedWorld
+
+    with DistributedWorld(2, timeout_s=600) as started:
+        yield started
+        started.run(megatron_reference.leave)

@@ -13,7 +13,7 @@ import contextlib
 from pathlib import Path
 
 import torch
-from megatron_reference import _rank_state, _shims, _stop_writer_helper, padded_vocab
+from megatron_reference import _rank_state, _shims, _stop_writer_helper, padded_vocab, stage_state_dict
 
 VOCAB, LAYERS, SEQ = 200, 4, 32
 SHAPE = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128)
@@ -74,19 +74,7 @@ def save_bert(torch_dist_dir: str, legacy_dir: str, pp: int = 2, iteration: int 
     _stop_writer_helper()
     whole, per_stage = model.state_dict(), LAYERS // pp
     for stage in range(pp):
-        stage_state = {}
-        for key, value in whole.items():
-            if key.startswith("encoder.layers."):
-                number, rest = key[len("encoder.layers."):].split(".", 1)
-                if int(number) // per_stage == stage:
-                    stage_state[f"encoder.layers.{int(number) - stage * per_stage}.{rest}"] = value
-            elif key.startswith("embedding."):
-                if stage == 0:
-                    stage_state[key] = value
-            elif stage == pp - 1:
-                stage_state[key] = value
-        if stage == pp - 1:
-            stage_state["output_layer.weight"] = whole["embedding.word_embeddings.weight"].clone()
+        stage_state = stage_state_dict(whole, stage, pp, per_stage, "encoder.layers.", tied=True)
         path = Path(legacy_dir) / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}_{stage:03d}" / "model_optim_rng.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(_rank_state(bert_megatron_args(tp, pp, iteration, "torch"), iteration, stage_state), path)

@@ -160,25 +160,33 @@ def save_both(family: str, torch_dist_dir: str, legacy_dir: str, pp: int = 2, it
     layers = MODELS[family]["num_layers"] // pp
     tied = not MODELS[family]["untie_embeddings_and_output_weights"]
     for stage in range(pp):
-        stage_state = {}
-        for key, value in state.items():
-            if key.startswith("decoder.layers."):
-                number, rest = key[len("decoder.layers."):].split(".", 1)
-                if int(number) // layers == stage:
-                    stage_state[f"decoder.layers.{int(number) - stage * layers}.{rest}"] = value
-            elif key.startswith("embedding."):
-                if stage == 0:
-                    stage_state[key] = value
-            elif stage == pp - 1:
-                stage_state[key] = value
-        if tied and pp > 1 and stage == pp - 1:
-            stage_state["output_layer.weight"] = state["embedding.word_embeddings.weight"].clone()
+        stage_state = stage_state_dict(state, stage, pp, layers, "decoder.layers.", tied)
         path = Path(legacy_dir) / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}_{stage:03d}" / "model_optim_rng.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(_rank_state(megatron_args(family, tp, pp, iteration, "torch"), iteration, stage_state), path)
     if rank == 0:
         (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     torch.distributed.barrier()
+
+
+def stage_state_dict(whole: dict, stage: int, pp: int, layers: int, stack: str, tied: bool) -> dict:
+    """Pipeline stage ``stage``'s part of a whole model's state dict, as Megatron-LM's stage model
+    holds it: its ``layers`` layers of ``stack`` renumbered from 0, the embeddings on the first stage,
+    the rest on the last (with the tied embedding's copy as ``output_layer.weight``)."""
+    part = {}
+    for key, value in whole.items():
+        if key.startswith(stack):
+            number, rest = key[len(stack):].split(".", 1)
+            if int(number) // layers == stage:
+                part[f"{stack}{int(number) - stage * layers}.{rest}"] = value
+        elif key.startswith("embedding."):
+            if stage == 0:
+                part[key] = value
+        elif stage == pp - 1:
+            part[key] = value
+    if tied and pp > 1 and stage == pp - 1:
+        part["output_layer.weight"] = whole["embedding.word_embeddings.weight"].clone()
+    return part
 
 
 def save_moe(torch_dist_dir: str, legacy_dir: str, iteration: int = 7) -> None:

@@ -24,16 +24,8 @@ import megatron_reference as ref  # noqa: E402
 from mega.ckpt_convert import WriteOptions, convert  # noqa: E402
 from mega.ckpt_convert.cli import main as convert_main  # noqa: E402
 from mega.core.checkpoint import read_tensors, tensor_shapes  # noqa: E402
-from mega.core.testing import DistributedWorld  # noqa: E402
 
 FAMILIES = ("llama", "gpt")  # llama: GQA, SwiGLU, RMSNorm, untied; gpt: biases, LayerNorm, learned positions, tied
-
-
-@pytest.fixture(scope="module")
-def world():
-    with DistributedWorld(2, timeout_s=600) as started:
-        yield started
-        started.run(ref.leave)
 
 
 @pytest.fixture(scope="module")

@@ -21,19 +21,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 
-import megatron_reference as ref  # noqa: E402
 import megatron_t5_reference as t5_ref  # noqa: E402
 from test_megatron import _refused, assert_same_model  # noqa: E402
 
 from mega.ckpt_convert import ConversionError, WriteOptions, convert  # noqa: E402
-from mega.core.testing import DistributedWorld  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def world():
-    with DistributedWorld(2, timeout_s=600) as started:
-        yield started
-        started.run(ref.leave)
 
 
 @pytest.fixture(scope="module")
