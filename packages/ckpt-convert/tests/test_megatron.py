@@ -458,12 +458,12 @@ def test_legacy_optimizer_state_moves_between_megatron_and_mega(bf16, world, tmp
                     assert torch.equal(loaded[rank][stage][name][key], state[key]), (rank, stage, name, key)
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_mixtral_optimizer_state_moves_between_megatron_and_mega(ep, world, tmp_path):
-    """megatron-core's optimizer of a MoE model, without expert parallelism (one optimizer) and at
-    ep 2 (a second optimizer for the experts, its state under ``chained_1.``), saved as torch_dist:
-    the import holds its moments for every parameter, experts included, and the export loads into
+def test_mixtral_optimizer_state_moves_between_megatron_and_mega(world, tmp_path):
+    """megatron-core's optimizer of a MoE model at ep 2 (a second optimizer for the experts, the
+    chained optimizer's state under ``chained_0.``/``chained_1.``), saved as torch_dist: the import
+    holds its moments for every parameter, experts included, and the export loads into
     megatron-core's optimizer of a run without expert parallelism as they were."""
+    ep = 2
     source, imported, exported = tmp_path / "megatron", tmp_path / "mega", tmp_path / "back"
     world.run(ref.save_with_optimizer, "mixtral", 1, str(source / "iter_0000009"), 9, 2, ep)
     truth = world.run(ref.load_optimizer, "mixtral", 1, str(source / "iter_0000009"), ep)
@@ -485,16 +485,16 @@ def test_mixtral_optimizer_state_moves_between_megatron_and_mega(ep, world, tmp_
             assert torch.equal(state[key], held), (name, key)
 
 
-@pytest.mark.parametrize("bucket_size", [None, 20000], ids=["one-bucket", "six-buckets"])
-def test_distributed_optimizer_buffers_import(bucket_size, world, tmp_path, capsys):
-    """megatron-core's DistributedOptimizer over two data-parallel ranks, saved with Megatron-LM's
+def test_distributed_optimizer_buffers_import(world, tmp_path, capsys):
+    """megatron-core's DistributedOptimizer over two data-parallel ranks (with --overlap-grad-reduce and
+    buckets of 20,000 elements: six buckets, each padded at its end), saved with Megatron-LM's
     default dp_reshardable torch_dist sharding (flat bucket tensors) and as legacy files
     (distrib_optim.pt): every parameter's moments imported from either equal what the two ranks'
     optimizer shards held; args that contradict the buffer layout are named, nothing written."""
     from mega.ckpt_convert.mega_format import MegaSource
 
     source, legacy = tmp_path / "megatron", tmp_path / "legacy"
-    held = world.run(ref.save_with_distributed_optimizer, "gpt", str(source / "iter_0000009"), bucket_size, 9, 2,
+    held = world.run(ref.save_with_distributed_optimizer, "gpt", str(source / "iter_0000009"), 20000, 9, 2,
                      str(legacy))
     for saved in (source, legacy):
         imported = tmp_path / f"mega-{saved.name}"
