@@ -288,6 +288,22 @@ def _optimizer(model):
     return get_megatron_optimizer(config, [model])
 
 
+def _with_cuda_type_names(build):
+    """``build()`` while CPU tensors give their CUDA type names: megatron-core's bf16 and distributed
+    optimizers check each parameter's ``type()`` against the CUDA spellings."""
+    plain_type = torch.Tensor.type
+
+    def cuda_type(tensor, *args, **kwargs):
+        name = plain_type(tensor, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
+
+    torch.Tensor.type = cuda_type
+    try:
+        return build()
+    finally:
+        torch.Tensor.type = plain_type
+
+
 def _mixed_precision_optimizer(model):
     """megatron-core's bf16 optimizer (Float16OptimizerWithFloat16Params: fp32 main parameters) for
     ``model`` cast to bf16. It asks each parameter for its CUDA type name; CPU tensors answer with
@@ -300,17 +316,7 @@ def _mixed_precision_optimizer(model):
     model.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False)
     config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0, bf16=True,
                              use_distributed_optimizer=False)
-    plain_type = torch.Tensor.type
-
-    def cuda_type(tensor, *args, **kwargs):
-        name = plain_type(tensor, *args, **kwargs)
-        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
-
-    torch.Tensor.type = cuda_type
-    try:
-        return get_megatron_optimizer(config, [model])
-    finally:
-        torch.Tensor.type = plain_type
+    return _with_cuda_type_names(lambda: get_megatron_optimizer(config, [model]))
 
 
 def _inner(optimizer):
@@ -551,17 +557,7 @@ def _distributed_optimizer(family: str, bucket_size: int | None, seed: int):
                                                overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size)
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0, use_distributed_optimizer=True)
-    plain_type = torch.Tensor.type  # it asks for CUDA type names, as the bf16 optimizer does
-
-    def cuda_type(tensor, *args, **kwargs):
-        name = plain_type(tensor, *args, **kwargs)
-        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
-
-    torch.Tensor.type = cuda_type
-    try:
-        return ddp, get_megatron_optimizer(config, [ddp])
-    finally:
-        torch.Tensor.type = plain_type
+    return ddp, _with_cuda_type_names(lambda: get_megatron_optimizer(config, [ddp]))
 
 
 def _held_by_name(ddp, optimizer) -> dict[str, list]:
