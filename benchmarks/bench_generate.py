@@ -2,7 +2,9 @@
 
 Part 1, the engine: both hold the same random weights (mapped by the families' ``hf_mapping``)
 and generate greedily, with their KV caches, ``--new-tokens`` tokens after prompts of
-``--prompt`` tokens, at batch 1 and 8. Columns: median seconds per generate call, generated
+``--prompt`` tokens, at batch 1 and 8. mega runs twice: its lock-step engine, and the static KV
+cache (``StaticDecoder``; on CUDA its decode step is a captured CUDA graph, as ``mega generate``
+and ``mega serve`` decode there by default). Columns: median seconds per generate call, generated
 tokens per second, mega's speed relative to Hugging Face's (the outputs are checked equal).
 
 Part 2, the server: the LLaMA model written as a mega checkpoint, served by ``mega serve`` in its
@@ -12,6 +14,9 @@ after another. Columns: requests, generated tokens per second over the whole run
 
     python benchmarks/bench_generate.py
     python benchmarks/bench_generate.py --family gpt --batches 1 --json
+    # the LLaMA 1.2B shape on a GPU (#23's decode table):
+    python benchmarks/bench_generate.py --family llama --device cuda --dtype bfloat16 --layers 16 \
+        --hidden 2048 --heads 16 --vocab 128256 --prompt 128 --new-tokens 128 --batches 1 16 --no-server
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import transformers  # noqa: E402
 from mega.core.build import build_stage  # noqa: E402
 from mega.core.plugins import get_plugins  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
+from mega.inference.static_decode import StaticDecoder  # noqa: E402
 from mega.models.hf_mapping import hf_to_mega  # noqa: E402
 
 
@@ -53,30 +59,42 @@ def hf_model(family: str, args):
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def placed(model: torch.nn.Module, args) -> torch.nn.Module:
+    return model.to(device=args.device, dtype=getattr(torch, args.dtype))
+
+
 def mega_weights(family: str, model):
     mapping = get_plugins().models.get(family).hf_mapping
     config = mapping.config_from_hf(model.config.to_dict())
     return config, hf_to_mega(mapping, model.state_dict(), config)
 
 
-def mega_engine(family: str, model) -> GenerationEngine:
+def mega_engine(family: str, model, args) -> GenerationEngine:
     config, weights = mega_weights(family, model)
     mega_model = build_stage(get_plugins().models.get(family), config, init=False)
     mega_model.load_state_dict(weights)
-    return GenerationEngine(mega_model.eval(), vocab_size=config.vocab_size,
+    return GenerationEngine(placed(mega_model.eval(), args), vocab_size=config.vocab_size,
                             max_positions=config.max_position_embeddings)
 
 
 def time_call(fn) -> tuple[float, object]:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     start = time.perf_counter()
     out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - start, out
 
 
 def bench_engine(family: str, batch: int, args) -> dict:
     model = hf_model(family, args)
-    engine = mega_engine(family, model)
+    engine = mega_engine(family, model, args)
+    model = placed(model, args)
+    static = StaticDecoder(engine)  # CUDA graphs on CUDA
     prompts = torch.randint(0, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
+    requests = [GenerationRequest(p, args.new_tokens) for p in prompts.tolist()]
+    prompts = prompts.to(args.device)
 
     def hf_generate():
         with torch.inference_mode():
@@ -85,20 +103,27 @@ def bench_engine(family: str, batch: int, args) -> dict:
         return out[:, args.prompt:].tolist()
 
     def mega_generate():
-        results = engine.generate([GenerationRequest(p, args.new_tokens) for p in prompts.tolist()])
-        return [r.generated for r in results]
+        return [r.generated for r in engine.generate(requests)]
 
-    hf_times, mega_times = [], []
-    for repeat in range(args.warmup + args.repeats):  # alternate: both see the same machine load
-        hf_s, hf_out = time_call(hf_generate)
-        mega_s, mega_out = time_call(mega_generate)
-        if repeat >= args.warmup:
-            hf_times.append(hf_s)
-            mega_times.append(mega_s)
-    hf_s, mega_s = statistics.median(hf_times), statistics.median(mega_times)
+    def static_generate():
+        return [r.generated for r in static.generate(requests)]
+
+    runs = {"hf": hf_generate, "mega": mega_generate, "static": static_generate}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    outputs = {}
+    for repeat in range(args.warmup + args.repeats):  # alternate: all see the same machine load
+        for name, run in runs.items():
+            seconds, outputs[name] = time_call(run)
+            if repeat >= args.warmup:
+                times[name].append(seconds)
     tokens = batch * args.new_tokens
-    return {"family": family, "batch": batch, "hf_s": hf_s, "mega_s": mega_s, "hf_tokens_per_s": tokens / hf_s,
-            "mega_tokens_per_s": tokens / mega_s, "mega_speedup": hf_s / mega_s, "same_tokens": hf_out == mega_out}
+    row = {"family": family, "batch": batch}
+    for name in runs:
+        row[f"{name}_s"] = statistics.median(times[name])
+        row[f"{name}_tokens_per_s"] = tokens / row[f"{name}_s"]
+    row["mega_speedup"], row["static_speedup"] = row["hf_s"] / row["mega_s"], row["hf_s"] / row["static_s"]
+    row["same_tokens"] = outputs["hf"] == outputs["mega"] == outputs["static"]
+    return row
 
 
 def free_port() -> int:
@@ -175,6 +200,9 @@ def main() -> None:
     torch.set_flush_denormal(True)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=["gpt", "llama", "both"], default="both")
+    parser.add_argument("--device", default="cpu", help="engine part: cpu or cuda")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="engine part: both models' dtype")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
@@ -199,11 +227,14 @@ def main() -> None:
                           "server": server_rows}, indent=2))
         return
     print(f"layers {args.layers}, hidden {args.hidden}, heads {args.heads}, vocab {args.vocab}, prompt {args.prompt}, "
-          f"{args.new_tokens} new tokens, greedy, fp32, {torch.get_num_threads()} threads; median of {args.repeats}")
-    print(f"{'family':<7}{'batch':>6}{'HF s':>9}{'mega s':>9}{'HF tok/s':>10}{'mega tok/s':>12}{'mega/HF':>9}  same tokens")
+          f"{args.new_tokens} new tokens, greedy, {args.dtype} on {args.device}, {torch.get_num_threads()} threads; "
+          f"median of {args.repeats}")
+    print(f"{'family':<7}{'batch':>6}{'HF s':>9}{'mega s':>9}{'static s':>10}{'HF tok/s':>10}{'mega tok/s':>12}"
+          f"{'static tok/s':>14}{'mega/HF':>9}{'static/HF':>11}  same tokens")
     for r in engine_rows:
-        print(f"{r['family']:<7}{r['batch']:>6}{r['hf_s']:>9.3f}{r['mega_s']:>9.3f}{r['hf_tokens_per_s']:>10.1f}"
-              f"{r['mega_tokens_per_s']:>12.1f}{r['mega_speedup']:>8.2f}x  {r['same_tokens']}")
+        print(f"{r['family']:<7}{r['batch']:>6}{r['hf_s']:>9.3f}{r['mega_s']:>9.3f}{r['static_s']:>10.3f}"
+              f"{r['hf_tokens_per_s']:>10.1f}{r['mega_tokens_per_s']:>12.1f}{r['static_tokens_per_s']:>14.1f}"
+              f"{r['mega_speedup']:>8.2f}x{r['static_speedup']:>10.2f}x  {r['same_tokens']}")
     if server_rows:
         print(f"\nmega serve (llama, separate process), /v1/completions: prompt {args.prompt} tokens, "
               f"{args.server_tokens} generated, greedy")

@@ -58,11 +58,16 @@ async def run_staggered(worker: ContinuousBatchingWorker, batch: list[Generation
     return [(await job.done)[0] for job in jobs]
 
 
-def test_joining_sequences_get_what_each_gets_alone(tiny_pair):
+@pytest.mark.parametrize("static", [False, True], ids=["paged", "static"])
+def test_joining_sequences_get_what_each_gets_alone(tiny_pair, static):
+    """Paged, or the static cache (a slot per sequence, decode steps over a bucket of slots as
+    CUDA graphs would replay them; run eagerly here): three slots serve the five requests."""
     _, model, config = tiny_pair
     engine = engine_for(model, config)
     alone = [engine.generate([request])[0] for request in requests()]
-    worker = ContinuousBatchingWorker(engine, max_batch_size=3, max_num_tokens=96, block_size=8)
+    worker = ContinuousBatchingWorker(engine, max_batch_size=3, max_num_tokens=3 * POSITIONS if static else 96,
+                                      block_size=8, static_cache=static)
+    assert static == (worker._decode_steps is not None) and (not static or not worker._decode_steps.use_cuda_graphs)
     worker.start()
     try:
         together = asyncio.run(run_staggered(worker, requests()))
@@ -76,15 +81,19 @@ def test_joining_sequences_get_what_each_gets_alone(tiny_pair):
             assert [[t for t, _ in top] for top in got.top_logprobs] == \
                    [[t for t, _ in top] for top in expected.top_logprobs]
     assert worker.allocator.free_blocks == worker.allocator.num_blocks  # every block came back
+    if static:  # decode steps ran over windows of 1 and 2 slots, and of all three (the bucket of 4, capped)
+        assert sorted(worker.cache._windows) == [(1, 1), (2, 1), (3, 1)]
     # No autograd: a graph chained through the pools would keep every step's activations alive.
     assert not any(layer.keys.requires_grad for layer in worker.cache._layers.values())
 
 
-@pytest.mark.parametrize("budget", [4096, 40])
-def test_prompts_admitted_together_are_prefilled_together_and_get_what_each_gets_alone(tiny_pair, monkeypatch, budget):
+@pytest.mark.parametrize(("budget", "static"), [(4096, False), (40, False), (4096, True)],
+                         ids=["one-prefill", "budget", "static"])
+def test_prompts_admitted_together_are_prefilled_together_and_get_what_each_gets_alone(tiny_pair, monkeypatch, budget,
+                                                                                       static):
     """All five requests queue before the worker starts, so one step admits them: the prompts
     without prompt log-probabilities are prefilled right-padded in one forward (or, with a
-    40-token budget, three and a lone one), the others alone."""
+    40-token budget, three and a lone one), the others alone; the same into static-cache slots."""
     import mega.inference.continuous as continuous
 
     _, model, config = tiny_pair
@@ -92,7 +101,8 @@ def test_prompts_admitted_together_are_prefilled_together_and_get_what_each_gets
     batch = requests() + [GenerationRequest(PROMPTS[3][:13], 6), GenerationRequest(PROMPTS[0][:4], 5)]
     alone = [engine.generate([request])[0] for request in batch]
     monkeypatch.setattr(continuous, "PREFILL_TOKENS", budget)
-    worker = ContinuousBatchingWorker(engine, max_batch_size=8, max_num_tokens=256, block_size=8)
+    worker = ContinuousBatchingWorker(engine, max_batch_size=8, max_num_tokens=8 * POSITIONS if static else 256,
+                                      block_size=8, static_cache=static)
     prefills = []
     together = worker._prefill_together
     monkeypatch.setattr(worker, "_prefill_together", lambda group: (prefills.append(len(group)), together(group)))

@@ -2,7 +2,8 @@
 ``openai`` Python client (completions, streaming, n, best_of, logprobs, echo, token-id prompts,
 logit_bias, models, chat) and lm-evaluation-harness's ``local-completions`` (a multiple-choice
 task and a ``loglikelihood_rolling`` task over local files), every number checked against
-``transformers`` on the same Hugging Face directory."""
+``transformers`` on the same Hugging Face directory. The server runs the static KV cache, as it
+does by default on a GPU."""
 
 from __future__ import annotations
 
@@ -44,7 +45,10 @@ def server(tmp_path_factory):
     log = open(directory / "serve.log", "w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "mega.core.cli.main", "serve", "--load", str(directory), "--device", "cpu",
-         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+         # The path a GPU serves by default (continuous batching over the static KV cache, its decode
+         # steps eager here, replayed as CUDA graphs there); the paged cache is test_server's.
+         "--static-kv-cache"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S

@@ -37,11 +37,13 @@ def test_static_kv_cache_is_on_by_default_on_cuda_only(tmp_path):
     import torch
 
     from mega.inference.engine import GenerationError
-    from mega.inference.generate_cli import build_parser, static_kv_cache_wanted
+    from mega.inference.generate_cli import build_parser
+    from mega.inference.static_decode import static_kv_cache_wanted
 
     def wanted(flags: list[str], device: str, tp: int = 1) -> bool:
         args = build_parser().parse_args(["--load", str(tmp_path), *flags])
-        return static_kv_cache_wanted(args, torch.device(device), tp)
+        return static_kv_cache_wanted(args.static_kv_cache, torch.device(device), not args.logprobs and tp == 1,
+                                      "without --logprobs")
 
     assert wanted([], "cuda") and not wanted([], "cpu")
     assert not wanted(["--no-static-kv-cache"], "cuda") and wanted(["--static-kv-cache"], "cpu")
@@ -49,3 +51,25 @@ def test_static_kv_cache_is_on_by_default_on_cuda_only(tmp_path):
     with pytest.raises(GenerationError, match="--static-kv-cache"):
         wanted(["--static-kv-cache", "--logprobs"], "cpu")
     assert build_parser().parse_args(["--load", str(tmp_path), "--no-cuda-graphs"]).cuda_graphs is False
+
+
+def test_serve_runs_the_static_kv_cache_by_default_on_cuda_under_continuous_batching(tmp_path, capsys):
+    import pytest
+    import torch
+
+    from mega.inference.engine import GenerationError
+    from mega.inference.serve_cli import build_parser, main, static_kv_cache
+
+    def static(flags: list[str], device: str, lockstep: bool = False) -> bool:
+        return static_kv_cache(build_parser().parse_args(["--load", str(tmp_path), *flags]), torch.device(device),
+                               lockstep)
+
+    assert static([], "cuda") and not static([], "cpu") and static(["--static-kv-cache"], "cpu")
+    assert not static(["--max-num-tokens", "4096"], "cuda")  # a paged cache of that size, unless asked
+    assert static(["--max-num-tokens", "4096", "--static-kv-cache"], "cuda")
+    assert not static([], "cuda", lockstep=True)  # tensor-parallel or T5: lock-step batches
+    with pytest.raises(GenerationError, match="--static-kv-cache runs with continuous batching"):
+        static(["--static-kv-cache"], "cpu", lockstep=True)
+    with pytest.raises(SystemExit):
+        main(["--load", str(tmp_path), "--static-kv-cache", "--batching", "lockstep"])
+    assert "--static-kv-cache runs with continuous batching, not --batching lockstep" in capsys.readouterr().err

@@ -13,6 +13,12 @@ Sequences are independent: each sits at its own position with its own cache bloc
 sequence computes what it would alone (the same tokens as :class:`GenerationEngine` gives it;
 sampling streams are per sequence, as there). One process only: tensor-parallel serving keeps
 the lock-step :class:`~mega.inference.batching.BatchingWorker`.
+
+``static_cache`` (``mega serve --static-kv-cache``, the default on CUDA) swaps the paged cache
+for a :class:`~mega.inference.static_decode.SlotKVCache`: each sequence owns a slot of the
+model's whole length (a one-block table, so admission and freeing are unchanged), and a decode
+step runs over the first slots up to a batch-size bucket with fixed shapes, which on CUDA is a
+captured graph replayed (:class:`~mega.inference.static_decode.DecodeSteps`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from mega.inference.engine import GenerationEngine, GenerationError, GenerationR
 from mega.inference.metrics import ServerMetrics
 from mega.inference.paged_kv_cache import BlockAllocator, PagedKVCache
 from mega.inference.sampling import Sampler
+from mega.inference.static_decode import DecodeSteps, SlotAllocator, SlotKVCache, bucket_for
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +66,28 @@ class ContinuousBatchingWorker(EngineWorker):
     thread_name = "mega-continuous-batching"
 
     def __init__(self, engine: GenerationEngine, max_batch_size: int = 32, max_num_tokens: int | None = None,
-                 block_size: int = BLOCK_SIZE, metrics: ServerMetrics | None = None):
+                 block_size: int = BLOCK_SIZE, metrics: ServerMetrics | None = None, static_cache: bool = False,
+                 use_cuda_graphs: bool | None = None):
         if engine.tp_group is not None and engine.tp_group.size > 1:
             raise ValueError("continuous batching runs in one process; tensor-parallel serving batches in lock-step")
         super().__init__(engine, max_batch_size, metrics)
         self.max_num_tokens = max_num_tokens or max_batch_size * engine.max_positions
         if self.max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be positive, got {self.max_num_tokens}")
-        self.allocator = BlockAllocator(max(1, self.max_num_tokens // block_size), block_size)
-        self.cache = PagedKVCache(self.allocator, max_batch_size, _head_repeats(engine))
+        self._decode_steps: DecodeSteps | None = None
+        if static_cache:
+            slots = min(max_batch_size, self.max_num_tokens // engine.max_positions)
+            if slots < 1:
+                raise ValueError(f"the static KV cache gives each sequence the model's {engine.max_positions} "
+                                 f"positions; max_num_tokens {self.max_num_tokens} holds none")
+            self.allocator = SlotAllocator(slots, engine.max_positions)
+            dtype = next(engine.model.parameters()).dtype
+            self.cache = SlotKVCache(slots, engine.max_positions, engine.device, dtype)
+            graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+            self._decode_steps = DecodeSteps(engine, self.cache, graphs)
+        else:
+            self.allocator = BlockAllocator(max(1, self.max_num_tokens // block_size), block_size)
+            self.cache = PagedKVCache(self.allocator, max_batch_size, _head_repeats(engine))
         self._pending: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
         self._numbered = 0
@@ -191,8 +211,7 @@ class ContinuousBatchingWorker(EngineWorker):
     def _step(self, admitted: list[_Sequence]) -> None:
         decoding = [s for s in self._running if s.logits is None]
         if decoding:
-            tokens = torch.tensor([[s.tokens[-1]] for s in decoding], device=self.engine.device)
-            logits = self._forward(decoding, tokens, 1)[0]
+            logits = self._decode(decoding)
             for row, sequence in enumerate(decoding):
                 sequence.logits = logits[row]
         self._prefill_all(admitted)
@@ -208,6 +227,25 @@ class ContinuousBatchingWorker(EngineWorker):
         self.batches_run += 1
         if self._running:
             self._choose()
+
+    def _decode(self, decoding: list[_Sequence]) -> torch.Tensor:
+        """fp32 logits ``[batch, vocab]`` of one new token for each of ``decoding``."""
+        device = self.engine.device
+        if self._decode_steps is None:
+            tokens = torch.tensor([[s.tokens[-1]] for s in decoding], device=device)
+            return self._forward(decoding, tokens, 1)[0]
+        # The static cache: one step over the window of the first slots, up to a bucket (see
+        # static_decode); slots in it that no sequence decodes compute a row nobody reads. Those
+        # just admitted are prefilled after this step, over what it wrote at their position 0.
+        slots = [s.blocks[0] for s in decoding]
+        window = min(bucket_for(max(slots) + 1), self.cache.slots)
+        tokens = torch.zeros(window, 1, dtype=torch.long)
+        cached = torch.zeros(window, dtype=torch.long)
+        for slot, sequence in zip(slots, decoding, strict=True):
+            tokens[slot, 0], cached[slot] = sequence.tokens[-1], sequence.cached
+            sequence.cached += 1
+        logits = self._decode_steps(tokens.to(device), cached.to(device))
+        return logits[torch.tensor(slots, device=device)]
 
     def _choose(self) -> None:
         """Every running sequence's next token; the finished ones leave the batch."""

@@ -12,7 +12,7 @@ import json
 import sys
 
 from mega.core.cli.argparser import CommandParser
-from mega.inference.load_arguments import add_load_arguments
+from mega.inference.load_arguments import add_decoding_arguments, add_load_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,13 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--stop-on-eol", action="store_true", help="stop at the first newline")
     group.add_argument("--stop-on-double-eol", action="store_true", help="stop at a blank line")
     group.add_argument("--max-batch-size", type=int, default=32, help="prompts generated together (default 32)")
-    group.add_argument("--static-kv-cache", action=argparse.BooleanOptionalAction, default=None,
-                       help="decode with a static KV cache (fixed shapes per batch-size bucket) and, on CUDA, a "
-                            "captured CUDA graph of the decode step; one process, without --logprobs. Default: "
-                            "on on CUDA (where those hold), off on CPU")
-    group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                       help="with the static KV cache on CUDA, run each decode step eagerly instead of replaying "
-                            "a captured CUDA graph")
+    add_decoding_arguments(group, "one process, without --logprobs")
     group = parser.add_argument_group("output")
     group.add_argument("--echo", action="store_true", help="print the prompt before its continuation")
     group.add_argument("--json", action="store_true",
@@ -73,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from mega.inference.engine import GenerationError, GenerationRequest
     from mega.inference.engine_setup import setup_engine
     from mega.inference.sampling import GREEDY, SamplingError, SamplingParams
+    from mega.inference.static_decode import StaticDecoder, static_kv_cache_wanted
     from mega.inference.stopping import StopRules
     from mega.inference.tp_serving import lead
 
@@ -95,9 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                 sampling.temperature, sampling.top_k, sampling.top_p, seed), stop, logprobs=args.logprobs))
             setup.engine.check(requests[-1])
         generate = setup.engine.generate
-        if static_kv_cache_wanted(args, setup.engine.device, setup.tp_group.size):
-            from mega.inference.static_decode import StaticDecoder
-
+        if static_kv_cache_wanted(args.static_kv_cache, setup.engine.device, not args.logprobs and
+                                  setup.tp_group.size == 1, "one process and without --logprobs"):
             cuda_graphs = setup.engine.device.type == "cuda" and args.cuda_graphs
             generate = StaticDecoder(setup.engine, use_cuda_graphs=cuda_graphs).generate
         for start in range(0, len(requests), args.max_batch_size):
@@ -111,20 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         lead(None, setup.tp_group)
     return 0
-
-
-def static_kv_cache_wanted(args: argparse.Namespace, device, tp_size: int) -> bool:
-    """``--static-kv-cache`` as asked, or by default on CUDA where it applies (one process, no
-    --logprobs): on a GPU small decode steps are bound by kernel launches, which the captured
-    graph removes; on CPU it brings nothing."""
-    from mega.inference.engine import GenerationError
-
-    applies = not args.logprobs and tp_size == 1
-    if args.static_kv_cache is None:
-        return applies and device.type == "cuda"
-    if args.static_kv_cache and not applies:
-        raise GenerationError("--static-kv-cache runs in one process and without --logprobs")
-    return args.static_kv_cache
 
 
 def print_result(args, tokenizer, prompt: str, result, stop) -> None:

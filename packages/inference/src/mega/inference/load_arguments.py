@@ -1,5 +1,5 @@
-"""The model and tokenizer flags of `mega generate` and `mega serve`, checked before torch is
-imported: a mistyped ``--load`` fails at once, not after seconds of imports."""
+"""The flags `mega generate` and `mega serve` share (model, tokenizer, decoding), checked before
+torch is imported: a mistyped ``--load`` fails at once, not after seconds of imports."""
 
 from __future__ import annotations
 
@@ -30,3 +30,14 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--merge-file", help="BPE merges (GPT-2 merges.txt)")
     group.add_argument("--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its directory), .tiktoken")
     group.add_argument("--vocab-size", type=int, help="NullTokenizer ids")
+
+
+def add_decoding_arguments(group: argparse._ArgumentGroup, applies: str) -> None:
+    """``--static-kv-cache`` and ``--no-cuda-graphs``; ``applies`` says where the static cache can run."""
+    group.add_argument("--static-kv-cache", action=argparse.BooleanOptionalAction, default=None,
+                       help="decode with a static KV cache (a slot of the model's positions per sequence, fixed "
+                            "shapes per batch-size bucket) and, on CUDA, a captured CUDA graph of the decode step; "
+                            f"{applies}. Default: on on CUDA (where it applies), off on CPU")
+    group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                       help="with the static KV cache on CUDA, run each decode step eagerly instead of replaying "
+                            "a captured CUDA graph")

@@ -10,7 +10,7 @@ import argparse
 
 from mega.core.cli.argparser import CommandParser
 from mega.inference.embed_cli import add_embedding_arguments, is_encoder_checkpoint, serve_embeddings
-from mega.inference.load_arguments import add_load_arguments
+from mega.inference.load_arguments import add_decoding_arguments, add_load_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,14 +37,32 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-num-tokens", type=int, default=None, metavar="N",
                        help="continuous batching: tokens the KV cache holds for all running sequences together; a "
                             "request is admitted once its prompt and max tokens fit (default: --max-batch-size "
-                            "times the model's positions)")
+                            "times the model's positions); with the static KV cache, a slot of the model's "
+                            "positions per sequence")
+    add_decoding_arguments(group, "with continuous batching (the paged cache's place; without --max-num-tokens "
+                                  "when on by default)")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level")
     return parser
 
 
+def static_kv_cache(args: argparse.Namespace, device, lockstep: bool) -> bool:
+    """Whether continuous batching runs on the static KV cache: as asked, else on CUDA unless
+    ``--max-num-tokens`` sizes a paged cache."""
+    from mega.inference.static_decode import static_kv_cache_wanted
+
+    requested = args.static_kv_cache
+    if requested is None and args.max_num_tokens is not None:
+        requested = False
+    return static_kv_cache_wanted(requested, device, not lockstep,
+                                  "with continuous batching: in one process, for a decoder-only model")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.static_kv_cache and args.batching == "lockstep":
+        parser.error("--static-kv-cache runs with continuous batching, not --batching lockstep")
     for flag in ("max_batch_size", "max_num_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -56,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from mega.inference.batching import BatchingWorker
     from mega.inference.continuous import ContinuousBatchingWorker
     from mega.inference.encoder_decoder import is_encoder_decoder
+    from mega.inference.engine import GenerationError
     from mega.inference.engine_setup import setup_engine
     from mega.inference.server import create_app
     from mega.inference.service import InferenceService
@@ -66,8 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # Encoder-decoder models (T5) run lock-step batches in their own engine (no paged cache).
     lockstep = args.batching == "lockstep" or setup.tp_group.size > 1 or is_encoder_decoder(setup.engine.model)
+    try:
+        static = static_kv_cache(args, setup.engine.device, lockstep)
+    except GenerationError as error:
+        lead(None, setup.tp_group)  # the other ranks stop following
+        raise SystemExit(f"mega serve: error: {error}") from None
     if not lockstep:
-        worker = ContinuousBatchingWorker(setup.engine, args.max_batch_size, args.max_num_tokens)
+        worker = ContinuousBatchingWorker(setup.engine, args.max_batch_size, args.max_num_tokens, static_cache=static,
+                                          use_cuda_graphs=args.cuda_graphs and setup.engine.device.type == "cuda")
     else:
         worker = BatchingWorker(setup.engine, args.max_batch_size,
                                 before_batch=lambda requests: lead(requests, setup.tp_group))

@@ -2,17 +2,25 @@
 captured once per batch-size bucket as a CUDA graph and replayed (decoding small batches on a
 GPU is bound by kernel launches, not by memory bandwidth).
 
-:class:`StaticKVCache` holds ``[slots, max_length, kv heads, head_dim]`` per layer, allocated
-once; a step writes each row's new keys at that row's own positions and attends over the whole
-``max_length`` with an additive mask (key ``k`` is visible to the row's ``q``-th new token when
-``k <= cached + q``). Rows may sit at different positions, so prompts of any lengths are
-prefilled together (right-padded; the padding is never attended) and decoded together.
+:class:`SlotKVCache` holds ``[slots, max_length, kv heads, head_dim]`` per layer, allocated
+once; a sequence owns one slot (one row) for its life. A forward writes each row's new keys at
+that row's own positions and attends over the slot's whole ``max_length`` with an additive mask
+(key ``k`` is visible to the row's ``q``-th new token when ``k <= cached + q``). Rows may sit at
+different positions, so prompts of any lengths are prefilled together (right-padded: a row's
+padding keys are overwritten by its own later tokens before anything attends to them) and
+decoded together.
 
-:class:`StaticDecoder` runs greedy or sampled decoding on it. ``use_cuda_graphs`` (default: on
-CUDA only) captures the decode step per bucket; on CPU the same step runs eagerly, which is how
-the tests check it gives the lock-step engine's tokens. NOTE: the CUDA-graph capture has been
-written against PyTorch's documented ``torch.cuda.graph`` API but not yet run (no GPU was
-available); the static-cache step itself is tested on CPU.
+A decode step runs over a *window*, the first ``bucket`` slots, whatever sits in them (a free
+slot computes a throw-away row at position 0): its shapes depend on the bucket only, and the
+tensors the step reads (the window's positions and mask) are updated in place, so
+:class:`DecodeSteps` captures one CUDA graph per bucket and replays it.
+
+:class:`StaticDecoder` runs ``mega generate``'s batches on it; ``mega serve``'s continuous
+batching uses the same cache with one slot per running sequence
+(:class:`~mega.inference.continuous.ContinuousBatchingWorker`). On CPU the steps run eagerly,
+which is how the tests check they give the paged and lock-step engines' tokens. NOTE: the
+CUDA-graph capture follows PyTorch's documented ``torch.cuda.graph`` API but has not yet run on a
+GPU (none was available to this project's sessions since it was written).
 """
 
 from __future__ import annotations
@@ -22,76 +30,187 @@ from collections.abc import Sequence
 import torch
 
 from mega.core.kernels import AttentionMask
-from mega.inference.engine import GenerationEngine, GenerationRequest, GenerationResult
+from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest, GenerationResult
+from mega.inference.paged_kv_cache import BlockAllocator
 from mega.inference.sampling import Sampler
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-class StaticKVCache:
-    def __init__(self, slots: int, max_length: int, device: torch.device):
-        self.slots, self.max_length, self.device = slots, max_length, device
-        self._layers: dict[int, _StaticLayer] = {}
-        # Updated in place before each step (a captured graph reads these very tensors).
-        self.cached = torch.zeros(slots, dtype=torch.long, device=device)
-        self.mask_bias: torch.Tensor | None = None
-        self.new_tokens = 0
-
-    def bind(self, cached: torch.Tensor, new_tokens: int, dtype: torch.dtype) -> None:
-        """Row ``r`` has ``cached[r]`` tokens and brings ``new_tokens``; the mask follows."""
-        self.cached.copy_(cached)
-        keys = torch.arange(self.max_length, device=self.device)
-        queries = torch.arange(new_tokens, device=self.device)
-        visible = keys[None, None, :] <= (self.cached[:, None, None] + queries[None, :, None])  # [b, q, k]
-        bias = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(~visible, torch.finfo(dtype).min)
-        if self.mask_bias is None or self.mask_bias.shape != bias[:, None].shape:
-            self.mask_bias = bias[:, None]  # [b, 1 (heads), q, k]
-        else:
-            self.mask_bias.copy_(bias[:, None])
-        self.new_tokens = new_tokens
-
-    @property
-    def length(self) -> int:
-        return int(self.cached.max())
-
-    def layer(self, number: int) -> _StaticLayer:
-        layer = self._layers.get(number)
-        if layer is None:
-            layer = self._layers[number] = _StaticLayer(self)
-        return layer
-
-
-class _StaticLayer:
-    def __init__(self, cache: StaticKVCache):
-        self.cache = cache
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def append(self, key: torch.Tensor, value: torch.Tensor):
-        cache = self.cache
-        new, batch, heads, dim = key.shape
-        if self.keys is None:
-            shape = (cache.slots, cache.max_length, heads, dim)
-            self.keys, self.values = key.new_zeros(shape), value.new_zeros(shape)
-        positions = (cache.cached[:, None] + torch.arange(new, device=key.device)[None, :]).clamp_(max=cache.max_length - 1)
-        index = positions[:, :, None, None].expand(batch, new, heads, dim)
-        self.keys.scatter_(1, index, key.transpose(0, 1))
-        self.values.scatter_(1, index, value.transpose(0, 1))
-        return self.keys.transpose(0, 1), self.values.transpose(0, 1), AttentionMask(bias=cache.mask_bias)
+def static_kv_cache_wanted(requested: bool | None, device: torch.device, applies: bool, requirement: str) -> bool:
+    """``--static-kv-cache`` as ``requested``, or by default on CUDA where it ``applies``: on a
+    GPU small decode steps are bound by kernel launches, which the captured graph removes; on
+    CPU it brings nothing. Asked for where it cannot run: an error naming the ``requirement``."""
+    if requested is None:
+        return applies and device.type == "cuda"
+    if requested and not applies:
+        raise GenerationError(f"--static-kv-cache runs {requirement}")
+    return requested
 
 
 def bucket_for(batch: int) -> int:
     return next((b for b in BUCKETS if b >= batch), batch)
 
 
+class SlotAllocator(BlockAllocator):
+    """The slots of a :class:`SlotKVCache` as one-block tables of ``max_length`` tokens (so the
+    continuous batcher admits and frees them as it does paged blocks), the lowest free slot
+    first: running sequences stay in a short window, and a decode step runs a small bucket."""
+
+    def __init__(self, slots: int, max_length: int):
+        super().__init__(slots, max_length)
+
+    def free(self, blocks: Sequence[int]) -> None:
+        super().free(blocks)
+        self._free.sort(reverse=True)  # allocate pops from the end
+
+
+class SlotKVCache:
+    """The model-facing cache (``layer(number)``, ``length``): one slot of ``max_length``
+    positions per sequence. Bind the rows of the next forward first: :meth:`bind_window` (the
+    first ``n`` slots, in place: what a captured graph reads) or :meth:`bind` (any slots)."""
+
+    def __init__(self, slots: int, max_length: int, device: torch.device, dtype: torch.dtype):
+        self.slots, self.max_length, self.device, self.dtype = slots, max_length, device, dtype
+        self._layers: dict[int, _SlotLayer] = {}
+        self._windows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rows: torch.Tensor | None = None  # the bound rows' slots; None: the window of the first rows
+        self.cached = torch.zeros(0, dtype=torch.long, device=device)
+        self.mask_bias: torch.Tensor | None = None
+
+    def bind_window(self, cached: torch.Tensor, new_tokens: int) -> None:
+        """Slot ``r < len(cached)`` has ``cached[r]`` tokens and brings ``new_tokens``. The
+        positions and mask are written into buffers kept per (rows, new tokens)."""
+        rows = len(cached)
+        if rows > self.slots:
+            raise ValueError(f"a window of {rows} rows exceeds the cache's {self.slots} slots")
+        bias = self._mask(cached, new_tokens)
+        buffers = self._windows.get((rows, new_tokens))
+        if buffers is None:
+            buffers = self._windows[(rows, new_tokens)] = (cached.clone(), bias)
+        else:
+            buffers[0].copy_(cached)
+            buffers[1].copy_(bias)
+        self.rows, (self.cached, self.mask_bias) = None, buffers
+
+    def bind(self, tables: Sequence[Sequence[int]], cached: Sequence[int], new_tokens: int,
+             device: torch.device | None = None, ids: Sequence[int] | None = None,
+             real: Sequence[int] | None = None) -> None:
+        """The paged cache's signature (a slot is a one-block table), for the continuous batcher's
+        prefills: row ``r`` is slot ``tables[r][0]``. ``ids`` do not matter here; ``real`` rows
+        need no care (padding keys are overwritten before they are seen, see the module)."""
+        self.rows = torch.tensor([table[0] for table in tables], dtype=torch.long, device=self.device)
+        self.cached = torch.tensor(list(cached), dtype=torch.long, device=self.device)
+        self.mask_bias = self._mask(self.cached, new_tokens)
+
+    def _mask(self, cached: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """``[rows, 1 (heads), new, max_length]``: 0 where key ``k <= cached + q``, else -inf-like."""
+        keys = torch.arange(self.max_length, device=self.device)
+        queries = torch.arange(new_tokens, device=self.device)
+        visible = keys[None, None, :] <= (cached[:, None, None] + queries[None, :, None])
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        return bias.masked_fill_(~visible, torch.finfo(self.dtype).min)[:, None]
+
+    @property
+    def length(self) -> int:
+        return int(self.cached.max())
+
+    def layer(self, number: int) -> _SlotLayer:
+        layer = self._layers.get(number)
+        if layer is None:
+            layer = self._layers[number] = _SlotLayer(self)
+        return layer
+
+
+class _SlotLayer:
+    def __init__(self, cache: SlotKVCache):
+        self.cache = cache
+        self.keys: torch.Tensor | None = None  # [slots, max_length, kv heads, head_dim]
+        self.values: torch.Tensor | None = None
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMask]:
+        """Store ``key``/``value`` ``[new, rows, kv heads, head_dim]``; return the rows' whole
+        slots ``[max_length, rows, heads, dim]`` and the mask that hides what is not theirs yet."""
+        cache = self.cache
+        new, rows, heads, dim = key.shape
+        if self.keys is None:
+            shape = (cache.slots, cache.max_length, heads, dim)
+            self.keys, self.values = key.new_zeros(shape), value.new_zeros(shape)
+        # Padding past the end of a slot (a long prompt's neighbours) lands on its last position.
+        positions = (cache.cached[:, None] + torch.arange(new, device=key.device)[None, :]).clamp_(
+            max=cache.max_length - 1)
+        held = []
+        for pool, tensor in ((self.keys, key), (self.values, value)):
+            if cache.rows is None:  # the window: a slice, so a captured graph writes the same memory
+                window = pool[:rows]
+                window.scatter_(1, positions[:, :, None, None].expand(rows, new, heads, dim), tensor.transpose(0, 1))
+                held.append(window.transpose(0, 1))
+            else:
+                pool[cache.rows[:, None], positions] = tensor.transpose(0, 1)
+                held.append(pool[cache.rows].transpose(0, 1))
+        return held[0], held[1], AttentionMask(bias=cache.mask_bias)
+
+
+class DecodeSteps:
+    """``steps(tokens [n, 1], cached [n]) -> fp32 logits [n, vocab]``: one decode step over the
+    cache's window of the first ``n`` slots (``n`` a bucket). With ``use_cuda_graphs`` the step
+    is captured once per ``n`` and replayed after."""
+
+    def __init__(self, engine: GenerationEngine, cache: SlotKVCache, use_cuda_graphs: bool):
+        self.engine, self.cache, self.use_cuda_graphs = engine, cache, use_cuda_graphs
+        self._graphs: dict[int, tuple] = {}
+        self._pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None  # graphs share memory
+
+    def eager(self, tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+        self.cache.bind_window(cached, 1)
+        logits = self.engine.model(tokens, cached[:, None], inference_cache=self.cache, logits_to_keep=1)
+        return logits[-1, :, : self.engine.vocab_size].float()
+
+    def __call__(self, tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+        if not self.use_cuda_graphs:
+            return self.eager(tokens, cached)
+        rows = len(cached)
+        if rows not in self._graphs:
+            self._graphs[rows] = self._capture(tokens, cached)
+        graph, static_tokens, static_cached, static_logits = self._graphs[rows]
+        static_tokens.copy_(tokens)
+        static_cached.copy_(cached)
+        self.cache.bind_window(cached, 1)  # in place: the graph reads the window's positions and mask
+        graph.replay()
+        return static_logits.clone()
+
+    def _capture(self, tokens: torch.Tensor, cached: torch.Tensor) -> tuple:
+        # The warm-up runs the real step (it writes the keys the replay writes again), so the
+        # slots of running sequences in the window are never touched with anything else.
+        static_tokens, static_cached = tokens.clone(), cached.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.eager(static_tokens, static_cached)  # allocates the cache's pools outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            static_logits = self.engine.model(static_tokens, static_cached[:, None], inference_cache=self.cache,
+                                              logits_to_keep=1)[-1, :, : self.engine.vocab_size].float()
+        return graph, static_tokens, static_cached, static_logits
+
+
 class StaticDecoder:
-    """Generates a batch with a :class:`StaticKVCache` (no stop strings or logprobs: the fast
-    path for plain decoding); ``use_cuda_graphs`` replays a captured decode step per bucket."""
+    """Generates a batch with a :class:`SlotKVCache` (no logprobs: the fast path for plain
+    decoding); ``use_cuda_graphs`` replays a captured decode step per bucket."""
 
     def __init__(self, engine: GenerationEngine, use_cuda_graphs: bool | None = None):
         self.engine = engine
         self.use_cuda_graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        self._graphs: dict[int, tuple] = {}
+        self._steps: DecodeSteps | None = None
+
+    def _decode_steps(self, slots: int) -> DecodeSteps:
+        """One cache and its captured graphs per bucket size, kept across batches."""
+        if self._steps is None or self._steps.cache.slots != slots:
+            dtype = next(self.engine.model.parameters()).dtype
+            cache = SlotKVCache(slots, self.engine.max_positions, self.engine.device, dtype)
+            self._steps = DecodeSteps(self.engine, cache, self.use_cuda_graphs)
+        return self._steps
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -99,25 +218,22 @@ class StaticDecoder:
         for request in requests:
             engine.check(request)
         slots = bucket_for(len(requests))
-        cache = StaticKVCache(slots, engine.max_positions, device)
-        dtype = next(engine.model.parameters()).dtype
+        steps = self._decode_steps(slots)
         lengths = [len(r.prompt) for r in requests]
         longest = max(lengths)
         prompts = torch.zeros(slots, longest, dtype=torch.long, device=device)
         for row, request in enumerate(requests):
             prompts[row, : len(request.prompt)] = torch.tensor(request.prompt)
-        # Prefill every row at once (right-padded; a row's padding keys are overwritten by its own
-        # later tokens before anything attends to them).
-        cache.bind(torch.zeros(slots, dtype=torch.long, device=device), longest, dtype)
+        # Prefill every row at once (right-padded).
+        steps.cache.bind_window(torch.zeros(slots, dtype=torch.long, device=device), longest)
         positions = torch.arange(longest, device=device)[None, :].expand(slots, longest)
-        logits = engine.model(prompts, positions, inference_cache=cache)
+        logits = engine.model(prompts, positions, inference_cache=steps.cache)
         rows = torch.arange(len(requests), device=device)
         last = logits[torch.tensor(lengths, device=device) - 1, rows][:, : engine.vocab_size].float()
         cached = torch.tensor(lengths + [0] * (slots - len(requests)), device=device)
         sampler = Sampler([r.sampling for r in requests], device)
         generated: list[list[int]] = [[] for _ in requests]
         finish = [None if r.max_new_tokens else "length" for r in requests]
-        step = self._step_function(cache, slots, dtype)
         while any(reason is None for reason in finish):
             drawing = [reason is None for reason in finish]
             chosen = sampler.sample(last, drawing)
@@ -135,41 +251,8 @@ class StaticDecoder:
                 break
             tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)
             tokens[: len(requests), 0] = chosen
-            last = step(tokens, cached)[: len(requests)]
-            cached = cached + 1
+            last = steps(tokens, cached)[: len(requests)]
+            # A finished row stays in the window; it may not pass the last position.
+            cached = (cached + 1).clamp_(max=engine.max_positions - 1)
         return [GenerationResult(tokens=list(r.prompt) + g, prompt_length=len(r.prompt), finish_reason=reason)
                 for r, g, reason in zip(requests, generated, finish, strict=True)]
-
-    def _step_function(self, cache: StaticKVCache, slots: int, dtype: torch.dtype):
-        """``step(tokens [slots, 1], cached [slots]) -> fp32 logits [slots, vocab]``."""
-        engine = self.engine
-
-        def eager(tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
-            cache.bind(cached, 1, dtype)
-            logits = engine.model(tokens, cached[:, None], inference_cache=cache, logits_to_keep=1)
-            return logits[-1, :, : engine.vocab_size].float()
-
-        if not self.use_cuda_graphs:
-            return eager
-        # CUDA: capture one decode step on static input buffers, replay it for every step after.
-        static_tokens = torch.zeros(slots, 1, dtype=torch.long, device=engine.device)
-        static_cached = torch.zeros(slots, dtype=torch.long, device=engine.device)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            eager(static_tokens, static_cached)  # warm-up allocates the caches' buffers outside the graph
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            cache.new_tokens = 1
-            static_logits = engine.model(static_tokens, static_cached[:, None], inference_cache=cache,
-                                         logits_to_keep=1)[-1, :, : engine.vocab_size].float()
-
-        def replay(tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
-            static_tokens.copy_(tokens)
-            cache.bind(cached, 1, dtype)  # in place: the graph reads cache.cached and cache.mask_bias
-            static_cached.copy_(cached)
-            graph.replay()
-            return static_logits.clone()
-
-        return replay
