@@ -5,8 +5,9 @@ the t5-mock data in fp32 from one seed: one process, then tp2 with sequence para
 encoder on one stage, the decoder on the other, by --pipeline-model-parallel-split-rank), dp2 with
 the distributed optimizer, and on 4 ranks pp4 (one layer per stage: the encoder output carried
 through both decoder stages). Losses agree to 1e-5 (relative) at every step. The same holds at
-tp2 and pp2 for a T5 with megatron-core's conventions (exact GELU, attention scaled, a tied output
-layer unscaled and with a bias: what Megatron-LM T5 checkpoints hold). (The gated-GELU,
+tp2 and pp2 for Megatron-LM's default T5 (learned absolute positions, LayerNorm, biases on every
+linear layer; exact GELU, attention scaled, a tied output layer unscaled and with a bias: what
+Megatron-LM T5 checkpoints hold). (The gated-GELU,
 untied v1.1 variant is checked at tp2 against transformers in mega-models' tests.)
 """
 
@@ -29,7 +30,8 @@ TWO_RANK_LAYOUTS = {
 }
 FOUR_RANK_LAYOUTS = {"pp4": ["--pipeline-model-parallel-size", "4"]}
 MEGATRON_CORE_T5 = ["--feed-forward-proj", "gelu", "--softmax-scale", "0.35", "--no-scale-tied-output",
-                    "--output-layer-bias"]
+                    "--output-layer-bias", "--position-embedding-type", "learned_absolute", "--normalization",
+                    "LayerNorm", "--add-bias-linear"]
 MEGATRON_CORE_LAYOUTS = ("tp2-sp", "pp2 split-rank 1")
 
 

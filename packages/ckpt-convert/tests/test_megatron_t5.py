@@ -25,6 +25,7 @@ import megatron_t5_reference as t5_ref  # noqa: E402
 from test_megatron import _refused, assert_same_model  # noqa: E402
 
 from mega.ckpt_convert import ConversionError, WriteOptions, convert  # noqa: E402
+from mega.core.checkpoint import read_metadata  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +148,67 @@ def test_the_imported_t5_computes_as_megatron_cores(made, world, tmp_path):
     assert torch.equal(state["lm_head.output_layer.bias"], truth["lm_head.output_layer.bias"])
 
 
+@pytest.fixture(scope="module")
+def made_default(world, tmp_path_factory):
+    """Megatron-LM's default T5 (learned absolute positions, LayerNorm, biases) as ``made``."""
+    root = tmp_path_factory.mktemp("megatron-t5-default")
+    world.run(t5_ref.save_t5, str(root / "tp2" / "iter_0000007"), str(root / "legacy"), 7, "megatron")
+    truth = world.run(t5_ref.load_t5_torch_dist, 1, str(root / "tp2" / "iter_0000007"), "megatron")[0]
+    return root, truth
+
+
+def _mega_t5_logits(directory, ids: torch.Tensor, decoder_ids: torch.Tensor) -> torch.Tensor:
+    """The mega checkpoint's forward: logits ``[b, decoder seq, padded vocab]``."""
+    from mega.core.build import build_stage
+    from mega.core.checkpoint import load_model_weights, read_metadata
+    from mega.core.plugins import get_plugins
+
+    family = get_plugins().models.get("t5")
+    stage = build_stage(family, family.config_class(**read_metadata(directory).model_config), init=False)
+    load_model_weights(str(directory), [stage])
+    ones = torch.ones_like
+    with torch.no_grad():
+        return stage.eval()({"text_enc": ids, "text_dec": decoder_ids, "enc_mask": ones(ids),
+                             "dec_mask": ones(decoder_ids)})["logits"].transpose(0, 1)
+
+
+def test_megatron_lms_default_t5_converts_both_ways_and_computes_as_megatron_core(made_default, world, tmp_path):
+    """Imports (torch_dist to tp 1, legacy to tp 2) hold megatron-core's tensors; what the import
+    computes equals megatron-core's own forward; exports (torch_dist and legacy at tp 2) load
+    back into megatron-core with the original tensors."""
+    root, truth = made_default
+    original = root / "tp2" / "iter_0000007"
+    convert(root / "tp2", tmp_path / "mega", from_format="megatron", to_format="mega")
+    assert_same_model(tmp_path / "mega", truth)
+    config = read_metadata(tmp_path / "mega").model_config
+    assert (config["position_embedding_type"], config["normalization"], config["add_bias_linear"],
+            config["max_position_embeddings"]) == ("learned_absolute", "LayerNorm", True, t5_ref.ENCODER_SEQ)
+    with pytest.raises(ConversionError, match="--position-embedding-type learned_absolute, --normalization LayerNorm"):
+        convert(tmp_path / "mega", tmp_path / "hf", to_format="hf")  # no Hugging Face T5 computes it
+    convert(root / "legacy", tmp_path / "mega-tp2", from_format="megatron", to_format="mega",
+            options=WriteOptions(tensor_parallel_size=2))
+    assert_same_model(tmp_path / "mega-tp2", truth)
+
+    ids = torch.randint(2, t5_ref.VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    decoder_ids = torch.randint(2, t5_ref.VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    expected = world.run(t5_ref.t5_logits, str(original), "megatron", ids, decoder_ids)[0]
+    torch.testing.assert_close(_mega_t5_logits(tmp_path / "mega", ids, decoder_ids), expected, rtol=1e-5, atol=1e-5)
+
+    for megatron_format in ("torch_dist", "legacy"):
+        exported = tmp_path / megatron_format
+        convert(tmp_path / "mega", exported, to_format="megatron",
+                options=WriteOptions(tensor_parallel_size=2, megatron_format=megatron_format, iteration=7))
+        if megatron_format == "torch_dist":
+            loaded = world.run(t5_ref.load_t5_torch_dist, 2, str(exported / "iter_0000007"), "megatron")
+        else:
+            loaded = world.run(t5_ref.load_t5_legacy, 2, str(exported), 7, "megatron")
+        reference = world.run(t5_ref.load_t5_torch_dist, 2, str(original), "megatron")
+        for rank in range(2):
+            assert loaded[rank].keys() == reference[rank].keys()
+            for name, tensor in loaded[rank].items():
+                assert torch.equal(tensor, reference[rank][name]), (megatron_format, rank, name)
+
+
 def test_t5_conversions_megatron_cannot_or_hugging_face_cannot_are_refused(made, tmp_path, capsys):
     root, _ = made
     convert(root / "tp2", tmp_path / "mega", from_format="megatron", to_format="mega")
@@ -173,7 +235,11 @@ def test_t5_conversions_megatron_cannot_or_hugging_face_cannot_are_refused(made,
     _refused(capsys, tmp_path, bad, "decoder.layers.2")
     state["args"].decoder_num_layers, state["args"].position_embedding_type = 2, "learned_absolute"
     torch.save(state, common)
-    _refused(capsys, tmp_path, bad, "args.position_embedding_type is 'learned_absolute'")
+    _refused(capsys, tmp_path, bad, "lacks embedding.position_embeddings.weight and holds decoder_relative_pos_emb")
+    state["args"].position_embedding_type = "rope"  # no T5 mega computes
+    torch.save(state, common)
+    _refused(capsys, tmp_path, bad, "args.position_embedding_type is 'rope'; mega's t5 family computes "
+                                    "'learned_absolute' or 'relative'")
 
 
 def test_mega_train_loads_a_megatron_t5_directory(made, capsys):

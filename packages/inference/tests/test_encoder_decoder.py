@@ -106,3 +106,34 @@ def test_bad_requests_fail_with_one_message(t5_pair):
         engine.generate([GenerationRequest([5] * 40, 3)])
     with pytest.raises(GenerationError, match="token id 100 is outside"):
         engine.generate([GenerationRequest([100], 3)])
+
+
+def test_megatron_lms_default_t5_generates_what_its_forward_computes():
+    """Learned absolute positions (the decoder's cached steps continue at their own positions),
+    LayerNorm and biases: greedy tokens of a mixed-length batch equal a cache-free greedy loop over
+    the training forward, one prompt at a time."""
+    from mega.inference.encoder_decoder import DECODER_START_TOKEN
+
+    config = FAMILY.config_class(num_layers=2, hidden_size=32, num_attention_heads=4, kv_channels=8,
+                                 ffn_hidden_size=48, seq_length=32, decoder_seq_length=16, vocab_size=VOCAB,
+                                 position_embedding_type="learned_absolute", normalization="LayerNorm",
+                                 add_bias_linear=True, feed_forward_proj="gelu", hidden_dropout=0.0,
+                                 attention_dropout=0.0)
+    torch.manual_seed(4)
+    model = build_stage(FAMILY, config, training=False).eval()
+    with torch.no_grad():  # biases and norms start at 0 and 1, positions near 0: make them count
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.5)
+        model.embedding.position_embeddings.weight.normal_(0, 1)
+    engine = EncoderDecoderEngine(model, vocab_size=VOCAB, max_positions=32)
+    results = engine.generate([GenerationRequest(p, NEW_TOKENS) for p in PROMPTS])
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        decoder = [DECODER_START_TOKEN]
+        for _ in range(NEW_TOKENS):
+            ids, decoder_ids = torch.tensor([prompt]), torch.tensor([decoder])
+            with torch.no_grad():
+                logits = model({"text_enc": ids, "text_dec": decoder_ids, "enc_mask": torch.ones_like(ids),
+                                "dec_mask": torch.ones_like(decoder_ids)})["logits"]
+            decoder.append(int(logits[-1, 0, :VOCAB].argmax()))
+        assert result.generated == decoder[1:], prompt

@@ -21,8 +21,8 @@ How tensors are split over tensor-parallel ranks is not here: it is mega's own p
 
 * An encoder-decoder (T5) has two stacks of layers, ``encoder.layers.N`` and ``decoder.layers.N``,
   each stacked on its own in torch_dist checkpoints; megatron-core's T5 also registers its output
-  layer under a second name (``output_layer.*`` beside ``lm_head.output_layer.*``), which its files
-  hold twice.
+  layer under a second name (``output_layer.*`` beside ``lm_head.output_layer.*``), and so its
+  learned position table (``position_embeddings.weight``), which its files hold twice.
 
 A family joins by adding a :class:`MegatronNames` to :func:`_families`.
 """

@@ -4,10 +4,11 @@ mega's ``t5`` family already uses megatron-core's T5 names (``encoder.layers.N..
 ``decoder.layers.N...cross_attention...``, ``encoder_relative_pos_emb``...). What the args must
 say, and what they set in mega's :class:`~mega.models.t5.config.T5Config`:
 
-* the model mega's t5 family computes: relative-position buckets (``--position-embedding-type
-  relative``), RMSNorm, no linear biases, multi-head attention, an ungated exact GELU MLP (Megatron-LM's
-  default activation). Anything else (learned absolute positions, LayerNorm, biases, SwiGLU,
-  ``--openai-gelu``...) is refused by name;
+* the models mega's t5 family computes: learned absolute positions (Megatron-LM's default) or
+  relative-position buckets (``--position-embedding-type``), LayerNorm (the default) or RMSNorm,
+  with or without linear biases (``--disable-bias-linear``), multi-head attention, an ungated
+  exact GELU MLP (Megatron-LM's default activation). Anything else (rope, SwiGLU,
+  ``--openai-gelu``, a QKV bias alone...) is refused by name;
 * megatron-core's T5 conventions, which differ from Google's T5: attention scaled by
   1/sqrt(kv_channels), a tied output layer fed the decoder's output unscaled and given a bias
   (``softmax_scale``, ``scale_tied_output``, ``output_layer_bias``).
@@ -29,6 +30,8 @@ T5_NAMES = MegatronNames(
     layer_aliases={  # Transformer Engine's spec fuses the self-attention and MLP norms
         "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
         "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+        "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+        "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
     },
     legacy_layer_prefix=None,
     extra_state_layer_modules=("self_attention.linear_proj", "self_attention.linear_qkv",
@@ -37,18 +40,20 @@ T5_NAMES = MegatronNames(
     extra_state_modules=("lm_head.output_layer", "output_layer"),
     stacks=("encoder.layers.", "decoder.layers."),
     duplicate_keys={"output_layer.weight": "lm_head.output_layer.weight",
-                    "output_layer.bias": "lm_head.output_layer.bias"},
+                    "output_layer.bias": "lm_head.output_layer.bias",
+                    "position_embeddings.weight": "embedding.position_embeddings.weight"},
 )
 
-# Megatron argument -> the value of the one model mega's t5 family computes (None: unset is fine).
-REQUIRED = {"position_embedding_type": "relative", "normalization": "RMSNorm", "add_bias_linear": False,
-            "add_qkv_bias": False, "swiglu": False, "squared_relu": False, "openai_gelu": False,
-            "group_query_attention": False, "qk_layernorm": False,
-            "apply_residual_connection_post_layernorm": False, "apply_layernorm_1p": False}
+# Megatron argument -> the value every model mega's t5 family computes has (None: unset is fine).
+REQUIRED = {"swiglu": False, "squared_relu": False, "openai_gelu": False, "group_query_attention": False,
+            "qk_layernorm": False, "apply_residual_connection_post_layernorm": False, "apply_layernorm_1p": False}
+# Megatron argument -> the values mega's t5 family computes (the T5Config field of the same name).
+CHOICES = {"position_embedding_type": ("learned_absolute", "relative"), "normalization": ("LayerNorm", "RMSNorm")}
 # Megatron argument -> T5Config field, where both mean the same.
 SAME = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "decoder_seq_length",
         "make_vocab_size_divisible_by", "relative_attention_num_buckets", "relative_attention_max_distance",
-        "untie_embeddings_and_output_weights", "init_method_std", "hidden_dropout", "attention_dropout")
+        "untie_embeddings_and_output_weights", "init_method_std", "hidden_dropout", "attention_dropout",
+        *CHOICES, "add_bias_linear")
 
 
 def _arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
@@ -67,6 +72,14 @@ def t5_settings(args: argparse.Namespace, where: str) -> dict[str, Any]:
         if value is not None and value != needed:
             raise ConversionError(f"{where}: args.{name} is {value!r}; mega's t5 family computes the T5 with "
                                   f"{name}={needed!r}, so this checkpoint cannot be converted")
+    for name, choices in CHOICES.items():
+        value = _arg(args, name)
+        if value is not None and value not in choices:
+            raise ConversionError(f"{where}: args.{name} is {value!r}; mega's t5 family computes "
+                                  f"{' or '.join(map(repr, choices))}, so this checkpoint cannot be converted")
+    if _arg(args, "add_qkv_bias") and not _arg(args, "add_bias_linear", True):
+        raise ConversionError(f"{where}: args.add_qkv_bias without add_bias_linear (a QKV bias alone); mega's t5 "
+                              "family has biases on every linear layer or on none")
     missing = [name for name in ("hidden_size", "num_attention_heads", "decoder_seq_length")
                if _arg(args, name) is None]
     if _arg(args, "encoder_num_layers", _arg(args, "num_layers")) is None:
@@ -78,6 +91,11 @@ def t5_settings(args: argparse.Namespace, where: str) -> dict[str, Any]:
     settings["decoder_num_layers"] = _arg(args, "decoder_num_layers") or settings["num_layers"]
     settings["seq_length"] = _arg(args, "encoder_seq_length") or _arg(args, "seq_length")
     settings["vocab_size"] = _arg(args, "vocab_size") or _arg(args, "padded_vocab_size")
+    if settings.get("position_embedding_type", "learned_absolute") == "learned_absolute":
+        settings["position_embedding_type"] = "learned_absolute"  # Megatron-LM's default, when unsaid
+        settings["max_position_embeddings"] = _arg(args, "max_position_embeddings")
+    settings.setdefault("normalization", "LayerNorm")
+    settings.setdefault("add_bias_linear", True)
     if settings["vocab_size"] is None:
         raise ConversionError(f"{where}: args have neither vocab_size nor padded_vocab_size")
     epsilon = _arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon"))
@@ -104,10 +122,11 @@ def t5_args(config) -> argparse.Namespace:
                               "Megatron-LM cannot compute it (a Hugging Face T5 attends unscaled and scales its tied "
                               "output layer's input)")
     args = argparse.Namespace(**{name: getattr(config, name) for name in SAME}, **REQUIRED)
+    args.add_qkv_bias = config.add_bias_linear
     args.num_layers = args.encoder_num_layers = config.num_layers
     args.decoder_num_layers = config.decoder_num_layers
     args.seq_length = args.encoder_seq_length = config.seq_length
-    args.max_position_embeddings = max(config.seq_length, config.decoder_seq_length)
+    args.max_position_embeddings = config.max_position_embeddings or max(config.seq_length, config.decoder_seq_length)
     args.num_query_groups = config.num_attention_heads
     args.norm_epsilon = config.layernorm_epsilon
     return args

@@ -3,7 +3,8 @@
 T5 differs from the decoder-only config in ways that are not options there: relative-position
 buckets instead of position embeddings, RMS-style norms without bias (T5's LayerNorm), no
 biases, no attention scaling (T5 folds 1/sqrt(d) into the initialisation) and two sequence
-lengths. ``seq_length`` is the encoder's (Megatron's ``pretrain_t5.py`` spells it
+lengths. Megatron-LM's T5 (``pretrain_t5.py`` by default) has learned absolute positions, one
+table shared by both stacks, LayerNorm and biases everywhere: options here. ``seq_length`` is the encoder's (Megatron's ``pretrain_t5.py`` spells it
 ``--encoder-seq-length``; both flags are accepted), ``decoder_seq_length`` the decoder's.
 
 The fields shared modules read (``hidden_size``, ``attention_dropout``, ``normalization``...)
@@ -20,6 +21,8 @@ from mega.core.config.options import option
 from mega.models.config import need, need_dropout_probabilities, need_positive_integers
 
 FEED_FORWARD_KINDS = ("relu", "gated-gelu", "gelu")
+POSITION_KINDS = ("relative", "learned_absolute")
+NORM_KINDS = ("RMSNorm", "LayerNorm")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,13 @@ class T5Config:
     make_vocab_size_divisible_by: int = option(128, "pad the vocabulary to a multiple of this times the tensor-parallel size")
 
     # Architecture choices.
+    position_embedding_type: Literal["relative", "learned_absolute"] = option(
+        "relative", "relative (T5's buckets) or learned_absolute (one table for both stacks: Megatron-LM's T5 default)")
+    max_position_embeddings: int | None = option(
+        None, "learned_absolute: rows of the position table; default the longer of the two sequence lengths")
+    normalization: Literal["RMSNorm", "LayerNorm"] = option(
+        "RMSNorm", "RMSNorm (T5's, no bias) or LayerNorm (with bias: Megatron-LM's T5 default)")
+    add_bias_linear: bool = option(False, "a bias on every linear layer of both stacks (Megatron-LM's T5 default)")
     relative_attention_num_buckets: int = option(32, "relative-position buckets")
     relative_attention_max_distance: int = option(128, "distance beyond which relative positions share a bucket")
     feed_forward_proj: Literal["relu", "gated-gelu", "gelu"] = option(
@@ -60,10 +70,6 @@ class T5Config:
     hidden_dropout: float = option(0.1, "residual dropout")
     attention_dropout: float = option(0.1, "attention-probability dropout")
 
-    # What the shared modules read; fixed for T5 (word embeddings only: positions are relative).
-    normalization = "RMSNorm"
-    position_embedding_type = "relative"
-
     def __post_init__(self) -> None:
         derived = {}
         if self.encoder_seq_length is not None:
@@ -75,6 +81,9 @@ class T5Config:
             derived["kv_channels"] = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
             derived["ffn_hidden_size"] = 4 * self.hidden_size
+        if self.max_position_embeddings is None and self.position_embedding_type == "learned_absolute":
+            derived["max_position_embeddings"] = max(derived.get("seq_length", self.seq_length),
+                                                     self.decoder_seq_length)
         for name, value in derived.items():
             object.__setattr__(self, name, value)
         self.validate()
@@ -88,6 +97,14 @@ class T5Config:
              f"(half exact, half logarithmic, each way), got {self.relative_attention_num_buckets}")
         need(self.feed_forward_proj in FEED_FORWARD_KINDS,
              f"--feed-forward-proj must be one of {', '.join(FEED_FORWARD_KINDS)}, got {self.feed_forward_proj!r}")
+        need(self.position_embedding_type in POSITION_KINDS, f"--position-embedding-type must be one of "
+             f"{', '.join(POSITION_KINDS)}, got {self.position_embedding_type!r}")
+        need(self.normalization in NORM_KINDS,
+             f"--normalization must be one of {', '.join(NORM_KINDS)}, got {self.normalization!r}")
+        if self.position_embedding_type == "learned_absolute":
+            longest = max(self.seq_length, self.decoder_seq_length)
+            need(self.max_position_embeddings >= longest, f"--max-position-embeddings {self.max_position_embeddings} "
+                 f"is shorter than the longest sequence ({longest})")
         need(self.softmax_scale > 0, f"--softmax-scale must be positive, got {self.softmax_scale}")
         need_dropout_probabilities(self)
         tp = tensor_parallel_size
@@ -105,6 +122,10 @@ class T5Config:
     @property
     def attention_softmax_scale(self) -> float:
         return self.softmax_scale
+
+    @property
+    def relative(self) -> bool:
+        return self.position_embedding_type == "relative"
 
     @property
     def num_query_groups(self) -> int:  # multi-head attention: one key/value head per query head

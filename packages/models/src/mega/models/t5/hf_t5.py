@@ -79,6 +79,9 @@ def t5_hf_config(config: T5Config) -> dict:
         f"--softmax-scale {config.softmax_scale} (T5 attends unscaled)": config.softmax_scale != 1.0,
         "--no-scale-tied-output": not config.scale_tied_output and not config.untie_embeddings_and_output_weights,
         "--output-layer-bias": config.output_layer_bias,
+        "--position-embedding-type learned_absolute": not config.relative,
+        "--normalization LayerNorm": config.normalization == "LayerNorm",
+        "--add-bias-linear": config.add_bias_linear,
     }
     refused = [flag for flag, present in megatron_only.items() if present]
     if refused:

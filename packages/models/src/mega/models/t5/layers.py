@@ -1,5 +1,5 @@
-"""T5's transformer layers: pre-norm self-attention (with the relative-position bias and a
-padding mask), cross-attention to the encoder's output (decoder only), and the MLP.
+"""T5's transformer layers: pre-norm self-attention (with the relative-position bias, if any,
+and a padding mask), cross-attention to the encoder's output (decoder only), and the MLP.
 
 Written for one device with Megatron-Core's module names; tensor parallelism splits the heads
 (QKV, Q and KV column-parallel, output projections row-parallel), so the number of local heads
@@ -36,9 +36,9 @@ class SelfAttention(nn.Module):
     def __init__(self, config: T5Config, kernels: Kernels):
         super().__init__()
         self.head_dim = config.kv_channels
-        self.linear_qkv = kernels.linear(config.hidden_size, 3 * config.query_projection_size, bias=False)
+        self.linear_qkv = kernels.linear(config.hidden_size, 3 * config.query_projection_size, bias=config.add_bias_linear)
         self.core_attention = CoreAttention(config, kernels)
-        self.linear_proj = kernels.linear(config.query_projection_size, config.hidden_size, bias=False)
+        self.linear_proj = kernels.linear(config.query_projection_size, config.hidden_size, bias=config.add_bias_linear)
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask, cache=None) -> torch.Tensor:
         qkv = _heads(self.linear_qkv(hidden), 3 * self.head_dim)
@@ -55,10 +55,10 @@ class CrossAttention(nn.Module):
     def __init__(self, config: T5Config, kernels: Kernels):
         super().__init__()
         self.head_dim = config.kv_channels
-        self.linear_q = kernels.linear(config.hidden_size, config.query_projection_size, bias=False)
-        self.linear_kv = kernels.linear(config.hidden_size, 2 * config.query_projection_size, bias=False)
+        self.linear_q = kernels.linear(config.hidden_size, config.query_projection_size, bias=config.add_bias_linear)
+        self.linear_kv = kernels.linear(config.hidden_size, 2 * config.query_projection_size, bias=config.add_bias_linear)
         self.core_attention = CoreAttention(config, kernels)
-        self.linear_proj = kernels.linear(config.query_projection_size, config.hidden_size, bias=False)
+        self.linear_proj = kernels.linear(config.query_projection_size, config.hidden_size, bias=config.add_bias_linear)
 
     def encoder_keys_values(self, encoder_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kv = _heads(self.linear_kv(encoder_output), 2 * self.head_dim)
@@ -86,9 +86,9 @@ class MLP(nn.Module):
         super().__init__()
         self.gated = config.gated
         fc1_size = config.ffn_hidden_size * (2 if self.gated else 1)
-        self.linear_fc1 = kernels.linear(config.hidden_size, fc1_size, bias=False)
+        self.linear_fc1 = kernels.linear(config.hidden_size, fc1_size, bias=config.add_bias_linear)
         self.activation = kernels.activation(ACTIVATIONS[config.feed_forward_proj])
-        self.linear_fc2 = kernels.linear(config.ffn_hidden_size, config.hidden_size, bias=False)
+        self.linear_fc2 = kernels.linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         projected = self.linear_fc1(hidden)

@@ -3,18 +3,20 @@
 Parameter names are Megatron-Core's T5 names (local spec):
 
     embedding.word_embeddings.weight                  (shared by encoder and decoder inputs)
-    encoder_relative_pos_emb.relative_attention_bias.weight   decoder_relative_pos_emb....
+    embedding.position_embeddings.weight              (learned absolute positions: shared too)
+    encoder_relative_pos_emb.relative_attention_bias.weight   decoder_relative_pos_emb....  (relative)
     encoder.layers.N.{input_layernorm, self_attention.linear_qkv, self_attention.linear_proj,
                       pre_mlp_layernorm, mlp.linear_fc1, mlp.linear_fc2}.weight
     decoder.layers.N.{... as the encoder ..., pre_cross_attn_layernorm,
                       cross_attention.linear_q, cross_attention.linear_kv, cross_attention.linear_proj}.weight
     encoder.final_layernorm.weight   decoder.final_layernorm.weight
+    (and ``.bias`` of each norm with LayerNorm, of each linear layer with --add-bias-linear)
     lm_head.output_layer.weight      (untied only; tied, the word embedding, scaled by d_model**-0.5)
     lm_head.output_layer.bias        (with --output-layer-bias, as Megatron-Core's tied T5)
 
 A stage holds ``stage.layers["encoder"]`` and ``stage.layers["decoder"]`` (either may be empty),
 visited in that order. What crosses to the next stage (:mod:`mega.models.t5.stages`): while the
-encoder runs, its hidden state, its relative-position bias and the embedded decoder inputs (the
+encoder runs, its hidden state, its relative-position bias (if relative) and the embedded decoder inputs (the
 first stage embeds both, so one word embedding serves both stacks without a third tied copy);
 once it has run, the encoder's output (carried to every decoder stage, each of whose layers
 cross-attends to it) and the decoder's hidden state and bias.
@@ -101,11 +103,11 @@ class T5Model(nn.Module):
 
         buckets = config.relative_attention_num_buckets, config.relative_attention_max_distance
         heads = config.num_attention_heads
-        if 0 in self.encoder_layers:
+        if config.relative and 0 in self.encoder_layers:
             self.encoder_relative_pos_emb = RelativePositionBias(*buckets, heads, bidirectional=True)
         if self.encoder_layers:
             self.encoder = Stack(config, EncoderLayer, self.encoder_layers, config.num_layers, kernels)
-        if 0 in self.decoder_layers:
+        if config.relative and 0 in self.decoder_layers:
             self.decoder_relative_pos_emb = RelativePositionBias(*buckets, heads, bidirectional=False)
         if self.decoder_layers:
             self.decoder = Stack(config, DecoderLayer, self.decoder_layers, config.decoder_num_layers, kernels)
@@ -125,24 +127,25 @@ class T5Model(nn.Module):
             state["encoder_hidden"] = self.embedding(inputs["text_enc"])
             state["decoder_hidden"] = self.embedding(inputs["text_dec"])
         encoder_padding = inputs["enc_mask"]
+        relative = self.config.relative
         if self.encoder_layers:
-            if "encoder_bias" not in state:
+            if relative and "encoder_bias" not in state:
                 seq = encoder_padding.shape[1]
                 state["encoder_bias"] = self.encoder_relative_pos_emb(seq, seq)
-            mask = AttentionMask(padding=encoder_padding, bias=state["encoder_bias"])
+            mask = AttentionMask(padding=encoder_padding, bias=state.get("encoder_bias"))
             hidden = state["encoder_hidden"]
             for layer in self.encoder.layers.values():
                 hidden = layer(hidden, mask)
             state["encoder_hidden"] = hidden
             if self.encoder.final_layernorm is not None:
                 state["encoder_output"] = self.encoder.finish(state.pop("encoder_hidden"))
-                state.pop("encoder_bias")
+                state.pop("encoder_bias", None)
         if self.decoder_layers:
             decoder_padding = inputs["dec_mask"]
-            if "decoder_bias" not in state:
+            if relative and "decoder_bias" not in state:
                 seq = decoder_padding.shape[1]
                 state["decoder_bias"] = self.decoder_relative_pos_emb(seq, seq)
-            self_mask = AttentionMask(causal=True, padding=decoder_padding, bias=state["decoder_bias"])
+            self_mask = AttentionMask(causal=True, padding=decoder_padding, bias=state.get("decoder_bias"))
             cross_mask = AttentionMask(padding=encoder_padding)
             hidden, encoder_output = state["decoder_hidden"], state["encoder_output"]
             for layer in self.decoder.layers.values():
@@ -156,7 +159,8 @@ class T5Model(nn.Module):
     def encode(self, tokens: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
         """Encoder output ``[s, b, h]`` of ``tokens`` ``[b, s]`` (``padding`` True at real tokens)."""
         seq = tokens.shape[1]
-        mask = AttentionMask(padding=padding, bias=self.encoder_relative_pos_emb(seq, seq))
+        bias = self.encoder_relative_pos_emb(seq, seq) if self.config.relative else None
+        mask = AttentionMask(padding=padding, bias=bias)
         hidden = self.embedding(tokens)
         for layer in self.encoder.layers.values():
             hidden = layer(hidden, mask)
@@ -167,10 +171,11 @@ class T5Model(nn.Module):
         """Logits ``[s (or logits_to_keep), b, vocab (shard)]`` of decoder ``tokens`` ``[b, s]``
         continuing the ``cache``d positions."""
         seq, start = tokens.shape[1], cache.length
-        bias = self.decoder_relative_pos_emb(seq, start + seq, query_offset=start)
+        bias = self.decoder_relative_pos_emb(seq, start + seq, query_offset=start) if self.config.relative else None
         self_mask = AttentionMask(causal=True, bias=bias)
         cross_mask = AttentionMask(padding=encoder_padding)
-        hidden = self.embedding(tokens)
+        positions = torch.arange(start, start + seq, device=tokens.device)[None, :]
+        hidden = self.embedding(tokens, positions)
         for number, layer in self.decoder.layers.items():
             hidden = layer(hidden, encoder_output, self_mask, cross_mask, cache.layer(int(number)))
         hidden = self.decoder.finish(hidden)

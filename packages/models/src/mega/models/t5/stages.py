@@ -9,7 +9,7 @@ decoder layers: the encoder on one, the decoder on the other).
 Every stage after the first reads the masks it needs from the micro-batch; what crosses
 (:func:`boundary`) depends on where the stage ends: inside the encoder, its hidden state and
 bias and the embedded decoder inputs; after it, the encoder output and the decoder's hidden
-state (and bias once a decoder layer has computed it).
+state (and bias once a decoder layer has computed it). Learned absolute positions send no bias.
 """
 
 from __future__ import annotations
@@ -67,8 +67,11 @@ def boundary(config: T5Config, stage: Stage, micro_batch_size: int, parallel: Pa
 
     encoder, decoder = stage.layers["encoder"], stage.layers["decoder"]
     if not decoder and encoder.stop < config.num_layers:  # inside the encoder
-        return {"encoder_hidden": hidden(enc), "encoder_bias": bias(enc), "decoder_hidden": hidden(dec)}
+        specs = {"encoder_hidden": hidden(enc), "decoder_hidden": hidden(dec)}
+        if config.relative:
+            specs["encoder_bias"] = bias(enc)
+        return specs
     specs = {"encoder_output": hidden(enc), "decoder_hidden": hidden(dec)}
-    if decoder:
+    if decoder and config.relative:
         specs["decoder_bias"] = bias(dec)
     return specs
