@@ -90,7 +90,9 @@ def megatron_args(family: str, tp: int, pp: int, iteration: int, ckpt_format: st
 
 
 def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, post: bool = True, seed: int = 0,
-           ep: int = 1):
+           ep: int = 1, pp: int = 1):
+    """This rank's part of the model at ``tp`` (and ``pp``: the stage's layers, embeddings, head,
+    as megatron-core splits them; ``layers``/``pre``/``post`` build one stage by hand at pp 1)."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -100,7 +102,11 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
     _shims()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    if pp > 1:
+        pre, post = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+        # The tied embedding's copies are made equal by an all-reduce of ``weight.data.cuda()``.
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
     m = MODELS[family]
     experts = m.get("num_experts")
     moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=m["ffn_hidden_size"], moe_aux_loss_coeff=0.0,
@@ -111,7 +117,8 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
         gated_linear_unit=m["swiglu"], activation_func=F.silu if m["swiglu"] else F.gelu,
         normalization=m["normalization"], add_bias_linear=m["add_bias_linear"], hidden_dropout=0.0,
         attention_dropout=0.0, use_cpu_initialization=True, perform_initialization=True,
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32 if pp > 1 else None)
     # MoE at tp > 1 requires sequence parallelism, which torch's norms (no TE, no apex) refuse to be
     # built with; it changes no weight or name, only communication: satisfy the check, then build without
     config.sequence_parallel = False
@@ -494,8 +501,9 @@ def load_legacy_optimizer(family: str, directory: str, bf16: bool = False, itera
 # -- the distributed optimizer: megatron-core's DDP buffers and DistributedOptimizer, on the CPU ----
 
 def save_with_distributed_optimizer(family: str, directory: str, bucket_size: int | None, iteration: int = 9,
-                                    steps: int = 2, legacy_dir: str | None = None) -> dict[str, list]:
-    """A tp 1 model, data-parallel over the world's ranks, trained ``steps`` Adam steps by megatron-core's
+                                    steps: int = 2, legacy_dir: str | None = None, tp: int = 1,
+                                    pp: int = 1) -> dict[str, list]:
+    """A model at ``tp`` x ``pp``, data-parallel over the world's other ranks, trained ``steps`` Adam steps by megatron-core's
     DistributedOptimizer (each rank stepping its shard of the grad buffers; gradients drawn at random),
     saved as Megatron-LM's save_checkpoint does with --ckpt-format torch_dist and its default
     ``dp_reshardable`` sharding. ``bucket_size``: DDP's (with --overlap-grad-reduce), or None for
@@ -506,7 +514,7 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
     parameter."""
     from megatron.core import dist_checkpointing
 
-    ddp, optimizer = _distributed_optimizer(family, bucket_size, seed=5)
+    ddp, optimizer = _distributed_optimizer(family, bucket_size, seed=5, tp=tp, pp=pp)
     distributed = getattr(optimizer, "chained_optimizers", [optimizer])
     generator = torch.Generator().manual_seed(11)  # the same on every rank: gradients already reduced
     for _ in range(steps):
@@ -516,9 +524,10 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
             shard._copy_model_grads_to_main_grads()
             shard.optimizer.step()
             shard._copy_main_params_to_model_params()
-    args = megatron_args(family, 1, 1, iteration, "torch_dist")
+    args = megatron_args(family, tp, pp, iteration, "torch_dist")
     args.consumed_train_samples, args.use_distributed_optimizer = iteration * 4, True
-    args.data_parallel_size, args.overlap_grad_reduce = torch.distributed.get_world_size(), bucket_size is not None
+    args.data_parallel_size = torch.distributed.get_world_size() // (tp * pp)
+    args.overlap_grad_reduce = bucket_size is not None
     args.ddp_bucket_size = bucket_size
     Path(directory).mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
@@ -532,11 +541,14 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
         Path(directory).parent.joinpath("latest_checkpointed_iteration.txt").write_text(str(iteration))
     torch.distributed.barrier()
     if legacy_dir is not None:
-        rank_dir = Path(legacy_dir) / f"iter_{iteration:07d}" / "mp_rank_00"
+        from megatron.core import parallel_state
+
+        tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+        rank_dir = Path(legacy_dir) / f"iter_{iteration:07d}" / (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else ""))
         rank_dir.mkdir(parents=True, exist_ok=True)
         args.ckpt_format = "torch"
-        distributed[0].save_parameter_state(str(rank_dir / "distrib_optim.pt"))  # gathers on every rank
-        if torch.distributed.get_rank() == 0:
+        distributed[0].save_parameter_state(str(rank_dir / "distrib_optim.pt"))  # gathers over data-parallel ranks
+        if parallel_state.get_data_parallel_rank() == 0:
             rank_state = _rank_state(args, iteration, ddp.module.state_dict())
             rank_state["optimizer"] = optimizer.state_dict()
             torch.save(rank_state, rank_dir / "model_optim_rng.pt")
@@ -545,13 +557,13 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
     return _held_by_name(ddp, optimizer)
 
 
-def _distributed_optimizer(family: str, bucket_size: int | None, seed: int):
-    """A tp 1 model in megatron-core's DDP (gradient buffers, the world's ranks data-parallel) and
-    its DistributedOptimizer, built on the CPU."""
+def _distributed_optimizer(family: str, bucket_size: int | None, seed: int, tp: int = 1, pp: int = 1):
+    """This rank's part of a ``tp`` x ``pp`` model in megatron-core's DDP (gradient buffers, the
+    world's other ranks data-parallel) and its DistributedOptimizer, built on the CPU."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = _model(family, 1, seed=seed)
+    model = _model(family, tp, seed=seed, pp=pp)
     _cpu_tensors_in_optimizer()
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
                                                overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size)

@@ -519,3 +519,45 @@ def test_distributed_optimizer_buffers_import(world, tmp_path, capsys):
                          "--output", str(tmp_path / "out"), "--progress", "never"])
     assert code == 1 and "per_bucket_numel_unpadded says" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_distributed_optimizer_buffers_import_at_tp_and_pp(layout, world, tmp_path):
+    """The same at tp 2 (each tp rank's buffers hold its shards: merged as the model's are) and at
+    pp 2 (each stage's buffers hold its layers; the tied embedding's copies on the first and last
+    stage have a bucket each), from torch_dist (a data-parallel group per tp x pp rank) and from
+    legacy files (distrib_optim.pt per rank file): every parameter's moments equal what the ranks'
+    optimizers held."""
+    from mega.ckpt_convert.mega_format import MegaSource
+    from mega.ckpt_convert.megatron_layout import model_layouts, stage_layers
+    from mega.core.checkpoint import read_metadata
+    from mega.core.plugins import get_plugins
+
+    tp, pp = layout
+    source, legacy = tmp_path / "megatron", tmp_path / "legacy"
+    held = world.run(ref.save_with_distributed_optimizer, "gpt", str(source / "iter_0000009"), None, 9, 2,
+                     str(legacy), tp, pp)
+    stages = stage_layers(ref.MODELS["gpt"]["num_layers"], pp)
+    for saved in (source, legacy):
+        imported = tmp_path / f"mega-{saved.name}"
+        convert(saved, imported, from_format="megatron", to_format="mega", options=WriteOptions(with_optimizer=True))
+        metadata = read_metadata(imported)
+        family = get_plugins().models.get(metadata.model_family)
+        layouts = model_layouts(family, family.config_class(**metadata.model_config), tp)
+        compared = set()
+        with MegaSource(imported, None) as mega:
+            assert mega.optimizer_state().step == 2
+            for rank in range(2):
+                tp_rank, stage = rank % tp, rank // tp
+                for local, pieces in held[rank].items():
+                    if local == "output_layer.weight" and pp > 1:
+                        continue  # the last stage's copy of the tied embedding: the first stage's is carried
+                    number, rest = (local.split(".", 3)[2:] if local.startswith("decoder.layers.") else (None, None))
+                    name = local if number is None else f"decoder.layers.{int(number) + stages[stage].start}.{rest}"
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        ours = layouts[name].split(mega.get_optimizer(name, key), tp_rank, tp).flatten()
+                        assert sum(end - start for start, end, _ in pieces) == ours.numel(), name
+                        for start, end, tensors in pieces:
+                            assert torch.equal(ours[start:end], tensors[key]), (saved.name, name, key, start)
+                    compared.add(name)
+            assert compared == set(mega.names())

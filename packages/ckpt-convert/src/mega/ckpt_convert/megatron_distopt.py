@@ -14,15 +14,17 @@ model order, each starting at a multiple of 64 elements, a bucket closed once it
 ``bucket_size`` (``--ddp-bucket-size``, else max(40M, 1M x dp), only with ``--overlap-grad-reduce``;
 one bucket without) and padded at its end to a multiple of lcm(dp, 128) (with 2**16 for
 ``--ddp-pad-buckets-for-high-nccl-busbw``). The rebuilt bucket sizes must equal the saved
-``per_bucket_numel_unpadded``, or the import stops naming both. Read for one tensor- and
-pipeline-parallel rank (tp = pp = 1) of dense GPT and LLaMA models; other layouts are refused.
+``per_bucket_numel_unpadded``, or the import stops naming both; at pipeline size > 1 a tied
+embedding's copies (first and last stage) have a bucket each. Each tensor x pipeline rank saves
+its own buffers (see :class:`BufferOptimizer`). Read for dense GPT and LLaMA models at any tp and
+pp, one model chunk per stage; other runs are refused.
 
 Legacy files (``--ckpt-format torch``) keep the same state per tensor x pipeline rank in
 ``distrib_optim.pt`` beside ``model_optim_rng.pt`` (``save_parameter_state``): per buffer and
 dtype, one flat tensor per kind of every bucket's elements one after the other (padding between
 buckets left out), ``numel_unpadded`` their total; the step is in ``model_optim_rng.pt``'s
 ``optimizer.optimizer.param_groups``. There the parameters are the rank file's model state dict's,
-in its order, so any tensor-parallel size reads; one pipeline stage (no shared-embedding bucket).
+in its order, so any tensor-parallel and pipeline size reads (one model chunk per stage).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from mega.ckpt_convert.megatron_legacy_optimizer import megatron_order
 from mega.ckpt_convert.megatron_pickle import load_megatron_pickle
 from mega.ckpt_convert.optimizer_state import MAIN_PARAM, OptimizerState
 
-GROUP = "optimizer.distributed.dp_group_idx_0."
-_BUCKET = re.compile(re.escape(GROUP) + r"gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
+_BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
+                     r"(param|exp_avg|exp_avg_sq)")
 TO_MEGA = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "param": MAIN_PARAM}
 PARAM_ALIGNMENT = 64  # elements: megatron-core starts every parameter 128-byte aligned
 
@@ -49,25 +51,31 @@ def _ceil(number: int, divisor: int) -> int:
     return math.ceil(number / divisor) * divisor
 
 
-def buffer_layout(params: list[tuple[str, int]], dp: int, bucket_size: int | None,
-                  high_nccl_busbw: bool) -> tuple[dict[str, tuple[int, int, int]], list[int]]:
+def buffer_layout(params: list[tuple[str, int]], dp: int, bucket_size: int | None, high_nccl_busbw: bool,
+                  own_bucket: frozenset[str] = frozenset()) -> tuple[dict[str, tuple[int, int, int]], list[int]]:
     """(name -> (bucket, start, end) within the bucket, each bucket's unpadded size) of the gradient
-    buffer megatron-core builds for ``params`` ((name, elements) in model order)."""
+    buffer megatron-core builds for ``params`` ((name, elements) in model order). ``own_bucket``: the
+    parameters that get a bucket to themselves (a tied embedding's copies on the first and last
+    pipeline stages)."""
     divisor = math.lcm(dp, 128, 2**16) if high_nccl_busbw else math.lcm(dp, 128)
     places, sizes = {}, []
-    start = bucket_start = held = 0
-    end = 0
+    start = bucket_start = held = end = 0
+
+    def close(at: int) -> int:  # the bucket ends at ``at`` (padded after): where the next starts
+        nonlocal bucket_start, held
+        sizes.append(at - bucket_start)
+        bucket_start, held = _ceil(at, divisor), 0
+        return bucket_start
+
     for name, numel in reversed(params):  # backprop order
         start = _ceil(start, PARAM_ALIGNMENT)
+        if name in own_bucket and held:  # what came before closes (its size counting this alignment)
+            start = close(start)
         end = start + numel
         places[name] = (len(sizes), start - bucket_start, end - bucket_start)
         held += 1
-        if bucket_size is not None and end - bucket_start >= bucket_size:
-            sizes.append(end - bucket_start)
-            start = bucket_start = _ceil(end, divisor)
-            held = 0
-        else:
-            start = end
+        full = bucket_size is not None and end - bucket_start >= bucket_size
+        start = close(end) if full or name in own_bucket else end
     if held:
         sizes.append(end - bucket_start)
     return places, sizes
@@ -88,53 +96,84 @@ def read_object(directory: Path, metadata, key: str):
         return load_megatron_pickle(path)
 
 
+def shared_embedding_keys(config, pp: int, prefix: str = "") -> frozenset[str]:
+    """The keys of a tied embedding's copies on the first and last pipeline stages, which
+    megatron-core's distributed optimizer gives a bucket each (none at one stage, or untied)."""
+    if pp == 1 or config.untie_embeddings_and_output_weights:
+        return frozenset()
+    return frozenset(prefix + key for key in ("embedding.word_embeddings.weight", "output_layer.weight"))
+
+
 class BufferOptimizer:
-    """The dp_reshardable state of a torch_dist ``source``, per parameter: ``state`` and ``get``."""
+    """The dp_reshardable state of a torch_dist ``source``, per parameter: ``state`` and ``get``.
+
+    Each tensor x pipeline rank saves its own buffers, as data-parallel group ``G`` = its rank in
+    the model-parallel group: ``tp_rank + tp * pp_rank`` in megatron-core's default rank order
+    (tp-cp-ep-dp-pp). A stage's buffer holds that stage's parameters, tensor-parallel shards at
+    that; a parameter's state is its shards from the tp ranks' buffers, merged as the model's are."""
 
     def __init__(self, source, metadata):
-        where, args = source.directory, source.args
+        from mega.ckpt_convert.megatron_layout import stage_layers, stage_of
+
+        where, args, config = source.directory, source.args, source.config
         tp, pp = source.tensor_parallel_size, source.pipeline_parallel_size
-        if (tp, pp) != (1, 1) or source.family not in ("gpt", "llama"):
+        refusals = {f"a {source.family} run": source.family not in ("gpt", "llama"),
+                    "a run with --use-tp-pp-dp-mapping": getattr(args, "use_tp_pp_dp_mapping", False),
+                    "an interleaved pipeline": (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1}
+        refusal = next((what for what, applies in refusals.items() if applies), None)
+        if refusal:
             raise ConversionError(
-                f"--with-optimizer: {where} holds the distributed optimizer's dp_reshardable state of a "
-                f"{source.family} run at tp={tp}, pp={pp}; mega reads it for GPT and LLaMA runs at tp=pp=1: "
-                "save the run with --dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
-        self.source, self.metadata = source, metadata
-        self.tensors: dict[tuple[str, int], str] = {}  # (kind, bucket) -> checkpoint key
+                f"--with-optimizer: {where} holds the distributed optimizer's dp_reshardable state of {refusal}; "
+                "mega reads it for GPT and LLaMA runs (one model chunk per stage, the default rank order): save the "
+                "run with --dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
+        self.source, self.metadata, self.tp = source, metadata, tp
+        self.tensors: dict[tuple[int, str, int], str] = {}  # (group, kind, bucket) -> checkpoint key
         dtypes = set()
         for key in metadata.state_dict_metadata:
             match = _BUCKET.fullmatch(key)
             if match:
-                buffer, dtype, bucket, kind = match.groups()
+                group, buffer, dtype, bucket, kind = match.groups()
                 if buffer != "0":
                     raise ConversionError(f"{where}: {key} is in a second gradient buffer (a model with "
                                           "parameters of two dtypes, or experts); mega reads one buffer's")
                 dtypes.add(dtype)
-                self.tensors[kind, int(bucket)] = key
+                self.tensors[int(group), kind, int(bucket)] = key
+        groups_found = {group for group, _, _ in self.tensors}
+        if groups_found != set(range(tp * pp)):
+            raise ConversionError(f"{where}: the distributed optimizer's state is saved for data-parallel groups "
+                                  f"{sorted(groups_found)}; a run at tp={tp}, pp={pp} has groups 0..{tp * pp - 1}")
         if len(dtypes) != 1:
             raise ConversionError(f"{where}: the distributed optimizer's buckets have dtypes {sorted(dtypes)}")
-        # [model chunk][buffer] -> {(param dtype, grad dtype): each bucket's size}
-        saved_sizes = read_object(where, metadata, GROUP + "per_bucket_numel_unpadded/shard_0_1")
-        try:
-            ((buffer,),) = saved_sizes
-            (sizes,) = buffer.values()
-        except (TypeError, ValueError, AttributeError):
-            raise ConversionError(f"{where}: the distributed optimizer's per_bucket_numel_unpadded is {saved_sizes!r}, "
-                                  "not one model chunk's one buffer (mega reads runs without interleaving)") from None
         dp = getattr(args, "data_parallel_size", None)
         if not dp:
             raise ConversionError(f"{where}: args lack data_parallel_size, which the distributed optimizer's "
                                   "bucket padding depends on")
         bucket_size = bucket_size_of(args)
-        params = sorted(source.layouts, key=megatron_order)
-        numels = [(name, math.prod(source.layouts[name].shape)) for name in params]
-        self.places, built = buffer_layout(numels, dp, bucket_size,
-                                           bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
-        if built != list(sizes):
-            raise ConversionError(f"{where}: megatron-core's gradient buffer for these args (dp {dp}, bucket size "
-                                  f"{bucket_size}) has buckets of {built} elements, but the checkpoint's "
-                                  f"per_bucket_numel_unpadded says {list(sizes)}; the args and the state disagree")
-        groups = read_object(where, metadata, GROUP + "optimizer/shard_0_1")
+        high_nccl_busbw = bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False))
+        stages = stage_layers(config.num_layers, pp, getattr(args, "decoder_first_pipeline_num_layers", None),
+                              getattr(args, "decoder_last_pipeline_num_layers", None))
+        tied = not config.untie_embeddings_and_output_weights
+        on_stage: list[list[tuple[str, str]]] = [[] for _ in range(pp)]  # (name in the stage, mega name)
+        for name in source.layouts:
+            for stage, stage_name in stage_of(name, stages, tied):
+                on_stage[stage].append((stage_name, name))
+        own_bucket = shared_embedding_keys(config, pp)
+        self.places: dict[tuple[str, int], tuple[int, int, int, int]] = {}  # (name, tp rank) -> group, bucket, range
+        for stage, held in enumerate(on_stage):
+            held.sort(key=lambda pair: megatron_order(pair[0]))
+            numels = [(stage_name, math.prod(source.layouts[name].local_shape(tp))) for stage_name, name in held]
+            places, built = buffer_layout(numels, dp, bucket_size, high_nccl_busbw, own_bucket)
+            for rank in range(tp):
+                group = rank + tp * stage
+                saved = self._bucket_sizes(group)
+                if built != saved:
+                    raise ConversionError(
+                        f"{where}: megatron-core's gradient buffer of tp rank {rank}, pipeline stage {stage} for these "
+                        f"args (dp {dp}, bucket size {bucket_size}) has buckets of {built} elements, but the "
+                        f"checkpoint's per_bucket_numel_unpadded says {saved}; the args and the state disagree")
+                for stage_name, name in held:
+                    self.places.setdefault((name, rank), (group, *places[stage_name]))  # the first stage's copy
+        groups = read_object(where, metadata, _group_key(0, "optimizer/shard_0_1"))
         groups = groups[0]["param_groups"] if isinstance(groups, list) else groups["param_groups"]
         model_dtype = dtypes.pop().strip("()").split(",")[0].strip()
         keys = ("exp_avg", "exp_avg_sq") + ((MAIN_PARAM,) if model_dtype != "torch.float32" else ())
@@ -142,15 +181,36 @@ class BufferOptimizer:
         self.state = OptimizerState(
             keys=tuple(sorted(keys)), step=int(groups[0]["step"]), iteration=int(source.iteration or 0),
             consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0), hyperparameters=hyper)
-        self._buckets: dict[tuple[str, int], torch.Tensor] = {}
+        self._buckets: dict[tuple[int, str, int], torch.Tensor] = {}
+
+    def _bucket_sizes(self, group: int) -> list[int]:
+        where = self.source.directory
+        # [model chunk][buffer] -> {(param dtype, grad dtype): each bucket's size}
+        saved = read_object(where, self.metadata, _group_key(group, "per_bucket_numel_unpadded/shard_0_1"))
+        try:
+            ((buffer,),) = saved
+            (sizes,) = buffer.values()
+        except (TypeError, ValueError, AttributeError):
+            raise ConversionError(f"{where}: the distributed optimizer's per_bucket_numel_unpadded is {saved!r}, "
+                                  "not one model chunk's one buffer (mega reads runs without interleaving)") from None
+        return list(sizes)
 
     def get(self, name: str, key: str) -> torch.Tensor:
         kind = {mega: megatron for megatron, mega in TO_MEGA.items()}[key]
-        bucket, start, end = self.places[name]
-        if (kind, bucket) not in self._buckets:
-            stored = self.tensors[kind, bucket]
-            self._buckets[kind, bucket] = self.source._read(stored, None, {stored: self.metadata.state_dict_metadata[stored]})
-        return self._buckets[kind, bucket][start:end].view(self.source.layouts[name].shape).clone()
+        layout = self.source.layouts[name]
+        shards = []
+        for rank in range(self.tp if layout.dim is not None else 1):  # a whole tensor: any rank's copy
+            group, bucket, start, end = self.places[name, rank]
+            if (group, kind, bucket) not in self._buckets:
+                stored = self.tensors[group, kind, bucket]
+                self._buckets[group, kind, bucket] = self.source._read(
+                    stored, None, {stored: self.metadata.state_dict_metadata[stored]})
+            shards.append(self._buckets[group, kind, bucket][start:end].view(layout.local_shape(self.tp)))
+        return layout.merge(shards).clone()
+
+
+def _group_key(group: int, name: str) -> str:
+    return f"optimizer.distributed.dp_group_idx_{group}.{name}"
 
 
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
@@ -163,9 +223,11 @@ def bucket_size_of(args) -> int | None:
     return getattr(args, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * args.data_parallel_size)
 
 
-def read_distrib_optim(rank_file: Path, state: dict, parameters: list[tuple[str, torch.Tensor]], args):
+def read_distrib_optim(rank_file: Path, state: dict, parameters: list[tuple[str, torch.Tensor]], args,
+                       own_bucket: frozenset[str] = frozenset()):
     """(model key -> {mega key: tensor}, step, group 0's hyperparameters) of one legacy rank:
-    ``state`` its model_optim_rng.pt, ``parameters`` its model's (key, tensor) in order."""
+    ``state`` its model_optim_rng.pt, ``parameters`` its model's (key, tensor) in order,
+    ``own_bucket`` the keys with a bucket each (:func:`shared_embedding_keys`)."""
     path = rank_file.parent / DISTRIB_OPTIM_FILE
     saved = load_megatron_pickle(path)
     try:
@@ -180,7 +242,7 @@ def read_distrib_optim(rank_file: Path, state: dict, parameters: list[tuple[str,
     if not dp:
         raise ConversionError(f"{rank_file}: args lack data_parallel_size, which the buffer layout depends on")
     places, sizes = buffer_layout([(key, tensor.numel()) for key, tensor in parameters], dp, bucket_size_of(args),
-                                  bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
+                                  bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)), own_bucket)
     if sum(sizes) != numel:
         raise ConversionError(f"{path}: megatron-core's gradient buffer for {rank_file.name}'s parameters and these "
                               f"args (dp {dp}, bucket size {bucket_size_of(args)}) has {sum(sizes)} elements, but "

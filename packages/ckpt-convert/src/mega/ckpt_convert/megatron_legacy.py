@@ -192,18 +192,19 @@ class LegacySource(MegatronSource):
     def optimizer_state(self):
         """The regular optimizer's Adam state in every rank file, indexed by mega name and tp rank
         (:mod:`mega.ckpt_convert.megatron_legacy_optimizer`)."""
-        from mega.ckpt_convert.megatron_distopt import read_distrib_optim
+        from mega.ckpt_convert.megatron_distopt import read_distrib_optim, shared_embedding_keys
         from mega.ckpt_convert.megatron_legacy_optimizer import read_rank_optimizer
         from mega.ckpt_convert.optimizer_state import MAIN_PARAM, MOMENTS, OptimizerState
 
         if getattr(self, "_optimizer", None) is not None:
             return self._optimizer
         distributed = bool(getattr(self.args, "use_distributed_optimizer", False))
-        if distributed and (self.pipeline_parallel_size > 1 or self.chunks > 1):
+        if distributed and self.chunks > 1:
             raise ConversionError(
-                f"--with-optimizer: {self.directory} was saved by Megatron-LM's distributed optimizer at pipeline size "
-                f"{self.pipeline_parallel_size}; mega reads its distrib_optim.pt buffers of one pipeline stage "
-                "(save with --ckpt-format torch_dist and --dist-ckpt-optim-fully-reshardable instead)")
+                f"--with-optimizer: {self.directory} was saved by Megatron-LM's distributed optimizer with an "
+                f"interleaved pipeline ({self.chunks} model chunks per stage); mega reads its distrib_optim.pt buffers "
+                "of one chunk per stage (save with --ckpt-format torch_dist and --dist-ckpt-optim-fully-reshardable "
+                "instead)")
         names = names_for(self.family)
         places = chunk_layers(self.args, self.config.num_layers, self.pipeline_parallel_size, self.chunks)
         tied = not self.config.untie_embeddings_and_output_weights
@@ -217,7 +218,8 @@ class LegacySource(MegatronSource):
             parameters = [(f"{chunk}.{key}", value) for chunk in chunks for key, value in flatten(state[chunk]).items()
                           if torch.is_tensor(value)]
             if distributed:
-                found, step, hyper = read_distrib_optim(file, state, parameters, self.args)
+                own_bucket = shared_embedding_keys(self.config, self.pipeline_parallel_size, prefix="model.")
+                found, step, hyper = read_distrib_optim(file, state, parameters, self.args, own_bucket)
             else:
                 found, step, hyper = read_rank_optimizer(state.get("optimizer"), parameters, str(file))
             steps.add(step)
