@@ -587,3 +587,43 @@ def _held_by_name(ddp, optimizer) -> dict[str, list]:
                             (ranges["param"].start, ranges["param"].end,
                              {key: value.detach().clone() for key, value in tensors.items()}))
     return held
+
+
+def load_with_distributed_optimizer(family: str, directory: str, tp: int = 1) -> tuple[int, dict[str, list]]:
+    """What Megatron-LM's load_checkpoint does for a --use-distributed-optimizer run at ``tp`` (the
+    world's other ranks data-parallel): the sharding kind from the checkpoint's content metadata,
+    dist_checkpointing.load of the model and optimizer, the optimizer's load_state_dict. Returns
+    the step and what this rank's optimizer then holds (see :func:`_held_by_name`).
+
+    Two more shims, both for torch's AdamW (megatron-core's choice without TE or apex), which keeps
+    a ``step`` per parameter where TE's and apex's Adam keep it in the param groups: the fresh
+    optimizer's state is made as AdamW makes it (megatron-core's state_dict reads the step there),
+    and the loaded state, which leaves the step out (it comes from the param groups), is copied
+    into every key of the inner state but ``step``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def keeping_step(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        return set_states(self, model_param, {**tensors, **({"step": state["step"]} if "step" in state else {})})
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = keeping_step
+    ddp, optimizer = _distributed_optimizer(family, None, seed=77, tp=tp)
+    for inner in _inner(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                                      "exp_avg_sq": torch.zeros_like(param)}
+    metadata = dist_checkpointing.load_content_metadata(directory)
+    model_state = ddp.module.sharded_state_dict()
+    wanted = {"model": model_state,
+              "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True, metadata=metadata)}
+    loaded = dist_checkpointing.load(wanted, directory)
+    ddp.module.load_state_dict(loaded["model"], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+    steps = {int(state["step"]) for inner in _inner(optimizer) for state in inner.state.values()}
+    (step,) = steps
+    return step, _held_by_name(ddp, optimizer)

@@ -248,7 +248,7 @@ def test_interleaved_pipeline_legacy_files_import(family, made, world, tmp_path)
 def test_optimizer_state_moves_between_megatron_and_mega(made, world, tmp_path, capsys):
     """Adam state megatron-core's optimizer saved at tp 2 (torch_dist, iteration 9, two steps) imports
     into mega bit for bit under mega's names, mega train resumes from it (optimizer and iteration),
-    and its export loads into megatron-core's optimizer with the same state."""
+    and its export loads into megatron-core's optimizer, regular or distributed, with the same state."""
     from mega.ckpt_convert import ConversionError
     from mega.ckpt_convert.mega_format import MegaSource
     from mega.core.checkpoint import read_metadata
@@ -279,6 +279,29 @@ def test_optimizer_state_moves_between_megatron_and_mega(made, world, tmp_path, 
     for name in names:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(again[name][key], truth[name][key]), (name, key)
+
+    # For a --use-distributed-optimizer run: megatron-core's DistributedOptimizer (dp 2, each rank a
+    # flat range of every parameter) loads the export with the same moments and step, and the export
+    # imports back to the same state.
+    distributed = tmp_path / "distributed"
+    assert convert_main(["--from", "mega", "--to", "megatron", "--with-optimizer", "--megatron-optimizer",
+                         "distributed", "--input", str(imported), "--output", str(distributed)]) == 0
+    loaded = world.run(ref.load_with_distributed_optimizer, "llama", str(distributed / "iter_0000009"))
+    assert set(loaded[0][1]) | set(loaded[1][1]) == set(names)
+    for step, held in loaded:
+        assert step == 2
+        for name, pieces in held.items():
+            for start, end, tensors in pieces:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(tensors[key], truth[name][key].flatten()[start:end]), (name, key, start)
+    assert sum(end - start for _, held in loaded for pieces in held.values() for start, end, _ in pieces) == \
+        sum(truth[name]["exp_avg"].numel() for name in names)
+    convert(distributed, tmp_path / "distributed-back", from_format="megatron", to_format="mega",
+            options=WriteOptions(with_optimizer=True))
+    with MegaSource(tmp_path / "distributed-back", None) as mega:
+        assert mega.optimizer_state().step == 2 and mega.optimizer_state().keys == ("exp_avg", "exp_avg_sq")
+        for name in names:
+            assert torch.equal(mega.get_optimizer(name, "exp_avg_sq"), truth[name]["exp_avg_sq"]), name
 
     capsys.readouterr()
     m = ref.MODELS["llama"]

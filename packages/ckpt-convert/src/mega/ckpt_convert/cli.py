@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "step count) and the iteration, so training resumes where it stopped; the input must be "
                              "a mega checkpoint or a Megatron-LM one (torch_dist, or legacy files of the regular "
                              "optimizer) with its optimizer state")
+    parser.add_argument("--megatron-optimizer", choices=["regular", "distributed"],
+                        help="megatron torch_dist output with --with-optimizer: the optimizer of the Megatron-LM run "
+                             "that loads it: regular (default) or distributed (--use-distributed-optimizer: its state "
+                             "written fully_reshardable, which any tp/pp/dp loads)")
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="cast floating-point weights (default: keep each tensor's dtype)")
     parser.add_argument("--max-shard-size", type=byte_size, default="5GB", metavar="SIZE",
@@ -109,6 +113,9 @@ def main(argv: list[str]) -> int:
         parser.error("--with-optimizer applies to mega and megatron outputs only (--to mega or --to megatron)")
     if args.megatron_format is not None and args.to_format != "megatron":
         parser.error("--megatron-format applies to megatron outputs only (--to megatron)")
+    if args.megatron_optimizer is not None and (args.to_format != "megatron" or not args.with_optimizer
+                                                or args.megatron_format == "legacy"):
+        parser.error("--megatron-optimizer applies to megatron torch_dist outputs with --with-optimizer")
 
     import torch
 
@@ -126,6 +133,7 @@ def main(argv: list[str]) -> int:
         progress={"auto": None, "always": True, "never": False}[args.progress],
         megatron_format=args.megatron_format or "torch_dist",
         with_optimizer=args.with_optimizer,
+        megatron_optimizer=args.megatron_optimizer or "regular",
     )
     give_freed_tensors_back()
     start = time.perf_counter()

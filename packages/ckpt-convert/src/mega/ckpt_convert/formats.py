@@ -38,6 +38,9 @@ class WriteOptions:
     megatron_format: str = "torch_dist"  # megatron: "legacy" (torch.save per rank) or "torch_dist"
     iteration: int | None = None  # megatron: the iteration recorded (default: the source's, else release)
     with_optimizer: bool = False  # mega, megatron torch_dist: carry the source's optimizer state and iteration
+    # megatron torch_dist with_optimizer: the optimizer of the Megatron-LM run that loads it, "regular" or
+    # "distributed" (--use-distributed-optimizer)
+    megatron_optimizer: str = "regular"
 
 
 class CheckpointFormat(Protocol):

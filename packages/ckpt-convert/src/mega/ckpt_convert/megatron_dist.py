@@ -46,6 +46,7 @@ from mega.ckpt_convert.megatron_names import (
 )
 from mega.ckpt_convert.megatron_pickle import load_megatron_pickle
 from mega.ckpt_convert.megatron_source import MegatronSource
+from mega.ckpt_convert.optimizer_state import MAIN_PARAM
 from mega.core.checkpoint import CheckpointError
 from mega.core.checkpoint.pieces import Piece
 from mega.core.checkpoint.sharded_io import LazyTensor, SafeFileSystemReader, ShardedEntry, load_entries
@@ -187,12 +188,19 @@ def _file_key(names, rest: str) -> str:
 
 
 def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteration: int | None,
-                     optimizer=None) -> None:
+                     optimizer=None, distributed: bool = False) -> None:
     """``source`` as a torch_dist checkpoint Megatron-LM loads at tp x pp (the vocabulary is padded
     for ``tp``; the rest of the checkpoint is layout-free) in ``directory`` (a new save directory);
     with ``optimizer`` (an :class:`~mega.ckpt_convert.optimizer_state.OptimizerState` of the
-    source), the state megatron-core's regular optimizer saves too."""
-    from mega.ckpt_convert.megatron_optimizer import STATE_PREFIX, TO_MEGATRON, common_optimizer
+    source), the state megatron-core's regular optimizer saves too, or with ``distributed`` its
+    distributed optimizer's (:func:`~mega.ckpt_convert.megatron_optimizer.distributed_common_optimizer`)."""
+    from mega.ckpt_convert.megatron_optimizer import (
+        DISTRIBUTED_MAIN_PARAM_KEY,
+        STATE_PREFIX,
+        TO_MEGATRON,
+        common_optimizer,
+        distributed_common_optimizer,
+    )
 
     config = source.config
     layouts: dict[str, TensorLayout] = model_layouts(family, config, tp)
@@ -208,8 +216,17 @@ def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteratio
         if name in entries:
             entries[key] = entries[name]
     for key in optimizer.keys if optimizer is not None else ():
+        if key == MAIN_PARAM and distributed:
+            continue
         entries.update(_tensor_entries(lambda name, k=key: source.get_optimizer(name, k).float(), lambda name: torch.float32,
                                        layouts, names, stacks, f"{STATE_PREFIX}{TO_MEGATRON[key]}."))
+    if distributed:  # its main parameters, of an fp32 model too (the weights themselves)
+        def main_param(name: str) -> torch.Tensor:
+            held = source.get_optimizer(name, MAIN_PARAM) if MAIN_PARAM in optimizer.keys else source.get(name)
+            return held.float()
+
+        entries.update(_tensor_entries(main_param, lambda name: torch.float32, layouts, names, stacks,
+                                       f"{STATE_PREFIX}{DISTRIBUTED_MAIN_PARAM_KEY}."))
     for stack, size in stacks.items():
         for module in names.extra_state_layer_modules:
             if f"{stack}0.{module}.weight" in layouts:
@@ -230,7 +247,9 @@ def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteratio
         args.consumed_train_samples = optimizer.consumed_samples
     with open(checkpoint_dir / COMMON_FILE, "wb") as stream:
         common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0}
-        if optimizer is not None:
+        if optimizer is not None and distributed:
+            common["optimizer"], common["content_metadata"] = distributed_common_optimizer(optimizer)
+        elif optimizer is not None:
             common["optimizer"] = common_optimizer(optimizer)
             if "schedule" in optimizer.hyperparameters:  # Megatron-LM's load_checkpoint requires it
                 common["opt_param_scheduler"] = optimizer.hyperparameters["schedule"]

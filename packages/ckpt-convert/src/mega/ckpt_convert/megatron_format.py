@@ -62,6 +62,10 @@ class MegatronFormat:
                 raise ConversionError(f"the {source.family} source: {name} has shape {list(shape)}, but its "
                                       f"model config implies {list(layout.shape)}")
         optimizer = None
+        distributed = options.megatron_optimizer == "distributed"
+        if distributed and (kind == LEGACY or not options.with_optimizer):
+            raise ConversionError("the distributed optimizer's state is written into torch_dist checkpoints with "
+                                  "--with-optimizer (--megatron-format torch_dist)")
         if options.with_optimizer:
             if kind == LEGACY and family.name not in ("gpt", "llama"):
                 raise ConversionError(f"--with-optimizer: mega writes optimizer state into legacy Megatron-LM files "
@@ -78,7 +82,7 @@ class MegatronFormat:
         else:
             from mega.ckpt_convert.megatron_dist import write_torch_dist
 
-            write_torch_dist(source, family, directory, tp, pp, iteration or None, optimizer)
+            write_torch_dist(source, family, directory, tp, pp, iteration or None, optimizer, distributed)
         warnings = list(getattr(source, "warnings", []))
         if source.tokenizer is not None:
             warnings.append(f"the tokenizer ({source.tokenizer.type}) is recorded in the args by type and file paths "

@@ -9,7 +9,11 @@ megatron-core saves the optimizer's ``sharded_state_dict`` beside the model's un
   kinds (``fully_reshardable``, ``fully_sharded_model_space``) write these;
 * in ``common.pt``: ``optimizer.param_groups`` (hyperparameters, without the params) and the
   step count, shared by every parameter, as ``optimizer.state.common_step`` (regular optimizer)
-  or in each param group (distributed optimizer).
+  or in each param group (distributed optimizer: ``optimizer.optimizer.param_groups``, beside
+  ``param_state_sharding_type``; ``content_metadata`` names the kind for Megatron-LM's loader).
+
+Exports write the regular optimizer's state, or the distributed optimizer's as
+``fully_reshardable`` (its main parameters always, fp32 runs too, under ``param``).
 
 The distributed optimizer's ``dp_reshardable`` kind (Megatron-LM's default without
 ``--dist-ckpt-optim-fully-reshardable``) saves its flat internal buffers, tied to the data-parallel
@@ -29,7 +33,12 @@ from mega.ckpt_convert.optimizer_state import MAIN_PARAM, MOMENTS, OptimizerStat
 STATE_PREFIX = "optimizer.state."
 # Megatron's state key -> mega's
 TO_MEGA = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": MAIN_PARAM, "param": MAIN_PARAM}
-TO_MEGATRON = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", MAIN_PARAM: "fp32_param"}
+MAIN_PARAM_KEY = "fp32_param"
+TO_MEGATRON = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", MAIN_PARAM: MAIN_PARAM_KEY}
+# The distributed optimizer's layout-free kind (one tensor per parameter and kind, like the
+# regular optimizer's, its main parameters always and under ``param``): what exports write for it.
+FULLY_RESHARDABLE = "fully_reshardable"
+DISTRIBUTED_MAIN_PARAM_KEY = "param"
 BUFFER_LAYOUT = ("optimizer.distributed.", "optimizer.param_state")
 
 
@@ -54,6 +63,8 @@ def read_optimizer_state(source, common: dict, metadata, names) -> FoundOptimize
         if len(steps) != 1:
             raise ConversionError(f"{where}: the chained optimizers' step counts differ: {sorted(map(str, steps))}")
         saved = saved[min(saved)]  # megatron-core keeps them in step; the first's param groups serve
+    if isinstance(saved, dict) and "param_state_sharding_type" in saved:  # the distributed optimizer's
+        saved = saved.get("optimizer")
     stored_keys = {unchained(key): key for key, md in everything.items()
                    if unchained(key).startswith(STATE_PREFIX) and isinstance(md, TensorStorageMetadata)}
     index = {key: everything[stored] for key, stored in stored_keys.items()}
@@ -61,12 +72,15 @@ def read_optimizer_state(source, common: dict, metadata, names) -> FoundOptimize
         raise ConversionError(f"--with-optimizer: {where} holds no optimizer state (Megatron-LM saved it with "
                               "--no-save-optim, or it is a release checkpoint)")
     by_megatron: dict[str, dict] = {}
+    # The distributed optimizer saves main parameters of an fp32 model too: the weights themselves.
+    fp32_model = all(source.dtype(name) == torch.float32 for name in source.layouts)
     for key in index:
         state_key = key[len(STATE_PREFIX):].partition(".")[0]
         if state_key not in TO_MEGA:
             raise ConversionError(f"{where}: {key} is optimizer state mega does not know ({state_key!r}; it "
                                   f"carries {', '.join(sorted(TO_MEGA))}): an optimizer other than Adam?")
-        by_megatron.setdefault(state_key, {})
+        if not (fp32_model and TO_MEGA[state_key] == MAIN_PARAM):
+            by_megatron.setdefault(state_key, {})
     keys = {}
     for state_key in by_megatron:
         mapped, shapes = source.map_keys(index, names, f"{STATE_PREFIX}{state_key}.")
@@ -128,3 +142,12 @@ def param_groups(state: OptimizerState) -> list[dict]:
 def common_optimizer(state: OptimizerState) -> dict:
     """What ``common.pt`` holds under ``optimizer`` for megatron-core's regular optimizer."""
     return {"state": {"common_step": torch.tensor(float(state.step))}, "param_groups": param_groups(state)}
+
+
+def distributed_common_optimizer(state: OptimizerState) -> tuple[dict, dict]:
+    """What ``common.pt`` holds under ``optimizer`` for megatron-core's distributed optimizer, whose
+    per-parameter state is saved :data:`FULLY_RESHARDABLE`, and the ``content_metadata`` that
+    tells Megatron-LM's load_checkpoint so. The step is in every param group."""
+    groups = [dict(group, step=state.step) for group in param_groups(state)]
+    return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": FULLY_RESHARDABLE}, \
+        {"distrib_optim_sharding_type": FULLY_RESHARDABLE}
