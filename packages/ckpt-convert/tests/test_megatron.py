@@ -584,3 +584,36 @@ def test_distributed_optimizer_buffers_import_at_tp_and_pp(layout, world, tmp_pa
                             assert torch.equal(ours[start:end], tensors[key]), (saved.name, name, key, start)
                     compared.add(name)
             assert compared == set(mega.names())
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_legacy_optimizer_state_of_encoder_families_moves_both_ways(family, world, tmp_path):
+    """BERT (binary head, pooler) and Megatron-LM's default T5 (both stacks, cross-attention, the
+    output layer's bias under two names): legacy tp 2 files with megatron-core's regular optimizer
+    state import as it held it, and export to files whose state megatron-core's optimizer loads
+    as it was (its parameter order per family)."""
+    import megatron_encoder_optimizer_reference as encoder_ref
+
+    from mega.ckpt_convert.mega_format import MegaSource
+    from mega.ckpt_convert.megatron_layout import model_layouts
+    from mega.ckpt_convert.megatron_source import family_by_name
+
+    source, imported, exported = tmp_path / "legacy", tmp_path / "mega", tmp_path / "back"
+    truth = world.run(encoder_ref.save_legacy_with_optimizer, family, str(source))
+    convert(source, imported, from_format="megatron", to_format="mega", options=WriteOptions(with_optimizer=True))
+    with MegaSource(imported, None) as mega:
+        layouts = model_layouts(family_by_name(family), mega.config, 2)
+        assert mega.optimizer_state().step == 2
+        for rank in range(2):
+            for name, state in truth[rank].items():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    shard = layouts[name].split(mega.get_optimizer(name, key), rank, 2)
+                    assert torch.equal(shard, state[key]), (rank, name, key)
+    convert(imported, exported, to_format="megatron",
+            options=WriteOptions(tensor_parallel_size=2, megatron_format="legacy", with_optimizer=True))
+    loaded = world.run(encoder_ref.load_legacy_optimizer, family, str(exported))
+    for rank in range(2):
+        assert loaded[rank].keys() == truth[rank].keys()
+        for name, state in truth[rank].items():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(loaded[rank][name][key], state[key]), (rank, name, key)

@@ -9,6 +9,7 @@ from pathlib import Path
 from mega.ckpt_convert.errors import ConversionError
 from mega.ckpt_convert.formats import WriteOptions
 from mega.ckpt_convert.megatron_directory import LEGACY, TORCH_DIST, checkpoint, find
+from mega.ckpt_convert.megatron_legacy_optimizer import ORDERS
 from mega.ckpt_convert.megatron_source import MegatronSource, family_by_name
 from mega.ckpt_convert.optimizer_state import optimizer_state_of
 from mega.ckpt_convert.source import ModelSource, format_names
@@ -67,10 +68,10 @@ class MegatronFormat:
             raise ConversionError("the distributed optimizer's state is written into torch_dist checkpoints with "
                                   "--with-optimizer (--megatron-format torch_dist)")
         if options.with_optimizer:
-            if kind == LEGACY and family.name not in ("gpt", "llama"):
+            if kind == LEGACY and family.name not in ORDERS:
                 raise ConversionError(f"--with-optimizer: mega writes optimizer state into legacy Megatron-LM files "
-                                      f"of GPT and LLaMA models, not {family.name}'s (their parameter order in "
-                                      "megatron-core is not mapped); use --megatron-format torch_dist")
+                                      f"of {', '.join(sorted(ORDERS))} models, not {family.name}'s (megatron-core "
+                                      "saves a mixture of experts' in two optimizers); use --megatron-format torch_dist")
             optimizer = optimizer_state_of(source, "the input")
         iteration = options.iteration if options.iteration is not None else getattr(source, "iteration", None)
         if iteration is None and optimizer is not None:

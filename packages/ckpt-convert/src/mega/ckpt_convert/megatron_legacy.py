@@ -216,7 +216,7 @@ class LegacySource(MegatronSource):
             chunks = ["model"] if self.chunks == 1 else [f"model{chunk}" for chunk in range(self.chunks)]
             # The chunk's name in front keeps an interleaved file's chunks apart ("model1.decoder.layers.0...").
             parameters = [(f"{chunk}.{key}", value) for chunk in chunks for key, value in flatten(state[chunk]).items()
-                          if torch.is_tensor(value)]
+                          if torch.is_tensor(value) and key not in names.duplicate_keys]
             if distributed:
                 own_bucket = shared_embedding_keys(self.config, self.pipeline_parallel_size, prefix="model.")
                 found, step, hyper = read_distrib_optim(file, state, parameters, self.args, own_bucket)
@@ -300,7 +300,7 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
     """``source`` as Megatron-LM's legacy files at tp x pp in ``directory`` (a new save directory);
     with ``optimizer`` (the source's :class:`~mega.ckpt_convert.optimizer_state.OptimizerState`),
     each rank's regular-optimizer state too, its model state dict in megatron-core's parameter order."""
-    from mega.ckpt_convert.megatron_legacy_optimizer import megatron_order, rank_optimizer
+    from mega.ckpt_convert.megatron_legacy_optimizer import ORDERS, rank_optimizer
 
     config = source.config
     layouts: dict[str, TensorLayout] = model_layouts(family, config, tp)
@@ -334,8 +334,11 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
             for key, name in names.duplicate_keys.items():
                 if name in model:
                     model[key] = model[name]
+            parameters = [(key, value) for key, value in model.items() if key not in names.duplicate_keys]
             if optimizer is not None:  # indices follow the model's parameter order: megatron-core's
-                model = OrderedDict(sorted(model.items(), key=lambda item: megatron_order(item[0])))
+                parameters.sort(key=lambda item: ORDERS[family.name].key(item[0]))
+                model = OrderedDict(parameters + [(key, value) for key, value in model.items()
+                                                  if key in names.duplicate_keys])
             experts = getattr(config, "num_experts", 0) if names.expert_patterns else 0
             stage_sizes = {names.stacks[0]: len(stages[stage])} if pp > 1 else whole_stacks
             for key in _extra_state_keys(names, layouts, stage_sizes, stage == pp - 1, experts):
@@ -354,7 +357,7 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
                     return {k: layout.split(fit_rows(t, layout.shape[0]) if layout.padded_vocab else t, rank, tp)
                             for k, t in tensors.items()}
 
-                state["optimizer"] = rank_optimizer(model, state_of, optimizer)
+                state["optimizer"] = rank_optimizer(parameters, state_of, optimizer)
                 if "schedule" in optimizer.hyperparameters:  # Megatron-LM's load_checkpoint requires it
                     state["opt_param_scheduler"] = optimizer.hyperparameters["schedule"]
             with open(path, "wb") as stream:

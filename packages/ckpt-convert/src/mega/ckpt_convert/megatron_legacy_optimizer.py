@@ -14,26 +14,64 @@ The indices number the rank's parameters group by group, each group in the model
 1-D parameters (the group whose ``wd_mult`` is 0). The parameter order is read from the file: its
 model state dict's tensors in order (``_extra_state`` left out; the chunks of an interleaved
 pipeline one after the other), checked against the group sizes and every state tensor's shape.
-Exports write each rank's model state dict in megatron-core's parameter order
-(:data:`LAYER_ORDER`), so that the same reading gives the indices megatron-core's optimizer loads.
+Exports write each rank's model state dict in megatron-core's parameter order (:data:`ORDERS`: GPT,
+LLaMA, BERT, T5), so that the same reading gives the indices megatron-core's optimizer loads. A
+second name of a tensor (T5's ``output_layer.bias``) is no parameter of its own.
 Multiple optimizers (MoE's expert optimizer: a list) and the distributed optimizer
 (``distrib_optim.pt``) are refused by name.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mega.ckpt_convert.errors import ConversionError
+from mega.ckpt_convert.megatron_names import split_stack_layer
 from mega.ckpt_convert.megatron_optimizer import param_groups
 from mega.ckpt_convert.optimizer_state import MAIN_PARAM, MOMENTS, OptimizerState
 
-# megatron-core's registration order: the model's parts, then a decoder layer's modules (its
-# Attention registers linear_proj before SelfAttention adds linear_qkv); weight before bias.
-MODEL_ORDER = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
-               "decoder.final_layernorm.", "output_layer.")
-LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.", "pre_mlp_layernorm.",
-               "mlp.linear_fc1.", "mlp.linear_fc2.")
+
+@dataclass(frozen=True)
+class ParameterOrder:
+    """megatron-core's registration order of one family's parameters: the model's parts (its stacks
+    of layers among them), then a layer's modules (its Attention registers linear_proj before
+    SelfAttention adds linear_qkv); weight before bias."""
+
+    parts: tuple[str, ...]
+    layer: tuple[str, ...]
+
+    def key(self, name: str) -> tuple:
+        """Sort key putting a state dict name in the order."""
+        part = _position(name, self.parts, "parameter")
+        layer = split_stack_layer(name)
+        if layer is None or layer[0] != self.parts[part]:
+            return part, 0, 0, name.endswith(".bias")
+        _, number, rest = layer
+        return part, number, _position(rest, self.layer, "layer parameter"), rest.endswith(".bias")
+
+
+_LAYER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.", "pre_mlp_layernorm.",
+          "mlp.linear_fc1.", "mlp.linear_fc2.")
+DECODER_ONLY_ORDER = ParameterOrder(
+    ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.", "decoder.final_layernorm.",
+     "output_layer."), _LAYER)
+ORDERS = {
+    "gpt": DECODER_ONLY_ORDER,
+    "llama": DECODER_ONLY_ORDER,
+    "bert": ParameterOrder(
+        ("embedding.word_embeddings.", "embedding.position_embeddings.", "embedding.tokentype_embeddings.",
+         "encoder.layers.", "encoder.final_layernorm.", "lm_head.dense.", "lm_head.layer_norm.", "output_layer.",
+         "binary_head.", "pooler.dense."), _LAYER),
+    "t5": ParameterOrder(
+        ("embedding.word_embeddings.", "embedding.position_embeddings.", "encoder_relative_pos_emb.",
+         "decoder_relative_pos_emb.", "encoder.layers.", "encoder.final_layernorm.", "decoder.layers.",
+         "decoder.final_layernorm.", "lm_head.output_layer."),
+        ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.", "pre_cross_attn_layernorm.",
+         "cross_attention.linear_proj.", "cross_attention.linear_q.", "cross_attention.linear_kv.",
+         "pre_mlp_layernorm.", "mlp.linear_fc1.", "mlp.linear_fc2.")),
+}
 
 
 def _position(key: str, order: tuple[str, ...], what: str) -> int:
@@ -45,11 +83,7 @@ def _position(key: str, order: tuple[str, ...], what: str) -> int:
 
 def megatron_order(key: str) -> tuple:
     """Sort key putting a decoder-only model's state dict names in megatron-core's parameter order."""
-    part = _position(key, MODEL_ORDER, "parameter")
-    if MODEL_ORDER[part] != "decoder.layers.":
-        return part, 0, 0, key.endswith(".bias")
-    number, _, rest = key[len("decoder.layers."):].partition(".")
-    return part, int(number), _position(rest, LAYER_ORDER, "layer parameter"), rest.endswith(".bias")
+    return DECODER_ONLY_ORDER.key(key)
 
 
 def no_weight_decay(key: str, tensor: torch.Tensor) -> bool:
@@ -110,11 +144,10 @@ def read_rank_optimizer(saved, parameters: list[tuple[str, torch.Tensor]], where
     return found, steps.pop(), hyper
 
 
-def rank_optimizer(model: dict, state_of, optimizer: OptimizerState) -> dict:
+def rank_optimizer(parameters: list[tuple[str, torch.Tensor]], state_of, optimizer: OptimizerState) -> dict:
     """One rank's ``optimizer`` entry as megatron-core's regular optimizer saves it, for the rank's
-    ``model`` state dict (in megatron-core's parameter order); ``state_of(key)``: that parameter's
-    {mega key: local tensor}."""
-    parameters = [(key, value) for key, value in model.items() if torch.is_tensor(value)]
+    ``parameters`` (key, tensor) in megatron-core's parameter order; ``state_of(key)``: that
+    parameter's {mega key: local tensor}."""
     groups, states, mains, index = param_groups(optimizer), {}, [], 0
     for group, keys in zip(groups, _groups_in_order(parameters), strict=True):
         group["params"] = list(range(index, index + len(keys)))

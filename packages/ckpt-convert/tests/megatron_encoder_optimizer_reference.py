@@ -1,0 +1,69 @@
+"""megatron-core's regular optimizer over its ``BertModel`` and ``T5Model`` (Megatron-LM's default T5)
+at tp 2, saved as Megatron-LM's legacy files and loaded back as its load_checkpoint does, on the
+ranks of the 2-rank gloo world: the reference for legacy optimizer state of the encoder families.
+The models, args and CPU shims are the family references'."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import megatron_bert_reference as bert_ref
+import megatron_t5_reference as t5_ref
+import torch
+from megatron_reference import _inner, _optimizer, _rank_state, _state_by_name
+
+TP, ITERATION = 2, 9
+
+
+def _model(family: str, seed: int):
+    if family == "bert":
+        return bert_ref.bert_model(TP, seed=seed)
+    return t5_ref.t5_model(TP, seed=seed, architecture="megatron")
+
+
+def _args(family: str):
+    if family == "bert":
+        return bert_ref.bert_megatron_args(TP, 1, ITERATION, "torch")
+    return t5_ref.t5_megatron_args(TP, ITERATION, "torch", "megatron")
+
+
+def _rank_file(directory: str) -> Path:
+    return Path(directory) / f"iter_{ITERATION:07d}" / f"mp_rank_{torch.distributed.get_rank():02d}" / "model_optim_rng.pt"
+
+
+def save_legacy_with_optimizer(family: str, directory: str, steps: int = 2) -> dict:
+    """Legacy tp 2 files of a run trained ``steps`` Adam steps (random gradients, the same on both
+    ranks for a replicated parameter, as training makes them), each holding ``optimizer.state_dict()``:
+    this rank's optimizer state by parameter name."""
+    rank = torch.distributed.get_rank()
+    model = _model(family, seed=5)
+    optimizer = _optimizer(model)
+    for step in range(steps):
+        for name, param in model.named_parameters():
+            split = rank if getattr(param, "tensor_model_parallel", False) else -1
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{split}/{name}/{step}".encode()))
+            param.grad = torch.randn(param.shape, generator=generator)
+        for inner in _inner(optimizer):
+            inner.step()
+    args = _args(family)
+    args.consumed_train_samples = ITERATION * 4
+    state = _rank_state(args, ITERATION, model.state_dict())
+    state["optimizer"] = optimizer.state_dict()
+    path = _rank_file(directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    if rank == 0:
+        (Path(directory) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    torch.distributed.barrier()
+    return _state_by_name(model, optimizer)
+
+
+def load_legacy_optimizer(family: str, directory: str) -> dict:
+    """This rank's file loaded into a fresh model (strict) and optimizer: its state by parameter name."""
+    model = _model(family, seed=77)
+    optimizer = _optimizer(model)
+    state = torch.load(_rank_file(directory), weights_only=False)
+    model.load_state_dict(state["model"], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    return _state_by_name(model, optimizer)
