@@ -480,6 +480,37 @@ def save_legacy_with_optimizer(family: str, directory: str, bf16: bool = False, 
     return truth
 
 
+def save_legacy_moe_ep2_with_optimizer(directory: str, iteration: int = 9, steps: int = 2) -> dict:
+    """The legacy files of an expert-parallel (ep 2, tp 1) MoE run trained ``steps`` Adam steps by
+    megatron-core's optimizer, which chains a second optimizer for the experts there: each rank's
+    ``optimizer.state_dict()`` is a list (dense, experts) in ``mp_rank_00_00E``. Gradients are the
+    same on both ranks for the dense parameters, as training makes them. Returns this rank's state
+    by parameter name (its two local experts numbered from 0)."""
+    import zlib
+
+    rank = torch.distributed.get_rank()
+    model = _model("mixtral", 1, seed=5, ep=2)
+    optimizer = _optimizer(model)
+    for step in range(steps):
+        for name, param in model.named_parameters():
+            own = rank if ".experts." in name else -1
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{own}/{name}/{step}".encode()))
+            param.grad = torch.randn(param.shape, generator=generator)
+        for inner in _inner(optimizer):
+            inner.step()
+    args = megatron_args("mixtral", 1, 1, iteration, "torch")
+    args.consumed_train_samples, args.expert_model_parallel_size = iteration * 4, 2
+    state = _rank_state(args, iteration, model.state_dict())
+    state["optimizer"] = optimizer.state_dict()
+    path = Path(directory) / f"iter_{iteration:07d}" / f"mp_rank_00_{rank:03d}" / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    if rank == 0:
+        (Path(directory) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+    return _state_by_name(model, optimizer)
+
+
 def load_legacy_optimizer(family: str, directory: str, bf16: bool = False, iteration: int = 9) -> list[dict]:
     """Each of this tp rank's legacy files of a tp 2 x pp 2 run loaded into a fresh megatron-core stage
     model and optimizer (strict load_state_dict, then optimizer.load_state_dict, as Megatron-LM's

@@ -617,3 +617,67 @@ def test_legacy_optimizer_state_of_encoder_families_moves_both_ways(family, worl
         for name, state in truth[rank].items():
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(loaded[rank][name][key], state[key]), (rank, name, key)
+
+
+def test_legacy_mixtral_optimizer_state_moves_both_ways(world, tmp_path):
+    """A mixture of experts' legacy tp 2 x pp 2 files (one optimizer) import with the experts' state
+    stacked as their weights are, and export to files whose every rank's state megatron-core's
+    optimizer loads as it was; an expert-parallel run's files (ep 2: megatron-core's chained
+    optimizer, a list of the dense parameters' state and the experts', each numbered on its own)
+    import as its two ranks held them."""
+    from mega.ckpt_convert.mega_format import MegaSource
+    from mega.ckpt_convert.megatron_layout import model_layouts
+    from mega.ckpt_convert.megatron_legacy import expert_layout
+    from mega.ckpt_convert.megatron_source import family_by_name
+
+    family = "mixtral"
+    source, imported, exported = tmp_path / "legacy", tmp_path / "mega", tmp_path / "back"
+    truth = world.run(ref.save_legacy_with_optimizer, family, str(source))
+    convert(source, imported, from_format="megatron", to_format="mega", options=WriteOptions(with_optimizer=True))
+    with MegaSource(imported, None) as mega:
+        layouts = model_layouts(family_by_name(family), mega.config, 2)
+        assert mega.optimizer_state().step == 2
+        for rank in range(2):
+            for stage in range(2):
+                for name, state in truth[rank][stage].items():
+                    ours = _global_name(name, stage, family)
+                    prefix, _, expert_part = ours.partition("mlp.experts.local_experts.")
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if expert_part:
+                            expert, _, part = expert_part.partition(".")
+                            stacked = f"{prefix}mlp.experts.{part}"
+                            shard = expert_layout(stacked, mega.config).split(
+                                mega.get_optimizer(stacked, key)[int(expert)], rank, 2)
+                        else:
+                            shard = layouts[ours].split(mega.get_optimizer(ours, key), rank, 2)
+                        assert torch.equal(shard, state[key]), (rank, stage, name, key)
+    convert(imported, exported, to_format="megatron",
+            options=WriteOptions(tensor_parallel_size=2, pipeline_parallel_size=2, megatron_format="legacy",
+                                 with_optimizer=True))
+    loaded = world.run(ref.load_legacy_optimizer, family, str(exported))
+    for rank in range(2):
+        for stage in range(2):
+            assert loaded[rank][stage].keys() == truth[rank][stage].keys()
+            for name, state in truth[rank][stage].items():
+                for key in ("exp_avg", "exp_avg_sq", "step"):
+                    assert torch.equal(loaded[rank][stage][name][key], state[key]), (rank, stage, name, key)
+
+    chained = tmp_path / "ep2"
+    held = world.run(ref.save_legacy_moe_ep2_with_optimizer, str(chained))
+    assert isinstance(torch.load(chained / "iter_0000009" / "mp_rank_00_001" / "model_optim_rng.pt",
+                                 weights_only=False)["optimizer"], list)
+    convert(chained, tmp_path / "ep2-mega", from_format="megatron", to_format="mega",
+            options=WriteOptions(with_optimizer=True))
+    local = ref.MODELS[family]["num_experts"] // 2
+    with MegaSource(tmp_path / "ep2-mega", None) as mega:
+        assert mega.optimizer_state().step == 2
+        for rank in range(2):
+            for name, state in held[rank].items():
+                prefix, _, expert_part = name.partition("mlp.experts.local_experts.")
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if expert_part:
+                        expert, _, part = expert_part.partition(".")
+                        ours = mega.get_optimizer(f"{prefix}mlp.experts.{part}", key)[rank * local + int(expert)]
+                    else:
+                        ours = mega.get_optimizer(name, key)
+                    assert torch.equal(ours, state[key]), (rank, name, key)

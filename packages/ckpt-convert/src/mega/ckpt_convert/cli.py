@@ -81,11 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="mega output (MoE families): expert-parallel size the layout records; the "
                              "experts must split evenly over it (default 1; any ep loads the checkpoint)")
     parser.add_argument("--with-optimizer", action="store_true",
-                        help="mega and megatron outputs (legacy ones for GPT, LLaMA, BERT and T5): carry the optimizer state "
-                             "(Adam's exp_avg and exp_avg_sq per parameter, fp32 main parameters when present, the "
-                             "step count) and the iteration, so training resumes where it stopped; the input must be "
-                             "a mega checkpoint or a Megatron-LM one (torch_dist, or legacy files of the regular "
-                             "optimizer) with its optimizer state")
+                        help="mega and megatron outputs: carry the optimizer state (Adam's exp_avg and exp_avg_sq "
+                             "per parameter, fp32 main parameters when present, the step count) and the iteration, so "
+                             "training resumes where it stopped; the input must be a mega checkpoint or a Megatron-LM "
+                             "one (torch_dist or legacy files, regular or distributed optimizer) with its optimizer state")
     parser.add_argument("--megatron-optimizer", choices=["regular", "distributed"],
                         help="megatron torch_dist output with --with-optimizer: the optimizer of the Megatron-LM run "
                              "that loads it: regular (default) or distributed (--use-distributed-optimizer: its state "

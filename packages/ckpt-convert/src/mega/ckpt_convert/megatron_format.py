@@ -70,8 +70,8 @@ class MegatronFormat:
         if options.with_optimizer:
             if kind == LEGACY and family.name not in ORDERS:
                 raise ConversionError(f"--with-optimizer: mega writes optimizer state into legacy Megatron-LM files "
-                                      f"of {', '.join(sorted(ORDERS))} models, not {family.name}'s (megatron-core "
-                                      "saves a mixture of experts' in two optimizers); use --megatron-format torch_dist")
+                                      f"of {', '.join(sorted(ORDERS))} models, not {family.name}'s (its parameter "
+                                      "order in megatron-core is not mapped); use --megatron-format torch_dist")
             optimizer = optimizer_state_of(source, "the input")
         iteration = options.iteration if options.iteration is not None else getattr(source, "iteration", None)
         if iteration is None and optimizer is not None:

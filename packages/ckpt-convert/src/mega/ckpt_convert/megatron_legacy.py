@@ -8,6 +8,7 @@ read); writing makes one rank's dict at a time, each tensor split from the globa
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -34,6 +35,7 @@ from mega.ckpt_convert.megatron_names import (
     mega_name,
     names_for,
     split_layer,
+    split_stack_layer,
     stack_sizes,
 )
 from mega.ckpt_convert.megatron_pickle import load_megatron_pickle
@@ -193,7 +195,7 @@ class LegacySource(MegatronSource):
         """The regular optimizer's Adam state in every rank file, indexed by mega name and tp rank
         (:mod:`mega.ckpt_convert.megatron_legacy_optimizer`)."""
         from mega.ckpt_convert.megatron_distopt import read_distrib_optim, shared_embedding_keys
-        from mega.ckpt_convert.megatron_legacy_optimizer import read_rank_optimizer
+        from mega.ckpt_convert.megatron_legacy_optimizer import chained_parts, read_rank_optimizer
         from mega.ckpt_convert.optimizer_state import MAIN_PARAM, MOMENTS, OptimizerState
 
         if getattr(self, "_optimizer", None) is not None:
@@ -210,8 +212,12 @@ class LegacySource(MegatronSource):
         tied = not self.config.untie_embeddings_and_output_weights
         last_place = (self.pipeline_parallel_size - 1, self.chunks - 1)
         self._optimizer_shards: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        # mega name of a stacked expert tensor -> global expert -> tp rank -> {mega key: tensor}
+        self._optimizer_experts: dict[str, dict[int, dict[int, dict[str, torch.Tensor]]]] = {}
+        ep = getattr(self.args, "expert_model_parallel_size", None) or 1
+        local_experts = (getattr(self.config, "num_experts", None) or ep) // ep
         steps, hyper, state = set(), {}, None
-        for (rank, stage, _), file in sorted(self._files.items()):
+        for (rank, stage, expert_rank), file in sorted(self._files.items()):
             state = load_megatron_pickle(file)
             chunks = ["model"] if self.chunks == 1 else [f"model{chunk}" for chunk in range(self.chunks)]
             # The chunk's name in front keeps an interleaved file's chunks apart ("model1.decoder.layers.0...").
@@ -221,7 +227,21 @@ class LegacySource(MegatronSource):
                 own_bucket = shared_embedding_keys(self.config, self.pipeline_parallel_size, prefix="model.")
                 found, step, hyper = read_distrib_optim(file, state, parameters, self.args, own_bucket)
             else:
-                found, step, hyper = read_rank_optimizer(state.get("optimizer"), parameters, str(file))
+                saved = state.get("optimizer")
+                if isinstance(saved, list) and len(saved) != 2:
+                    raise ConversionError(f"{file} holds {len(saved)} optimizers' state; megatron-core's chained "
+                                          "optimizer of a mixture of experts holds two (the dense parameters', the "
+                                          "experts')")
+                if isinstance(saved, list):
+                    parts = chained_parts(parameters, lambda key: _expert_of_file_key(names, key) is not None)
+                else:
+                    saved, parts = [saved], [parameters]
+                found = {}
+                for part_state, part in zip(saved, parts, strict=True):
+                    part_found, step, part_hyper = read_rank_optimizer(part_state, part, str(file))
+                    found.update(part_found)
+                    steps.add(step)
+                    hyper = hyper or part_hyper
             steps.add(step)
             for chunk_key, tensors in found.items():
                 chunk, _, key = chunk_key.partition(".")
@@ -229,17 +249,25 @@ class LegacySource(MegatronSource):
                 if tied and self.pipeline_parallel_size > 1 and place == last_place and key in names.tied_copies:
                     continue  # the last stage's copy of the tied embedding (the first stage's state is carried)
                 name = mega_name(names, key, places[place].start)
-                self._optimizer_shards.setdefault(name, {})[rank] = tensors
+                layer = split_layer(name)
+                expert = expert_of(names, layer[1]) if layer is not None else None
+                if expert is not None:  # stacked as the weights are: files number their own experts from 0
+                    stacked = f"{LAYER_PREFIX}{layer[0]}.{expert[0]}"
+                    self._optimizer_experts.setdefault(stacked, {}).setdefault(
+                        expert_rank * local_experts + expert[1], {})[rank] = tensors
+                elif expert_rank == 0:  # every expert rank holds the same dense parameters' state
+                    self._optimizer_shards.setdefault(name, {})[rank] = tensors
         if len(steps) != 1:
             raise ConversionError(f"{self.directory}: the rank files' optimizer step counts differ: {sorted(steps)}")
-        missing = set(self.layouts) - set(self._optimizer_shards)
+        missing = set(self.layouts) - set(self._optimizer_shards) - set(self._optimizer_experts)
         if missing:
             from mega.ckpt_convert.source import format_names
 
             raise ConversionError(f"{self.directory}: the optimizer state lacks {format_names(missing)}")
         if isinstance(state.get("opt_param_scheduler"), dict):
             hyper["schedule"] = state["opt_param_scheduler"]
-        main = all(MAIN_PARAM in ranks[0] for ranks in self._optimizer_shards.values())
+        main = all(MAIN_PARAM in ranks[0] for ranks in self._optimizer_shards.values()) and \
+            all(MAIN_PARAM in ranks[0] for experts in self._optimizer_experts.values() for ranks in experts.values())
         self._optimizer = OptimizerState(
             keys=tuple(sorted(set(MOMENTS) | ({MAIN_PARAM} if main else set()))), step=steps.pop(),
             iteration=int(self.iteration or 0),
@@ -248,6 +276,10 @@ class LegacySource(MegatronSource):
 
     def get_optimizer(self, name: str, key: str) -> torch.Tensor:
         self.optimizer_state()
+        if name in self._optimizer_experts:
+            layout = expert_layout(name, self.config)
+            return torch.stack([layout.merge([ranks[rank][key] for rank in range(len(ranks))])
+                                for _, ranks in sorted(self._optimizer_experts[name].items())])
         shards = self._optimizer_shards[name]
         merged = self.layouts[name].merge([shards[rank][key] for rank in range(len(shards))])
         return merged.clone() if merged is shards[0][key] else merged
@@ -267,6 +299,13 @@ class LegacySource(MegatronSource):
             local.append(self._model(self._files[rank, stage, 0], chunk, self.chunks)[key])
         merged = self.layouts[name].merge(local)
         return merged.clone() if merged is local[0] else merged
+
+
+def _expert_of_file_key(names: MegatronNames, key: str) -> tuple[str, int] | None:
+    """(mega's layer-local stacked name, expert number) of one expert's tensor in a rank file's model
+    state dict (``key``, perhaps behind a model chunk's name); None for the others."""
+    layer = split_stack_layer(key) or split_stack_layer(key.partition(".")[2])
+    return expert_of(names, layer[2]) if layer is not None else None
 
 
 def refuse_split_stacks(names: MegatronNames, pp: int, where: str) -> None:
@@ -312,6 +351,8 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
     if optimizer is not None:
         args.consumed_train_samples = optimizer.consumed_samples
     placements = {name: stage_of(name, stages, tied, names.stacks[0]) for name in layouts}
+    # Experts' state is read stacked and written an expert at a time: the last few stacks are kept.
+    stacked_state = functools.lru_cache(maxsize=8)(lambda name, key: source.get_optimizer(name, key))
     checkpoint_dir = directory / iteration_dir_name(iteration)
     for stage in range(pp):
         for rank in range(tp):
@@ -351,12 +392,19 @@ def write_legacy(source, family, directory: Path, tp: int, pp: int, iteration: i
                 owners = {key: name for name in layouts for where, key in placements[name] if where == stage}
 
                 def state_of(key: str, rank: int = rank, owners: dict = owners) -> dict[str, torch.Tensor]:
+                    expert = _expert_of_file_key(names, key)
+                    if expert is not None:  # one expert of the stacked tensor
+                        stack, number, _ = split_stack_layer(key)
+                        name = owners[f"{stack}{number}.{expert[0]}"]
+                        split = expert_layout(name, config).split
+                        return {k: split(stacked_state(name, k)[expert[1]], rank, tp) for k in optimizer.keys}
                     name = owners[key]
                     layout = layouts[name]
                     tensors = {k: source.get_optimizer(name, k) for k in optimizer.keys}
                     return {k: layout.split(fit_rows(t, layout.shape[0]) if layout.padded_vocab else t, rank, tp)
                             for k, t in tensors.items()}
 
+                # One optimizer, experts too: megatron-core chains a second for them only under expert parallelism.
                 state["optimizer"] = rank_optimizer(parameters, state_of, optimizer)
                 if "schedule" in optimizer.hyperparameters:  # Megatron-LM's load_checkpoint requires it
                     state["opt_param_scheduler"] = optimizer.hyperparameters["schedule"]

@@ -17,12 +17,14 @@ pipeline one after the other), checked against the group sizes and every state t
 Exports write each rank's model state dict in megatron-core's parameter order (:data:`ORDERS`: GPT,
 LLaMA, BERT, T5), so that the same reading gives the indices megatron-core's optimizer loads. A
 second name of a tensor (T5's ``output_layer.bias``) is no parameter of its own.
-Multiple optimizers (MoE's expert optimizer: a list) and the distributed optimizer
-(``distrib_optim.pt``) are refused by name.
+A mixture of experts' run under expert parallelism keeps two (megatron-core's chained optimizer,
+saved as a list): the dense parameters' and the experts' (:func:`chained_parts`), each numbered
+on its own; exports (expert-parallel size 1) write one, as megatron-core keeps one there.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -43,13 +45,15 @@ class ParameterOrder:
     layer: tuple[str, ...]
 
     def key(self, name: str) -> tuple:
-        """Sort key putting a state dict name in the order."""
+        """Sort key putting a state dict name in the order (a module's numbered parts, such as
+        experts, in their numbers' order)."""
         part = _position(name, self.parts, "parameter")
         layer = split_stack_layer(name)
         if layer is None or layer[0] != self.parts[part]:
-            return part, 0, 0, name.endswith(".bias")
+            return part, 0, 0, name.endswith(".bias"), ()
         _, number, rest = layer
-        return part, number, _position(rest, self.layer, "layer parameter"), rest.endswith(".bias")
+        numbered = tuple(int(piece) if piece.isdigit() else piece for piece in re.split(r"(\d+)", rest))
+        return part, number, _position(rest, self.layer, "layer parameter"), rest.endswith(".bias"), numbered
 
 
 _LAYER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.", "pre_mlp_layernorm.",
@@ -60,6 +64,7 @@ DECODER_ONLY_ORDER = ParameterOrder(
 ORDERS = {
     "gpt": DECODER_ONLY_ORDER,
     "llama": DECODER_ONLY_ORDER,
+    "mixtral": ParameterOrder(DECODER_ONLY_ORDER.parts, (*_LAYER[:4], "mlp.router.", "mlp.experts.")),
     "bert": ParameterOrder(
         ("embedding.word_embeddings.", "embedding.position_embeddings.", "embedding.tokentype_embeddings.",
          "encoder.layers.", "encoder.final_layernorm.", "lm_head.dense.", "lm_head.layer_norm.", "output_layer.",
@@ -100,9 +105,6 @@ def _groups_in_order(parameters: list[tuple[str, torch.Tensor]]) -> tuple[list[s
 def read_rank_optimizer(saved, parameters: list[tuple[str, torch.Tensor]], where: str):
     """Index the optimizer state of one rank file: (file key -> {mega key: tensor}, step, group 0's
     hyperparameters). ``parameters``: the file's (model key, tensor) in the model's order."""
-    if isinstance(saved, list):
-        raise ConversionError(f"{where} holds {len(saved)} optimizers' state (megatron-core's chained optimizer, "
-                              "as MoE runs save it); mega reads one regular optimizer's from legacy files")
     if not isinstance(saved, dict):
         raise ConversionError(f"--with-optimizer: {where} holds no optimizer state (Megatron-LM saved it with "
                               "--no-save-optim, or it is a release checkpoint)")
@@ -147,9 +149,13 @@ def read_rank_optimizer(saved, parameters: list[tuple[str, torch.Tensor]], where
 def rank_optimizer(parameters: list[tuple[str, torch.Tensor]], state_of, optimizer: OptimizerState) -> dict:
     """One rank's ``optimizer`` entry as megatron-core's regular optimizer saves it, for the rank's
     ``parameters`` (key, tensor) in megatron-core's parameter order; ``state_of(key)``: that
-    parameter's {mega key: local tensor}."""
-    groups, states, mains, index = param_groups(optimizer), {}, [], 0
-    for group, keys in zip(groups, _groups_in_order(parameters), strict=True):
+    parameter's {mega key: local tensor}. Groups without parameters are left out, as megatron-core
+    makes none."""
+    groups, states, mains, index = [], {}, [], 0
+    for group, keys in zip(param_groups(optimizer), _groups_in_order(parameters), strict=True):
+        if not keys:
+            continue
+        groups.append(group)
         group["params"] = list(range(index, index + len(keys)))
         group_mains = []
         for key in keys:
@@ -162,3 +168,9 @@ def rank_optimizer(parameters: list[tuple[str, torch.Tensor]], state_of, optimiz
         mains.append(group_mains)
     inner = {"state": states, "param_groups": groups}
     return {"optimizer": inner, "fp32_from_fp16_params": mains} if MAIN_PARAM in optimizer.keys else inner
+
+
+def chained_parts(parameters: list[tuple[str, torch.Tensor]], is_expert) -> list[list[tuple[str, torch.Tensor]]]:
+    """The parameters of megatron-core's chained optimizer's two parts, in order: the dense
+    optimizer's, then the expert optimizer's (``is_expert(key)``)."""
+    return [[item for item in parameters if not is_expert(item[0])], [item for item in parameters if is_expert(item[0])]]
