@@ -5,13 +5,12 @@ The models, args and CPU shims are the family references'."""
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 import megatron_bert_reference as bert_ref
 import megatron_t5_reference as t5_ref
 import torch
-from megatron_reference import _inner, _optimizer, _rank_state, _state_by_name
+from megatron_reference import _optimizer, _rank_state, _state_by_name, step_with_random_gradients
 
 TP, ITERATION = 2, 9
 
@@ -39,13 +38,9 @@ def save_legacy_with_optimizer(family: str, directory: str, steps: int = 2) -> d
     rank = torch.distributed.get_rank()
     model = _model(family, seed=5)
     optimizer = _optimizer(model)
-    for step in range(steps):
-        for name, param in model.named_parameters():
-            split = rank if getattr(param, "tensor_model_parallel", False) else -1
-            generator = torch.Generator().manual_seed(zlib.crc32(f"{split}/{name}/{step}".encode()))
-            param.grad = torch.randn(param.shape, generator=generator)
-        for inner in _inner(optimizer):
-            inner.step()
+    step_with_random_gradients(
+        model, optimizer, steps,
+        lambda name, param: f"{rank if getattr(param, 'tensor_model_parallel', False) else -1}/{name}")
     args = _args(family)
     args.consumed_train_samples = ITERATION * 4
     state = _rank_state(args, ITERATION, model.state_dict())

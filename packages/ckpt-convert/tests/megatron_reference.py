@@ -330,6 +330,22 @@ def _inner(optimizer):
     return [chained.optimizer for chained in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
+def step_with_random_gradients(model, optimizer, steps: int, draw_of) -> None:
+    """``steps`` steps of ``optimizer`` on gradients drawn at random (its inner optimizers'
+    step(), without the CUDA-only grad norm): ``draw_of(name, param)`` names each parameter's draw,
+    so parameters that training gives equal gradients (replicas, a tied embedding's copies) draw
+    the same."""
+    import zlib
+
+    for step in range(steps):
+        for name, param in model.named_parameters():
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{draw_of(name, param)}/{step}".encode()))
+            target = getattr(param, "main_param", param)
+            target.grad = torch.randn(target.shape, generator=generator)
+        for inner in _inner(optimizer):
+            inner.step()
+
+
 def save_with_optimizer(family: str, tp: int, directory: str, iteration: int = 9, steps: int = 2, ep: int = 1) -> None:
     """A model trained ``steps`` Adam steps by megatron-core's optimizer (gradients drawn at random,
     its step() without the CUDA-only grad norm), saved as Megatron-LM's save_checkpoint does with
@@ -441,8 +457,6 @@ def save_legacy_with_optimizer(family: str, directory: str, bf16: bool = False, 
     copies and for a replicated parameter's tensor-parallel copies, as training makes them), each rank file holding
     ``optimizer.state_dict()`` as Megatron-LM's save_checkpoint stores it: this rank's state by
     parameter name, per stage."""
-    import zlib
-
     tp, pp, rank = 2, 2, torch.distributed.get_rank()
     layers = MODELS[family]["num_layers"] // pp
     tied = not MODELS[family]["untie_embeddings_and_output_weights"]
@@ -455,17 +469,14 @@ def save_legacy_with_optimizer(family: str, directory: str, bf16: bool = False, 
             with torch.no_grad():
                 model.output_layer.weight.copy_(embedding)
         optimizer = _mixed_precision_optimizer(model) if bf16 else _optimizer(model)
-        for step in range(steps):
-            for name, param in model.named_parameters():
-                shared = "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" else name
-                # a parameter whole on every tensor-parallel rank gets the same gradient on each, as it does in training
-                split = rank if getattr(param, "tensor_model_parallel", False) else -1
-                seed = zlib.crc32(f"{split}/{stage * (name == shared)}/{shared}/{step}".encode())
-                generator = torch.Generator().manual_seed(seed)
-                target = getattr(param, "main_param", param)
-                target.grad = torch.randn(target.shape, generator=generator)
-            for inner in _inner(optimizer):
-                inner.step()
+
+        def draw_of(name, param, stage=stage):
+            shared = "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" else name
+            # a parameter whole on every tensor-parallel rank gets the same gradient on each, as it does in training
+            split = rank if getattr(param, "tensor_model_parallel", False) else -1
+            return f"{split}/{stage * (name == shared)}/{shared}"
+
+        step_with_random_gradients(model, optimizer, steps, draw_of)
         args = megatron_args(family, tp, pp, iteration, "torch")
         args.consumed_train_samples, args.bf16 = iteration * 4, bf16
         state = _rank_state(args, iteration, model.state_dict())
@@ -486,18 +497,10 @@ def save_legacy_moe_ep2_with_optimizer(directory: str, iteration: int = 9, steps
     ``optimizer.state_dict()`` is a list (dense, experts) in ``mp_rank_00_00E``. Gradients are the
     same on both ranks for the dense parameters, as training makes them. Returns this rank's state
     by parameter name (its two local experts numbered from 0)."""
-    import zlib
-
     rank = torch.distributed.get_rank()
     model = _model("mixtral", 1, seed=5, ep=2)
     optimizer = _optimizer(model)
-    for step in range(steps):
-        for name, param in model.named_parameters():
-            own = rank if ".experts." in name else -1
-            generator = torch.Generator().manual_seed(zlib.crc32(f"{own}/{name}/{step}".encode()))
-            param.grad = torch.randn(param.shape, generator=generator)
-        for inner in _inner(optimizer):
-            inner.step()
+    step_with_random_gradients(model, optimizer, steps, lambda name, _: f"{rank if '.experts.' in name else -1}/{name}")
     args = megatron_args("mixtral", 1, 1, iteration, "torch")
     args.consumed_train_samples, args.expert_model_parallel_size = iteration * 4, 2
     state = _rank_state(args, iteration, model.state_dict())
