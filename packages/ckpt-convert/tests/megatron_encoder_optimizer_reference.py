@@ -10,7 +10,7 @@ from pathlib import Path
 import megatron_bert_reference as bert_ref
 import megatron_t5_reference as t5_ref
 import torch
-from megatron_reference import _optimizer, _rank_state, _state_by_name, step_with_random_gradients
+from megatron_reference import _optimizer, _state_by_name, step_with_random_gradients, write_rank_file
 
 TP, ITERATION = 2, 9
 
@@ -43,14 +43,7 @@ def save_legacy_with_optimizer(family: str, directory: str, steps: int = 2) -> d
         lambda name, param: f"{rank if getattr(param, 'tensor_model_parallel', False) else -1}/{name}")
     args = _args(family)
     args.consumed_train_samples = ITERATION * 4
-    state = _rank_state(args, ITERATION, model.state_dict())
-    state["optimizer"] = optimizer.state_dict()
-    path = _rank_file(directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, path)
-    if rank == 0:
-        (Path(directory) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
-    torch.distributed.barrier()
+    write_rank_file(directory, f"mp_rank_{rank:02d}", args, ITERATION, model, optimizer)
     return _state_by_name(model, optimizer)
 
 

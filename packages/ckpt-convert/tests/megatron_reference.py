@@ -330,6 +330,19 @@ def _inner(optimizer):
     return [chained.optimizer for chained in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
+def write_rank_file(directory: str, rank_dir: str, args, iteration: int, model, optimizer) -> None:
+    """One rank's ``model_optim_rng.pt`` with ``optimizer.state_dict()``, as Megatron-LM's
+    save_checkpoint writes it (and the tracker, on rank 0), then a barrier."""
+    state = _rank_state(args, iteration, model.state_dict())
+    state["optimizer"] = optimizer.state_dict()
+    path = Path(directory) / f"iter_{iteration:07d}" / rank_dir / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    if torch.distributed.get_rank() == 0:
+        (Path(directory) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
+
+
 def step_with_random_gradients(model, optimizer, steps: int, draw_of) -> None:
     """``steps`` steps of ``optimizer`` on gradients drawn at random (its inner optimizers'
     step(), without the CUDA-only grad norm): ``draw_of(name, param)`` names each parameter's draw,
@@ -503,14 +516,7 @@ def save_legacy_moe_ep2_with_optimizer(directory: str, iteration: int = 9, steps
     step_with_random_gradients(model, optimizer, steps, lambda name, _: f"{rank if '.experts.' in name else -1}/{name}")
     args = megatron_args("mixtral", 1, 1, iteration, "torch")
     args.consumed_train_samples, args.expert_model_parallel_size = iteration * 4, 2
-    state = _rank_state(args, iteration, model.state_dict())
-    state["optimizer"] = optimizer.state_dict()
-    path = Path(directory) / f"iter_{iteration:07d}" / f"mp_rank_00_{rank:03d}" / "model_optim_rng.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, path)
-    if rank == 0:
-        (Path(directory) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    torch.distributed.barrier()
+    write_rank_file(directory, f"mp_rank_00_{rank:03d}", args, iteration, model, optimizer)
     return _state_by_name(model, optimizer)
 
 
