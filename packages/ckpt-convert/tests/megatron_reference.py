@@ -564,7 +564,7 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
             shard._copy_model_grads_to_main_grads()
             shard.optimizer.step()
             shard._copy_main_params_to_model_params()
-    args = megatron_args(family, tp, pp, iteration, "torch_dist")
+    args = _family_args(family, tp, pp, iteration, "torch_dist")
     args.consumed_train_samples, args.use_distributed_optimizer = iteration * 4, True
     args.data_parallel_size = torch.distributed.get_world_size() // (tp * pp)
     args.overlap_grad_reduce = bucket_size is not None
@@ -603,13 +603,39 @@ def _distributed_optimizer(family: str, bucket_size: int | None, seed: int, tp: 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = _model(family, tp, seed=seed, pp=pp)
+    model = _family_model(family, tp, seed, pp)
     _cpu_tensors_in_optimizer()
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
                                                overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size)
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0, use_distributed_optimizer=True)
     return ddp, _with_cuda_type_names(lambda: get_megatron_optimizer(config, [ddp]))
+
+
+def _family_model(family: str, tp: int, seed: int, pp: int = 1):
+    """This rank's part of ``family``'s reference model: GPT, LLaMA and Mixtral (any pp) here, BERT
+    and Megatron-LM's default T5 (pp 1) from their modules."""
+    if family == "bert":
+        from megatron_bert_reference import bert_model
+
+        return bert_model(tp, seed=seed)
+    if family == "t5":
+        from megatron_t5_reference import t5_model
+
+        return t5_model(tp, seed=seed, architecture="megatron")
+    return _model(family, tp, seed=seed, pp=pp)
+
+
+def _family_args(family: str, tp: int, pp: int, iteration: int, ckpt_format: str):
+    if family == "bert":
+        from megatron_bert_reference import bert_megatron_args
+
+        return bert_megatron_args(tp, pp, iteration, ckpt_format)
+    if family == "t5":
+        from megatron_t5_reference import t5_megatron_args
+
+        return t5_megatron_args(tp, iteration, ckpt_format, "megatron")
+    return megatron_args(family, tp, pp, iteration, ckpt_format)
 
 
 def _held_by_name(ddp, optimizer) -> dict[str, list]:

@@ -544,21 +544,25 @@ def test_distributed_optimizer_buffers_import(world, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_distributed_optimizer_buffers_import_at_tp_and_pp(layout, world, tmp_path):
+@pytest.mark.parametrize(("family", "layout"), [("gpt", (2, 1)), ("gpt", (1, 2)), ("mixtral", (2, 1)),
+                                                ("bert", (2, 1)), ("t5", (2, 1))],
+                         ids=["gpt-tp2", "gpt-pp2", "mixtral-tp2", "bert-tp2", "t5-tp2"])
+def test_distributed_optimizer_buffers_import_at_tp_and_pp(family, layout, world, tmp_path):
     """The same at tp 2 (each tp rank's buffers hold its shards: merged as the model's are) and at
     pp 2 (each stage's buffers hold its layers; the tied embedding's copies on the first and last
     stage have a bucket each), from torch_dist (a data-parallel group per tp x pp rank) and from
     legacy files (distrib_optim.pt per rank file): every parameter's moments equal what the ranks'
-    optimizers held."""
+    optimizers held. Each family's parameters in megatron-core's order; Mixtral's experts (without
+    expert parallelism: in the one buffer, an expert at a time) stacked as their weights are."""
     from mega.ckpt_convert.mega_format import MegaSource
+    from mega.ckpt_convert.megatron_distopt import expert_shard_layout
     from mega.ckpt_convert.megatron_layout import model_layouts, stage_layers
     from mega.core.checkpoint import read_metadata
     from mega.core.plugins import get_plugins
 
     tp, pp = layout
     source, legacy = tmp_path / "megatron", tmp_path / "legacy"
-    held = world.run(ref.save_with_distributed_optimizer, "gpt", str(source / "iter_0000009"), None, 9, 2,
+    held = world.run(ref.save_with_distributed_optimizer, family, str(source / "iter_0000009"), None, 9, 2,
                      str(legacy), tp, pp)
     stages = stage_layers(ref.MODELS["gpt"]["num_layers"], pp)
     for saved in (source, legacy):
@@ -577,8 +581,15 @@ def test_distributed_optimizer_buffers_import_at_tp_and_pp(layout, world, tmp_pa
                         continue  # the last stage's copy of the tied embedding: the first stage's is carried
                     number, rest = (local.split(".", 3)[2:] if local.startswith("decoder.layers.") else (None, None))
                     name = local if number is None else f"decoder.layers.{int(number) + stages[stage].start}.{rest}"
+                    prefix, _, expert_part = name.partition("mlp.experts.local_experts.")
+                    expert, _, part = expert_part.partition(".")
+                    name = f"{prefix}mlp.experts.{part}" if expert_part else name
                     for key in ("exp_avg", "exp_avg_sq"):
-                        ours = layouts[name].split(mega.get_optimizer(name, key), tp_rank, tp).flatten()
+                        if expert_part:
+                            split = expert_shard_layout(name, layouts[name], mega.config).split
+                            ours = split(mega.get_optimizer(name, key)[int(expert)], tp_rank, tp).flatten()
+                        else:
+                            ours = layouts[name].split(mega.get_optimizer(name, key), tp_rank, tp).flatten()
                         assert sum(end - start for start, end, _ in pieces) == ours.numel(), name
                         for start, end, tensors in pieces:
                             assert torch.equal(ours[start:end], tensors[key]), (saved.name, name, key, start)

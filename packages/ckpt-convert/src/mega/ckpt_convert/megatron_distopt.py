@@ -16,8 +16,9 @@ one bucket without) and padded at its end to a multiple of lcm(dp, 128) (with 2*
 ``--ddp-pad-buckets-for-high-nccl-busbw``). The rebuilt bucket sizes must equal the saved
 ``per_bucket_numel_unpadded``, or the import stops naming both; at pipeline size > 1 a tied
 embedding's copies (first and last stage) have a bucket each. Each tensor x pipeline rank saves
-its own buffers (see :class:`BufferOptimizer`). Read for dense GPT and LLaMA models at any tp and
-pp, one model chunk per stage; other runs are refused.
+its own buffers (see :class:`BufferOptimizer`). Read for GPT, LLaMA, BERT, T5 (one pipeline
+stage) and Mixtral without expert parallelism (its experts are then parameters of the one buffer, an
+expert at a time) at any tp and pp, one model chunk per stage; other runs are refused.
 
 Legacy files (``--ckpt-format torch``) keep the same state per tensor x pipeline rank in
 ``distrib_optim.pt`` beside ``model_optim_rng.pt`` (``save_parameter_state``): per buffer and
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 
 from mega.ckpt_convert.errors import ConversionError
-from mega.ckpt_convert.megatron_legacy_optimizer import megatron_order
+from mega.ckpt_convert.megatron_legacy_optimizer import ORDERS
 from mega.ckpt_convert.megatron_pickle import load_megatron_pickle
 from mega.ckpt_convert.optimizer_state import MAIN_PARAM, OptimizerState
 
@@ -114,17 +115,23 @@ class BufferOptimizer:
 
     def __init__(self, source, metadata):
         from mega.ckpt_convert.megatron_layout import stage_layers, stage_of
+        from mega.ckpt_convert.megatron_names import names_for
 
         where, args, config = source.directory, source.args, source.config
         tp, pp = source.tensor_parallel_size, source.pipeline_parallel_size
-        refusals = {f"a {source.family} run": source.family not in ("gpt", "llama"),
-                    "a run with --use-tp-pp-dp-mapping": getattr(args, "use_tp_pp_dp_mapping", False),
-                    "an interleaved pipeline": (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1}
+        names = names_for(source.family)
+        refusals = {
+            "a run with --use-tp-pp-dp-mapping": getattr(args, "use_tp_pp_dp_mapping", False),
+            "an interleaved pipeline": (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1,
+            "an expert-parallel run (its experts have buffers and an optimizer of their own)":
+                (getattr(args, "expert_model_parallel_size", None) or 1) > 1,
+            "an encoder-decoder over pipeline stages": pp > 1 and len(names.stacks) > 1,
+        }
         refusal = next((what for what, applies in refusals.items() if applies), None)
         if refusal:
             raise ConversionError(
                 f"--with-optimizer: {where} holds the distributed optimizer's dp_reshardable state of {refusal}; "
-                "mega reads it for GPT and LLaMA runs (one model chunk per stage, the default rank order): save the "
+                "mega reads it for runs with one model chunk per stage in the default rank order: save the "
                 "run with --dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
         self.source, self.metadata, self.tp = source, metadata, tp
         self.tensors: dict[tuple[int, str, int], str] = {}  # (group, kind, bucket) -> checkpoint key
@@ -153,16 +160,27 @@ class BufferOptimizer:
         stages = stage_layers(config.num_layers, pp, getattr(args, "decoder_first_pipeline_num_layers", None),
                               getattr(args, "decoder_last_pipeline_num_layers", None))
         tied = not config.untie_embeddings_and_output_weights
-        on_stage: list[list[tuple[str, str]]] = [[] for _ in range(pp)]  # (name in the stage, mega name)
-        for name in source.layouts:
-            for stage, stage_name in stage_of(name, stages, tied):
-                on_stage[stage].append((stage_name, name))
+        self.experts = {name: expert_shard_layout(name, source.layouts[name], config)
+                        for name in source.layouts if names.expert_patterns and is_stacked_experts(name)}
+        # (name in the stage's model, mega name, expert or None, elements on a tp rank) of each stage's parameters
+        on_stage: list[list[tuple[str, str, int | None, int]]] = [[] for _ in range(pp)]
+        for name, layout in source.layouts.items():
+            for stage, stage_name in stage_of(name, stages, tied, names.stacks[0]):
+                if name in self.experts:  # a parameter per expert, as megatron-core's experts hold them
+                    prefix, _, part = stage_name.rpartition("mlp.experts.")
+                    numel = math.prod(self.experts[name].local_shape(tp))
+                    on_stage[stage] += [(f"{prefix}{names.expert_file_name.format(expert=expert, part=part)}", name,
+                                         expert, numel) for expert in range(layout.shape[0])]
+                else:
+                    on_stage[stage].append((stage_name, name, None, math.prod(layout.local_shape(tp))))
         own_bucket = shared_embedding_keys(config, pp)
-        self.places: dict[tuple[str, int], tuple[int, int, int, int]] = {}  # (name, tp rank) -> group, bucket, range
+        order = ORDERS[source.family]
+        # (mega name, expert or None, tp rank) -> data-parallel group, bucket, range in the bucket
+        self.places: dict[tuple[str, int | None, int], tuple[int, int, int, int]] = {}
         for stage, held in enumerate(on_stage):
-            held.sort(key=lambda pair: megatron_order(pair[0]))
-            numels = [(stage_name, math.prod(source.layouts[name].local_shape(tp))) for stage_name, name in held]
-            places, built = buffer_layout(numels, dp, bucket_size, high_nccl_busbw, own_bucket)
+            held.sort(key=lambda entry: order.key(entry[0]))
+            places, built = buffer_layout([(entry[0], entry[3]) for entry in held], dp, bucket_size, high_nccl_busbw,
+                                          own_bucket)
             for rank in range(tp):
                 group = rank + tp * stage
                 saved = self._bucket_sizes(group)
@@ -171,8 +189,8 @@ class BufferOptimizer:
                         f"{where}: megatron-core's gradient buffer of tp rank {rank}, pipeline stage {stage} for these "
                         f"args (dp {dp}, bucket size {bucket_size}) has buckets of {built} elements, but the "
                         f"checkpoint's per_bucket_numel_unpadded says {saved}; the args and the state disagree")
-                for stage_name, name in held:
-                    self.places.setdefault((name, rank), (group, *places[stage_name]))  # the first stage's copy
+                for stage_name, name, expert, _ in held:  # the first stage's copy of a tied embedding
+                    self.places.setdefault((name, expert, rank), (group, *places[stage_name]))
         groups = read_object(where, metadata, _group_key(0, "optimizer/shard_0_1"))
         groups = groups[0]["param_groups"] if isinstance(groups, list) else groups["param_groups"]
         model_dtype = dtypes.pop().strip("()").split(",")[0].strip()
@@ -197,16 +215,36 @@ class BufferOptimizer:
 
     def get(self, name: str, key: str) -> torch.Tensor:
         kind = {mega: megatron for megatron, mega in TO_MEGA.items()}[key]
-        layout = self.source.layouts[name]
+        if name in self.experts:  # stacked as the weights are
+            return torch.stack([self._merged(name, expert, kind, self.experts[name])
+                                for expert in range(self.source.layouts[name].shape[0])])
+        return self._merged(name, None, kind, self.source.layouts[name])
+
+    def _merged(self, name: str, expert: int | None, kind: str, layout) -> torch.Tensor:
+        """One parameter's ``kind`` from the tp ranks' buffers, merged as the weights are."""
         shards = []
         for rank in range(self.tp if layout.dim is not None else 1):  # a whole tensor: any rank's copy
-            group, bucket, start, end = self.places[name, rank]
+            group, bucket, start, end = self.places[name, expert, rank]
             if (group, kind, bucket) not in self._buckets:
                 stored = self.tensors[group, kind, bucket]
                 self._buckets[group, kind, bucket] = self.source._read(
                     stored, None, {stored: self.metadata.state_dict_metadata[stored]})
             shards.append(self._buckets[group, kind, bucket][start:end].view(layout.local_shape(self.tp)))
         return layout.merge(shards).clone()
+
+
+def is_stacked_experts(name: str) -> bool:
+    """Whether ``name`` is a mixture of experts' stacked expert weights (``...mlp.experts.linear_fc1.weight``)."""
+    return ".mlp.experts.linear_fc" in name
+
+
+def expert_shard_layout(name: str, layout, config):
+    """The layout of one expert's matrix of the stacked ``name`` (split over tp as a dense MLP's)."""
+    from mega.ckpt_convert.megatron_layout import TensorLayout
+    from mega.ckpt_convert.megatron_legacy import expert_layout
+
+    split = expert_layout(name, config)
+    return TensorLayout(layout.shape[1:], split.dim, split.chunks, False)
 
 
 def _group_key(group: int, name: str) -> str:

@@ -86,11 +86,6 @@ def _position(key: str, order: tuple[str, ...], what: str) -> int:
     raise ConversionError(f"{what} {key!r} has no place in megatron-core's parameter order mega knows")
 
 
-def megatron_order(key: str) -> tuple:
-    """Sort key putting a decoder-only model's state dict names in megatron-core's parameter order."""
-    return DECODER_ONLY_ORDER.key(key)
-
-
 def no_weight_decay(key: str, tensor: torch.Tensor) -> bool:
     """megatron-core's standard override: biases and 1-D parameters are not weight-decayed."""
     return key.endswith(".bias") or tensor.dim() == 1
