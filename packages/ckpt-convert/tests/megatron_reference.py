@@ -542,7 +542,7 @@ def load_legacy_optimizer(family: str, directory: str, bf16: bool = False, itera
 
 def save_with_distributed_optimizer(family: str, directory: str, bucket_size: int | None, iteration: int = 9,
                                     steps: int = 2, legacy_dir: str | None = None, tp: int = 1,
-                                    pp: int = 1) -> dict[str, list]:
+                                    pp: int = 1, ep: int = 1) -> dict[str, list]:
     """A model at ``tp`` x ``pp``, data-parallel over the world's other ranks, trained ``steps`` Adam steps by megatron-core's
     DistributedOptimizer (each rank stepping its shard of the grad buffers; gradients drawn at random),
     saved as Megatron-LM's save_checkpoint does with --ckpt-format torch_dist and its default
@@ -554,7 +554,7 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
     parameter."""
     from megatron.core import dist_checkpointing
 
-    ddp, optimizer = _distributed_optimizer(family, bucket_size, seed=5, tp=tp, pp=pp)
+    ddp, optimizer = _distributed_optimizer(family, bucket_size, seed=5, tp=tp, pp=pp, ep=ep)
     distributed = getattr(optimizer, "chained_optimizers", [optimizer])
     generator = torch.Generator().manual_seed(11)  # the same on every rank: gradients already reduced
     for _ in range(steps):
@@ -566,7 +566,7 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
             shard._copy_main_params_to_model_params()
     args = _family_args(family, tp, pp, iteration, "torch_dist")
     args.consumed_train_samples, args.use_distributed_optimizer = iteration * 4, True
-    args.data_parallel_size = torch.distributed.get_world_size() // (tp * pp)
+    args.data_parallel_size, args.expert_model_parallel_size = torch.distributed.get_world_size() // (tp * pp), ep
     args.overlap_grad_reduce = bucket_size is not None
     args.ddp_bucket_size = bucket_size
     Path(directory).mkdir(parents=True, exist_ok=True)
@@ -597,13 +597,13 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
     return _held_by_name(ddp, optimizer)
 
 
-def _distributed_optimizer(family: str, bucket_size: int | None, seed: int, tp: int = 1, pp: int = 1):
+def _distributed_optimizer(family: str, bucket_size: int | None, seed: int, tp: int = 1, pp: int = 1, ep: int = 1):
     """This rank's part of a ``tp`` x ``pp`` model in megatron-core's DDP (gradient buffers, the
     world's other ranks data-parallel) and its DistributedOptimizer, built on the CPU."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = _family_model(family, tp, seed, pp)
+    model = _family_model(family, tp, seed, pp, ep)
     _cpu_tensors_in_optimizer()
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
                                                overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size)
@@ -612,7 +612,7 @@ def _distributed_optimizer(family: str, bucket_size: int | None, seed: int, tp: 
     return ddp, _with_cuda_type_names(lambda: get_megatron_optimizer(config, [ddp]))
 
 
-def _family_model(family: str, tp: int, seed: int, pp: int = 1):
+def _family_model(family: str, tp: int, seed: int, pp: int = 1, ep: int = 1):
     """This rank's part of ``family``'s reference model: GPT, LLaMA and Mixtral (any pp) here, BERT
     and Megatron-LM's default T5 (pp 1) from their modules."""
     if family == "bert":
@@ -623,7 +623,7 @@ def _family_model(family: str, tp: int, seed: int, pp: int = 1):
         from megatron_t5_reference import t5_model
 
         return t5_model(tp, seed=seed, architecture="megatron")
-    return _model(family, tp, seed=seed, pp=pp)
+    return _model(family, tp, seed=seed, pp=pp, ep=ep)
 
 
 def _family_args(family: str, tp: int, pp: int, iteration: int, ckpt_format: str):

@@ -544,28 +544,31 @@ def test_distributed_optimizer_buffers_import(world, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(("family", "layout"), [("gpt", (2, 1)), ("gpt", (1, 2)), ("mixtral", (2, 1)),
-                                                ("bert", (2, 1)), ("t5", (2, 1))],
-                         ids=["gpt-tp2", "gpt-pp2", "mixtral-tp2", "bert-tp2", "t5-tp2"])
+@pytest.mark.parametrize(("family", "layout"), [("gpt", (2, 1, 1)), ("gpt", (1, 2, 1)), ("mixtral", (2, 1, 1)),
+                                                ("mixtral", (1, 1, 2)), ("bert", (2, 1, 1)), ("t5", (2, 1, 1))],
+                         ids=["gpt-tp2", "gpt-pp2", "mixtral-tp2", "mixtral-ep2", "bert-tp2", "t5-tp2"])
 def test_distributed_optimizer_buffers_import_at_tp_and_pp(family, layout, world, tmp_path):
     """The same at tp 2 (each tp rank's buffers hold its shards: merged as the model's are) and at
     pp 2 (each stage's buffers hold its layers; the tied embedding's copies on the first and last
     stage have a bucket each), from torch_dist (a data-parallel group per tp x pp rank) and from
     legacy files (distrib_optim.pt per rank file): every parameter's moments equal what the ranks'
     optimizers held. Each family's parameters in megatron-core's order; Mixtral's experts (without
-    expert parallelism: in the one buffer, an expert at a time) stacked as their weights are."""
+    expert parallelism: in the one buffer, an expert at a time) stacked as their weights are. At ep 2
+    (torch_dist only) megatron-core chains two optimizers: the dense parameters' over dp 2, each
+    rank's own experts' over dp 1."""
     from mega.ckpt_convert.mega_format import MegaSource
     from mega.ckpt_convert.megatron_distopt import expert_shard_layout
     from mega.ckpt_convert.megatron_layout import model_layouts, stage_layers
     from mega.core.checkpoint import read_metadata
     from mega.core.plugins import get_plugins
 
-    tp, pp = layout
+    tp, pp, ep = layout
     source, legacy = tmp_path / "megatron", tmp_path / "legacy"
     held = world.run(ref.save_with_distributed_optimizer, family, str(source / "iter_0000009"), None, 9, 2,
-                     str(legacy), tp, pp)
+                     str(legacy) if ep == 1 else None, tp, pp, ep)
     stages = stage_layers(ref.MODELS["gpt"]["num_layers"], pp)
-    for saved in (source, legacy):
+    local_experts = ref.MODELS["mixtral"]["num_experts"] // ep
+    for saved in (source, legacy) if ep == 1 else (source,):
         imported = tmp_path / f"mega-{saved.name}"
         convert(saved, imported, from_format="megatron", to_format="mega", options=WriteOptions(with_optimizer=True))
         metadata = read_metadata(imported)
@@ -575,7 +578,7 @@ def test_distributed_optimizer_buffers_import_at_tp_and_pp(family, layout, world
         with MegaSource(imported, None) as mega:
             assert mega.optimizer_state().step == 2
             for rank in range(2):
-                tp_rank, stage = rank % tp, rank // tp
+                tp_rank, stage = rank % tp, (rank // tp) % pp
                 for local, pieces in held[rank].items():
                     if local == "output_layer.weight" and pp > 1:
                         continue  # the last stage's copy of the tied embedding: the first stage's is carried
@@ -587,7 +590,8 @@ def test_distributed_optimizer_buffers_import_at_tp_and_pp(family, layout, world
                     for key in ("exp_avg", "exp_avg_sq"):
                         if expert_part:
                             split = expert_shard_layout(name, layouts[name], mega.config).split
-                            ours = split(mega.get_optimizer(name, key)[int(expert)], tp_rank, tp).flatten()
+                            expert_number = (rank if ep > 1 else 0) * local_experts + int(expert)
+                            ours = split(mega.get_optimizer(name, key)[expert_number], tp_rank, tp).flatten()
                         else:
                             ours = layouts[name].split(mega.get_optimizer(name, key), tp_rank, tp).flatten()
                         assert sum(end - start for start, end, _ in pieces) == ours.numel(), name

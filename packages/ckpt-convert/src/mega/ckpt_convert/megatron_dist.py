@@ -155,7 +155,7 @@ class TorchDistSource(MegatronSource):
         from mega.ckpt_convert.megatron_optimizer import BUFFER_LAYOUT, read_optimizer_state
 
         if getattr(self, "_optimizer", None) is None:
-            if any(key.startswith(BUFFER_LAYOUT) for key in self._metadata.state_dict_metadata):
+            if any(unchained(key).startswith(BUFFER_LAYOUT) for key in self._metadata.state_dict_metadata):
                 from mega.ckpt_convert.megatron_distopt import BufferOptimizer
 
                 self._optimizer = BufferOptimizer(self, self._metadata)

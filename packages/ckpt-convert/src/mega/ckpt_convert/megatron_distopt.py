@@ -42,8 +42,8 @@ from mega.ckpt_convert.megatron_legacy_optimizer import ORDERS
 from mega.ckpt_convert.megatron_pickle import load_megatron_pickle
 from mega.ckpt_convert.optimizer_state import MAIN_PARAM, OptimizerState
 
-_BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
-                     r"(param|exp_avg|exp_avg_sq)")
+_BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
+                     r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
 TO_MEGA = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "param": MAIN_PARAM}
 PARAM_ALIGNMENT = 64  # elements: megatron-core starts every parameter 128-byte aligned
 
@@ -111,7 +111,12 @@ class BufferOptimizer:
     Each tensor x pipeline rank saves its own buffers, as data-parallel group ``G`` = its rank in
     the model-parallel group: ``tp_rank + tp * pp_rank`` in megatron-core's default rank order
     (tp-cp-ep-dp-pp). A stage's buffer holds that stage's parameters, tensor-parallel shards at
-    that; a parameter's state is its shards from the tp ranks' buffers, merged as the model's are."""
+    that; a parameter's state is its shards from the tp ranks' buffers, merged as the model's are.
+
+    Under expert parallelism megatron-core chains two optimizers (keys ``chained_0.``, the dense
+    parameters', data-parallel over ``dp``; ``chained_1.``, the experts', over ``dp / ep``): an
+    expert-parallel rank's buffer holds its own experts, as group ``ep_rank + ep * pp_rank`` (at
+    tp 1: the expert-tensor-pipeline group's numbering with tp is left unread)."""
 
     def __init__(self, source, metadata):
         from mega.ckpt_convert.megatron_layout import stage_layers, stage_of
@@ -119,44 +124,48 @@ class BufferOptimizer:
 
         where, args, config = source.directory, source.args, source.config
         tp, pp = source.tensor_parallel_size, source.pipeline_parallel_size
+        ep = getattr(args, "expert_model_parallel_size", None) or 1
         names = names_for(source.family)
         refusals = {
             "a run with --use-tp-pp-dp-mapping": getattr(args, "use_tp_pp_dp_mapping", False),
             "an interleaved pipeline": (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1,
-            "an expert-parallel run (its experts have buffers and an optimizer of their own)":
-                (getattr(args, "expert_model_parallel_size", None) or 1) > 1,
+            "a run with both expert and tensor parallelism": ep > 1 and tp > 1,
             "an encoder-decoder over pipeline stages": pp > 1 and len(names.stacks) > 1,
         }
         refusal = next((what for what, applies in refusals.items() if applies), None)
         if refusal:
             raise ConversionError(
                 f"--with-optimizer: {where} holds the distributed optimizer's dp_reshardable state of {refusal}; "
-                "mega reads it for runs with one model chunk per stage in the default rank order: save the "
-                "run with --dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
+                "mega reads it for runs with one model chunk per stage in the default rank order, experts split "
+                "over expert-parallel or tensor-parallel ranks but not both: save the run with "
+                "--dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
         self.source, self.metadata, self.tp = source, metadata, tp
-        self.tensors: dict[tuple[int, str, int], str] = {}  # (group, kind, bucket) -> checkpoint key
+        self.chained = ep > 1  # the experts have buffers and an optimizer of their own
+        self.tensors: dict[tuple[int, int, str, int], str] = {}  # (part, group, kind, bucket) -> checkpoint key
         dtypes = set()
         for key in metadata.state_dict_metadata:
             match = _BUCKET.fullmatch(key)
             if match:
-                group, buffer, dtype, bucket, kind = match.groups()
+                part, group, buffer, dtype, bucket, kind = match.groups()
                 if buffer != "0":
                     raise ConversionError(f"{where}: {key} is in a second gradient buffer (a model with "
-                                          "parameters of two dtypes, or experts); mega reads one buffer's")
+                                          "parameters of two dtypes); mega reads one buffer per optimizer")
                 dtypes.add(dtype)
-                self.tensors[int(group), kind, int(bucket)] = key
-        groups_found = {group for group, _, _ in self.tensors}
-        if groups_found != set(range(tp * pp)):
-            raise ConversionError(f"{where}: the distributed optimizer's state is saved for data-parallel groups "
-                                  f"{sorted(groups_found)}; a run at tp={tp}, pp={pp} has groups 0..{tp * pp - 1}")
+                self.tensors[int(part or 0), int(group), kind, int(bucket)] = key
+        expected = {(0, group) for group in range(tp * pp)} | \
+            ({(1, group) for group in range(ep * pp)} if self.chained else set())
+        found = {(part, group) for part, group, _, _ in self.tensors}
+        if found != expected:
+            raise ConversionError(f"{where}: the distributed optimizer's state is saved for (optimizer, data-parallel "
+                                  f"group) {sorted(found)}; a run at tp={tp}, pp={pp}, ep={ep} has {sorted(expected)}")
         if len(dtypes) != 1:
             raise ConversionError(f"{where}: the distributed optimizer's buckets have dtypes {sorted(dtypes)}")
         dp = getattr(args, "data_parallel_size", None)
         if not dp:
             raise ConversionError(f"{where}: args lack data_parallel_size, which the distributed optimizer's "
                                   "bucket padding depends on")
-        bucket_size = bucket_size_of(args)
-        high_nccl_busbw = bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False))
+        self._layout_args = (bucket_size_of(args), bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)),
+                             shared_embedding_keys(config, pp))
         stages = stage_layers(config.num_layers, pp, getattr(args, "decoder_first_pipeline_num_layers", None),
                               getattr(args, "decoder_last_pipeline_num_layers", None))
         tied = not config.untie_embeddings_and_output_weights
@@ -173,25 +182,21 @@ class BufferOptimizer:
                                          expert, numel) for expert in range(layout.shape[0])]
                 else:
                     on_stage[stage].append((stage_name, name, None, math.prod(layout.local_shape(tp))))
-        own_bucket = shared_embedding_keys(config, pp)
         order = ORDERS[source.family]
-        # (mega name, expert or None, tp rank) -> data-parallel group, bucket, range in the bucket
-        self.places: dict[tuple[str, int | None, int], tuple[int, int, int, int]] = {}
+        local_experts = max((source.layouts[name].shape[0] for name in self.experts), default=ep) // ep
+        # (mega name, expert or None, tp rank) -> optimizer part, data-parallel group, bucket, range in the bucket
+        self.places: dict[tuple[str, int | None, int], tuple[int, int, int, int, int]] = {}
         for stage, held in enumerate(on_stage):
             held.sort(key=lambda entry: order.key(entry[0]))
-            places, built = buffer_layout([(entry[0], entry[3]) for entry in held], dp, bucket_size, high_nccl_busbw,
-                                          own_bucket)
-            for rank in range(tp):
-                group = rank + tp * stage
-                saved = self._bucket_sizes(group)
-                if built != saved:
-                    raise ConversionError(
-                        f"{where}: megatron-core's gradient buffer of tp rank {rank}, pipeline stage {stage} for these "
-                        f"args (dp {dp}, bucket size {bucket_size}) has buckets of {built} elements, but the "
-                        f"checkpoint's per_bucket_numel_unpadded says {saved}; the args and the state disagree")
-                for stage_name, name, expert, _ in held:  # the first stage's copy of a tied embedding
-                    self.places.setdefault((name, expert, rank), (group, *places[stage_name]))
-        groups = read_object(where, metadata, _group_key(0, "optimizer/shard_0_1"))
+            if not self.chained:
+                self._place(0, held, [rank + tp * stage for rank in range(tp)], dp, f"pipeline stage {stage}")
+                continue
+            self._place(0, [entry for entry in held if entry[2] is None], [tp * stage], dp, f"pipeline stage {stage}")
+            for expert_rank in range(ep):
+                mine = [entry for entry in held if entry[2] is not None and entry[2] // local_experts == expert_rank]
+                self._place(1, mine, [expert_rank + ep * stage], dp // ep,
+                            f"expert-parallel rank {expert_rank}, pipeline stage {stage}")
+        groups = read_object(where, metadata, self._key(0, 0, "optimizer/shard_0_1"))
         groups = groups[0]["param_groups"] if isinstance(groups, list) else groups["param_groups"]
         model_dtype = dtypes.pop().strip("()").split(",")[0].strip()
         keys = ("exp_avg", "exp_avg_sq") + ((MAIN_PARAM,) if model_dtype != "torch.float32" else ())
@@ -199,12 +204,31 @@ class BufferOptimizer:
         self.state = OptimizerState(
             keys=tuple(sorted(keys)), step=int(groups[0]["step"]), iteration=int(source.iteration or 0),
             consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0), hyperparameters=hyper)
-        self._buckets: dict[tuple[int, str, int], torch.Tensor] = {}
+        self._buckets: dict[tuple[int, int, str, int], torch.Tensor] = {}
 
-    def _bucket_sizes(self, group: int) -> list[int]:
+    def _key(self, part: int, group: int, name: str) -> str:
+        return (f"chained_{part}." if self.chained else "") + f"optimizer.distributed.dp_group_idx_{group}.{name}"
+
+    def _place(self, part: int, held: list, groups: list[int], dp: int, what: str) -> None:
+        """Where ``held`` (a stage's parameters in order) lie in the buffers of ``groups`` (one per
+        tp rank) of optimizer ``part``, checked against the saved bucket sizes."""
+        bucket_size, high_nccl_busbw, own_bucket = self._layout_args
+        places, built = buffer_layout([(entry[0], entry[3]) for entry in held], dp, bucket_size, high_nccl_busbw,
+                                      own_bucket)
+        for rank, group in enumerate(groups):
+            saved = self._bucket_sizes(part, group)
+            if built != saved:
+                raise ConversionError(
+                    f"{self.source.directory}: megatron-core's gradient buffer of tp rank {rank}, {what} for these args "
+                    f"(dp {dp}, bucket size {bucket_size}) has buckets of {built} elements, but the checkpoint's "
+                    f"per_bucket_numel_unpadded says {saved}; the args and the state disagree")
+            for stage_name, name, expert, _ in held:  # the first stage's copy of a tied embedding
+                self.places.setdefault((name, expert, rank), (part, group, *places[stage_name]))
+
+    def _bucket_sizes(self, part: int, group: int) -> list[int]:
         where = self.source.directory
         # [model chunk][buffer] -> {(param dtype, grad dtype): each bucket's size}
-        saved = read_object(where, self.metadata, _group_key(group, "per_bucket_numel_unpadded/shard_0_1"))
+        saved = read_object(where, self.metadata, self._key(part, group, "per_bucket_numel_unpadded/shard_0_1"))
         try:
             ((buffer,),) = saved
             (sizes,) = buffer.values()
@@ -224,12 +248,12 @@ class BufferOptimizer:
         """One parameter's ``kind`` from the tp ranks' buffers, merged as the weights are."""
         shards = []
         for rank in range(self.tp if layout.dim is not None else 1):  # a whole tensor: any rank's copy
-            group, bucket, start, end = self.places[name, expert, rank]
-            if (group, kind, bucket) not in self._buckets:
-                stored = self.tensors[group, kind, bucket]
-                self._buckets[group, kind, bucket] = self.source._read(
+            part, group, bucket, start, end = self.places[name, expert, rank]
+            if (part, group, kind, bucket) not in self._buckets:
+                stored = self.tensors[part, group, kind, bucket]
+                self._buckets[part, group, kind, bucket] = self.source._read(
                     stored, None, {stored: self.metadata.state_dict_metadata[stored]})
-            shards.append(self._buckets[group, kind, bucket][start:end].view(layout.local_shape(self.tp)))
+            shards.append(self._buckets[part, group, kind, bucket][start:end].view(layout.local_shape(self.tp)))
         return layout.merge(shards).clone()
 
 
@@ -245,10 +269,6 @@ def expert_shard_layout(name: str, layout, config):
 
     split = expert_layout(name, config)
     return TensorLayout(layout.shape[1:], split.dim, split.chunks, False)
-
-
-def _group_key(group: int, name: str) -> str:
-    return f"optimizer.distributed.dp_group_idx_{group}.{name}"
 
 
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
