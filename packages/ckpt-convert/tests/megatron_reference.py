@@ -90,9 +90,11 @@ def megatron_args(family: str, tp: int, pp: int, iteration: int, ckpt_format: st
 
 
 def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, post: bool = True, seed: int = 0,
-           ep: int = 1, pp: int = 1):
+           ep: int = 1, pp: int = 1, vpp: int = 1, chunk: int = 0):
     """This rank's part of the model at ``tp`` (and ``pp``: the stage's layers, embeddings, head,
-    as megatron-core splits them; ``layers``/``pre``/``post`` build one stage by hand at pp 1)."""
+    as megatron-core splits them; ``layers``/``pre``/``post`` build one stage by hand at pp 1).
+    An interleaved pipeline (``vpp`` chunks per stage) builds chunk by chunk: the first sets up
+    the parallel state, which the others share."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -100,11 +102,15 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     _shims()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    if chunk == 0:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
+                                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    vp_stage = chunk if vpp > 1 else None
     if pp > 1:
-        pre, post = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         # The tied embedding's copies are made equal by an all-reduce of ``weight.data.cuda()``.
         torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
     m = MODELS[family]
@@ -118,16 +124,16 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
         normalization=m["normalization"], add_bias_linear=m["add_bias_linear"], hidden_dropout=0.0,
         attention_dropout=0.0, use_cpu_initialization=True, perform_initialization=True,
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32 if pp > 1 else None)
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, pipeline_dtype=torch.float32 if pp > 1 else None)
     # MoE at tp > 1 requires sequence parallelism, which torch's norms (no TE, no apex) refuse to be
     # built with; it changes no weight or name, only communication: satisfy the check, then build without
     config.sequence_parallel = False
-    torch.manual_seed(seed)
+    torch.manual_seed(seed + chunk)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
                          num_experts=experts, moe_grouped_gemm=False, normalization=m["normalization"]),
                      vocab_size=padded_vocab(tp), max_sequence_length=SEQ, pre_process=pre, post_process=post,
                      position_embedding_type=m["position_embedding_type"],
-                     share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"])
+                     share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"], vp_stage=vp_stage)
     generator = torch.Generator().manual_seed(seed + 1)  # the same on every rank: norms are replicated
     with torch.no_grad():  # norms start at 1 and biases at 0: make every value count
         for param in model.parameters():
@@ -542,8 +548,8 @@ def load_legacy_optimizer(family: str, directory: str, bf16: bool = False, itera
 
 def save_with_distributed_optimizer(family: str, directory: str, bucket_size: int | None, iteration: int = 9,
                                     steps: int = 2, legacy_dir: str | None = None, tp: int = 1,
-                                    pp: int = 1, ep: int = 1) -> dict[str, list]:
-    """A model at ``tp`` x ``pp``, data-parallel over the world's other ranks, trained ``steps`` Adam steps by megatron-core's
+                                    pp: int = 1, ep: int = 1, vpp: int = 1) -> dict[str, list]:
+    """A model at ``tp`` x ``pp`` (``vpp`` chunks per stage), data-parallel over the world's other ranks, trained ``steps`` Adam steps by megatron-core's
     DistributedOptimizer (each rank stepping its shard of the grad buffers; gradients drawn at random),
     saved as Megatron-LM's save_checkpoint does with --ckpt-format torch_dist and its default
     ``dp_reshardable`` sharding. ``bucket_size``: DDP's (with --overlap-grad-reduce), or None for
@@ -551,14 +557,14 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
     model and ``optimizer.state_dict()`` in ``model_optim_rng.pt``, the buffers gathered by
     ``save_parameter_state`` into ``distrib_optim.pt``. Returns what this rank's optimizer holds:
     parameter name -> [(start, end, {param, exp_avg, exp_avg_sq})], each piece a flat range of the
-    parameter."""
+    parameter (an interleaved pipeline's named ``model<chunk>.<name in the chunk>``)."""
     from megatron.core import dist_checkpointing
 
-    ddp, optimizer = _distributed_optimizer(family, bucket_size, seed=5, tp=tp, pp=pp, ep=ep)
+    ddps, optimizer = _distributed_optimizer(family, bucket_size, seed=5, tp=tp, pp=pp, ep=ep, vpp=vpp)
     distributed = getattr(optimizer, "chained_optimizers", [optimizer])
     generator = torch.Generator().manual_seed(11)  # the same on every rank: gradients already reduced
     for _ in range(steps):
-        for param in ddp.module.parameters():
+        for param in (param for ddp in ddps for param in ddp.module.parameters()):
             param.main_grad.copy_(torch.randn(param.shape, generator=generator))
         for shard in distributed:
             shard._copy_model_grads_to_main_grads()
@@ -568,11 +574,12 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
     args.consumed_train_samples, args.use_distributed_optimizer = iteration * 4, True
     args.data_parallel_size, args.expert_model_parallel_size = torch.distributed.get_world_size() // (tp * pp), ep
     args.overlap_grad_reduce = bucket_size is not None
-    args.ddp_bucket_size = bucket_size
+    args.ddp_bucket_size, args.virtual_pipeline_model_parallel_size = bucket_size, vpp if vpp > 1 else None
     Path(directory).mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
-    model_state = ddp.module.sharded_state_dict()
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model_state,
+    model_state = {"model": ddps[0].module.sharded_state_dict()} if vpp == 1 else \
+        {f"model{chunk}": ddp.module.sharded_state_dict() for chunk, ddp in enumerate(ddps)}
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, **model_state,
              "optimizer": optimizer.sharded_state_dict(model_state,
                                                        metadata={"distrib_optim_sharding_type": "dp_reshardable"})}
     dist_checkpointing.save(state, directory)
@@ -589,30 +596,33 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
         args.ckpt_format = "torch"
         distributed[0].save_parameter_state(str(rank_dir / "distrib_optim.pt"))  # gathers over data-parallel ranks
         if parallel_state.get_data_parallel_rank() == 0:
-            rank_state = _rank_state(args, iteration, ddp.module.state_dict())
+            rank_state = _rank_state(args, iteration, ddps[0].module.state_dict())
             rank_state["optimizer"] = optimizer.state_dict()
             torch.save(rank_state, rank_dir / "model_optim_rng.pt")
             (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
         torch.distributed.barrier()
-    return _held_by_name(ddp, optimizer)
+    return _held_by_name(ddps, optimizer)
 
 
-def _distributed_optimizer(family: str, bucket_size: int | None, seed: int, tp: int = 1, pp: int = 1, ep: int = 1):
-    """This rank's part of a ``tp`` x ``pp`` model in megatron-core's DDP (gradient buffers, the
-    world's other ranks data-parallel) and its DistributedOptimizer, built on the CPU."""
+def _distributed_optimizer(family: str, bucket_size: int | None, seed: int, tp: int = 1, pp: int = 1, ep: int = 1,
+                           vpp: int = 1):
+    """This rank's part of a ``tp`` x ``pp`` model, a DDP (gradient buffers, the world's other ranks
+    data-parallel) per model chunk (the later ones unbucketed, as Megatron-LM builds them), and
+    their DistributedOptimizer, built on the CPU."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = _family_model(family, tp, seed, pp, ep)
+    chunks = [_family_model(family, tp, seed, pp, ep, vpp, chunk) for chunk in range(vpp)]
     _cpu_tensors_in_optimizer()
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
                                                overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size)
-    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    ddps = [DistributedDataParallel(model.config, ddp_config, model, disable_bucketing=chunk > 0)
+            for chunk, model in enumerate(chunks)]
     config = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0, use_distributed_optimizer=True)
-    return ddp, _with_cuda_type_names(lambda: get_megatron_optimizer(config, [ddp]))
+    return ddps, _with_cuda_type_names(lambda: get_megatron_optimizer(config, ddps))
 
 
-def _family_model(family: str, tp: int, seed: int, pp: int = 1, ep: int = 1):
+def _family_model(family: str, tp: int, seed: int, pp: int = 1, ep: int = 1, vpp: int = 1, chunk: int = 0):
     """This rank's part of ``family``'s reference model: GPT, LLaMA and Mixtral (any pp) here, BERT
     and Megatron-LM's default T5 (pp 1) from their modules."""
     if family == "bert":
@@ -623,7 +633,7 @@ def _family_model(family: str, tp: int, seed: int, pp: int = 1, ep: int = 1):
         from megatron_t5_reference import t5_model
 
         return t5_model(tp, seed=seed, architecture="megatron")
-    return _model(family, tp, seed=seed, pp=pp, ep=ep)
+    return _model(family, tp, seed=seed, pp=pp, ep=ep, vpp=vpp, chunk=chunk)
 
 
 def _family_args(family: str, tp: int, pp: int, iteration: int, ckpt_format: str):
@@ -638,10 +648,12 @@ def _family_args(family: str, tp: int, pp: int, iteration: int, ckpt_format: str
     return megatron_args(family, tp, pp, iteration, ckpt_format)
 
 
-def _held_by_name(ddp, optimizer) -> dict[str, list]:
+def _held_by_name(ddps, optimizer) -> dict[str, list]:
     """What this rank's distributed optimizer holds: parameter name -> [(start, end, {param,
-    exp_avg, exp_avg_sq})], each piece a flat range of the parameter."""
-    names = {id(param): name for name, param in ddp.module.named_parameters()}
+    exp_avg, exp_avg_sq})], each piece a flat range of the parameter (``model<chunk>.`` in front
+    with several model chunks)."""
+    names = {id(param): name if len(ddps) == 1 else f"model{chunk}.{name}"
+             for chunk, ddp in enumerate(ddps) for name, param in ddp.module.named_parameters()}
     held: dict[str, list] = {}
     for shard in getattr(optimizer, "chained_optimizers", [optimizer]):
         for buffer_ranges in shard.gbuf_ranges:
@@ -677,7 +689,7 @@ def load_with_distributed_optimizer(family: str, directory: str, tp: int = 1) ->
         return set_states(self, model_param, {**tensors, **({"step": state["step"]} if "step" in state else {})})
 
     DistributedOptimizer._set_main_param_and_optimizer_states = keeping_step
-    ddp, optimizer = _distributed_optimizer(family, None, seed=77, tp=tp)
+    (ddp,), optimizer = _distributed_optimizer(family, None, seed=77, tp=tp)
     for inner in _inner(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
@@ -692,4 +704,4 @@ def load_with_distributed_optimizer(family: str, directory: str, tp: int = 1) ->
     optimizer.load_state_dict(loaded["optimizer"])
     steps = {int(state["step"]) for inner in _inner(optimizer) for state in inner.state.values()}
     (step,) = steps
-    return step, _held_by_name(ddp, optimizer)
+    return step, _held_by_name([ddp], optimizer)

@@ -544,9 +544,10 @@ def test_distributed_optimizer_buffers_import(world, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(("family", "layout"), [("gpt", (2, 1, 1)), ("gpt", (1, 2, 1)), ("mixtral", (2, 1, 1)),
-                                                ("mixtral", (1, 1, 2)), ("bert", (2, 1, 1)), ("t5", (2, 1, 1))],
-                         ids=["gpt-tp2", "gpt-pp2", "mixtral-tp2", "mixtral-ep2", "bert-tp2", "t5-tp2"])
+@pytest.mark.parametrize(("family", "layout"), [
+    ("gpt", (2, 1, 1, 1)), ("gpt", (1, 2, 1, 1)), ("gpt", (1, 2, 1, 2)), ("mixtral", (2, 1, 1, 1)),
+    ("mixtral", (1, 1, 2, 1)), ("bert", (2, 1, 1, 1)), ("t5", (2, 1, 1, 1))],
+    ids=["gpt-tp2", "gpt-pp2", "gpt-pp2-vpp2", "mixtral-tp2", "mixtral-ep2", "bert-tp2", "t5-tp2"])
 def test_distributed_optimizer_buffers_import_at_tp_and_pp(family, layout, world, tmp_path):
     """The same at tp 2 (each tp rank's buffers hold its shards: merged as the model's are) and at
     pp 2 (each stage's buffers hold its layers; the tied embedding's copies on the first and last
@@ -555,20 +556,23 @@ def test_distributed_optimizer_buffers_import_at_tp_and_pp(family, layout, world
     optimizers held. Each family's parameters in megatron-core's order; Mixtral's experts (without
     expert parallelism: in the one buffer, an expert at a time) stacked as their weights are. At ep 2
     (torch_dist only) megatron-core chains two optimizers: the dense parameters' over dp 2, each
-    rank's own experts' over dp 1."""
+    rank's own experts' over dp 1. An interleaved pipeline (pp 2 x vpp 2, torch_dist only) has a
+    buffer per model chunk, the later chunks' unbucketed."""
     from mega.ckpt_convert.mega_format import MegaSource
     from mega.ckpt_convert.megatron_distopt import expert_shard_layout
-    from mega.ckpt_convert.megatron_layout import model_layouts, stage_layers
+    from mega.ckpt_convert.megatron_layout import model_layouts
+    from mega.ckpt_convert.megatron_legacy import chunk_layers
     from mega.core.checkpoint import read_metadata
     from mega.core.plugins import get_plugins
 
-    tp, pp, ep = layout
+    tp, pp, ep, vpp = layout
     source, legacy = tmp_path / "megatron", tmp_path / "legacy"
+    with_legacy = ep == 1 and vpp == 1
     held = world.run(ref.save_with_distributed_optimizer, family, str(source / "iter_0000009"), None, 9, 2,
-                     str(legacy) if ep == 1 else None, tp, pp, ep)
-    stages = stage_layers(ref.MODELS["gpt"]["num_layers"], pp)
+                     str(legacy) if with_legacy else None, tp, pp, ep, vpp)
+    places = chunk_layers(None, ref.MODELS["gpt"]["num_layers"], pp, vpp)
     local_experts = ref.MODELS["mixtral"]["num_experts"] // ep
-    for saved in (source, legacy) if ep == 1 else (source,):
+    for saved in (source, legacy) if with_legacy else (source,):
         imported = tmp_path / f"mega-{saved.name}"
         convert(saved, imported, from_format="megatron", to_format="mega", options=WriteOptions(with_optimizer=True))
         metadata = read_metadata(imported)
@@ -579,11 +583,13 @@ def test_distributed_optimizer_buffers_import_at_tp_and_pp(family, layout, world
             assert mega.optimizer_state().step == 2
             for rank in range(2):
                 tp_rank, stage = rank % tp, (rank // tp) % pp
-                for local, pieces in held[rank].items():
+                for chunk_local, pieces in held[rank].items():
+                    chunk, local = (int(chunk_local[5]), chunk_local[7:]) if vpp > 1 else (0, chunk_local)
                     if local == "output_layer.weight" and pp > 1:
                         continue  # the last stage's copy of the tied embedding: the first stage's is carried
                     number, rest = (local.split(".", 3)[2:] if local.startswith("decoder.layers.") else (None, None))
-                    name = local if number is None else f"decoder.layers.{int(number) + stages[stage].start}.{rest}"
+                    first = places[stage, chunk].start
+                    name = local if number is None else f"decoder.layers.{int(number) + first}.{rest}"
                     prefix, _, expert_part = name.partition("mlp.experts.local_experts.")
                     expert, _, part = expert_part.partition(".")
                     name = f"{prefix}mlp.experts.{part}" if expert_part else name

@@ -116,10 +116,15 @@ class BufferOptimizer:
     Under expert parallelism megatron-core chains two optimizers (keys ``chained_0.``, the dense
     parameters', data-parallel over ``dp``; ``chained_1.``, the experts', over ``dp / ep``): an
     expert-parallel rank's buffer holds its own experts, as group ``ep_rank + ep * pp_rank`` (at
-    tp 1: the expert-tensor-pipeline group's numbering with tp is left unread)."""
+    tp 1: the expert-tensor-pipeline group's numbering with tp is left unread).
+
+    An interleaved pipeline's stage holds one buffer per model chunk (``gbuf_idx`` = the chunk; the
+    first chunk's bucketed by ``--ddp-bucket-size``, the others, as Megatron-LM builds them, not),
+    chunk ``c`` of stage ``p`` holding the ``c * pp + p``-th piece of the layers."""
 
     def __init__(self, source, metadata):
-        from mega.ckpt_convert.megatron_layout import stage_layers, stage_of
+        from mega.ckpt_convert.megatron_layout import stage_of
+        from mega.ckpt_convert.megatron_legacy import chunk_layers
         from mega.ckpt_convert.megatron_names import names_for
 
         where, args, config = source.directory, source.args, source.config
@@ -128,7 +133,6 @@ class BufferOptimizer:
         names = names_for(source.family)
         refusals = {
             "a run with --use-tp-pp-dp-mapping": getattr(args, "use_tp_pp_dp_mapping", False),
-            "an interleaved pipeline": (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1,
             "a run with both expert and tensor parallelism": ep > 1 and tp > 1,
             "an encoder-decoder over pipeline stages": pp > 1 and len(names.stacks) > 1,
         }
@@ -136,25 +140,27 @@ class BufferOptimizer:
         if refusal:
             raise ConversionError(
                 f"--with-optimizer: {where} holds the distributed optimizer's dp_reshardable state of {refusal}; "
-                "mega reads it for runs with one model chunk per stage in the default rank order, experts split "
-                "over expert-parallel or tensor-parallel ranks but not both: save the run with "
+                "mega reads it for runs in the default rank order, experts split over expert-parallel or "
+                "tensor-parallel ranks but not both: save the run with "
                 "--dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
         self.source, self.metadata, self.tp = source, metadata, tp
         self.chained = ep > 1  # the experts have buffers and an optimizer of their own
-        self.tensors: dict[tuple[int, int, str, int], str] = {}  # (part, group, kind, bucket) -> checkpoint key
+        vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        # (part, group, buffer, kind, bucket) -> checkpoint key
+        self.tensors: dict[tuple[int, int, int, str, int], str] = {}
         dtypes = set()
         for key in metadata.state_dict_metadata:
             match = _BUCKET.fullmatch(key)
             if match:
                 part, group, buffer, dtype, bucket, kind = match.groups()
-                if buffer != "0":
-                    raise ConversionError(f"{where}: {key} is in a second gradient buffer (a model with "
-                                          "parameters of two dtypes); mega reads one buffer per optimizer")
+                if int(buffer) >= vpp:
+                    raise ConversionError(f"{where}: {key} is in a gradient buffer beyond the model chunks' "
+                                          f"{vpp} (a model with parameters of two dtypes); mega reads one per chunk")
                 dtypes.add(dtype)
-                self.tensors[int(part or 0), int(group), kind, int(bucket)] = key
+                self.tensors[int(part or 0), int(group), int(buffer), kind, int(bucket)] = key
         expected = {(0, group) for group in range(tp * pp)} | \
             ({(1, group) for group in range(ep * pp)} if self.chained else set())
-        found = {(part, group) for part, group, _, _ in self.tensors}
+        found = {(part, group) for part, group, _, _, _ in self.tensors}
         if found != expected:
             raise ConversionError(f"{where}: the distributed optimizer's state is saved for (optimizer, data-parallel "
                                   f"group) {sorted(found)}; a run at tp={tp}, pp={pp}, ep={ep} has {sorted(expected)}")
@@ -166,36 +172,39 @@ class BufferOptimizer:
                                   "bucket padding depends on")
         self._layout_args = (bucket_size_of(args), bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)),
                              shared_embedding_keys(config, pp))
-        stages = stage_layers(config.num_layers, pp, getattr(args, "decoder_first_pipeline_num_layers", None),
-                              getattr(args, "decoder_last_pipeline_num_layers", None))
+        # A place is (pipeline stage, model chunk); in virtual-stage order, chunk after chunk.
+        layers = chunk_layers(args, config.num_layers, pp, vpp)
+        virtual = sorted(layers, key=lambda place: (place[1], place[0]))
         tied = not config.untie_embeddings_and_output_weights
         self.experts = {name: expert_shard_layout(name, source.layouts[name], config)
                         for name in source.layouts if names.expert_patterns and is_stacked_experts(name)}
-        # (name in the stage's model, mega name, expert or None, elements on a tp rank) of each stage's parameters
-        on_stage: list[list[tuple[str, str, int | None, int]]] = [[] for _ in range(pp)]
+        # (name in the chunk's model, mega name, expert or None, elements on a tp rank) of each place's parameters
+        at_place: dict[tuple[int, int], list[tuple[str, str, int | None, int]]] = {place: [] for place in virtual}
         for name, layout in source.layouts.items():
-            for stage, stage_name in stage_of(name, stages, tied, names.stacks[0]):
+            for index, local_name in stage_of(name, [layers[place] for place in virtual], tied, names.stacks[0]):
+                held = at_place[virtual[index]]
                 if name in self.experts:  # a parameter per expert, as megatron-core's experts hold them
-                    prefix, _, part = stage_name.rpartition("mlp.experts.")
+                    prefix, _, part = local_name.rpartition("mlp.experts.")
                     numel = math.prod(self.experts[name].local_shape(tp))
-                    on_stage[stage] += [(f"{prefix}{names.expert_file_name.format(expert=expert, part=part)}", name,
-                                         expert, numel) for expert in range(layout.shape[0])]
+                    held += [(f"{prefix}{names.expert_file_name.format(expert=expert, part=part)}", name, expert,
+                              numel) for expert in range(layout.shape[0])]
                 else:
-                    on_stage[stage].append((stage_name, name, None, math.prod(layout.local_shape(tp))))
+                    held.append((local_name, name, None, math.prod(layout.local_shape(tp))))
         order = ORDERS[source.family]
         local_experts = max((source.layouts[name].shape[0] for name in self.experts), default=ep) // ep
-        # (mega name, expert or None, tp rank) -> optimizer part, data-parallel group, bucket, range in the bucket
-        self.places: dict[tuple[str, int | None, int], tuple[int, int, int, int, int]] = {}
-        for stage, held in enumerate(on_stage):
+        # (mega name, expert or None, tp rank) -> optimizer part, data-parallel group, buffer, bucket, range in it
+        self.places: dict[tuple[str, int | None, int], tuple[int, int, int, int, int, int]] = {}
+        for (stage, chunk), held in at_place.items():
             held.sort(key=lambda entry: order.key(entry[0]))
+            where_held = f"pipeline stage {stage}" + (f", model chunk {chunk}" if vpp > 1 else "")
             if not self.chained:
-                self._place(0, held, [rank + tp * stage for rank in range(tp)], dp, f"pipeline stage {stage}")
+                self._place(0, chunk, held, [rank + tp * stage for rank in range(tp)], dp, where_held)
                 continue
-            self._place(0, [entry for entry in held if entry[2] is None], [tp * stage], dp, f"pipeline stage {stage}")
+            self._place(0, chunk, [entry for entry in held if entry[2] is None], [tp * stage], dp, where_held)
             for expert_rank in range(ep):
                 mine = [entry for entry in held if entry[2] is not None and entry[2] // local_experts == expert_rank]
-                self._place(1, mine, [expert_rank + ep * stage], dp // ep,
-                            f"expert-parallel rank {expert_rank}, pipeline stage {stage}")
+                self._place(1, chunk, mine, [expert_rank + ep * stage], dp // ep,
+                            f"expert-parallel rank {expert_rank}, {where_held}")
         groups = read_object(where, metadata, self._key(0, 0, "optimizer/shard_0_1"))
         groups = groups[0]["param_groups"] if isinstance(groups, list) else groups["param_groups"]
         model_dtype = dtypes.pop().strip("()").split(",")[0].strip()
@@ -204,37 +213,37 @@ class BufferOptimizer:
         self.state = OptimizerState(
             keys=tuple(sorted(keys)), step=int(groups[0]["step"]), iteration=int(source.iteration or 0),
             consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0), hyperparameters=hyper)
-        self._buckets: dict[tuple[int, int, str, int], torch.Tensor] = {}
+        self._buckets: dict[tuple[int, int, int, str, int], torch.Tensor] = {}
 
     def _key(self, part: int, group: int, name: str) -> str:
         return (f"chained_{part}." if self.chained else "") + f"optimizer.distributed.dp_group_idx_{group}.{name}"
 
-    def _place(self, part: int, held: list, groups: list[int], dp: int, what: str) -> None:
-        """Where ``held`` (a stage's parameters in order) lie in the buffers of ``groups`` (one per
-        tp rank) of optimizer ``part``, checked against the saved bucket sizes."""
+    def _place(self, part: int, chunk: int, held: list, groups: list[int], dp: int, what: str) -> None:
+        """Where ``held`` (a model chunk's parameters in order) lie in buffer ``chunk`` of ``groups``
+        (one per tp rank) of optimizer ``part``, checked against the saved bucket sizes."""
         bucket_size, high_nccl_busbw, own_bucket = self._layout_args
+        bucket_size = bucket_size if chunk == 0 else None  # Megatron-LM disables later chunks' bucketing
         places, built = buffer_layout([(entry[0], entry[3]) for entry in held], dp, bucket_size, high_nccl_busbw,
                                       own_bucket)
         for rank, group in enumerate(groups):
-            saved = self._bucket_sizes(part, group)
+            saved = self._bucket_sizes(part, group, chunk)
             if built != saved:
                 raise ConversionError(
                     f"{self.source.directory}: megatron-core's gradient buffer of tp rank {rank}, {what} for these args "
                     f"(dp {dp}, bucket size {bucket_size}) has buckets of {built} elements, but the checkpoint's "
                     f"per_bucket_numel_unpadded says {saved}; the args and the state disagree")
             for stage_name, name, expert, _ in held:  # the first stage's copy of a tied embedding
-                self.places.setdefault((name, expert, rank), (part, group, *places[stage_name]))
+                self.places.setdefault((name, expert, rank), (part, group, chunk, *places[stage_name]))
 
-    def _bucket_sizes(self, part: int, group: int) -> list[int]:
+    def _bucket_sizes(self, part: int, group: int, chunk: int) -> list[int]:
         where = self.source.directory
-        # [model chunk][buffer] -> {(param dtype, grad dtype): each bucket's size}
+        # [[buffer...]]: {(param dtype, grad dtype): each bucket's size} per gradient buffer (gbuf_idx)
         saved = read_object(where, self.metadata, self._key(part, group, "per_bucket_numel_unpadded/shard_0_1"))
         try:
-            ((buffer,),) = saved
-            (sizes,) = buffer.values()
-        except (TypeError, ValueError, AttributeError):
+            (sizes,) = [buffer for buffers in saved for buffer in buffers][chunk].values()
+        except (TypeError, ValueError, AttributeError, IndexError, KeyError):
             raise ConversionError(f"{where}: the distributed optimizer's per_bucket_numel_unpadded is {saved!r}, "
-                                  "not one model chunk's one buffer (mega reads runs without interleaving)") from None
+                                  f"not one buffer of one dtype for model chunk {chunk}") from None
         return list(sizes)
 
     def get(self, name: str, key: str) -> torch.Tensor:
@@ -248,12 +257,12 @@ class BufferOptimizer:
         """One parameter's ``kind`` from the tp ranks' buffers, merged as the weights are."""
         shards = []
         for rank in range(self.tp if layout.dim is not None else 1):  # a whole tensor: any rank's copy
-            part, group, bucket, start, end = self.places[name, expert, rank]
-            if (part, group, kind, bucket) not in self._buckets:
-                stored = self.tensors[part, group, kind, bucket]
-                self._buckets[part, group, kind, bucket] = self.source._read(
-                    stored, None, {stored: self.metadata.state_dict_metadata[stored]})
-            shards.append(self._buckets[part, group, kind, bucket][start:end].view(layout.local_shape(self.tp)))
+            part, group, buffer, bucket, start, end = self.places[name, expert, rank]
+            held = (part, group, buffer, kind, bucket)
+            if held not in self._buckets:
+                stored = self.tensors[held]
+                self._buckets[held] = self.source._read(stored, None, {stored: self.metadata.state_dict_metadata[stored]})
+            shards.append(self._buckets[held][start:end].view(layout.local_shape(self.tp)))
         return layout.merge(shards).clone()
 
 
