@@ -596,7 +596,10 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
         args.ckpt_format = "torch"
         distributed[0].save_parameter_state(str(rank_dir / "distrib_optim.pt"))  # gathers over data-parallel ranks
         if parallel_state.get_data_parallel_rank() == 0:
-            rank_state = _rank_state(args, iteration, ddps[0].module.state_dict())
+            rank_state = _rank_state(args, iteration, None)
+            del rank_state["model"]  # an interleaved pipeline's file holds model0, model1...
+            rank_state.update({"model": ddps[0].module.state_dict()} if vpp == 1 else
+                              {f"model{chunk}": ddp.module.state_dict() for chunk, ddp in enumerate(ddps)})
             rank_state["optimizer"] = optimizer.state_dict()
             torch.save(rank_state, rank_dir / "model_optim_rng.pt")
             (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))

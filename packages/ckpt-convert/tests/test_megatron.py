@@ -556,8 +556,8 @@ def test_distributed_optimizer_buffers_import_at_tp_and_pp(family, layout, world
     optimizers held. Each family's parameters in megatron-core's order; Mixtral's experts (without
     expert parallelism: in the one buffer, an expert at a time) stacked as their weights are. At ep 2
     (torch_dist only) megatron-core chains two optimizers: the dense parameters' over dp 2, each
-    rank's own experts' over dp 1. An interleaved pipeline (pp 2 x vpp 2, torch_dist only) has a
-    buffer per model chunk, the later chunks' unbucketed."""
+    rank's own experts' over dp 1. An interleaved pipeline (pp 2 x vpp 2) has a buffer per model
+    chunk, the later chunks' unbucketed."""
     from mega.ckpt_convert.mega_format import MegaSource
     from mega.ckpt_convert.megatron_distopt import expert_shard_layout
     from mega.ckpt_convert.megatron_layout import model_layouts
@@ -567,7 +567,7 @@ def test_distributed_optimizer_buffers_import_at_tp_and_pp(family, layout, world
 
     tp, pp, ep, vpp = layout
     source, legacy = tmp_path / "megatron", tmp_path / "legacy"
-    with_legacy = ep == 1 and vpp == 1
+    with_legacy = ep == 1
     held = world.run(ref.save_with_distributed_optimizer, family, str(source / "iter_0000009"), None, 9, 2,
                      str(legacy) if with_legacy else None, tp, pp, ep, vpp)
     places = chunk_layers(None, ref.MODELS["gpt"]["num_layers"], pp, vpp)

@@ -25,7 +25,8 @@ Legacy files (``--ckpt-format torch``) keep the same state per tensor x pipeline
 dtype, one flat tensor per kind of every bucket's elements one after the other (padding between
 buckets left out), ``numel_unpadded`` their total; the step is in ``model_optim_rng.pt``'s
 ``optimizer.optimizer.param_groups``. There the parameters are the rank file's model state dict's,
-in its order, so any tensor-parallel and pipeline size reads (one model chunk per stage).
+in its order, so any tensor-parallel and pipeline size reads, and an interleaved pipeline's chunks
+(one buffer each).
 """
 
 from __future__ import annotations
@@ -97,12 +98,13 @@ def read_object(directory: Path, metadata, key: str):
         return load_megatron_pickle(path)
 
 
-def shared_embedding_keys(config, pp: int, prefix: str = "") -> frozenset[str]:
-    """The keys of a tied embedding's copies on the first and last pipeline stages, which
-    megatron-core's distributed optimizer gives a bucket each (none at one stage, or untied)."""
+def shared_embedding_keys(config, pp: int, first: str = "", last: str = "") -> frozenset[str]:
+    """The keys of a tied embedding's copies on the first and last pipeline stages (behind the
+    ``first`` and ``last`` model chunks' names), which megatron-core's distributed optimizer gives
+    a bucket each (none at one stage, or untied)."""
     if pp == 1 or config.untie_embeddings_and_output_weights:
         return frozenset()
-    return frozenset(prefix + key for key in ("embedding.word_embeddings.weight", "output_layer.weight"))
+    return frozenset((first + "embedding.word_embeddings.weight", last + "output_layer.weight"))
 
 
 class BufferOptimizer:
@@ -291,38 +293,46 @@ def bucket_size_of(args) -> int | None:
 
 
 def read_distrib_optim(rank_file: Path, state: dict, parameters: list[tuple[str, torch.Tensor]], args,
-                       own_bucket: frozenset[str] = frozenset()):
+                       own_bucket: frozenset[str] = frozenset(), chunks: int = 1):
     """(model key -> {mega key: tensor}, step, group 0's hyperparameters) of one legacy rank:
-    ``state`` its model_optim_rng.pt, ``parameters`` its model's (key, tensor) in order,
-    ``own_bucket`` the keys with a bucket each (:func:`shared_embedding_keys`)."""
+    ``state`` its model_optim_rng.pt, ``parameters`` its model's (key, tensor) in order, keys behind
+    their model chunk's name (``model.``, or ``model0.``, ``model1.``... of ``chunks``), ``own_bucket``
+    the keys with a bucket each (:func:`shared_embedding_keys`). Chunk ``c``'s parameters are
+    gradient buffer ``c``, bucketed as DDP buckets the first chunk only."""
     path = rank_file.parent / DISTRIB_OPTIM_FILE
     saved = load_megatron_pickle(path)
-    try:
-        ((dtype, tensors),) = saved[0].items()
-        numel = int(tensors["numel_unpadded"])
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise ConversionError(f"{path} does not hold one gradient buffer's state (megatron-core's "
-                              "save_parameter_state of a model with one dtype)") from None
-    if 1 in saved:
-        raise ConversionError(f"{path} holds a second gradient buffer (experts, or two dtypes); mega reads one's")
     dp = getattr(args, "data_parallel_size", None)
     if not dp:
         raise ConversionError(f"{rank_file}: args lack data_parallel_size, which the buffer layout depends on")
-    places, sizes = buffer_layout([(key, tensor.numel()) for key, tensor in parameters], dp, bucket_size_of(args),
-                                  bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)), own_bucket)
-    if sum(sizes) != numel:
-        raise ConversionError(f"{path}: megatron-core's gradient buffer for {rank_file.name}'s parameters and these "
-                              f"args (dp {dp}, bucket size {bucket_size_of(args)}) has {sum(sizes)} elements, but "
-                              f"the file's numel_unpadded is {numel}; the args and the state disagree")
-    offsets = [sum(sizes[:bucket]) for bucket in range(len(sizes))]
-    kinds = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-    if dtype[0] != torch.float32:  # the fp32 main parameters of a bf16/fp16 run
-        kinds[MAIN_PARAM] = "param"
+    buffers = sorted(key for key in saved if isinstance(key, int)) if isinstance(saved, dict) else None
+    if buffers != list(range(chunks)):
+        raise ConversionError(f"{path} holds the gradient buffers {buffers if buffers is not None else type(saved)}, "
+                              f"not one per model chunk (0 to {chunks - 1}): experts' or a second dtype's are not read")
     found = {}
-    for key, tensor in parameters:
-        bucket, start, end = places[key]
-        found[key] = {mega: tensors[kind][offsets[bucket] + start:offsets[bucket] + end].view(tensor.shape)
-                      for mega, kind in kinds.items()}
+    for chunk in range(chunks):
+        try:
+            ((dtype, tensors),) = saved[chunk].items()
+            numel = int(tensors["numel_unpadded"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise ConversionError(f"{path} does not hold gradient buffer {chunk}'s state (megatron-core's "
+                                  "save_parameter_state of a model with one dtype)") from None
+        prefix = "model." if chunks == 1 else f"model{chunk}."
+        held = [(key, tensor) for key, tensor in parameters if key.startswith(prefix)]
+        bucket_size = bucket_size_of(args) if chunk == 0 else None  # Megatron-LM buckets the first chunk only
+        places, sizes = buffer_layout([(key, tensor.numel()) for key, tensor in held], dp, bucket_size,
+                                      bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)), own_bucket)
+        if sum(sizes) != numel:
+            raise ConversionError(f"{path}: megatron-core's gradient buffer for {rank_file.name}'s parameters and "
+                                  f"these args (dp {dp}, bucket size {bucket_size}) has {sum(sizes)} elements, but "
+                                  f"the file's numel_unpadded is {numel}; the args and the state disagree")
+        offsets = [sum(sizes[:bucket]) for bucket in range(len(sizes))]
+        kinds = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+        if dtype[0] != torch.float32:  # the fp32 main parameters of a bf16/fp16 run
+            kinds[MAIN_PARAM] = "param"
+        for key, tensor in held:
+            bucket, start, end = places[key]
+            found[key] = {mega: tensors[kind][offsets[bucket] + start:offsets[bucket] + end].view(tensor.shape)
+                          for mega, kind in kinds.items()}
     groups = (state.get("optimizer") or {}).get("optimizer", {}).get("param_groups") or [{}]
     if "step" not in groups[0]:
         raise ConversionError(f"{rank_file}: the distributed optimizer's param groups hold no step")

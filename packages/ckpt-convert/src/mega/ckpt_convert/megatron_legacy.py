@@ -201,12 +201,6 @@ class LegacySource(MegatronSource):
         if getattr(self, "_optimizer", None) is not None:
             return self._optimizer
         distributed = bool(getattr(self.args, "use_distributed_optimizer", False))
-        if distributed and self.chunks > 1:
-            raise ConversionError(
-                f"--with-optimizer: {self.directory} was saved by Megatron-LM's distributed optimizer with an "
-                f"interleaved pipeline ({self.chunks} model chunks per stage); mega reads its distrib_optim.pt buffers "
-                "of one chunk per stage (save with --ckpt-format torch_dist and --dist-ckpt-optim-fully-reshardable "
-                "instead)")
         names = names_for(self.family)
         places = chunk_layers(self.args, self.config.num_layers, self.pipeline_parallel_size, self.chunks)
         tied = not self.config.untie_embeddings_and_output_weights
@@ -224,8 +218,9 @@ class LegacySource(MegatronSource):
             parameters = [(f"{chunk}.{key}", value) for chunk in chunks for key, value in flatten(state[chunk]).items()
                           if torch.is_tensor(value) and key not in names.duplicate_keys]
             if distributed:
-                own_bucket = shared_embedding_keys(self.config, self.pipeline_parallel_size, prefix="model.")
-                found, step, hyper = read_distrib_optim(file, state, parameters, self.args, own_bucket)
+                first, last = ("model.", "model.") if self.chunks == 1 else ("model0.", f"model{self.chunks - 1}.")
+                own_bucket = shared_embedding_keys(self.config, self.pipeline_parallel_size, first, last)
+                found, step, hyper = read_distrib_optim(file, state, parameters, self.args, own_bucket, self.chunks)
             else:
                 saved = state.get("optimizer")
                 if isinstance(saved, list) and len(saved) != 2:
