@@ -558,6 +558,32 @@ def test_distributed_optimizer_buffers_import_at_tp_and_pp(family, layout, world
     (torch_dist only) megatron-core chains two optimizers: the dense parameters' over dp 2, each
     rank's own experts' over dp 1. An interleaved pipeline (pp 2 x vpp 2) has a buffer per model
     chunk, the later chunks' unbucketed."""
+    tp, pp, ep, vpp = layout
+    source, legacy = tmp_path / "megatron", tmp_path / "legacy"
+    with_legacy = ep == 1
+    held = world.run(ref.save_with_distributed_optimizer, family, str(source / "iter_0000009"), None, 9, 2,
+                     str(legacy) if with_legacy else None, tp, pp, ep, vpp)
+    for saved in (source, legacy) if with_legacy else (source,):
+        _assert_buffers_import(saved, tmp_path / f"mega-{saved.name}", held, layout)
+
+
+def test_distributed_optimizer_buffers_import_with_expert_and_tensor_parallelism(tmp_path):
+    """Four ranks, tp 2 x ep 2 (dense data-parallel over 2): each expert-parallel rank's buffers
+    hold the tensor-parallel shards of its own experts, saved as the expert tensor-expert-pipeline
+    group's ranks number them."""
+    from mega.core.testing import DistributedWorld
+
+    source = tmp_path / "megatron"
+    with DistributedWorld(4, timeout_s=600) as four:
+        held = four.run(ref.save_with_distributed_optimizer, "mixtral", str(source / "iter_0000009"), None, 9, 2,
+                        None, 2, 1, 2)
+        four.run(ref.leave)
+    _assert_buffers_import(source, tmp_path / "mega", held, (2, 1, 2, 1))
+
+
+def _assert_buffers_import(saved, imported, held: list[dict], layout: tuple[int, int, int, int]) -> None:
+    """``saved`` imports with every parameter's moments equal to the pieces the ranks' distributed
+    optimizers ``held`` (rank -> name in its model chunk -> pieces) at ``layout`` (tp, pp, ep, vpp)."""
     from mega.ckpt_convert.mega_format import MegaSource
     from mega.ckpt_convert.megatron_distopt import expert_shard_layout
     from mega.ckpt_convert.megatron_layout import model_layouts
@@ -566,45 +592,39 @@ def test_distributed_optimizer_buffers_import_at_tp_and_pp(family, layout, world
     from mega.core.plugins import get_plugins
 
     tp, pp, ep, vpp = layout
-    source, legacy = tmp_path / "megatron", tmp_path / "legacy"
-    with_legacy = ep == 1
-    held = world.run(ref.save_with_distributed_optimizer, family, str(source / "iter_0000009"), None, 9, 2,
-                     str(legacy) if with_legacy else None, tp, pp, ep, vpp)
     places = chunk_layers(None, ref.MODELS["gpt"]["num_layers"], pp, vpp)
     local_experts = ref.MODELS["mixtral"]["num_experts"] // ep
-    for saved in (source, legacy) if with_legacy else (source,):
-        imported = tmp_path / f"mega-{saved.name}"
-        convert(saved, imported, from_format="megatron", to_format="mega", options=WriteOptions(with_optimizer=True))
-        metadata = read_metadata(imported)
-        family = get_plugins().models.get(metadata.model_family)
-        layouts = model_layouts(family, family.config_class(**metadata.model_config), tp)
-        compared = set()
-        with MegaSource(imported, None) as mega:
-            assert mega.optimizer_state().step == 2
-            for rank in range(2):
-                tp_rank, stage = rank % tp, (rank // tp) % pp
-                for chunk_local, pieces in held[rank].items():
-                    chunk, local = (int(chunk_local[5]), chunk_local[7:]) if vpp > 1 else (0, chunk_local)
-                    if local == "output_layer.weight" and pp > 1:
-                        continue  # the last stage's copy of the tied embedding: the first stage's is carried
-                    number, rest = (local.split(".", 3)[2:] if local.startswith("decoder.layers.") else (None, None))
-                    first = places[stage, chunk].start
-                    name = local if number is None else f"decoder.layers.{int(number) + first}.{rest}"
-                    prefix, _, expert_part = name.partition("mlp.experts.local_experts.")
-                    expert, _, part = expert_part.partition(".")
-                    name = f"{prefix}mlp.experts.{part}" if expert_part else name
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        if expert_part:
-                            split = expert_shard_layout(name, layouts[name], mega.config).split
-                            expert_number = (rank if ep > 1 else 0) * local_experts + int(expert)
-                            ours = split(mega.get_optimizer(name, key)[expert_number], tp_rank, tp).flatten()
-                        else:
-                            ours = layouts[name].split(mega.get_optimizer(name, key), tp_rank, tp).flatten()
-                        assert sum(end - start for start, end, _ in pieces) == ours.numel(), name
-                        for start, end, tensors in pieces:
-                            assert torch.equal(ours[start:end], tensors[key]), (saved.name, name, key, start)
-                    compared.add(name)
-            assert compared == set(mega.names())
+    convert(saved, imported, from_format="megatron", to_format="mega", options=WriteOptions(with_optimizer=True))
+    metadata = read_metadata(imported)
+    family = get_plugins().models.get(metadata.model_family)
+    layouts = model_layouts(family, family.config_class(**metadata.model_config), tp)
+    compared = set()
+    with MegaSource(imported, None) as mega:
+        assert mega.optimizer_state().step == 2
+        for rank, rank_held in enumerate(held):
+            # dense layers: tp fastest, then dp, then pp; experts: tp, then ep (megatron-core's orders)
+            tp_rank, stage, expert_rank = rank % tp, rank // (len(held) // pp), (rank // tp) % ep
+            for chunk_local, pieces in rank_held.items():
+                chunk, local = (int(chunk_local[5]), chunk_local[7:]) if vpp > 1 else (0, chunk_local)
+                if local == "output_layer.weight" and pp > 1:
+                    continue  # the last stage's copy of the tied embedding: the first stage's is carried
+                number, rest = (local.split(".", 3)[2:] if local.startswith("decoder.layers.") else (None, None))
+                name = local if number is None else f"decoder.layers.{int(number) + places[stage, chunk].start}.{rest}"
+                prefix, _, expert_part = name.partition("mlp.experts.local_experts.")
+                expert, _, part = expert_part.partition(".")
+                name = f"{prefix}mlp.experts.{part}" if expert_part else name
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if expert_part:
+                        split = expert_shard_layout(name, layouts[name], mega.config).split
+                        ours = split(mega.get_optimizer(name, key)[expert_rank * local_experts + int(expert)],
+                                     tp_rank, tp).flatten()
+                    else:
+                        ours = layouts[name].split(mega.get_optimizer(name, key), tp_rank, tp).flatten()
+                    assert sum(end - start for start, end, _ in pieces) == ours.numel(), name
+                    for start, end, tensors in pieces:
+                        assert torch.equal(ours[start:end], tensors[key]), (saved.name, name, key, start)
+                compared.add(name)
+        assert compared == set(mega.names())
 
 
 @pytest.mark.parametrize("family", ["bert", "t5"])

@@ -117,8 +117,9 @@ class BufferOptimizer:
 
     Under expert parallelism megatron-core chains two optimizers (keys ``chained_0.``, the dense
     parameters', data-parallel over ``dp``; ``chained_1.``, the experts', over ``dp / ep``): an
-    expert-parallel rank's buffer holds its own experts, as group ``ep_rank + ep * pp_rank`` (at
-    tp 1: the expert-tensor-pipeline group's numbering with tp is left unread).
+    expert-parallel rank's buffer holds its own experts (their tensor-parallel shards), as group
+    ``tp_rank + tp * (ep_rank + ep * pp_rank)``, its rank in the expert tensor-expert-pipeline
+    group (expert tensor parallelism equal to tp).
 
     An interleaved pipeline's stage holds one buffer per model chunk (``gbuf_idx`` = the chunk; the
     first chunk's bucketed by ``--ddp-bucket-size``, the others, as Megatron-LM builds them, not),
@@ -135,15 +136,14 @@ class BufferOptimizer:
         names = names_for(source.family)
         refusals = {
             "a run with --use-tp-pp-dp-mapping": getattr(args, "use_tp_pp_dp_mapping", False),
-            "a run with both expert and tensor parallelism": ep > 1 and tp > 1,
             "an encoder-decoder over pipeline stages": pp > 1 and len(names.stacks) > 1,
         }
         refusal = next((what for what, applies in refusals.items() if applies), None)
         if refusal:
             raise ConversionError(
                 f"--with-optimizer: {where} holds the distributed optimizer's dp_reshardable state of {refusal}; "
-                "mega reads it for runs in the default rank order, experts split over expert-parallel or "
-                "tensor-parallel ranks but not both: save the run with "
+                "mega reads it for runs in the default rank order (experts over tensor-parallel ranks as the "
+                "dense layers): save the run with "
                 "--dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
         self.source, self.metadata, self.tp = source, metadata, tp
         self.chained = ep > 1  # the experts have buffers and an optimizer of their own
@@ -161,7 +161,7 @@ class BufferOptimizer:
                 dtypes.add(dtype)
                 self.tensors[int(part or 0), int(group), int(buffer), kind, int(bucket)] = key
         expected = {(0, group) for group in range(tp * pp)} | \
-            ({(1, group) for group in range(ep * pp)} if self.chained else set())
+            ({(1, group) for group in range(tp * ep * pp)} if self.chained else set())
         found = {(part, group) for part, group, _, _, _ in self.tensors}
         if found != expected:
             raise ConversionError(f"{where}: the distributed optimizer's state is saved for (optimizer, data-parallel "
@@ -202,10 +202,11 @@ class BufferOptimizer:
             if not self.chained:
                 self._place(0, chunk, held, [rank + tp * stage for rank in range(tp)], dp, where_held)
                 continue
-            self._place(0, chunk, [entry for entry in held if entry[2] is None], [tp * stage], dp, where_held)
+            dense = [entry for entry in held if entry[2] is None]
+            self._place(0, chunk, dense, [rank + tp * stage for rank in range(tp)], dp, where_held)
             for expert_rank in range(ep):
                 mine = [entry for entry in held if entry[2] is not None and entry[2] // local_experts == expert_rank]
-                self._place(1, chunk, mine, [expert_rank + ep * stage], dp // ep,
+                self._place(1, chunk, mine, [rank + tp * (expert_rank + ep * stage) for rank in range(tp)], dp // ep,
                             f"expert-parallel rank {expert_rank}, {where_held}")
         groups = read_object(where, metadata, self._key(0, 0, "optimizer/shard_0_1"))
         groups = groups[0]["param_groups"] if isinstance(groups, list) else groups["param_groups"]
