@@ -591,11 +591,14 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
         from megatron.core import parallel_state
 
         tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-        rank_dir = Path(legacy_dir) / f"iter_{iteration:07d}" / (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else ""))
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        rank_dir = Path(legacy_dir) / f"iter_{iteration:07d}" / (
+            f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else ""))
         rank_dir.mkdir(parents=True, exist_ok=True)
         args.ckpt_format = "torch"
-        distributed[0].save_parameter_state(str(rank_dir / "distrib_optim.pt"))  # gathers over data-parallel ranks
-        if parallel_state.get_data_parallel_rank() == 0:
+        optimizer.save_parameter_state(str(rank_dir / "distrib_optim.pt"))  # gathers over data-parallel ranks
+        writer = parallel_state.get_expert_data_parallel_rank() if ep > 1 else parallel_state.get_data_parallel_rank()
+        if writer == 0:
             rank_state = _rank_state(args, iteration, None)
             del rank_state["model"]  # an interleaved pipeline's file holds model0, model1...
             rank_state.update({"model": ddps[0].module.state_dict()} if vpp == 1 else

@@ -555,15 +555,14 @@ def test_distributed_optimizer_buffers_import_at_tp_and_pp(family, layout, world
     legacy files (distrib_optim.pt per rank file): every parameter's moments equal what the ranks'
     optimizers held. Each family's parameters in megatron-core's order; Mixtral's experts (without
     expert parallelism: in the one buffer, an expert at a time) stacked as their weights are. At ep 2
-    (torch_dist only) megatron-core chains two optimizers: the dense parameters' over dp 2, each
-    rank's own experts' over dp 1. An interleaved pipeline (pp 2 x vpp 2) has a buffer per model
+    megatron-core chains two optimizers: the dense parameters' over dp 2, each rank's own experts'
+    over dp 1. An interleaved pipeline (pp 2 x vpp 2) has a buffer per model
     chunk, the later chunks' unbucketed."""
     tp, pp, ep, vpp = layout
     source, legacy = tmp_path / "megatron", tmp_path / "legacy"
-    with_legacy = ep == 1
     held = world.run(ref.save_with_distributed_optimizer, family, str(source / "iter_0000009"), None, 9, 2,
-                     str(legacy) if with_legacy else None, tp, pp, ep, vpp)
-    for saved in (source, legacy) if with_legacy else (source,):
+                     str(legacy), tp, pp, ep, vpp)
+    for saved in (source, legacy):
         _assert_buffers_import(saved, tmp_path / f"mega-{saved.name}", held, layout)
 
 

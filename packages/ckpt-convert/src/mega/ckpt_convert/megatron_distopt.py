@@ -294,21 +294,51 @@ def bucket_size_of(args) -> int | None:
 
 
 def read_distrib_optim(rank_file: Path, state: dict, parameters: list[tuple[str, torch.Tensor]], args,
-                       own_bucket: frozenset[str] = frozenset(), chunks: int = 1):
+                       own_bucket: frozenset[str] = frozenset(), chunks: int = 1, is_expert=None):
     """(model key -> {mega key: tensor}, step, group 0's hyperparameters) of one legacy rank:
     ``state`` its model_optim_rng.pt, ``parameters`` its model's (key, tensor) in order, keys behind
     their model chunk's name (``model.``, or ``model0.``, ``model1.``... of ``chunks``), ``own_bucket``
     the keys with a bucket each (:func:`shared_embedding_keys`). Chunk ``c``'s parameters are
-    gradient buffer ``c``, bucketed as DDP buckets the first chunk only."""
+    gradient buffer ``c``, bucketed as DDP buckets the first chunk only. Under expert parallelism
+    the file holds megatron-core's chained pair (a list): the dense parameters' buffers (data-parallel
+    over dp; None but in expert-parallel rank 0's files) and this rank's experts' (``is_expert(key)``;
+    over dp / ep)."""
     path = rank_file.parent / DISTRIB_OPTIM_FILE
     saved = load_megatron_pickle(path)
     dp = getattr(args, "data_parallel_size", None)
     if not dp:
         raise ConversionError(f"{rank_file}: args lack data_parallel_size, which the buffer layout depends on")
+    if isinstance(saved, list):
+        ep = getattr(args, "expert_model_parallel_size", None) or 1
+        if len(saved) != 2 or is_expert is None or ep == 1:
+            raise ConversionError(f"{path} holds {len(saved)} optimizers' buffers; megatron-core chains two (the dense "
+                                  "parameters', the experts') under expert parallelism only")
+        dense = [(key, tensor) for key, tensor in parameters if not is_expert(key)]
+        experts = [(key, tensor) for key, tensor in parameters if is_expert(key)]
+        parts = [(saved[0], dense, dp), (saved[1], experts, dp // ep)]
+    else:
+        parts = [(saved, parameters, dp)]
+    found = {}
+    for part, held, part_dp in parts:
+        if part is not None:  # the dense state is in expert-parallel rank 0's files only
+            found.update(_read_buffers(path, rank_file, part, held, part_dp, args, own_bucket, chunks))
+    step_of = state.get("optimizer") or {}
+    step_of = step_of[0] if isinstance(step_of, list) and step_of else step_of  # a chained pair's first
+    groups = step_of.get("optimizer", {}).get("param_groups") or [{}]
+    if "step" not in groups[0]:
+        raise ConversionError(f"{rank_file}: the distributed optimizer's param groups hold no step")
+    hyper = {k: groups[0][k] for k in ("lr", "betas", "eps", "weight_decay") if k in groups[0]}
+    return found, int(groups[0]["step"]), hyper
+
+
+def _read_buffers(path: Path, rank_file: Path, saved, parameters: list[tuple[str, torch.Tensor]], dp: int, args,
+                  own_bucket: frozenset[str], chunks: int) -> dict[str, dict[str, torch.Tensor]]:
+    """One optimizer's buffers of a ``distrib_optim.pt`` (``saved``: buffer -> dtype -> kind ->
+    flat tensor), cut into ``parameters``' state (model key -> {mega key: tensor})."""
     buffers = sorted(key for key in saved if isinstance(key, int)) if isinstance(saved, dict) else None
     if buffers != list(range(chunks)):
         raise ConversionError(f"{path} holds the gradient buffers {buffers if buffers is not None else type(saved)}, "
-                              f"not one per model chunk (0 to {chunks - 1}): experts' or a second dtype's are not read")
+                              f"not one per model chunk (0 to {chunks - 1}): a second dtype's are not read")
     found = {}
     for chunk in range(chunks):
         try:
@@ -334,8 +364,4 @@ def read_distrib_optim(rank_file: Path, state: dict, parameters: list[tuple[str,
             bucket, start, end = places[key]
             found[key] = {mega: tensors[kind][offsets[bucket] + start:offsets[bucket] + end].view(tensor.shape)
                           for mega, kind in kinds.items()}
-    groups = (state.get("optimizer") or {}).get("optimizer", {}).get("param_groups") or [{}]
-    if "step" not in groups[0]:
-        raise ConversionError(f"{rank_file}: the distributed optimizer's param groups hold no step")
-    hyper = {k: groups[0][k] for k in ("lr", "betas", "eps", "weight_decay") if k in groups[0]}
-    return found, int(groups[0]["step"]), hyper
+    return found

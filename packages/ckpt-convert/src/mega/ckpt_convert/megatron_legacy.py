@@ -220,7 +220,8 @@ class LegacySource(MegatronSource):
             if distributed:
                 first, last = ("model.", "model.") if self.chunks == 1 else ("model0.", f"model{self.chunks - 1}.")
                 own_bucket = shared_embedding_keys(self.config, self.pipeline_parallel_size, first, last)
-                found, step, hyper = read_distrib_optim(file, state, parameters, self.args, own_bucket, self.chunks)
+                found, step, hyper = read_distrib_optim(file, state, parameters, self.args, own_bucket, self.chunks,
+                                                        lambda key: _expert_of_file_key(names, key) is not None)
             else:
                 saved = state.get("optimizer")
                 if isinstance(saved, list) and len(saved) != 2:
