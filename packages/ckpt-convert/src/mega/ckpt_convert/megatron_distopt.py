@@ -136,15 +136,16 @@ class BufferOptimizer:
         names = names_for(source.family)
         refusals = {
             "a run with --use-tp-pp-dp-mapping": getattr(args, "use_tp_pp_dp_mapping", False),
+            "a run whose experts have a tensor-parallel size of their own":
+                getattr(args, "expert_tensor_parallel_size", None) not in (None, tp),
             "an encoder-decoder over pipeline stages": pp > 1 and len(names.stacks) > 1,
         }
         refusal = next((what for what, applies in refusals.items() if applies), None)
         if refusal:
             raise ConversionError(
                 f"--with-optimizer: {where} holds the distributed optimizer's dp_reshardable state of {refusal}; "
-                "mega reads it for runs in the default rank order (experts over tensor-parallel ranks as the "
-                "dense layers): save the run with "
-                "--dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
+                "mega reads it for runs in the default rank order with experts split as the dense layers: save "
+                "the run with --dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
         self.source, self.metadata, self.tp = source, metadata, tp
         self.chained = ep > 1  # the experts have buffers and an optimizer of their own
         vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
@@ -199,12 +200,9 @@ class BufferOptimizer:
         for (stage, chunk), held in at_place.items():
             held.sort(key=lambda entry: order.key(entry[0]))
             where_held = f"pipeline stage {stage}" + (f", model chunk {chunk}" if vpp > 1 else "")
-            if not self.chained:
-                self._place(0, chunk, held, [rank + tp * stage for rank in range(tp)], dp, where_held)
-                continue
-            dense = [entry for entry in held if entry[2] is None]
+            dense = [entry for entry in held if entry[2] is None] if self.chained else held
             self._place(0, chunk, dense, [rank + tp * stage for rank in range(tp)], dp, where_held)
-            for expert_rank in range(ep):
+            for expert_rank in range(ep if self.chained else 0):
                 mine = [entry for entry in held if entry[2] is not None and entry[2] // local_experts == expert_rank]
                 self._place(1, chunk, mine, [rank + tp * (expert_rank + ep * stage) for rank in range(tp)], dp // ep,
                             f"expert-parallel rank {expert_rank}, {where_held}")
