@@ -14,6 +14,7 @@ slice when DCP writes it, so memory stays at one layer's tensors either way.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -215,18 +216,14 @@ def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteratio
     for key, name in names.duplicate_keys.items():
         if name in entries:
             entries[key] = entries[name]
-    for key in optimizer.keys if optimizer is not None else ():
-        if key == MAIN_PARAM and distributed:
-            continue
-        entries.update(_tensor_entries(lambda name, k=key: source.get_optimizer(name, k).float(), lambda name: torch.float32,
-                                       layouts, names, stacks, f"{STATE_PREFIX}{TO_MEGATRON[key]}."))
-    if distributed:  # its main parameters, of an fp32 model too (the weights themselves)
-        def main_param(name: str) -> torch.Tensor:
-            held = source.get_optimizer(name, MAIN_PARAM) if MAIN_PARAM in optimizer.keys else source.get(name)
-            return held.float()
-
-        entries.update(_tensor_entries(main_param, lambda name: torch.float32, layouts, names, stacks,
-                                       f"{STATE_PREFIX}{DISTRIBUTED_MAIN_PARAM_KEY}."))
+    # Megatron's state key -> the tensor of a mega name it holds
+    state = {TO_MEGATRON[key]: functools.partial(source.get_optimizer, key=key)
+             for key in (optimizer.keys if optimizer is not None else ())}
+    if distributed:  # its main parameters under their own key, of an fp32 model too (the weights themselves)
+        state[DISTRIBUTED_MAIN_PARAM_KEY] = state.pop(TO_MEGATRON[MAIN_PARAM], source.get)
+    for state_key, get in state.items():
+        entries.update(_tensor_entries(lambda name, g=get: g(name).float(), lambda name: torch.float32,
+                                       layouts, names, stacks, f"{STATE_PREFIX}{state_key}."))
     for stack, size in stacks.items():
         for module in names.extra_state_layer_modules:
             if f"{stack}0.{module}.weight" in layouts:

@@ -16,9 +16,9 @@ one bucket without) and padded at its end to a multiple of lcm(dp, 128) (with 2*
 ``--ddp-pad-buckets-for-high-nccl-busbw``). The rebuilt bucket sizes must equal the saved
 ``per_bucket_numel_unpadded``, or the import stops naming both; at pipeline size > 1 a tied
 embedding's copies (first and last stage) have a bucket each. Each tensor x pipeline rank saves
-its own buffers (see :class:`BufferOptimizer`). Read for GPT, LLaMA, BERT, T5 (one pipeline
-stage) and Mixtral without expert parallelism (its experts are then parameters of the one buffer, an
-expert at a time) at any tp and pp, one model chunk per stage; other runs are refused.
+its own buffers (see :class:`BufferOptimizer`, which also reads expert parallelism and interleaved
+pipelines). Read for GPT, LLaMA, BERT, T5 (one pipeline stage) and Mixtral (its experts parameters
+of the buffer an expert at a time) at any tp and pp.
 
 Legacy files (``--ckpt-format torch``) keep the same state per tensor x pipeline rank in
 ``distrib_optim.pt`` beside ``model_optim_rng.pt`` (``save_parameter_state``): per buffer and
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from mega.ckpt_convert.errors import ConversionError
-from mega.ckpt_convert.megatron_legacy_optimizer import ORDERS
+from mega.ckpt_convert.megatron_legacy_optimizer import ORDERS, chained_parts
 from mega.ckpt_convert.megatron_pickle import load_megatron_pickle
 from mega.ckpt_convert.optimizer_state import MAIN_PARAM, OptimizerState
 
@@ -147,6 +147,7 @@ class BufferOptimizer:
                 "mega reads it for runs in the default rank order with experts split as the dense layers: save "
                 "the run with --dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
         self.source, self.metadata, self.tp = source, metadata, tp
+        self._saved_sizes: dict[tuple[int, int], list] = {}  # (part, group) -> per_bucket_numel_unpadded
         self.chained = ep > 1  # the experts have buffers and an optimizer of their own
         vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
         # (part, group, buffer, kind, bucket) -> checkpoint key
@@ -238,8 +239,12 @@ class BufferOptimizer:
 
     def _bucket_sizes(self, part: int, group: int, chunk: int) -> list[int]:
         where = self.source.directory
-        # [[buffer...]]: {(param dtype, grad dtype): each bucket's size} per gradient buffer (gbuf_idx)
-        saved = read_object(where, self.metadata, self._key(part, group, "per_bucket_numel_unpadded/shard_0_1"))
+        # [[buffer...]]: {(param dtype, grad dtype): each bucket's size} per gradient buffer (gbuf_idx),
+        # read once per group (every model chunk's buffer is in it)
+        if (part, group) not in self._saved_sizes:
+            self._saved_sizes[part, group] = read_object(
+                where, self.metadata, self._key(part, group, "per_bucket_numel_unpadded/shard_0_1"))
+        saved = self._saved_sizes[part, group]
         try:
             (sizes,) = [buffer for buffers in saved for buffer in buffers][chunk].values()
         except (TypeError, ValueError, AttributeError, IndexError, KeyError):
@@ -292,7 +297,7 @@ def bucket_size_of(args) -> int | None:
 
 
 def read_distrib_optim(rank_file: Path, state: dict, parameters: list[tuple[str, torch.Tensor]], args,
-                       own_bucket: frozenset[str] = frozenset(), chunks: int = 1, is_expert=None):
+                       own_bucket: frozenset[str], chunks: int, is_expert):
     """(model key -> {mega key: tensor}, step, group 0's hyperparameters) of one legacy rank:
     ``state`` its model_optim_rng.pt, ``parameters`` its model's (key, tensor) in order, keys behind
     their model chunk's name (``model.``, or ``model0.``, ``model1.``... of ``chunks``), ``own_bucket``
@@ -306,20 +311,12 @@ def read_distrib_optim(rank_file: Path, state: dict, parameters: list[tuple[str,
     dp = getattr(args, "data_parallel_size", None)
     if not dp:
         raise ConversionError(f"{rank_file}: args lack data_parallel_size, which the buffer layout depends on")
-    if isinstance(saved, list):
-        ep = getattr(args, "expert_model_parallel_size", None) or 1
-        if len(saved) != 2 or is_expert is None or ep == 1:
-            raise ConversionError(f"{path} holds {len(saved)} optimizers' buffers; megatron-core chains two (the dense "
-                                  "parameters', the experts') under expert parallelism only")
-        dense = [(key, tensor) for key, tensor in parameters if not is_expert(key)]
-        experts = [(key, tensor) for key, tensor in parameters if is_expert(key)]
-        parts = [(saved[0], dense, dp), (saved[1], experts, dp // ep)]
-    else:
-        parts = [(saved, parameters, dp)]
+    ep = getattr(args, "expert_model_parallel_size", None) or 1
     found = {}
-    for part, held, part_dp in parts:
-        if part is not None:  # the dense state is in expert-parallel rank 0's files only
-            found.update(_read_buffers(path, rank_file, part, held, part_dp, args, own_bucket, chunks))
+    for part, (part_state, held) in enumerate(chained_parts(saved, parameters, is_expert, str(path))):
+        if part_state is not None:  # the dense state is in expert-parallel rank 0's files only
+            part_dp = dp // ep if part else dp  # the experts are data-parallel over dp / ep
+            found.update(_read_buffers(path, rank_file, part_state, held, part_dp, args, own_bucket, chunks))
     step_of = state.get("optimizer") or {}
     step_of = step_of[0] if isinstance(step_of, list) and step_of else step_of  # a chained pair's first
     groups = step_of.get("optimizer", {}).get("param_groups") or [{}]

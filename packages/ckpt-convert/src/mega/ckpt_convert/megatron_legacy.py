@@ -144,11 +144,9 @@ class LegacySource(MegatronSource):
                     if tied and pp > 1 and place == (pp - 1, vpp - 1) and key in names.tied_copies:
                         continue  # the last stage's copy of the tied embedding
                     name = mega_name(names, key, places[place].start)
-                    layer = split_layer(name)
-                    expert = expert_of(names, layer[1]) if layer is not None else None
-                    if expert is not None:  # at tp > 1, each rank holds its part of every local expert
-                        name = f"{LAYER_PREFIX}{layer[0]}.{expert[0]}"
-                        global_expert = expert_rank * local_experts + expert[1]  # files number their own experts from 0
+                    stacked = _stacked_expert(names, name, expert_rank, local_experts)
+                    if stacked is not None:  # at tp > 1, each rank holds its part of every local expert
+                        name, global_expert = stacked
                         self._experts.setdefault(name, {}).setdefault(global_expert, {})[rank] = (place, expert_rank,
                                                                                                   key)
                         self._found.setdefault(name, (_global_shape(tuple(value.shape), expert_layout(name, self.config).dim, tp),
@@ -211,6 +209,10 @@ class LegacySource(MegatronSource):
         ep = getattr(self.args, "expert_model_parallel_size", None) or 1
         local_experts = (getattr(self.config, "num_experts", None) or ep) // ep
         steps, hyper, state = set(), {}, None
+
+        def is_expert(key: str) -> bool:
+            return _expert_of_file_key(names, key) is not None
+
         for (rank, stage, expert_rank), file in sorted(self._files.items()):
             state = load_megatron_pickle(file)
             chunks = ["model"] if self.chunks == 1 else [f"model{chunk}" for chunk in range(self.chunks)]
@@ -221,19 +223,10 @@ class LegacySource(MegatronSource):
                 first, last = ("model.", "model.") if self.chunks == 1 else ("model0.", f"model{self.chunks - 1}.")
                 own_bucket = shared_embedding_keys(self.config, self.pipeline_parallel_size, first, last)
                 found, step, hyper = read_distrib_optim(file, state, parameters, self.args, own_bucket, self.chunks,
-                                                        lambda key: _expert_of_file_key(names, key) is not None)
+                                                        is_expert)
             else:
-                saved = state.get("optimizer")
-                if isinstance(saved, list) and len(saved) != 2:
-                    raise ConversionError(f"{file} holds {len(saved)} optimizers' state; megatron-core's chained "
-                                          "optimizer of a mixture of experts holds two (the dense parameters', the "
-                                          "experts')")
-                if isinstance(saved, list):
-                    parts = chained_parts(parameters, lambda key: _expert_of_file_key(names, key) is not None)
-                else:
-                    saved, parts = [saved], [parameters]
                 found = {}
-                for part_state, part in zip(saved, parts, strict=True):
+                for part_state, part in chained_parts(state.get("optimizer"), parameters, is_expert, str(file)):
                     part_found, step, part_hyper = read_rank_optimizer(part_state, part, str(file))
                     found.update(part_found)
                     steps.add(step)
@@ -245,12 +238,9 @@ class LegacySource(MegatronSource):
                 if tied and self.pipeline_parallel_size > 1 and place == last_place and key in names.tied_copies:
                     continue  # the last stage's copy of the tied embedding (the first stage's state is carried)
                 name = mega_name(names, key, places[place].start)
-                layer = split_layer(name)
-                expert = expert_of(names, layer[1]) if layer is not None else None
-                if expert is not None:  # stacked as the weights are: files number their own experts from 0
-                    stacked = f"{LAYER_PREFIX}{layer[0]}.{expert[0]}"
-                    self._optimizer_experts.setdefault(stacked, {}).setdefault(
-                        expert_rank * local_experts + expert[1], {})[rank] = tensors
+                stacked = _stacked_expert(names, name, expert_rank, local_experts)
+                if stacked is not None:  # stacked as the weights are
+                    self._optimizer_experts.setdefault(stacked[0], {}).setdefault(stacked[1], {})[rank] = tensors
                 elif expert_rank == 0:  # every expert rank holds the same dense parameters' state
                     self._optimizer_shards.setdefault(name, {})[rank] = tensors
         if len(steps) != 1:
@@ -295,6 +285,16 @@ class LegacySource(MegatronSource):
             local.append(self._model(self._files[rank, stage, 0], chunk, self.chunks)[key])
         merged = self.layouts[name].merge(local)
         return merged.clone() if merged is local[0] else merged
+
+
+def _stacked_expert(names: MegatronNames, name: str, expert_rank: int, local_experts: int) -> tuple[str, int] | None:
+    """(mega's stacked name, global expert) of one expert's tensor of expert-parallel rank
+    ``expert_rank`` (files number their own experts from 0), mega-named ``name``; None for others."""
+    layer = split_layer(name)
+    expert = expert_of(names, layer[1]) if layer is not None else None
+    if expert is None:
+        return None
+    return f"{LAYER_PREFIX}{layer[0]}.{expert[0]}", expert_rank * local_experts + expert[1]
 
 
 def _expert_of_file_key(names: MegatronNames, key: str) -> tuple[str, int] | None:

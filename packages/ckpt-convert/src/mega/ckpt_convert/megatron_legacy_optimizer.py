@@ -15,7 +15,7 @@ The indices number the rank's parameters group by group, each group in the model
 model state dict's tensors in order (``_extra_state`` left out; the chunks of an interleaved
 pipeline one after the other), checked against the group sizes and every state tensor's shape.
 Exports write each rank's model state dict in megatron-core's parameter order (:data:`ORDERS`: GPT,
-LLaMA, BERT, T5), so that the same reading gives the indices megatron-core's optimizer loads. A
+LLaMA, Mixtral, BERT, T5), so that the same reading gives the indices megatron-core's optimizer loads. A
 second name of a tensor (T5's ``output_layer.bias``) is no parameter of its own.
 A mixture of experts' run under expert parallelism keeps two (megatron-core's chained optimizer,
 saved as a list): the dense parameters' and the experts' (:func:`chained_parts`), each numbered
@@ -165,7 +165,15 @@ def rank_optimizer(parameters: list[tuple[str, torch.Tensor]], state_of, optimiz
     return {"optimizer": inner, "fp32_from_fp16_params": mains} if MAIN_PARAM in optimizer.keys else inner
 
 
-def chained_parts(parameters: list[tuple[str, torch.Tensor]], is_expert) -> list[list[tuple[str, torch.Tensor]]]:
-    """The parameters of megatron-core's chained optimizer's two parts, in order: the dense
-    optimizer's, then the expert optimizer's (``is_expert(key)``)."""
-    return [[item for item in parameters if not is_expert(item[0])], [item for item in parameters if is_expert(item[0])]]
+def chained_parts(saved, parameters: list[tuple[str, torch.Tensor]], is_expert, where: str) -> list[tuple]:
+    """(optimizer state, its parameters) of each optimizer a rank file's ``saved`` entry holds: one,
+    or megatron-core's chained pair under expert parallelism (a list: the dense parameters'
+    optimizer, then the experts', ``is_expert(key)``)."""
+    if not isinstance(saved, list):
+        return [(saved, parameters)]
+    if len(saved) != 2:
+        raise ConversionError(f"{where} holds {len(saved)} optimizers' state; megatron-core's chained optimizer of "
+                              "a mixture of experts holds two (the dense parameters', the experts')")
+    dense = [item for item in parameters if not is_expert(item[0])]
+    experts = [item for item in parameters if is_expert(item[0])]
+    return [(saved[0], dense), (saved[1], experts)]

@@ -57,9 +57,6 @@ class SlotAllocator(BlockAllocator):
     continuous batcher admits and frees them as it does paged blocks), the lowest free slot
     first: running sequences stay in a short window, and a decode step runs a small bucket."""
 
-    def __init__(self, slots: int, max_length: int):
-        super().__init__(slots, max_length)
-
     def free(self, blocks: Sequence[int]) -> None:
         super().free(blocks)
         self._free.sort(reverse=True)  # allocate pops from the end
