@@ -332,6 +332,13 @@ def test_optimizer_state_moves_between_megatron_and_mega(made, world, tmp_path, 
     scheduler.load_state_dict(torch.load(trained / "iter_0000010" / "common.pt", weights_only=False)
                               ["opt_param_scheduler"])
     assert scheduler.num_steps == 40
+    # ... and so does the export for a --use-distributed-optimizer run
+    for_distributed = tmp_path / "trained-distributed"
+    assert convert_main(["--from", "mega", "--to", "megatron", "--with-optimizer", "--megatron-optimizer",
+                         "distributed", "--input", str(tmp_path / "resumed"), "--output", str(for_distributed)]) == 0
+    common = torch.load(for_distributed / "iter_0000010" / "common.pt", weights_only=False)
+    assert common["opt_param_scheduler"] == torch.load(trained / "iter_0000010" / "common.pt",
+                                                       weights_only=False)["opt_param_scheduler"]
     with MegaSource(tmp_path / "resumed", None) as mega:
         for name in names:
             assert loaded[name]["step"] == 3, name

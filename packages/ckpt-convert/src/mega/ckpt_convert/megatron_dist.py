@@ -248,8 +248,8 @@ def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteratio
             common["optimizer"], common["content_metadata"] = distributed_common_optimizer(optimizer)
         elif optimizer is not None:
             common["optimizer"] = common_optimizer(optimizer)
-            if "schedule" in optimizer.hyperparameters:  # Megatron-LM's load_checkpoint requires it
-                common["opt_param_scheduler"] = optimizer.hyperparameters["schedule"]
+        if optimizer is not None and "schedule" in optimizer.hyperparameters:  # Megatron-LM's load_checkpoint requires it
+            common["opt_param_scheduler"] = optimizer.hyperparameters["schedule"]
         torch.save(common, stream)
     save_dcp(checkpoint_dir, entries)
     (checkpoint_dir / DIST_CONFIG).write_text(json.dumps(DIST_CONFIG_CONTENT))
