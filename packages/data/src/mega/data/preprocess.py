@@ -66,6 +66,8 @@ def output_prefixes(output_prefix: str, json_keys, split_sentences: bool) -> dic
 
 # -- worker side ----------------------------------------------------------------------------------
 _ENCODER: DocumentEncoder | None = None
+_MAIN_PID: int | None = None  # of the process that starts the pool (the workers fork from it)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _build_encoder(config: PreprocessConfig, tokenizer=None) -> DocumentEncoder:
@@ -90,10 +92,25 @@ def _init_worker(config: PreprocessConfig) -> None:
     # The pool stops workers with SIGTERM; they must die at once, not run the main process's
     # handler (inherited through fork) and try to clean up.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_main_process()
     # Each worker is one core; a tokenizer library's own thread pool would oversubscribe them.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if _ENCODER is None:  # with fork, the parent's encoder is inherited
         _ENCODER = _build_encoder(config)
+
+
+def _die_with_main_process() -> None:
+    """Linux: the kernel kills this worker when the main process dies. The main process kills the
+    workers it knows of when interrupted, but the pool's own thread may be forking a replacement
+    for a killed one at that moment; left alive, it would hold the main process's output pipes
+    open forever. (A worker forked just before the main process died finds itself orphaned.)"""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != _MAIN_PID:
+        os._exit(1)
 
 
 def _encode(block) -> EncodedBlock:
@@ -131,7 +148,7 @@ def _pool_context():
 def preprocess(config: PreprocessConfig, tokenizer=None) -> PreprocessResult:
     """Run the pipeline; ``tokenizer`` (optional) replaces building one from the config (the
     workers share it when processes fork, and build their own from the config otherwise)."""
-    global _ENCODER
+    global _ENCODER, _MAIN_PID
     if not config.inputs:
         raise InputError("no input files")
     for path in config.inputs:
@@ -154,7 +171,7 @@ def preprocess(config: PreprocessConfig, tokenizer=None) -> PreprocessResult:
         if config.workers == 1:
             encoded_blocks = map(encoder.encode, _blocks(config))
         else:
-            _ENCODER = encoder
+            _ENCODER, _MAIN_PID = encoder, os.getpid()
             pool = _pool_context().Pool(config.workers, _init_worker, (config,))
             encoded_blocks = _ordered_map(pool, _blocks(config), 2 * config.workers + 1)
         done_bytes, current_path = 0, None
