@@ -124,13 +124,13 @@ async def prefix_round(url: str, prefix: list[int], suffixes: list[list[int]]) -
 
 
 def bench_prefix_ttft(args, directory: str) -> list[dict]:
-    servers = {"prefix caching": start_server(args, directory, "continuous", "--enable-prefix-caching",
-                                              "--no-static-kv-cache"),
-               "no prefix caching": start_server(args, directory, "continuous", "--no-enable-prefix-caching",
-                                                 "--no-static-kv-cache")}
     generator = torch.Generator().manual_seed(0)
-    times: dict[str, list[float]] = {name: [] for name in servers}
+    flags = {"prefix caching": "--enable-prefix-caching", "no prefix caching": "--no-enable-prefix-caching"}
+    times: dict[str, list[float]] = {name: [] for name in flags}
+    servers = {}
     try:
+        for name, flag in flags.items():
+            servers[name] = start_server(args, directory, "continuous", flag, "--no-static-kv-cache")
         for round_ in range(args.prefix_rounds + 1):  # round 0 warms both up
             prefix = torch.randint(0, args.vocab - 1, (args.prefix_ttft,), generator=generator).tolist()
             suffixes = torch.randint(0, args.vocab - 1, (2, 16), generator=generator).tolist()

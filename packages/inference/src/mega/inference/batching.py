@@ -143,7 +143,7 @@ class BatchingWorker(EngineWorker):
                  metrics: ServerMetrics | None = None, generate: Callable | None = None):
         super().__init__(engine, max_batch_size, metrics)
         self.before_batch = before_batch
-        self.generate = generate or engine.generate  # or a static KV cache decoder's
+        self._generate = generate  # None: the engine's own, looked up at each batch
         self._pending: collections.deque[Job] = collections.deque()
 
     def submit(self, job: Job) -> None:
@@ -195,7 +195,8 @@ class BatchingWorker(EngineWorker):
         try:
             if self.before_batch is not None:
                 self.before_batch(requests)
-            self.generate(requests, on_token=on_token, on_finish=on_finish)
+            generate = self._generate or self.engine.generate
+            generate(requests, on_token=on_token, on_finish=on_finish)
         except Exception as error:  # the server lives on; these requests get the error
             log.exception("generation failed for a batch of %d sequences", len(requests))
             for job in batch:
