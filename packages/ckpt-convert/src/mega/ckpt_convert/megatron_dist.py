@@ -49,8 +49,8 @@ from mega.ckpt_convert.megatron_pickle import load_megatron_pickle
 from mega.ckpt_convert.megatron_source import MegatronSource
 from mega.ckpt_convert.optimizer_state import MAIN_PARAM
 from mega.core.checkpoint import CheckpointError
-from mega.core.checkpoint.pieces import Piece
 from mega.core.checkpoint.sharded_io import LazyTensor, SafeFileSystemReader, ShardedEntry, load_entries
+from mega.core.parallel.pieces import Piece
 
 CHECKPOINT_VERSION = 3.0
 DIST_CONFIG_CONTENT = {"sharded_backend": TORCH_DIST, "sharded_backend_version": 1, "common_backend": "torch",

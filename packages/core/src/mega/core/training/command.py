@@ -7,6 +7,9 @@
 
 The flags are generated from the config dataclasses (the model family's config and the sections
 in mega.core.training.run_config), so `mega train --help` always lists exactly what is accepted.
+
+The run's modules (run_config, launch_run) are imported where they are used, a start-up cost:
+they import torch (1.5 s), which the launcher process of `--nproc-per-node` never needs.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import argparse
 import sys
 
 from mega.core.cli.argparser import CommandParser
-from mega.core.config import ConfigError, add_section, parse
+from mega.core.config import ConfigError, add_section, flag_reference, parse
 from mega.core.config.parser import tomllib
+from mega.core.launch import launch_local
 from mega.core.plugins import PluginError, get_plugins
+from mega.core.training import default_run
 
 DESCRIPTION = "Pretrain a decoder-only language model at any parallel layout (Megatron's flags)."
 # The model families (GPT, LLaMA) ship in mega-models, which is installed from the repository.
@@ -42,7 +47,7 @@ def _early_parser() -> argparse.ArgumentParser:
 
 def build_parser(model_config_class: type | None, family_name: str) -> argparse.ArgumentParser:
     """The full parser; without a model config class (none installed), every other section."""
-    from mega.core.training.run_config import SECTIONS, run_sections
+    from mega.core.training.run_config import SECTIONS, run_sections  # start-up cost: torch
 
     parser = CommandParser(
         prog="mega train", description=DESCRIPTION, parents=[_launcher_parser()],
@@ -57,7 +62,7 @@ def build_parser(model_config_class: type | None, family_name: str) -> argparse.
 
 def parse_run(argv: list[str], plugins=None):
     """Parse ``argv`` into a RunConfig (the family and preset chosen first)."""
-    from mega.core.training.run_config import RunConfig, run_sections
+    from mega.core.training.run_config import RunConfig, run_sections  # start-up cost: torch
 
     plugins = plugins or get_plugins()
     early, _ = _early_parser().parse_known_args(argv)
@@ -88,8 +93,7 @@ def _toml_training_table(path: str) -> dict:
 
 def flag_reference_markdown(family_name: str = "gpt", plugins=None) -> str:
     """docs/training-flags.md: every flag of `mega train`, generated from the config dataclasses."""
-    from mega.core.config import flag_reference
-    from mega.core.training.run_config import run_sections
+    from mega.core.training.run_config import run_sections  # start-up cost: torch
 
     family = (plugins or get_plugins()).models.get(family_name)
     return (
@@ -106,13 +110,14 @@ def main(argv: list[str]) -> int:
         print(flag_reference_markdown(), end="")
         return 0
     if not argv:
-        from mega.core.training.default_run import main as default_main
-
-        return default_main()
+        problem = default_run.missing_requirement(get_plugins())
+        if problem is not None:
+            print(f"mega train: {problem}", file=sys.stderr)
+            return 2
+        print(default_run.ANNOUNCEMENT, flush=True)
+        argv = default_run.DEFAULT_ARGV
     early, _ = _launcher_parser().parse_known_args(argv)
     if early.nproc_per_node:
-        from mega.core.launch import launch_local
-
         return launch_local(early.nproc_per_node, ["train", *_without_nproc(argv)])
     try:
         run, family = parse_run(argv)
@@ -126,7 +131,7 @@ def main(argv: list[str]) -> int:
     except (ConfigError, KeyError) as error:
         print(f"mega train: error: {error}", file=sys.stderr)
         return 2
-    from mega.core.training.launch_run import train
+    from mega.core.training.launch_run import train  # start-up cost: torch
 
     return train(run, family)
 
