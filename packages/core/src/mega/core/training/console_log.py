@@ -71,6 +71,12 @@ class ConsoleLogger:
     @hookimpl
     def on_train_start(self, run):
         self._started = time.perf_counter()
+        if run.is_logging_rank and run.config.training.global_batch_size is None:
+            # Megatron's default, which grows with the data-parallel size: a layout with more
+            # data-parallel ranks then trains on other batches than one process (same weights).
+            self._print(f" setting global batch size to {run.derived.global_batch_size} (--micro-batch-size "
+                        f"{run.config.training.micro_batch_size} x data-parallel size {run.derived.data_parallel_size}; "
+                        "give --global-batch-size to train on the same batches at every layout)")
 
     @hookimpl
     def on_train_end(self, run):
