@@ -42,6 +42,8 @@ class TrainingConfig:
     use_mcore_models: bool = option(False, "accepted for Megatron compatibility; has no effect")
     recompute_activations: bool = option(False, "Megatron's shorthand for --recompute-granularity selective")
     group_query_attention: bool = option(False, "accepted for Megatron compatibility; --num-query-groups sets the groups")
+    skip_failed_plugins: bool = option(False, "train although a plugin failed to load or a callback does not import "
+                                       "(they take no part); without it mega train stops before training, naming them")
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "train_iters", "eval_interval"):
