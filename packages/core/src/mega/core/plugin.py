@@ -76,6 +76,11 @@ def register_callbacks(register):
         description="TensorBoard scalars under Megatron's tags (--tensorboard-dir)",
     )
     register(
+        "wandb",
+        "mega.core.training.wandb_log:wandb_logger",
+        description="Weights & Biases: the log line's metrics and the run's configuration (--wandb-project)",
+    )
+    register(
         "profiler",
         "mega.core.training.profiler:step_profiler",
         description="torch.profiler Chrome trace of chosen iterations (--profile)",
