@@ -7,6 +7,7 @@ equal tensors. One world serves the whole module; the models are tiny.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -121,6 +122,9 @@ def test_checkpoint_info_and_hugging_face(made, tmp_path, capsys):
     assert info_main([str(root / "llama-legacy")]) == 0
     out = capsys.readouterr().out
     assert "Megatron-LM legacy" in out and "iteration:        7" in out and "tp=2, pp=2" in out
+    assert info_main([str(root / "llama-legacy"), "--json"]) == 0  # the same lines, as JSON
+    described = json.loads(capsys.readouterr().out)
+    assert described["format"] == "megatron" and "\n".join(described["description"]) + "\n" == out
     assert convert_main(["--from", "megatron", "--to", "hf", "--input", str(root / "llama-tp2"),
                          "--output", str(tmp_path / "hf"), "--progress", "never"]) == 0
     assert convert_main(["--to", "megatron", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "back"),
