@@ -15,7 +15,6 @@ from typing import Literal
 
 from mega.core.config.options import option
 
-
 # The MLP activations: what the torch kernel backend (and so every --activation-backend) offers
 # for an ungated MLP, and SwiGLU (gated: fc1 holds [gate; up], as --swiglu).
 MLP_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "swiglu")
