@@ -33,7 +33,8 @@ def _free_port() -> int:
 
 
 def launch_local(nproc: int, command: list[str], threads_per_process: int | None = None,
-                 program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main")) -> int:
+                 program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main"),
+                 handled_signal: int | None = None) -> int:
     """Run ``python -m mega.core.cli.main <command>`` (``program`` + ``command``) on ``nproc`` local
     ranks; return the exit code.
 
@@ -41,6 +42,9 @@ def launch_local(nproc: int, command: list[str], threads_per_process: int | None
     first failing rank is named with how it ended. SIGTERM and SIGINT sent to the launcher are
     passed on to the ranks; a launcher that dies however it dies (even SIGKILL) takes its ranks
     with it, so none is left training on its own.
+
+    ``handled_signal`` is a signal the ranks act on themselves (``--exit-signal-handler``: save,
+    then exit 0): it is passed on, and the job then ends as its ranks do.
     """
     if nproc < 1:
         raise ValueError(f"--nproc-per-node must be positive, got {nproc}")
@@ -57,7 +61,7 @@ def launch_local(nproc: int, command: list[str], threads_per_process: int | None
             )
             processes.append(subprocess.Popen([*program, *command], env=env,
                                               preexec_fn=_die_with_parent(os.getpid())))
-        with _forwarding_stop_signals(processes) as received:
+        with _forwarding_stop_signals(processes, handled_signal) as received:
             first_exit = _supervise(processes, received)
         if received:
             name = signal.Signals(received[0]).name
@@ -92,17 +96,22 @@ class _forwarding_stop_signals:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, processes: list[subprocess.Popen]):
+    def __init__(self, processes: list[subprocess.Popen], handled: int | None = None):
         self.processes, self.received, self.previous = processes, [], {}
+        self.handled = handled  # the ranks' own (--exit-signal-handler): passed on, not a reason to stop them
 
     def _forward(self, signum, frame) -> None:
-        self.received.append(signum)
+        if signum == self.handled:
+            print(f"mega: {signal.Signals(signum).name} passed on to the ranks (--exit-signal-handler)",
+                  file=sys.stderr, flush=True)
+        else:
+            self.received.append(signum)
         for process in self.processes:
             if process.poll() is None:
                 process.send_signal(signum)
 
     def __enter__(self) -> list[int]:
-        for signum in self.SIGNALS:
+        for signum in {*self.SIGNALS, *([self.handled] if self.handled else [])}:
             self.previous[signum] = signal.signal(signum, self._forward)
         return self.received
 

@@ -81,6 +81,11 @@ def register_callbacks(register):
         description="Weights & Biases: the log line's metrics and the run's configuration (--wandb-project)",
     )
     register(
+        "exit-signal",
+        "mega.core.training.exit_signal:exit_before_the_end",
+        description="save and exit 0 on a preemption signal or before --exit-duration-in-mins runs out",
+    )
+    register(
         "profiler",
         "mega.core.training.profiler:step_profiler",
         description="torch.profiler Chrome trace of chosen iterations (--profile)",
