@@ -86,6 +86,11 @@ def register_callbacks(register):
         description="save and exit 0 on a preemption signal or before --exit-duration-in-mins runs out",
     )
     register(
+        "hang-report",
+        "mega.core.training.hang_report:hang_watch",
+        description="records each rank's collectives; on a collective timeout every rank reports what it was doing",
+    )
+    register(
         "profiler",
         "mega.core.training.profiler:step_profiler",
         description="torch.profiler Chrome trace of chosen iterations (--profile)",
