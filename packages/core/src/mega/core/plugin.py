@@ -91,6 +91,11 @@ def register_callbacks(register):
         description="records each rank's collectives; on a collective timeout every rank reports what it was doing",
     )
     register(
+        "straggler",
+        "mega.core.training.straggler:straggler_report",
+        description="names the slowest ranks and their ratio to the median every --log-interval (--log-straggler)",
+    )
+    register(
         "profiler",
         "mega.core.training.profiler:step_profiler",
         description="torch.profiler Chrome trace of chosen iterations (--profile)",
