@@ -19,11 +19,12 @@ from mega.core.cli.argparser import CommandParser
 from mega.core.config import ConfigError, add_section, parse
 from mega.core.config.parser import tomllib
 from mega.core.plugins import PluginError, get_plugins
+from mega.core.plugins.install_hint import repository_package
 from mega.core.plugins.training_check import check_plugins_for_training
 
 DESCRIPTION = "Pretrain a decoder-only language model at any parallel layout (Megatron's flags)."
 # The model families (GPT, LLaMA) ship in mega-models, which is installed from the repository.
-MODELS_HINT = "install mega-models (pip install -c constraints.txt -e packages/models, from the mega repository)"
+MODELS_HINT = repository_package("mega-models", "packages/models")
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
