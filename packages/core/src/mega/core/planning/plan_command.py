@@ -30,7 +30,7 @@ def _machine_parser() -> argparse.ArgumentParser:
         description="Memory per GPU (weights, gradients, optimizer state, activations) per pipeline stage, "
                     "FLOPs and estimated step time of a `mega train` run; --search lists layouts that fit. "
                     "Takes every `mega train` flag (see `mega train --help`) plus these.")
-    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    parser.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
     parser.add_argument("--world-size", "--gpus", type=int, dest="world_size",
                         help="GPUs in the run (default: tp x pp x cp, one data-parallel replica)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80, an H100)")
