@@ -17,6 +17,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from mega.core.cli.argparser import CommandParser
 from mega.core.config import ConfigError
 from mega.core.plugins import PluginError
 
@@ -25,7 +26,7 @@ DEFAULT_MFU = 0.45  # about what mega reached for GPT 1.3B on one H100 (docs/ben
 
 
 def _machine_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega plan", add_help=False,
         description="Memory per GPU (weights, gradients, optimizer state, activations) per pipeline stage, "
                     "FLOPs and estimated step time of a `mega train` run; --search lists layouts that fit. "
