@@ -29,13 +29,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from mega.inference.batching import EngineWorker, Job
-from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest, GenerationResult, _top
+from mega.inference.decode_step import DecodingSequence, record_logprobs
+from mega.inference.engine import FinishReason, GenerationEngine, GenerationError, GenerationRequest
 from mega.inference.metrics import ServerMetrics
 from mega.inference.paged_kv_cache import BlockAllocator, PagedKVCache
-from mega.inference.sampling import Sampler
 from mega.inference.static_decode import DecodeSteps, SlotAllocator, SlotKVCache, bucket_for
 
 log = logging.getLogger(__name__)
@@ -44,22 +43,14 @@ BLOCK_SIZE = 16
 PREFILL_TOKENS = 4096  # padded prompt tokens in one prefill forward (bounds its activations)
 
 
-@dataclass
-class _Sequence:
+@dataclass(eq=False, kw_only=True)
+class _Sequence(DecodingSequence):
     job: Job
     index: int  # within its job
-    request: GenerationRequest
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose keys are in the cache
-    generated: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
-    top_logprobs: list | None = None
     logits: torch.Tensor | None = None  # [vocab] the next token's, once computed
     number: int = 0  # unique among the worker's sequences
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.prompt + self.generated
 
 
 class ContinuousBatchingWorker(EngineWorker):
@@ -81,17 +72,20 @@ class ContinuousBatchingWorker(EngineWorker):
                 raise ValueError(f"the static KV cache gives each sequence the model's {engine.max_positions} "
                                  f"positions; max_num_tokens {self.max_num_tokens} holds none")
             self.allocator = SlotAllocator(slots, engine.max_positions)
-            dtype = next(engine.model.parameters()).dtype
-            self.cache = SlotKVCache(slots, engine.max_positions, engine.device, dtype)
+            self.cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype)
             graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
             self._decode_steps = DecodeSteps(engine, self.cache, graphs)
         else:
             self.allocator = BlockAllocator(max(1, self.max_num_tokens // block_size), block_size)
-            self.cache = PagedKVCache(self.allocator, max_batch_size, _head_repeats(engine))
+            self.cache = PagedKVCache(self.allocator, max_batch_size, engine.kv_head_repeats)
         self._pending: collections.deque[_Sequence] = collections.deque()
-        self._running: list[_Sequence] = []
         self._numbered = 0
-        self._sampler = Sampler([], engine.device)
+        # The running sequences are the decode step's rows, in its order.
+        self._decode_step = engine.decode_step(on_token=self._on_token, on_finish=self._finish)
+
+    @property
+    def _running(self) -> list[_Sequence]:
+        return self._decode_step.sequences
 
     def check(self, request: GenerationRequest) -> None:
         """A sequence longer than the whole cache could never be admitted."""
@@ -104,7 +98,7 @@ class ContinuousBatchingWorker(EngineWorker):
         with self._condition:
             for index, request in enumerate(job.requests):
                 self._numbered += 1
-                self._pending.append(_Sequence(job, index, request, number=self._numbered))
+                self._pending.append(_Sequence(request, job=job, index=index, number=self._numbered))
             self._condition.notify()
 
     # The worker thread.
@@ -123,7 +117,7 @@ class ContinuousBatchingWorker(EngineWorker):
                 for sequence in [*self._running, *admitted]:
                     self.allocator.free(sequence.blocks)
                     sequence.job.failed(error)
-                self._running, self._sampler = [], Sampler([], self.engine.device)
+                self._decode_step.reset()
 
     def _admit(self) -> list[_Sequence]:
         """Queued sequences that fit now, in order; cancelled ones are dropped."""
@@ -133,15 +127,14 @@ class ContinuousBatchingWorker(EngineWorker):
             sequence = self._pending[0]
             if sequence.request.cancelled:
                 self._pending.popleft()
-                self._finish(sequence, "cancelled")
+                sequence.finish_reason = FinishReason.CANCELLED
+                self._finish(sequence)
                 continue
             request = sequence.request
             if not self.allocator.can_hold(len(request.prompt) + request.max_new_tokens):
                 break  # first come, first served: wait for blocks to free
             self._pending.popleft()
             sequence.blocks = self.allocator.allocate(len(request.prompt) + request.max_new_tokens)
-            sequence.logprobs = [] if request.logprobs else None
-            sequence.top_logprobs = [] if request.top_logprobs else None
             self.metrics.admitted(now - sequence.job.submitted_at)
             admitted.append(sequence)
         return admitted
@@ -155,10 +148,10 @@ class ContinuousBatchingWorker(EngineWorker):
         self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device, [s.number for s in sequences],
                         real)
         positions = torch.tensor(cached, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
-        logits = self.engine.model(tokens, positions, inference_cache=self.cache, logits_to_keep=logits_to_keep)
+        logits = self.engine.forward(tokens, positions, self.cache, logits_to_keep)
         for row, sequence in enumerate(sequences):
             sequence.cached += tokens.shape[1] if real is None else real[row]
-        return logits[..., : self.engine.vocab_size].float()
+        return logits
 
     def _prefill_together(self, sequences: list[_Sequence]) -> None:
         """Prompts (no prompt log-probabilities wanted) right-padded into one forward: one large
@@ -200,11 +193,8 @@ class ContinuousBatchingWorker(EngineWorker):
         request = sequence.request
         tokens = torch.tensor([request.prompt], device=self.engine.device)
         logits = self._forward([sequence], tokens, None if request.logprobs else 1)[:, 0]  # [kept, vocab]
-        if request.logprobs and len(request.prompt) > 1:
-            log_probs = F.log_softmax(logits[:-1], dim=-1)
-            sequence.logprobs.extend(log_probs.gather(-1, tokens[0, 1:, None]).squeeze(-1).tolist())
-            if sequence.top_logprobs is not None:
-                sequence.top_logprobs.extend(_top(log_probs, request.top_logprobs))
+        if request.logprobs:
+            record_logprobs(sequence, logits[:-1], tokens[0, 1:])
         sequence.logits = logits[-1]
 
     @torch.inference_mode()  # no autograd graph: across steps it would keep every activation alive
@@ -215,12 +205,7 @@ class ContinuousBatchingWorker(EngineWorker):
             for row, sequence in enumerate(decoding):
                 sequence.logits = logits[row]
         self._prefill_all(admitted)
-        for sequence in admitted:
-            if sequence.request.max_new_tokens == 0:  # scoring only: done with the prompt
-                self._finish(sequence, "length")
-                continue
-            self._running.append(sequence)
-            self._sampler.extend(Sampler([sequence.request.sampling], self.engine.device))
+        self._decode_step.join(admitted)  # those with nothing to generate (scoring only) finish here
         with self._condition:
             queued = len(self._pending)
         self.metrics.step(len(self._running), self.max_batch_size, queued, len(self._running))
@@ -248,61 +233,17 @@ class ContinuousBatchingWorker(EngineWorker):
         return logits[torch.tensor(slots, device=device)]
 
     def _choose(self) -> None:
-        """Every running sequence's next token; the finished ones leave the batch."""
-        running = self._running
-        logits = torch.stack([s.logits for s in running])
-        drawing = [True] * len(running)
-        chosen = self._sampler.sample(logits, drawing)
-        self._sampler.observe(chosen, drawing)
-        wants_logprobs = [row for row, s in enumerate(running) if s.logprobs is not None]
-        log_probs = F.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None
-        chosen_list = chosen.tolist()
-        finished: dict[int, str] = {}
-        for k, row in enumerate(wants_logprobs):
-            sequence = running[row]
-            sequence.logprobs.append(log_probs[k, chosen_list[row]].item())
-            if sequence.top_logprobs is not None:
-                sequence.top_logprobs.extend(_top(log_probs[k: k + 1], sequence.request.top_logprobs))
-        for row, sequence in enumerate(running):
-            request = sequence.request
-            sequence.generated.append(chosen_list[row])
+        """Every running sequence's next token; the finished ones leave the batch (the last row
+        takes a finished row's place, so the others stay where the cache's decode views hold them)."""
+        self._decode_step(torch.stack([s.logits for s in self._running]))
+        for sequence in self._running:
             sequence.logits = None
-            logprob = sequence.logprobs[-1] if sequence.logprobs is not None else None
-            top = sequence.top_logprobs[-1] if sequence.top_logprobs is not None else None
-            sequence.job.token(sequence.index, chosen_list[row], logprob, top)
-            if self.engine.stop_checker.should_stop(request.stop, sequence.generated):
-                finished[row] = "stop"
-            elif request.cancelled:
-                finished[row] = "cancelled"
-            elif len(sequence.generated) >= request.max_new_tokens:
-                finished[row] = "length"
-        if finished:
-            for row, reason in finished.items():
-                self._finish(running[row], reason)
-            # The last row takes a finished row's place, so the others stay where the cache's
-            # decode views hold them (see PagedKVCache): a step re-gathers no one's keys.
-            kept = list(range(len(running)))
-            for row in sorted(finished, reverse=True):
-                last = kept.pop()
-                if last != row:
-                    kept[row] = last
-            self._running = [running[row] for row in kept]
-            self._sampler.keep(kept)
 
-    def _finish(self, sequence: _Sequence, reason: str) -> None:
+    @staticmethod
+    def _on_token(sequence: _Sequence, token: int, logprob: float | None, top) -> None:
+        sequence.job.token(sequence.index, token, logprob, top)
+
+    def _finish(self, sequence: _Sequence) -> None:
         self.allocator.free(sequence.blocks)
         sequence.blocks = []
-        request = sequence.request
-        sequence.job.finished(sequence.index, GenerationResult(
-            tokens=sequence.tokens, prompt_length=len(request.prompt), finish_reason=reason,
-            logprobs=sequence.logprobs, top_logprobs=sequence.top_logprobs))
-
-
-def _head_repeats(engine: GenerationEngine) -> int:
-    """Query heads per key head where the attention kernel repeats key heads itself (everywhere
-    but CUDA's native grouped-query attention): the decode views then hold them repeated."""
-    config = getattr(engine.model, "config", None)
-    heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_query_groups", None)
-    if engine.device.type == "cuda" or not heads or not groups:
-        return 1
-    return heads // groups
+        sequence.job.finished(sequence.index, sequence.result())

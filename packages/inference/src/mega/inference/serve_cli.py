@@ -7,6 +7,7 @@ serves HTTP and hands every engine batch to the other ranks, which follow until 
 from __future__ import annotations
 
 import argparse
+import os
 
 from mega.core.cli.argparser import CommandParser
 from mega.inference.embed_cli import add_embedding_arguments, is_encoder_checkpoint, serve_embeddings
@@ -27,7 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
     group.add_argument("--port", type=int, default=5000, help="port (default 5000)")
-    group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the generation routes")
+    group.add_argument("--api-key", default=os.environ.get("MEGA_API_KEY") or None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health and /v1/health "
+                            "(default: the MEGA_API_KEY environment variable, else no key)")
+    group.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                       help="the longest sequence (prompt and generated tokens) a request may ask for, at most the "
+                            "model's positions (default: the model's positions); also what a static KV cache slot "
+                            "holds")
+    group.add_argument("--max-request-bytes", type=int, default=4 << 20, metavar="BYTES",
+                       help="a request body larger than this is refused with 413 (default 4 MiB)")
+    group.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                       help="a request not answered within this is cancelled and gets 408 (default: no limit)")
     group.add_argument("--max-batch-size", type=int, default=32,
                        help="sequences the engine runs together; concurrent requests share batches (default 32)")
     group.add_argument("--batching", choices=["continuous", "lockstep"], default="continuous",
@@ -63,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.static_kv_cache and args.batching == "lockstep":
         parser.error("--static-kv-cache runs with continuous batching, not --batching lockstep")
-    for flag in ("max_batch_size", "max_num_tokens"):
+    for flag in ("max_batch_size", "max_num_tokens", "max_model_len", "max_request_bytes", "request_timeout"):
         value = getattr(args, flag)
-        if value is not None and value < 1:
+        if value is not None and value <= 0:
             raise SystemExit(f"mega serve: error: --{flag.replace('_', '-')} must be positive, got {value}")
     if is_encoder_checkpoint(args.load):  # an encoder serves POST /v1/embeddings instead
         return serve_embeddings(args)
@@ -83,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     setup = setup_engine(args, "serve")
     if setup is None:  # a follower: the leader has stopped serving
         return 0
+    if args.max_model_len is not None:
+        if args.max_model_len > setup.engine.max_positions:
+            lead(None, setup.tp_group)
+            raise SystemExit(f"mega serve: error: --max-model-len {args.max_model_len} exceeds the model's "
+                             f"{setup.engine.max_positions} positions")
+        setup.engine.max_positions = args.max_model_len
     # Encoder-decoder models (T5) run lock-step batches in their own engine (no paged cache).
     lockstep = args.batching == "lockstep" or setup.tp_group.size > 1 or is_encoder_decoder(setup.engine.model)
     try:
@@ -97,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         worker = BatchingWorker(setup.engine, args.max_batch_size,
                                 before_batch=lambda requests: lead(requests, setup.tp_group))
     service = InferenceService(setup.engine, worker, setup.loaded.tokenizer, setup.loaded.name,
-                               chat_template=setup.loaded.chat_template)
+                               chat_template=setup.loaded.chat_template, request_timeout=args.request_timeout)
     worker.start()
     try:
-        uvicorn.run(create_app(service, api_key=args.api_key), host=args.host, port=args.port,
+        uvicorn.run(create_app(service, api_key=args.api_key, max_body_bytes=args.max_request_bytes), host=args.host, port=args.port,
                     log_level=args.log_level)
     finally:
         worker.stop()

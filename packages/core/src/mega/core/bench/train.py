@@ -62,8 +62,8 @@ class StepRecorder:
             self.step_times.append(metrics["elapsed_s"])
 
     def result(self, run) -> dict:
-        from mega.core.training.console_log import peak_memory_gb
         from mega.core.training.device_peaks import peak_tflops
+        from mega.core.training.interval_metrics import peak_memory_gb
         from mega.core.training.precision import model_dtype
 
         if not self.step_times:

@@ -12,16 +12,18 @@ in mega.core.training.run_config), so `mega train --help` always lists exactly w
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from mega.core.cli.argparser import CommandParser
 from mega.core.config import ConfigError, add_section, parse
 from mega.core.config.parser import tomllib
 from mega.core.plugins import PluginError, get_plugins
+from mega.core.plugins.training_check import check_plugins_for_training
 
 DESCRIPTION = "Pretrain a decoder-only language model at any parallel layout (Megatron's flags)."
 # The model families (GPT, LLaMA) ship in mega-models, which is installed from the repository.
-MODELS_HINT = "install mega-models (pip install -e packages/models, from the mega repository)"
+MODELS_HINT = "install mega-models (pip install -c constraints.txt -e packages/models, from the mega repository)"
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
@@ -40,19 +42,34 @@ def _early_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_parser(model_config_class: type | None, family_name: str) -> argparse.ArgumentParser:
-    """The full parser; without a model config class (none installed), every other section."""
-    from mega.core.training.run_config import SECTIONS, run_sections
-
+def build_parser(model_config_class: type | None, family_name: str, plugins=None) -> argparse.ArgumentParser:
+    """The full parser; without a model config class (none installed), every other section; then
+    each plugin's options under the plugin's name (mega.core.plugins.options)."""
     parser = CommandParser(
         prog="mega train", description=DESCRIPTION, parents=[_launcher_parser()],
         epilog="With no arguments, trains the embedded default: a small GPT on the text of Python's "
                "pydoc topics, on the CPU, in about two minutes.",
     )
-    sections = run_sections(model_config_class) if model_config_class is not None else SECTIONS
+    sections = core_sections(model_config_class)
     for name, cls in sections.items():
         add_section(parser, name, cls, title=f"model ({family_name} family)" if name == "model" else None)
+    for name, (cls, title) in plugin_sections(sections, plugins).items():
+        add_section(parser, name, cls, title=title)
     return parser
+
+
+def core_sections(model_config_class: type | None) -> dict[str, type]:
+    from mega.core.training.run_config import SECTIONS, run_sections
+
+    return run_sections(model_config_class) if model_config_class is not None else SECTIONS
+
+
+def plugin_sections(sections: dict[str, type], plugins=None) -> dict[str, tuple[type, str]]:
+    from mega.core.config.parser import known_flags
+    from mega.core.plugins.options import option_sections
+
+    taken = {"-h", "--help", "--config", "--nproc-per-node", *known_flags(sections)}
+    return option_sections(plugins or get_plugins(), taken, set(sections))
 
 
 def parse_run(argv: list[str], plugins=None):
@@ -72,9 +89,11 @@ def parse_run(argv: list[str], plugins=None):
     bases = {"model": family.preset(preset)} if preset else {}
 
     sections = run_sections(family.config_class)
-    parser = build_parser(family.config_class, family_name)
-    configs = parse(argv, sections, parser, bases=bases)
-    return RunConfig(**configs), family
+    parser = build_parser(family.config_class, family_name, plugins)
+    options = {name: cls for name, (cls, _) in plugin_sections(sections, plugins).items()}
+    configs = parse(argv, {**sections, **options}, parser, bases=bases)
+    return RunConfig(**{name: configs[name] for name in sections},
+                     plugins={name: configs[name] for name in options}), family
 
 
 def _toml_training_table(path: str) -> dict:
@@ -111,21 +130,30 @@ def main(argv: list[str]) -> int:
         return default_main()
     early, _ = _launcher_parser().parse_known_args(argv)
     if early.nproc_per_node:
-        from mega.core.launch import launch_local
+        from mega.core.training.launch_job import launch_job
 
-        return launch_local(early.nproc_per_node, ["train", *_without_nproc(argv)])
+        return launch_job(early.nproc_per_node, ["train", *_without_nproc(argv)])
     try:
         run, family = parse_run(argv)
     except PluginError as error:
-        if {"-h", "--help"} & set(argv) and MODELS_HINT in str(error):
-            build_parser(None, "").print_help()  # the help still helps; the model's flags are missing
-            print(f"\nmodel flags (--num-layers, --hidden-size, ...) come from a model family: {MODELS_HINT}")
+        if {"-h", "--help"} & set(argv):
+            # The help still helps (a family not installed, contested or broken); its flags are missing.
+            build_parser(None, "").print_help()
+            hint = MODELS_HINT if MODELS_HINT in str(error) else str(error)
+            print(f"\nmodel flags (--num-layers, --hidden-size, ...) come from a model family: {hint}")
             return 0
         print(f"mega train: error: {error}", file=sys.stderr)
         return 2
     except (ConfigError, KeyError) as error:
         print(f"mega train: error: {error}", file=sys.stderr)
         return 2
+    try:
+        skipped = check_plugins_for_training(get_plugins(), run.training.skip_failed_plugins)
+    except PluginError as error:
+        print(f"mega train: error: {error}", file=sys.stderr)
+        return 2
+    if skipped and os.environ.get("RANK", "0") == "0":  # one warning per job, not per rank
+        print("mega train: warning: --skip-failed-plugins: training without " + "; ".join(skipped), file=sys.stderr)
     from mega.core.training.launch_run import train
 
     return train(run, family)
