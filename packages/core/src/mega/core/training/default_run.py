@@ -10,6 +10,7 @@ to ``checkpoints/pydoc-gpt`` under the working directory, with its tokenizer, fo
 from __future__ import annotations
 
 from mega.core.plugins import PluginError
+from mega.core.plugins.install_hint import repository_package
 
 # Where the default run leaves its model (relative to the working directory), for `mega generate`.
 DEFAULT_SAVE_DIR = "checkpoints/pydoc-gpt"
@@ -32,7 +33,7 @@ def missing_requirement(plugins) -> str | None:
     try:
         plugins.datasets.entry("pydoc-topics")
     except PluginError as error:
-        return f"the embedded default needs mega-data (pip install -e packages/data, from the mega repository): {error}"
+        return f"the embedded default needs mega-data: {repository_package('mega-data', 'packages/data')}: {error}"
     return None
 
 
