@@ -146,21 +146,18 @@ class Sampler:
             return greedy_tokens
         uniform = torch.tensor([torch.rand((), generator=g).item() if draw else 0.0
                                 for g, draw in zip(self.generators, drawing, strict=True)], device=logits.device)
-        scaled = logits / self.temperature
-        if bool((self.top_k > 0).any() or (self.top_p > 0).any()):
-            scaled, order = scaled.sort(dim=-1, descending=True)
-            ranks = torch.arange(scaled.shape[-1], device=logits.device)
-            removed = (self.top_k[:, None] > 0) & (ranks >= self.top_k[:, None])
-            probs = scaled.masked_fill(removed, float("-inf")).softmax(dim=-1)
-            # A token goes when the tokens more likely than it already reach top_p.
-            removed |= (self.top_p[:, None] > 0) & (probs.cumsum(dim=-1) - probs > self.top_p[:, None])
-            probs = scaled.masked_fill(removed, float("-inf")).softmax(dim=-1)
-        else:
-            order, removed, probs = None, None, scaled.softmax(dim=-1)
+        # Every row draws over its tokens sorted most likely first, filtered or not: the token a
+        # draw picks must not depend on whether a batch-mate's top-k or top-p sorted the batch.
+        scaled, order = (logits / self.temperature).sort(dim=-1, descending=True)
+        ranks = torch.arange(scaled.shape[-1], device=logits.device)
+        removed = (self.top_k[:, None] > 0) & (ranks >= self.top_k[:, None])
+        probs = scaled.masked_fill(removed, float("-inf")).softmax(dim=-1)
+        # A token goes when the tokens more likely than it already reach top_p.
+        removed |= (self.top_p[:, None] > 0) & (probs.cumsum(dim=-1) - probs > self.top_p[:, None])
+        probs = scaled.masked_fill(removed, float("-inf")).softmax(dim=-1)
         cumulative = probs.cumsum(dim=-1)
         picked = torch.searchsorted(cumulative, uniform[:, None], right=True)
         # Rounding can leave the total a hair below the draw: fall back to the last kept token.
-        last_kept = (probs.shape[-1] - 1) if removed is None else (~removed).sum(-1, keepdim=True) - 1
-        picked = torch.minimum(picked, torch.as_tensor(last_kept, device=logits.device))
-        sampled = (order.gather(-1, picked) if order is not None else picked).squeeze(-1)
+        picked = torch.minimum(picked, (~removed).sum(-1, keepdim=True) - 1)
+        sampled = order.gather(-1, picked).squeeze(-1)
         return torch.where(self.greedy, greedy_tokens, sampled)

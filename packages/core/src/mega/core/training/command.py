@@ -134,9 +134,9 @@ def main(argv: list[str]) -> int:
         return default_main()
     early, _ = _launcher_parser().parse_known_args(argv)
     if early.nproc_per_node:
-        from mega.core.launch import launch_local
+        from mega.core.training.launch_job import launch_job
 
-        return launch_local(early.nproc_per_node, ["train", *_without_nproc(argv)])
+        return launch_job(early.nproc_per_node, ["train", *_without_nproc(argv)])
     try:
         run, family = parse_run(argv)
     except PluginError as error:

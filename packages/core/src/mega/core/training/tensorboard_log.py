@@ -41,6 +41,7 @@ class TensorBoardLogger:
             "throughput tokens/s": tokens / metrics["elapsed_s"],
             # the family's other losses (MoE auxiliary, BERT's sentence loss), under their names
             **{name: value for name, value in metrics.get("losses", {}).items() if name != "lm loss"},
+            **metrics.get("straggler", {}),  # --log-straggler's numbers, at its report's iterations
         }
         for tag, value in scalars.items():
             if math.isfinite(value):
