@@ -43,9 +43,10 @@ def _early_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_parser(model_config_class: type | None, family_name: str, plugins=None) -> argparse.ArgumentParser:
+def build_parser(model_config_class: type | None, family_name: str, plugins=None,
+                 options: dict[str, tuple[type, str]] | None = None) -> argparse.ArgumentParser:
     """The full parser; without a model config class (none installed), every other section; then
-    each plugin's options under the plugin's name (mega.core.plugins.options)."""
+    each plugin's options under the plugin's name (``options``: from :func:`plugin_sections`)."""
     parser = CommandParser(
         prog="mega train", description=DESCRIPTION, parents=[_launcher_parser()],
         epilog="With no arguments, trains the embedded default: a small GPT on the text of Python's "
@@ -54,7 +55,8 @@ def build_parser(model_config_class: type | None, family_name: str, plugins=None
     sections = core_sections(model_config_class)
     for name, cls in sections.items():
         add_section(parser, name, cls, title=f"model ({family_name} family)" if name == "model" else None)
-    for name, (cls, title) in plugin_sections(sections, plugins).items():
+    options = plugin_sections(sections, plugins) if options is None else options
+    for name, (cls, title) in options.items():
         add_section(parser, name, cls, title=title)
     return parser
 
@@ -90,8 +92,9 @@ def parse_run(argv: list[str], plugins=None):
     bases = {"model": family.preset(preset)} if preset else {}
 
     sections = run_sections(family.config_class)
-    parser = build_parser(family.config_class, family_name, plugins)
-    options = {name: cls for name, (cls, _) in plugin_sections(sections, plugins).items()}
+    plugin_options = plugin_sections(sections, plugins)
+    parser = build_parser(family.config_class, family_name, plugins, plugin_options)
+    options = {name: cls for name, (cls, _) in plugin_options.items()}
     configs = parse(argv, {**sections, **options}, parser, bases=bases)
     return RunConfig(**{name: configs[name] for name in sections},
                      plugins={name: configs[name] for name in options}), family
