@@ -118,6 +118,7 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
                 result = super()._monitor_workers(worker_group)
                 if result.is_failed():
                     progress = _read_progress(progress_path)
+                    progress_path.unlink(missing_ok=True)  # the next attempt notes its own
                     failures.append(describe_failure(result.failures, progress))
                     if self._remaining_restarts > 0:
                         self._say_restart(len(failures), progress)
