@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
@@ -223,8 +224,6 @@ def end_rank_process(exit_code: int) -> None:
     250 or 134). Everything this process had to do is done and flushed, so it exits without that
     teardown.
     """
-    import logging
-
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -257,7 +256,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> bo
     The backend is NCCL when CUDA is present, gloo otherwise. Under SLURM, MASTER_ADDR and
     MASTER_PORT must be exported by the job script (as with torchrun on several nodes).
     """
-    import torch
+    import torch  # start-up cost: the launcher process (`mega train --nproc-per-node`) never needs torch
     import torch.distributed as dist
 
     env = distributed_env()

@@ -39,7 +39,7 @@ def checkpoints_in(directory: Path) -> list[Path]:
 
 def check(checkpoint: Path) -> None:
     """Raise :class:`CheckpointError` naming what is wrong with ``checkpoint``."""
-    from mega.core.checkpoint.sharded_io import read_index  # imports torch: only once there is work
+    from mega.core.checkpoint.sharded_io import read_index  # start-up cost: torch, only once there is work
 
     metadata = verify(checkpoint, checksums=True)
     read_index(checkpoint)

@@ -7,6 +7,9 @@
 
 The flags are generated from the config dataclasses (the model family's config and the sections
 in mega.core.training.run_config), so `mega train --help` always lists exactly what is accepted.
+
+The run's modules (run_config, launch_run) are imported where they are used, a start-up cost:
+they import torch (1.5 s), which the launcher process of `--nproc-per-node` never needs.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import os
 import sys
 
 from mega.core.cli.argparser import CommandParser
-from mega.core.config import ConfigError, add_section, parse
-from mega.core.config.parser import tomllib
+from mega.core.config import ConfigError, add_section, flag_reference, parse
+from mega.core.config.parser import known_flags, tomllib
 from mega.core.plugins import PluginError, get_plugins
 from mega.core.plugins.install_hint import repository_package
+from mega.core.plugins.options import option_sections
 from mega.core.plugins.training_check import check_plugins_for_training
+from mega.core.training import default_run
 
 DESCRIPTION = "Pretrain a decoder-only language model at any parallel layout (Megatron's flags)."
 # The model families (GPT, LLaMA) ship in mega-models, which is installed from the repository.
@@ -64,22 +69,19 @@ def build_parser(model_config_class: type | None, family_name: str, plugins=None
 
 
 def core_sections(model_config_class: type | None) -> dict[str, type]:
-    from mega.core.training.run_config import SECTIONS, run_sections
+    from mega.core.training.run_config import SECTIONS, run_sections  # start-up cost: torch
 
     return run_sections(model_config_class) if model_config_class is not None else SECTIONS
 
 
 def plugin_sections(sections: dict[str, type], plugins=None) -> dict[str, tuple[type, str]]:
-    from mega.core.config.parser import known_flags
-    from mega.core.plugins.options import option_sections
-
     taken = {"-h", "--help", "--config", "--nproc-per-node", *known_flags(sections)}
     return option_sections(plugins or get_plugins(), taken, set(sections))
 
 
 def parse_run(argv: list[str], plugins=None):
     """Parse ``argv`` into a RunConfig (the family and preset chosen first)."""
-    from mega.core.training.run_config import RunConfig, run_sections
+    from mega.core.training.run_config import RunConfig, run_sections  # start-up cost: torch
 
     plugins = plugins or get_plugins()
     early, _ = _early_parser().parse_known_args(argv)
@@ -113,8 +115,7 @@ def _toml_training_table(path: str) -> dict:
 
 def flag_reference_markdown(family_name: str = "gpt", plugins=None) -> str:
     """docs/training-flags.md: every flag of `mega train`, generated from the config dataclasses."""
-    from mega.core.config import flag_reference
-    from mega.core.training.run_config import run_sections
+    from mega.core.training.run_config import run_sections  # start-up cost: torch
 
     family = (plugins or get_plugins()).models.get(family_name)
     return (
@@ -132,12 +133,15 @@ def main(argv: list[str]) -> int:
         print(flag_reference_markdown(), end="")
         return 0
     if not argv:
-        from mega.core.training.default_run import main as default_main
-
-        return default_main()
+        problem = default_run.missing_requirement(get_plugins())
+        if problem is not None:
+            print(f"mega train: {problem}", file=sys.stderr)
+            return 2
+        print(default_run.ANNOUNCEMENT, flush=True)
+        argv = default_run.DEFAULT_ARGV
     early, _ = _launcher_parser().parse_known_args(argv)
     if early.nproc_per_node or early.max_restarts is not None:
-        from mega.core.training.launch_job import launch_job
+        from mega.core.training.launch_job import launch_job  # start-up cost: torch
 
         return launch_job(early.nproc_per_node or 1, ["train", *_without_launcher_flags(argv)], early.max_restarts)
     try:
@@ -161,7 +165,7 @@ def main(argv: list[str]) -> int:
         return 2
     if skipped and os.environ.get("RANK", "0") == "0":  # one warning per job, not per rank
         print("mega train: warning: --skip-failed-plugins: training without " + "; ".join(skipped), file=sys.stderr)
-    from mega.core.training.launch_run import train
+    from mega.core.training.launch_run import train  # start-up cost: torch
 
     return train(run, family)
 
