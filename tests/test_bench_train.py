@@ -18,7 +18,7 @@ def test_bench_train_reports_a_timed_and_a_skipped_precision(tmp_path, capfd):
     # --json prints the JSON report (as `mega doctor --json`, `mega plan --json` do) and nothing
     # else: the runs' log lines (processes of their own, so read at the descriptor) go to stderr.
     output = tmp_path / "baseline"
-    argv = [*TRAIN, "--warmup", "1", "--precisions", "bf16,fp8", "--output", str(output), "--json"]
+    argv = [*TRAIN, "--warmup-iters", "1", "--precisions", "bf16,fp8", "--output", str(output), "--json"]
     assert bench_main(argv) == 0
     printed = capfd.readouterr()
     report = json.loads(output.with_suffix(".json").read_text())

@@ -122,6 +122,7 @@ def test_checkpoint_info_and_hugging_face(made, tmp_path, capsys):
     """`mega checkpoint info` describes a Megatron-LM directory; megatron -> hf -> megatron keeps
     every tensor (the Hugging Face side is checked by the hf tests)."""
     from mega.core.checkpoint.info_command import main as info_main
+    from mega.core.checkpoint.verify_command import main as verify_main
 
     root, truth = made
     assert info_main([str(root / "llama-legacy")]) == 0
@@ -130,6 +131,8 @@ def test_checkpoint_info_and_hugging_face(made, tmp_path, capsys):
     assert info_main([str(root / "llama-legacy"), "--json"]) == 0  # the same lines, as JSON
     described = json.loads(capsys.readouterr().out)
     assert described["format"] == "megatron" and "\n".join(described["description"]) + "\n" == out
+    assert verify_main([str(root / "llama-legacy")]) == 1  # says what it is, not only what it is not
+    assert "holds a megatron checkpoint, not a mega one" in capsys.readouterr().err
     assert convert_main(["--from", "megatron", "--to", "hf", "--input", str(root / "llama-tp2"),
                          "--output", str(tmp_path / "hf"), "--progress", "never"]) == 0
     assert convert_main(["--to", "megatron", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "back"),
@@ -754,3 +757,67 @@ def test_legacy_mixtral_optimizer_state_moves_both_ways(world, tmp_path):
                     assert torch.equal(loaded[rank][stage][name][key], state[key]), (rank, stage, name, key)
 
     _legacy_chained_optimizer_imports(world, tmp_path, family)
+
+
+# -- tensors the conversion does not use (issue 37) ---------------------------------------------
+
+def _legacy_with_output_layer(root: Path, tmp_path: Path) -> Path:
+    """The legacy tp 2 x pp 2 files with an output layer in the first stage's files, which the
+    model of their args (tied embeddings) does not have."""
+    legacy = tmp_path / "legacy"
+    shutil.copytree(root / "gpt-legacy", legacy)
+    for path in legacy.glob("iter_0000007/mp_rank_*_000/model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        embedding = state["model"]["embedding.word_embeddings.weight"]
+        state["model"]["output_layer.weight"] = torch.randn_like(embedding)
+        torch.save(state, path)
+    return legacy
+
+
+def _to_mega(source: Path, output: Path, *flags: str) -> int:
+    return convert_main(["--from", "megatron", "--to", "mega", "--input", str(source), "--output", str(output),
+                         "--progress", "never", *flags])
+
+
+def _train_load_honours_allow_unused_tensors(torch_dist: Path, capsys) -> None:
+    """``mega train --load`` converts a Megatron-LM directory on the fly: the same refusal, and the
+    same flag to load it without the extra tensor."""
+    from mega.core.training.command import main as train_main
+
+    m = ref.MODELS["gpt"]
+    flags = ["--mock-data", "--model-family", "gpt", "--num-layers", str(m["num_layers"]), "--hidden-size", "64",
+             "--num-attention-heads", "4", "--ffn-hidden-size", str(m["ffn_hidden_size"]),
+             "--seq-length", str(ref.SEQ), "--max-position-embeddings", str(ref.SEQ), "--vocab-size", str(ref.VOCAB),
+             "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1",
+             "--eval-iters", "0", "--load", str(torch_dist)]
+    assert train_main(flags) != 0
+    assert "output_layer.weight" in capsys.readouterr().err
+    assert train_main([*flags, "--allow-unused-tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "loaded megatron torch_dist" in out and "warning" in out and "output_layer.weight" in out, out
+
+
+def test_extra_output_layer_is_refused_or_left_out_with_a_warning(made, world, tmp_path, capsys):
+    """A tensor the conversion does not use is an error naming it, or with --allow-unused-tensors a
+    warning (issue 37): megatron-core's tied GPT saved as torch_dist with an output layer besides,
+    and its legacy tp 2 x pp 2 files given one."""
+    root, truth = made
+    torch_dist = tmp_path / "torch_dist"
+    world.run(ref.save_torch_dist_with_extra_output_layer, "gpt", 2, str(torch_dist / "iter_0000007"))
+    for source in (torch_dist, _legacy_with_output_layer(root, tmp_path)):
+        refused = tmp_path / f"{source.name}-refused"
+        assert _to_mega(source, refused) == 1
+        err = capsys.readouterr().err
+        assert "output_layer.weight" in err and "--allow-unused-tensors" in err, err
+        assert not refused.exists()
+
+        allowed = tmp_path / f"{source.name}-allowed"
+        assert _to_mega(source, allowed, "--allow-unused-tensors") == 0
+        err = capsys.readouterr().err
+        assert "warning" in err and "output_layer.weight" in err and "left out" in err, err
+        names = list(tensor_shapes(allowed))
+        assert "output_layer.weight" not in names
+        tensors = read_tensors(allowed, names)
+        for name in names:  # the model itself converts as megatron-core holds it
+            assert torch.equal(tensors[name], truth["gpt"][name]), name
+    _train_load_honours_allow_unused_tensors(torch_dist, capsys)

@@ -177,8 +177,9 @@ class LegacySource(MegatronSource):
             self._found[name] = (tuple(shape), *self._found[name][1:])
 
     def _check_copies(self) -> None:
-        """A tensor the files hold twice (a tied embedding's last-stage copy, a second name) is
-        converted once: each copy must equal the tensor it repeats, or it is unused."""
+        """A tensor the files hold twice is converted once: a second name must equal the tensor it
+        names, or it is unused; a tied embedding's last-stage replica that drifted from the first
+        stage's (a run whose embedding gradients were not kept in step) is said in a warning."""
         for rank, (_, chunk), key, file, original in self._copies:
             copy = _model_of(file, chunk, self.chunks)[key]
             held = self._shards.get(original, {}).get(rank)
@@ -187,10 +188,15 @@ class LegacySource(MegatronSource):
                 continue
             (first_stage, first_chunk), first_key = held
             first = _model_of(self._files[rank, first_stage, 0], first_chunk, self.chunks)[first_key]
-            if copy.shape != first.shape or not torch.equal(copy, first):
+            if copy.shape == first.shape and torch.equal(copy, first):
+                continue
+            if key in names_for(self.family).duplicate_keys:  # a second name: the same tensor, or another one
                 self._unused([key], f"which differs from {original} (tensor-parallel rank {rank}), the tensor it "
-                                    "is a copy of in the model of its args (untie_embeddings_and_output_weights="
-                                    f"{self.config.untie_embeddings_and_output_weights})")
+                                    "is a second name of in the model of its args")
+            else:  # the last stage's replica of the tied embedding: one parameter, drifted apart
+                self.warnings.append(f"{file}: {key}, the last pipeline stage's replica of the tied {original}, "
+                                     f"differs from the first stage's (tensor-parallel rank {rank}); the first "
+                                     "stage's is converted")
 
     def optimizer_state(self):
         """The regular optimizer's Adam state in every rank file, indexed by mega name and tp rank

@@ -5,7 +5,7 @@
 
 Every precision (fp32, fp16, bf16, and fp8 where a kernel backend offers it) runs in processes of
 its own (started like `mega train --nproc-per-node N`), so each peak memory is that run's. The
-first ``--warmup`` steps are left out; the report gives the median step time, samples/s, tokens/s,
+first ``--warmup-iters`` steps are left out; the report gives the median step time, samples/s, tokens/s,
 TFLOP/s per GPU, MFU (where the GPU's peak is known) and peak memory, under the environment
 `mega doctor` sees, as markdown and JSON (both written; ``--json`` prints the JSON instead of the
 markdown). The runs' own log lines go to stderr, so stdout holds the report alone.
@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--precisions", default="fp32,fp16,bf16,fp8",
                         help="comma-separated, of fp32, fp16, bf16, fp8 (default: all; fp8 is skipped, with "
                              "the reason, where no backend offers it)")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures (default 2)")
+    parser.add_argument("--warmup-iters", "--warmup", type=int, default=2, dest="warmup",
+                        help="first steps left out of the figures (default 2; spelled as `mega bench comm`'s)")
     parser.add_argument("--output", default="bench-train",
                         help="write OUTPUT.md and OUTPUT.json (default bench-train)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="processes per run (default 1)")
@@ -76,7 +77,7 @@ class StepRecorder:
 
     def result(self, run) -> dict:
         if not self.step_times:
-            raise ValueError(f"--train-iters must exceed --warmup {self.warmup} to time any step")
+            raise ValueError(f"--train-iters must exceed --warmup-iters {self.warmup} to time any step")
         step = statistics.median(self.step_times)
         world = run.groups.world_size
         tokens = run.derived.global_batch_size * run.config.model.seq_length
@@ -175,7 +176,7 @@ def main(argv: list[str]) -> int:
                 runs.append({"precision": precision, "skipped": reason})
                 continue
             result = Path(scratch) / f"{precision}.json"
-            command = ["bench", "train", "--one-run", str(result), "--warmup", str(args.warmup),
+            command = ["bench", "train", "--one-run", str(result), "--warmup-iters", str(args.warmup),
                        *train_argv, *PRECISION_FLAGS[precision]]
             print(f"mega bench train: {precision} ...", file=sys.stderr, flush=True)
             code = launch_local(args.nproc_per_node, command)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from mega.core.checkpoint.directory import RELEASE, saved_iterations, verify
+from mega.core.checkpoint.foreign import foreign_format
 from mega.core.checkpoint.metadata import METADATA_FILE, CheckpointError
 from mega.core.cli.argparser import CommandParser
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     checkpoints = checkpoints_in(directory)
     if not checkpoints:
-        print(f"mega checkpoint verify: {directory} holds no mega checkpoint", file=sys.stderr)
+        print(f"mega checkpoint verify: {directory} {_held_instead(directory)}", file=sys.stderr)
         return 1
     results = []
     for checkpoint in checkpoints:
@@ -73,3 +74,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ok       {result['path']}" if result["intact"] else f"DAMAGED  {result['path']}: {result['error']}")
         print(f"{intact} of {len(results)} checkpoint(s) intact")
     return 0 if intact == len(results) else 1
+
+
+def _held_instead(directory: Path) -> str:
+    """What a directory without a mega checkpoint holds, as far as the checkpoint formats tell."""
+    other = foreign_format(directory, capability="describe")
+    if other is None:
+        return "holds no mega checkpoint"
+    name = getattr(other, "name", type(other).__name__)
+    return (f"holds a {name} checkpoint, not a mega one: only mega checkpoints record the checksums this "
+            "checks (`mega checkpoint info` describes it)")

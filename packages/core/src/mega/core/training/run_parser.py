@@ -3,7 +3,8 @@ options, and ``parse_run``, which turns flags and a TOML file into a ``RunConfig
 
 The model family is chosen first (``--model-family``, or ``model_family`` in the TOML's
 ``[training]`` table, with ``--model-preset``), because its config class declares the model's
-flags. The launcher of ``--nproc-per-node`` parses the run too (the signal its ranks act on).
+flags. The launcher of ``--nproc-per-node`` parses the run too (the signal its ranks act on, the
+directory a restart resumes from).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def launcher_parser() -> argparse.ArgumentParser:
     parser = CommandParser(add_help=False)
     parser.add_argument("--config", help="TOML file with [training], [model], [parallel]... tables")
     parser.add_argument("--nproc-per-node", type=int, help="start this many local processes (like torchrun)")
+    parser.add_argument("--max-restarts", type=int, help="restart every rank after a failure up to N times, "
+                        "resuming from the newest checkpoint in --save (torchrun's elastic agent)")
     return parser
 
 
@@ -39,9 +42,10 @@ def _early_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_parser(model_config_class: type | None, family_name: str, plugins=None) -> argparse.ArgumentParser:
+def build_parser(model_config_class: type | None, family_name: str, plugins=None,
+                 options: dict[str, tuple[type, str]] | None = None) -> argparse.ArgumentParser:
     """The full parser; without a model config class (none installed), every other section; then
-    each plugin's options under the plugin's name (mega.core.plugins.options)."""
+    each plugin's options under the plugin's name (``options``: from :func:`plugin_sections`)."""
     parser = CommandParser(
         prog="mega train", description=DESCRIPTION, parents=[launcher_parser()],
         epilog="With no arguments, trains the embedded default: a small GPT on the text of Python's "
@@ -50,7 +54,8 @@ def build_parser(model_config_class: type | None, family_name: str, plugins=None
     sections = core_sections(model_config_class)
     for name, cls in sections.items():
         add_section(parser, name, cls, title=f"model ({family_name} family)" if name == "model" else None)
-    for name, (cls, title) in plugin_sections(sections, plugins).items():
+    options = plugin_sections(sections, plugins) if options is None else options
+    for name, (cls, title) in options.items():
         add_section(parser, name, cls, title=title)
     return parser
 
@@ -79,8 +84,9 @@ def parse_run(argv: list[str], plugins=None):
     bases = {"model": family.preset(preset)} if preset else {}
 
     sections = run_sections(family.config_class)
-    parser = build_parser(family.config_class, family_name, plugins)
-    options = {name: cls for name, (cls, _) in plugin_sections(sections, plugins).items()}
+    plugin_options = plugin_sections(sections, plugins)
+    parser = build_parser(family.config_class, family_name, plugins, plugin_options)
+    options = {name: cls for name, (cls, _) in plugin_options.items()}
     configs = parse(argv, {**sections, **options}, parser, bases=bases)
     return RunConfig(**{name: configs[name] for name in sections},
                      plugins={name: configs[name] for name in options}), family
