@@ -7,6 +7,7 @@ equal tensors. One world serves the whole module; the models are tiny.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -121,11 +122,17 @@ def test_checkpoint_info_and_hugging_face(made, tmp_path, capsys):
     """`mega checkpoint info` describes a Megatron-LM directory; megatron -> hf -> megatron keeps
     every tensor (the Hugging Face side is checked by the hf tests)."""
     from mega.core.checkpoint.info_command import main as info_main
+    from mega.core.checkpoint.verify_command import main as verify_main
 
     root, truth = made
     assert info_main([str(root / "llama-legacy")]) == 0
     out = capsys.readouterr().out
     assert "Megatron-LM legacy" in out and "iteration:        7" in out and "tp=2, pp=2" in out
+    assert info_main([str(root / "llama-legacy"), "--json"]) == 0  # the same lines, as JSON
+    described = json.loads(capsys.readouterr().out)
+    assert described["format"] == "megatron" and "\n".join(described["description"]) + "\n" == out
+    assert verify_main([str(root / "llama-legacy")]) == 1  # says what it is, not only what it is not
+    assert "holds a megatron checkpoint, not a mega one" in capsys.readouterr().err
     assert convert_main(["--from", "megatron", "--to", "hf", "--input", str(root / "llama-tp2"),
                          "--output", str(tmp_path / "hf"), "--progress", "never"]) == 0
     assert convert_main(["--to", "megatron", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "back"),

@@ -1,7 +1,7 @@
 """The liger adapters against mega's torch backend, and training with ``--kernels liger``.
 
 Here (CI: no GPU, no Triton, no Liger) they run against the plain-torch stand-in of
-:mod:`mega_liger.standin`, which checks the plumbing: layouts (``[s, b, h, d]`` vs Liger's
+``tests/liger_standin.py``, which checks the plumbing: layouts (``[s, b, h, d]`` vs Liger's
 ``[b, h, s, d]``), the in-place RoPE not touching the caller's tensor, contiguous GLU halves,
 the padded vocabulary and the loss mask of the fused linear cross-entropy, its refusal under
 tensor parallelism, and checkpoints that the torch backend loads. Where Liger, Triton and a CUDA
@@ -12,14 +12,18 @@ they are skipped here, with that reason.
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from mega_liger import standin
 from mega_liger.backend import LigerBackend
 
 from mega.core.kernel_requirements import FixedGPU
 from mega.models import torch_kernels
+
+sys.path.insert(0, str(Path(__file__).parent))  # the stand-in is a test-support module beside this file
+import liger_standin as standin  # noqa: E402
 
 
 def _real_library_here() -> str:
@@ -165,7 +169,7 @@ def test_fused_linear_cross_entropy_refusals(monkeypatch):
 def test_is_available_names_what_is_missing(monkeypatch):
     if importlib.util.find_spec("liger_kernel") is None:
         assert LigerBackend().is_available() == (False, "liger-kernel >= 0.5.3 is not installed "
-                                                        "(pip install 'liger-kernel >= 0.5.3')")
+                                                        "(pip install -c constraints.txt 'liger-kernel >= 0.5.3')")
     functional = standin.install(monkeypatch)
     assert LigerBackend(gpu=FixedGPU((7, 0))).is_available() == (True, "")
     if not torch.cuda.is_available():
@@ -173,7 +177,7 @@ def test_is_available_names_what_is_missing(monkeypatch):
             False, "a CUDA GPU of compute capability >= 7.0 (torch sees no CUDA device)")
     monkeypatch.setattr(importlib.import_module("liger_kernel"), "__version__", "0.5.2")
     assert LigerBackend(gpu=FixedGPU()).is_available() == (
-        False, "liger-kernel >= 0.5.3 is needed, liger-kernel 0.5.2 is installed (pip install 'liger-kernel >= 0.5.3')")
+        False, "liger-kernel >= 0.5.3 is needed, liger-kernel 0.5.2 is installed (pip install -c constraints.txt 'liger-kernel >= 0.5.3')")
     assert functional.calls == {}
 
 
@@ -242,7 +246,7 @@ def test_mega_plugins_shows_each_kernel_backend_and_whether_it_is_usable(capsys)
     assert rows["torch"].endswith("  yes")
     assert "activation, linear_loss, norm, rotary" in rows["liger"]
     if importlib.util.find_spec("liger_kernel") is None:
-        assert rows["liger"].endswith("no: liger-kernel >= 0.5.3 is not installed (pip install 'liger-kernel >= 0.5.3')")
+        assert rows["liger"].endswith("no: liger-kernel >= 0.5.3 is not installed (pip install -c constraints.txt 'liger-kernel >= 0.5.3')")
 
 
 def test_the_fused_loss_across_pipeline_stages_equals_one_process():

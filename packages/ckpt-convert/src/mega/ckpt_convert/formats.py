@@ -74,8 +74,11 @@ def detect_format(path: Path, plugins=None) -> CheckpointFormat:
         checkpoint_format = get_format(name, plugins)
         if checkpoint_format.detect(path):
             return checkpoint_format
+    from mega.core.plugins.failures import failure_line
+
+    failed = "".join(f"; {failure_line(info)} (it may provide the format)" for info in (plugins or get_plugins()).failed())
     raise ConversionError(f"{path} is not a checkpoint of a known format ({', '.join(registry.names())}); "
-                          "name it with --from")
+                          f"name it with --from{failed}")
 
 
 def open_checkpoint(path: str | os.PathLike, model_family: str | None = None, plugins=None) -> ModelSource:

@@ -60,6 +60,7 @@ def gpt2_hf_config(config: TransformerConfig) -> dict:
         "position_embedding_type (GPT-2 learns absolute positions)": config.position_embedding_type != "learned_absolute",
         "normalization (GPT-2 uses LayerNorm)": config.normalization != "LayerNorm",
         "swiglu (GPT-2 has a GELU MLP)": config.swiglu,
+        f"--activation {config.mlp_activation} (GPT-2 has a GELU MLP)": config.mlp_activation in ("relu", "squared_relu"),
         "add_bias_linear (GPT-2 linears have biases)": not config.add_bias_linear,
         "num_query_groups (GPT-2 has one key/value head per query head)":
             config.num_query_groups != config.num_attention_heads,

@@ -7,21 +7,29 @@
 
 The flags are generated from the config dataclasses (the model family's config and the sections
 in mega.core.training.run_config), so `mega train --help` always lists exactly what is accepted.
+
+The run's modules (run_config, launch_run) are imported where they are used, a start-up cost:
+they import torch (1.5 s), which the launcher process of `--nproc-per-node` never needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from mega.core.cli.argparser import CommandParser
-from mega.core.config import ConfigError, add_section, parse
-from mega.core.config.parser import tomllib
+from mega.core.config import ConfigError, add_section, flag_reference, parse
+from mega.core.config.parser import known_flags, tomllib
 from mega.core.plugins import PluginError, get_plugins
+from mega.core.plugins.install_hint import repository_package
+from mega.core.plugins.options import option_sections
+from mega.core.plugins.training_check import check_plugins_for_training
+from mega.core.training import default_run
 
 DESCRIPTION = "Pretrain a decoder-only language model at any parallel layout (Megatron's flags)."
 # The model families (GPT, LLaMA) ship in mega-models, which is installed from the repository.
-MODELS_HINT = "install mega-models (pip install -e packages/models, from the mega repository)"
+MODELS_HINT = repository_package("mega-models", "packages/models")
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
@@ -29,6 +37,8 @@ def _launcher_parser() -> argparse.ArgumentParser:
     parser = CommandParser(add_help=False)
     parser.add_argument("--config", help="TOML file with [training], [model], [parallel]... tables")
     parser.add_argument("--nproc-per-node", type=int, help="start this many local processes (like torchrun)")
+    parser.add_argument("--max-restarts", type=int, help="restart every rank after a failure up to N times, "
+                        "resuming from the newest checkpoint in --save (torchrun's elastic agent)")
     return parser
 
 
@@ -40,24 +50,38 @@ def _early_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_parser(model_config_class: type | None, family_name: str) -> argparse.ArgumentParser:
-    """The full parser; without a model config class (none installed), every other section."""
-    from mega.core.training.run_config import SECTIONS, run_sections
-
+def build_parser(model_config_class: type | None, family_name: str, plugins=None,
+                 options: dict[str, tuple[type, str]] | None = None) -> argparse.ArgumentParser:
+    """The full parser; without a model config class (none installed), every other section; then
+    each plugin's options under the plugin's name (``options``: from :func:`plugin_sections`)."""
     parser = CommandParser(
         prog="mega train", description=DESCRIPTION, parents=[_launcher_parser()],
         epilog="With no arguments, trains the embedded default: a small GPT on the text of Python's "
                "pydoc topics, on the CPU, in about two minutes.",
     )
-    sections = run_sections(model_config_class) if model_config_class is not None else SECTIONS
+    sections = core_sections(model_config_class)
     for name, cls in sections.items():
         add_section(parser, name, cls, title=f"model ({family_name} family)" if name == "model" else None)
+    options = plugin_sections(sections, plugins) if options is None else options
+    for name, (cls, title) in options.items():
+        add_section(parser, name, cls, title=title)
     return parser
+
+
+def core_sections(model_config_class: type | None) -> dict[str, type]:
+    from mega.core.training.run_config import SECTIONS, run_sections  # start-up cost: torch
+
+    return run_sections(model_config_class) if model_config_class is not None else SECTIONS
+
+
+def plugin_sections(sections: dict[str, type], plugins=None) -> dict[str, tuple[type, str]]:
+    taken = {"-h", "--help", "--config", "--nproc-per-node", *known_flags(sections)}
+    return option_sections(plugins or get_plugins(), taken, set(sections))
 
 
 def parse_run(argv: list[str], plugins=None):
     """Parse ``argv`` into a RunConfig (the family and preset chosen first)."""
-    from mega.core.training.run_config import RunConfig, run_sections
+    from mega.core.training.run_config import RunConfig, run_sections  # start-up cost: torch
 
     plugins = plugins or get_plugins()
     early, _ = _early_parser().parse_known_args(argv)
@@ -72,9 +96,12 @@ def parse_run(argv: list[str], plugins=None):
     bases = {"model": family.preset(preset)} if preset else {}
 
     sections = run_sections(family.config_class)
-    parser = build_parser(family.config_class, family_name)
-    configs = parse(argv, sections, parser, bases=bases)
-    return RunConfig(**configs), family
+    plugin_options = plugin_sections(sections, plugins)
+    parser = build_parser(family.config_class, family_name, plugins, plugin_options)
+    options = {name: cls for name, (cls, _) in plugin_options.items()}
+    configs = parse(argv, {**sections, **options}, parser, bases=bases)
+    return RunConfig(**{name: configs[name] for name in sections},
+                     plugins={name: configs[name] for name in options}), family
 
 
 def _toml_training_table(path: str) -> dict:
@@ -88,15 +115,15 @@ def _toml_training_table(path: str) -> dict:
 
 def flag_reference_markdown(family_name: str = "gpt", plugins=None) -> str:
     """docs/training-flags.md: every flag of `mega train`, generated from the config dataclasses."""
-    from mega.core.config import flag_reference
-    from mega.core.training.run_config import run_sections
+    from mega.core.training.run_config import run_sections  # start-up cost: torch
 
     family = (plugins or get_plugins()).models.get(family_name)
     return (
         "# `mega train` flags\n\n"
         "Generated by `mega train --flag-reference` from the config dataclasses (each field declares its\n"
         "flag once); a test keeps this page in step with the code. Besides these: `--config FILE` (TOML,\n"
-        "one table per section; flags override it) and `--nproc-per-node N` (start N local processes).\n\n"
+        "one table per section; flags override it), `--nproc-per-node N` (start N local processes) and\n"
+        "`--max-restarts N` (restart every rank after a failure, resuming from `--save`).\n\n"
         + flag_reference(run_sections(family.config_class)) + "\n"
     )
 
@@ -106,41 +133,55 @@ def main(argv: list[str]) -> int:
         print(flag_reference_markdown(), end="")
         return 0
     if not argv:
-        from mega.core.training.default_run import main as default_main
-
-        return default_main()
+        problem = default_run.missing_requirement(get_plugins())
+        if problem is not None:
+            print(f"mega train: {problem}", file=sys.stderr)
+            return 2
+        print(default_run.ANNOUNCEMENT, flush=True)
+        argv = default_run.DEFAULT_ARGV
     early, _ = _launcher_parser().parse_known_args(argv)
-    if early.nproc_per_node:
-        from mega.core.launch import launch_local
+    if early.nproc_per_node or early.max_restarts is not None:
+        from mega.core.training.launch_job import launch_job  # start-up cost: torch
 
-        return launch_local(early.nproc_per_node, ["train", *_without_nproc(argv)])
+        return launch_job(early.nproc_per_node or 1, ["train", *_without_launcher_flags(argv)], early.max_restarts)
     try:
         run, family = parse_run(argv)
     except PluginError as error:
-        if {"-h", "--help"} & set(argv) and MODELS_HINT in str(error):
-            build_parser(None, "").print_help()  # the help still helps; the model's flags are missing
-            print(f"\nmodel flags (--num-layers, --hidden-size, ...) come from a model family: {MODELS_HINT}")
+        if {"-h", "--help"} & set(argv):
+            # The help still helps (a family not installed, contested or broken); its flags are missing.
+            build_parser(None, "").print_help()
+            hint = MODELS_HINT if MODELS_HINT in str(error) else str(error)
+            print(f"\nmodel flags (--num-layers, --hidden-size, ...) come from a model family: {hint}")
             return 0
         print(f"mega train: error: {error}", file=sys.stderr)
         return 2
     except (ConfigError, KeyError) as error:
         print(f"mega train: error: {error}", file=sys.stderr)
         return 2
-    from mega.core.training.launch_run import train
+    try:
+        skipped = check_plugins_for_training(get_plugins(), run.training.skip_failed_plugins)
+    except PluginError as error:
+        print(f"mega train: error: {error}", file=sys.stderr)
+        return 2
+    if skipped and os.environ.get("RANK", "0") == "0":  # one warning per job, not per rank
+        print("mega train: warning: --skip-failed-plugins: training without " + "; ".join(skipped), file=sys.stderr)
+    from mega.core.training.launch_run import train  # start-up cost: torch
 
     return train(run, family)
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
+def _without_launcher_flags(argv: list[str]) -> list[str]:
+    """``argv`` for the ranks: without --nproc-per-node and --max-restarts (and their values)."""
+    flags = ("--nproc-per-node", "--max-restarts")
     out, skip = [], False
     for word in argv:
         if skip:
             skip = False
             continue
-        if word == "--nproc-per-node":
+        if word in flags:
             skip = True
             continue
-        if word.startswith("--nproc-per-node="):
+        if word.startswith(tuple(flag + "=" for flag in flags)):
             continue
         out.append(word)
     return out

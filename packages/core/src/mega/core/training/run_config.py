@@ -16,7 +16,7 @@ from mega.core.config import ConfigError
 from mega.core.kernels import KernelBackendError, Kernels, check_linear_loss
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.context_parallel import check_sequence_length
-from mega.core.plugins import PluginError
+from mega.core.plugins import PluginError, get_plugins
 from mega.core.training.config import (
     CheckpointConfig,
     DataConfig,
@@ -63,6 +63,9 @@ class RunConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
+    # The options plugins declare, by plugin name: run_config.plugins["loss_csv"] (see
+    # mega.core.plugins.options); empty where the run was not parsed from flags or TOML.
+    plugins: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -166,8 +169,6 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
     """Fail, naming the flag and what is missing, for what this installation cannot run: the
     registries (model family features, kernel backends, optimizers) are asked, nothing is assumed."""
     if plugins is None:
-        from mega.core.plugins import get_plugins
-
         plugins = get_plugins()
     family = family or plugins.models.get(run.training.model_family)
     for flag, (feature, needs, asked) in FEATURE_FLAGS.items():

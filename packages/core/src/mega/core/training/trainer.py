@@ -52,6 +52,7 @@ class RunState:
     nan_iterations: int = 0
     losses: list[float] = field(default_factory=list)
     finished: bool = False  # set when the loop ends normally; on_train_end also runs after a failure
+    exit_reason: str | None = None  # a listener's reason to save and stop now (a preemption signal...)
 
     @property
     def is_logging_rank(self) -> bool:
@@ -91,18 +92,23 @@ class Trainer:
         self.events = Events.from_callbacks(plugins, run)
         self.checkpointer = None
         if run.checkpoint.save or run.checkpoint.load:
-            # Imported here: torch.distributed.checkpoint takes a second to import.
-            from mega.core.checkpoint.checkpointer import Checkpointer
-
-            self.checkpointer = Checkpointer(run.checkpoint, self.groups, self.checkpoint_state())
+            self.checkpointer = self._checkpointer()
         if run.checkpoint.load:
             self.checkpointer.load()
 
-    def checkpoint_state(self):
-        from mega.core.checkpoint.checkpointer import TrainingState
+    def _checkpointer(self):
+        # Start-up cost: torch.distributed.checkpoint takes a second to import; a run that neither
+        # saves nor loads does not pay it.
+        from mega.core.checkpoint.checkpointer import Checkpointer, TrainingState
 
-        return TrainingState(self.chunks, self.optimizer, self.rng_tracker, self.state, self.family, self.run,
-                             self.tokenizer_spec, self.events)
+        state = TrainingState(self.chunks, self.optimizer, self.rng_tracker, self.state, self.family, self.run,
+                              whole_model_on_meta=self._whole_model_on_meta, tokenizer_spec=self.tokenizer_spec,
+                              events=self.events)
+        return Checkpointer(self.run.checkpoint, self.groups, state)
+
+    def _whole_model_on_meta(self):
+        run = self.run
+        return build_stage(self.family, run.model, parallel=run.parallel, device="meta")
 
     # -- building ---------------------------------------------------------------------------
     def _build_model_chunks(self) -> list[DistributedDataParallel]:
@@ -222,7 +228,7 @@ class Trainer:
                     state.iteration % self.run.training.eval_interval == 0 or state.iteration == train_iters
                 ):
                     hooks.on_eval(run=state, iteration=state.iteration, metrics=self.evaluate())
-                exiting = state.iteration == train_iters or bool(
+                exiting = state.iteration == train_iters or state.exit_reason is not None or bool(
                     self.run.training.exit_interval and state.iteration % self.run.training.exit_interval == 0)
                 if self.checkpointer is not None:
                     self.checkpointer.poll()
