@@ -10,6 +10,7 @@ from torch import nn
 from mega.core.kernels import Kernels
 from mega.models.attention import SelfAttention
 from mega.models.config import TransformerConfig
+from mega.models.fusions import bias_dropout_add
 from mega.models.kv_cache import KVCache, LayerKVCache
 from mega.models.mlp import MLP, fused_norm_mlp
 from mega.models.norms import build_norm, fused_norm_aliases
@@ -35,15 +36,22 @@ class TransformerLayer(nn.Module):
         self.mlp = fused_mlp if fused_mlp is not None else build_mlp(config, kernels)
         self.fused_mlp = fused_mlp is not None  # the plan then splits the MLP module whole
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+        self.bias_dropout_fusion = getattr(config, "bias_dropout_fusion", False)
         if fused or fused_mlp is not None:
             self.parameter_aliases = fused_norm_aliases(config, norm_linear=fused, norm_mlp=fused_mlp is not None)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 inference_cache: LayerKVCache | None = None) -> torch.Tensor:
         normed = self.input_layernorm(hidden) if self.input_layernorm is not None else hidden
-        hidden = hidden + self.hidden_dropout(self.self_attention(normed, position_ids, inference_cache))
+        hidden = self._dropout_add(self.self_attention(normed, position_ids, inference_cache), hidden)
         normed = self.pre_mlp_layernorm(hidden) if self.pre_mlp_layernorm is not None else hidden
-        return hidden + self.hidden_dropout(self.mlp(normed))
+        return self._dropout_add(self.mlp(normed), hidden)
+
+    def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + dropout(x)``, one kernel with --bias-dropout-fusion (mega.models.fusions)."""
+        if self.bias_dropout_fusion:
+            return bias_dropout_add(x, None, residual, self.hidden_dropout.p, self.training)
+        return residual + self.hidden_dropout(x)
 
 
 def build_mlp(config: TransformerConfig, kernels: Kernels) -> nn.Module:

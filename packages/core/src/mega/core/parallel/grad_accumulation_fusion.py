@@ -76,5 +76,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     """``nn.Linear`` through :func:`linear` (the torch kernel backend's ``linear`` component)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """``add_bias=False`` leaves the bias to the caller (a fused bias + activation)."""
+        return linear(x, self.weight, self.bias if add_bias else None)

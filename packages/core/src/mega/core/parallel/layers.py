@@ -156,12 +156,13 @@ class ColumnParallelLinear(_ShardedLinear):
         self.gather_output = gather_output
         super().__init__(in_features, out_features, group, bias, chunks, sequence_parallel, device, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """``add_bias=False`` leaves the bias to the caller (a fused bias + activation)."""
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)
-        y = self.local_linear(x, self.bias)
+        y = self.local_linear(x, self.bias if add_bias else None)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
 
