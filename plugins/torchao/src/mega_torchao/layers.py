@@ -99,9 +99,8 @@ def mm_config(config: Float8LinearConfig) -> LinearMMConfig:
         return Float8Linear(1, 1, bias=False, config=config).linear_mm_config
 
 
-class Float8ColumnParallelLinear(ColumnParallelLinear):
-    """:class:`ColumnParallelLinear` with its product in FP8. Its weight is split along the output
-    features: the weight's and the output gradient's amaxes are reduced over the tensor group."""
+class _Float8LocalProduct:
+    """Mixed into mega's parallel layers: the local product in FP8, the collectives the layer's."""
 
     def __init__(self, *args, fp8: Float8Products, **kwargs):
         super().__init__(*args, **kwargs)
@@ -110,6 +109,11 @@ class Float8ColumnParallelLinear(ColumnParallelLinear):
     def local_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = float8_matmul(x, self.weight, self.fp8)
         return y if bias is None else y + bias.to(y.dtype)
+
+
+class Float8ColumnParallelLinear(_Float8LocalProduct, ColumnParallelLinear):
+    """:class:`ColumnParallelLinear` with its product in FP8. Its weight is split along the output
+    features: the weight's and the output gradient's amaxes are reduced over the tensor group."""
 
     @classmethod
     def from_parallel(cls, layer: ColumnParallelLinear, config: Float8LinearConfig) -> Float8ColumnParallelLinear:
@@ -120,17 +124,9 @@ class Float8ColumnParallelLinear(ColumnParallelLinear):
         return _holding_parameters_of(layer, new)
 
 
-class Float8RowParallelLinear(RowParallelLinear):
+class Float8RowParallelLinear(_Float8LocalProduct, RowParallelLinear):
     """:class:`RowParallelLinear` with its product in FP8. Its weight and input are split along
     the input features: their amaxes are reduced over the tensor group."""
-
-    def __init__(self, *args, fp8: Float8Products, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.fp8 = fp8
-
-    def local_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = float8_matmul(x, self.weight, self.fp8)
-        return y if bias is None else y + bias.to(y.dtype)
 
     @classmethod
     def from_parallel(cls, layer: RowParallelLinear, config: Float8LinearConfig) -> Float8RowParallelLinear:
