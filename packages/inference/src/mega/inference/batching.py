@@ -43,6 +43,13 @@ class Job:
         for request in self.requests:
             request.cancelled = True
 
+    def expire(self, error: BaseException) -> None:
+        """On the event loop: past its deadline, the job ends with ``error`` and its sequences
+        leave the batch at the next step."""
+        if not self.done.done():
+            self.cancel()
+            self._failed(error)
+
     @property
     def cancelled(self) -> bool:
         return all(request.cancelled for request in self.requests)

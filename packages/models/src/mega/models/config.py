@@ -16,6 +16,10 @@ from typing import Literal
 
 from mega.core.config.options import option
 
+# The MLP activations: what the torch kernel backend (and so every --activation-backend) offers
+# for an ungated MLP, and SwiGLU (gated: fc1 holds [gate; up], as --swiglu).
+MLP_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "swiglu")
+
 
 class ModelConfigError(ValueError):
     """A model config that cannot be built; the message names the flags and the numbers."""
@@ -63,6 +67,9 @@ class TransformerConfig:
     layernorm_epsilon: float = option(1e-5, "norm epsilon", flag="--norm-epsilon")
     swiglu: bool = option(False, "SwiGLU MLP instead of GELU")
     openai_gelu: bool = option(False, "GELU with the tanh approximation (GPT-2's gelu_new)")
+    squared_relu: bool = option(False, "squared ReLU MLP activation, relu(x)^2")
+    activation: str | None = option(None, "MLP activation; default gelu, or what --swiglu / --squared-relu / "
+                                    "--openai-gelu (gelu_tanh) say", choices=MLP_ACTIVATIONS)
     add_bias_linear: bool = option(True, "no biases in linear layers", flag="--disable-bias-linear")
     add_qkv_bias: bool = option(False, "bias in the QKV projection even without other linear biases")
     untie_embeddings_and_output_weights: bool = option(False, "separate output layer weights")
@@ -89,13 +96,16 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         derived = {}
+        if self.activation == "swiglu":
+            derived["swiglu"] = True  # the gated layout (fc1 [gate; up]) every size and plan reads
         if self.kv_channels is None and self.num_attention_heads > 0:
             derived["kv_channels"] = self.hidden_size // self.num_attention_heads
         if self.num_query_groups is None:
             derived["num_query_groups"] = self.num_attention_heads
         if self.ffn_hidden_size is None:
             ffn = 4 * self.hidden_size
-            derived["ffn_hidden_size"] = int(ffn * 2 / 3 / 64) * 64 if self.swiglu else ffn
+            gated = derived.get("swiglu", self.swiglu)
+            derived["ffn_hidden_size"] = int(ffn * 2 / 3 / 64) * 64 if gated else ffn
         if self.max_position_embeddings is None:
             derived["max_position_embeddings"] = self.seq_length
         for name, value in derived.items():
@@ -118,6 +128,7 @@ class TransformerConfig:
         else:
             need(self.kv_channels % 2 == 0, f"RoPE needs an even head size, got --kv-channels {self.kv_channels}")
         need_dropout_probabilities(self)
+        self._validate_activation()
         self._validate_recompute()
         if tp > 1:
             need(heads % tp == 0, f"--num-attention-heads {heads} is not divisible by "
@@ -126,6 +137,29 @@ class TransformerConfig:
                  f"--tensor-model-parallel-size {tp} (each rank must hold whole key/value groups)")
             need(self.ffn_hidden_size % tp == 0, f"--ffn-hidden-size {self.ffn_hidden_size} is not "
                  f"divisible by --tensor-model-parallel-size {tp}")
+
+    @property
+    def mlp_activation(self) -> str:
+        """The MLP's activation, by the name kernel backends give it (``--activation``, else the flags)."""
+        if self.activation is not None:
+            return self.activation
+        if self.swiglu:
+            return "swiglu"
+        if self.squared_relu:
+            return "squared_relu"
+        return "gelu_tanh" if self.openai_gelu else "gelu"
+
+    def _validate_activation(self) -> None:
+        need(self.activation in (None, *MLP_ACTIVATIONS),
+             f"--activation must be one of {', '.join(MLP_ACTIVATIONS)}, got {self.activation!r}")
+        flags = {"--swiglu": ("swiglu", self.swiglu), "--squared-relu": ("squared_relu", self.squared_relu),
+                 "--openai-gelu": ("gelu_tanh", self.openai_gelu)}
+        chosen = {flag: name for flag, (name, on) in flags.items() if on}
+        if self.activation is not None:
+            chosen["--activation"] = self.activation
+        need(len(set(chosen.values())) <= 1,
+             "the MLP has one activation, these flags ask for several: "
+             + ", ".join(f"{flag} ({name})" for flag, name in chosen.items()))
 
     def _validate_recompute(self) -> None:
         granularity, method, count = self.recompute_granularity, self.recompute_method, self.recompute_num_layers

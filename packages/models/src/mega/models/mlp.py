@@ -1,4 +1,5 @@
-"""The feed-forward block: GELU (exact or tanh-approximated) or SwiGLU.
+"""The feed-forward block: GELU (exact or tanh-approximated), ReLU, squared ReLU or SwiGLU
+(``config.mlp_activation``, from ``--activation`` or Megatron's flags).
 
 With SwiGLU ``linear_fc1`` holds the gate and up projections stacked ``[gate; up]`` (Megatron's
 layout); tensor parallelism splits each half on its own, so ``chunk(2)`` separates them on a
@@ -24,9 +25,7 @@ from mega.models.norms import input_linear
 
 
 def activation_name(config: TransformerConfig) -> str:
-    if config.swiglu:
-        return "swiglu"
-    return "gelu_tanh" if config.openai_gelu else "gelu"
+    return config.mlp_activation
 
 
 def fused_norm_mlp(config: TransformerConfig, kernels: Kernels) -> nn.Module | None:

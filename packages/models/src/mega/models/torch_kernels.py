@@ -76,6 +76,7 @@ def activation(name: str):
         "gelu": F.gelu,
         "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
         "relu": F.relu,
+        "squared_relu": lambda x: F.relu(x).square(),  # Megatron's --squared-relu
         "swiglu": _SwiGLU.apply,
         "geglu": lambda x: F.gelu(x.chunk(2, dim=-1)[0]) * x.chunk(2, dim=-1)[1],
     }

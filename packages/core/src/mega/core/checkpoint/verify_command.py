@@ -8,6 +8,7 @@ a damaged newest one is worth knowing about before an older one is pruned).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "or a --save directory (every checkpoint in it). Exit 0 when all are intact, 1 otherwise.",
     )
     parser.add_argument("directory", metavar="DIR")
+    parser.add_argument("--json", action="store_true",
+                        help="print the result as JSON: every checkpoint's path, intact, error")
     return parser
 
 
@@ -53,15 +56,32 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     checkpoints = checkpoints_in(directory)
     if not checkpoints:
-        print(f"mega checkpoint verify: {directory} holds no mega checkpoint", file=sys.stderr)
+        print(f"mega checkpoint verify: {directory} {_held_instead(directory)}", file=sys.stderr)
         return 1
-    damaged = 0
+    results = []
     for checkpoint in checkpoints:
         try:
             check(checkpoint)
-            print(f"ok       {checkpoint}")
+            results.append({"path": str(checkpoint), "intact": True, "error": None})
         except CheckpointError as error:
-            damaged += 1
-            print(f"DAMAGED  {checkpoint}: {error}")
-    print(f"{len(checkpoints) - damaged} of {len(checkpoints)} checkpoint(s) intact")
-    return 1 if damaged else 0
+            results.append({"path": str(checkpoint), "intact": False, "error": str(error)})
+    intact = sum(result["intact"] for result in results)
+    if args.json:
+        print(json.dumps({"directory": str(directory), "intact": intact, "checkpoints": results}, indent=2))
+    else:
+        for result in results:
+            print(f"ok       {result['path']}" if result["intact"] else f"DAMAGED  {result['path']}: {result['error']}")
+        print(f"{intact} of {len(results)} checkpoint(s) intact")
+    return 0 if intact == len(results) else 1
+
+
+def _held_instead(directory: Path) -> str:
+    """What a directory without a mega checkpoint holds, as far as the checkpoint formats tell."""
+    from mega.core.checkpoint.foreign import foreign_format
+
+    other = foreign_format(directory, capability="describe")
+    if other is None:
+        return "holds no mega checkpoint"
+    name = getattr(other, "name", type(other).__name__)
+    return (f"holds a {name} checkpoint, not a mega one: only mega checkpoints record the checksums this "
+            "checks (`mega checkpoint info` describes it)")

@@ -162,12 +162,22 @@ def check_plugins() -> list[Check]:
     failed = plugins.failed()
     if failed:
         checks.append(Check("plugins", FAIL, "; ".join(f"{i.name} ({i.distribution}): {i.error}" for i in failed),
-                            "reinstall the named distribution or disable it with MEGA_DISABLE_PLUGINS"))
+                            "reinstall the named distribution (pip install -c constraints.txt ..., as the README "
+                            "installs) or disable it with MEGA_DISABLE_PLUGINS; MEGA_PLUGIN_TRACEBACKS=1 shows why"))
     else:
         checks.append(Check("plugins", PASS, f"{len(plugins.infos)} loaded: " + ", ".join(i.name for i in plugins.infos)))
+    for info in plugins.contested():
+        # The newcomer is the one to disable: the name worked before it was installed.
+        checks.append(Check("plugin names", FAIL, "; ".join(info.duplicates),
+                            f"disable the newcomer: MEGA_DISABLE_PLUGINS={info.name} "
+                            f"(or pip uninstall {info.distribution})"))
     backends = []
     for name in plugins.kernel_backends.names():
-        backend = plugins.kernel_backends.get(name)
+        try:
+            backend = plugins.kernel_backends.get(name)
+        except Exception as error:  # a broken or contested backend must not hide the others
+            backends.append(f"{name}: ERROR {error}")
+            continue
         available, missing = backend.is_available()
         kinds = ",".join(sorted(getattr(backend, "kinds", ()))) or "?"
         backends.append(f"{name} ({kinds}): " + ("available" if available else f"unavailable ({missing})"))

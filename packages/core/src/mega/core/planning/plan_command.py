@@ -17,6 +17,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from mega.core.cli.argparser import CommandParser
 from mega.core.config import ConfigError
 from mega.core.plugins import PluginError
 
@@ -25,12 +26,12 @@ DEFAULT_MFU = 0.45  # about what mega reached for GPT 1.3B on one H100 (docs/ben
 
 
 def _machine_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega plan", add_help=False,
         description="Memory per GPU (weights, gradients, optimizer state, activations) per pipeline stage, "
                     "FLOPs and estimated step time of a `mega train` run; --search lists layouts that fit. "
                     "Takes every `mega train` flag (see `mega train --help`) plus these.")
-    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    parser.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
     parser.add_argument("--world-size", "--gpus", type=int, dest="world_size",
                         help="GPUs in the run (default: tp x pp x cp, one data-parallel replica)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80, an H100)")

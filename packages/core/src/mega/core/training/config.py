@@ -30,6 +30,12 @@ class TrainingConfig:
     exit_interval: int | None = option(
         None, "stop after an iteration divisible by N (saving a checkpoint first under --save)"
     )
+    exit_duration_in_mins: float | None = option(
+        None, "save a checkpoint and exit 0 once the run has lasted this long (a job's time limit)")
+    exit_signal_handler: bool = option(
+        False, "on --exit-signal (a scheduler's preemption notice): finish the iteration, save, exit 0")
+    exit_signal: Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"] = option(
+        "SIGTERM", "the signal --exit-signal-handler acts on")
     seed: int = option(1234, "random seed")
     distributed_timeout_minutes: float = option(
         10, "end the job when a collective does not complete within this time (a hung or stopped rank)"
@@ -42,6 +48,8 @@ class TrainingConfig:
     use_mcore_models: bool = option(False, "accepted for Megatron compatibility; has no effect")
     recompute_activations: bool = option(False, "Megatron's shorthand for --recompute-granularity selective")
     group_query_attention: bool = option(False, "accepted for Megatron compatibility; --num-query-groups sets the groups")
+    skip_failed_plugins: bool = option(False, "train although a plugin failed to load or a callback does not import "
+                                       "(they take no part); without it mega train stops before training, naming them")
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "train_iters", "eval_interval"):
@@ -49,6 +57,8 @@ class TrainingConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.eval_iters < 0:
             raise ValueError(f"--eval-iters must be >= 0, got {self.eval_iters}")
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ValueError(f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}")
 
 
 @dataclass
@@ -134,6 +144,9 @@ class CheckpointConfig:
     load_optim: bool = option(True, "do not load the optimizer state", flag="--no-load-optim")
     load_rng: bool = option(True, "do not load the RNG states", flag="--no-load-rng")
     finetune: bool = option(False, "load weights only and start at iteration 0")
+    allow_unused_tensors: bool = option(False, "--load of a foreign checkpoint (Megatron-LM, Hugging Face): "
+                                        "leave out, with a warning, tensors its model does not use instead of "
+                                        "refusing it")
     ckpt_format: Literal["torch_dist"] = option("torch_dist", "checkpoint format")
     keep_last: int | None = option(None, "keep only the K newest checkpoints")
     async_save: bool = option(False, "write checkpoints in the background")
@@ -152,6 +165,13 @@ class LoggingConfig:
     profile_step_end: int = option(12, "iteration after the last profiled one")
     profile_dir: str = option("profiles", "directory for --profile's Chrome traces (one per rank)")
     pipeline_timeline: str | None = option(None, "write a Chrome trace of the pipeline schedule here")
+    wandb_project: str | None = option(None, "log the run to this Weights & Biases project (needs wandb; "
+                                       "WANDB_MODE=offline writes it locally)")
+    wandb_exp_name: str | None = option(None, "the W&B run's name")
+    wandb_save_dir: str | None = option(None, "where W&B writes its files (default: --save/wandb, else ./wandb)")
+    log_straggler: bool = option(False, "every --log-interval, name the ranks whose step is slowest, with their "
+                                 "ratio to the median")
+    straggler_minmax_count: int = option(1, "how many of the slowest (and fastest) ranks --log-straggler names")
 
 
 @dataclass

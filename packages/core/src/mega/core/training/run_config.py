@@ -64,6 +64,9 @@ class RunConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
+    # The options plugins declare, by plugin name: run_config.plugins["loss_csv"] (see
+    # mega.core.plugins.options); empty where the run was not parsed from flags or TOML.
+    plugins: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class RunState:
     nan_iterations: int = 0
     losses: list[float] = field(default_factory=list)
     finished: bool = False  # set when the loop ends normally; on_train_end also runs after a failure
+    exit_reason: str | None = None  # a listener's reason to save and stop now (a preemption signal...)
 
     @property
     def is_logging_rank(self) -> bool:
@@ -229,7 +230,7 @@ class Trainer:
                     state.iteration % self.run.training.eval_interval == 0 or state.iteration == train_iters
                 ):
                     hooks.on_eval(run=state, iteration=state.iteration, metrics=self.evaluate())
-                exiting = state.iteration == train_iters or bool(
+                exiting = state.iteration == train_iters or state.exit_reason is not None or bool(
                     self.run.training.exit_interval and state.iteration % self.run.training.exit_interval == 0)
                 if self.checkpointer is not None:
                     self.checkpointer.poll()
