@@ -65,3 +65,22 @@ def test_the_mlp_with_its_bias_fused_equals_the_unfused_mlp(swiglu):
     assert fused.bias_activation is not None and unfused.bias_activation is None
     (x,) = _inputs((4, 2, 16))
     _assert_same(fused(x), unfused(x), [x])
+
+
+def test_the_compiled_fusions_on_a_gpu_equal_the_unfused_forms():
+    """CUDA only (skipped on the CPU): the functions as compiled there (inductor), fp32; 1e-5
+    since a compiled reduction may sum in another order."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here: the fusions compile only for GPU tensors")
+    x, bias, residual = (t.detach().cuda().requires_grad_() for t in _inputs((6, 2, 32), (32,), (6, 2, 32)))
+    labels = torch.randint(0, 30, (6, 2), device="cuda")
+    checks = [(fusions.bias_gelu(x, bias), F.gelu(x + bias), [x, bias]),
+              (fusions.bias_swiglu(x, bias), torch_kernels.activation("swiglu")(x + bias), [x, bias]),
+              (fusions.bias_dropout_add(x, bias, residual, 0.1, False), residual + x + bias, [x, bias, residual]),
+              (fusions.cross_entropy(x, labels, 30), cross_entropy(x, labels, None, 30), [x])]
+    for fused, unfused, inputs in checks:
+        torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
+        grad = torch.ones_like(fused)
+        for a, b in zip(torch.autograd.grad(fused, inputs, grad), torch.autograd.grad(unfused, inputs, grad),
+                        strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
