@@ -1,6 +1,6 @@
 """FP8 training through torchao's float8, with the real library on the CPU (torch._scaled_mm
-has a CPU kernel); every test here runs on the CPU, on a machine with a GPU too (the multi-rank
-runs and their one-process references run on gloo ranks).
+has a CPU kernel); every test here runs on the CPU, on a machine with a GPU too: training runs
+on gloo ranks (a world of one for one process), the layer checks on CPU tensors.
 
 What the numbers are compared with: torchao's own ``Float8Linear`` (mega's FP8 column/row
 layers compute its products bit for bit at tp1), the bf16 run (FP8 losses within 2% at every
@@ -22,6 +22,8 @@ FAMILIES = {
     "gpt": ["--model-family", "gpt", "--model-preset", "tiny"],
     "llama": ["--model-family", "llama", "--model-preset", "tiny", "--num-query-groups", "2", "--ffn-hidden-size", "64"],
 }
+# A world's call may take this long: 100 steps on a loaded 2-core machine (the default is 120 s).
+LONG_RUN_S = 900
 FP8 = {"gpt": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
        "llama": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]}
 
@@ -59,11 +61,11 @@ def test_parallel_layers_compute_torchaos_float8_linear_at_tp1(recipe, fp8_forma
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_tiny_models_train_50_steps_in_fp8_within_2_percent_of_bf16(family):
-    """CPU, one process. Largest gap measured: 0.11% (GPT, tensorwise hybrid) and 0.05%
-    (LLaMA, rowwise e4m3) of the bf16 loss."""
+def test_tiny_models_train_50_steps_in_fp8_within_2_percent_of_bf16(worlds, family):
+    """CPU (a gloo world of one). Largest gap measured: 0.11% (GPT, tensorwise hybrid) and
+    0.05% (LLaMA, rowwise e4m3) of the bf16 loss."""
     argv = TINY + FAMILIES[family] + ["--bf16", "--train-iters", "50", "--global-batch-size", "2"]
-    bf16, fp8 = train_losses(argv), train_losses(argv + FP8[family])
+    bf16, fp8 = worlds.run(1, train_each, [argv, argv + FP8[family]], timeout_s=LONG_RUN_S)[0]
     gaps = [abs(a - b) / b for a, b in zip(fp8, bf16, strict=True)]
     assert max(gaps) < 0.02, f"largest gap {max(gaps):.2%} at step {gaps.index(max(gaps)) + 1}"
     assert fp8 != bf16 and fp8[-1] < fp8[0] - 0.5
@@ -86,29 +88,30 @@ def test_every_layout_equals_the_one_process_fp8_run(worlds, family):
     """gloo ranks on the CPU (the reference too: a world of one). fp32 parameters, FP8 products;
     the amaxes of split operands are reduced over the tensor group, so tp scales as one process."""
     base = TINY + FAMILIES[family] + FP8[family] + ["--train-iters", "3", "--num-layers", "4"]
-    reference = worlds.run(1, train_losses, base)[0]
-    results = worlds.run(2, train_each, [base + extra for extra in LAYOUTS.values()])
+    reference = worlds.run(1, train_losses, base, timeout_s=LONG_RUN_S)[0]
+    results = worlds.run(2, train_each, [base + extra for extra in LAYOUTS.values()], timeout_s=LONG_RUN_S)
     for index, layout in enumerate(LAYOUTS):
         assert results[0][index] == results[1][index], layout
         assert_losses_close(results[0][index], reference, layout, LAYOUT_TOLERANCE[layout])
 
 
-def test_checkpoints_move_between_fp8_and_bf16_runs(tmp_path):
-    """CPU, one process. An FP8 run's checkpoint continues in bf16, whose checkpoint continues in
-    FP8; each continuation stays within 2% of the uninterrupted bf16 run."""
+def test_checkpoints_move_between_fp8_and_bf16_runs(worlds, tmp_path):
+    """CPU (a gloo world of one). An FP8 run's checkpoint continues in bf16, whose checkpoint
+    continues in FP8; each continuation stays within 2% of the uninterrupted bf16 run."""
     argv = TINY + FAMILIES["llama"] + ["--bf16", "--global-batch-size", "2"]
     fp8 = FP8["gpt"]
-    straight = train_losses(argv + ["--train-iters", "6"])
-    first = train_losses(argv + fp8 + ["--train-iters", "2", "--save", str(tmp_path / "a")])
-    second = train_losses(argv + ["--train-iters", "4", "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b")])
-    third = train_losses(argv + fp8 + ["--train-iters", "6", "--load", str(tmp_path / "b")])
+    straight, first, second, third = worlds.run(1, train_each, [
+        argv + ["--train-iters", "6"],
+        argv + fp8 + ["--train-iters", "2", "--save", str(tmp_path / "a")],
+        argv + ["--train-iters", "4", "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b")],
+        argv + fp8 + ["--train-iters", "6", "--load", str(tmp_path / "b")]], timeout_s=LONG_RUN_S)[0]
     assert len(second) == len(third) == 2
     for got, want in zip(first + second + third, straight, strict=True):
         assert abs(got - want) < 0.02 * want
 
 
 def test_the_pass_keeps_the_output_layer_and_outer_layers_and_refuses_by_name():
-    """CPU. What apply_fp8 converts, and the flags' refusals."""
+    """CPU (no tensor is run). What apply_fp8 converts, and the flags' refusals."""
     from mega_torchao.fp8 import apply_fp8, float8_config
 
     from mega.core.build import build_stage
@@ -117,7 +120,7 @@ def test_the_pass_keeps_the_output_layer_and_outer_layers_and_refuses_by_name():
     from mega.core.training.run_config import derive
 
     run, family = parse_run(TINY + FAMILIES["llama"] + ["--num-layers", "4", "--untie-embeddings-and-output-weights"])
-    stage = build_stage(family, run.model)
+    stage = build_stage(family, run.model, device="cpu")
     report = apply_fp8(stage, float8_config("hybrid", "tensorwise"), num_layers=4, layers_at_start=1, layers_at_end=1)
     assert sorted(report.kept) == ["decoder.layers.0.mlp.linear_fc1", "decoder.layers.0.mlp.linear_fc2",
                                    "decoder.layers.0.self_attention.linear_proj",
