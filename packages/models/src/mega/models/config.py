@@ -9,6 +9,7 @@ concrete sizes; ``dataclasses.replace`` keeps derived values unless they are rep
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -75,6 +76,15 @@ class TransformerConfig:
     softmax_scale: float | None = option(None, "attention softmax scale; default 1/sqrt(kv_channels)")
 
     # Initialisation and regularisation.
+    bias_gelu_fusion: bool = option(True, "add fc1's bias inside the GELU kernel (compiled on a GPU)",
+                                    action=argparse.BooleanOptionalAction)
+    bias_swiglu_fusion: bool = option(True, "add fc1's bias inside the SwiGLU kernel (compiled on a GPU)",
+                                      action=argparse.BooleanOptionalAction)
+    bias_dropout_fusion: bool = option(True, "dropout and the residual add in one kernel (compiled on a GPU "
+                                       "where dropout is off)", action=argparse.BooleanOptionalAction)
+    cross_entropy_loss_fusion: bool = option(False, "cross-entropy from the logits without an fp32 copy of them "
+                                             "(compiled on a GPU; a vocabulary split by tensor parallelism "
+                                             "keeps the vocab-parallel loss)")
     init_method_std: float = option(0.02, "std of the normal weight initialisation")
     hidden_dropout: float = option(0.1, "residual dropout")
     attention_dropout: float = option(0.1, "attention-probability dropout")
