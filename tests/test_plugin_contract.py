@@ -114,6 +114,12 @@ for label, registry, name in (("tokenizer", plugins.tokenizers, "BrokenTokenizer
         registry.get(name)
     except KeyError as error:
         results[label] = (2, "", str(error))
+import tempfile
+from mega.ckpt_convert import open_checkpoint
+try:
+    open_checkpoint(tempfile.mkdtemp())
+except Exception as error:
+    results["checkpoint detection"] = (2, "", str(error))
 print(json.dumps(results))
 """
 
@@ -162,6 +168,7 @@ def test_a_plugin_that_fails_to_import_is_named_at_each_point_of_use(cli):
     for kind, name in (("tokenizer", "BrokenTokenizer"), ("kernel backend", "broken-norm"),
                        ("checkpoint format", "broken-format")):
         assert cli[kind][2].startswith(f"no {kind} '{name}'; {BROKEN}"), cli[kind]
+    assert f"is not a checkpoint of a known format (hf, mega, megatron, my-checkpoint-format); name it with --from; {BROKEN}" in cli["checkpoint detection"][2]
     # The traceback, on request.
     assert "Traceback" not in error and "MEGA_PLUGIN_TRACEBACKS=1 shows the traceback" in error
     traced = cli["command traced"][2]

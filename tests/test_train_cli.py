@@ -155,9 +155,9 @@ def test_help_without_a_model_family_installed_still_helps():
                            capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     assert "--tensor-model-parallel-size" in shown.stdout and "--hidden-size HIDDEN" not in shown.stdout
-    assert "install mega-models (pip install -e packages/models" in shown.stdout
+    assert "install mega-models (pip install -c constraints.txt -e packages/models" in shown.stdout
     refused = subprocess.run([sys.executable, "-m", "mega.core.cli.main", "train", "--mock-data"], env=env,
                              capture_output=True, text=True)
     assert refused.returncode == 2
     assert refused.stderr == ("mega train: error: no model family is installed ('gpt' was asked for): "
-                              "install mega-models (pip install -e packages/models, from the mega repository)\n")
+                              "install mega-models (pip install -c constraints.txt -e packages/models, from the mega repository)\n")

@@ -186,3 +186,31 @@ def test_command_registration_roundtrip():
     command = Command(help="say hi", main=lambda argv: 0)
     plugins = load_plugins(environ={}, extra=[("x", make_plugin(register_commands=[("hi", command)]))])
     assert plugins.commands.get("hi") is command
+
+
+def test_plugin_options_become_sections_and_a_taken_flag_fails_the_plugin_not_the_others():
+    import dataclasses
+
+    from mega.core.config import option
+    from mega.core.plugins.options import option_sections
+
+    @dataclasses.dataclass
+    class Good:
+        loss_csv_path: str | None = option(None, "where")
+
+    @dataclasses.dataclass
+    class Clashing:
+        lr: float = option(1.0, "a flag the core has")
+
+    def plugin(options):
+        @hookimpl
+        def register_callbacks(register):
+            register("cb", lambda run_config: None, options=options)
+        return types.SimpleNamespace(register_callbacks=register_callbacks)
+
+    plugins = load_plugins(environ={"MEGA_LOAD_PLUGINS": ""},
+                           extra=[("good", plugin(Good)), ("clash", plugin(Clashing))])
+    sections = option_sections(plugins, taken_flags={"--lr"}, taken_sections={"training"})
+    assert sections == {"good": (Good, "plugin good ((local))")}
+    clash = next(info for info in plugins.infos if info.name == "clash")
+    assert clash.error == "its options: --lr (Clashing.lr) is a flag mega train already has"

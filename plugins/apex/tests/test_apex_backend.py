@@ -110,7 +110,7 @@ def test_fused_adam_follows_megatrons_adam(monkeypatch):
 def test_is_available_names_what_is_missing(monkeypatch):
     if importlib.util.find_spec("apex") is None:
         usable, missing = ApexNorms().is_available()
-        assert not usable and missing.startswith("apex is not installed (pip install -v --no-build-isolation")
+        assert not usable and missing.startswith("apex is not installed (pip install -c constraints.txt -v --no-build-isolation")
         with pytest.raises(RuntimeError, match="--optimizer apex-adam needs apex is not installed"):
             FusedAdamFactory()([], None)
     standin.install(monkeypatch)

@@ -157,7 +157,7 @@ def test_block_attention_equals_torch_reference(setup, case):
 def test_is_available_names_what_is_missing(monkeypatch):
     if importlib.util.find_spec("flash_attn") is None:
         usable, missing = FlashAttnBackend().is_available()
-        assert not usable and missing == "flash-attn >= 2.7 is not installed (pip install flash-attn --no-build-isolation)"
+        assert not usable and missing == "flash-attn >= 2.7 is not installed (pip install -c constraints.txt flash-attn --no-build-isolation)"
     fa2 = standin.install(monkeypatch)
     assert FlashAttnBackend(gpu=FixedGPU((8, 0))).is_available() == (True, "")
     usable, missing = FlashAttnBackend(gpu=FixedGPU((7, 5))).is_available()
@@ -167,7 +167,7 @@ def test_is_available_names_what_is_missing(monkeypatch):
             False, "a CUDA GPU of compute capability >= 8.0 (torch sees no CUDA device)")
     fa2.__version__ = "2.5.8"
     assert FlashAttnBackend(gpu=FixedGPU()).is_available() == (
-        False, "flash-attn >= 2.7 is needed, flash-attn 2.5.8 is installed (pip install flash-attn --no-build-isolation)")
+        False, "flash-attn >= 2.7 is needed, flash-attn 2.5.8 is installed (pip install -c constraints.txt flash-attn --no-build-isolation)")
 
 
 def test_mega_train_without_the_library_fails_in_one_line_naming_it(capsys):

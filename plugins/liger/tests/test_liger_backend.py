@@ -165,7 +165,7 @@ def test_fused_linear_cross_entropy_refusals(monkeypatch):
 def test_is_available_names_what_is_missing(monkeypatch):
     if importlib.util.find_spec("liger_kernel") is None:
         assert LigerBackend().is_available() == (False, "liger-kernel >= 0.5.3 is not installed "
-                                                        "(pip install 'liger-kernel >= 0.5.3')")
+                                                        "(pip install -c constraints.txt 'liger-kernel >= 0.5.3')")
     functional = standin.install(monkeypatch)
     assert LigerBackend(gpu=FixedGPU((7, 0))).is_available() == (True, "")
     if not torch.cuda.is_available():
@@ -173,7 +173,7 @@ def test_is_available_names_what_is_missing(monkeypatch):
             False, "a CUDA GPU of compute capability >= 7.0 (torch sees no CUDA device)")
     monkeypatch.setattr(importlib.import_module("liger_kernel"), "__version__", "0.5.2")
     assert LigerBackend(gpu=FixedGPU()).is_available() == (
-        False, "liger-kernel >= 0.5.3 is needed, liger-kernel 0.5.2 is installed (pip install 'liger-kernel >= 0.5.3')")
+        False, "liger-kernel >= 0.5.3 is needed, liger-kernel 0.5.2 is installed (pip install -c constraints.txt 'liger-kernel >= 0.5.3')")
     assert functional.calls == {}
 
 
@@ -242,7 +242,7 @@ def test_mega_plugins_shows_each_kernel_backend_and_whether_it_is_usable(capsys)
     assert rows["torch"].endswith("  yes")
     assert "activation, linear_loss, norm, rotary" in rows["liger"]
     if importlib.util.find_spec("liger_kernel") is None:
-        assert rows["liger"].endswith("no: liger-kernel >= 0.5.3 is not installed (pip install 'liger-kernel >= 0.5.3')")
+        assert rows["liger"].endswith("no: liger-kernel >= 0.5.3 is not installed (pip install -c constraints.txt 'liger-kernel >= 0.5.3')")
 
 
 def test_the_fused_loss_across_pipeline_stages_equals_one_process():

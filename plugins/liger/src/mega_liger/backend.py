@@ -27,7 +27,7 @@ class LigerBackend:
             lambda: package_problem("liger_kernel", "liger-kernel", MINIMUM_VERSION),
             # The functions mega calls; importing them imports triton.
             lambda: package_problem("liger_kernel.transformers.functional", "liger-kernel", None,
-                                    f"pip install 'liger-kernel >= {MINIMUM_VERSION}' triton"),
+                                    f"pip install -c constraints.txt 'liger-kernel >= {MINIMUM_VERSION}' triton"),
             lambda: self.gpu.problem(MINIMUM_CAPABILITY),
         )
 

@@ -13,6 +13,8 @@ import importlib.metadata
 import re
 from typing import Protocol
 
+from mega.core.plugins.install_hint import pip_install
+
 
 def version_tuple(version: str) -> tuple[int, ...]:
     """``"2.7.4.post1"`` -> ``(2, 7, 4)``: the leading release numbers, enough to compare."""
@@ -35,7 +37,7 @@ def package_problem(module: str, distribution: str, minimum: str | None = None, 
     """"" when ``module`` imports (at ``minimum`` or newer), else what is missing: the
     distribution, the version needed, and how to install it."""
     needed = f"{distribution} >= {minimum}" if minimum else distribution
-    how = install or f"pip install '{needed}'"
+    how = install or pip_install(f"'{needed}'")
     try:
         imported = importlib.import_module(module)
     except ImportError as error:

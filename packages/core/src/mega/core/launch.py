@@ -272,8 +272,25 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> bo
             raise RuntimeError(f"{name} is not set: export it (torchrun sets it; under SLURM the job script must)")
     global _collective_timeout
     _collective_timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, rank=env["rank"], world_size=env["world_size"], timeout=_collective_timeout)
+    dist.init_process_group(backend, rank=env["rank"], world_size=env["world_size"], timeout=_collective_timeout,
+                            store=_attempt_store(env["world_size"], _collective_timeout))
     return True
+
+
+def _attempt_store(world_size: int, timeout: timedelta):
+    """Under torch's elastic agent (torchrun, ``--max-restarts``), the agent's store, with the keys
+    of this attempt under a prefix of their own; None elsewhere (torch makes the store).
+
+    The agent keeps one store for every attempt of a job, so a restarted rank would read the
+    addresses its failed predecessors wrote there (gloo then connects to ports nobody listens on)."""
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"mega/attempt_{attempt}", store)
 
 
 _collective_timeout: timedelta | None = None

@@ -84,6 +84,11 @@ class HFMapping:
     * ``optional``: regular expressions of Hugging Face tensors a directory may lack (the heads
       a bare base model has not); a map all of whose tensors are absent is initialised by the
       family's ``init_parameter`` instead, and the converter says so.
+    * ``copies(config) -> {name: name it repeats}``: tensors a directory may hold twice (a tied
+      output layer beside the embedding), by Hugging Face name; read, each must equal the other.
+    * ``buffers(config) -> {name: tensor}``: the non-parameter buffers some transformers versions
+      saved (position ids, causal masks), as transformers computes them; read, each must equal
+      its value. Copies and buffers a directory held are written back when it round-trips.
     """
 
     architecture: str
@@ -95,6 +100,8 @@ class HFMapping:
     ignored: tuple[str, ...] = ()
     also_reads: tuple[str, ...] = ()
     optional: tuple[str, ...] = ()
+    copies: Callable[[Any], dict[str, str]] | None = None
+    buffers: Callable[[Any], dict[str, Any]] | None = None
 
 
 class ModelConfig(Protocol):

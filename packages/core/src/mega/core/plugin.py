@@ -96,6 +96,11 @@ def register_callbacks(register):
         description="names the slowest ranks and their ratio to the median every --log-interval (--log-straggler)",
     )
     register(
+        "restart-progress",
+        "mega.core.training.in_job_restart:progress_file",
+        description="rank 0's last finished iteration, for --max-restarts' report of the iterations a failure cost",
+    )
+    register(
         "profiler",
         "mega.core.training.profiler:step_profiler",
         description="torch.profiler Chrome trace of chosen iterations (--profile)",

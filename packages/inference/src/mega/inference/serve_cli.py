@@ -50,6 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "request is admitted once its prompt and max tokens fit (default: --max-batch-size "
                             "times the model's positions); with the static KV cache, a slot of the model's "
                             "positions per sequence")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="continuous batching on the paged KV cache: keep the cache blocks of prompts' full "
+                            "16-token blocks, keyed by the hash of their prefix, and share them with later prompts "
+                            "that start the same (those prefill only the rest; least recently used blocks are "
+                            "evicted when room is needed). Default: on wherever the paged cache runs")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                       help="continuous batching: tokens one engine step computes at most (one per decoding "
+                            "sequence, the rest prompt tokens), so long prompts are prefilled in chunks between "
+                            "decode steps; at least --max-batch-size (default: each prompt prefilled whole)")
     add_decoding_arguments(group, "with continuous batching (the paged cache's place; without --max-num-tokens "
                                   "when on by default)")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -74,10 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.static_kv_cache and args.batching == "lockstep":
         parser.error("--static-kv-cache runs with continuous batching, not --batching lockstep")
-    for flag in ("max_batch_size", "max_num_tokens", "max_model_len", "max_request_bytes", "request_timeout"):
+    for flag in ("max_batch_size", "max_num_tokens", "max_model_len", "max_request_bytes", "request_timeout",
+                 "max_num_batched_tokens"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise SystemExit(f"mega serve: error: --{flag.replace('_', '-')} must be positive, got {value}")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.max_batch_size:
+        parser.error(f"--max-num-batched-tokens {args.max_num_batched_tokens} must be at least --max-batch-size "
+                     f"{args.max_batch_size} (every running sequence decodes a token per step)")
+    if args.enable_prefix_caching and args.static_kv_cache:
+        parser.error("--enable-prefix-caching shares paged KV cache blocks: not with --static-kv-cache")
     if is_encoder_checkpoint(args.load):  # an encoder serves POST /v1/embeddings instead
         return serve_embeddings(args)
     import uvicorn
@@ -107,9 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     except GenerationError as error:
         lead(None, setup.tp_group)  # the other ranks stop following
         raise SystemExit(f"mega serve: error: {error}") from None
+    if lockstep and (args.enable_prefix_caching or args.max_num_batched_tokens is not None):
+        lead(None, setup.tp_group)
+        raise SystemExit("mega serve: error: --enable-prefix-caching and --max-num-batched-tokens run with continuous "
+                         "batching (one process, a decoder-only model), not lock-step batches")
     if not lockstep:
+        if args.enable_prefix_caching and static:
+            lead(None, setup.tp_group)
+            raise SystemExit("mega serve: error: --enable-prefix-caching shares paged KV cache blocks; the static KV "
+                             "cache (on by default on CUDA) has none: add --no-static-kv-cache")
         worker = ContinuousBatchingWorker(setup.engine, args.max_batch_size, args.max_num_tokens, static_cache=static,
-                                          use_cuda_graphs=args.cuda_graphs and setup.engine.device.type == "cuda")
+                                          use_cuda_graphs=args.cuda_graphs and setup.engine.device.type == "cuda",
+                                          prefix_caching=not static and args.enable_prefix_caching is not False,
+                                          max_num_batched_tokens=args.max_num_batched_tokens)
     else:
         worker = BatchingWorker(setup.engine, args.max_batch_size,
                                 before_batch=lambda requests: lead(requests, setup.tp_group))

@@ -22,10 +22,11 @@ from mega.models.recompute import is_recomputing_allowed, recomputed
 
 
 def check_layers(layers: range, num_layers: int, stack: str | None = None) -> None:
-    """``layers`` must be consecutive layers of the ``num_layers`` of the model (of ``stack``)."""
+    """``layers`` must be consecutive layers of a ``num_layers``-layer model (or of the stack
+    named ``stack``)."""
     if layers.step != 1 or layers.start < 0 or layers.stop > num_layers:
-        whole = f"{num_layers}-layer model" if stack is None else f"{num_layers}-layer stack"
-        raise ModelConfigError(f"{stack + ' ' if stack else ''}layers {layers} are not consecutive layers of a {whole}")
+        wrong = f"layers {layers} are not consecutive layers of a {num_layers}-layer"
+        raise ModelConfigError(f"{wrong} model" if stack is None else f"{stack} {wrong} stack")
 
 
 class PreNormLayer(nn.Module):

@@ -284,11 +284,14 @@ class Checkpointer:
         from mega.core.checkpoint.model_io import load_model_weights
 
         saved, path = self.state, Path(self.config.load)
-        with checkpoint_format.open(path, saved.family.name) as source:
+        unused = {"allow_unused": True} if self.config.allow_unused_tensors else {}  # older formats lack it
+        with checkpoint_format.open(path, saved.family.name, **unused) as source:
             check_model_config(path, dataclasses.asdict(source.config), saved.run.model)
             load_model_weights(source, saved.chunks, self.groups)
             kind = getattr(source, "kind", "")
             iteration = getattr(source, "iteration", None)
+            for warning in getattr(source, "warnings", []):  # tensors left out, heads initialised...
+                self._say(f"warning: {warning}")
         refresh_main_params(saved.optimizer.main_params)
         self._barrier()
         self._say(f"loaded {checkpoint_format.name} {kind} checkpoint {path} (saved at iteration {iteration}): "

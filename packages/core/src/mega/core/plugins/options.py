@@ -56,7 +56,7 @@ def option_sections(plugins, taken_flags: set[str], taken_sections: set[str]) ->
 def _one_class(plugin: str, registrations: list) -> type:
     classes = {id(cls): cls for cls in (resolve(r.options) for r in registrations)}
     if len(classes) > 1:
-        names = ", ".join(sorted(c.__qualname__ for c in classes.values()))
+        names = ", ".join(sorted(c.__name__ for c in classes.values()))
         raise ValueError(f"plugin {plugin} declares {len(classes)} option classes ({names}); "
                          "its [table] holds one: declare one class and pass it to each registration")
     cls = next(iter(classes.values()))
@@ -72,4 +72,4 @@ def _check_free(plugin: str, cls: type, flags: set[str], sections: set[str]) -> 
         raise ValueError(f"the entry-point name {plugin!r} cannot name a TOML table (it has a dot)")
     for field in dataclasses.fields(cls):
         if field.init and flag_of(field) in flags:
-            raise ValueError(f"{flag_of(field)} ({cls.__qualname__}.{field.name}) is a flag mega train already has")
+            raise ValueError(f"{flag_of(field)} ({cls.__name__}.{field.name}) is a flag mega train already has")

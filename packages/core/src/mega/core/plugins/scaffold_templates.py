@@ -331,9 +331,10 @@ def test_the_tokenizer_round_trips():
 KINDS["checkpoint-format"] = dict(
     summary="A checkpoint format: every tensor in one torch.save file, the model config in JSON",
     dependencies=["mega-core", "mega-ckpt-convert", "mega-models"],
-    usage="`mega convert --to $name --input CHECKPOINT --output DIR` writes it and `--from $name` reads it "
-          "(mega-ckpt-convert's `CheckpointFormat`: `detect`, `open` -> a source of global tensors by "
-          "Megatron-Core name, `write`).",
+    usage="`mega convert --input DIR --to hf --output OUT` reads a checkpoint in it (the format is detected; "
+          "`--from` and `--to` name mega-ckpt-convert's own formats), and `mega.ckpt_convert.open_checkpoint(DIR)` "
+          "opens one. The contract is mega-ckpt-convert's `CheckpointFormat`: `detect`, `open` -> a source of "
+          "global tensors by Megatron-Core name, `write`.",
     files={
         "$module/__init__.py": '''"""$name: a checkpoint format (imported when used)."""
 

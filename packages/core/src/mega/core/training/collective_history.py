@@ -12,6 +12,7 @@ its launch): the straggler report subtracts it from the step time to get each ra
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import time
 from collections import deque
@@ -20,10 +21,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-# The collectives (and point-to-point calls) recorded; a name this torch lacks is skipped.
+# The collectives (and point-to-point calls) recorded; a name this torch lacks is skipped. isend and
+# irecv stay unwrapped: torch's P2POp accepts only those very functions (batch_isend_irecv records them).
 RECORDED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
             "broadcast", "reduce", "gather", "scatter", "barrier", "monitored_barrier", "all_to_all",
-            "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+            "all_to_all_single", "send", "recv", "batch_isend_irecv",
             "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
 HISTORY_LENGTH = 64  # the last collectives a hang report lists
 
@@ -58,11 +60,16 @@ def _tensors(args, kwargs) -> list[torch.Tensor]:
     return found
 
 
-def _group_of(kwargs, args, op: str):
-    group = kwargs.get("group")
-    if group is None and op == "batch_isend_irecv" and args and args[0]:
-        group = getattr(args[0][0], "group", None)
-    return group
+def _group_of(signature: inspect.Signature | None, args, kwargs, op: str):
+    """The ``group`` argument, given by name or by position."""
+    if op == "batch_isend_irecv":
+        return getattr(args[0][0], "group", None) if args and args[0] else None
+    if "group" in kwargs or signature is None:
+        return kwargs.get("group")
+    try:
+        return signature.bind_partial(*args, **kwargs).arguments.get("group")
+    except TypeError:
+        return None
 
 
 class CollectiveHistory:
@@ -88,11 +95,16 @@ class CollectiveHistory:
         self._originals.clear()
 
     def _recorded(self, op: str, original):
+        try:
+            signature = inspect.signature(original)
+        except (TypeError, ValueError):
+            signature = None
+
         @functools.wraps(original)
         def call(*args, **kwargs):
             if getattr(self._inside, "depth", 0):
                 return original(*args, **kwargs)
-            entry = self._enter(op, _group_of(kwargs, args, op), _tensors(args, kwargs))
+            entry = self._enter(op, _group_of(signature, args, kwargs, op), _tensors(args, kwargs))
             self._inside.depth = 1
             try:
                 return original(*args, **kwargs)

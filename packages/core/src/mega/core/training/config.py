@@ -131,6 +131,9 @@ class CheckpointConfig:
     load_optim: bool = option(True, "do not load the optimizer state", flag="--no-load-optim")
     load_rng: bool = option(True, "do not load the RNG states", flag="--no-load-rng")
     finetune: bool = option(False, "load weights only and start at iteration 0")
+    allow_unused_tensors: bool = option(False, "--load of a foreign checkpoint (Megatron-LM, Hugging Face): "
+                                        "leave out, with a warning, tensors its model does not use instead of "
+                                        "refusing it")
     ckpt_format: Literal["torch_dist"] = option("torch_dist", "checkpoint format")
     keep_last: int | None = option(None, "keep only the K newest checkpoints")
     async_save: bool = option(False, "write checkpoints in the background")

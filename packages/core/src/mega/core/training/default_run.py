@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from mega.core.plugins import PluginError, get_plugins
+from mega.core.plugins.install_hint import repository_package
 
 # Where the default run leaves its model (relative to the working directory), for `mega generate`.
 DEFAULT_SAVE_DIR = "checkpoints/pydoc-gpt"
@@ -36,7 +37,8 @@ def main() -> int:
     try:
         plugins.datasets.entry("pydoc-topics")
     except PluginError as error:
-        print(f"mega train: the embedded default needs mega-data (pip install -e packages/data, from the mega repository): {error}", file=sys.stderr)
+        print(f"mega train: the embedded default needs mega-data: {repository_package('mega-data', 'packages/data')}: {error}",
+              file=sys.stderr)
         return 2
     print("mega train: no arguments, so training the embedded default (a small GPT on Python's pydoc "
           "topics, on the CPU);\n  the same run is `mega train " + " ".join(DEFAULT_ARGV) + "`", flush=True)

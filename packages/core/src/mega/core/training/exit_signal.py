@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from mega.core.launch import collective_timeout
 from mega.core.plugins import hookimpl
 
 
@@ -43,7 +44,7 @@ class ExitBeforeTheEnd:
         if self.signal is not None:
             signal.signal(self.signal, self._on_signal)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            self.group = dist.new_group(backend="gloo")  # a CPU flag, whatever the training backend
+            self.group = dist.new_group(backend="gloo", timeout=collective_timeout())  # a CPU flag, whatever the training backend
 
     @hookimpl
     def on_step_end(self, run, iteration, metrics):

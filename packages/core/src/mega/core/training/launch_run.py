@@ -15,6 +15,7 @@ from mega.core.plugins import PluginError, get_plugins
 from mega.core.training.collective_timeout import describe_timeout
 from mega.core.training.data_setup import build_datasets
 from mega.core.training.hang_report import flight_recorder_env, write_report
+from mega.core.training.in_job_restart import resume_after_restart
 from mega.core.training.run_config import RunConfig, derive
 from mega.core.training.trainer import RunState, Trainer
 
@@ -22,6 +23,7 @@ from mega.core.training.trainer import RunState, Trainer
 def run_training(run: RunConfig, family: ModelFamily, plugins=None) -> RunState:
     """Train in this process (joining the distributed job its environment describes)."""
     plugins = plugins or get_plugins()
+    run = resume_after_restart(run)
     flight_recorder_env(run.checkpoint.save)
     init_distributed(timeout_s=run.training.distributed_timeout_minutes * 60)
     world_size = dist.get_world_size() if dist.is_initialized() else 1

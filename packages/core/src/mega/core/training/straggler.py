@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mega.core.config import ConfigError
+from mega.core.launch import collective_timeout
 from mega.core.plugins import hookimpl
 from mega.core.training.collective_history import active_history
 
@@ -37,7 +38,7 @@ class StragglerReport:
     @hookimpl
     def on_train_start(self, run):
         if dist.is_initialized() and dist.get_world_size() > 1:
-            self.group = dist.new_group(backend="gloo")  # CPU numbers, whatever the training backend
+            self.group = dist.new_group(backend="gloo", timeout=collective_timeout())  # CPU numbers, whatever the training backend
         history = active_history()
         if history is not None:
             history.take_wait_seconds()  # from the first step on

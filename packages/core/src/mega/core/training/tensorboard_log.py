@@ -14,7 +14,7 @@ class TensorBoardLogger:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ConfigError(
-                "--tensorboard-dir needs the tensorboard package: pip install tensorboard "
+                "--tensorboard-dir needs the tensorboard package: pip install -c constraints.txt tensorboard "
                 "(or mega-core[tensorboard])"
             ) from None
         self._writer_class = SummaryWriter

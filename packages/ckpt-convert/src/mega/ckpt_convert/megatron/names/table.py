@@ -24,13 +24,16 @@ How tensors are split over tensor-parallel ranks is not here: it is mega's own p
   layer under a second name (``output_layer.*`` beside ``lm_head.output_layer.*``), and so its
   learned position table (``position_embeddings.weight``), which its files hold twice.
 
-A family joins by adding a :class:`MegatronNames` to :func:`_families`.
+A family joins by registering its :class:`MegatronNames` (:func:`register`) in a module of this
+package that ``__init__`` imports.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+
+from mega.ckpt_convert.errors import ConversionError
 
 LAYER_PREFIX = "decoder.layers."
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -65,67 +68,23 @@ class MegatronNames:
     duplicate_keys: dict[str, str] = field(default_factory=dict)
 
 
-DECODER_ONLY = MegatronNames(
-    layer_aliases={
-        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-        "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-        "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-        "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-    },
-    legacy_names={
-        "language_model.embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
-        "language_model.embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
-        "language_model.encoder.final_norm.weight": "decoder.final_layernorm.weight",
-        "language_model.encoder.final_norm.bias": "decoder.final_layernorm.bias",
-        "language_model.encoder.final_layernorm.weight": "decoder.final_layernorm.weight",
-        "language_model.encoder.final_layernorm.bias": "decoder.final_layernorm.bias",
-        "language_model.output_layer.weight": "output_layer.weight",
-    },
-    legacy_layer_parts={
-        "input_norm.": "input_layernorm.",
-        "input_layernorm.": "input_layernorm.",
-        "self_attention.query_key_value.": "self_attention.linear_qkv.",
-        "self_attention.dense.": "self_attention.linear_proj.",
-        "post_attention_norm.": "pre_mlp_layernorm.",
-        "post_attention_layernorm.": "pre_mlp_layernorm.",
-        "mlp.dense_h_to_4h.": "mlp.linear_fc1.",
-        "mlp.dense_4h_to_h.": "mlp.linear_fc2.",
-    },
-    # Megatron-Core's last stage holds output_layer.weight as a copy of the tied embedding; older
-    # models name that copy word_embeddings_for_head.
-    tied_copies=("output_layer.weight", "word_embeddings_for_head.weight"),
-    extra_state_layer_modules=("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
-                               "mlp.linear_fc2"),
-    extra_state_modules=("output_layer",),
-)
+_TABLES: dict[str, MegatronNames] = {}  # model family -> its table, filled as the table modules load
 
-MIXTURE_OF_EXPERTS = replace(
-    DECODER_ONLY,
-    layer_aliases={**DECODER_ONLY.layer_aliases,
-                   "mlp.experts.experts.linear_fc1.weight": "mlp.experts.linear_fc1.weight",
-                   "mlp.experts.experts.linear_fc2.weight": "mlp.experts.linear_fc2.weight"},
-    extra_state_layer_modules=("self_attention.linear_proj", "self_attention.linear_qkv"),
-    expert_patterns=(re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)"),
-                     re.compile(r"mlp\.experts\.(linear_fc[12]\.weight)(\d+)")),
-    expert_extra_state_parts=("linear_fc1", "linear_fc2"),
-)
 
-def _families() -> dict[str, MegatronNames]:
-    from mega.ckpt_convert.megatron_bert import BERT_NAMES
-    from mega.ckpt_convert.megatron_t5 import T5_NAMES
-
-    return {"gpt": DECODER_ONLY, "llama": DECODER_ONLY, "mixtral": MIXTURE_OF_EXPERTS, "t5": T5_NAMES,
-            "bert": BERT_NAMES}
+def register(names: MegatronNames, *families: str) -> MegatronNames:
+    """Make ``names`` the table of ``families`` (each family registers once)."""
+    for family in families:
+        if family in _TABLES:
+            raise ValueError(f"model family {family!r} has a Megatron-LM name table already")
+        _TABLES[family] = names
+    return names
 
 
 def names_for(family: str) -> MegatronNames:
-    from mega.ckpt_convert.errors import ConversionError
-
-    families = _families()
-    if family not in families:
+    if family not in _TABLES:
         raise ConversionError(f"model family {family!r} has no Megatron-LM name table (mega converts "
-                              f"{', '.join(sorted(families))} checkpoints of Megatron-LM)")
-    return families[family]
+                              f"{', '.join(sorted(_TABLES))} checkpoints of Megatron-LM)")
+    return _TABLES[family]
 
 
 def split_layer(name: str) -> tuple[int, str] | None:
@@ -180,3 +139,20 @@ def expert_of(names: MegatronNames, layer_local: str) -> tuple[str, int] | None:
             expert, part = (first, second) if first.isdigit() else (second, first)
             return f"mlp.experts.{part}", int(expert)
     return None
+
+
+def stacked_expert(names: MegatronNames, name: str, expert_rank: int, local_experts: int) -> tuple[str, int] | None:
+    """(mega's stacked name, global expert) of one expert's tensor of expert-parallel rank
+    ``expert_rank`` (files number their own experts from 0), mega-named ``name``; None for others."""
+    layer = split_layer(name)
+    expert = expert_of(names, layer[1]) if layer is not None else None
+    if expert is None:
+        return None
+    return f"{LAYER_PREFIX}{layer[0]}.{expert[0]}", expert_rank * local_experts + expert[1]
+
+
+def expert_of_file_key(names: MegatronNames, key: str) -> tuple[str, int] | None:
+    """(mega's layer-local stacked name, expert number) of one expert's tensor in a rank file's model
+    state dict (``key``, perhaps behind a model chunk's name); None for the others."""
+    layer = split_stack_layer(key) or split_stack_layer(key.partition(".")[2])
+    return expert_of(names, layer[2]) if layer is not None else None

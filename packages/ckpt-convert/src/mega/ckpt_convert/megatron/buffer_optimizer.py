@@ -39,8 +39,11 @@ from pathlib import Path
 import torch
 
 from mega.ckpt_convert.errors import ConversionError
-from mega.ckpt_convert.megatron_legacy_optimizer import ORDERS, chained_parts
-from mega.ckpt_convert.megatron_pickle import load_megatron_pickle
+from mega.ckpt_convert.megatron.chained import chained_parts
+from mega.ckpt_convert.megatron.layout import chunk_layers, expert_shard_layout, is_stacked_experts, stage_of
+from mega.ckpt_convert.megatron.names import names_for
+from mega.ckpt_convert.megatron.param_order import ORDERS
+from mega.ckpt_convert.megatron.pickles import load_megatron_pickle
 from mega.ckpt_convert.optimizer_state import MAIN_PARAM, OptimizerState
 
 _BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
@@ -107,6 +110,23 @@ def shared_embedding_keys(config, pp: int, first: str = "", last: str = "") -> f
     return frozenset((first + "embedding.word_embeddings.weight", last + "output_layer.weight"))
 
 
+def _refuse_layouts(source, names) -> None:
+    """What the buffer layout is not rebuilt for, refused by name before anything is read."""
+    args, tp, pp = source.args, source.tensor_parallel_size, source.pipeline_parallel_size
+    refusals = {
+        "a run with --use-tp-pp-dp-mapping": getattr(args, "use_tp_pp_dp_mapping", False),
+        "a run whose experts have a tensor-parallel size of their own":
+            getattr(args, "expert_tensor_parallel_size", None) not in (None, tp),
+        "an encoder-decoder over pipeline stages": pp > 1 and len(names.stacks) > 1,
+    }
+    refusal = next((what for what, applies in refusals.items() if applies), None)
+    if refusal:
+        raise ConversionError(
+            f"--with-optimizer: {source.directory} holds the distributed optimizer's dp_reshardable state of "
+            f"{refusal}; mega reads it for runs in the default rank order with experts split as the dense layers: "
+            "save the run with --dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
+
+
 class BufferOptimizer:
     """The dp_reshardable state of a torch_dist ``source``, per parameter: ``state`` and ``get``.
 
@@ -126,40 +146,51 @@ class BufferOptimizer:
     chunk ``c`` of stage ``p`` holding the ``c * pp + p``-th piece of the layers."""
 
     def __init__(self, source, metadata):
-        from mega.ckpt_convert.megatron_layout import stage_of
-        from mega.ckpt_convert.megatron_legacy import chunk_layers
-        from mega.ckpt_convert.megatron_names import names_for
-
-        where, args, config = source.directory, source.args, source.config
-        tp, pp = source.tensor_parallel_size, source.pipeline_parallel_size
-        ep = getattr(args, "expert_model_parallel_size", None) or 1
-        names = names_for(source.family)
-        refusals = {
-            "a run with --use-tp-pp-dp-mapping": getattr(args, "use_tp_pp_dp_mapping", False),
-            "a run whose experts have a tensor-parallel size of their own":
-                getattr(args, "expert_tensor_parallel_size", None) not in (None, tp),
-            "an encoder-decoder over pipeline stages": pp > 1 and len(names.stacks) > 1,
-        }
-        refusal = next((what for what, applies in refusals.items() if applies), None)
-        if refusal:
-            raise ConversionError(
-                f"--with-optimizer: {where} holds the distributed optimizer's dp_reshardable state of {refusal}; "
-                "mega reads it for runs in the default rank order with experts split as the dense layers: save "
-                "the run with --dist-ckpt-optim-fully-reshardable, or convert without --with-optimizer")
-        self.source, self.metadata, self.tp = source, metadata, tp
+        args = source.args
+        self.source, self.metadata, self.tp = source, metadata, source.tensor_parallel_size
+        self.ep = getattr(args, "expert_model_parallel_size", None) or 1
+        self.names = names_for(source.family)
+        _refuse_layouts(source, self.names)
         self._saved_sizes: dict[tuple[int, int], list] = {}  # (part, group) -> per_bucket_numel_unpadded
-        self.chained = ep > 1  # the experts have buffers and an optimizer of their own
-        vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        self.chained = self.ep > 1  # the experts have buffers and an optimizer of their own
+        self.vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        model_dtype = self._find_buckets()
+        self.dp = getattr(args, "data_parallel_size", None)
+        if not self.dp:
+            raise ConversionError(f"{source.directory}: args lack data_parallel_size, which the distributed "
+                                  "optimizer's bucket padding depends on")
+        self._layout_args = (bucket_size_of(args), bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)),
+                             shared_embedding_keys(source.config, source.pipeline_parallel_size))
+        self.experts = {name: expert_shard_layout(name, source.layouts[name], source.config)
+                        for name in source.layouts if self.names.expert_patterns and is_stacked_experts(name)}
+        # (mega name, expert or None, tp rank) -> optimizer part, data-parallel group, buffer, bucket, range in it
+        self.places: dict[tuple[str, int | None, int], tuple[int, int, int, int, int, int]] = {}
+        self._place_all(self._held_at_places())
+        groups = read_object(source.directory, metadata, self._key(0, 0, "optimizer/shard_0_1"))
+        groups = groups[0]["param_groups"] if isinstance(groups, list) else groups["param_groups"]
+        keys = ("exp_avg", "exp_avg_sq") + ((MAIN_PARAM,) if model_dtype != "torch.float32" else ())
+        hyper = {k: groups[0][k] for k in ("lr", "betas", "eps", "weight_decay") if k in groups[0]}
+        self.state = OptimizerState(
+            keys=tuple(sorted(keys)), step=int(groups[0]["step"]), iteration=int(source.iteration or 0),
+            consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0), hyperparameters=hyper)
+        self._buckets: dict[tuple[int, int, int, str, int], torch.Tensor] = {}
+
+    def _find_buckets(self) -> str:
+        """Index the saved bucket tensors (``self.tensors``), checked to be the groups of this
+        layout and of one dtype; returns the model's dtype."""
+        where, tp = self.source.directory, self.tp
+        pp, ep = self.source.pipeline_parallel_size, self.ep
         # (part, group, buffer, kind, bucket) -> checkpoint key
         self.tensors: dict[tuple[int, int, int, str, int], str] = {}
         dtypes = set()
-        for key in metadata.state_dict_metadata:
+        for key in self.metadata.state_dict_metadata:
             match = _BUCKET.fullmatch(key)
             if match:
                 part, group, buffer, dtype, bucket, kind = match.groups()
-                if int(buffer) >= vpp:
+                if int(buffer) >= self.vpp:
                     raise ConversionError(f"{where}: {key} is in a gradient buffer beyond the model chunks' "
-                                          f"{vpp} (a model with parameters of two dtypes); mega reads one per chunk")
+                                          f"{self.vpp} (a model with parameters of two dtypes); mega reads one per "
+                                          "chunk")
                 dtypes.add(dtype)
                 self.tensors[int(part or 0), int(group), int(buffer), kind, int(bucket)] = key
         expected = {(0, group) for group in range(tp * pp)} | \
@@ -170,19 +201,15 @@ class BufferOptimizer:
                                   f"group) {sorted(found)}; a run at tp={tp}, pp={pp}, ep={ep} has {sorted(expected)}")
         if len(dtypes) != 1:
             raise ConversionError(f"{where}: the distributed optimizer's buckets have dtypes {sorted(dtypes)}")
-        dp = getattr(args, "data_parallel_size", None)
-        if not dp:
-            raise ConversionError(f"{where}: args lack data_parallel_size, which the distributed optimizer's "
-                                  "bucket padding depends on")
-        self._layout_args = (bucket_size_of(args), bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)),
-                             shared_embedding_keys(config, pp))
-        # A place is (pipeline stage, model chunk); in virtual-stage order, chunk after chunk.
-        layers = chunk_layers(args, config.num_layers, pp, vpp)
+        return dtypes.pop().strip("()").split(",")[0].strip()
+
+    def _held_at_places(self) -> dict[tuple[int, int], list[tuple[str, str, int | None, int]]]:
+        """(name in the chunk's model, mega name, expert or None, elements on a tp rank) of each
+        place's parameters; a place is (pipeline stage, model chunk), in virtual-stage order."""
+        source, tp, names = self.source, self.tp, self.names
+        layers = chunk_layers(source.args, source.config.num_layers, source.pipeline_parallel_size, self.vpp)
         virtual = sorted(layers, key=lambda place: (place[1], place[0]))
-        tied = not config.untie_embeddings_and_output_weights
-        self.experts = {name: expert_shard_layout(name, source.layouts[name], config)
-                        for name in source.layouts if names.expert_patterns and is_stacked_experts(name)}
-        # (name in the chunk's model, mega name, expert or None, elements on a tp rank) of each place's parameters
+        tied = not source.config.untie_embeddings_and_output_weights
         at_place: dict[tuple[int, int], list[tuple[str, str, int | None, int]]] = {place: [] for place in virtual}
         for name, layout in source.layouts.items():
             for index, local_name in stage_of(name, [layers[place] for place in virtual], tied, names.stacks[0]):
@@ -194,28 +221,23 @@ class BufferOptimizer:
                               numel) for expert in range(layout.shape[0])]
                 else:
                     held.append((local_name, name, None, math.prod(layout.local_shape(tp))))
-        order = ORDERS[source.family]
-        local_experts = max((source.layouts[name].shape[0] for name in self.experts), default=ep) // ep
-        # (mega name, expert or None, tp rank) -> optimizer part, data-parallel group, buffer, bucket, range in it
-        self.places: dict[tuple[str, int | None, int], tuple[int, int, int, int, int, int]] = {}
+        return at_place
+
+    def _place_all(self, at_place: dict[tuple[int, int], list[tuple[str, str, int | None, int]]]) -> None:
+        """Each place's parameters in megatron-core's order, placed in the buffers of their groups:
+        the dense ones (all of them without expert parallelism), then each expert rank's experts."""
+        tp, ep, dp = self.tp, self.ep, self.dp
+        order = ORDERS[self.source.family]
+        local_experts = max((self.source.layouts[name].shape[0] for name in self.experts), default=ep) // ep
         for (stage, chunk), held in at_place.items():
             held.sort(key=lambda entry: order.key(entry[0]))
-            where_held = f"pipeline stage {stage}" + (f", model chunk {chunk}" if vpp > 1 else "")
+            where_held = f"pipeline stage {stage}" + (f", model chunk {chunk}" if self.vpp > 1 else "")
             dense = [entry for entry in held if entry[2] is None] if self.chained else held
             self._place(0, chunk, dense, [rank + tp * stage for rank in range(tp)], dp, where_held)
             for expert_rank in range(ep if self.chained else 0):
                 mine = [entry for entry in held if entry[2] is not None and entry[2] // local_experts == expert_rank]
                 self._place(1, chunk, mine, [rank + tp * (expert_rank + ep * stage) for rank in range(tp)], dp // ep,
                             f"expert-parallel rank {expert_rank}, {where_held}")
-        groups = read_object(where, metadata, self._key(0, 0, "optimizer/shard_0_1"))
-        groups = groups[0]["param_groups"] if isinstance(groups, list) else groups["param_groups"]
-        model_dtype = dtypes.pop().strip("()").split(",")[0].strip()
-        keys = ("exp_avg", "exp_avg_sq") + ((MAIN_PARAM,) if model_dtype != "torch.float32" else ())
-        hyper = {k: groups[0][k] for k in ("lr", "betas", "eps", "weight_decay") if k in groups[0]}
-        self.state = OptimizerState(
-            keys=tuple(sorted(keys)), step=int(groups[0]["step"]), iteration=int(source.iteration or 0),
-            consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0), hyperparameters=hyper)
-        self._buckets: dict[tuple[int, int, int, str, int], torch.Tensor] = {}
 
     def _key(self, part: int, group: int, name: str) -> str:
         return (f"chained_{part}." if self.chained else "") + f"optimizer.distributed.dp_group_idx_{group}.{name}"
@@ -270,20 +292,6 @@ class BufferOptimizer:
                 self._buckets[held] = self.source._read(stored, None, {stored: self.metadata.state_dict_metadata[stored]})
             shards.append(self._buckets[held][start:end].view(layout.local_shape(self.tp)))
         return layout.merge(shards).clone()
-
-
-def is_stacked_experts(name: str) -> bool:
-    """Whether ``name`` is a mixture of experts' stacked expert weights (``...mlp.experts.linear_fc1.weight``)."""
-    return ".mlp.experts.linear_fc" in name
-
-
-def expert_shard_layout(name: str, layout, config):
-    """The layout of one expert's matrix of the stacked ``name`` (split over tp as a dense MLP's)."""
-    from mega.ckpt_convert.megatron_layout import TensorLayout
-    from mega.ckpt_convert.megatron_legacy import expert_layout
-
-    split = expert_layout(name, config)
-    return TensorLayout(layout.shape[1:], split.dim, split.chunks, False)
 
 
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"

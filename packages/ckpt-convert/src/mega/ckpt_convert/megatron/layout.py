@@ -1,5 +1,6 @@
 """Where each global tensor sits in a Megatron-LM layout: its tensor-parallel split, its pipeline
-stage and the layer number it has there.
+stage (and model chunk) and the layer number it has there; the helpers every reader and writer
+shares (an expert's split, the vocabulary rows a layout pads to).
 
 The splits are the model family's own tensor-parallel plan (``tensor_parallel_plan``: column-,
 row-wise, vocabulary), which follows Megatron's: QKV split along dim 0 into whole query groups (the global tensor interleaves per
@@ -12,11 +13,17 @@ row-parallel biases whole on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fnmatch import fnmatch
 
 import torch
 
 from mega.ckpt_convert.errors import ConversionError
-from mega.ckpt_convert.megatron_names import LAYER_PREFIX, split_stack_layer
+from mega.ckpt_convert.megatron.names import LAYER_PREFIX, MegatronNames, split_stack_layer
+from mega.core.build import build_stage
+from mega.core.checkpoint.state import named_parameters
+from mega.core.parallel import ParallelConfig
+from mega.core.parallel.param_attrs import is_padded_vocab
+from mega.core.parallel.plan import Colwise, Rowwise, VocabEmbedding
 
 
 @dataclass(frozen=True)
@@ -50,14 +57,6 @@ class TensorLayout:
 def model_layouts(family, config, tp: int) -> dict[str, TensorLayout]:
     """Every parameter of ``family``'s whole model at tensor-parallel size ``tp``, by mega name:
     global shapes from a build on the meta device, splits from the family's parallel plan."""
-    from fnmatch import fnmatch
-
-    from mega.core.build import build_stage
-    from mega.core.checkpoint.state import named_parameters
-    from mega.core.parallel import ParallelConfig
-    from mega.core.parallel.param_attrs import is_padded_vocab
-    from mega.core.parallel.plan import Colwise, Rowwise, VocabEmbedding
-
     try:
         config.validate(tp)
     except ValueError as error:
@@ -124,3 +123,60 @@ def stage_of(name: str, stages: list[range], tied: bool, stack: str = LAYER_PREF
             copies.append((last, "output_layer.weight"))
         return copies
     return [(last, name)]  # the final norm and the output layer
+
+
+def _stages(args, num_layers: int, pp: int) -> list[range]:
+    return stage_layers(num_layers, pp, getattr(args, "decoder_first_pipeline_num_layers", None),
+                        getattr(args, "decoder_last_pipeline_num_layers", None))
+
+
+def chunk_layers(args, num_layers: int, pp: int, vpp: int) -> dict[tuple[int, int], range]:
+    """(pipeline stage, model chunk) -> its global layers. An interleaved pipeline (``vpp`` chunks
+    per stage, files holding ``model0``, ``model1``...) cuts the layers into pp x vpp even pieces
+    dealt round the stages: chunk v of stage p holds piece v * pp + p."""
+    if vpp == 1:
+        return {(stage, 0): layers for stage, layers in enumerate(_stages(args, num_layers, pp))}
+    for uneven in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if getattr(args, uneven, None) is not None:
+            raise ConversionError(f"args.{uneven} with virtual_pipeline_model_parallel_size {vpp}: mega reads "
+                                  "interleaved pipelines whose layers split evenly")
+    pieces = stage_layers(num_layers, pp * vpp)
+    return {(stage, chunk): pieces[chunk * pp + stage] for stage in range(pp) for chunk in range(vpp)}
+
+
+def refuse_split_stacks(names: MegatronNames, pp: int, where: str) -> None:
+    """Legacy files of an encoder-decoder split over pipeline stages number each stack per stage
+    around ``--pipeline-model-parallel-split-rank``, which mega does not read or write."""
+    if pp > 1 and len(names.stacks) > 1:
+        raise ConversionError(f"{where}: pipeline_model_parallel_size {pp}; mega reads and writes legacy "
+                              "encoder-decoder (T5) files of one pipeline stage (torch_dist ones at any layout)")
+
+
+def expert_layout(name: str, config) -> TensorLayout:
+    """How one expert's matrix (shape left out) is split over tensor-parallel ranks: as the dense
+    MLP's (fc1 column-parallel, SwiGLU's gate and up halves each on their own; fc2 row-parallel)."""
+    if name.endswith("linear_fc1.weight"):
+        return TensorLayout((), 0, 2 if config.swiglu else 1, False)
+    return TensorLayout((), 1, 1, False)
+
+
+def is_stacked_experts(name: str) -> bool:
+    """Whether ``name`` is a mixture of experts' stacked expert weights (``...mlp.experts.linear_fc1.weight``)."""
+    return ".mlp.experts.linear_fc" in name
+
+
+def expert_shard_layout(name: str, layout: TensorLayout, config) -> TensorLayout:
+    """The layout of one expert's matrix of the stacked ``name`` (split over tp as a dense MLP's)."""
+    split = expert_layout(name, config)
+    return TensorLayout(layout.shape[1:], split.dim, split.chunks, False)
+
+
+def global_shape(local: tuple[int, ...], dim: int, tp: int) -> tuple[int, ...]:
+    return tuple(size * tp if d == dim else size for d, size in enumerate(local))
+
+
+def fit_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """The vocabulary rows a layout pads to: cut the source's padding or add zero rows."""
+    if tensor.shape[0] >= rows:
+        return tensor[:rows]
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])

@@ -2,7 +2,7 @@
 
 Megatron checkpoints say what model they hold only through the arguments of the run that saved
 them, so the config is read from there, never guessed from the tensors; the tensors are then
-checked against it (:mod:`mega.ckpt_convert.megatron_layout`). Exports write the arguments
+checked against it (:mod:`mega.ckpt_convert.megatron.layout`). Exports write the arguments
 Megatron-LM's ``load_checkpoint`` and ``--use-checkpoint-args`` read back.
 """
 
@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from mega.ckpt_convert.errors import ConversionError
+from mega.ckpt_convert.megatron.bert_args import bert_args
+from mega.ckpt_convert.megatron.t5_args import is_t5_args, t5_args, t5_settings
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
 
 # Megatron argument -> mega TransformerConfig field, where both mean the same.
@@ -43,8 +45,6 @@ def _arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
 def model_settings(args: argparse.Namespace, where: str, model_family: str | None = None) -> dict[str, Any]:
     """mega model-config fields from Megatron args (``where`` names the file in errors): a T5's
     when ``model_family`` or the args say T5, else a TransformerConfig's."""
-    from mega.ckpt_convert.megatron_t5 import is_t5_args, t5_settings
-
     if model_family == "t5" or (model_family is None and is_t5_args(args)):
         return t5_settings(args, where)
     for name, off in UNSUPPORTED.items():
@@ -126,8 +126,6 @@ def args_for(config, tensor_parallel_size: int, pipeline_parallel_size: int, pad
              iteration: int, ckpt_format: str, tokenizer: TokenizerSpec | None) -> argparse.Namespace:
     """The Megatron-LM arguments of a run of ``config`` at this layout (what ``--use-checkpoint-args``
     and ``load_checkpoint``'s checks read)."""
-    from mega.ckpt_convert.megatron_t5 import t5_args
-
     if hasattr(config, "decoder_num_layers"):  # an encoder-decoder: pretrain_t5.py's arguments
         args = t5_args(config)
     else:
@@ -142,8 +140,6 @@ def args_for(config, tensor_parallel_size: int, pipeline_parallel_size: int, pad
         args.use_rotary_position_embeddings = config.position_embedding_type == "rope"
         args.norm_epsilon = config.layernorm_epsilon
         if hasattr(config, "bert_pre_layernorm"):  # pretrain_bert.py's
-            from mega.ckpt_convert.megatron_bert import bert_args
-
             bert_args(config, args)
     args.vocab_size = config.vocab_size
     args.padded_vocab_size = padded_vocab_size

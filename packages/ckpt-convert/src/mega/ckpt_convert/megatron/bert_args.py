@@ -1,10 +1,9 @@
-"""Megatron-LM's BERT (``pretrain_bert.py``, megatron-core's ``BertModel``): its names and args.
+"""Megatron-LM's BERT (``pretrain_bert.py``, megatron-core's ``BertModel``): its args (its names are in
+:mod:`mega.ckpt_convert.megatron.names.bert`).
 
 megatron-core's BERT is pre-LN (``input_layernorm`` and ``pre_mlp_layernorm`` before attention and
 the MLP, ``encoder.final_layernorm`` after the last layer, no norm on the embeddings): mega's bert
-family with ``--bert-pre-layernorm``, whose names are megatron-core's. Its layers are
-``encoder.layers.N``; the masked-LM head is ``lm_head.dense``, ``lm_head.layer_norm`` and the tied
-``output_layer`` (its bias of its own); ``pooler.dense`` and ``binary_head`` with the binary head.
+family with ``--bert-pre-layernorm``, whose names are megatron-core's.
 
 Megatron-LM's args do not say BERT (every run records ``bert_binary_head``), so a checkpoint is
 BERT when its files hold the masked-LM head (``lm_head.dense.weight``) or ``--model-family bert``
@@ -18,21 +17,6 @@ import argparse
 from typing import Any
 
 from mega.ckpt_convert.errors import ConversionError
-from mega.ckpt_convert.megatron_names import DECODER_ONLY, MegatronNames
-
-BERT_NAMES = MegatronNames(
-    layer_aliases=DECODER_ONLY.layer_aliases,  # Transformer Engine's fused norms, as the decoder's
-    legacy_layer_prefix=None,
-    tied_copies=("output_layer.weight",),  # a later last stage's copy of the word embedding
-    extra_state_layer_modules=DECODER_ONLY.extra_state_layer_modules,
-    extra_state_modules=("output_layer",),
-    stacks=("encoder.layers.",),
-)
-MASKED_LM_HEAD = "lm_head.dense.weight"
-
-
-def holds_bert(file_keys) -> bool:
-    return any(key == MASKED_LM_HEAD or key.endswith("." + MASKED_LM_HEAD) for key in file_keys)
 
 
 def bert_settings(args: argparse.Namespace) -> dict[str, Any]:

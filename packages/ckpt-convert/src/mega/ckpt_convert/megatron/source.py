@@ -3,8 +3,8 @@
 Both formats share what is here: the model comes from the saved ``args``; the tensors the files
 hold, renamed to mega's names, are checked against the model those args describe before
 anything is converted (a contradiction is an error naming the tensor, its file and the args).
-The two readers differ only in how they list and read tensors (``megatron_legacy``,
-``megatron_dist``).
+The two readers differ only in how they list and read tensors (:mod:`.read_legacy`,
+:mod:`.read_torch_dist`).
 """
 
 from __future__ import annotations
@@ -15,36 +15,28 @@ from pathlib import Path
 import torch
 
 from mega.ckpt_convert.errors import ConversionError
-from mega.ckpt_convert.megatron_args import (
+from mega.ckpt_convert.megatron.args import (
     family_of,
     layout_of,
     model_settings,
     shape_args,
     tokenizer_from_args,
 )
-from mega.ckpt_convert.megatron_layout import TensorLayout, model_layouts
-from mega.ckpt_convert.source import ClosingSource, format_names
+from mega.ckpt_convert.megatron.bert_args import bert_settings
+from mega.ckpt_convert.megatron.layout import TensorLayout, model_layouts
+from mega.ckpt_convert.megatron.names.bert import holds_bert
+from mega.ckpt_convert.source import TableSource, family_by_name, format_names
 
 
-def family_by_name(name: str):
-    from mega.core.plugins import PluginError, get_plugins
-
-    try:
-        return get_plugins().models.get(name)
-    except PluginError as error:
-        raise ConversionError(str(error)) from None
-
-
-class MegatronSource(ClosingSource):
+class MegatronSource(TableSource):
     """Subclasses set ``_found`` (mega name -> (shape, dtype, file)) and implement ``get``."""
 
     kind = ""
+    allow_unused = False  # --allow-unused-tensors: tensors the model does not use are warned about, not refused
 
     def _setup(self, directory: Path, args, iteration: int | None, where: str, model_family: str | None,
                file_keys=()) -> None:
         """The model of ``args`` (``file_keys``, the names in the files, tell BERT from GPT)."""
-        from mega.ckpt_convert.megatron_bert import bert_settings, holds_bert
-
         if not isinstance(args, argparse.Namespace):
             raise ConversionError(f"{where} holds no args (an argparse.Namespace; found {type(args).__name__}); "
                                   "Megatron-LM's save_checkpoint records them, and mega does not guess a model")
@@ -65,14 +57,18 @@ class MegatronSource(ClosingSource):
         self.tokenizer_extras = {}
 
     def _check(self, where: str) -> None:
-        """The tensors found are the model the args describe: the same names, the same shapes."""
+        """The tensors found are the model the args describe: the same names, the same shapes. A
+        tensor the model does not have is refused (:meth:`_unused`)."""
         found, layouts = self._found, self.layouts
         missing, unexpected = set(layouts) - set(found), set(found) - set(layouts)
-        if missing or unexpected:
-            problems = ([f"lacks {format_names(missing)}"] if missing else []) + (
-                [f"holds {format_names(unexpected)}"] if unexpected else [])
+        if missing:
+            problems = [f"lacks {format_names(missing)}"] + ([f"holds {format_names(unexpected)}"] if unexpected else [])
             raise ConversionError(f"{where} {' and '.join(problems)}, which the model of its args "
                                   f"({shape_args(self.args)}) does not; the args and the tensors disagree")
+        if unexpected:
+            self._unused(unexpected, f"which the model of its args ({shape_args(self.args)}) does not have")
+            for name in unexpected:
+                del found[name]
         padded = getattr(self.args, "padded_vocab_size", None)
         for name, layout in layouts.items():
             shape, _, file = found[name]
@@ -87,15 +83,21 @@ class MegatronSource(ClosingSource):
                                       f"({shape_args(self.args)}) imply {list(expected)}; the args and the "
                                       "tensors disagree")
 
+    def _unused(self, names, why: str) -> None:
+        """Tensors of the files that the conversion would not use: an error naming them, or with
+        ``allow_unused`` (``--allow-unused-tensors``) a warning, and they are left out."""
+        message = f"{self.directory} holds {format_names(names)}, {why}"
+        if not self.allow_unused:
+            raise ConversionError(f"{message}; the conversion would drop it (--allow-unused-tensors converts "
+                                  "without it)")
+        self.warnings.append(f"{message}: left out (--allow-unused-tensors)")
+
     # -- ModelSource ---------------------------------------------------------------------------
     def names(self) -> list[str]:
         return list(self.layouts)
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._found[name][0]
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self._found[name][1]
+    def _table(self) -> dict:
+        return self._found
 
     def describe(self) -> list[str]:
         """What ``mega checkpoint info`` prints about the checkpoint."""

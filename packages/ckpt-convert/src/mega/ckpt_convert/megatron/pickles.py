@@ -76,7 +76,7 @@ def _stand_in(full_name: str) -> type:
 def _numpy_globals() -> dict[str, Any]:
     """numpy's array-rebuilding globals under the names numpy 1.x and 2.x pickle them with."""
     try:
-        import numpy
+        import numpy  # optional dependency: absent, no numpy arrays are allowed
     except ImportError:
         return {}
     reconstruct = getattr(numpy, "_core", numpy.core).multiarray._reconstruct

@@ -1,7 +1,5 @@
-"""Megatron-LM's T5 (``pretrain_t5.py``, megatron-core's ``T5Model``): its names and its args.
-
-mega's ``t5`` family already uses megatron-core's T5 names (``encoder.layers.N...``,
-``decoder.layers.N...cross_attention...``, ``encoder_relative_pos_emb``...). What the args must
+"""Megatron-LM's T5 (``pretrain_t5.py``, megatron-core's ``T5Model``): its args (its names are in
+:mod:`mega.ckpt_convert.megatron.names.t5`). What the args must
 say, and what they set in mega's :class:`~mega.models.t5.config.T5Config`:
 
 * the models mega's t5 family computes: learned absolute positions (Megatron-LM's default) or
@@ -24,25 +22,6 @@ import math
 from typing import Any
 
 from mega.ckpt_convert.errors import ConversionError
-from mega.ckpt_convert.megatron_names import MegatronNames
-
-T5_NAMES = MegatronNames(
-    layer_aliases={  # Transformer Engine's spec fuses the self-attention and MLP norms
-        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-        "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-        "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-        "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-    },
-    legacy_layer_prefix=None,
-    extra_state_layer_modules=("self_attention.linear_proj", "self_attention.linear_qkv",
-                               "cross_attention.linear_proj", "cross_attention.linear_q", "cross_attention.linear_kv",
-                               "mlp.linear_fc1", "mlp.linear_fc2"),
-    extra_state_modules=("lm_head.output_layer", "output_layer"),
-    stacks=("encoder.layers.", "decoder.layers."),
-    duplicate_keys={"output_layer.weight": "lm_head.output_layer.weight",
-                    "output_layer.bias": "lm_head.output_layer.bias",
-                    "position_embeddings.weight": "embedding.position_embeddings.weight"},
-)
 
 # Megatron argument -> the value every model mega's t5 family computes has (None: unset is fine).
 REQUIRED = {"swiglu": False, "squared_relu": False, "openai_gelu": False, "group_query_attention": False,

@@ -24,6 +24,7 @@ RANK_FILE = "model_optim_rng.pt"
 DIST_CONFIG = "metadata.json"  # megatron-core's dist_checkpointing config
 COMMON_FILE = "common.pt"
 LEGACY, TORCH_DIST = "legacy", "torch_dist"
+CHECKPOINT_VERSION = 3.0  # what Megatron-LM's save_checkpoint records
 # Megatron-LM appends the pipeline stage when pp > 1, then the expert-parallel rank when ep > 1: the
 # args say which a lone 3-digit group is.
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")

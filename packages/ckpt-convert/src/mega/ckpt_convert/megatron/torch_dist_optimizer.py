@@ -17,7 +17,7 @@ Exports write the regular optimizer's state, or the distributed optimizer's as
 
 The distributed optimizer's ``dp_reshardable`` kind (Megatron-LM's default without
 ``--dist-ckpt-optim-fully-reshardable``) saves its flat internal buffers, tied to the data-parallel
-layout, under ``optimizer.distributed.*``: :mod:`mega.ckpt_convert.megatron_distopt` reads those.
+layout, under ``optimizer.distributed.*``: :mod:`mega.ckpt_convert.megatron.buffer_optimizer` reads those.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mega.ckpt_convert.errors import ConversionError
+from mega.ckpt_convert.megatron.chained import unchained
+from mega.ckpt_convert.megatron.param_order import param_groups
 from mega.ckpt_convert.optimizer_state import MAIN_PARAM, MOMENTS, OptimizerState
+from mega.ckpt_convert.source import format_names
 
 STATE_PREFIX = "optimizer.state."
 # Megatron's state key -> mega's
@@ -55,52 +58,15 @@ def read_optimizer_state(source, common: dict, metadata, names) -> FoundOptimize
     DCP ``metadata``), checked to cover every parameter at the parameter's shape."""
     where = source.directory
     everything = metadata.state_dict_metadata
-    from mega.ckpt_convert.megatron_dist import unchained
-
-    saved = common.get("optimizer")
-    if isinstance(saved, dict) and saved and all(isinstance(k, int) for k in saved):  # a chained optimizer's
-        steps = {_step(part) for part in saved.values()}
-        if len(steps) != 1:
-            raise ConversionError(f"{where}: the chained optimizers' step counts differ: {sorted(map(str, steps))}")
-        saved = saved[min(saved)]  # megatron-core keeps them in step; the first's param groups serve
-    if isinstance(saved, dict) and "param_state_sharding_type" in saved:  # the distributed optimizer's
-        saved = saved.get("optimizer")
+    saved = _saved_optimizer(common.get("optimizer"), where)
     stored_keys = {unchained(key): key for key, md in everything.items()
                    if unchained(key).startswith(STATE_PREFIX) and isinstance(md, TensorStorageMetadata)}
     index = {key: everything[stored] for key, stored in stored_keys.items()}
     if not isinstance(saved, dict) or not index:
         raise ConversionError(f"--with-optimizer: {where} holds no optimizer state (Megatron-LM saved it with "
                               "--no-save-optim, or it is a release checkpoint)")
-    by_megatron: dict[str, dict] = {}
-    # The distributed optimizer saves main parameters of an fp32 model too: the weights themselves.
-    fp32_model = all(source.dtype(name) == torch.float32 for name in source.layouts)
-    for key in index:
-        state_key = key[len(STATE_PREFIX):].partition(".")[0]
-        if state_key not in TO_MEGA:
-            raise ConversionError(f"{where}: {key} is optimizer state mega does not know ({state_key!r}; it "
-                                  f"carries {', '.join(sorted(TO_MEGA))}): an optimizer other than Adam?")
-        if not (fp32_model and TO_MEGA[state_key] == MAIN_PARAM):
-            by_megatron.setdefault(state_key, {})
-    keys = {}
-    for state_key in by_megatron:
-        mapped, shapes = source.map_keys(index, names, f"{STATE_PREFIX}{state_key}.")
-        tied_copy = next((n for n in names.tied_copies if f"{STATE_PREFIX}{state_key}.{n}" in index), None)
-        embedding = "embedding.word_embeddings.weight"
-        if embedding not in mapped and tied_copy is not None:  # the shared weight's state under the output layer's key
-            mapped[embedding] = (f"{STATE_PREFIX}{state_key}.{tied_copy}", None)
-            shapes[embedding] = (tuple(index[mapped[embedding][0]].size), None)
-        missing, unexpected = set(source.layouts) - set(mapped), set(mapped) - set(source.layouts)
-        if missing or unexpected:
-            from mega.ckpt_convert.source import format_names
-
-            raise ConversionError(f"{where}: the optimizer's {state_key} " + " and ".join(
-                ([f"lacks {format_names(missing)}"] if missing else [])
-                + ([f"holds {format_names(unexpected)}"] if unexpected else [])) + ", unlike the model")
-        for name, (shape, _) in shapes.items():
-            if tuple(shape) != tuple(source.shape(name)):
-                raise ConversionError(f"{where}: the optimizer's {state_key} of {name} has shape {list(shape)}, "
-                                      f"its parameter {list(source.shape(name))}")
-        keys[TO_MEGA[state_key]] = mapped
+    keys = {TO_MEGA[state_key]: _state_keys(source, index, names, state_key)
+            for state_key in _state_kinds(source, index)}
     if set(MOMENTS) - set(keys):
         raise ConversionError(f"{where}: the optimizer state lacks {', '.join(sorted(set(MOMENTS) - set(keys)))}; "
                               "mega carries Adam's exp_avg and exp_avg_sq")
@@ -109,14 +75,63 @@ def read_optimizer_state(source, common: dict, metadata, names) -> FoundOptimize
     if step is None:
         raise ConversionError(f"{where}: the optimizer state has no step count (optimizer.state.common_step "
                               "or param_groups[].step in common.pt)")
-    args = source.args
     hyper = {k: groups[0][k] for k in ("lr", "betas", "eps", "weight_decay") if k in groups[0]}
     if isinstance(common.get("opt_param_scheduler"), dict):
         hyper["schedule"] = common["opt_param_scheduler"]
     state = OptimizerState(
         keys=tuple(sorted(keys)), step=int(step), iteration=int(source.iteration or 0),
-        consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0), hyperparameters=hyper)
+        consumed_samples=int(getattr(source.args, "consumed_train_samples", 0) or 0), hyperparameters=hyper)
     return FoundOptimizer(state, keys, index, {key: stored for key, stored in stored_keys.items() if key != stored})
+
+
+def _saved_optimizer(saved, where):
+    """``common.pt``'s optimizer entry holding the param groups: a chained pair's first (steps
+    checked equal), the distributed optimizer's inner one."""
+    if isinstance(saved, dict) and saved and all(isinstance(k, int) for k in saved):  # a chained optimizer's
+        steps = {_step(part) for part in saved.values()}
+        if len(steps) != 1:
+            raise ConversionError(f"{where}: the chained optimizers' step counts differ: {sorted(map(str, steps))}")
+        saved = saved[min(saved)]  # megatron-core keeps them in step; the first's param groups serve
+    if isinstance(saved, dict) and "param_state_sharding_type" in saved:  # the distributed optimizer's
+        saved = saved.get("optimizer")
+    return saved
+
+
+def _state_kinds(source, index: dict) -> list[str]:
+    """The Megatron state keys (``exp_avg``...) that ``index`` holds and mega carries."""
+    kinds = []
+    # The distributed optimizer saves main parameters of an fp32 model too: the weights themselves.
+    fp32_model = all(source.dtype(name) == torch.float32 for name in source.layouts)
+    for key in index:
+        state_key = key[len(STATE_PREFIX):].partition(".")[0]
+        if state_key not in TO_MEGA:
+            raise ConversionError(f"{source.directory}: {key} is optimizer state mega does not know ({state_key!r}; "
+                                  f"it carries {', '.join(sorted(TO_MEGA))}): an optimizer other than Adam?")
+        if not (fp32_model and TO_MEGA[state_key] == MAIN_PARAM) and state_key not in kinds:
+            kinds.append(state_key)
+    return kinds
+
+
+def _state_keys(source, index: dict, names, state_key: str) -> dict[str, tuple[str, int | None]]:
+    """mega name -> (index key, layer) of one kind of state, checked to be the model's parameters
+    at their shapes."""
+    where = source.directory
+    mapped, shapes = source.map_keys(index, names, f"{STATE_PREFIX}{state_key}.")
+    tied_copy = next((n for n in names.tied_copies if f"{STATE_PREFIX}{state_key}.{n}" in index), None)
+    embedding = "embedding.word_embeddings.weight"
+    if embedding not in mapped and tied_copy is not None:  # the shared weight's state under the output layer's key
+        mapped[embedding] = (f"{STATE_PREFIX}{state_key}.{tied_copy}", None)
+        shapes[embedding] = (tuple(index[mapped[embedding][0]].size), None)
+    missing, unexpected = set(source.layouts) - set(mapped), set(mapped) - set(source.layouts)
+    if missing or unexpected:
+        raise ConversionError(f"{where}: the optimizer's {state_key} " + " and ".join(
+            ([f"lacks {format_names(missing)}"] if missing else [])
+            + ([f"holds {format_names(unexpected)}"] if unexpected else [])) + ", unlike the model")
+    for name, (shape, _) in shapes.items():
+        if tuple(shape) != tuple(source.shape(name)):
+            raise ConversionError(f"{where}: the optimizer's {state_key} of {name} has shape {list(shape)}, "
+                                  f"its parameter {list(source.shape(name))}")
+    return mapped
 
 
 def _step(saved: dict):
@@ -124,19 +139,6 @@ def _step(saved: dict):
     groups = saved.get("param_groups") or [{}]
     step = (saved.get("state") or {}).get("common_step", groups[0].get("step"))
     return None if step is None else int(step)
-
-
-def param_groups(state: OptimizerState) -> list[dict]:
-    """Megatron-core's two default param groups (weight-decayed, and not: biases and norms),
-    identified by the keys its ``_filter_and_reorder_param_groups`` matches; the hyperparameters
-    are the run's (Megatron's scheduler sets lr and weight decay every step anyway)."""
-    hyper = state.hyperparameters
-    common = dict(is_expert_parallel=False, default_config=True, lr_mult=1.0, is_decoupled_lr=False,
-                  lr=float(hyper.get("lr", 0.0)), max_lr=float(hyper.get("lr", 0.0)), min_lr=None,
-                  betas=tuple(hyper.get("betas", (0.9, 0.999))), eps=float(hyper.get("eps", 1e-8)),
-                  weight_decay=float(hyper.get("weight_decay", 0.0)), amsgrad=False, maximize=False,
-                  foreach=None, capturable=False, differentiable=False, fused=None, decoupled_weight_decay=True)
-    return [dict(common, wd_mult=1.0), dict(common, wd_mult=0.0)]
 
 
 def common_optimizer(state: OptimizerState) -> dict:
