@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from mega.core.checkpoint.directory import RELEASE, saved_iterations, verify
+from mega.core.checkpoint.foreign import foreign_format
 from mega.core.checkpoint.metadata import METADATA_FILE, CheckpointError
 from mega.core.cli.argparser import CommandParser
 
@@ -39,7 +40,7 @@ def checkpoints_in(directory: Path) -> list[Path]:
 
 def check(checkpoint: Path) -> None:
     """Raise :class:`CheckpointError` naming what is wrong with ``checkpoint``."""
-    from mega.core.checkpoint.sharded_io import read_index  # imports torch: only once there is work
+    from mega.core.checkpoint.sharded_io import read_index  # start-up cost: torch, only once there is work
 
     metadata = verify(checkpoint, checksums=True)
     read_index(checkpoint)
@@ -86,7 +87,5 @@ def _holds_mega_metadata(checkpoints: list[Path]) -> bool:
 
 def _other_format(directory: Path) -> str | None:
     """The name of the checkpoint format other than mega's that recognises ``directory``, if any."""
-    from mega.core.checkpoint.foreign import foreign_format
-
     other = foreign_format(directory, capability="describe")
     return None if other is None else getattr(other, "name", type(other).__name__)
