@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt (default 64)")
     choice = group.add_mutually_exclusive_group()
     choice.add_argument("--greedy", action="store_true", help="always the most likely token")
-    choice.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    choice.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature (default 1.0); 0 is greedy, as --greedy (and as the server, "
+                             "OpenAI and transformers take it)")
     group.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     group.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling probability (0: off)")
     group.add_argument("--seed", type=int, help="sampling seed (prompt i uses seed + i): runs reproduce")
@@ -63,7 +65,10 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.temperature >= 0:
+        parser.error(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     from mega.inference.engine import GenerationError, GenerationRequest
     from mega.inference.engine_setup import setup_engine
     from mega.inference.sampling import GREEDY, SamplingError, SamplingParams
@@ -75,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         tokenizer = setup.loaded.tokenizer
-        sampling = GREEDY if args.greedy else SamplingParams(args.temperature, args.top_k, args.top_p)
+        greedy = args.greedy or args.temperature == 0
+        sampling = GREEDY if greedy else SamplingParams(args.temperature, args.top_k, args.top_p)
         stop = StopRules(stop_ids=frozenset({tokenizer.eod}), stop_strings=tuple(args.stop),
                          stop_on_eol=args.stop_on_eol, stop_on_double_eol=args.stop_on_double_eol)
         prompts = read_prompts(args)

@@ -6,9 +6,10 @@ groups, so the local number of groups is read from the activation's width, never
 config: the same code runs on a full or a sharded layer.
 
 The attention kernel, the rotary embedding and the linear layers come from the selected kernels.
-Parallelism reaches this module from outside (``parallelize``): ``dropout_rng_tracker`` (the
-heads are a rank's own shard, so dropout forks into the tracker's model-parallel stream),
-``recompute_core`` (selective recompute) and ``rng_tracker`` (replayed while recomputing).
+Parallelism reaches this module from outside (the passes of :mod:`mega.models.parallelize`):
+``dropout_rng_tracker`` (the heads are a rank's own shard, so dropout forks into the tracker's
+model-parallel stream), ``recompute_core`` (selective recompute) and ``recompute_rng_tracker``
+(replayed while recomputing).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class SelfAttention(nn.Module):
         if config.position_embedding_type == "rope":
             kernels.get("rotary")  # resolved now, as the attention kernel is
         self.recompute_core = False
-        self.rng_tracker = None
+        self.recompute_rng_tracker = None
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 inference_cache: LayerKVCache | None = None, mask: AttentionMask = CAUSAL) -> torch.Tensor:
@@ -91,7 +92,7 @@ class SelfAttention(nn.Module):
             mask = mask if isinstance(mask, AttentionMask) else AttentionMask(causal=mask)
             context = self.core_attention(query, key, value, mask)
         elif self.recompute_core and is_recomputing_allowed(self):
-            context = recomputed(self.core_attention, query, key, value, mask, rng_tracker=self.rng_tracker)
+            context = recomputed(self.core_attention, query, key, value, mask, rng_tracker=self.recompute_rng_tracker)
         else:
             context = self.core_attention(query, key, value, mask)
         return self.linear_proj(context)

@@ -23,14 +23,13 @@ from mega.core.kernels import Kernels
 from mega.core.model_family import LossContext, ModelFamily, Stage, StageRun, stack_stages
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
-from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.models.bert_config import BertConfig
 from mega.models.bert_model import BertModel
 from mega.models.flops import num_floating_point_operations
 from mega.models.hf_bert import BERT
 from mega.models.initialization import init_parameter
 from mega.models.language_model import per_token_cross_entropy
-from mega.models.recompute import layer_runs
+from mega.models.parallelize import parallelize
 
 FIRST_STAGE_KEYS = ("text", "types", "padding_mask")
 # Every stage attends with the padding mask, so every stage reads it.
@@ -85,28 +84,23 @@ def tensor_parallel_plan(config: BertConfig, stage: Stage) -> dict[str, PlanStyl
 
 
 def parallelize_bert(model: BertModel, groups: ParallelGroups, run: StageRun) -> nn.Module:
-    """The plan, then dropout forks and recompute as for the decoder families; the pooler and the
-    binary head see the whole (gathered) sequence, so their gradients are already whole on every
-    tensor-parallel rank and are not summed over it as sequence-parallel parameters are."""
-    sequence_parallel = run.parallel.sequence_parallel
-    apply_tensor_parallel(model, tensor_parallel_plan(run.config, model.stage), groups,
-                          sequence_parallel=sequence_parallel)
-    if model.post_process and run.config.bert_binary_head:
-        if sequence_parallel and groups.tp.size > 1:
-            model.pooler.sequence_parallel_group = groups.tp
-        for parameter in (*model.pooler.parameters(), *model.binary_head.parameters()):
-            parameter.sequence_parallel = False
-    tracker = run.rng_tracker
-    encoder = model.encoder
-    encoder.rng_tracker, encoder.fork_rng = tracker, sequence_parallel
-    if run.training:
-        encoder.recompute_runs = layer_runs(run.config, len(encoder.layers))
-    for layer in encoder.layers.values():
-        attention = layer.self_attention
-        attention.rng_tracker = tracker
-        attention.recompute_core = run.training and run.config.recompute_granularity == "selective"
-        attention.core_attention.dropout_rng_tracker = None if sequence_parallel else tracker
+    """The passes of :func:`mega.models.parallelize.parallelize` with BERT's plan, then
+    :func:`keep_heads_whole`."""
+    parallelize(model, groups, run, tensor_parallel_plan(run.config, model.stage))
+    keep_heads_whole(model, groups, run.parallel.sequence_parallel)
     return model
+
+
+def keep_heads_whole(model: BertModel, groups: ParallelGroups, sequence_parallel: bool) -> None:
+    """A pass after tensor parallelism: the pooler and the binary head see the whole (gathered)
+    sequence, so their gradients are already whole on every tensor-parallel rank and are not
+    summed over it as sequence-parallel parameters are."""
+    if not (model.post_process and model.config.bert_binary_head):
+        return
+    if sequence_parallel and groups.tp.size > 1:
+        model.pooler.sequence_parallel_group = groups.tp
+    for parameter in (*model.pooler.parameters(), *model.binary_head.parameters()):
+        parameter.sequence_parallel = False
 
 
 def bert_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor],

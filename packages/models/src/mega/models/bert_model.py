@@ -24,8 +24,8 @@ as GPT's is) with a bias of its own over the vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 from torch import nn
@@ -35,14 +35,14 @@ from mega.core.model_family import Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.collectives import gather_from_sequence_parallel_region
 from mega.core.parallel.param_attrs import mark_padded_vocab
-from mega.core.pipeline.tied import tie_across_stages
 from mega.models.attention import SelfAttention
 from mega.models.bert_config import BertConfig
+from mega.models.block import TransformerLayer
 from mega.models.config import ModelConfigError
-from mega.models.language_model import _drop_tied_output_weight, _fill_tied_output_weight
+from mega.models.layer_stack import LayerStack, check_layers
 from mega.models.mlp import MLP
 from mega.models.norms import build_norm
-from mega.models.recompute import is_recomputing_allowed, recomputed
+from mega.models.tied_embedding import stage_embedding, tie_output_layer
 
 
 def padding_attention_mask(padding_mask: torch.Tensor | None) -> AttentionMask:
@@ -98,64 +98,14 @@ class BertLayer(nn.Module):
         return self.post_mlp_layernorm(hidden + self.hidden_dropout(self.mlp(hidden)))
 
 
-class PreNormBertLayer(nn.Module):
-    """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))): pre-LN, Megatron-LM's BERT."""
-
-    def __init__(self, config: BertConfig, kernels: Kernels):
-        super().__init__()
-        self.input_layernorm = build_norm(config, kernels)
-        self.self_attention = SelfAttention(config, kernels)
-        self.pre_mlp_layernorm = build_norm(config, kernels)
-        self.mlp = MLP(config, kernels)
-        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
-
-    def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        hidden = hidden + self.hidden_dropout(self.self_attention(self.input_layernorm(hidden), mask=mask))
-        return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
-
-
-class BertEncoder(nn.Module):
-    """The layers numbered ``layer_numbers`` (global numbers: ``encoder.layers.N``). Post-LN layers
-    each end in a norm; pre-LN ones are followed by ``final_layernorm`` on the stage holding the
-    last layer.
-
-    Set from outside by ``parallelize``, as for the decoder block: ``rng_tracker``,
-    ``fork_rng`` (sequence parallelism) and ``recompute_runs`` (full recompute).
-    """
-
-    def __init__(self, config: BertConfig, layer_numbers: range, kernels: Kernels):
-        super().__init__()
-        layer_class = PreNormBertLayer if config.bert_pre_layernorm else BertLayer
-        self.layers = nn.ModuleDict({str(number): layer_class(config, kernels) for number in layer_numbers})
-        last = config.bert_pre_layernorm and layer_numbers.stop == config.num_layers
-        self.final_layernorm = build_norm(config, kernels) if last else None
-        self.rng_tracker = None
-        self.fork_rng = False
-        self.recompute_runs = [(0, len(self.layers), False)]
-
-    def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        layers = list(self.layers.values())
-        fork = self.rng_tracker.fork() if self.rng_tracker is not None and self.fork_rng else contextlib.nullcontext()
-        with fork:
-            for start, end, recompute in self.recompute_runs:
-                run = _LayerRun(layers[start:end], mask)
-                if recompute and is_recomputing_allowed(self):
-                    hidden = recomputed(run, hidden, rng_tracker=self.rng_tracker)
-                else:
-                    hidden = run(hidden)
-        return self.final_layernorm(hidden) if self.final_layernorm is not None else hidden
-
-
-class _LayerRun:
-    """Consecutive layers as one callable of the hidden state: the unit full recompute checkpoints."""
-
-    def __init__(self, layers: list[nn.Module], mask: AttentionMask):
-        self.layers, self.mask = layers, mask
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            hidden = layer(hidden, self.mask)
-        return hidden
+def bert_encoder(config: BertConfig, layer_numbers: range, kernels: Kernels) -> LayerStack:
+    """The layers numbered ``layer_numbers`` (global numbers: ``encoder.layers.N``), called with
+    the hidden state and ``mask=``. Post-LN layers each end in a norm; pre-LN ones (megatron-core's
+    transformer layer) are followed by ``final_layernorm`` on the stage holding the last layer."""
+    layer_class = TransformerLayer if config.bert_pre_layernorm else BertLayer
+    layers = {number: layer_class(config, kernels) for number in layer_numbers}
+    last = config.bert_pre_layernorm and layer_numbers.stop == config.num_layers
+    return LayerStack(layers, build_norm(config, kernels) if last else None)
 
 
 class BertLMHead(nn.Module):
@@ -204,21 +154,15 @@ class BertModel(nn.Module):
                                    "feeding a linear layer), so norm_linear / norm_mlp kernel backends cannot be "
                                    "used (choose --normalization-backend instead)")
         layers = stage.layers["encoder"]
-        if layers.step != 1 or layers.start < 0 or layers.stop > config.num_layers:
-            raise ModelConfigError(f"layers {layers} are not consecutive layers of a {config.num_layers}-layer model")
+        check_layers(layers, config.num_layers)
         pre_process, post_process = stage.is_first, stage.is_last
         self.config, self.stage, self.pre_process, self.post_process = config, stage, pre_process, post_process
         self.kernels = kernels
         tied = not config.untie_embeddings_and_output_weights
         vocab = config.padded_vocab_size(parallel.tp)
 
-        if pre_process:
-            self.embedding = BertEmbedding(config, vocab, kernels)
-        elif post_process and tied:
-            self.embedding = BertEmbedding(config, vocab, kernels, words_only=True)
-        if tied and (pre_process or post_process):
-            tie_across_stages(self.embedding.word_embeddings.weight)
-        self.encoder = BertEncoder(config, layers, kernels)
+        self.embedding = stage_embedding(partial(BertEmbedding, config, vocab, kernels), stage, tied)
+        self.encoder = bert_encoder(config, layers, kernels)
         if not post_process:
             return
         self.lm_head = BertLMHead(config, kernels)
@@ -226,9 +170,7 @@ class BertModel(nn.Module):
         mark_padded_vocab(self.output_layer.weight)
         mark_padded_vocab(self.output_layer.bias)
         if tied:
-            self.output_layer.weight = self.embedding.word_embeddings.weight
-            self.register_state_dict_post_hook(_drop_tied_output_weight)
-            self.register_load_state_dict_pre_hook(_fill_tied_output_weight)
+            tie_output_layer(self, self.output_layer, "output_layer.weight")
         if config.bert_binary_head:
             self.pooler = Pooler(config, kernels)
             self.binary_head = kernels.linear(config.hidden_size, 2, bias=True)
@@ -239,7 +181,7 @@ class BertModel(nn.Module):
         reads ``text`` (and ``types``), later ones ``hidden``; every stage ``padding_mask``."""
         mask = padding_attention_mask(batch.get("padding_mask"))
         hidden = self.embedding(batch["text"], batch.get("types")) if self.pre_process else batch["hidden"]
-        return self.encoder(hidden, mask)
+        return self.encoder(hidden, mask=mask)
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``{"hidden"}`` to send on, or on the last stage ``{"logits"}`` ``[seq, batch, vocab

@@ -1,12 +1,12 @@
 """Context parallelism for the decoder-only LMs, applied from outside like tensor parallelism.
 
-Every layer's :class:`~mega.models.attention.CoreAttention` is swapped for
-:class:`ContextParallelAttention`, which attends this rank's chunks of the sequence to the whole
-sequence's keys across the context group (``--cp-comm-type``, see
-:mod:`mega.core.parallel.context_attention`). Nothing else in the model changes: the trainer
-hands each rank its chunks of the micro-batch with their ``position_ids`` (so learned positions
-and RoPE follow the chunks), norms and MLPs are per token, and the loss sums over the whole
-sequence (:func:`mega.core.parallel.context_parallel.sequence_mean`).
+The pass :func:`mega.models.parallelize.apply_cp` swaps every layer's
+:class:`~mega.models.attention.CoreAttention` for :class:`ContextParallelAttention`, which
+attends this rank's chunks of the sequence to the whole sequence's keys across the context
+group (``--cp-comm-type``, see :mod:`mega.core.parallel.context_attention`). Nothing else in the
+model changes: the trainer hands each rank its chunks of the micro-batch with their
+``position_ids`` (so learned positions and RoPE follow the chunks), norms and MLPs are per
+token, and the loss sums over the whole sequence (:func:`mega.core.parallel.context_parallel.sequence_mean`).
 """
 
 from __future__ import annotations
@@ -55,14 +55,3 @@ class ContextParallelAttention(nn.Module):
                                          causal=mask.causal, softmax_scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).flatten(2)
 
-
-def apply_context_parallel(model: nn.Module, groups: ParallelGroups, config: TransformerConfig,
-                           parallel: ParallelConfig) -> nn.Module:
-    """Swap every layer's core attention for the context-parallel one (nothing when cp is 1)."""
-    if groups.cp.size <= 1:
-        return model
-    check_context_parallel(config, parallel)
-    for layer in model.decoder.layers.values():
-        attention = layer.self_attention
-        attention.core_attention = ContextParallelAttention(attention.core_attention, groups, parallel.cp_comm_type)
-    return model

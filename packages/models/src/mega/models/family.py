@@ -12,16 +12,14 @@ from mega.core.kernels import Kernels
 from mega.core.model_family import HFMapping, LossContext, ModelFamily, Stage, StageRun
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.context_parallel import sequence_mean
-from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.models.config import TransformerConfig
-from mega.models.context_parallel import apply_context_parallel
 from mega.models.flops import num_floating_point_operations
 from mega.models.initialization import init_parameter
 from mega.models.language_model import LanguageModel, fused_linear_cross_entropy, per_token_cross_entropy
 from mega.models.memory import stage_footprint
 from mega.models.parallel_plan import tensor_parallel_plan, with_fused_mlps
+from mega.models.parallelize import parallelize
 from mega.models.parameter_count import num_parameters
-from mega.models.recompute import layer_runs
 
 
 def build_language_model(config: TransformerConfig, stage: Stage, *, kernels: Kernels,
@@ -29,28 +27,13 @@ def build_language_model(config: TransformerConfig, stage: Stage, *, kernels: Ke
     return LanguageModel(config, stage, kernels, parallel)
 
 
-def parallelize_language_model(model: LanguageModel, groups: ParallelGroups, run: StageRun,
-                               plan: Mapping | None = None) -> nn.Module:
-    """Tensor (and sequence) parallelism by the plan (default: the dense transformer's), then
-    what the run's layout and recompute settings ask of the layers: where dropout forks into the
-    tracker's streams, which regions are recomputed."""
-    if plan is None:
-        plan = tensor_parallel_plan(run.config, model.stage)
-        if any(layer.fused_mlp for layer in model.decoder.layers.values()):  # a norm_mlp kernel's MLPs
-            plan = with_fused_mlps(plan)
-    apply_tensor_parallel(model, plan, groups, sequence_parallel=run.parallel.sequence_parallel)
-    tracker, sequence_parallel = run.rng_tracker, run.parallel.sequence_parallel
-    block = model.decoder
-    block.rng_tracker, block.fork_rng = tracker, sequence_parallel
-    if run.training:
-        block.recompute_runs = layer_runs(run.config, len(block.layers))
-    for layer in block.layers.values():
-        attention = layer.self_attention
-        attention.rng_tracker = tracker
-        attention.recompute_core = run.training and run.config.recompute_granularity == "selective"
-        # Under sequence parallelism the whole block already runs in the model-parallel stream.
-        attention.core_attention.dropout_rng_tracker = None if sequence_parallel else tracker
-    return apply_context_parallel(model, groups, run.config, run.parallel)
+def parallelize_language_model(model: LanguageModel, groups: ParallelGroups, run: StageRun) -> nn.Module:
+    """The passes of :func:`mega.models.parallelize.parallelize` with the dense transformer's
+    plan (the MLP split whole where a ``norm_mlp`` kernel made it one module)."""
+    plan = tensor_parallel_plan(run.config, model.stage)
+    if any(layer.fused_mlp for layer in model.decoder.layers.values()):
+        plan = with_fused_mlps(plan)
+    return parallelize(model, groups, run, plan)
 
 
 def language_model_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor],
@@ -64,7 +47,8 @@ def language_model_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str,
                                            labels, loss_mask, context.tp_group, vocab_size)
     else:
         logits = outputs["logits"]  # [s, b, vocab (shard)]
-        per_token = per_token_cross_entropy(context.kernels, logits, labels, context.tp_group, vocab_size)
+        per_token = per_token_cross_entropy(context.kernels, logits, labels, context.tp_group, vocab_size,
+                                            fused=getattr(context.config, "cross_entropy_loss_fusion", False))
         total = (per_token * loss_mask).sum()
     loss, mean = sequence_mean(total, loss_mask.sum(), context.cp_group)
     return loss, {"lm loss": mean}

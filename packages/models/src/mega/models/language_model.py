@@ -12,14 +12,14 @@ number in ``decoder.layers.N``, so checkpoints of any layout map onto each other
     decoder.final_layernorm.{weight,bias}     output_layer.weight (untied only)
 
 With tied embeddings ``output_layer`` uses the word embedding's parameter itself; a last stage
-that is not also the first holds a copy of it under the same name. The weight is marked with
-Megatron's ``shared_embedding`` attribute on both stages, so the pipeline
-(:mod:`mega.core.pipeline.tied`) syncs the copies and sums their gradients over ``groups.embedding``.
+that is not also the first holds a copy of it under the same name (see
+:mod:`mega.models.tied_embedding`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 from torch import nn
@@ -28,14 +28,13 @@ from mega.core.kernels import Kernels, check_linear_loss
 from mega.core.model_family import Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.param_attrs import mark_padded_vocab
-from mega.core.pipeline.tied import tie_across_stages
-from mega.models.block import TransformerBlock
-from mega.models.config import ModelConfigError, TransformerConfig
+from mega.models import fusions
+from mega.models.block import transformer_block
+from mega.models.config import TransformerConfig
 from mega.models.embedding import Embedding
 from mega.models.kv_cache import KVCache
-
-OUTPUT_WEIGHT = "output_layer.weight"
-WORD_EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
+from mega.models.layer_stack import check_layers
+from mega.models.tied_embedding import stage_embedding, tie_output_layer
 
 
 class LanguageModel(nn.Module):
@@ -47,21 +46,15 @@ class LanguageModel(nn.Module):
         super().__init__()
         config.validate(parallel.tp)
         layers = stage.layers["decoder"]
-        if layers.step != 1 or layers.start < 0 or layers.stop > config.num_layers:
-            raise ModelConfigError(f"layers {layers} are not consecutive layers of a {config.num_layers}-layer model")
+        check_layers(layers, config.num_layers)
         pre_process, post_process = stage.is_first, stage.is_last
         self.config, self.stage, self.pre_process, self.post_process = config, stage, pre_process, post_process
         self.tied = not config.untie_embeddings_and_output_weights
         self.kernels = kernels
         vocab = config.padded_vocab_size(parallel.tp)
 
-        if pre_process:
-            self.embedding = Embedding(config, vocab)
-        elif post_process and self.tied:  # the last stage's copy, used only by the output layer
-            self.embedding = Embedding(config, vocab, words_only=True)
-        if self.tied and (pre_process or post_process):
-            tie_across_stages(self.embedding.word_embeddings.weight)
-        self.decoder = TransformerBlock(config, layers, post_process, kernels)
+        self.embedding = stage_embedding(partial(Embedding, config, vocab), stage, self.tied)
+        self.decoder = transformer_block(config, layers, post_process, kernels)
         # A backend that fuses the output layer into the loss: the last stage then hands the loss
         # its final hidden states and the output weight instead of logits (see forward).
         self.fused_loss = kernels.get("linear_loss") is not None if post_process else False
@@ -71,10 +64,7 @@ class LanguageModel(nn.Module):
             self.output_layer = kernels.linear(config.hidden_size, vocab, bias=False)
             mark_padded_vocab(self.output_layer.weight)
             if self.tied:
-                self.output_layer.weight = self.embedding.word_embeddings.weight
-                # The tied weight is saved and loaded once, under the embedding's name.
-                self.register_state_dict_post_hook(_drop_tied_output_weight)
-                self.register_load_state_dict_pre_hook(_fill_tied_output_weight)
+                tie_output_layer(self, self.output_layer, "output_layer.weight")
 
     def forward(self, inputs: torch.Tensor | Mapping[str, torch.Tensor], position_ids: torch.Tensor | None = None,
                 inference_cache: KVCache | None = None, logits_to_keep: int | torch.Tensor | None = None):
@@ -118,7 +108,7 @@ class LanguageModel(nn.Module):
                       inference_cache: KVCache | None = None) -> torch.Tensor:
         """The decoder's output ``[s, b, h]`` (after the final norm on the last stage)."""
         hidden = self.embedding(inputs, position_ids) if self.pre_process else inputs
-        return self.decoder(hidden, position_ids, inference_cache)
+        return self.decoder(hidden, position_ids, cache=inference_cache)
 
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
@@ -128,9 +118,14 @@ class LanguageModel(nn.Module):
 
 
 def per_token_cross_entropy(kernels: Kernels, logits: torch.Tensor, labels: torch.Tensor, tp_group=None,
-                            vocab_size: int | None = None) -> torch.Tensor:
+                            vocab_size: int | None = None, fused: bool = False) -> torch.Tensor:
     """``[b, s]`` cross-entropy of logits ``[s, b, vocab (shard over tp_group)]`` against labels ``[b, s]``
-    from the selected loss kernel, over the first ``vocab_size`` rows (the rest is padding)."""
+    from the selected loss kernel, over the first ``vocab_size`` rows (the rest is padding);
+    ``fused`` (--cross-entropy-loss-fusion) computes torch's loss as one kernel where the
+    vocabulary is held whole."""
+    whole = tp_group is None or tp_group.size == 1
+    if fused and whole and vocab_size is not None and kernels.selection.get("loss") == "torch":
+        return fusions.cross_entropy(logits, labels.transpose(0, 1), vocab_size).transpose(0, 1)
     return kernels.loss(logits, labels.transpose(0, 1), tp_group, vocab_size).transpose(0, 1)
 
 
@@ -142,12 +137,3 @@ def fused_linear_cross_entropy(kernels: Kernels, hidden: torch.Tensor, weight: t
     return kernels.get("linear_loss")(tokens, weight, labels.t().reshape(-1), loss_mask.t().reshape(-1),
                                       tp_group, vocab_size)
 
-
-def _drop_tied_output_weight(module, state_dict, prefix, local_metadata):
-    state_dict.pop(prefix + OUTPUT_WEIGHT, None)
-
-
-def _fill_tied_output_weight(module, state_dict, prefix, local_metadata, strict, missing_keys,
-                             unexpected_keys, error_msgs):
-    if prefix + WORD_EMBEDDING_WEIGHT in state_dict:
-        state_dict.setdefault(prefix + OUTPUT_WEIGHT, state_dict[prefix + WORD_EMBEDDING_WEIGHT])

@@ -18,12 +18,12 @@ from torch.utils.checkpoint import checkpoint
 from mega.models.config import TransformerConfig
 
 
-def recomputed(function: Callable, *args, rng_tracker=None):
-    """``function(*args)``, keeping only its inputs for backward."""
+def recomputed(function: Callable, *args, rng_tracker=None, **kwargs):
+    """``function(*args, **kwargs)``, keeping only its inputs for backward."""
     if rng_tracker is None:
-        return checkpoint(function, *args, use_reentrant=False)
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
     return checkpoint(function, *args, use_reentrant=False,
-                      context_fn=lambda: _tracker_contexts(rng_tracker))
+                      context_fn=lambda: _tracker_contexts(rng_tracker), **kwargs)
 
 
 def _tracker_contexts(tracker):

@@ -36,12 +36,13 @@ from mega.core.kernels import Kernels
 from mega.core.model_family import LossContext, Stage, StageRun, TensorSpec, hidden_boundary
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.param_attrs import mark_expert_shard, mark_expert_tensor_shard, mark_tensor_parallel
-from mega.models.family import language_model_loss, parallelize_language_model
+from mega.models.family import language_model_loss
 from mega.models.flops import num_floating_point_operations as dense_flops
 from mega.models.language_model import LanguageModel
 from mega.models.moe.config import MoETransformerConfig
-from mega.models.moe.layer import STATS
+from mega.models.moe.layer import STATS, MoELayer
 from mega.models.parallel_plan import tensor_parallel_plan
+from mega.models.parallelize import modules_of, parallelize
 from mega.models.parameter_count import num_parameters as dense_parameters
 
 MOE_STATS = "moe_stats"
@@ -78,12 +79,19 @@ def moe_tensor_parallel_plan(config: MoETransformerConfig, stage: Stage) -> dict
 
 
 def parallelize_moe_model(model: MoELanguageModel, groups: ParallelGroups, run: StageRun) -> nn.Module:
-    for layer in model.decoder.layers.values():
-        moe = layer.mlp
+    """:func:`apply_expert_parallel`, then the passes of :func:`mega.models.parallelize.parallelize`
+    with the plan of the layers' dense parts."""
+    apply_expert_parallel(model, groups, run.parallel.sequence_parallel)
+    return parallelize(model, groups, run, moe_tensor_parallel_plan(run.config, model.stage))
+
+
+def apply_expert_parallel(stage: nn.Module, groups: ParallelGroups, sequence_parallel: bool) -> None:
+    """A pass before tensor parallelism: every mixture-of-experts layer keeps this rank's experts
+    (:func:`shard_experts`) and routes over the tensor, expert-tensor and expert groups."""
+    for moe in modules_of(stage, MoELayer):
         shard_experts(moe.experts, groups)
         moe.tp_group, moe.etp_group, moe.ep_group = groups.tp, groups.etp, groups.ep
-        moe.sequence_parallel = run.parallel.sequence_parallel
-    return parallelize_language_model(model, groups, run, plan=moe_tensor_parallel_plan(run.config, model.stage))
+        moe.sequence_parallel = sequence_parallel
 
 
 def shard_experts(experts: nn.Module, groups: ParallelGroups) -> None:

@@ -13,11 +13,13 @@ from torch import nn
 from mega.core.kernels import Kernels
 from mega.core.model_family import LossContext, ModelFamily, Stage, StageRun
 from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.parallel.groups import Group
 from mega.core.parallel.param_attrs import mark_tensor_parallel
 from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.models.family import language_model_loss
 from mega.models.initialization import init_parameter
+from mega.models.parallelize import apply_attention_dropout_rng
 from mega.models.t5.config import T5Config
 from mega.models.t5.hf_t5 import T5_MAPPING
 from mega.models.t5.model import T5Model
@@ -74,25 +76,32 @@ def tensor_parallel_plan(config: T5Config, stage: Stage) -> dict[str, PlanStyle]
 
 
 def parallelize_t5(model: T5Model, groups: ParallelGroups, run: StageRun) -> nn.Module:
-    """The relative-position tables split by heads (before the plan, so sequence parallelism
-    does not take them for replicated weights), the plan, and attention dropout forked into the
-    tracker's model-parallel stream (each rank holds its own heads)."""
-    tp = groups.tp
+    """Passes 1-3 of :mod:`mega.models.parallelize`: the relative-position tables split by heads
+    (before the plan, so sequence parallelism does not take them for replicated weights), the
+    plan, and attention dropout forked into the tracker's model-parallel stream (each rank holds
+    its own heads). T5 has no recompute or context-parallel flags. Under sequence parallelism its
+    stacks keep drawing dropout from the default stream (no ``apply_sequence_parallel_rng``),
+    where Megatron-Core forks them into the model-parallel one."""
+    sequence_parallel = run.parallel.sequence_parallel
+    shard_relative_position_tables(model, groups.tp)
+    apply_tensor_parallel(model, tensor_parallel_plan(run.config, model.stage), groups,
+                          sequence_parallel=sequence_parallel)
+    apply_attention_dropout_rng(model, run.rng_tracker, sequence_parallel)
+    return model
+
+
+def shard_relative_position_tables(model: T5Model, tp: Group) -> None:
+    """Keep this rank's heads (columns) of each relative-position table the stage holds."""
+    if tp.size <= 1:
+        return
     for name in ("encoder_relative_pos_emb", "decoder_relative_pos_emb"):
         table = getattr(model, name, None)
-        if table is not None and tp.size > 1:
+        if table is not None:
             weight = table.relative_attention_bias.weight
             heads = weight.shape[1] // tp.size
             shard = nn.Parameter(weight.detach()[:, tp.rank * heads:(tp.rank + 1) * heads].clone())
             mark_tensor_parallel(shard, dim=1)
             table.relative_attention_bias.weight = shard
-    apply_tensor_parallel(model, tensor_parallel_plan(run.config, model.stage), groups,
-                          sequence_parallel=run.parallel.sequence_parallel)
-    if not run.parallel.sequence_parallel:
-        for module in model.modules():
-            if hasattr(module, "dropout_rng_tracker"):
-                module.dropout_rng_tracker = run.rng_tracker
-    return model
 
 
 def t5_loss(outputs, batch, context: LossContext):

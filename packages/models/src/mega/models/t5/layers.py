@@ -17,6 +17,7 @@ from torch import nn
 
 from mega.core.kernels import AttentionMask, Kernels
 from mega.models.attention import CoreAttention
+from mega.models.layer_stack import PreNormLayer
 from mega.models.norms import build_norm
 from mega.models.t5.config import T5Config
 
@@ -98,18 +99,12 @@ class MLP(nn.Module):
         return self.linear_fc2(self.activation(projected))
 
 
-class EncoderLayer(nn.Module):
-    def __init__(self, config: T5Config, kernels: Kernels):
-        super().__init__()
-        self.input_layernorm = build_norm(config, kernels)
-        self.self_attention = SelfAttention(config, kernels)
-        self.pre_mlp_layernorm = build_norm(config, kernels)
-        self.mlp = MLP(config, kernels)
-        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+class EncoderLayer(PreNormLayer):
+    """Called with the hidden state and the attention mask."""
 
-    def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        hidden = hidden + self.hidden_dropout(self.self_attention(self.input_layernorm(hidden), mask))
-        return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
+    def __init__(self, config: T5Config, kernels: Kernels):
+        super().__init__(build_norm(config, kernels), SelfAttention(config, kernels), build_norm(config, kernels),
+                         MLP(config, kernels), config.hidden_dropout)
 
 
 class DecoderLayer(nn.Module):

@@ -25,6 +25,7 @@ cross-attends to it) and the decoder's hidden state and bias.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 from torch import nn
@@ -33,17 +34,14 @@ from mega.core.kernels import AttentionMask, Kernels
 from mega.core.model_family import Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.param_attrs import mark_padded_vocab
-from mega.core.pipeline.tied import tie_across_stages
-from mega.models.config import ModelConfigError
 from mega.models.embedding import Embedding
 from mega.models.kv_cache import KVCache, LayerKVCache
+from mega.models.layer_stack import LayerStack, check_layers
 from mega.models.norms import build_norm
 from mega.models.t5.config import T5Config
 from mega.models.t5.layers import DecoderLayer, EncoderLayer
 from mega.models.t5.relative_position import RelativePositionBias
-
-OUTPUT_WEIGHT = "lm_head.output_layer.weight"
-WORD_EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
+from mega.models.tied_embedding import stage_embedding, tie_output_layer
 
 
 class LMHead(nn.Module):
@@ -63,23 +61,13 @@ class LMHead(nn.Module):
         return self.output_layer(hidden * self.scale if self.scale is not None else hidden)
 
 
-class Stack(nn.Module):
+def t5_stack(config: T5Config, layer_class: type[nn.Module], layer_numbers: range, num_layers: int,
+             kernels: Kernels) -> LayerStack:
     """The layers ``layer_numbers`` of one stack (global numbers in the names), and its final norm
-    when the last layer is among them."""
-
-    def __init__(self, config: T5Config, layer_class, layer_numbers: range, num_layers: int, kernels: Kernels):
-        super().__init__()
-        self.layers = nn.ModuleDict({str(n): layer_class(config, kernels) for n in layer_numbers})
-        self.final_layernorm = build_norm(config, kernels) if layer_numbers.stop == num_layers else None
-        self.final_dropout = nn.Dropout(config.hidden_dropout)
-
-    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.final_dropout(self.final_layernorm(hidden)) if self.final_layernorm is not None else hidden
-
-
-def _check_layers(layers: range, num_layers: int, stack: str) -> None:
-    if layers.step != 1 or layers.start < 0 or layers.stop > num_layers:
-        raise ModelConfigError(f"{stack} layers {layers} are not consecutive layers of a {num_layers}-layer stack")
+    and dropout when the last layer is among them."""
+    layers = {number: layer_class(config, kernels) for number in layer_numbers}
+    final_norm = build_norm(config, kernels) if layer_numbers.stop == num_layers else None
+    return LayerStack(layers, final_norm, final_dropout=config.hidden_dropout)
 
 
 class T5Model(nn.Module):
@@ -89,34 +77,27 @@ class T5Model(nn.Module):
         self.config, self.stage, self.kernels = config, stage, kernels
         self.encoder_layers = stage.layers.get("encoder", range(0))
         self.decoder_layers = stage.layers.get("decoder", range(0))
-        _check_layers(self.encoder_layers, config.num_layers, "encoder")
-        _check_layers(self.decoder_layers, config.decoder_num_layers, "decoder")
+        check_layers(self.encoder_layers, config.num_layers, "encoder")
+        check_layers(self.decoder_layers, config.decoder_num_layers, "decoder")
         self.pre_process, self.post_process = stage.is_first, stage.is_last
         self.tied = not config.untie_embeddings_and_output_weights
         vocab = config.padded_vocab_size(parallel.tp)
-        if self.pre_process:
-            self.embedding = Embedding(config, vocab)
-        elif self.post_process and self.tied:  # the last stage's copy, used only by the output layer
-            self.embedding = Embedding(config, vocab, words_only=True)
-        if self.tied and (self.pre_process or self.post_process):
-            tie_across_stages(self.embedding.word_embeddings.weight)
+        self.embedding = stage_embedding(partial(Embedding, config, vocab), stage, self.tied)
 
         buckets = config.relative_attention_num_buckets, config.relative_attention_max_distance
         heads = config.num_attention_heads
         if config.relative and 0 in self.encoder_layers:
             self.encoder_relative_pos_emb = RelativePositionBias(*buckets, heads, bidirectional=True)
         if self.encoder_layers:
-            self.encoder = Stack(config, EncoderLayer, self.encoder_layers, config.num_layers, kernels)
+            self.encoder = t5_stack(config, EncoderLayer, self.encoder_layers, config.num_layers, kernels)
         if config.relative and 0 in self.decoder_layers:
             self.decoder_relative_pos_emb = RelativePositionBias(*buckets, heads, bidirectional=False)
         if self.decoder_layers:
-            self.decoder = Stack(config, DecoderLayer, self.decoder_layers, config.decoder_num_layers, kernels)
+            self.decoder = t5_stack(config, DecoderLayer, self.decoder_layers, config.decoder_num_layers, kernels)
         if self.post_process:
             self.lm_head = LMHead(config, kernels, vocab)
             if self.tied:
-                self.lm_head.output_layer.weight = self.embedding.word_embeddings.weight
-                self.register_state_dict_post_hook(_drop_tied_output_weight)
-                self.register_load_state_dict_pre_hook(_fill_tied_output_weight)
+                tie_output_layer(self, self.lm_head.output_layer, "lm_head.output_layer.weight")
 
     # -- training (the pipeline's dict interface) ------------------------------------------------
     def forward(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -133,13 +114,12 @@ class T5Model(nn.Module):
                 seq = encoder_padding.shape[1]
                 state["encoder_bias"] = self.encoder_relative_pos_emb(seq, seq)
             mask = AttentionMask(padding=encoder_padding, bias=state.get("encoder_bias"))
-            hidden = state["encoder_hidden"]
-            for layer in self.encoder.layers.values():
-                hidden = layer(hidden, mask)
-            state["encoder_hidden"] = hidden
-            if self.encoder.final_layernorm is not None:
-                state["encoder_output"] = self.encoder.finish(state.pop("encoder_hidden"))
+            hidden = self.encoder(state.pop("encoder_hidden"), mask)
+            if self.encoder.final_layernorm is not None:  # the encoder's last layer: its output is final
+                state["encoder_output"] = hidden
                 state.pop("encoder_bias", None)
+            else:
+                state["encoder_hidden"] = hidden
         if self.decoder_layers:
             decoder_padding = inputs["dec_mask"]
             if relative and "decoder_bias" not in state:
@@ -147,12 +127,10 @@ class T5Model(nn.Module):
                 state["decoder_bias"] = self.decoder_relative_pos_emb(seq, seq)
             self_mask = AttentionMask(causal=True, padding=decoder_padding, bias=state.get("decoder_bias"))
             cross_mask = AttentionMask(padding=encoder_padding)
-            hidden, encoder_output = state["decoder_hidden"], state["encoder_output"]
-            for layer in self.decoder.layers.values():
-                hidden = layer(hidden, encoder_output, self_mask, cross_mask)
-            state["decoder_hidden"] = hidden
-        if self.post_process:
-            return {"logits": self.lm_head(self.decoder.finish(state["decoder_hidden"]))}
+            state["decoder_hidden"] = self.decoder(state["decoder_hidden"], state["encoder_output"], self_mask,
+                                                   cross_mask)
+        if self.post_process:  # the decoder's last layer, its final norm applied
+            return {"logits": self.lm_head(state["decoder_hidden"])}
         return {name: state[name] for name in BOUNDARY_NAMES if name in state}
 
     # -- generation ------------------------------------------------------------------------------
@@ -161,10 +139,7 @@ class T5Model(nn.Module):
         seq = tokens.shape[1]
         bias = self.encoder_relative_pos_emb(seq, seq) if self.config.relative else None
         mask = AttentionMask(padding=padding, bias=bias)
-        hidden = self.embedding(tokens)
-        for layer in self.encoder.layers.values():
-            hidden = layer(hidden, mask)
-        return self.encoder.finish(hidden)
+        return self.encoder(self.embedding(tokens), mask)
 
     def decode(self, tokens: torch.Tensor, encoder_output: torch.Tensor, encoder_padding: torch.Tensor,
                cache: DecoderCache, logits_to_keep: int | None = None) -> torch.Tensor:
@@ -175,10 +150,7 @@ class T5Model(nn.Module):
         self_mask = AttentionMask(causal=True, bias=bias)
         cross_mask = AttentionMask(padding=encoder_padding)
         positions = torch.arange(start, start + seq, device=tokens.device)[None, :]
-        hidden = self.embedding(tokens, positions)
-        for number, layer in self.decoder.layers.items():
-            hidden = layer(hidden, encoder_output, self_mask, cross_mask, cache.layer(int(number)))
-        hidden = self.decoder.finish(hidden)
+        hidden = self.decoder(self.embedding(tokens, positions), encoder_output, self_mask, cross_mask, cache=cache)
         return self.lm_head(hidden[-logits_to_keep:] if logits_to_keep else hidden)
 
 
@@ -207,12 +179,3 @@ class DecoderCache(KVCache):
             cache = self._layers[number] = DecoderLayerCache(self.max_length)
         return cache
 
-
-def _drop_tied_output_weight(module, state_dict, prefix, local_metadata):
-    state_dict.pop(prefix + OUTPUT_WEIGHT, None)
-
-
-def _fill_tied_output_weight(module, state_dict, prefix, local_metadata, strict, missing_keys,
-                             unexpected_keys, error_msgs):
-    if prefix + WORD_EMBEDDING_WEIGHT in state_dict:
-        state_dict.setdefault(prefix + OUTPUT_WEIGHT, state_dict[prefix + WORD_EMBEDDING_WEIGHT])
