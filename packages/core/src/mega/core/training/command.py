@@ -15,6 +15,8 @@ they import torch (1.5 s), which the launcher process of `--nproc-per-node` neve
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
 
@@ -75,7 +77,7 @@ def core_sections(model_config_class: type | None) -> dict[str, type]:
 
 
 def plugin_sections(sections: dict[str, type], plugins=None) -> dict[str, tuple[type, str]]:
-    taken = {"-h", "--help", "--config", "--nproc-per-node", *known_flags(sections)}
+    taken = {"-h", "--help", "--config", "--nproc-per-node", "--max-restarts", *known_flags(sections)}
     return option_sections(plugins or get_plugins(), taken, set(sections))
 
 
@@ -168,6 +170,20 @@ def main(argv: list[str]) -> int:
     from mega.core.training.launch_run import train  # start-up cost: torch
 
     return train(run, family)
+
+
+def start_ranks(nproc: int, command: list[str], max_restarts: int | None = None,
+                program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main")) -> int:
+    """Start the local ranks of ``command`` (``["train", ...]``), with what the launcher must know
+    of the run read from it as a rank reads it (see mega.core.training.launch_job)."""
+    from mega.core.training.launch_job import launch_job
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # the ranks parse it again and say what is wrong
+            run = parse_run(command[1:])[0]
+    except (Exception, SystemExit):  # noqa: BLE001
+        run = None
+    return launch_job(nproc, command, run, max_restarts, program=program)
 
 
 def _without_launcher_flags(argv: list[str]) -> list[str]:
