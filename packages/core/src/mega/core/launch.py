@@ -278,7 +278,7 @@ def _attempt_store(world_size: int, timeout: timedelta):
 
     The agent keeps one store for every attempt of a job, so a restarted rank would read the
     addresses its failed predecessors wrote there (gloo then connects to ports nobody listens on)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # start-up cost: the launcher itself never needs torch
 
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

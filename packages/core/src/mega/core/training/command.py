@@ -176,7 +176,7 @@ def start_ranks(nproc: int, command: list[str], max_restarts: int | None = None,
                 program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main")) -> int:
     """Start the local ranks of ``command`` (``["train", ...]``), with what the launcher must know
     of the run read from it as a rank reads it (see mega.core.training.launch_job)."""
-    from mega.core.training.launch_job import launch_job
+    from mega.core.training.launch_job import launch_job  # start-up cost: torch, for launchers only
 
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # the ranks parse it again and say what is wrong

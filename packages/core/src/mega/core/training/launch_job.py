@@ -20,7 +20,7 @@ def launch_job(nproc: int, command: list[str], run, max_restarts: int | None = N
     does not parse); with ``max_restarts``, under the elastic agent (see in_job_restart). A
     configuration that does not parse runs once: its ranks say why."""
     if run is not None and max_restarts is not None:
-        from mega.core.training.in_job_restart import run_with_restarts
+        from mega.core.training.in_job_restart import run_with_restarts  # start-up cost: the elastic agent
 
         return run_with_restarts(nproc, command, max_restarts, run.checkpoint.save, program=program)
     handled = signal.Signals[run.training.exit_signal] if run is not None and run.training.exit_signal_handler else None
