@@ -26,8 +26,8 @@ from mega.core.cli.main import main
 sys.argv = ['mega', *sys.argv[1:]]
 sys.exit(main())
 """
-LAUNCHER = ("import sys; from mega.core.training.command import start_ranks; "
-            f"sys.exit(start_ranks(2, ['train', *sys.argv[1:]], program=(sys.executable, '-c', {RANK!r})))")
+LAUNCHER = ("import sys; from mega.core.training.launch_job import launch_job; "
+            f"sys.exit(launch_job(2, ['train', *sys.argv[1:]], program=(sys.executable, '-c', {RANK!r})))")
 
 
 def test_a_deadlock_is_reported_by_every_rank_and_the_rank_behind_is_named(tmp_path):

@@ -37,8 +37,8 @@ DIES = "import os, signal, time; os.environ['RANK'] == '1' and os.kill(os.getpid
 
 
 def launcher(nproc: int, max_restarts: int, rank_program: str) -> str:
-    return ("import sys; from mega.core.training.command import start_ranks; "
-            f"sys.exit(start_ranks({nproc}, ['train', *sys.argv[1:]], {max_restarts}, "
+    return ("import sys; from mega.core.training.launch_job import launch_job; "
+            f"sys.exit(launch_job({nproc}, ['train', *sys.argv[1:]], {max_restarts}, "
             f"program=(sys.executable, '-c', {rank_program!r})))")
 
 
