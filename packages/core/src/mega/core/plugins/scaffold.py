@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from mega.core.cli.argparser import CommandParser
+from mega.core.plugins.manager import get_plugins
 from mega.core.plugins.scaffold_templates import KINDS, PYPROJECT, README
 
 NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
@@ -53,8 +54,6 @@ REGISTRY = {"family": "models", "callback": "callbacks", "command": "commands", 
 
 def _taken(name: str, kind: str) -> str:
     """Who already registered ``name`` for ``kind`` in this installation ("" if nobody)."""
-    from mega.core.plugins import get_plugins
-
     registry = getattr(get_plugins(), REGISTRY[kind])
     if name not in registry:
         return ""
