@@ -34,7 +34,7 @@ class LigerBackend:
     def component(self, kind: str):
         from mega_liger import kernels
 
-        return {"norm": kernels.LigerNorm, "rotary": kernels.rotary, "activation": kernels.activation,
+        return {"norm": kernels.norm, "rotary": kernels.rotary, "activation": kernels.activation,
                 "linear_loss": kernels.LinearCrossEntropy()}[kind]
 
 

@@ -83,6 +83,7 @@ def launch_local(nproc: int, command: list[str], threads_per_process: int | None
         print(f"mega: rank {rank} {describe_exit(returncode)}, first; the other ranks were stopped",
               file=sys.stderr, flush=True)
         if returncode == TIMEOUT_EXIT_CODE:
+            # Start-up cost: hang_report imports torch, which the launcher process does not need.
             from mega.core.training.hang_report import name_the_rank_behind
 
             behind = name_the_rank_behind(failure_dir)
@@ -143,7 +144,7 @@ def _supervise(processes: list[subprocess.Popen], received: list[int], debug_dir
                 break
             time.sleep(0.05)
         if failed is not None and failed.returncode == TIMEOUT_EXIT_CODE:
-            from mega.core.training.hang_report import request_reports
+            from mega.core.training.hang_report import request_reports  # start-up cost: torch, as above
 
             running = [rank for rank, process in enumerate(processes) if process.poll() is None]
             request_reports(debug_dir, f"rank {processes.index(failed)}'s collective timed out", running)
@@ -282,7 +283,7 @@ def _attempt_store(world_size: int, timeout: timedelta):
 
     The agent keeps one store for every attempt of a job, so a restarted rank would read the
     addresses its failed predecessors wrote there (gloo then connects to ports nobody listens on)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # start-up cost: torch, which the launcher process does not need
 
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

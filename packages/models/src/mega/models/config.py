@@ -9,6 +9,7 @@ concrete sizes; ``dataclasses.replace`` keeps derived values unless they are rep
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -75,6 +76,15 @@ class TransformerConfig:
     softmax_scale: float | None = option(None, "attention softmax scale; default 1/sqrt(kv_channels)")
 
     # Initialisation and regularisation.
+    bias_gelu_fusion: bool = option(True, "add fc1's bias inside the GELU kernel (compiled on a GPU)",
+                                    action=argparse.BooleanOptionalAction)
+    bias_swiglu_fusion: bool = option(True, "add fc1's bias inside the SwiGLU kernel (compiled on a GPU)",
+                                      action=argparse.BooleanOptionalAction)
+    bias_dropout_fusion: bool = option(True, "dropout and the residual add in one kernel (compiled on a GPU "
+                                       "where dropout is off)", action=argparse.BooleanOptionalAction)
+    cross_entropy_loss_fusion: bool = option(False, "cross-entropy from the logits without an fp32 copy of them "
+                                             "(compiled on a GPU; a vocabulary split by tensor parallelism "
+                                             "keeps the vocab-parallel loss)")
     init_method_std: float = option(0.02, "std of the normal weight initialisation")
     hidden_dropout: float = option(0.1, "residual dropout")
     attention_dropout: float = option(0.1, "attention-probability dropout")
@@ -86,8 +96,14 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         derived = {}
+        # --activation sets Megatron's flag of the same meaning, so whatever reads the flags (sizes,
+        # plans, exports to Megatron-LM and Hugging Face) sees it; plain relu has no such flag.
         if self.activation == "swiglu":
             derived["swiglu"] = True  # the gated layout (fc1 [gate; up]) every size and plan reads
+        if self.activation == "gelu_tanh":
+            derived["openai_gelu"] = True
+        if self.activation == "squared_relu":
+            derived["squared_relu"] = True
         if self.kv_channels is None and self.num_attention_heads > 0:
             derived["kv_channels"] = self.hidden_size // self.num_attention_heads
         if self.num_query_groups is None:

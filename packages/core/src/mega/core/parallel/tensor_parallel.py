@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from mega.core.parallel.collectives import scatter_to_sequence_parallel_region
+from mega.core.parallel.grad_accumulation_fusion import Linear as FusionAwareLinear
 from mega.core.parallel.groups import ParallelGroups
 from mega.core.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from mega.core.parallel.param_attrs import is_expert_parallel, is_tensor_parallel, mark_sequence_parallel
@@ -130,7 +131,8 @@ def _parallel_layer(name: str, old: nn.Module, style: PlanStyle, group, sequence
         raise TypeError(f"plan style ColumnThenRow for {name!r} needs a module that does its own tensor-parallel "
                         f"communication (to_tensor_parallel), found {type(old).__name__}")
     expected = nn.Embedding if isinstance(style, VocabEmbedding) else nn.Linear
-    if type(old) is not expected:
+    # The exact class (a subclass's own forward would be lost), or the fusion-aware Linear.
+    if type(old) not in (expected, FusionAwareLinear if expected is nn.Linear else expected):
         raise TypeError(f"plan style {type(style).__name__} for {name!r} needs an {expected.__name__}, "
                         f"found {type(old).__name__}")
     if isinstance(style, Colwise):

@@ -22,10 +22,10 @@ from mega.core.config import ConfigError
 from mega.core.planning.memory_plan import Layout
 from mega.core.planning.step_estimate import MEMORY_HEADROOM, estimate, search
 from mega.core.plugins import PluginError
-from mega.core.training.command import parse_run
 from mega.core.training.device_peaks import peak_tflops_of
 from mega.core.training.precision import grads_in_fp32
 from mega.core.training.run_config import model_with_megatron_shorthands
+from mega.core.training.run_parser import parse_run
 
 GIB = 1024**3
 DEFAULT_MFU = 0.45  # about what mega reached for GPT 1.3B on one H100 (docs/benchmarks.md)

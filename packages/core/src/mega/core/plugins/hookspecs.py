@@ -87,6 +87,12 @@ class EventSpecs:
         """After the last iteration (also when training stops on an error)."""
 
     @hookspec
+    def on_stage_built(self, stage, groups):
+        """A pass over this rank's model chunk (``stage``: built, parallel, initialised, on its
+        device) before ``--compile`` and data parallelism wrap it; it changes the stage in place
+        and keeps its parameters (FP8 linear layers, ...)."""
+
+    @hookspec
     def on_step_start(self, run, iteration):
         """Before the micro-batches of one optimizer step."""
 

@@ -7,8 +7,8 @@ layout it is given in sequence, sparing a process start per layout.
 
 from __future__ import annotations
 
-from mega.core.training.command import parse_run
 from mega.core.training.launch_run import run_training
+from mega.core.training.run_parser import parse_run
 
 
 def train_losses(argv: list[str]) -> list[float]:

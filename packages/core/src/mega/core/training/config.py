@@ -71,15 +71,26 @@ class PrecisionConfig:
         None, "accumulate gradients over micro-batches and all-reduce them in fp32 (default: with --bf16; "
         "--no-accumulate-allreduce-grads-in-fp32 keeps them in the parameters' dtype)",
         action=argparse.BooleanOptionalAction)
+    gradient_accumulation_fusion: bool | None = option(
+        None, "accumulate each weight gradient into its fp32 main-grad buffer inside the weight-gradient GEMM "
+        "(default: on a GPU when gradients accumulate in fp32; the unfused path runs where it cannot)",
+        action=argparse.BooleanOptionalAction)
     loss_scale: float | None = option(None, "static loss scale for fp16 (default: dynamic)")
     initial_loss_scale: float = option(2.0**32, "initial dynamic loss scale")
     min_loss_scale: float = option(1.0, "smallest dynamic loss scale")
     loss_scale_window: int = option(1000, "clean steps before the dynamic loss scale grows")
     hysteresis: int = option(2, "overflowing steps tolerated before the loss scale backs off")
     fp8_format: Literal["e4m3", "hybrid"] | None = option(
-        None, "FP8 training through Transformer Engine (a GPU of compute capability >= 8.9): e4m3 everywhere, "
+        None, "FP8 training (Transformer Engine or torchao, by --fp8-recipe): e4m3 everywhere, "
         "or hybrid (E4M3 forward, E5M2 gradients)")
     fp8_hybrid: bool = option(False, "shorthand for --fp8-format hybrid")
+    fp8_recipe: Literal["delayed", "tensorwise", "rowwise", "mxfp8", "blockwise"] = option(
+        "delayed", "FP8 scaling recipe: delayed (Transformer Engine's amax history), tensorwise or rowwise (current "
+        "scaling through torchao, the mega-torchao plugin); mxfp8 and blockwise are refused where no plugin has them")
+    first_last_layers_bf16: bool = option(False, "keep the first and last transformer layers out of FP8 "
+                                          "(--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16 of them)")
+    num_layers_at_start_in_bf16: int = option(1, "with --first-last-layers-bf16: layers at the start kept out of FP8")
+    num_layers_at_end_in_bf16: int = option(1, "with --first-last-layers-bf16: layers at the end kept out of FP8")
     fp8_margin: int = option(0, "FP8 scaling margin: scales leave 2^margin of headroom below the format's maximum")
     fp8_amax_compute_algo: Literal["most_recent", "max"] = option("most_recent", "FP8 amax algorithm")
     fp8_amax_history_len: int = option(1, "FP8 amax history length")
@@ -95,6 +106,8 @@ class PrecisionConfig:
             raise ValueError("--bf16 and --fp16 are mutually exclusive")
         if self.fp8_hybrid and self.fp8_format == "e4m3":
             raise ValueError("--fp8-hybrid means --fp8-format hybrid; it contradicts --fp8-format e4m3")
+        if self.num_layers_at_start_in_bf16 < 0 or self.num_layers_at_end_in_bf16 < 0:
+            raise ValueError("--num-layers-at-start-in-bf16 and --num-layers-at-end-in-bf16 must be >= 0")
 
     @property
     def fp8(self) -> str | None:

@@ -27,6 +27,7 @@ from mega.core.training.config import (
     PrecisionConfig,
     TrainingConfig,
 )
+from mega.core.training.fp8_recipes import DELAYED, check_fp8_flags
 
 SECTIONS: dict[str, type] = {
     "training": TrainingConfig,
@@ -185,7 +186,10 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
         if precision.transformer_impl == "transformer_engine":
             raise ConfigError(f"--transformer-impl transformer_engine needs {TRANSFORMER_ENGINE}: {error}") from None
         raise ConfigError(f"--kernels / --*-backend: {error}") from None
+    check_fp8_flags(precision, kernels.kernels, plugins)
     for flag, (feature, asked) in KERNEL_FLAGS.items():
+        if feature == "fp8" and precision.fp8_recipe != DELAYED:
+            continue  # current scaling: check_fp8_flags found the backend with the recipe
         backend = kernels.kernels and plugins.kernel_backends.get(kernels.kernels)
         if asked(run) and feature not in getattr(backend, "features", ()):
             raise ConfigError(f"{flag} needs {TRANSFORMER_ENGINE}, or another kernel backend with {feature}")

@@ -32,7 +32,12 @@ from mega.core.plugins import Events, Plugins
 from mega.core.training.batches import MicroBatches
 from mega.core.training.compile import compile_stage
 from mega.core.training.lr_schedule import LearningRateSchedule
-from mega.core.training.precision import grad_scaler_for, grads_in_fp32, model_dtype
+from mega.core.training.precision import (
+    grad_scaler_for,
+    gradient_accumulation_fusion,
+    grads_in_fp32,
+    model_dtype,
+)
 from mega.core.training.run_config import Derived, RunConfig
 
 
@@ -77,6 +82,7 @@ class Trainer:
         # Under context parallelism every stage reads its chunks' positions (RoPE in every layer).
         self.reads_batch = [bool(stage.batch_keys) or stage.is_last or self.groups.cp.size > 1
                             for stage in self.stages]
+        self.events = Events.from_callbacks(plugins, run)
         self.chunks = self._build_model_chunks()
         self.optimizer = build_optimizer(self.chunks, self.groups, run.optimizer, grad_scaler_for(run.precision),
                                          plugins)
@@ -89,7 +95,6 @@ class Trainer:
         self.tokenizer_spec = data.tokenizer_spec
         flops = family.num_floating_point_operations(run.model, derived.global_batch_size)
         self.state = RunState(run, derived, self.groups, family, flops)
-        self.events = Events.from_callbacks(plugins, run)
         self.checkpointer = None
         if run.checkpoint.save or run.checkpoint.load:
             self.checkpointer = self._checkpointer()
@@ -119,11 +124,13 @@ class Trainer:
             overlap_grad_reduce=run.optimizer.overlap_grad_reduce,
             use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
             grad_reduce_in_fp32=grads_in_fp32(run.precision),
+            gradient_accumulation_fusion=gradient_accumulation_fusion(run.precision, groups.device),
         )
         chunks = []
         for stage in self.stages:
             module = build_stage(self.family, run.model, stage, groups=groups, kernels=self.kernels,
                                  rng_tracker=self.rng_tracker, seed=run.training.seed, dtype=self.dtype)
+            self.events.hook.on_stage_built(stage=module, groups=groups)  # passes of plugins (FP8)
             if run.kernels.compile:
                 compile_stage(self.family, module, run.kernels.compile_backend)
             chunks.append(module)
