@@ -106,9 +106,9 @@ def initial_pieces(family_name: str, layouts: list[tuple], row_block_rows: int) 
 
 def _initial_pieces(family_name: str, layout: tuple, row_block_rows: int) -> dict[str, list]:
     import mega.core.build as build
-    from mega.core.checkpoint.aliases import canonical_names
-    from mega.core.checkpoint.pieces import TensorParallelSplit, tensor_pieces
     from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.core.parallel.pieces import TensorParallelSplit, tensor_pieces
+    from mega.core.parameter_names import canonical_names
     from mega.core.plugins import get_plugins
 
     family = get_plugins().models.get(family_name)

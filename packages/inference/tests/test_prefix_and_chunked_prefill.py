@@ -131,3 +131,17 @@ def test_chunked_prefill_equals_whole_prefill(engine, prefix_caching):
     got = run(worker, [requests[:1], requests[1:]])
     assert_same(got, expected)
     assert max(chunks) <= 6 and len(chunks) > len(requests)  # prompts went in several chunks
+
+
+def test_serve_refuses_flags_that_cannot_work_together(tmp_path, capsys):
+    from mega.inference.serve_cli import build_parser, main
+
+    for argv, words in [(["--max-num-batched-tokens", "4", "--max-batch-size", "8"], "at least --max-batch-size"),
+                        (["--enable-prefix-caching", "--static-kv-cache"], "not with --static-kv-cache"),
+                        (["--max-model-len", "0"], "--max-model-len must be positive"),
+                        (["--request-timeout", "-1"], "--request-timeout must be positive")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--load", str(tmp_path), *argv])
+        assert words in capsys.readouterr().err + str(exit_info.value.code), argv
+    args = build_parser().parse_args(["--load", str(tmp_path)])
+    assert args.enable_prefix_caching is None and args.max_request_bytes == 4 << 20 and args.host == "127.0.0.1"

@@ -24,6 +24,8 @@ EXPECTED = {  # torch's own functions (Megatron's squared_relu is relu(x)**2)
 def test_each_activation_is_the_mlps(name):
     config = TransformerConfig(hidden_size=32, num_attention_heads=2, activation=name)
     assert config.mlp_activation == name and config.swiglu == (name == "swiglu")
+    # Megatron's flag of the same meaning is set, so exports that read the flags see it.
+    assert config.openai_gelu == (name == "gelu_tanh") and config.squared_relu == (name == "squared_relu")
     mlp = MLP(config, Kernels({}))
     x = torch.randn(3, 32)
     want = mlp.linear_fc2(EXPECTED[name](mlp.linear_fc1(x)))

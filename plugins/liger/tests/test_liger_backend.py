@@ -1,7 +1,7 @@
 """The liger adapters against mega's torch backend, and training with ``--kernels liger``.
 
 Here (CI: no GPU, no Triton, no Liger) they run against the plain-torch stand-in of
-:mod:`mega_liger.standin`, which checks the plumbing: layouts (``[s, b, h, d]`` vs Liger's
+``tests/liger_standin.py``, which checks the plumbing: layouts (``[s, b, h, d]`` vs Liger's
 ``[b, h, s, d]``), the in-place RoPE not touching the caller's tensor, contiguous GLU halves,
 the padded vocabulary and the loss mask of the fused linear cross-entropy, its refusal under
 tensor parallelism, and checkpoints that the torch backend loads. Where Liger, Triton and a CUDA
@@ -12,14 +12,18 @@ they are skipped here, with that reason.
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from mega_liger import standin
 from mega_liger.backend import LigerBackend
 
 from mega.core.kernel_requirements import FixedGPU
 from mega.models import torch_kernels
+
+sys.path.insert(0, str(Path(__file__).parent))  # the stand-in is a test-support module beside this file
+import liger_standin as standin  # noqa: E402
 
 
 def _real_library_here() -> str:

@@ -39,11 +39,11 @@ from mega.core.checkpoint import (
     write_checkpoint,
 )
 from mega.core.checkpoint.metadata import METADATA_FILE
-from mega.core.checkpoint.pieces import Piece
 from mega.core.checkpoint.sharded_io import ShardedEntry, load_entries, read_index
 from mega.core.checkpoint.state import OPTIMIZER
 from mega.core.checkpoint.tokenizer_files import TOKENIZER_DIR
 from mega.core.parallel import ParallelConfig
+from mega.core.parallel.pieces import Piece
 from mega.core.pipeline.partition import PartitionError, split_layers
 from mega.core.version import __version__
 

@@ -28,12 +28,12 @@ import math
 import torch
 from torch import nn
 
-from mega.core.checkpoint.aliases import canonical_names
-from mega.core.checkpoint.pieces import Piece, TensorParallelSplit, tensor_pieces
 from mega.core.kernels import Kernels
 from mega.core.model_family import ModelFamily, Stage, StageRun
 from mega.core.parallel.config import ParallelConfig
 from mega.core.parallel.groups import Group, ParallelGroups
+from mega.core.parallel.pieces import Piece, TensorParallelSplit, tensor_pieces
+from mega.core.parameter_names import canonical_names
 
 DEFAULT_SEED = 1234  # Megatron's --seed default
 # Elements per initialisation block (a fixed number of whole rows, from the global shape alone).

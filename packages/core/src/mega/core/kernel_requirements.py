@@ -66,7 +66,7 @@ class CudaGPU:
     """The current CUDA device, asked through torch (imported only when asked)."""
 
     def capability(self) -> tuple[int, int] | None:
-        import torch
+        import torch  # start-up cost: plugins import this module when they register
 
         if not torch.cuda.is_available():
             return None
@@ -78,7 +78,7 @@ class CudaGPU:
         if capability is None:
             return f"a CUDA GPU of compute capability >= {wanted} (torch sees no CUDA device)"
         if capability < minimum_capability:
-            import torch
+            import torch  # start-up cost, as above
 
             return (f"a CUDA GPU of compute capability >= {wanted} (this {torch.cuda.get_device_name()} "
                     f"is {'.'.join(map(str, capability))})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
@@ -82,6 +83,7 @@ def launch_local(nproc: int, command: list[str], threads_per_process: int | None
         print(f"mega: rank {rank} {describe_exit(returncode)}, first; the other ranks were stopped",
               file=sys.stderr, flush=True)
         if returncode == TIMEOUT_EXIT_CODE:
+            # Start-up cost: hang_report imports torch, which the launcher process does not need.
             from mega.core.training.hang_report import name_the_rank_behind
 
             behind = name_the_rank_behind(failure_dir)
@@ -142,7 +144,7 @@ def _supervise(processes: list[subprocess.Popen], received: list[int], debug_dir
                 break
             time.sleep(0.05)
         if failed is not None and failed.returncode == TIMEOUT_EXIT_CODE:
-            from mega.core.training.hang_report import request_reports
+            from mega.core.training.hang_report import request_reports  # start-up cost: torch, as above
 
             running = [rank for rank, process in enumerate(processes) if process.poll() is None]
             request_reports(debug_dir, f"rank {processes.index(failed)}'s collective timed out", running)
@@ -223,8 +225,6 @@ def end_rank_process(exit_code: int) -> None:
     250 or 134). Everything this process had to do is done and flushed, so it exits without that
     teardown.
     """
-    import logging
-
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -257,7 +257,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> bo
     The backend is NCCL when CUDA is present, gloo otherwise. Under SLURM, MASTER_ADDR and
     MASTER_PORT must be exported by the job script (as with torchrun on several nodes).
     """
-    import torch
+    import torch  # start-up cost: the launcher process (`mega train --nproc-per-node`) never needs torch
     import torch.distributed as dist
 
     env = distributed_env()
@@ -283,7 +283,7 @@ def _attempt_store(world_size: int, timeout: timedelta):
 
     The agent keeps one store for every attempt of a job, so a restarted rank would read the
     addresses its failed predecessors wrote there (gloo then connects to ports nobody listens on)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # start-up cost: torch, which the launcher process does not need
 
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

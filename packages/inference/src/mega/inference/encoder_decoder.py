@@ -87,15 +87,11 @@ def _encoder_decoder_run(engine: EncoderDecoderEngine, requests: list[Generation
     for row, request in enumerate(requests):
         prompts[row, : len(request.prompt)] = torch.tensor(request.prompt, device=device)
         padding[row, : len(request.prompt)] = True
-    index = {}
-    step = engine.decode_step(
-        on_token=None if on_token is None else lambda s, *token: on_token(index[s], *token),
-        on_finish=None if on_finish is None else lambda s: on_finish(index[s], s.result()))
     # The decoder predicts no prompt token: those positions' log-probabilities are None.
     sequences = [DecodingSequence(r, logprobs=[None] * (len(r.prompt) - 1) if r.logprobs else None,
                                   top_logprobs=[None] * (len(r.prompt) - 1) if r.top_logprobs else None)
                  for r in requests]
-    index.update((s, i) for i, s in enumerate(sequences))
+    step = engine.batch_step(sequences, on_token, on_finish)
     cache = engine.cache_class(max(r.max_new_tokens for r in requests))
     encoder_output = model.encode(prompts, padding)
     step.join(sequences)  # every request generates at least one token (checked)

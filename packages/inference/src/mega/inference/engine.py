@@ -64,6 +64,15 @@ class EngineBase:
         """A :class:`DecodeStep` over this engine's stop rules, device and tensor group."""
         return DecodeStep(self.stop_checker, self.device, self.tp_group, on_token, on_finish)
 
+    def batch_step(self, sequences: Sequence[DecodingSequence], on_token: TokenCallback | None,
+                   on_finish: FinishCallback | None) -> DecodeStep:
+        """A :class:`DecodeStep` for one ``generate`` batch, whose callbacks name each sequence by
+        its index in ``sequences`` (the request's index), as ``generate``'s callers expect."""
+        index = {sequence: i for i, sequence in enumerate(sequences)}
+        return self.decode_step(
+            on_token=None if on_token is None else lambda s, *token: on_token(index[s], *token),
+            on_finish=None if on_finish is None else lambda s: on_finish(index[s], s.result()))
+
     def real_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Fp32 logits over the real vocabulary, every tensor shard gathered."""
         group = self.tp_group
@@ -141,12 +150,8 @@ def _lock_step(engine: GenerationEngine, requests: list[GenerationRequest], on_t
     tokens, then each step feeds one token per row (the next prompt token or the one drawn)."""
     device = engine.device
     length = min(len(r.prompt) for r in requests)
-    index = {}  # sequence -> request index, for the callbacks
-    step = engine.decode_step(
-        on_token=None if on_token is None else lambda s, *token: on_token(index[s], *token),
-        on_finish=None if on_finish is None else lambda s: on_finish(index[s], s.result()))
     sequences = [DecodingSequence(request, known=length) for request in requests]
-    index.update((s, i) for i, s in enumerate(sequences))
+    step = engine.batch_step(sequences, on_token, on_finish)
     cache = KVCache(max(s.limit for s in sequences))
     prompts = torch.tensor([r.prompt[:length] for r in requests], device=device)
     scoring = any(r.logprobs for r in requests)

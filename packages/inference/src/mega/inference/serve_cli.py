@@ -59,30 +59,40 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continuous batching: tokens one engine step computes at most (one per decoding "
                             "sequence, the rest prompt tokens), so long prompts are prefilled in chunks between "
                             "decode steps; at least --max-batch-size (default: each prompt prefilled whole)")
-    add_decoding_arguments(group, "with continuous batching (the paged cache's place; without --max-num-tokens "
-                                  "when on by default)")
+    add_decoding_arguments(group, "with continuous batching (the paged cache's place; by default without "
+                                  "--max-num-tokens) and, when asked, with lock-step batches (tensor-parallel "
+                                  "serving); decoder-only models")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level")
     return parser
 
 
-def static_kv_cache(args: argparse.Namespace, device, lockstep: bool) -> bool:
-    """Whether continuous batching runs on the static KV cache: as asked, else on CUDA unless
-    ``--max-num-tokens`` sizes a paged cache."""
+def static_kv_cache(args: argparse.Namespace, device, lockstep: bool, decoder_only: bool = True) -> bool:
+    """Whether the server decodes on the static KV cache: as asked, else on CUDA under continuous
+    batching unless ``--max-num-tokens`` sizes a paged cache. Lock-step batches (tensor-parallel
+    serving) use it only when asked: their captured graphs would hold the collectives."""
     from mega.inference.static_decode import static_kv_cache_wanted
 
     requested = args.static_kv_cache
-    if requested is None and args.max_num_tokens is not None:
+    if requested is None and (args.max_num_tokens is not None or lockstep):
         requested = False
-    return static_kv_cache_wanted(requested, device, not lockstep,
-                                  "with continuous batching: in one process, for a decoder-only model")
+    return static_kv_cache_wanted(requested, device, decoder_only, "for decoder-only models")
+
+
+def lockstep_generate(args: argparse.Namespace, engine, lockstep: bool = True):
+    """How lock-step batches generate, on the leader and the followers alike: the static KV
+    cache's decoder where it is on, else the engine."""
+    from mega.inference.encoder_decoder import is_encoder_decoder
+    from mega.inference.static_decode import StaticDecoder
+
+    if static_kv_cache(args, engine.device, lockstep, not is_encoder_decoder(engine.model)):
+        return StaticDecoder(engine, use_cuda_graphs=args.cuda_graphs and engine.device.type == "cuda").generate
+    return engine.generate
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.static_kv_cache and args.batching == "lockstep":
-        parser.error("--static-kv-cache runs with continuous batching, not --batching lockstep")
     for flag in ("max_batch_size", "max_num_tokens", "max_model_len", "max_request_bytes", "request_timeout",
                  "max_num_batched_tokens"):
         value = getattr(args, flag)
@@ -106,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from mega.inference.service import InferenceService
     from mega.inference.tp_serving import lead
 
-    setup = setup_engine(args, "serve")
+    setup = setup_engine(args, "serve", generate_for=lambda engine: lockstep_generate(args, engine))
     if setup is None:  # a follower: the leader has stopped serving
         return 0
     if args.max_model_len is not None:
@@ -118,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     # Encoder-decoder models (T5) run lock-step batches in their own engine (no paged cache).
     lockstep = args.batching == "lockstep" or setup.tp_group.size > 1 or is_encoder_decoder(setup.engine.model)
     try:
-        static = static_kv_cache(args, setup.engine.device, lockstep)
+        static = static_kv_cache(args, setup.engine.device, lockstep, not is_encoder_decoder(setup.engine.model))
     except GenerationError as error:
         lead(None, setup.tp_group)  # the other ranks stop following
         raise SystemExit(f"mega serve: error: {error}") from None
@@ -137,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                                           max_num_batched_tokens=args.max_num_batched_tokens)
     else:
         worker = BatchingWorker(setup.engine, args.max_batch_size,
-                                before_batch=lambda requests: lead(requests, setup.tp_group))
+                                before_batch=lambda requests: lead(requests, setup.tp_group),
+                                generate=lockstep_generate(args, setup.engine) if static else None)
     service = InferenceService(setup.engine, worker, setup.loaded.tokenizer, setup.loaded.name,
                                chat_template=setup.loaded.chat_template, request_timeout=args.request_timeout)
     worker.start()

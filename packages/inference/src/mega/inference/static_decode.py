@@ -230,12 +230,8 @@ class StaticDecoder:
         steps.cache.bind_window(torch.zeros(slots, dtype=torch.long, device=device), longest)
         positions = torch.arange(longest, device=device)[None, :].expand(slots, longest)
         logits = engine.forward(prompts, positions, steps.cache)
-        index = {}
-        step = engine.decode_step(
-            on_token=None if on_token is None else lambda s, *token: on_token(index[s], *token),
-            on_finish=None if on_finish is None else lambda s: on_finish(index[s], s.result()))
         sequences = [DecodingSequence(request) for request in requests]
-        index.update((s, i) for i, s in enumerate(sequences))
+        step = engine.batch_step(sequences, on_token, on_finish)
         for row, sequence in enumerate(sequences):  # the prefill computed every prompt position
             record_logprobs(sequence, logits[: lengths[row] - 1, row], prompts[row, 1: lengths[row]])
         slot_of = step.join(sequences)  # the slot of each row: row i of the batch sits in slot i

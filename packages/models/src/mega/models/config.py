@@ -96,8 +96,14 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         derived = {}
+        # --activation sets Megatron's flag of the same meaning, so whatever reads the flags (sizes,
+        # plans, exports to Megatron-LM and Hugging Face) sees it; plain relu has no such flag.
         if self.activation == "swiglu":
             derived["swiglu"] = True  # the gated layout (fc1 [gate; up]) every size and plan reads
+        if self.activation == "gelu_tanh":
+            derived["openai_gelu"] = True
+        if self.activation == "squared_relu":
+            derived["squared_relu"] = True
         if self.kv_channels is None and self.num_attention_heads > 0:
             derived["kv_channels"] = self.hidden_size // self.num_attention_heads
         if self.num_query_groups is None:

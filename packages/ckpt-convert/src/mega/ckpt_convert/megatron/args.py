@@ -21,10 +21,11 @@ from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
 SAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "seq_length",
         "max_position_embeddings", "make_vocab_size_divisible_by", "rotary_base", "swiglu", "openai_gelu",
         "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights", "init_method_std",
-        "hidden_dropout", "attention_dropout", "normalization", "use_rope_scaling", "rope_scaling_factor")
+        "hidden_dropout", "attention_dropout", "normalization", "use_rope_scaling", "rope_scaling_factor",
+        "squared_relu")
 # Megatron features mega's GPT/LLaMA models do not have: argument -> the value that means "off".
 UNSUPPORTED = {
-    "qk_layernorm": False, "apply_residual_connection_post_layernorm": False, "squared_relu": False,
+    "qk_layernorm": False, "apply_residual_connection_post_layernorm": False,
     "rotary_interleaved": False, "multi_latent_attention": False,
     "apply_layernorm_1p": False, "mtp_num_layers": None,
 }
@@ -129,6 +130,9 @@ def args_for(config, tensor_parallel_size: int, pipeline_parallel_size: int, pad
     if hasattr(config, "decoder_num_layers"):  # an encoder-decoder: pretrain_t5.py's arguments
         args = t5_args(config)
     else:
+        if getattr(config, "mlp_activation", None) == "relu":
+            raise ConversionError("Megatron-LM has no argument for a ReLU MLP (--activation relu): its "
+                                  "checkpoint would load as a GELU model")
         args = argparse.Namespace(**{name: getattr(config, name) for name in SAME})
         args.num_query_groups = config.num_query_groups
         if getattr(config, "num_experts", None):

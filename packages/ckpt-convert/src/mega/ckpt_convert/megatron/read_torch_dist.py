@@ -28,8 +28,8 @@ from mega.ckpt_convert.megatron.pickles import load_megatron_pickle
 from mega.ckpt_convert.megatron.source import MegatronSource
 from mega.ckpt_convert.megatron.torch_dist_optimizer import BUFFER_LAYOUT, read_optimizer_state
 from mega.core.checkpoint import CheckpointError
-from mega.core.checkpoint.pieces import Piece
 from mega.core.checkpoint.sharded_io import SafeFileSystemReader, ShardedEntry, load_entries
+from mega.core.parallel.pieces import Piece
 
 NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine_state")
 

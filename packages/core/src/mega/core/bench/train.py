@@ -22,8 +22,21 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch.distributed as dist
+
 from mega.core.cli.argparser import CommandParser
-from mega.core.plugins import hookimpl
+from mega.core.config import ConfigError
+from mega.core.doctor.checks import run_checks
+from mega.core.launch import init_distributed, launch_local
+from mega.core.parallel import ParallelGroups
+from mega.core.plugins import PluginError, get_plugins, hookimpl
+from mega.core.training.data_setup import build_datasets
+from mega.core.training.device_peaks import peak_tflops
+from mega.core.training.interval_metrics import peak_memory_gb
+from mega.core.training.precision import model_dtype
+from mega.core.training.run_config import check_supported, derive
+from mega.core.training.run_parser import parse_run
+from mega.core.training.trainer import Trainer
 
 PRECISION_FLAGS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"], "fp8": ["--bf16", "--fp8-hybrid"]}
 COLUMNS = [("precision", "precision"), ("step_time_s", "step time s"), ("samples_per_s", "samples/s"),
@@ -63,10 +76,6 @@ class StepRecorder:
             self.step_times.append(metrics["elapsed_s"])
 
     def result(self, run) -> dict:
-        from mega.core.training.device_peaks import peak_tflops
-        from mega.core.training.interval_metrics import peak_memory_gb
-        from mega.core.training.precision import model_dtype
-
         if not self.step_times:
             raise ValueError(f"--train-iters must exceed --warmup-iters {self.warmup} to time any step")
         step = statistics.median(self.step_times)
@@ -83,16 +92,6 @@ class StepRecorder:
 
 def _one_run(argv: list[str], result_path: str, warmup: int) -> int:
     """A worker: train with ``argv`` in this process (one rank) and write rank 0's figures."""
-    import torch.distributed as dist
-
-    from mega.core.launch import init_distributed
-    from mega.core.parallel import ParallelGroups
-    from mega.core.plugins import get_plugins
-    from mega.core.training.command import parse_run
-    from mega.core.training.data_setup import build_datasets
-    from mega.core.training.run_config import derive
-    from mega.core.training.trainer import Trainer
-
     plugins = get_plugins()
     run, family = parse_run(argv, plugins)
     init_distributed()
@@ -119,10 +118,6 @@ def unavailable_reason(train_argv: list[str], precision: str) -> str | None:
 
     ``train_argv`` must parse (checked first): only what the precision adds is judged here.
     """
-    from mega.core.config import ConfigError
-    from mega.core.training.command import parse_run
-    from mega.core.training.run_config import check_supported
-
     run, _ = parse_run(train_argv + PRECISION_FLAGS[precision])
     try:
         check_supported(run)
@@ -162,20 +157,12 @@ def main(argv: list[str]) -> int:
     args, train_argv = _parser().parse_known_args(argv)
     if args.one_run:
         return _one_run(train_argv, args.one_run, args.warmup)
-    from mega.core.doctor.checks import run_checks
-    from mega.core.launch import launch_local
-
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     unknown = [p for p in precisions if p not in PRECISION_FLAGS]
     if unknown:
         print(f"mega bench train: error: --precisions: unknown {', '.join(unknown)}; choose from "
               f"{', '.join(PRECISION_FLAGS)}", file=sys.stderr)
         return 2
-    from mega.core.config import ConfigError
-    from mega.core.plugins import PluginError
-    from mega.core.training.command import parse_run
-    from mega.core.training.run_config import check_supported
-
     try:
         check_supported(parse_run(train_argv)[0])  # the flags every run shares must be right
     except (ConfigError, PluginError, KeyError) as error:

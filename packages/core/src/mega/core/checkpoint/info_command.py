@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from mega.core.checkpoint.directory import checkpoint_and_metadata, read_tracker, saved_iterations
+from mega.core.checkpoint.foreign import foreign_format
 from mega.core.checkpoint.metadata import CheckpointError
 from mega.core.checkpoint.space import human_size
 from mega.core.cli.argparser import CommandParser
@@ -64,8 +65,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _describe_foreign(directory: str, error: CheckpointError, as_json: bool) -> int:
     """A checkpoint of another format a plugin recognises (a Megatron-LM save directory)."""
-    from mega.core.checkpoint.foreign import foreign_format
-
     checkpoint_format = foreign_format(directory, capability="describe")
     if checkpoint_format is None:
         print(f"mega checkpoint info: {error}", file=sys.stderr)

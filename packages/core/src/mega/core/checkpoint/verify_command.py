@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from mega.core.checkpoint.directory import RELEASE, saved_iterations, verify
+from mega.core.checkpoint.foreign import foreign_format
 from mega.core.checkpoint.metadata import METADATA_FILE, CheckpointError
 from mega.core.cli.argparser import CommandParser
 
@@ -39,7 +40,7 @@ def checkpoints_in(directory: Path) -> list[Path]:
 
 def check(checkpoint: Path) -> None:
     """Raise :class:`CheckpointError` naming what is wrong with ``checkpoint``."""
-    from mega.core.checkpoint.sharded_io import read_index  # imports torch: only once there is work
+    from mega.core.checkpoint.sharded_io import read_index  # start-up cost: torch, only once there is work
 
     metadata = verify(checkpoint, checksums=True)
     read_index(checkpoint)
@@ -77,8 +78,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _held_instead(directory: Path) -> str:
     """What a directory without a mega checkpoint holds, as far as the checkpoint formats tell."""
-    from mega.core.checkpoint.foreign import foreign_format
-
     other = foreign_format(directory, capability="describe")
     if other is None:
         return "holds no mega checkpoint"

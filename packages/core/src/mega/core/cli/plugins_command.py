@@ -7,12 +7,11 @@ import json
 from mega.core.cli.argparser import CommandParser
 from mega.core.plugins import get_plugins
 from mega.core.plugins.failures import failure_line
+from mega.core.plugins.scaffold import main as new_main
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["new"]:
-        from mega.core.plugins.scaffold import main as new_main
-
         return new_main(argv[1:])
     parser = CommandParser(
         prog="mega plugins",

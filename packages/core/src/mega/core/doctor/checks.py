@@ -17,7 +17,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from mega.core.doctor.topology import TopologyError, advise, largest_fast_group, parse_topology
+from mega.core.plugins import get_plugins
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 MIN_PYTHON = (3, 10)
@@ -108,8 +112,6 @@ def check_cudnn_nccl(torch) -> list[Check]:
         return [Check("cudnn", SKIP, "CPU-only torch"), Check("nccl", SKIP, "CPU-only torch: gloo does the collectives")]
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     checks = [Check("cudnn", PASS if cudnn else WARN, f"cuDNN {cudnn}" if cudnn else "cuDNN not available")]
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_nccl_available():
         version = ".".join(map(str, torch.cuda.nccl.version()))
         checks.append(Check("nccl", PASS, f"NCCL {version}"))
@@ -155,8 +157,6 @@ def check_packages() -> tuple[Check, dict]:
 
 
 def check_plugins() -> list[Check]:
-    from mega.core.plugins import get_plugins
-
     plugins = get_plugins()
     checks = []
     failed = plugins.failed()
@@ -220,8 +220,6 @@ def check_environment(environ, has_gpus: bool, cpu_count: int) -> list[Check]:
 
 def run_checks(environ=None) -> tuple[list[Check], dict]:
     """Every check, and the facts behind them (for --json)."""
-    import torch
-
     environ = os.environ if environ is None else environ
     gpus_check, gpus = check_gpus(torch)
     checks = [check_python(), check_torch(torch), check_driver(torch), *check_cudnn_nccl(torch), gpus_check]

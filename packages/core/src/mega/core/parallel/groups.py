@@ -93,10 +93,6 @@ class ParallelGroups:
         return Group(name, ranks, ranks.index(self.global_rank), handles.get(ranks))
 
     @property
-    def is_pipeline_first(self) -> bool:
-        return self.pp.is_first
-
-    @property
     def is_pipeline_last(self) -> bool:
         return self.pp.is_last
 

@@ -1,9 +1,10 @@
 """``apply_tensor_parallel``: split a model written for one device with a plan of styles.
 
-The model is built (and initialised) whole, on every rank, from the same seed. The plan maps
-module-name patterns to the styles of :mod:`mega.core.parallel.plan`; each matching
-``nn.Linear`` / ``nn.Embedding`` is replaced by its parallel layer holding this rank's shard, so
-every layout holds slices of the same model. Names are unchanged (a parallel layer keeps
+:func:`mega.core.build.build_stage` calls it on a stage built on the ``meta`` device (nothing
+allocated yet); only afterwards does each rank materialise and initialise its own shards, from
+per-name seeds, so every layout holds slices of the same model. The plan maps module-name
+patterns to the styles of :mod:`mega.core.parallel.plan`; each matching ``nn.Linear`` /
+``nn.Embedding`` is replaced by its parallel layer holding this rank's shard. Names are unchanged (a parallel layer keeps
 ``weight`` and ``bias``), so state dicts and hooks keep working.
 
 Under sequence parallelism the activations between the marked ``SequenceParallelOutput`` module

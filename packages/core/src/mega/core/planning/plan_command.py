@@ -19,7 +19,13 @@ from dataclasses import asdict
 
 from mega.core.cli.argparser import CommandParser
 from mega.core.config import ConfigError
+from mega.core.planning.memory_plan import Layout
+from mega.core.planning.step_estimate import MEMORY_HEADROOM, estimate, search
 from mega.core.plugins import PluginError
+from mega.core.training.device_peaks import peak_tflops_of
+from mega.core.training.precision import grads_in_fp32
+from mega.core.training.run_config import model_with_megatron_shorthands
+from mega.core.training.run_parser import parse_run
 
 GIB = 1024**3
 DEFAULT_MFU = 0.45  # about what mega reached for GPT 1.3B on one H100 (docs/benchmarks.md)
@@ -53,8 +59,6 @@ def _gb(value: int) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from mega.core.training.command import parse_run
-
     machine, train_argv = _machine_parser().parse_known_args(argv)
     if machine.help:
         _machine_parser().print_help()
@@ -68,12 +72,6 @@ def main(argv: list[str]) -> int:
 
 
 def _plan(run, family, machine) -> int:
-    from mega.core.planning.memory_plan import Layout
-    from mega.core.planning.step_estimate import MEMORY_HEADROOM, estimate, search
-    from mega.core.training.device_peaks import peak_tflops_of
-    from mega.core.training.precision import grads_in_fp32
-    from mega.core.training.run_config import model_with_megatron_shorthands
-
     model = model_with_megatron_shorthands(run)
     parallel = run.parallel
     world = machine.world_size or parallel.tp * parallel.pp * parallel.cp

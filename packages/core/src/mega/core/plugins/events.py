@@ -9,6 +9,7 @@ from typing import Any
 import pluggy
 
 from mega.core.plugins import hookspecs
+from mega.core.plugins.registry import PluginError
 
 
 class Events:
@@ -50,8 +51,6 @@ class Events:
 
         A callback that cannot be loaded raises :class:`PluginError` naming its plugin, unless the
         run was asked to skip failed plugins (``--skip-failed-plugins``; mega train has warned)."""
-        from mega.core.plugins.registry import PluginError
-
         training = getattr(run_config, "training", None)
         skip_failed = bool(getattr(training, "skip_failed_plugins", False))
         listeners = []

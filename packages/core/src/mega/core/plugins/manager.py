@@ -124,7 +124,6 @@ class Plugins:
                     continue
                 registered: list[str] = []
 
-
                 def register(entry_name: str, obj: Any, description: str = "", *, options: Any = None,
                              _kind=kind, _acc=registered):
                     entry = Entry(entry_name, obj, name, distribution, version, description, options)

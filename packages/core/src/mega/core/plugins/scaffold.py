@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from mega.core.cli.argparser import CommandParser
+from mega.core.plugins.manager import get_plugins
 from mega.core.plugins.scaffold_templates import KINDS, PYPROJECT, README
 
 NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
@@ -46,6 +47,20 @@ def write_plugin(name: str, kind: str, directory: Path) -> list[Path]:
     return written
 
 
+# The registry each kind registers into.
+REGISTRY = {"family": "models", "callback": "callbacks", "command": "commands", "kernel": "kernel_backends",
+            "tokenizer": "tokenizers", "checkpoint-format": "checkpoint_formats"}
+
+
+def _taken(name: str, kind: str) -> str:
+    """Who already registered ``name`` for ``kind`` in this installation ("" if nobody)."""
+    registry = getattr(get_plugins(), REGISTRY[kind])
+    if name not in registry:
+        return ""
+    entry = next(entry for entry in registry.entries() if entry.name == name)
+    return f"{registry.kind} {name!r} is already registered by plugin {entry.plugin} ({entry.origin})"
+
+
 def main(argv: list[str]) -> int:
     parser = CommandParser(
         prog="mega plugins new",
@@ -58,6 +73,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not NAME.match(args.name):
         parser.error(f"NAME {args.name!r} must be lower-case letters and digits joined by dashes (e.g. loss-csv)")
+    taken = _taken(args.name, args.kind)
+    if taken:
+        parser.error(f"{taken}: a second registration would make the name unusable for both; choose another NAME")
     directory = Path(args.output or args.name)
     try:
         written = write_plugin(args.name, args.kind, directory)

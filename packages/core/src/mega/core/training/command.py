@@ -7,115 +7,29 @@
 
 The flags are generated from the config dataclasses (the model family's config and the sections
 in mega.core.training.run_config), so `mega train --help` always lists exactly what is accepted.
+
+Parsing is mega.core.training.run_parser's; the launcher of `--nproc-per-node` and
+`--max-restarts` is mega.core.training.launch_job's.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from mega.core.cli.argparser import CommandParser
-from mega.core.config import ConfigError, add_section, parse
-from mega.core.config.parser import tomllib
+from mega.core.config import ConfigError, flag_reference
 from mega.core.plugins import PluginError, get_plugins
-from mega.core.plugins.install_hint import repository_package
 from mega.core.plugins.training_check import check_plugins_for_training
+from mega.core.training import default_run
+from mega.core.training.launch_job import launch_job
+from mega.core.training.run_config import run_sections
 
-DESCRIPTION = "Pretrain a decoder-only language model at any parallel layout (Megatron's flags)."
-# The model families (GPT, LLaMA) ship in mega-models, which is installed from the repository.
-MODELS_HINT = repository_package("mega-models", "packages/models")
-
-
-def _launcher_parser() -> argparse.ArgumentParser:
-    """Flags that are not config fields: where the config comes from and how many processes."""
-    parser = CommandParser(add_help=False)
-    parser.add_argument("--config", help="TOML file with [training], [model], [parallel]... tables")
-    parser.add_argument("--nproc-per-node", type=int, help="start this many local processes (like torchrun)")
-    parser.add_argument("--max-restarts", type=int, help="restart every rank after a failure up to N times, "
-                        "resuming from the newest checkpoint in --save (torchrun's elastic agent)")
-    return parser
-
-
-def _early_parser() -> argparse.ArgumentParser:
-    """What must be known before the full parser exists: it depends on the model family."""
-    parser = _launcher_parser()
-    parser.add_argument("--model-family", default=None)
-    parser.add_argument("--model-preset", default=None)
-    return parser
-
-
-def build_parser(model_config_class: type | None, family_name: str, plugins=None,
-                 options: dict[str, tuple[type, str]] | None = None) -> argparse.ArgumentParser:
-    """The full parser; without a model config class (none installed), every other section; then
-    each plugin's options under the plugin's name (``options``: from :func:`plugin_sections`)."""
-    parser = CommandParser(
-        prog="mega train", description=DESCRIPTION, parents=[_launcher_parser()],
-        epilog="With no arguments, trains the embedded default: a small GPT on the text of Python's "
-               "pydoc topics, on the CPU, in about two minutes.",
-    )
-    sections = core_sections(model_config_class)
-    for name, cls in sections.items():
-        add_section(parser, name, cls, title=f"model ({family_name} family)" if name == "model" else None)
-    options = plugin_sections(sections, plugins) if options is None else options
-    for name, (cls, title) in options.items():
-        add_section(parser, name, cls, title=title)
-    return parser
-
-
-def core_sections(model_config_class: type | None) -> dict[str, type]:
-    from mega.core.training.run_config import SECTIONS, run_sections
-
-    return run_sections(model_config_class) if model_config_class is not None else SECTIONS
-
-
-def plugin_sections(sections: dict[str, type], plugins=None) -> dict[str, tuple[type, str]]:
-    from mega.core.config.parser import known_flags
-    from mega.core.plugins.options import option_sections
-
-    taken = {"-h", "--help", "--config", "--nproc-per-node", *known_flags(sections)}
-    return option_sections(plugins or get_plugins(), taken, set(sections))
-
-
-def parse_run(argv: list[str], plugins=None):
-    """Parse ``argv`` into a RunConfig (the family and preset chosen first)."""
-    from mega.core.training.run_config import RunConfig, run_sections
-
-    plugins = plugins or get_plugins()
-    early, _ = _early_parser().parse_known_args(argv)
-    toml_training = _toml_training_table(early.config) if early.config else {}
-    family_name = early.model_family or toml_training.get("model_family") or "gpt"
-    if family_name not in plugins.models and not plugins.models.names():
-        raise PluginError(f"no model family is installed ({family_name!r} was asked for): {MODELS_HINT}")
-    family = plugins.models.get(family_name)
-    preset = early.model_preset or toml_training.get("model_preset")
-    # A preset is the starting point its flags override; without one the config class derives
-    # its dependent sizes (ffn, query groups...) from the flags given.
-    bases = {"model": family.preset(preset)} if preset else {}
-
-    sections = run_sections(family.config_class)
-    plugin_options = plugin_sections(sections, plugins)
-    parser = build_parser(family.config_class, family_name, plugins, plugin_options)
-    options = {name: cls for name, (cls, _) in plugin_options.items()}
-    configs = parse(argv, {**sections, **options}, parser, bases=bases)
-    return RunConfig(**{name: configs[name] for name in sections},
-                     plugins={name: configs[name] for name in options}), family
-
-
-def _toml_training_table(path: str) -> dict:
-    """The [training] table, read early for the model family and preset (errors come later)."""
-    try:
-        with open(path, "rb") as handle:
-            return tomllib.load(handle).get("training", {})
-    except (OSError, tomllib.TOMLDecodeError):
-        return {}  # the full parse reports the problem with the file's name
+# parse_run and build_parser are imported from here by tools and tests.
+from mega.core.training.run_parser import MODELS_HINT, build_parser, launcher_parser, parse_run  # noqa: F401
 
 
 def flag_reference_markdown(family_name: str = "gpt", plugins=None) -> str:
     """docs/training-flags.md: every flag of `mega train`, generated from the config dataclasses."""
-    from mega.core.config import flag_reference
-    from mega.core.training.run_config import run_sections
-
     family = (plugins or get_plugins()).models.get(family_name)
     return (
         "# `mega train` flags\n\n"
@@ -132,13 +46,14 @@ def main(argv: list[str]) -> int:
         print(flag_reference_markdown(), end="")
         return 0
     if not argv:
-        from mega.core.training.default_run import main as default_main
-
-        return default_main()
-    early, _ = _launcher_parser().parse_known_args(argv)
+        problem = default_run.missing_requirement(get_plugins())
+        if problem is not None:
+            print(f"mega train: {problem}", file=sys.stderr)
+            return 2
+        print(default_run.ANNOUNCEMENT, flush=True)
+        argv = default_run.DEFAULT_ARGV
+    early, _ = launcher_parser().parse_known_args(argv)
     if early.nproc_per_node or early.max_restarts is not None:
-        from mega.core.training.launch_job import launch_job
-
         return launch_job(early.nproc_per_node or 1, ["train", *_without_launcher_flags(argv)], early.max_restarts)
     try:
         run, family = parse_run(argv)
@@ -161,6 +76,7 @@ def main(argv: list[str]) -> int:
         return 2
     if skipped and os.environ.get("RANK", "0") == "0":  # one warning per job, not per rank
         print("mega train: warning: --skip-failed-plugins: training without " + "; ".join(skipped), file=sys.stderr)
+    # Start-up cost: the training stack, which the launcher of --nproc-per-node does not need.
     from mega.core.training.launch_run import train
 
     return train(run, family)

@@ -11,7 +11,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Literal
 
+from mega.core.checkpoint.config import CheckpointConfig  # noqa: F401  (a section of the run, declared with checkpoints)
 from mega.core.config.options import option
+from mega.core.kernels import select_backends
 from mega.core.optim.config import OptimizerConfig  # noqa: F401  (a section of the run, declared with the optimizer)
 
 
@@ -137,24 +139,6 @@ class DataConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    save: str | None = option(None, "directory to save checkpoints to")
-    load: str | None = option(None, "checkpoint directory (or one iter_XXXXXXX in it) to resume from")
-    save_interval: int | None = option(None, "save every N iterations (and at the end)")
-    load_optim: bool = option(True, "do not load the optimizer state", flag="--no-load-optim")
-    load_rng: bool = option(True, "do not load the RNG states", flag="--no-load-rng")
-    finetune: bool = option(False, "load weights only and start at iteration 0")
-    allow_unused_tensors: bool = option(False, "--load of a foreign checkpoint (Megatron-LM, Hugging Face): "
-                                        "leave out, with a warning, tensors its model does not use instead of "
-                                        "refusing it")
-    ckpt_format: Literal["torch_dist"] = option("torch_dist", "checkpoint format")
-    keep_last: int | None = option(None, "keep only the K newest checkpoints")
-    async_save: bool = option(False, "write checkpoints in the background")
-    verify_checksums: bool = option(True, "do not compare the loaded checkpoint's files with their checksums "
-                                    "(saves reading a huge checkpoint twice)", flag="--no-verify-checksums")
-
-
-@dataclass
 class LoggingConfig:
     log_interval: int = option(10, "print the log line every N iterations")
     tensorboard_dir: str | None = option(None, "write TensorBoard events here")
@@ -206,8 +190,6 @@ class KernelConfig:
 
     def selection(self, plugins=None) -> dict[str, str]:
         """Kind -> backend name; every chosen backend checked usable here (see select_backends)."""
-        from mega.core.kernels import select_backends
-
         return select_backends(self.kernels, self.overrides(), plugins)
 
 

@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from mega.core.launch import DEBUG_DIR_ENV
 from mega.core.plugins import hookimpl
@@ -120,8 +121,6 @@ class HangWatch:
 
 
 def hang_watch(run_config) -> HangWatch | None:
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return None
     return HangWatch(dist.get_rank(), run_config.checkpoint.save)

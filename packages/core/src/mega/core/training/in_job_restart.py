@@ -25,6 +25,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from mega.core.checkpoint.directory import read_tracker
 from mega.core.launch import _free_port, describe_exit
 from mega.core.plugins import hookimpl
 
@@ -66,8 +67,6 @@ def progress_file(run_config) -> ProgressFile | None:
 def _newest_checkpoint(save: str | None) -> int | None:
     if not save:
         return None
-    from mega.core.checkpoint.directory import read_tracker
-
     tracker = read_tracker(Path(save))
     return int(tracker) if tracker and tracker.isdigit() else None
 
@@ -97,6 +96,7 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
                       program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main")) -> int:
     """Run ``program + command`` on ``nproc`` local ranks under torch's elastic agent, restarting
     every rank after a failure at most ``max_restarts`` times; the job's exit code."""
+    # Start-up cost: torch's elastic agent, which only a run with --max-restarts needs.
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs

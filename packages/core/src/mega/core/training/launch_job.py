@@ -14,12 +14,12 @@ import signal
 import sys
 
 from mega.core.launch import launch_local
+from mega.core.training.in_job_restart import run_with_restarts
+from mega.core.training.run_parser import parse_run
 
 
 def _run_config(argv: list[str]):
     """The run as its ranks will read it, or None when it does not parse."""
-    from mega.core.training.command import parse_run
-
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # the ranks parse it again and say what is wrong
             return parse_run(argv[1:])[0]
@@ -33,8 +33,6 @@ def launch_job(nproc: int, command: list[str], max_restarts: int | None = None,
     (see in_job_restart). A configuration that does not parse runs once: its ranks say why."""
     run = _run_config(command)
     if run is not None and max_restarts is not None:
-        from mega.core.training.in_job_restart import run_with_restarts
-
         return run_with_restarts(nproc, command, max_restarts, run.checkpoint.save, program=program)
     handled = signal.Signals[run.training.exit_signal] if run is not None and run.training.exit_signal_handler else None
     return launch_local(nproc, command, program=program, handled_signal=handled)

@@ -16,7 +16,7 @@ from mega.core.config import ConfigError
 from mega.core.kernels import KernelBackendError, Kernels, check_linear_loss
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.context_parallel import check_sequence_length
-from mega.core.plugins import PluginError
+from mega.core.plugins import PluginError, get_plugins
 from mega.core.training.config import (
     CheckpointConfig,
     DataConfig,
@@ -170,8 +170,6 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
     """Fail, naming the flag and what is missing, for what this installation cannot run: the
     registries (model family features, kernel backends, optimizers) are asked, nothing is assumed."""
     if plugins is None:
-        from mega.core.plugins import get_plugins
-
         plugins = get_plugins()
     family = family or plugins.models.get(run.training.model_family)
     for flag, (feature, needs, asked) in FEATURE_FLAGS.items():

@@ -11,7 +11,7 @@ from mega.core.plugins import hookimpl
 class TensorBoardLogger:
     def __init__(self, directory: str):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional dependency: tensorboard
         except ImportError:
             raise ConfigError(
                 "--tensorboard-dir needs the tensorboard package: pip install -c constraints.txt tensorboard "

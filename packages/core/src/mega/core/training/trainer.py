@@ -97,18 +97,23 @@ class Trainer:
         self.state = RunState(run, derived, self.groups, family, flops)
         self.checkpointer = None
         if run.checkpoint.save or run.checkpoint.load:
-            # Imported here: torch.distributed.checkpoint takes a second to import.
-            from mega.core.checkpoint.checkpointer import Checkpointer
-
-            self.checkpointer = Checkpointer(run.checkpoint, self.groups, self.checkpoint_state())
+            self.checkpointer = self._checkpointer()
         if run.checkpoint.load:
             self.checkpointer.load()
 
-    def checkpoint_state(self):
-        from mega.core.checkpoint.checkpointer import TrainingState
+    def _checkpointer(self):
+        # Start-up cost: torch.distributed.checkpoint takes a second to import; a run that neither
+        # saves nor loads does not pay it.
+        from mega.core.checkpoint.checkpointer import Checkpointer, TrainingState
 
-        return TrainingState(self.chunks, self.optimizer, self.rng_tracker, self.state, self.family, self.run,
-                             self.tokenizer_spec, self.events)
+        state = TrainingState(self.chunks, self.optimizer, self.rng_tracker, self.state, self.family, self.run,
+                              whole_model_on_meta=self._whole_model_on_meta, tokenizer_spec=self.tokenizer_spec,
+                              events=self.events)
+        return Checkpointer(self.run.checkpoint, self.groups, state)
+
+    def _whole_model_on_meta(self):
+        run = self.run
+        return build_stage(self.family, run.model, parallel=run.parallel, device="meta")
 
     # -- building ---------------------------------------------------------------------------
     def _build_model_chunks(self) -> list[DistributedDataParallel]:

@@ -17,6 +17,11 @@ import types
 import torch
 import torch.nn.functional as F
 
+from mega.core.kernel_requirements import FixedGPU
+from mega.core.plugins import get_plugins
+from mega.core.training.command import parse_run
+from mega.core.training.launch_run import run_training
+
 
 def rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
     assert casting_mode == "llama"
@@ -119,11 +124,6 @@ def install(monkeypatch=None) -> types.ModuleType:
 def train_on_this_rank(argv: list[str]) -> list[float]:
     """For a test's spawned rank: the stand-in installed for the process, the registered
     backend's GPU requirement bypassed, ``mega train argv`` run; its losses."""
-    from mega.core.kernel_requirements import FixedGPU
-    from mega.core.plugins import get_plugins
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
-
     install()
     get_plugins().kernel_backends.get("liger").gpu = FixedGPU()
     return run_training(*parse_run(argv)).losses

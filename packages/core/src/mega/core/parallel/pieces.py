@@ -1,7 +1,7 @@
-"""Where this rank's tensors sit inside the layout-free global tensors of a checkpoint.
+"""Where this rank's shards sit inside the layout-free global tensors (the whole model's, as one
+process would hold them): what a checkpoint stores and what initialisation fills (build.py).
 
-A checkpoint stores every tensor at its global shape (the whole model's, as one process would
-hold it), written as the rectangular pieces ranks hold. Saving at one layout and loading at
+A checkpoint stores every tensor at its global shape, written as the rectangular pieces ranks hold. Saving at one layout and loading at
 another is then only a matter of overlapping pieces, which ``torch.distributed.checkpoint``
 resolves. This module computes the pieces:
 
