@@ -56,8 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mega checkpoint verify: {directory} does not exist or is not a directory", file=sys.stderr)
         return 1
     checkpoints = checkpoints_in(directory)
+    other = None if _holds_mega_metadata(checkpoints) else _other_format(directory)
+    if other is not None:  # a Megatron-LM save directory: iter_N directories too, but no damage in them
+        print(f"mega checkpoint verify: {directory} holds a {other} checkpoint, not a mega one: only mega "
+              "checkpoints record the checksums this checks (`mega checkpoint info` describes it)", file=sys.stderr)
+        return 1
     if not checkpoints:
-        print(f"mega checkpoint verify: {directory} {_held_instead(directory)}", file=sys.stderr)
+        print(f"mega checkpoint verify: {directory} holds no mega checkpoint", file=sys.stderr)
         return 1
     results = []
     for checkpoint in checkpoints:
@@ -76,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if intact == len(results) else 1
 
 
-def _held_instead(directory: Path) -> str:
-    """What a directory without a mega checkpoint holds, as far as the checkpoint formats tell."""
+def _holds_mega_metadata(checkpoints: list[Path]) -> bool:
+    return any((checkpoint / METADATA_FILE).exists() for checkpoint in checkpoints)
+
+
+def _other_format(directory: Path) -> str | None:
+    """The name of the checkpoint format other than mega's that recognises ``directory``, if any."""
     other = foreign_format(directory, capability="describe")
-    if other is None:
-        return "holds no mega checkpoint"
-    name = getattr(other, "name", type(other).__name__)
-    return (f"holds a {name} checkpoint, not a mega one: only mega checkpoints record the checksums this "
-            "checks (`mega checkpoint info` describes it)")
+    return None if other is None else getattr(other, "name", type(other).__name__)
