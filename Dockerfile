@@ -24,7 +24,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /opt/mega/torch-constraint.txt \
     && PIP_CONSTRAINT=/opt/mega/torch-constraint.txt pip install --no-cache-dir \
         ./packages/core ./packages/models ./packages/data ./packages/ckpt-convert ./packages/inference \
-        ./plugins/flash-attn ./plugins/transformer-engine ./plugins/apex ./plugins/liger \
+        ./plugins/flash-attn ./plugins/transformer-engine ./plugins/apex ./plugins/liger ./plugins/torchao \
     && mega plugins
 
 WORKDIR /workspace

@@ -1,4 +1,4 @@
-"""Sessions: ``tests`` (default), ``lint``, ``demo`` and ``bench``.
+"""Sessions: ``tests`` (default), ``lint`` (ruff and the import layering), ``demo`` and ``bench``.
 
 Every session installs into a fresh virtual environment with PIP_CONSTRAINT pointing at
 constraints.txt, so torch is always the pinned CPU build and never an unpinned CUDA download.
@@ -43,8 +43,12 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    """ruff, then the import layering of .importlinter (docs/architecture.md). import-linter reads
+    the installed packages' sources without importing them, so they go in without dependencies."""
+    session.install("ruff", "import-linter>=2.17")
     session.run("ruff", "check", ".")
+    session.install("--no-deps", *[f"./{path}" for path in PACKAGES + PLUGINS])
+    session.run("lint-imports")
 
 
 @nox.session

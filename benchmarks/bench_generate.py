@@ -5,12 +5,17 @@ and generate greedily, with their KV caches, ``--new-tokens`` tokens after promp
 ``--prompt`` tokens, at batch 1 and 8. mega runs twice: its lock-step engine, and the static KV
 cache (``StaticDecoder``; on CUDA its decode step is a captured CUDA graph, as ``mega generate``
 and ``mega serve`` decode there by default). Columns: median seconds per generate call, generated
-tokens per second, mega's speed relative to Hugging Face's (the outputs are checked equal).
+tokens per second, mega's speed relative to Hugging Face's (the outputs are checked equal), the
+fraction of the memory-bandwidth limit each reaches (a decode step reads every weight once, so
+at batch ``b`` the limit is ``b x bandwidth / weight bytes`` tokens per second, the bandwidth
+measured on the device by timing large copies first), and the static path's time to first token
+and inter-token latency percentiles (from the engine's per-token callback).
 
 Part 2, the server: the LLaMA model written as a mega checkpoint, served by ``mega serve`` in its
 own process; 1, 8 and 32 concurrent clients each send greedy ``/v1/completions`` requests one
-after another. Columns: requests, generated tokens per second over the whole run, median and
-99th-percentile request latency.
+after another, streaming. Columns: requests, generated tokens per second over the whole run, median and
+99th-percentile request latency, time to first token and inter-token latency (p50, p99), and the
+prefix-cache hit rate (from ``/metrics``).
 
     python benchmarks/bench_generate.py
     python benchmarks/bench_generate.py --family gpt --batches 1 --json
@@ -77,6 +82,47 @@ def mega_engine(family: str, model, args) -> GenerationEngine:
                             max_positions=config.max_position_embeddings)
 
 
+def measure_bandwidth(device: str) -> float:
+    """The device's memory bandwidth in bytes/s: large copies timed (each reads and writes its size)."""
+    size = (1 << 30) if device.startswith("cuda") else (256 << 20)
+    source = torch.empty(size // 4, dtype=torch.float32, device=device).fill_(1.0)
+    target = torch.empty_like(source)
+    target.copy_(source)  # warm-up
+    copies = 20 if device.startswith("cuda") else 5
+    seconds, _ = time_call(lambda: [target.copy_(source) for _ in range(copies)])
+    return 2 * size * copies / seconds
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class TokenClock:
+    """Times each request's tokens through an engine's ``on_token`` callback: time to first
+    token from the call's start, and the gaps between a request's later tokens."""
+
+    def __init__(self):
+        self.start, self.last, self.first, self.gaps = 0.0, {}, [], []
+
+    def begin(self) -> None:
+        self.start, self.last = time.perf_counter(), {}
+
+    def __call__(self, index: int, *_) -> None:
+        now = time.perf_counter()
+        if index in self.last:
+            self.gaps.append(now - self.last[index])
+        else:
+            self.first.append(now - self.start)
+        self.last[index] = now
+
+
 def time_call(fn) -> tuple[float, object]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -102,11 +148,14 @@ def bench_engine(family: str, batch: int, args) -> dict:
                                  max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0)
         return out[:, args.prompt:].tolist()
 
+    clock = TokenClock()
+
     def mega_generate():
         return [r.generated for r in engine.generate(requests)]
 
     def static_generate():
-        return [r.generated for r in static.generate(requests)]
+        clock.begin()
+        return [r.generated for r in static.generate(requests, on_token=clock)]
 
     runs = {"hf": hf_generate, "mega": mega_generate, "static": static_generate}
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -123,6 +172,11 @@ def bench_engine(family: str, batch: int, args) -> dict:
         row[f"{name}_tokens_per_s"] = tokens / row[f"{name}_s"]
     row["mega_speedup"], row["static_speedup"] = row["hf_s"] / row["mega_s"], row["hf_s"] / row["static_s"]
     row["same_tokens"] = outputs["hf"] == outputs["mega"] == outputs["static"]
+    limit = batch * args.bandwidth / weight_bytes(engine.model)  # tokens/s if each step only read the weights
+    for name in runs:
+        row[f"{name}_bandwidth_fraction"] = row[f"{name}_tokens_per_s"] / limit
+    row["static_ttft_p50_s"], row["static_ttft_p99_s"] = percentile(clock.first, 0.5), percentile(clock.first, 0.99)
+    row["static_itl_p50_s"], row["static_itl_p99_s"] = percentile(clock.gaps, 0.5), percentile(clock.gaps, 0.99)
     return row
 
 
@@ -157,29 +211,76 @@ def start_server(args, directory: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("mega serve did not start within 120 s")
 
 
+async def stream_completion(http: httpx.AsyncClient, body: dict) -> dict:
+    """One streamed ``/v1/completions`` request: its latency, time to first token, the gaps
+    between later tokens, and the tokens generated (from the usage chunk)."""
+    start = time.perf_counter()
+    times, generated = [], 0
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                            "stream_options": {"include_usage": True}}) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("usage"):
+                generated = chunk["usage"]["completion_tokens"]
+            if any(choice.get("text") for choice in chunk.get("choices", [])):
+                times.append(time.perf_counter())
+    end = time.perf_counter()
+    return {"latency": end - start, "ttft": (times[0] if times else end) - start,
+            "gaps": [b - a for a, b in zip(times, times[1:], strict=False)], "generated": generated}
+
+
+async def prefix_counters(http: httpx.AsyncClient) -> tuple[float, float]:
+    """The server's prefix-cache (queried, hit) prompt tokens so far."""
+    values = {}
+    for line in (await http.get("/metrics")).text.splitlines():
+        if line.startswith(("mega_prefix_cache_queries_total ", "mega_prefix_cache_hits_total ")):
+            name, value = line.split()
+            values[name] = float(value)
+    return values.get("mega_prefix_cache_queries_total", 0.0), values.get("mega_prefix_cache_hits_total", 0.0)
+
+
+def summary(clients: int, replies: list[dict], wall: float, queried: float, hits: float) -> dict:
+    latencies = [r["latency"] for r in replies]
+    ttfts = [r["ttft"] for r in replies]
+    gaps = [gap for r in replies for gap in r["gaps"]]
+    return {"clients": clients, "requests": len(replies), "tokens_per_s": sum(r["generated"] for r in replies) / wall,
+            "p50_s": statistics.median(latencies), "p99_s": percentile(latencies, 0.99),
+            "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
+            "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99),
+            "prefix_hit_rate": hits / queried if queried else 0.0}
+
+
 async def load(url: str, clients: int, requests_per_client: int, args) -> dict:
     generator = torch.Generator().manual_seed(clients)
-    latencies: list[float] = []
-    generated = 0
+    replies: list[dict] = []
 
     async def client(client_index: int, http: httpx.AsyncClient) -> None:
-        nonlocal generated
         for _ in range(requests_per_client):
             prompt = " ".join(map(str, torch.randint(0, args.vocab - 1, (args.prompt,), generator=generator).tolist()))
-            start = time.perf_counter()
-            reply = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": args.server_tokens,
-                                                             "temperature": 0})
-            latencies.append(time.perf_counter() - start)
-            reply.raise_for_status()
-            generated += reply.json()["usage"]["completion_tokens"]
+            replies.append(await stream_completion(http, {"prompt": prompt, "max_tokens": args.server_tokens,
+                                                          "temperature": 0}))
 
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=clients)) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=clients + 1)) as http:
+        queried, hits = await prefix_counters(http)
         start = time.perf_counter()
         await asyncio.gather(*(client(i, http) for i in range(clients)))
         wall = time.perf_counter() - start
-    latencies.sort()
-    return {"clients": clients, "requests": len(latencies), "tokens_per_s": generated / wall,
-            "p50_s": statistics.median(latencies), "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]}
+        queried_after, hits_after = await prefix_counters(http)
+    return summary(clients, replies, wall, queried_after - queried, hits_after - hits)
+
+
+SERVER_HEADER = (f"{'clients':>8}{'requests':>10}{'tok/s':>9}{'p50 s':>9}{'p99 s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
+                 f"{'ITL p50':>9}{'ITL p99':>9}{'prefix hits':>13}")
+
+
+def server_line(r: dict) -> str:
+    """One row of the server table (latencies in seconds, the hit rate in % of prompt tokens)."""
+    return (f"{r['clients']:>8}{r['requests']:>10}{r['tokens_per_s']:>9.1f}{r['p50_s']:>9.3f}{r['p99_s']:>9.3f}"
+            f"{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['itl_p50_s']:>9.4f}{r['itl_p99_s']:>9.4f}"
+            f"{100 * r['prefix_hit_rate']:>12.1f}%")
 
 
 def bench_server(args) -> list[dict]:
@@ -219,6 +320,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    args.bandwidth = measure_bandwidth(args.device)
     families = ["gpt", "llama"] if args.family == "both" else [args.family]
     engine_rows = [bench_engine(family, batch, args) for family in families for batch in args.batches]
     server_rows = [] if args.no_server else bench_server(args)
@@ -228,19 +330,25 @@ def main() -> None:
         return
     print(f"layers {args.layers}, hidden {args.hidden}, heads {args.heads}, vocab {args.vocab}, prompt {args.prompt}, "
           f"{args.new_tokens} new tokens, greedy, {args.dtype} on {args.device}, {torch.get_num_threads()} threads; "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}; measured bandwidth {args.bandwidth / 1e9:.1f} GB/s")
     print(f"{'family':<7}{'batch':>6}{'HF s':>9}{'mega s':>9}{'static s':>10}{'HF tok/s':>10}{'mega tok/s':>12}"
           f"{'static tok/s':>14}{'mega/HF':>9}{'static/HF':>11}  same tokens")
     for r in engine_rows:
         print(f"{r['family']:<7}{r['batch']:>6}{r['hf_s']:>9.3f}{r['mega_s']:>9.3f}{r['static_s']:>10.3f}"
               f"{r['hf_tokens_per_s']:>10.1f}{r['mega_tokens_per_s']:>12.1f}{r['static_tokens_per_s']:>14.1f}"
               f"{r['mega_speedup']:>8.2f}x{r['static_speedup']:>10.2f}x  {r['same_tokens']}")
+    print(f"\n{'family':<7}{'batch':>6}{'HF %BW':>8}{'mega %BW':>10}{'static %BW':>12}{'TTFT p50 ms':>13}"
+          f"{'ITL p50 ms':>12}{'ITL p99 ms':>12}   (static path; %BW: of the memory-bandwidth limit)")
+    for r in engine_rows:
+        print(f"{r['family']:<7}{r['batch']:>6}{100 * r['hf_bandwidth_fraction']:>8.1f}"
+              f"{100 * r['mega_bandwidth_fraction']:>10.1f}{100 * r['static_bandwidth_fraction']:>12.1f}"
+              f"{1e3 * r['static_ttft_p50_s']:>13.2f}{1e3 * r['static_itl_p50_s']:>12.2f}{1e3 * r['static_itl_p99_s']:>12.2f}")
     if server_rows:
         print(f"\nmega serve (llama, separate process), /v1/completions: prompt {args.prompt} tokens, "
               f"{args.server_tokens} generated, greedy")
-        print(f"{'clients':>8}{'requests':>10}{'tok/s':>9}{'p50 s':>9}{'p99 s':>9}")
+        print(SERVER_HEADER)
         for r in server_rows:
-            print(f"{r['clients']:>8}{r['requests']:>10}{r['tokens_per_s']:>9.1f}{r['p50_s']:>9.3f}{r['p99_s']:>9.3f}")
+            print(server_line(r))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,22 @@
-"""MFU of `mega train` on one GPU: GPT ~1.3B, sequence 2048, bf16 (the issue's target: >= 45% on an H100).
+"""MFU of `mega train` on one GPU: one table per model (GPT 1.3B, the LLaMA 1.2B shape), sequence 2048, bf16.
 
 Runs the real training loop (mock data, Megatron's FLOPs formula) and reports the median step
-time, tokens/s, achieved TFLOP/s and MFU against the device's dense bf16 peak. Needs a CUDA
-device; on a machine without one it says so and exits without a figure.
+time, tokens/s, achieved TFLOP/s, MFU against the device's dense bf16 peak (as Megatron reports)
+and peak memory. Needs a CUDA device; on a machine without one it says so and exits without a
+figure.
 
-    python benchmarks/bench_gpu_mfu.py                      # gpt 1.3b preset, micro-batch 4
+    python benchmarks/bench_gpu_mfu.py                      # the tables (also `nox -s bench -- gpu_mfu`)
+    python benchmarks/bench_gpu_mfu.py --table --models gpt # one model's table
+    python benchmarks/bench_gpu_mfu.py --json               # one run: gpt 1.3b preset, micro-batch 4
     python benchmarks/bench_gpu_mfu.py --micro-batch-size 8 --recompute selective --json
     python benchmarks/bench_gpu_mfu.py --json --kernels liger          # any further mega train flags
+    python benchmarks/bench_gpu_mfu.py --json --hf llama    # Hugging Face's model of the same shape
+
+A table has a row per configuration: torch kernels, --compile, --kernels liger, FP8 through
+torchao (tensorwise, rowwise, tensorwise + --compile) and Hugging Face transformers' model of the
+same shape (sdpa attention, bf16 autocast over fp32 weights, fused AdamW). Each row is its own
+child process (a fresh CUDA context, so peak memory is the run's own); a row that fails shows
+the last line of its error.
 """
 
 from __future__ import annotations
@@ -14,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import time
 
 import torch
 
@@ -33,10 +45,19 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--table", action="store_true", help="the tables (the default without mega train flags)")
+    parser.add_argument("--models", default="gpt,llama", help="the tables' models: gpt, llama")
+    parser.add_argument("--hf", choices=list(MODELS), help="one run of Hugging Face's model of this shape")
     # Flags this script does not know go to `mega train` as they are (--kernels, --model-family...).
     args, train_flags = parser.parse_known_args()
     if not torch.cuda.is_available():
         print("bench_gpu_mfu: no CUDA device here; this benchmark needs a GPU (nothing measured)")
+        return 0
+    if args.table or not (train_flags or args.json or args.hf):
+        return print_tables(args)
+    if args.hf:
+        result = hf_run(args)
+        print(json.dumps(result, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
         return 0
 
     seconds: list[float] = []
@@ -50,16 +71,7 @@ def main() -> int:
                     seconds.append(metrics["elapsed_s"])
             register("bench-mfu", lambda run_config: Listener())
 
-    argv = ["--model-preset", args.preset, "--seq-length", str(args.seq_length),
-            "--max-position-embeddings", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
-            "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.steps), "--bf16",
-            "--mock-data", "--eval-iters", "0", "--log-interval", "1", "--hidden-dropout", "0",
-            "--attention-dropout", "0", "--split", "100,0,0"]
-    if args.recompute != "none":
-        argv += ["--recompute-granularity", args.recompute]
-        if args.recompute == "full":
-            argv += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    argv += train_flags
+    argv = train_argv(args) + train_flags
     plugins = load_plugins(extra=[("bench", Recorder())])
     run, family = parse_run(argv, plugins)
     state = run_training(run, family, plugins)
@@ -78,6 +90,119 @@ def main() -> int:
     }
     print(json.dumps(result, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     return 0
+
+
+def train_argv(args) -> list[str]:
+    """`mega train`'s flags for the script's settings."""
+    argv = ["--model-preset", args.preset, "--seq-length", str(args.seq_length),
+            "--max-position-embeddings", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
+            "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.steps), "--bf16",
+            "--mock-data", "--eval-iters", "0", "--log-interval", "1", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--split", "100,0,0"]
+    if args.recompute != "none":
+        argv += ["--recompute-granularity", args.recompute]
+        if args.recompute == "full":
+            argv += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    return argv
+
+
+# The tables' models: the script's flags for each (gpu-h200.md's LLaMA shape: 1.50B parameters
+# with the untied 128,256-token vocabulary).
+MODELS = {
+    "gpt": ("GPT 1.3B", "1.3b", []),
+    "llama": ("LLaMA 1.2B shape (16 layers, h 2048, ffn 8192, 32/8 heads, vocab 128256)", "llama3-8b",
+              ["--model-family", "llama", "--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "8192",
+               "--num-attention-heads", "32", "--num-query-groups", "8"]),
+}
+FP8 = ["--fp8-format", "hybrid", "--fp8-recipe"]
+CONFIGURATIONS = {
+    "torch kernels": [],
+    "--compile": ["--compile"],
+    "--kernels liger": ["--kernels", "liger"],
+    "--kernels liger --compile": ["--kernels", "liger", "--compile"],
+    "fp8 tensorwise": [*FP8, "tensorwise"],
+    "fp8 rowwise": [*FP8, "rowwise"],
+    "fp8 tensorwise + --compile": [*FP8, "tensorwise", "--compile"],
+}
+
+
+def print_tables(args) -> int:
+    """One markdown table per model, each row a child process of this script."""
+    common = ["--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
+              "--global-batch-size", str(args.global_batch_size), "--steps", str(args.steps),
+              "--recompute", args.recompute]
+    for model in args.models.split(","):
+        title, preset, flags = MODELS[model]
+        rows = [(name, ["--preset", preset, *flags, *common, *extra]) for name, extra in CONFIGURATIONS.items()]
+        rows.append(("Hugging Face transformers", ["--hf", model, *common]))
+        print(f"\n### {title}: seq {args.seq_length}, micro-batch {args.micro_batch_size} x "
+              f"{args.global_batch_size // args.micro_batch_size}, bf16\n", flush=True)
+        print("| configuration | tokens/s | MFU | peak GB | flags |\n|---|---|---|---|---|", flush=True)
+        baseline = None
+        for name, argv in rows:
+            result = _child(argv)
+            if "error" in result:
+                print(f"| {name} | failed: {result['error']} | | | `{' '.join(argv)}` |", flush=True)
+                continue
+            baseline = baseline or result["tokens_per_s"]
+            mfu = f"{result['mfu']:.1%}" if result.get("mfu") else ""
+            print(f"| {name} | {result['tokens_per_s'] / 1e3:.1f}k ({result['tokens_per_s'] / baseline:.2f}x) | "
+                  f"{mfu} | {result['peak_memory_gb']:.1f} | `{' '.join(argv)}` |", flush=True)
+    return 0
+
+
+def _child(argv: list[str]) -> dict:
+    done = subprocess.run([sys.executable, __file__, "--json", *argv], capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return {"error": lines[-1] if lines else f"exit status {done.returncode}"}
+    return json.loads(done.stdout[done.stdout.index("{\n"):])
+
+
+def hf_run(args) -> dict:
+    """Hugging Face's model of the table's shape trained the usual way: sdpa attention, bf16
+    autocast over fp32 weights, fused AdamW; the FLOPs are mega's formula for the same shape."""
+    import transformers
+
+    _, preset, flags = MODELS[args.hf]
+    run, family = parse_run(train_argv(argparse.Namespace(**{**vars(args), "preset": preset})) + flags)
+    model = run.model
+    if args.hf == "gpt":
+        config = transformers.GPT2Config(n_embd=model.hidden_size, n_layer=model.num_layers,
+                                         n_head=model.num_attention_heads, n_positions=args.seq_length,
+                                         vocab_size=model.vocab_size, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        module = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
+                                          num_hidden_layers=model.num_layers,
+                                          num_attention_heads=model.num_attention_heads,
+                                          num_key_value_heads=model.num_query_groups, vocab_size=model.vocab_size,
+                                          max_position_embeddings=args.seq_length, rope_theta=model.rotary_base)
+        module = transformers.LlamaForCausalLM(config)
+    module.config._attn_implementation = "sdpa"
+    module = module.cuda().train()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
+    accumulation = args.global_batch_size // args.micro_batch_size
+    tokens = torch.randint(0, model.vocab_size, (args.micro_batch_size, args.seq_length), device="cuda")
+    seconds = []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(accumulation):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = module(input_ids=tokens, labels=tokens).loss / accumulation
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    step = statistics.median(seconds[2:])
+    tflops = family.num_floating_point_operations(model, args.global_batch_size) / step / 1e12
+    peak = peak_tflops(torch.device("cuda"), torch.bfloat16)
+    return {"device": torch.cuda.get_device_name(), "model": f"transformers {type(module).__name__}",
+            "step_s": step, "tokens_per_s": args.global_batch_size * args.seq_length / step, "tflops": tflops,
+            "peak_tflops": peak, "mfu": tflops / peak if peak else None,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9}
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_convert import DTYPES, measure_conversions, write_model_in_child  # noqa: E402
 
-FLOOR = ("import torch, mega.ckpt_convert.cli, mega.ckpt_convert.megatron_format, mega.ckpt_convert.megatron_dist, "
+FLOOR = ("import torch, mega.ckpt_convert.cli, mega.ckpt_convert.megatron.format, "
          "mega.ckpt_convert.mega_format; from mega.core.plugins import get_plugins; get_plugins().models.get('llama')")
 
 

@@ -5,13 +5,26 @@ weights) written as a mega checkpoint and served by ``mega serve --batching MODE
 --max-batch-size 64`` in its own process. 1, 8, 32 and 64 concurrent clients each send greedy
 ``/v1/completions`` requests one after another; each request draws its prompt length and its
 ``max_tokens`` uniformly from ``--prompt-range`` and ``--tokens-range`` (seeded), as real
-traffic mixes short and long requests. Columns: requests, generated tokens per second over the
-level's wall time, median and 99th-percentile request latency. Both servers run side by side
-(idle when not measured) and each concurrency level measures one then the other, so both see
-the same machine load.
+traffic mixes short and long requests, streamed. Columns: requests, generated tokens per second
+over the level's wall time, median and 99th-percentile request latency, time to first token and
+inter-token latency (p50, p99), the prefix-cache hit rate of the level (from ``/metrics``), and,
+with ``--engine-baseline``, the fraction of the engine's own tokens/s at that batch size and of
+the memory-bandwidth limit (measured on the device). Both servers run side by side (idle when
+not measured) and each concurrency level measures one then the other, so both see the same
+machine load.
+
+``--prefix-ttft N`` measures prefix caching instead: two servers, with and without
+``--enable-prefix-caching``; each round sends a prompt of a fresh N-token prefix and a suffix,
+then a second prompt with the same prefix and another suffix, and times the second one's first
+token (streamed, ``max_tokens`` 1). The table gives each server's median and the ratio.
 
     python benchmarks/bench_serve.py
     python benchmarks/bench_serve.py --clients 64 --requests 128 --json
+    python benchmarks/bench_serve.py --prefix-ttft 1024 --layers 4 --hidden 256 --vocab 8000
+    # on a GPU (the engine's batch-32 rate beside the server's 32 clients):
+    python benchmarks/bench_serve.py --device cuda --dtype bfloat16 --layers 16 --hidden 2048 --heads 16 \
+        --vocab 128256 --prompt-range 128 128 --tokens-range 32 32 --clients 1 8 32 --requests 64 \
+        --batching continuous --engine-baseline
 """
 
 from __future__ import annotations
@@ -30,14 +43,27 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import httpx  # noqa: E402
 import torch  # noqa: E402
-from bench_generate import free_port, hf_model, mega_weights  # noqa: E402
+from bench_generate import (  # noqa: E402
+    SERVER_HEADER,
+    free_port,
+    hf_model,
+    measure_bandwidth,
+    mega_engine,
+    mega_weights,
+    prefix_counters,
+    server_line,
+    stream_completion,
+    summary,
+    weight_bytes,
+)
 
 
-def start_server(args, directory: str, batching: str) -> tuple[subprocess.Popen, str]:
+def start_server(args, directory: str, batching: str, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "mega.core.cli.main", "serve", "--load", directory,
-                               "--port", str(port), "--log-level", "warning", "--device", "cpu",
-                               "--batching", batching, "--max-batch-size", str(args.max_batch_size)])
+                               "--port", str(port), "--log-level", "warning", "--device", args.device,
+                               "--dtype", args.dtype, "--batching", batching,
+                               "--max-batch-size", str(args.max_batch_size), *extra])
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -52,31 +78,74 @@ def start_server(args, directory: str, batching: str) -> tuple[subprocess.Popen,
 
 async def load(url: str, clients: int, requests_per_client: int, args) -> dict:
     generator = torch.Generator().manual_seed(clients)
-    latencies: list[float] = []
-    generated = 0
+    replies: list[dict] = []
 
     def draw(low_high) -> int:
         low, high = low_high
         return int(torch.randint(low, high + 1, (), generator=generator))
 
     async def client(http: httpx.AsyncClient) -> None:
-        nonlocal generated
         for _ in range(requests_per_client):
             prompt = torch.randint(0, args.vocab - 1, (draw(args.prompt_range),), generator=generator).tolist()
-            body = {"prompt": prompt, "max_tokens": draw(args.tokens_range), "temperature": 0}
-            start = time.perf_counter()
-            reply = await http.post("/v1/completions", json=body)
-            latencies.append(time.perf_counter() - start)
-            reply.raise_for_status()
-            generated += reply.json()["usage"]["completion_tokens"]
+            replies.append(await stream_completion(http, {"prompt": prompt, "max_tokens": draw(args.tokens_range),
+                                                          "temperature": 0}))
 
-    async with httpx.AsyncClient(base_url=url, timeout=1200, limits=httpx.Limits(max_connections=clients)) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=1200, limits=httpx.Limits(max_connections=clients + 1)) as http:
+        queried, hits = await prefix_counters(http)
         start = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(clients)))
         wall = time.perf_counter() - start
-    latencies.sort()
-    return {"clients": clients, "requests": len(latencies), "tokens_per_s": generated / wall,
-            "p50_s": statistics.median(latencies), "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]}
+        queried_after, hits_after = await prefix_counters(http)
+    return summary(clients, replies, wall, queried_after - queried, hits_after - hits)
+
+
+def engine_rate(args, batch: int) -> tuple[float, int]:
+    """The lock-step engine's greedy tokens/s at ``batch`` (prompts and tokens at the ranges'
+    maxima) on the served model, and its weight bytes."""
+    from mega.inference.engine import GenerationRequest
+
+    engine = mega_engine("llama", hf_model("llama", args), args)
+    prompts = torch.randint(0, args.vocab - 1, (batch, args.prompt), generator=torch.Generator().manual_seed(0))
+    requests = [GenerationRequest(p, args.new_tokens) for p in prompts.tolist()]
+    engine.generate(requests[:1])  # warm-up
+    start = time.perf_counter()
+    results = engine.generate(requests)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return sum(len(r.generated) for r in results) / (time.perf_counter() - start), weight_bytes(engine.model)
+
+
+async def prefix_round(url: str, prefix: list[int], suffixes: list[list[int]]) -> float:
+    """The first prompt warms the cache; the second one's time to first token."""
+    async with httpx.AsyncClient(base_url=url, timeout=1200) as http:
+        await stream_completion(http, {"prompt": prefix + suffixes[0], "max_tokens": 1, "temperature": 0})
+        return (await stream_completion(http, {"prompt": prefix + suffixes[1], "max_tokens": 1,
+                                               "temperature": 0}))["ttft"]
+
+
+def bench_prefix_ttft(args, directory: str) -> list[dict]:
+    servers = {"prefix caching": start_server(args, directory, "continuous", "--enable-prefix-caching",
+                                              "--no-static-kv-cache"),
+               "no prefix caching": start_server(args, directory, "continuous", "--no-enable-prefix-caching",
+                                                 "--no-static-kv-cache")}
+    generator = torch.Generator().manual_seed(0)
+    times: dict[str, list[float]] = {name: [] for name in servers}
+    try:
+        for round_ in range(args.prefix_rounds + 1):  # round 0 warms both up
+            prefix = torch.randint(0, args.vocab - 1, (args.prefix_ttft,), generator=generator).tolist()
+            suffixes = torch.randint(0, args.vocab - 1, (2, 16), generator=generator).tolist()
+            for name, (_, url) in servers.items():
+                ttft = asyncio.run(prefix_round(url, prefix, suffixes))
+                if round_:
+                    times[name].append(ttft)
+    finally:
+        for server, _ in servers.values():
+            server.terminate()
+            server.wait(timeout=60)
+    rows = [{"server": name, "rounds": len(values), "ttft_p50_s": statistics.median(values)}
+            for name, values in times.items()]
+    rows[0]["speedup"] = rows[1]["ttft_p50_s"] / rows[0]["ttft_p50_s"]
+    return rows
 
 
 def main() -> None:
@@ -92,9 +161,19 @@ def main() -> None:
     parser.add_argument("--requests-one-client", type=int, default=16, help="requests of the one-client level")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--batching", nargs="+", default=["lockstep", "continuous"])
+    parser.add_argument("--device", default="cpu", help="the servers' device: cpu or cuda")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--engine-baseline", action="store_true",
+                        help="also time the engine alone at each client count's batch size (its tokens/s, and the "
+                             "server's fraction of it and of the memory-bandwidth limit)")
+    parser.add_argument("--prefix-ttft", type=int, default=None, metavar="N",
+                        help="measure time to first token after a shared N-token prefix, prefix caching on vs off")
+    parser.add_argument("--prefix-rounds", type=int, default=5, help="rounds of --prefix-ttft")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.prompt, args.new_tokens = args.prompt_range[1], args.tokens_range[1]  # the model's positions
+    if args.prefix_ttft is not None:
+        args.prompt = max(args.prompt, args.prefix_ttft + 16)
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="mega-bench-serve-") as directory:
@@ -104,6 +183,18 @@ def main() -> None:
         config, weights = mega_weights("llama", hf_model("llama", args))
         write_checkpoint(directory, CheckpointMetadata(0, "llama", dataclasses.asdict(config)), weights,
                          tokenizer=TokenizerSpec("NullTokenizer", TokenizerOptions(vocab_size=args.vocab - 1)))
+        if args.prefix_ttft is not None:
+            rows = bench_prefix_ttft(args, directory)
+            if args.json:
+                print(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+                return
+            print(f"time to first token of a prompt sharing a {args.prefix_ttft}-token prefix with the one before "
+                  f"(llama {args.layers} layers, hidden {args.hidden}, {args.device}), median of {args.prefix_rounds}")
+            for r in rows:
+                print(f"{r['server']:<20}{1e3 * r['ttft_p50_s']:>10.1f} ms" +
+                      (f"   {r['speedup']:.1f}x faster" if "speedup" in r else ""))
+            return
+        bandwidth = measure_bandwidth(args.device) if args.engine_baseline else 0.0
         servers = {batching: start_server(args, directory, batching) for batching in args.batching}
         try:
             for _, url in servers.values():
@@ -113,6 +204,11 @@ def main() -> None:
                 for batching, (_, url) in servers.items():
                     row = asyncio.run(load(url, clients, max(1, requests // clients), args))
                     rows.append({"batching": batching, **row})
+                    if args.engine_baseline:
+                        rate, weights_size = engine_rate(args, clients)
+                        rows[-1]["engine_tokens_per_s"] = rate
+                        rows[-1]["of_engine"] = row["tokens_per_s"] / rate
+                        rows[-1]["bandwidth_fraction"] = row["tokens_per_s"] / (clients * bandwidth / weights_size)
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         finally:
             for server, _ in servers.values():
@@ -124,10 +220,10 @@ def main() -> None:
     print(f"mega serve (llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}), greedy /v1/completions, "
           f"prompts {args.prompt_range[0]}-{args.prompt_range[1]} tokens, {args.tokens_range[0]}-{args.tokens_range[1]} "
           f"generated, --max-batch-size {args.max_batch_size}")
-    print(f"{'batching':<11}{'clients':>8}{'requests':>10}{'tok/s':>9}{'p50 s':>9}{'p99 s':>9}")
+    print(f"{'batching':<11}" + SERVER_HEADER + ("   of engine  %BW" if args.engine_baseline else ""))
     for r in rows:
-        print(f"{r['batching']:<11}{r['clients']:>8}{r['requests']:>10}{r['tokens_per_s']:>9.1f}{r['p50_s']:>9.3f}"
-              f"{r['p99_s']:>9.3f}")
+        extra = f"{100 * r['of_engine']:>11.0f}%{100 * r['bandwidth_fraction']:>5.0f}%" if args.engine_baseline else ""
+        print(f"{r['batching']:<11}" + server_line(r) + extra)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,17 @@ TRAIN = ["--model-preset", "tiny", "--vocab-size", "512", "--seq-length", "64", 
          "--micro-batch-size", "2", "--train-iters", "3", "--eval-iters", "0", "--log-interval", "100"]
 
 
-def test_bench_train_reports_a_timed_and_a_skipped_precision(tmp_path, capsys):
+def test_bench_train_reports_a_timed_and_a_skipped_precision(tmp_path, capfd):
     # One real run per precision costs seconds (a process importing torch): fp32 and fp16 run the
     # same code as bf16 with other flags, so the test times bf16 and reports fp8 as skipped.
+    # --json prints the JSON report (as `mega doctor --json`, `mega plan --json` do) and nothing
+    # else: the runs' log lines (processes of their own, so read at the descriptor) go to stderr.
     output = tmp_path / "baseline"
-    argv = [*TRAIN, "--warmup", "1", "--precisions", "bf16,fp8", "--output", str(output)]
+    argv = [*TRAIN, "--warmup-iters", "1", "--precisions", "bf16,fp8", "--output", str(output), "--json"]
     assert bench_main(argv) == 0
+    printed = capfd.readouterr()
     report = json.loads(output.with_suffix(".json").read_text())
+    assert json.loads(printed.out) == report and " iteration        3/       3 |" in printed.err
     runs = {run["precision"]: run for run in report["runs"]}
     assert list(runs) == ["bf16", "fp8"]
     assert "Transformer Engine" in runs["fp8"]["skipped"]  # no fp8 backend on a CPU
@@ -30,7 +34,6 @@ def test_bench_train_reports_a_timed_and_a_skipped_precision(tmp_path, capsys):
         assert run["mfu"] is None  # a CPU has no known peak
     assert report["environment"]["torch"] == torch.__version__
     markdown = output.with_suffix(".md").read_text()
-    assert markdown == capsys.readouterr().out
     assert "| bf16 |" in markdown and "skipped: --fp8-hybrid needs NVIDIA Transformer Engine" in markdown
     assert f"torch {torch.__version__}" in markdown
 
@@ -43,3 +46,10 @@ def test_bench_train_rejects_an_unknown_precision(capsys):
 def test_bench_train_names_a_bad_train_flag(capsys):
     assert bench_main([*TRAIN, "--micro-batch-size", "0"]) == 2
     assert "--micro-batch-size must be positive" in capsys.readouterr().err
+
+
+def test_bench_train_prints_the_markdown_report_by_default(tmp_path, capsys):
+    # The report of a run that is all skipped: what is printed without --json is the markdown written.
+    output = tmp_path / "skipped"
+    assert bench_main([*TRAIN, "--precisions", "fp8", "--output", str(output)]) == 0
+    assert capsys.readouterr().out == output.with_suffix(".md").read_text()

@@ -208,6 +208,9 @@ def test_a_4k_overwrite_in_a_shard_is_caught_by_its_checksum(saved, tmp_path, ca
     assert info_main([str(checkpoint)]) == 1 and shard.name in capsys.readouterr().err
     assert verify_main([str(checkpoint)]) == 1
     assert f"DAMAGED  {checkpoint / 'iter_0000002'}" in capsys.readouterr().out
+    assert verify_main([str(checkpoint), "--json"]) == 1
+    (damaged,) = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert not damaged["intact"] and shard.name in damaged["error"]
 
 
 def test_a_flipped_bit_in_a_weight_is_caught(saved, tmp_path, capsys):
@@ -242,6 +245,10 @@ def test_verify_checks_every_checkpoint_of_a_save_directory(saved, capsys):
     assert verify_main([str(saved)]) == 0
     out = capsys.readouterr().out
     assert f"ok       {saved / 'iter_0000002'}" in out and "1 of 1 checkpoint(s) intact" in out
+    assert verify_main([str(saved), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "directory": str(saved), "intact": 1,
+        "checkpoints": [{"path": str(saved / "iter_0000002"), "intact": True, "error": None}]}
     assert verify_main([str(saved / "missing")]) == 1
 
 

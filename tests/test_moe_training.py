@@ -11,9 +11,15 @@ experts' gradients reduced and sharded over their own data-parallel group) and t
 (experts spread over the tensor ranks too). The tp2 x ep2 run saves at step 3, and that
 checkpoint resumes at ep1 and at ep4 with the uninterrupted run's next losses; the etp1 run's
 checkpoint (global shapes) resumes at tp2 x ep2 with the experts tensor-split.
+
+No checkpoint is loaded before the first loss, so equal first losses mean equal initial weights;
+the initialisation test checks them directly, bit for bit: every family with experts, built at
+ep2, ep4, tp2 x ep2 and tp2 x etp1 x ep2/ep4 on the same world, assembles to one process's model.
 """
 
 from __future__ import annotations
+
+import torch
 
 from mega.core.testing.training_runs import assert_losses_close, train_losses
 
@@ -68,3 +74,94 @@ def test_expert_parallel_layouts_match_one_process(worlds, tmp_path):
     for name, (saved_by, extra) in RESUMED.items():
         ranks = worlds.run(4, train_losses, COMMON + extra + ["--load", str(tmp_path / saved_by / "iter_0000003")])
         assert_losses_close(ranks[0], dropless[3:], f"resumed at {name} from {saved_by}")
+
+
+# -- initialisation: every expert layout starts from one process's weights ---------------------
+# Every family that declares experts ("moe"), so a new one is checked as it registers. Each layout
+# is (tp, ep, etp, sequence parallel) on the 4-rank world; a row block of 3 rows straddles the
+# expert-parallel shards' boundary (4 experts, 2 per rank) and the tensor-parallel ones of dense rows.
+INIT_LAYOUTS = {"ep2": (1, 2, None, False), "ep4": (1, 4, None, False), "tp2 x ep2 sp": (2, 2, None, True),
+                "tp2 x etp1 x ep2 sp": (2, 2, 1, True), "tp2 x etp1 x ep4 sp": (2, 4, 1, True)}
+INIT_SEED = 5
+
+
+def moe_families() -> list[str]:
+    from mega.core.plugins import get_plugins
+
+    models = get_plugins().models
+    return sorted(name for name in models.names() if "moe" in models.get(name).features)
+
+
+def _tiny_config(family):
+    import dataclasses
+
+    return dataclasses.replace(family.presets["tiny"], vocab_size=256, make_vocab_size_divisible_by=64)
+
+
+def initial_pieces(family_name: str, layouts: list[tuple], row_block_rows: int) -> list[dict[str, list]]:
+    """This rank's initial parameters at each of ``layouts`` as ``{global name: [(offsets in the
+    global tensor, values)]}``, built with initialisation blocks of ``row_block_rows`` expert rows."""
+    return [_initial_pieces(family_name, layout, row_block_rows) for layout in layouts]
+
+
+def _initial_pieces(family_name: str, layout: tuple, row_block_rows: int) -> dict[str, list]:
+    import mega.core.build as build
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.core.parallel.pieces import TensorParallelSplit, tensor_pieces
+    from mega.core.parameter_names import canonical_names
+    from mega.core.plugins import get_plugins
+
+    family = get_plugins().models.get(family_name)
+    config = _tiny_config(family)
+    tp, ep, etp, sequence_parallel = layout
+    groups = ParallelGroups(ParallelConfig(tp=tp, ep=ep, etp=etp, sequence_parallel=sequence_parallel))
+    default_block, build.ROW_BLOCK_ELEMENTS = build.ROW_BLOCK_ELEMENTS, _row_block_elements(config, row_block_rows)
+    try:
+        model = build.build_stage(family, config, groups=groups, seed=INIT_SEED)
+    finally:
+        build.ROW_BLOCK_ELEMENTS = default_block
+    names = canonical_names(model)
+    pieces = {}
+    for name, param in model.named_parameters():
+        split = TensorParallelSplit.of(param, groups.tp.rank, groups.tp.size)
+        pieces[names.get(name, name)] = [(piece.offsets, piece.data.clone())
+                                         for piece in tensor_pieces(param.data, split, tuple(param.shape))]
+    return pieces
+
+
+def _row_block_elements(config, rows: int) -> int:
+    """Elements of ``rows`` rows of the experts' first projection [experts, 2F, hidden] (smaller
+    tensors then have several rows a block, larger ones one)."""
+    return rows * 2 * config.moe_ffn_hidden_size * config.hidden_size
+
+
+def test_expert_layouts_initialise_like_one_process(worlds):
+    import mega.core.build as build
+    from mega.core.plugins import get_plugins
+
+    families = moe_families()
+    assert "mixtral" in families
+    for family_name in families:
+        family = get_plugins().models.get(family_name)
+        config = _tiny_config(family)
+        default_block, build.ROW_BLOCK_ELEMENTS = build.ROW_BLOCK_ELEMENTS, _row_block_elements(config, 3)
+        try:
+            reference = dict(build.build_stage(family, config, seed=INIT_SEED).named_parameters())
+        finally:
+            build.ROW_BLOCK_ELEMENTS = default_block
+        experts = [name for name in reference if ".experts." in name]
+        assert experts, f"{family_name}: no expert parameters found"
+        ranks = worlds.run(4, initial_pieces, family_name, list(INIT_LAYOUTS.values()), 3)
+        for index, layout_name in enumerate(INIT_LAYOUTS):
+            what = f"{family_name} at {layout_name}"
+            assembled = {name: torch.full_like(value, float("nan")) for name, value in reference.items()}
+            for rank_pieces in (layouts[index] for layouts in ranks):
+                assert set(rank_pieces) == set(reference), what
+                for name, pieces in rank_pieces.items():
+                    for offsets, values in pieces:
+                        region = assembled[name]
+                        for dim, (start, size) in enumerate(zip(offsets, values.shape, strict=True)):
+                            region = region.narrow(dim, start, size)
+                        region.copy_(values)
+            for name, value in reference.items():
+                assert torch.equal(assembled[name], value.detach()), f"{what}: {name} differs from one process's"

@@ -5,7 +5,6 @@ process computes, with no change to the core (tests/plugins/mega-parallel-block)
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -20,11 +19,8 @@ COMMON = ["--model-family", "parallel-block", "--model-preset", "tiny", "--mock-
 
 
 @pytest.fixture(scope="module")
-def plugin_env(tmp_path_factory):
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(PLUGIN)], check=True)
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")])))
+def plugin_env(install_plugins):
+    return install_plugins(PLUGIN)
 
 
 def mega(env, *args, check=True):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,19 +20,12 @@ def files_in_doc() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def installed_plugin(tmp_path_factory):
+def installed_plugin(tmp_path_factory, install_plugins):
     source = tmp_path_factory.mktemp("mega-bytes")
     for name, text in files_in_doc().items():
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         (source / name).write_text(text, encoding="utf-8")
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(source)],
-        check=True,
-    )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")])))
-    return env
+    return install_plugins(source)
 
 
 def mega(env, *args):

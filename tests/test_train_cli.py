@@ -86,8 +86,17 @@ def test_seed_gpt_script_flags_train_scaled_down(capsys):
         "--mock-data", "--vocab-size", "64", "--eval-iters", "0", "--log-interval", "1",
     ]
     assert main(argv) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(" iteration")]
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith(" iteration")]
     assert len(lines) == 3 and "lm loss:" in lines[-1] and "global batch size:     4" in lines[-1]
+    assert "setting global batch size" not in out  # given, so not derived
+
+
+def test_a_derived_global_batch_size_is_announced(capsys):
+    # Megatron's default (micro-batch x data-parallel size) differs between layouts: say so.
+    assert main([*TINY, "--train-iters", "1", "--eval-iters", "0"]) == 0
+    assert (" setting global batch size to 1 (--micro-batch-size 1 x data-parallel size 1; give --global-batch-size"
+            in capsys.readouterr().out)
 
 
 def test_seed_llama_script_flags_train_scaled_down(capsys):
@@ -146,9 +155,9 @@ def test_help_without_a_model_family_installed_still_helps():
                            capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     assert "--tensor-model-parallel-size" in shown.stdout and "--hidden-size HIDDEN" not in shown.stdout
-    assert "install mega-models (pip install -e packages/models" in shown.stdout
+    assert "install mega-models (pip install -c constraints.txt -e packages/models" in shown.stdout
     refused = subprocess.run([sys.executable, "-m", "mega.core.cli.main", "train", "--mock-data"], env=env,
                              capture_output=True, text=True)
     assert refused.returncode == 2
     assert refused.stderr == ("mega train: error: no model family is installed ('gpt' was asked for): "
-                              "install mega-models (pip install -e packages/models, from the mega repository)\n")
+                              "install mega-models (pip install -c constraints.txt -e packages/models, from the mega repository)\n")

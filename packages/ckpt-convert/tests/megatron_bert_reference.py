@@ -13,7 +13,14 @@ import contextlib
 from pathlib import Path
 
 import torch
-from megatron_reference import _rank_state, _shims, _stop_writer_helper, padded_vocab, stage_state_dict
+from megatron_reference import (
+    _rank_state,
+    _shims,
+    _stop_writer_helper,
+    padded_vocab,
+    perturbed,
+    stage_state_dict,
+)
 
 VOCAB, LAYERS, SEQ = 200, 4, 32
 SHAPE = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128)
@@ -50,12 +57,7 @@ def bert_model(tp: int, layers: int = LAYERS, pre: bool = True, post: bool = Tru
     model = BertModel(config=config, num_tokentypes=2, transformer_layer_spec=bert_layer_local_spec,
                       vocab_size=padded_vocab(tp), max_sequence_length=SEQ, add_binary_head=True,
                       share_embeddings_and_output_weights=True, pre_process=pre, post_process=post)
-    generator = torch.Generator().manual_seed(seed + 1)  # the same on every rank: norms are replicated
-    with torch.no_grad():  # norms start at 1 and biases at 0: make every value count
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
-    return model
+    return perturbed(model, seed)
 
 
 def save_bert(torch_dist_dir: str, legacy_dir: str, pp: int = 2, iteration: int = 7) -> None:

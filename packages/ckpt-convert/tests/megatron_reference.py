@@ -134,12 +134,25 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
                      vocab_size=padded_vocab(tp), max_sequence_length=SEQ, pre_process=pre, post_process=post,
                      position_embedding_type=m["position_embedding_type"],
                      share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"], vp_stage=vp_stage)
-    generator = torch.Generator().manual_seed(seed + 1)  # the same on every rank: norms are replicated
-    with torch.no_grad():  # norms start at 1 and biases at 0: make every value count
+    return perturbed(model, seed)
+
+
+def perturbed(model, seed: int):
+    """``model`` with its 1-D parameters moved off their starting values (norms start at 1 and
+    biases at 0: make every value count), the same on every rank, as norms are replicated."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 1:
                 param.add_(torch.randn(param.shape, generator=generator) * 0.1)
     return model
+
+
+def made_by_megatron_core(world, root: Path, save, load):
+    """(root, truth): the tp 2 checkpoints ``save`` wrote under ``root`` (torch_dist in tp2/, legacy
+    in legacy/), and megatron-core's tp 1 view of the model, as ``load`` gives it."""
+    world.run(save, str(root / "tp2" / "iter_0000007"), str(root / "legacy"))
+    return root, world.run(load, 1, str(root / "tp2" / "iter_0000007"))[0]
 
 
 def save_torch_dist(family: str, tp: int, directory: str, iteration: int = 7) -> None:
@@ -147,20 +160,37 @@ def save_torch_dist(family: str, tp: int, directory: str, iteration: int = 7) ->
     _save_torch_dist(family, tp, directory, iteration)
 
 
-def _save_torch_dist(family: str, tp: int, directory: str, iteration: int, seed: int = 0):
+def _save_torch_dist(family: str, tp: int, directory: str, iteration: int, seed: int = 0, extra=None):
     from megatron.core import dist_checkpointing
 
     model = _model(family, tp, seed=seed)
     Path(directory).mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
     state = {"args": megatron_args(family, tp, 1, iteration, "torch_dist"), "checkpoint_version": 3.0,
-             "iteration": iteration, "model": model.sharded_state_dict()}
+             "iteration": iteration, "model": {**model.sharded_state_dict(), **(extra() if extra else {})}}
     dist_checkpointing.save(state, directory)
     _stop_writer_helper()
     if torch.distributed.get_rank() == 0:
         Path(directory).parent.joinpath("latest_checkpointed_iteration.txt").write_text(str(iteration))
     torch.distributed.barrier()
     return model
+
+
+def save_torch_dist_with_extra_output_layer(family: str, tp: int, directory: str, iteration: int = 7) -> None:
+    """A torch_dist checkpoint as megatron-core saves it, plus an output layer (random, split over
+    tp as megatron-core splits one) that the model of its args does not have: tied embeddings."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    def extra() -> dict:
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        local = torch.randn(padded_vocab(tp) // tp, MODELS[family]["hidden_size"],
+                            generator=torch.Generator().manual_seed(3 + rank))
+        replica = parallel_state.get_data_parallel_rank()  # ranks of one tp rank hold copies
+        return {"output_layer.weight": ShardedTensor.from_rank_offsets("output_layer.weight", local, (0, rank, tp),
+                                                                       replica_id=replica)}
+
+    _save_torch_dist(family, tp, directory, iteration, extra=extra)
 
 
 def save_both(family: str, torch_dist_dir: str, legacy_dir: str, pp: int = 2, iteration: int = 7) -> None:
@@ -588,26 +618,34 @@ def save_with_distributed_optimizer(family: str, directory: str, bucket_size: in
         Path(directory).parent.joinpath("latest_checkpointed_iteration.txt").write_text(str(iteration))
     torch.distributed.barrier()
     if legacy_dir is not None:
-        from megatron.core import parallel_state
-
-        tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-        ep_rank = parallel_state.get_expert_model_parallel_rank()
-        rank_dir = Path(legacy_dir) / f"iter_{iteration:07d}" / (
-            f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else ""))
-        rank_dir.mkdir(parents=True, exist_ok=True)
-        args.ckpt_format = "torch"
-        optimizer.save_parameter_state(str(rank_dir / "distrib_optim.pt"))  # gathers over data-parallel ranks
-        writer = parallel_state.get_expert_data_parallel_rank() if ep > 1 else parallel_state.get_data_parallel_rank()
-        if writer == 0:
-            rank_state = _rank_state(args, iteration, None)
-            del rank_state["model"]  # an interleaved pipeline's file holds model0, model1...
-            rank_state.update({"model": ddps[0].module.state_dict()} if vpp == 1 else
-                              {f"model{chunk}": ddp.module.state_dict() for chunk, ddp in enumerate(ddps)})
-            rank_state["optimizer"] = optimizer.state_dict()
-            torch.save(rank_state, rank_dir / "model_optim_rng.pt")
-            (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-        torch.distributed.barrier()
+        _save_distributed_legacy(legacy_dir, args, iteration, ddps, optimizer, pp, ep, vpp)
     return _held_by_name(ddps, optimizer)
+
+
+def _save_distributed_legacy(legacy_dir: str, args, iteration: int, ddps, optimizer, pp: int, ep: int,
+                             vpp: int) -> None:
+    """The legacy files (--ckpt-format torch) of a distributed-optimizer run: the model and
+    ``optimizer.state_dict()`` in ``model_optim_rng.pt``, the buffers gathered by
+    ``save_parameter_state`` into ``distrib_optim.pt``."""
+    from megatron.core import parallel_state
+
+    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    rank_dir = Path(legacy_dir) / f"iter_{iteration:07d}" / (
+        f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else ""))
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    args.ckpt_format = "torch"
+    optimizer.save_parameter_state(str(rank_dir / "distrib_optim.pt"))  # gathers over data-parallel ranks
+    writer = parallel_state.get_expert_data_parallel_rank() if ep > 1 else parallel_state.get_data_parallel_rank()
+    if writer == 0:
+        rank_state = _rank_state(args, iteration, None)
+        del rank_state["model"]  # an interleaved pipeline's file holds model0, model1...
+        rank_state.update({"model": ddps[0].module.state_dict()} if vpp == 1 else
+                          {f"model{chunk}": ddp.module.state_dict() for chunk, ddp in enumerate(ddps)})
+        rank_state["optimizer"] = optimizer.state_dict()
+        torch.save(rank_state, rank_dir / "model_optim_rng.pt")
+        (Path(legacy_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    torch.distributed.barrier()
 
 
 def _distributed_optimizer(family: str, bucket_size: int | None, seed: int, tp: int = 1, pp: int = 1, ep: int = 1,

@@ -18,7 +18,7 @@ import contextlib
 from pathlib import Path
 
 import torch
-from megatron_reference import _rank_state, _shims, _stop_writer_helper, padded_vocab
+from megatron_reference import _rank_state, _shims, _stop_writer_helper, padded_vocab, perturbed
 
 VOCAB = 200
 SHAPE = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, kv_channels=16)
@@ -76,12 +76,7 @@ def t5_model(tp: int, seed: int = 0, architecture: str = "relative"):
                     vocab_size=padded_vocab(tp), max_sequence_length=ENCODER_SEQ,
                     position_embedding_type=chosen["position_embedding_type"],
                     share_embeddings_and_output_weights=True)
-    generator = torch.Generator().manual_seed(seed + 1)  # the same on every rank: norms are replicated
-    with torch.no_grad():  # norms start at 1 and biases at 0: make every value count
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
-    return model
+    return perturbed(model, seed)
 
 
 def save_t5(torch_dist_dir: str, legacy_dir: str, iteration: int = 7, architecture: str = "relative") -> None:

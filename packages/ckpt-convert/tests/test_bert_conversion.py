@@ -4,12 +4,13 @@
 
 * MiniLM read into mega at tp1 and tp2 gives ``AutoModel``'s last hidden states (fp32, 1e-5) on a
   padded batch of mixed lengths; the heads a bare BertModel lacks are initialised and said so;
-* HF -> mega (tp2 x pp2) -> HF keeps every tensor bit for bit, for each architecture; written back,
-  transformers loads the output and computes what the original computes.
+* HF -> mega (tp2 x pp2) -> HF gives back each architecture as itself: its class, tensor names
+  and buffers, every tensor bit for bit, without heads mega initialised (unless asked for).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from importlib import resources
@@ -104,7 +105,10 @@ def tiny_bert_dir(architecture: str, directory: Path) -> Path:
 
 
 @pytest.mark.parametrize("architecture", [*ARCHITECTURES, "MiniLM"])
-def test_hf_through_mega_tp2_pp2_round_trips_bit_for_bit(architecture, tmp_path):
+def test_hf_through_mega_tp2_pp2_round_trips_as_itself(architecture, tmp_path):
+    """Each directory comes back as it came (issue 37): the same architectures, tensor names (a bare
+    BertModel's without ``bert.``, MiniLM's ``embeddings.position_ids`` buffer) and tensors bit for
+    bit; the heads mega initialised for a bare BertModel are not written."""
     source = minilm_dir() if architecture == "MiniLM" else tiny_bert_dir(architecture, tmp_path / "source")
     tp2pp2, back = tmp_path / "tp2pp2", tmp_path / "hf"
     warnings = convert(source, tp2pp2, to_format="mega",
@@ -118,20 +122,34 @@ def test_hf_through_mega_tp2_pp2_round_trips_bit_for_bit(architecture, tmp_path)
             convert(tp2pp2, tmp_path / "megatron", to_format="megatron")
         assert not (tmp_path / "megatron").exists()
     original, written = safetensors_of(source), safetensors_of(back)
-    original = {name if name.startswith(("bert.", "cls.")) else f"bert.{name}": tensor
-                for name, tensor in original.items()
-                if not name.endswith(("position_ids", "decoder.weight", "decoder.bias"))}
+    assert set(written) == set(original)
+    if architecture == "MiniLM":
+        assert "embeddings.position_ids" in written and "embeddings.word_embeddings.weight" in written
     for name, tensor in original.items():
         assert written[name].dtype == tensor.dtype and torch.equal(written[name], tensor), name
-    # What a bare BertModel lacks is written too (initialised); a BertForMaskedLM stays one.
-    assert set(written) >= set(original)
-    if architecture == "BertForMaskedLM":
-        assert set(written) == set(original)
-    loaded = transformers.AutoModelForPreTraining.from_pretrained(back, dtype=torch.float32).eval()
+    config = json.loads((back / "config.json").read_text())
+    assert config["architectures"] == json.loads((source / "config.json").read_text())["architectures"]
+    cls = getattr(transformers, config["architectures"][0])
+    loaded = cls.from_pretrained(back, dtype=torch.float32).eval()
+    reference = cls.from_pretrained(source, dtype=torch.float32).eval()
     ids = torch.randint(1, 200, (2, 10), generator=torch.Generator().manual_seed(0))
-    if architecture in ("BertForPreTraining", "BertForMaskedLM"):
-        reference = getattr(transformers, architecture).from_pretrained(source, dtype=torch.float32).eval()
-        with torch.no_grad():
-            got, want = loaded(ids), reference(ids)
-        key = "prediction_logits" if architecture == "BertForPreTraining" else "logits"
-        assert torch.equal(got["prediction_logits"], want[key])
+    with torch.no_grad():
+        got, want = loaded(ids), reference(ids)
+    key = {"BertForPreTraining": "prediction_logits", "BertForMaskedLM": "logits"}.get(architecture, "last_hidden_state")
+    assert torch.equal(got[key], want[key])
+
+
+def test_initialised_heads_are_written_when_asked(tmp_path):
+    """``--with-initialised-heads``: a bare BertModel goes out as the full BertForPreTraining, its
+    heads as mega initialised them, its own tensors under ``bert.``."""
+    from mega.ckpt_convert.cli import main as convert_main
+
+    source = tiny_bert_dir("BertModel", tmp_path / "source")
+    convert(source, tmp_path / "mega", to_format="mega")
+    assert convert_main(["--to", "hf", "--input", str(tmp_path / "mega"), "--output", str(tmp_path / "hf"),
+                         "--with-initialised-heads", "--progress", "never"]) == 0
+    written = safetensors_of(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["BertForPreTraining"]
+    assert {"cls.predictions.bias", "cls.seq_relationship.weight"} <= set(written)
+    for name, tensor in safetensors_of(source).items():
+        assert torch.equal(written[f"bert.{name}"], tensor), name

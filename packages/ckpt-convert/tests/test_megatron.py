@@ -7,6 +7,7 @@ equal tensors. One world serves the whole module; the models are tiny.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -52,6 +53,14 @@ def assert_same_model(mega_dir: Path, truth: dict[str, torch.Tensor], rows: int 
                            truth[name][:rows] if vocab else truth[name]), name
 
 
+def assert_imports_as(source: Path, truth: dict[str, torch.Tensor], layout: tuple[int, int], tmp_path: Path) -> None:
+    """The Megatron-LM checkpoint ``source`` imported at ``layout`` (tp, pp) is ``truth``."""
+    output = tmp_path / "mega"
+    convert(source, output, from_format="megatron", to_format="mega",
+            options=WriteOptions(tensor_parallel_size=layout[0], pipeline_parallel_size=layout[1]))
+    assert_same_model(output, truth)
+
+
 @pytest.mark.parametrize(("checkpoint", "truth_of", "layout"), [
     ("llama-tp1", "llama-tp1", (2, 2)),  # a tp1 torch_dist checkpoint laid out for tp2 x pp2
     ("llama-tp2", "llama", (1, 1)),      # tp2 (saved by two ranks) to one process
@@ -61,10 +70,7 @@ def assert_same_model(mega_dir: Path, truth: dict[str, torch.Tensor], rows: int 
 ])
 def test_import_gives_megatron_cores_tensors(checkpoint, truth_of, layout, made, tmp_path):
     root, truth = made
-    output = tmp_path / "mega"
-    convert(root / checkpoint, output, from_format="megatron", to_format="mega",
-            options=WriteOptions(tensor_parallel_size=layout[0], pipeline_parallel_size=layout[1]))
-    assert_same_model(output, truth[truth_of])
+    assert_imports_as(root / checkpoint, truth[truth_of], layout, tmp_path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -116,11 +122,17 @@ def test_checkpoint_info_and_hugging_face(made, tmp_path, capsys):
     """`mega checkpoint info` describes a Megatron-LM directory; megatron -> hf -> megatron keeps
     every tensor (the Hugging Face side is checked by the hf tests)."""
     from mega.core.checkpoint.info_command import main as info_main
+    from mega.core.checkpoint.verify_command import main as verify_main
 
     root, truth = made
     assert info_main([str(root / "llama-legacy")]) == 0
     out = capsys.readouterr().out
     assert "Megatron-LM legacy" in out and "iteration:        7" in out and "tp=2, pp=2" in out
+    assert info_main([str(root / "llama-legacy"), "--json"]) == 0  # the same lines, as JSON
+    described = json.loads(capsys.readouterr().out)
+    assert described["format"] == "megatron" and "\n".join(described["description"]) + "\n" == out
+    assert verify_main([str(root / "llama-legacy")]) == 1  # says what it is, not only what it is not
+    assert "holds a megatron checkpoint, not a mega one" in capsys.readouterr().err
     assert convert_main(["--from", "megatron", "--to", "hf", "--input", str(root / "llama-tp2"),
                          "--output", str(tmp_path / "hf"), "--progress", "never"]) == 0
     assert convert_main(["--to", "megatron", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "back"),
@@ -245,40 +257,8 @@ def test_interleaved_pipeline_legacy_files_import(family, made, world, tmp_path)
 
 # -- optimizer state: megatron-core's own optimizer (get_megatron_optimizer) ----------------------
 
-def test_optimizer_state_moves_between_megatron_and_mega(made, world, tmp_path, capsys):
-    """Adam state megatron-core's optimizer saved at tp 2 (torch_dist, iteration 9, two steps) imports
-    into mega bit for bit under mega's names, mega train resumes from it (optimizer and iteration),
-    and its export loads into megatron-core's optimizer, regular or distributed, with the same state."""
-    from mega.ckpt_convert import ConversionError
+def _distributed_optimizer_export_loads(world, imported: Path, names: list[str], truth: dict, tmp_path: Path) -> None:
     from mega.ckpt_convert.mega_format import MegaSource
-    from mega.core.checkpoint import read_metadata
-    from mega.core.training.command import main as train_main
-
-    source = tmp_path / "megatron"
-    world.run(ref.save_with_optimizer, "llama", 2, str(source / "iter_0000009"))
-    truth = world.run(ref.load_optimizer, "llama", 1, str(source / "iter_0000009"))[0]
-    imported = tmp_path / "mega"
-    assert convert_main(["--from", "megatron", "--to", "mega", "--with-optimizer", "--input", str(source),
-                         "--output", str(imported), "--target-tensor-parallel-size", "2"]) == 0
-    metadata = read_metadata(imported / "iter_0000009")
-    assert (metadata.iteration, metadata.consumed_samples) == (9, 36)
-    assert metadata.optimizer == {"state_keys": ["exp_avg", "exp_avg_sq"], "scalars": {"step": 2.0},
-                                  "main_params": False}
-    with MegaSource(imported, None) as mega:
-        names = mega.names()
-        assert set(names) == set(truth) - {"iteration"}
-        for name in names:
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(mega.get_optimizer(name, key), truth[name][key]), (name, key)
-
-    exported = tmp_path / "back"
-    assert convert_main(["--from", "mega", "--to", "megatron", "--with-optimizer", "--input", str(imported),
-                         "--output", str(exported), "--target-tensor-parallel-size", "2"]) == 0
-    again = world.run(ref.load_optimizer, "llama", 1, str(exported / "iter_0000009"))[0]
-    assert again["iteration"] == 9
-    for name in names:
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(again[name][key], truth[name][key]), (name, key)
 
     # For a --use-distributed-optimizer run: megatron-core's DistributedOptimizer (dp 2, each rank a
     # flat range of every parameter) loads the export with the same moments and step, and the export
@@ -302,6 +282,12 @@ def test_optimizer_state_moves_between_megatron_and_mega(made, world, tmp_path, 
         assert mega.optimizer_state().step == 2 and mega.optimizer_state().keys == ("exp_avg", "exp_avg_sq")
         for name in names:
             assert torch.equal(mega.get_optimizer(name, "exp_avg_sq"), truth[name]["exp_avg_sq"]), name
+
+
+def _resumed_state_exports(world, imported: Path, names: list[str], tmp_path: Path, capsys) -> None:
+    """mega train resumes the imported state; its state after a step exports to megatron-core."""
+    from mega.ckpt_convert.mega_format import MegaSource
+    from mega.core.training.command import main as train_main
 
     capsys.readouterr()
     m = ref.MODELS["llama"]
@@ -344,6 +330,44 @@ def test_optimizer_state_moves_between_megatron_and_mega(made, world, tmp_path, 
             assert loaded[name]["step"] == 3, name
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(loaded[name][key], mega.get_optimizer(name, key)), (name, key)
+
+
+def test_optimizer_state_moves_between_megatron_and_mega(made, world, tmp_path, capsys):
+    """Adam state megatron-core's optimizer saved at tp 2 (torch_dist, iteration 9, two steps) imports
+    into mega bit for bit under mega's names, mega train resumes from it (optimizer and iteration),
+    and its export loads into megatron-core's optimizer, regular or distributed, with the same state."""
+    from mega.ckpt_convert import ConversionError
+    from mega.ckpt_convert.mega_format import MegaSource
+    from mega.core.checkpoint import read_metadata
+
+    source = tmp_path / "megatron"
+    world.run(ref.save_with_optimizer, "llama", 2, str(source / "iter_0000009"))
+    truth = world.run(ref.load_optimizer, "llama", 1, str(source / "iter_0000009"))[0]
+    imported = tmp_path / "mega"
+    assert convert_main(["--from", "megatron", "--to", "mega", "--with-optimizer", "--input", str(source),
+                         "--output", str(imported), "--target-tensor-parallel-size", "2"]) == 0
+    metadata = read_metadata(imported / "iter_0000009")
+    assert (metadata.iteration, metadata.consumed_samples) == (9, 36)
+    assert metadata.optimizer == {"state_keys": ["exp_avg", "exp_avg_sq"], "scalars": {"step": 2.0},
+                                  "main_params": False}
+    with MegaSource(imported, None) as mega:
+        names = mega.names()
+        assert set(names) == set(truth) - {"iteration"}
+        for name in names:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(mega.get_optimizer(name, key), truth[name][key]), (name, key)
+
+    exported = tmp_path / "back"
+    assert convert_main(["--from", "mega", "--to", "megatron", "--with-optimizer", "--input", str(imported),
+                         "--output", str(exported), "--target-tensor-parallel-size", "2"]) == 0
+    again = world.run(ref.load_optimizer, "llama", 1, str(exported / "iter_0000009"))[0]
+    assert again["iteration"] == 9
+    for name in names:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(again[name][key], truth[name][key]), (name, key)
+
+    _distributed_optimizer_export_loads(world, imported, names, truth, tmp_path)
+    _resumed_state_exports(world, imported, names, tmp_path, capsys)
 
     for bad, problem in ((made[0] / "llama-tp2", "holds no optimizer state"),
                          (made[0] / "llama-legacy", r"optimizer param group 0 \(wd_mult 1.0\) holds 2 parameters")):
@@ -458,8 +482,8 @@ def test_legacy_optimizer_state_moves_between_megatron_and_mega(bf16, world, tmp
     as megatron-core held them, and export back to files whose every rank's state megatron-core's
     optimizer loads as it was (the tied embedding's state on both ends of the pipeline)."""
     from mega.ckpt_convert.mega_format import MegaSource
-    from mega.ckpt_convert.megatron_layout import model_layouts
-    from mega.ckpt_convert.megatron_source import family_by_name
+    from mega.ckpt_convert.megatron.layout import model_layouts
+    from mega.ckpt_convert.source import family_by_name
 
     family = "gpt"  # tied embeddings over two stages, biases and norms in the no-decay group
     source, imported, exported = tmp_path / "legacy", tmp_path / "mega", tmp_path / "back"
@@ -591,9 +615,7 @@ def _assert_buffers_import(saved, imported, held: list[dict], layout: tuple[int,
     """``saved`` imports with every parameter's moments equal to the pieces the ranks' distributed
     optimizers ``held`` (rank -> name in its model chunk -> pieces) at ``layout`` (tp, pp, ep, vpp)."""
     from mega.ckpt_convert.mega_format import MegaSource
-    from mega.ckpt_convert.megatron_distopt import expert_shard_layout
-    from mega.ckpt_convert.megatron_layout import model_layouts
-    from mega.ckpt_convert.megatron_legacy import chunk_layers
+    from mega.ckpt_convert.megatron.layout import chunk_layers, expert_shard_layout, model_layouts
     from mega.core.checkpoint import read_metadata
     from mega.core.plugins import get_plugins
 
@@ -642,8 +664,8 @@ def test_legacy_optimizer_state_of_encoder_families_moves_both_ways(family, worl
     import megatron_encoder_optimizer_reference as encoder_ref
 
     from mega.ckpt_convert.mega_format import MegaSource
-    from mega.ckpt_convert.megatron_layout import model_layouts
-    from mega.ckpt_convert.megatron_source import family_by_name
+    from mega.ckpt_convert.megatron.layout import model_layouts
+    from mega.ckpt_convert.source import family_by_name
 
     source, imported, exported = tmp_path / "legacy", tmp_path / "mega", tmp_path / "back"
     truth = world.run(encoder_ref.save_legacy_with_optimizer, family, str(source))
@@ -666,6 +688,32 @@ def test_legacy_optimizer_state_of_encoder_families_moves_both_ways(family, worl
                 assert torch.equal(loaded[rank][name][key], state[key]), (rank, name, key)
 
 
+def _legacy_chained_optimizer_imports(world, tmp_path: Path, family: str) -> None:
+    """An expert-parallel run's legacy files (ep 2, megatron-core's chained optimizer) import as its
+    two ranks held them."""
+    from mega.ckpt_convert.mega_format import MegaSource
+
+    chained = tmp_path / "ep2"
+    held = world.run(ref.save_legacy_moe_ep2_with_optimizer, str(chained))
+    assert isinstance(torch.load(chained / "iter_0000009" / "mp_rank_00_001" / "model_optim_rng.pt",
+                                 weights_only=False)["optimizer"], list)
+    convert(chained, tmp_path / "ep2-mega", from_format="megatron", to_format="mega",
+            options=WriteOptions(with_optimizer=True))
+    local = ref.MODELS[family]["num_experts"] // 2
+    with MegaSource(tmp_path / "ep2-mega", None) as mega:
+        assert mega.optimizer_state().step == 2
+        for rank in range(2):
+            for name, state in held[rank].items():
+                prefix, _, expert_part = name.partition("mlp.experts.local_experts.")
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if expert_part:
+                        expert, _, part = expert_part.partition(".")
+                        ours = mega.get_optimizer(f"{prefix}mlp.experts.{part}", key)[rank * local + int(expert)]
+                    else:
+                        ours = mega.get_optimizer(name, key)
+                    assert torch.equal(ours, state[key]), (rank, name, key)
+
+
 def test_legacy_mixtral_optimizer_state_moves_both_ways(world, tmp_path):
     """A mixture of experts' legacy tp 2 x pp 2 files (one optimizer) import with the experts' state
     stacked as their weights are, and export to files whose every rank's state megatron-core's
@@ -673,9 +721,8 @@ def test_legacy_mixtral_optimizer_state_moves_both_ways(world, tmp_path):
     optimizer, a list of the dense parameters' state and the experts', each numbered on its own)
     import as its two ranks held them."""
     from mega.ckpt_convert.mega_format import MegaSource
-    from mega.ckpt_convert.megatron_layout import model_layouts
-    from mega.ckpt_convert.megatron_legacy import expert_layout
-    from mega.ckpt_convert.megatron_source import family_by_name
+    from mega.ckpt_convert.megatron.layout import expert_layout, model_layouts
+    from mega.ckpt_convert.source import family_by_name
 
     family = "mixtral"
     source, imported, exported = tmp_path / "legacy", tmp_path / "mega", tmp_path / "back"
@@ -709,22 +756,68 @@ def test_legacy_mixtral_optimizer_state_moves_both_ways(world, tmp_path):
                 for key in ("exp_avg", "exp_avg_sq", "step"):
                     assert torch.equal(loaded[rank][stage][name][key], state[key]), (rank, stage, name, key)
 
-    chained = tmp_path / "ep2"
-    held = world.run(ref.save_legacy_moe_ep2_with_optimizer, str(chained))
-    assert isinstance(torch.load(chained / "iter_0000009" / "mp_rank_00_001" / "model_optim_rng.pt",
-                                 weights_only=False)["optimizer"], list)
-    convert(chained, tmp_path / "ep2-mega", from_format="megatron", to_format="mega",
-            options=WriteOptions(with_optimizer=True))
-    local = ref.MODELS[family]["num_experts"] // 2
-    with MegaSource(tmp_path / "ep2-mega", None) as mega:
-        assert mega.optimizer_state().step == 2
-        for rank in range(2):
-            for name, state in held[rank].items():
-                prefix, _, expert_part = name.partition("mlp.experts.local_experts.")
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if expert_part:
-                        expert, _, part = expert_part.partition(".")
-                        ours = mega.get_optimizer(f"{prefix}mlp.experts.{part}", key)[rank * local + int(expert)]
-                    else:
-                        ours = mega.get_optimizer(name, key)
-                    assert torch.equal(ours, state[key]), (rank, name, key)
+    _legacy_chained_optimizer_imports(world, tmp_path, family)
+
+
+# -- tensors the conversion does not use (issue 37) ---------------------------------------------
+
+def _legacy_with_output_layer(root: Path, tmp_path: Path) -> Path:
+    """The legacy tp 2 x pp 2 files with an output layer in the first stage's files, which the
+    model of their args (tied embeddings) does not have."""
+    legacy = tmp_path / "legacy"
+    shutil.copytree(root / "gpt-legacy", legacy)
+    for path in legacy.glob("iter_0000007/mp_rank_*_000/model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        embedding = state["model"]["embedding.word_embeddings.weight"]
+        state["model"]["output_layer.weight"] = torch.randn_like(embedding)
+        torch.save(state, path)
+    return legacy
+
+
+def _to_mega(source: Path, output: Path, *flags: str) -> int:
+    return convert_main(["--from", "megatron", "--to", "mega", "--input", str(source), "--output", str(output),
+                         "--progress", "never", *flags])
+
+
+def _train_load_honours_allow_unused_tensors(torch_dist: Path, capsys) -> None:
+    """``mega train --load`` converts a Megatron-LM directory on the fly: the same refusal, and the
+    same flag to load it without the extra tensor."""
+    from mega.core.training.command import main as train_main
+
+    m = ref.MODELS["gpt"]
+    flags = ["--mock-data", "--model-family", "gpt", "--num-layers", str(m["num_layers"]), "--hidden-size", "64",
+             "--num-attention-heads", "4", "--ffn-hidden-size", str(m["ffn_hidden_size"]),
+             "--seq-length", str(ref.SEQ), "--max-position-embeddings", str(ref.SEQ), "--vocab-size", str(ref.VOCAB),
+             "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1",
+             "--eval-iters", "0", "--load", str(torch_dist)]
+    assert train_main(flags) != 0
+    assert "output_layer.weight" in capsys.readouterr().err
+    assert train_main([*flags, "--allow-unused-tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "loaded megatron torch_dist" in out and "warning" in out and "output_layer.weight" in out, out
+
+
+def test_extra_output_layer_is_refused_or_left_out_with_a_warning(made, world, tmp_path, capsys):
+    """A tensor the conversion does not use is an error naming it, or with --allow-unused-tensors a
+    warning (issue 37): megatron-core's tied GPT saved as torch_dist with an output layer besides,
+    and its legacy tp 2 x pp 2 files given one."""
+    root, truth = made
+    torch_dist = tmp_path / "torch_dist"
+    world.run(ref.save_torch_dist_with_extra_output_layer, "gpt", 2, str(torch_dist / "iter_0000007"))
+    for source in (torch_dist, _legacy_with_output_layer(root, tmp_path)):
+        refused = tmp_path / f"{source.name}-refused"
+        assert _to_mega(source, refused) == 1
+        err = capsys.readouterr().err
+        assert "output_layer.weight" in err and "--allow-unused-tensors" in err, err
+        assert not refused.exists()
+
+        allowed = tmp_path / f"{source.name}-allowed"
+        assert _to_mega(source, allowed, "--allow-unused-tensors") == 0
+        err = capsys.readouterr().err
+        assert "warning" in err and "output_layer.weight" in err and "left out" in err, err
+        names = list(tensor_shapes(allowed))
+        assert "output_layer.weight" not in names
+        tensors = read_tensors(allowed, names)
+        for name in names:  # the model itself converts as megatron-core holds it
+            assert torch.equal(tensors[name], truth["gpt"][name]), name
+    _train_load_honours_allow_unused_tensors(torch_dist, capsys)

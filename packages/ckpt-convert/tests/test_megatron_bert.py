@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 pytest.importorskip("megatron.core")
 
 import megatron_bert_reference as bert_ref  # noqa: E402
-from test_megatron import _refused, assert_same_model  # noqa: E402
+from megatron_reference import made_by_megatron_core  # noqa: E402
+from test_megatron import _refused, assert_imports_as  # noqa: E402
 
 from mega.ckpt_convert import ConversionError, WriteOptions, convert  # noqa: E402
 
@@ -28,18 +29,14 @@ from mega.ckpt_convert import ConversionError, WriteOptions, convert  # noqa: E4
 @pytest.fixture(scope="module")
 def made(world, tmp_path_factory):
     """The tp 2 BERT checkpoints megatron-core wrote, and its tp 1 view of the model (the truth)."""
-    root = tmp_path_factory.mktemp("megatron-bert")
-    world.run(bert_ref.save_bert, str(root / "tp2" / "iter_0000007"), str(root / "legacy"))
-    truth = world.run(bert_ref.load_bert_torch_dist, 1, str(root / "tp2" / "iter_0000007"))[0]
-    return root, truth
+    return made_by_megatron_core(world, tmp_path_factory.mktemp("megatron-bert"), bert_ref.save_bert,
+                                 bert_ref.load_bert_torch_dist)
 
 
 @pytest.mark.parametrize(("checkpoint", "layout"), [("tp2", (1, 1)), ("tp2", (2, 2)), ("legacy", (1, 1))])
 def test_bert_import_gives_megatron_cores_tensors(checkpoint, layout, made, tmp_path):
     root, truth = made
-    convert(root / checkpoint, tmp_path / "mega", from_format="megatron", to_format="mega",
-            options=WriteOptions(tensor_parallel_size=layout[0], pipeline_parallel_size=layout[1]))
-    assert_same_model(tmp_path / "mega", truth)
+    assert_imports_as(root / checkpoint, truth, layout, tmp_path)
 
 
 def test_bert_exports_load_in_megatron_core(made, world, tmp_path):

@@ -62,7 +62,7 @@ def test_a_command_that_fails_to_import_is_an_error_not_a_crash(capsys):
     plugins = plugins_with({"ghost": Command("never loads", "mega_no_such_module:main")})
     assert main(["ghost"], plugins) == 1
     err = capsys.readouterr().err
-    assert "command 'ghost' (from (local)" in err and "No module named 'mega_no_such_module'" in err
+    assert "command 'ghost': plugin local ((local)) failed to load: ModuleNotFoundError: No module named 'mega_no_such_module'" in err
     # ...and the help still works and still shows it.
     assert main(["--help"], plugins) == 0
 

@@ -16,12 +16,12 @@ def test_versions_compare_by_their_release_numbers():
 def test_package_problem_names_the_distribution_version_and_dependency(tmp_path, monkeypatch):
     assert package_problem("json", "json") == ""
     assert package_problem("no_such_kernels", "no-such-kernels", "1.2") == (
-        "no-such-kernels >= 1.2 is not installed (pip install 'no-such-kernels >= 1.2')")
+        "no-such-kernels >= 1.2 is not installed (pip install -c constraints.txt 'no-such-kernels >= 1.2')")
     (tmp_path / "old_kernels.py").write_text("__version__ = '1.1.9'\n")
     (tmp_path / "needy_kernels.py").write_text("import no_such_dependency\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert package_problem("old_kernels", "old-kernels", "1.2") == (
-        "old-kernels >= 1.2 is needed, old-kernels 1.1.9 is installed (pip install 'old-kernels >= 1.2')")
+        "old-kernels >= 1.2 is needed, old-kernels 1.1.9 is installed (pip install -c constraints.txt 'old-kernels >= 1.2')")
     assert package_problem("needy_kernels", "needy-kernels", install="pip install needy-kernels triton") == (
         "needy-kernels needs no_such_dependency, which is not installed (pip install needy-kernels triton)")
 

@@ -144,3 +144,16 @@ def test_a_stopped_rank_is_named_when_the_job_fails(start_job):
     error = launcher.stderr.read()
     assert f"mega: rank 1 (pid {ranks[1]}) is stopped (SIGSTOP or a debugger)" in error
     assert still_running(ranks, within_s=0) == []
+
+
+def test_a_signal_the_ranks_handle_is_passed_on_and_the_job_ends_as_they_do():
+    # --exit-signal-handler: the ranks save and exit 0 on SIGTERM; the launcher must not kill them.
+    rank = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.5), sys.exit(0))); "
+            "os.write(1, b'ready\\n'); time.sleep(120)")
+    script = ("import signal, sys; from mega.core import launch; launch.STOP_GRACE_S = 0.5; sys.exit(launch.launch_local("
+              f"2, [], program=(sys.executable, '-c', {rank!r}), handled_signal=signal.SIGTERM))")
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert [launcher.stdout.readline() for _ in range(2)] == ["ready\n", "ready\n"]
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=60) == 0  # the ranks took longer than the grace to finish, and were let
+    assert "mega: SIGTERM passed on to the ranks (--exit-signal-handler)" in launcher.stderr.read()

@@ -22,7 +22,7 @@ def describe_groups(tp, pp):
         value = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(value, group=group.group)
         sums[name] = (group.ranks, group.rank, value.item())
-    return sums, groups.is_pipeline_first, groups.is_pipeline_last, str(groups.device)
+    return sums, groups.pp.is_first, groups.is_pipeline_last, str(groups.device)
 
 
 def test_groups_on_eight_ranks(worlds):
@@ -43,7 +43,7 @@ def test_single_process_groups_need_no_distributed():
 
     groups = ParallelGroups(ParallelConfig())
     assert groups.world_size == 1 and groups.tp.size == 1 and groups.dp.group is None
-    assert groups.is_pipeline_first and groups.is_pipeline_last
+    assert groups.pp.is_first and groups.is_pipeline_last
 
 
 def raise_on_rank_one():

@@ -71,10 +71,26 @@ def test_duplicate_names_name_both_distributions(fake_entry_points):
         candidate("second", make_plugin(register_tokenizers=[("Same", object())]), "mega-b", "2.0"),
     )
     plugins = load_plugins(environ={})
-    second = next(info for info in plugins.infos if info.name == "second")
-    assert "mega-a 1.0" in second.error and "mega-b 2.0" in second.error
+    first, second = (next(info for info in plugins.infos if info.name == name) for name in ("first", "second"))
+    # The newcomer is marked, not the innocent first; neither failed to load.
+    assert not first.duplicates and first.error is None and second.error is None
+    assert "first by plugin 'first' (mega-a 1.0), then by plugin 'second' (mega-b 2.0)" in second.duplicates[0]
+    assert "MEGA_DISABLE_PLUGINS=second" in second.duplicates[0]
+    assert plugins.tokenizers.contested() == ["Same"] and plugins.contested() == [second]
     with pytest.raises(DuplicateNameError, match="registered twice.*mega-a 1.0.*mega-b 2.0"):
         plugins.tokenizers.get("Same")
+
+
+def test_the_newcomer_is_the_distribution_installed_last(fake_entry_points):
+    # Discovery sorts by install time, so a plugin named to sort first cannot take a name from an
+    # older distribution.
+    fake_entry_points(
+        _Candidate("b-old", "mega-old", "1", lambda: make_plugin(register_models=[("gpt", object())]), 1.0),
+        _Candidate("a-new", "mega-new", "1", lambda: make_plugin(register_models=[("gpt", object())]), 2.0),
+    )
+    plugins = load_plugins(environ={})
+    assert [info.name for info in plugins.contested()] == ["a-new"]
+    assert plugins.models.entries()[0].distribution == "mega-old"
 
 
 def test_unknown_name_suggests_close_names_and_lists_installed(fake_entry_points):
@@ -146,11 +162,55 @@ def test_a_target_that_fails_to_import_raises_a_plugin_error_naming_it():
         environ={"MEGA_LOAD_PLUGINS": ""},
         extra=[("x", make_plugin(register_models=[("ghost", "mega_no_such_module:family")]))],
     )
-    with pytest.raises(PluginError, match="model 'ghost' from \\(local\\) failed to load: ModuleNotFoundError"):
+    with pytest.raises(PluginError, match="model 'ghost': plugin x \\(\\(local\\)\\) failed to load: ModuleNotFoundError"):
         plugins.models.get("ghost")
+
+
+def test_an_unknown_name_names_the_plugins_that_failed_to_load(fake_entry_points, monkeypatch):
+    def broken():
+        raise ImportError("No module named 'missing_dependency'")
+
+    fake_entry_points(_Candidate("relu", "mega-relu", "0.0.1", broken))
+    plugins = load_plugins(environ={})
+    monkeypatch.delenv("MEGA_PLUGIN_TRACEBACKS", raising=False)
+    with pytest.raises(UnknownNameError) as raised:
+        plugins.models.get("gpt-relu")
+    assert str(raised.value).startswith("no model 'gpt-relu'; plugin relu (mega-relu) failed to load: "
+                                        "ImportError: No module named 'missing_dependency'")
+    monkeypatch.setenv("MEGA_PLUGIN_TRACEBACKS", "1")
+    with pytest.raises(UnknownNameError, match="(?s)Traceback.*in broken"):
+        plugins.models.get("gpt-relu")
 
 
 def test_command_registration_roundtrip():
     command = Command(help="say hi", main=lambda argv: 0)
     plugins = load_plugins(environ={}, extra=[("x", make_plugin(register_commands=[("hi", command)]))])
     assert plugins.commands.get("hi") is command
+
+
+def test_plugin_options_become_sections_and_a_taken_flag_fails_the_plugin_not_the_others():
+    import dataclasses
+
+    from mega.core.config import option
+    from mega.core.plugins.options import option_sections
+
+    @dataclasses.dataclass
+    class Good:
+        loss_csv_path: str | None = option(None, "where")
+
+    @dataclasses.dataclass
+    class Clashing:
+        lr: float = option(1.0, "a flag the core has")
+
+    def plugin(options):
+        @hookimpl
+        def register_callbacks(register):
+            register("cb", lambda run_config: None, options=options)
+        return types.SimpleNamespace(register_callbacks=register_callbacks)
+
+    plugins = load_plugins(environ={"MEGA_LOAD_PLUGINS": ""},
+                           extra=[("good", plugin(Good)), ("clash", plugin(Clashing))])
+    sections = option_sections(plugins, taken_flags={"--lr"}, taken_sections={"training"})
+    assert sections == {"good": (Good, "plugin good ((local))")}
+    clash = next(info for info in plugins.infos if info.name == "clash")
+    assert clash.error == "its options: --lr (Clashing.lr) is a flag mega train already has"

@@ -271,12 +271,17 @@ def test_progress_line_shows_rate_and_eta():
     assert "10 docs" in line and "2.5M tokens" in line and "tok/s" in line and "25.0%" in line and "ETA" in line
 
 
-def test_merge_command(tmp_path, jsonl_of, mixed_corpus, gpt2, gpt2_flags):
+def test_merge_command(tmp_path, jsonl_of, mixed_corpus, gpt2, gpt2_flags, capsys):
     rows = rows_from(mixed_corpus, 40)
     for i, part in enumerate((rows[:15], rows[15:])):
         source = jsonl_of(tmp_path / f"p{i}.jsonl", part)
-        assert mega(["preprocess", "--input", str(source), "--output-prefix", str(tmp_path / "parts" / f"p{i}"), "--workers", "1", *gpt2_flags]) == 0
-    assert mega(["merge-datasets", "--input", str(tmp_path / "parts"), "--output-prefix", str(tmp_path / "merged")]) == 0
+        assert mega(["preprocess", "--input", str(source), "--output-prefix", str(tmp_path / "parts" / f"p{i}"), "--workers", "1", *gpt2_flags, "--json"]) == 0
+        summary = json.loads(capsys.readouterr().out)  # --json: the summary alone, as JSON
+        assert summary["documents"] == len(part) and summary["outputs"] == {"text": str(tmp_path / "parts" / f"p{i}_text_document")}
+    assert mega(["merge-datasets", "--input", str(tmp_path / "parts"), "--output-prefix", str(tmp_path / "merged"), "--json"]) == 0
+    merged = json.loads(capsys.readouterr().out)
+    assert merged["inputs"] == [str(tmp_path / "parts" / f"p{i}_text_document") for i in (0, 1)]
+    assert merged["output"] == str(tmp_path / "merged") and merged["documents"] == len(rows)
     assert_same_files(str(tmp_path / "merged"), megatron_way(rows, gpt2, tmp_path / "e")["text"])
     assert mega(["merge-datasets", "--input", str(tmp_path / "nothing-here"), "--output-prefix", str(tmp_path / "m2")]) == 1
 

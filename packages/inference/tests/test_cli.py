@@ -66,11 +66,13 @@ def hf_continuation(hf_model, tokenizer, prompt: str) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:])
 
 
-@pytest.mark.parametrize("which", ["hugging-face", "mega", "static-kv-cache"])
+@pytest.mark.parametrize("which", ["hugging-face", "mega", "static-kv-cache", "temperature 0"])
 def test_generate_prints_hugging_face_greedy_text(checkpoints, which, capsys):
     hf_dir, mega_dir, hf_model, tokenizer = checkpoints
     path = mega_dir if which == "mega" else hf_dir
-    args = ["--load", str(path), "--max-tokens", str(NEW_TOKENS), "--greedy"]
+    # --temperature 0 is greedy, as for the server, OpenAI, vLLM and transformers.
+    decoding = ["--temperature", "0"] if which == "temperature 0" else ["--greedy"]
+    args = ["--load", str(path), "--max-tokens", str(NEW_TOKENS), *decoding]
     if which == "static-kv-cache":
         args.append("--static-kv-cache")
     assert generate_main(args + [arg for prompt in PROMPTS for arg in ("--prompt", prompt)]) == 0
@@ -107,6 +109,9 @@ def test_generate_errors_are_clear(checkpoints, capsys, tmp_path):
     hf_dir = checkpoints[0]
     assert generate_main(["--load", str(hf_dir), "--prompt", "Hi", "--max-tokens", "500"]) == 2
     assert "exceeds the model's 64 positions" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        generate_main(["--load", str(hf_dir), "--prompt", "Hi", "--temperature", "-0.5"])
+    assert stop.value.code == 2 and "--temperature must be >= 0 (0 is greedy), got -0.5" in capsys.readouterr().err
     # A model that cannot be loaded ends the command with one line naming the problem.
     broken_hf = tmp_path / "broken-hf"
     broken_hf.mkdir()

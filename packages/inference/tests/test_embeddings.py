@@ -126,6 +126,9 @@ def test_mega_embed_writes_the_embeddings_and_refuses_bad_lines(tmp_path, capsys
     with pytest.raises(SystemExit, match=r"inputs.jsonl:2 has 602 tokens, more than the model's 512 positions"):
         main(["--load", str(minilm_dir()), "--input", str(inputs), "--output", str(bad_output)])
     assert not bad_output.exists() and list(tmp_path.glob(".never*")) == []
+    with pytest.raises(SystemExit) as stop:  # a bad flag value: exit 2, as argparse's and every command's
+        main(["--load", str(minilm_dir()), "--input", str(inputs), "--batch-size", "0"])
+    assert stop.value.code == 2 and "mega embed: error: --batch-size must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_mega_serve_on_an_encoder_serves_embeddings(monkeypatch):

@@ -84,6 +84,7 @@ def test_lambada_accuracy_equals_transformers_greedy(model_dir, tmp_path, capsys
     data = tmp_path / "lambada.jsonl"
     data.write_text("".join(json.dumps({"text": p}) + "\n" for p in PASSAGES))
     args = ["--load", directory, "--task", "lambada", "--valid-data", data] + (["--strict-lambada"] if strict else [])
+    args += ["--json"] if strict else []  # JSON either way; --json accepted as by every report command
     result = run_eval(capsys, *args)
     correct = 0
     for passage in PASSAGES:
@@ -100,7 +101,7 @@ def test_lambada_accuracy_equals_transformers_greedy(model_dir, tmp_path, capsys
     assert result["examples"] == len(PASSAGES) and result["correct"] == correct and result["strict"] is strict
 
 
-def test_eval_refuses_bad_input(model_dir, tmp_path):
+def test_eval_refuses_bad_input(model_dir, tmp_path, capsys):
     directory = model_dir[0]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"txt": "no text field"}\n')
@@ -108,6 +109,10 @@ def test_eval_refuses_bad_input(model_dir, tmp_path):
         eval_main(["--load", str(directory), "--task", "lambada", "--valid-data", str(bad)])
     good = tmp_path / "wiki.txt"
     good.write_text(TEXT)
-    with pytest.raises(SystemExit, match="exceeds the model's"):
-        eval_main(["--load", str(directory), "--device", "cpu", "--task", "wikitext-ppl", "--valid-data", str(good),
-                   "--seq-length", str(POSITIONS + 1)])
+    # A flag's value the command or the model cannot take: exit 2, as `mega generate` and argparse.
+    assert eval_main(["--load", str(directory), "--device", "cpu", "--task", "wikitext-ppl", "--valid-data",
+                      str(good), "--seq-length", str(POSITIONS + 1)]) == 2
+    assert "--seq-length 65 exceeds the model's 64 positions" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        eval_main(["--load", str(directory), "--task", "wikitext-ppl", "--valid-data", str(good), "--seq-length", "0"])
+    assert stop.value.code == 2 and "mega eval: error: --seq-length must be positive, got 0" in capsys.readouterr().err

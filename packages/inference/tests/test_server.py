@@ -4,6 +4,7 @@ too), validation, 64 concurrent clients, a client leaving mid-stream; one server
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -24,7 +25,7 @@ from mega.core.plugins import get_plugins  # noqa: E402
 from mega.core.tokenizer import TokenizerOptions  # noqa: E402
 from mega.inference.batching import BatchingWorker  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
-from mega.inference.server import create_app  # noqa: E402
+from mega.inference.server import MAX_BODY_BYTES, create_app  # noqa: E402
 from mega.inference.service import InferenceService  # noqa: E402
 from mega.inference.stopping import StopRules  # noqa: E402
 
@@ -271,24 +272,57 @@ def test_a_client_leaving_mid_stream_does_not_hurt_the_others(served, monkeypatc
     assert finish_reasons[(2, 7, 1, 8)] == "cancelled"  # the engine stopped generating for it
 
 
-def test_api_key_guards_the_generation_routes(served):
+def test_api_key_guards_every_route_but_health(served):
+    """Without the key (or with a wrong one): 401 with OpenAI's error object on every route, the
+    metrics and the schema included; the health checks stay open; the official ``openai`` client
+    with ``api_key=`` gets through, and with a wrong key raises its AuthenticationError."""
+    import openai
+
     _, service = served
     app = create_app(service, api_key=API_KEY)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
 
     async def calls():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            refused = await client.put("/api", json={"prompts": ["5"], "tokens_to_generate": 2})
-            wrong = await client.post("/v1/completions", json={"prompt": "5"}, headers={"Authorization": "Bearer no"})
-            allowed = await client.put("/api", json={"prompts": ["5"], "tokens_to_generate": 2},
-                                       headers={"Authorization": f"Bearer {API_KEY}"})
-            health = await client.get("/v1/health")
-            return refused, wrong, allowed, health
+            refused = [await client.put("/api", json={"prompts": ["5"], "tokens_to_generate": 2}),
+                       await client.post("/v1/completions", json={"prompt": "5"}, headers={"Authorization": "Bearer no"}),
+                       await client.get("/metrics"), await client.get("/openapi.json"),
+                       await client.post("/v1/completions", content=b"x" * (MAX_BODY_BYTES + 1))]
+            allowed = [await client.put("/api", json={"prompts": ["5"], "tokens_to_generate": 2}, headers=auth),
+                       await client.get("/metrics", headers=auth), await client.get("/health"),
+                       await client.get("/v1/health")]
+            results = []
+            for key in (API_KEY, "wrong"):
+                openai_client = openai.AsyncOpenAI(api_key=key, base_url="http://test/v1", max_retries=0,
+                                                   http_client=httpx.AsyncClient(transport=transport))
+                try:
+                    results.append(await openai_client.completions.create(model="tiny-gpt2", prompt="5 17", max_tokens=3,
+                                                                          temperature=0))
+                except openai.AuthenticationError as error:
+                    results.append(error)
+            return refused, allowed, results
 
-    refused, wrong, allowed, health = asyncio.run(calls())
-    assert refused.status_code == 401 and "API key" in refused.json()
-    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
-    assert allowed.status_code == 200 and health.status_code == 200
+    refused, allowed, (completion, error) = asyncio.run(calls())
+    for response in refused:  # an oversized body without the key: 401 before anything is read
+        assert response.status_code == 401, response.request.url
+        assert response.json()["error"]["type"] == "authentication_error"
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert all(response.status_code == 200 for response in allowed)
+    assert completion.choices[0].text and isinstance(error, openai.AuthenticationError)
+
+
+def test_requests_past_the_timeout_get_408_and_leave_the_batch(served):
+    _, service = served
+    app = create_app(dataclasses.replace(service, request_timeout=0.001))
+
+    async def call():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/completions", json={"prompt": "5 17", "max_tokens": 40, "temperature": 0})
+
+    response = asyncio.run(call())
+    assert response.status_code == 408 and "--request-timeout" in response.json()["error"]["message"]
 
 
 def test_chat_without_a_template_is_a_clear_400(served):

@@ -53,12 +53,12 @@ def test_static_kv_cache_is_on_by_default_on_cuda_only(tmp_path):
     assert build_parser().parse_args(["--load", str(tmp_path), "--no-cuda-graphs"]).cuda_graphs is False
 
 
-def test_serve_runs_the_static_kv_cache_by_default_on_cuda_under_continuous_batching(tmp_path, capsys):
+def test_serve_runs_the_static_kv_cache_by_default_on_cuda_under_continuous_batching(tmp_path):
     import pytest
     import torch
 
     from mega.inference.engine import GenerationError
-    from mega.inference.serve_cli import build_parser, main, static_kv_cache
+    from mega.inference.serve_cli import build_parser, static_kv_cache
 
     def static(flags: list[str], device: str, lockstep: bool = False) -> bool:
         return static_kv_cache(build_parser().parse_args(["--load", str(tmp_path), *flags]), torch.device(device),
@@ -67,9 +67,8 @@ def test_serve_runs_the_static_kv_cache_by_default_on_cuda_under_continuous_batc
     assert static([], "cuda") and not static([], "cpu") and static(["--static-kv-cache"], "cpu")
     assert not static(["--max-num-tokens", "4096"], "cuda")  # a paged cache of that size, unless asked
     assert static(["--max-num-tokens", "4096", "--static-kv-cache"], "cuda")
-    assert not static([], "cuda", lockstep=True)  # tensor-parallel or T5: lock-step batches
-    with pytest.raises(GenerationError, match="--static-kv-cache runs with continuous batching"):
-        static(["--static-kv-cache"], "cpu", lockstep=True)
-    with pytest.raises(SystemExit):
-        main(["--load", str(tmp_path), "--static-kv-cache", "--batching", "lockstep"])
-    assert "--static-kv-cache runs with continuous batching, not --batching lockstep" in capsys.readouterr().err
+    assert not static([], "cuda", lockstep=True)  # lock-step batches (tensor-parallel serving): when asked
+    assert static(["--static-kv-cache"], "cpu", lockstep=True)
+    with pytest.raises(GenerationError, match="--static-kv-cache runs for decoder-only models"):
+        static_kv_cache(build_parser().parse_args(["--load", str(tmp_path), "--static-kv-cache"]),
+                        torch.device("cpu"), True, decoder_only=False)

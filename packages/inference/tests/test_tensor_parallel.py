@@ -1,5 +1,7 @@
 """Tensor-parallel generation (tp=2 on gloo): the leader hands batches to the follower, and the
-results equal one process's; a cancellation on the leader alone keeps the ranks in step."""
+results equal one process's, with the lock-step engine and on the static KV cache (its decode
+steps eager here; what CUDA graphs capture on a GPU); a cancellation on the leader alone keeps
+the ranks in step."""
 
 from __future__ import annotations
 
@@ -28,17 +30,19 @@ def requests():
     ]
 
 
-def generate(weights, family_name: str, tp: int):
+def generate(weights, family_name: str, tp: int, static: bool = False):
     """The leader's results (None on the follower) at tensor-parallel size ``tp``."""
     from mega.core.parallel import ParallelConfig, ParallelGroups
     from mega.inference.engine import GenerationEngine
+    from mega.inference.static_decode import StaticDecoder
     from mega.inference.tp_serving import follow, lead
 
     groups = ParallelGroups(ParallelConfig(tp=tp))
     model, config = mega_from_hf_weights(*weights, family_name, groups)
     engine = GenerationEngine(model, vocab_size=VOCAB, max_positions=POSITIONS, tp_group=groups.tp)
+    run = StaticDecoder(engine).generate if static else engine.generate
     if groups.tp.rank != 0:
-        follow(engine, groups.tp)
+        follow(engine, groups.tp, run)
         return None
     batch, counts = requests(), [0] * 4
 
@@ -48,13 +52,16 @@ def generate(weights, family_name: str, tp: int):
             batch[3].cancelled = True
 
     lead(batch, groups.tp)
-    results = engine.generate(batch, on_token=cancel_last)
+    results = run(batch, on_token=cancel_last)
     lead(None, groups.tp)
     return results
 
 
 def generate_all(weights: dict, tp: int):
-    return {kind: generate(weights[kind], family_name, tp) for kind, family_name in FAMILIES}
+    results = {kind: generate(weights[kind], family_name, tp) for kind, family_name in FAMILIES}
+    if tp > 1:  # tp2 on the static KV cache, LLaMA (grouped-query heads split over the ranks)
+        results["llama-static"] = generate(weights["llama"], "llama", tp, static=True)
+    return results
 
 
 def test_tensor_parallel_generation_equals_one_process(worlds):
@@ -63,7 +70,8 @@ def test_tensor_parallel_generation_equals_one_process(worlds):
     expected = generate_all(weights, tp=1)
     leader, follower = worlds.run(2, generate_all, weights, 2)
     assert all(results is None for results in follower.values())
-    for kind, _ in FAMILIES:
+    expected["llama-static"] = expected["llama"]
+    for kind in [*(kind for kind, _ in FAMILIES), "llama-static"]:
         for got, want in zip(leader[kind], expected[kind], strict=True):
             assert got.tokens == want.tokens, kind
             assert got.finish_reason == want.finish_reason

@@ -1,6 +1,6 @@
 """The apex adapters against mega's torch backend and optimizer.
 
-Here (CI: no GPU, no apex) they run against the plain-torch stand-in of :mod:`mega_apex.standin`,
+Here (CI: no GPU, no apex) they run against the plain-torch stand-in of ``tests/apex_standin.py``,
 which checks the plumbing: the norms' parameters and arguments, when the fused softmax applies
 (and that everything else runs sdpa), GQA, and FusedAdam's mapping of Megatron's Adam flags.
 Where apex and a CUDA GPU are present the ``real`` cases run the same checks against apex at
@@ -10,15 +10,19 @@ bf16 tolerance; they are skipped here, with that reason.
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from mega_apex import standin
 from mega_apex.backend import ApexNorms, ApexSoftmax, FusedAdamFactory
 
 from mega.core.kernel_requirements import FixedGPU
 from mega.core.kernels import AttentionMask
 from mega.models import torch_kernels
+
+sys.path.insert(0, str(Path(__file__).parent))  # the stand-in is a test-support module beside this file
+import apex_standin as standin  # noqa: E402
 
 
 def _real_library_here() -> str:
@@ -110,7 +114,7 @@ def test_fused_adam_follows_megatrons_adam(monkeypatch):
 def test_is_available_names_what_is_missing(monkeypatch):
     if importlib.util.find_spec("apex") is None:
         usable, missing = ApexNorms().is_available()
-        assert not usable and missing.startswith("apex is not installed (pip install -v --no-build-isolation")
+        assert not usable and missing.startswith("apex is not installed (pip install -c constraints.txt -v --no-build-isolation")
         with pytest.raises(RuntimeError, match="--optimizer apex-adam needs apex is not installed"):
             FusedAdamFactory()([], None)
     standin.install(monkeypatch)

@@ -1,7 +1,7 @@
 """The flash-attn adapters against mega's torch backend.
 
 Here (CI: no GPU, no flash-attention) they run against the plain-torch stand-in of
-:mod:`mega_flash_attn.standin`, which checks the plumbing: layouts, GQA without repeated
+``tests/flash_attn_standin.py``, which checks the plumbing: layouts, GQA without repeated
 heads, causal alignment, padding and packed sequences, dropout's RNG, FA3's selection, the
 log-sum-exp and the private backward of block attention. Where flash-attention and a CUDA GPU
 are present the ``real`` cases run the same checks against the library at bf16 tolerance;
@@ -11,15 +11,19 @@ they are skipped here, with that reason.
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from mega_flash_attn import standin
 from mega_flash_attn.backend import FlashAttnBackend
 
 from mega.core.kernel_requirements import FixedGPU
 from mega.core.kernels import AttentionMask
 from mega.models.torch_kernels import BlockAttention, sdpa_attention
+
+sys.path.insert(0, str(Path(__file__).parent))  # the stand-in is a test-support module beside this file
+import flash_attn_standin as standin  # noqa: E402
 
 
 def _real_library_here() -> str:
@@ -157,7 +161,7 @@ def test_block_attention_equals_torch_reference(setup, case):
 def test_is_available_names_what_is_missing(monkeypatch):
     if importlib.util.find_spec("flash_attn") is None:
         usable, missing = FlashAttnBackend().is_available()
-        assert not usable and missing == "flash-attn >= 2.7 is not installed (pip install flash-attn --no-build-isolation)"
+        assert not usable and missing == "flash-attn >= 2.7 is not installed (pip install -c constraints.txt flash-attn --no-build-isolation)"
     fa2 = standin.install(monkeypatch)
     assert FlashAttnBackend(gpu=FixedGPU((8, 0))).is_available() == (True, "")
     usable, missing = FlashAttnBackend(gpu=FixedGPU((7, 5))).is_available()
@@ -167,7 +171,7 @@ def test_is_available_names_what_is_missing(monkeypatch):
             False, "a CUDA GPU of compute capability >= 8.0 (torch sees no CUDA device)")
     fa2.__version__ = "2.5.8"
     assert FlashAttnBackend(gpu=FixedGPU()).is_available() == (
-        False, "flash-attn >= 2.7 is needed, flash-attn 2.5.8 is installed (pip install flash-attn --no-build-isolation)")
+        False, "flash-attn >= 2.7 is needed, flash-attn 2.5.8 is installed (pip install -c constraints.txt flash-attn --no-build-isolation)")
 
 
 def test_mega_train_without_the_library_fails_in_one_line_naming_it(capsys):

@@ -1,7 +1,7 @@
 """The liger adapters against mega's torch backend, and training with ``--kernels liger``.
 
 Here (CI: no GPU, no Triton, no Liger) they run against the plain-torch stand-in of
-:mod:`mega_liger.standin`, which checks the plumbing: layouts (``[s, b, h, d]`` vs Liger's
+``tests/liger_standin.py``, which checks the plumbing: layouts (``[s, b, h, d]`` vs Liger's
 ``[b, h, s, d]``), the in-place RoPE not touching the caller's tensor, contiguous GLU halves,
 the padded vocabulary and the loss mask of the fused linear cross-entropy, its refusal under
 tensor parallelism, and checkpoints that the torch backend loads. Where Liger, Triton and a CUDA
@@ -12,14 +12,18 @@ they are skipped here, with that reason.
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from mega_liger import standin
 from mega_liger.backend import LigerBackend
 
 from mega.core.kernel_requirements import FixedGPU
 from mega.models import torch_kernels
+
+sys.path.insert(0, str(Path(__file__).parent))  # the stand-in is a test-support module beside this file
+import liger_standin as standin  # noqa: E402
 
 
 def _real_library_here() -> str:
@@ -54,8 +58,13 @@ def _grads(out, inputs):
 
 @pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
 def test_norms_equal_torch(setup, kind):
+    """The adapter of each Liger norm; the backend serves LayerNorm from torch (it measured faster)."""
+    from mega_liger.kernels import LigerNorm
+
     backend, device, dtype, tolerance = setup
-    liger, reference = backend.component("norm")(kind, 32, 1e-5), torch_kernels.norm(kind, 32, 1e-5)
+    served = type(backend.component("norm")(kind, 32, 1e-5))
+    assert served is (LigerNorm if kind == "RMSNorm" else torch.nn.LayerNorm)
+    liger, reference = LigerNorm(kind, 32, 1e-5), torch_kernels.norm(kind, 32, 1e-5)
     with torch.no_grad():
         for module in (liger, reference):
             module.weight.copy_(torch.linspace(0.5, 1.5, 32))
@@ -165,7 +174,7 @@ def test_fused_linear_cross_entropy_refusals(monkeypatch):
 def test_is_available_names_what_is_missing(monkeypatch):
     if importlib.util.find_spec("liger_kernel") is None:
         assert LigerBackend().is_available() == (False, "liger-kernel >= 0.5.3 is not installed "
-                                                        "(pip install 'liger-kernel >= 0.5.3')")
+                                                        "(pip install -c constraints.txt 'liger-kernel >= 0.5.3')")
     functional = standin.install(monkeypatch)
     assert LigerBackend(gpu=FixedGPU((7, 0))).is_available() == (True, "")
     if not torch.cuda.is_available():
@@ -173,7 +182,7 @@ def test_is_available_names_what_is_missing(monkeypatch):
             False, "a CUDA GPU of compute capability >= 7.0 (torch sees no CUDA device)")
     monkeypatch.setattr(importlib.import_module("liger_kernel"), "__version__", "0.5.2")
     assert LigerBackend(gpu=FixedGPU()).is_available() == (
-        False, "liger-kernel >= 0.5.3 is needed, liger-kernel 0.5.2 is installed (pip install 'liger-kernel >= 0.5.3')")
+        False, "liger-kernel >= 0.5.3 is needed, liger-kernel 0.5.2 is installed (pip install -c constraints.txt 'liger-kernel >= 0.5.3')")
     assert functional.calls == {}
 
 
@@ -218,7 +227,7 @@ def test_llama_trains_with_liger_and_its_checkpoint_loads_into_torch(liger_here,
 def test_gpt_trains_with_liger(liger_here):
     straight = _train(TINY + GPT + ["--train-iters", "1"])
     with_liger = _train(TINY + GPT + ["--kernels", "liger", "--train-iters", "1"])
-    assert set(liger_here.calls) == {"liger_layer_norm", "liger_fused_linear_cross_entropy"}
+    assert set(liger_here.calls) == {"liger_fused_linear_cross_entropy"}  # LayerNorm: torch's (faster)
     assert with_liger == pytest.approx(straight, rel=1e-5)
 
 
@@ -242,16 +251,41 @@ def test_mega_plugins_shows_each_kernel_backend_and_whether_it_is_usable(capsys)
     assert rows["torch"].endswith("  yes")
     assert "activation, linear_loss, norm, rotary" in rows["liger"]
     if importlib.util.find_spec("liger_kernel") is None:
-        assert rows["liger"].endswith("no: liger-kernel >= 0.5.3 is not installed (pip install 'liger-kernel >= 0.5.3')")
+        assert rows["liger"].endswith("no: liger-kernel >= 0.5.3 is not installed (pip install -c constraints.txt 'liger-kernel >= 0.5.3')")
 
 
-def test_the_fused_loss_across_pipeline_stages_equals_one_process():
+def test_the_fused_loss_across_pipeline_stages_equals_one_process(worlds):
     """pp2 with ``--kernels liger``: the last stage (holding its copy of the tied embedding) hands
-    the fused loss its hidden states and output weight; the losses are one torch process's."""
-    from mega.core.testing import DistributedWorld
-
+    the fused loss its hidden states and output weight; the losses are one torch process's.
+    CPU on every machine: the ranks and the one-process reference (a world of one) run on gloo."""
     argv = TINY + GPT + ["--train-iters", "2", "--num-layers", "4"]
-    straight = _train(argv)
-    with DistributedWorld(2, timeout_s=900) as world:
-        ranks = world.run(standin.train_on_this_rank, argv + ["--kernels", "liger", "--pipeline-model-parallel-size", "2"])
+    straight = worlds.run(1, standin.train_on_this_rank, argv)[0]
+    ranks = worlds.run(2, standin.train_on_this_rank, argv + ["--kernels", "liger", "--pipeline-model-parallel-size", "2"])
     assert ranks[0] == ranks[1] and ranks[0] == pytest.approx(straight, rel=1e-5)
+
+
+def test_a_compiled_stage_with_liger_components_traces(liger_here):
+    """CPU, stand-in. ``--compile`` over a LLaMA stage whose norms, RoPE and SwiGLU are Liger's,
+    and the fused loss compiled: the Liger calls stay out of the graph, the rest compiles
+    (aot_eager: dynamo and AOTAutograd trace as for inductor, without a C compiler), and the
+    numbers are eager's."""
+    from mega.core.build import build_stage
+    from mega.core.kernels import Kernels
+    from mega.core.training.command import parse_run
+    from mega.core.training.compile import compile_stage
+
+    run, family = parse_run(TINY + LLAMA + ["--kernels", "liger"])
+    kernels = Kernels(run.kernels.selection())
+    eager = build_stage(family, run.model, kernels=kernels)
+    compiled = compile_stage(family, build_stage(family, run.model, kernels=kernels), "aot_eager")
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = [module(tokens) for module in (eager, compiled)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-6)
+    logits[1].square().mean().backward()
+    assert {"liger_rms_norm", "liger_rope", "liger_swiglu"} <= set(liger_here.calls)
+
+    loss = kernels.get("linear_loss")
+    hidden, weight = _randn(8, 32, seed=1), _randn(128, 32, seed=2)
+    labels, mask = torch.randint(0, 100, (8,), generator=torch.Generator().manual_seed(3)), torch.ones(8)
+    traced = torch.compile(lambda h, w: loss(h, w, labels, mask, None, 100) * 2, backend="aot_eager")
+    torch.testing.assert_close(traced(hidden, weight), loss(hidden, weight, labels, mask, None, 100) * 2)

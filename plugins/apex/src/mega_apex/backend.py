@@ -11,7 +11,7 @@ from __future__ import annotations
 from mega.core.kernel_requirements import GPU, CudaGPU, first_problem, package_problem
 
 MINIMUM_CAPABILITY = (7, 0)
-BUILD = ("pip install -v --no-build-isolation --config-settings '--build-option=--cpp_ext' "
+BUILD = ("pip install -c constraints.txt -v --no-build-isolation --config-settings '--build-option=--cpp_ext' "
          "--config-settings '--build-option=--cuda_ext' git+https://github.com/NVIDIA/apex")
 
 

@@ -29,7 +29,7 @@ class FlashAttnBackend:
     def is_available(self) -> tuple[bool, str]:
         return first_problem(
             lambda: package_problem("flash_attn", "flash-attn", MINIMUM_VERSION,
-                                    "pip install flash-attn --no-build-isolation"),
+                                    "pip install -c constraints.txt flash-attn --no-build-isolation"),
             lambda: self.gpu.problem(MINIMUM_CAPABILITY),
         )
 

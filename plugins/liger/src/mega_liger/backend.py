@@ -27,14 +27,14 @@ class LigerBackend:
             lambda: package_problem("liger_kernel", "liger-kernel", MINIMUM_VERSION),
             # The functions mega calls; importing them imports triton.
             lambda: package_problem("liger_kernel.transformers.functional", "liger-kernel", None,
-                                    f"pip install 'liger-kernel >= {MINIMUM_VERSION}' triton"),
+                                    f"pip install -c constraints.txt 'liger-kernel >= {MINIMUM_VERSION}' triton"),
             lambda: self.gpu.problem(MINIMUM_CAPABILITY),
         )
 
     def component(self, kind: str):
         from mega_liger import kernels
 
-        return {"norm": kernels.LigerNorm, "rotary": kernels.rotary, "activation": kernels.activation,
+        return {"norm": kernels.norm, "rotary": kernels.rotary, "activation": kernels.activation,
                 "linear_loss": kernels.LinearCrossEntropy()}[kind]
 
 

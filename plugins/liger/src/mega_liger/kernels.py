@@ -10,6 +10,16 @@
   1e-3 of the exact one torch's ``geglu`` uses); the others are torch's.
 * ``linear_loss``: the fused linear cross-entropy: logits are made a chunk of tokens at a time
   and their gradients at once, so the ``[tokens, vocab]`` logits never exist whole.
+
+Chosen per kind by measurement (one H200, docs/benchmarks.md): GPT 1.3B with Liger's LayerNorm
+and fused loss ran at 0.81x torch's tokens/s, LLaMA with RMSNorm, RoPE, SwiGLU and the fused loss
+at 1.05x (and 11 GB less). The loser is the kind only GPT takes, Liger's LayerNorm (its weight
+gradients are reduced in a second pass over per-program partials), so ``norm`` serves RMSNorm
+from Liger and LayerNorm from torch (cuDNN/ATen's fused LayerNorm).
+
+Under ``--compile`` the calls into Liger stay out of the graph (``torch.compiler.disable``):
+dynamo cannot trace Liger's Triton launchers (it failed on ``liger_rope``), and each Liger
+kernel is already one fused kernel; the torch code around it is compiled.
 """
 
 from __future__ import annotations
@@ -31,6 +41,18 @@ def functional():
     return importlib.import_module("liger_kernel.transformers.functional")
 
 
+def out_of_graph(function):
+    """``function`` run eagerly when a compiled graph calls it (see the module docstring)."""
+    return torch.compiler.disable(function, recursive=True)
+
+
+def norm(kind: str, hidden_size: int, eps: float) -> nn.Module:
+    """Liger's RMSNorm; torch's LayerNorm, which measured faster (the module docstring)."""
+    if kind == "LayerNorm":
+        return torch_kernels.norm(kind, hidden_size, eps)
+    return LigerNorm(kind, hidden_size, eps)
+
+
 class LigerNorm(nn.Module):
     def __init__(self, kind: str, hidden_size: int, eps: float):
         super().__init__()
@@ -40,6 +62,7 @@ class LigerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.bias = nn.Parameter(torch.zeros(hidden_size)) if kind == "LayerNorm" else None
 
+    @out_of_graph
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "RMSNorm":
             # in_place=False: the backward must not overwrite the incoming gradient, which
@@ -48,6 +71,7 @@ class LigerNorm(nn.Module):
         return functional().liger_layer_norm(x, self.weight, self.bias, self.eps)
 
 
+@out_of_graph
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[seq, batch, heads, d]`` by ``cos``/``sin`` ``[seq, batch or 1, 1, d / 2]``."""
     # [b, s, h, d]: always our own copy (never a view of x), which Liger rotates in place.
@@ -59,6 +83,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def _glu(function_name: str):
+    @out_of_graph
     def glu(x: torch.Tensor) -> torch.Tensor:
         # Liger's kernels index both halves with one row stride: they must be contiguous.
         gate, up = (half.contiguous() for half in x.chunk(2, dim=-1))
@@ -85,6 +110,7 @@ class LinearCrossEntropy:
 
     vocab_parallel = False
 
+    @out_of_graph
     def __call__(self, hidden, weight, labels, loss_mask, tp_group=None, vocab_size=None):
         if tp_group is not None and tp_group.size > 1:
             raise KernelBackendError("liger's fused linear cross-entropy needs the whole vocabulary on one rank "

@@ -48,7 +48,7 @@ class Environment:
         wanted = ".".join(map(str, MIN_VERSION))
         problems = []
         if self.te_version is None:
-            problems.append(f"{PACKAGE} >= {wanted} is not installed (pip install {PACKAGE}[pytorch], "
+            problems.append(f"{PACKAGE} >= {wanted} is not installed (pip install -c constraints.txt {PACKAGE}[pytorch], "
                             "or an NGC PyTorch container)")
         elif _version_tuple(self.te_version) < MIN_VERSION:
             problems.append(f"{PACKAGE} {self.te_version} is installed, >= {wanted} is needed")

@@ -61,7 +61,7 @@ class FP8Autocast:
 def fp8_autocast_callback(run_config):
     """The per-run listener when the run asks for FP8 (None otherwise)."""
     precision = run_config.precision
-    if precision.fp8 is None:
+    if precision.fp8 is None or precision.fp8_recipe != "delayed":  # current scaling: another backend's
         return None
     from mega.core.plugins import get_plugins
 

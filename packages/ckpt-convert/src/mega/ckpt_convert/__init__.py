@@ -30,6 +30,6 @@ _HOMES = {
 def __getattr__(name: str):
     if name not in _HOMES:
         raise AttributeError(f"module 'mega.ckpt_convert' has no attribute {name!r}")
-    import importlib
+    import importlib  # start-up cost: importing the package costs nothing until a name is used
 
     return getattr(importlib.import_module(_HOMES[name]), name)

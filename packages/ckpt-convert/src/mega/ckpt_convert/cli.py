@@ -67,6 +67,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, metavar="DIR", help="a new (or empty) directory")
     parser.add_argument("--model-family", metavar="NAME",
                         help="the registered model family (gpt, llama...) when config.json cannot tell it")
+    _add_layout_flags(parser)
+    parser.add_argument("--with-initialised-heads", action="store_true",
+                        help="hf output: also write the heads mega initialised when it read a Hugging Face directory "
+                             "that lacked them (a bare BertModel's cls.*), as the full architecture "
+                             "(BertForPreTraining); by default a converted model goes back as the architecture, tensor "
+                             "names and buffers it came in with")
+    parser.add_argument("--allow-unused-tensors", action="store_true",
+                        help="convert a checkpoint holding tensors its model does not use (a Megatron-LM output layer "
+                             "beside args that tie it to the embedding, say), leaving them out with a warning that "
+                             "names them; without it they are an error")
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="cast floating-point weights (default: keep each tensor's dtype)")
+    parser.add_argument("--max-shard-size", type=byte_size, default="5GB", metavar="SIZE",
+                        help="hf output: largest safetensors file before sharding with an index (default 5GB)")
+    parser.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
+                        help="progress line on stderr (auto: only on a terminal)")
+    return parser
+
+
+def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the output's layout and of the optimizer state it carries."""
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1, metavar="TP",
                         help="mega and megatron outputs: tensor-parallel size the layout records and the "
                              "vocabulary is padded for (default 1); Megatron legacy files are split into this many "
@@ -89,13 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="megatron torch_dist output with --with-optimizer: the optimizer of the Megatron-LM run "
                              "that loads it: regular (default) or distributed (--use-distributed-optimizer: its state "
                              "written fully_reshardable, which any tp/pp/dp loads)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES),
-                        help="cast floating-point weights (default: keep each tensor's dtype)")
-    parser.add_argument("--max-shard-size", type=byte_size, default="5GB", metavar="SIZE",
-                        help="hf output: largest safetensors file before sharding with an index (default 5GB)")
-    parser.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
-                        help="progress line on stderr (auto: only on a terminal)")
-    return parser
 
 
 def main(argv: list[str]) -> int:
@@ -110,12 +124,15 @@ def main(argv: list[str]) -> int:
             parser.error(f"{flag} applies to mega and megatron outputs only (--to mega or --to megatron)")
     if args.with_optimizer and args.to_format not in LAYOUT_OUTPUTS:
         parser.error("--with-optimizer applies to mega and megatron outputs only (--to mega or --to megatron)")
+    if args.with_initialised_heads and args.to_format != "hf":
+        parser.error("--with-initialised-heads applies to hf outputs only (--to hf)")
     if args.megatron_format is not None and args.to_format != "megatron":
         parser.error("--megatron-format applies to megatron outputs only (--to megatron)")
     if args.megatron_optimizer is not None and (args.to_format != "megatron" or not args.with_optimizer
                                                 or args.megatron_format == "legacy"):
         parser.error("--megatron-optimizer applies to megatron torch_dist outputs with --with-optimizer")
 
+    # start-up cost: `mega convert --help` and argument errors answer without importing torch
     import torch
 
     from mega.ckpt_convert.conversion import convert
@@ -133,12 +150,14 @@ def main(argv: list[str]) -> int:
         megatron_format=args.megatron_format or "torch_dist",
         with_optimizer=args.with_optimizer,
         megatron_optimizer=args.megatron_optimizer or "regular",
+        with_initialised_heads=args.with_initialised_heads,
     )
     give_freed_tensors_back()
     start = time.perf_counter()
     try:
         warnings = convert(args.input, args.output, from_format=args.from_format, to_format=args.to_format,
                            model_family=args.model_family, options=options,
+                           allow_unused_tensors=args.allow_unused_tensors,
                            dtype=getattr(torch, DTYPES[args.dtype]) if args.dtype else None)
     except (ConversionError, CheckpointError, PluginError, OSError) as error:
         print(f"mega convert: error: {error}", file=sys.stderr)

@@ -19,9 +19,11 @@ from mega.ckpt_convert.source import CastSource
 
 def convert(input_path: str | os.PathLike, output_path: str | os.PathLike, *, to_format: str,
             from_format: str | None = None, model_family: str | None = None, dtype: torch.dtype | None = None,
-            options: WriteOptions = WriteOptions()) -> list[str]:
+            options: WriteOptions = WriteOptions(), allow_unused_tensors: bool = False) -> list[str]:
     """Convert the checkpoint at ``input_path`` into ``output_path`` (which must not exist, or be
-    an empty directory); returns warnings for the user (e.g. a tokenizer transformers lacks)."""
+    an empty directory); returns warnings for the user (e.g. a tokenizer transformers lacks).
+    A tensor of the input that the conversion does not use is an error naming it, or with
+    ``allow_unused_tensors`` a warning."""
     input_path, output_path = Path(input_path), Path(output_path)
     source_format = get_format(from_format) if from_format else detect_format(input_path)
     target_format = get_format(to_format)
@@ -33,7 +35,8 @@ def convert(input_path: str | os.PathLike, output_path: str | os.PathLike, *, to
         raise ConversionError("the output directory must differ from the input")
     staging = output_path.parent / f".{output_path.name}.partial-{os.getpid()}"
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    source = source_format.open(input_path, model_family)
+    # Formats of other distributions may predate allow_unused: it is passed only when asked for.
+    source = source_format.open(input_path, model_family, **({"allow_unused": True} if allow_unused_tensors else {}))
     try:
         if dtype is not None:
             source = CastSource(source, dtype)

@@ -5,7 +5,9 @@ from any source::
 
     name: str
     detect(path) -> bool                      does ``path`` look like this format?
-    open(path, model_family=None) -> ModelSource
+    open(path, model_family=None, allow_unused=False) -> ModelSource
+                                              allow_unused: tensors the model does not use
+                                              are a warning (in source.warnings), not an error
     write(source, directory, options) -> list[str]   warnings for the user
 
 ``write`` fills ``directory`` (created by the caller's conversion, which renames it into place
@@ -21,6 +23,7 @@ from typing import Protocol
 
 from mega.ckpt_convert.errors import ConversionError
 from mega.ckpt_convert.source import ModelSource
+from mega.core.plugins import PluginError, get_plugins
 
 # transformers' save_pretrained shards at 5 GB by default (4.x); larger files load as well.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -41,6 +44,9 @@ class WriteOptions:
     # megatron torch_dist with_optimizer: the optimizer of the Megatron-LM run that loads it, "regular" or
     # "distributed" (--use-distributed-optimizer)
     megatron_optimizer: str = "regular"
+    # hf: write the heads mega initialised when it read a directory that lacked them (a bare BertModel's
+    # cls.*), making the full architecture; by default the export gives back the architecture that came in
+    with_initialised_heads: bool = False
 
 
 class CheckpointFormat(Protocol):
@@ -48,14 +54,12 @@ class CheckpointFormat(Protocol):
 
     def detect(self, path: Path) -> bool: ...
 
-    def open(self, path: Path, model_family: str | None = None) -> ModelSource: ...
+    def open(self, path: Path, model_family: str | None = None, allow_unused: bool = False) -> ModelSource: ...
 
     def write(self, source: ModelSource, directory: Path, options: WriteOptions) -> list[str]: ...
 
 
 def get_format(name: str, plugins=None) -> CheckpointFormat:
-    from mega.core.plugins import PluginError, get_plugins
-
     try:
         return (plugins or get_plugins()).checkpoint_formats.get(name)
     except PluginError as error:
@@ -63,8 +67,6 @@ def get_format(name: str, plugins=None) -> CheckpointFormat:
 
 
 def detect_format(path: Path, plugins=None) -> CheckpointFormat:
-    from mega.core.plugins import get_plugins
-
     registry = (plugins or get_plugins()).checkpoint_formats
     if not path.exists():
         raise ConversionError(f"{path} does not exist")
@@ -72,8 +74,11 @@ def detect_format(path: Path, plugins=None) -> CheckpointFormat:
         checkpoint_format = get_format(name, plugins)
         if checkpoint_format.detect(path):
             return checkpoint_format
+    from mega.core.plugins.failures import failure_line
+
+    failed = "".join(f"; {failure_line(info)} (it may provide the format)" for info in (plugins or get_plugins()).failed())
     raise ConversionError(f"{path} is not a checkpoint of a known format ({', '.join(registry.names())}); "
-                          "name it with --from")
+                          f"name it with --from{failed}")
 
 
 def open_checkpoint(path: str | os.PathLike, model_family: str | None = None, plugins=None) -> ModelSource:

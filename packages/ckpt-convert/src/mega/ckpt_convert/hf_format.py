@@ -10,19 +10,12 @@ from mega.ckpt_convert.formats import WriteOptions
 from mega.ckpt_convert.hf_source import CONFIG_FILE, HFSource, find_family, read_config_json
 from mega.ckpt_convert.hf_writer import write_hf
 from mega.ckpt_convert.source import ModelSource
-
-
-def _plugins():
-    from mega.core.plugins import get_plugins
-
-    return get_plugins()
+from mega.core.plugins import PluginError, get_plugins
 
 
 def _family(name: str | None, config_json: dict, config_path: Path):
-    from mega.core.plugins import PluginError
-
     try:
-        return find_family(config_json, config_path, name, _plugins())
+        return find_family(config_json, config_path, name, get_plugins())
     except PluginError as error:
         raise ConversionError(str(error)) from None
 
@@ -33,15 +26,16 @@ class HFFormat:
     def detect(self, path: Path) -> bool:
         return (path / CONFIG_FILE).is_file()
 
-    def open(self, path: Path, model_family: str | None = None) -> HFSource:
+    def open(self, path: Path, model_family: str | None = None, allow_unused: bool = False) -> HFSource:
         config_json = read_config_json(path)
-        return HFSource(path, _family(model_family, config_json, path / CONFIG_FILE), config_json)
+        return HFSource(path, _family(model_family, config_json, path / CONFIG_FILE), config_json, allow_unused)
 
     def write(self, source: ModelSource, directory: Path, options: WriteOptions) -> list[str]:
-        family = _plugins().models.get(source.family)
+        family = get_plugins().models.get(source.family)
         if family.hf_mapping is None:
             raise ConversionError(f"model family {source.family!r} has no Hugging Face counterpart")
-        return write_hf(source, family.hf_mapping, directory, options.max_shard_bytes, options.progress)
+        return write_hf(source, family.hf_mapping, directory, options.max_shard_bytes, options.progress,
+                        options.with_initialised_heads)
 
 
 HF_FORMAT = HFFormat()

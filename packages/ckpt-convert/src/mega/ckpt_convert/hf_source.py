@@ -73,8 +73,8 @@ def find_family(config_json: dict, config_path: Path, model_family: str | None, 
 
 
 class HFSource(ClosingSource):
-    def __init__(self, directory: Path, family: ModelFamily, config_json: dict):
-        self.directory = directory
+    def __init__(self, directory: Path, family: ModelFamily, config_json: dict, allow_unused: bool = False):
+        self.directory, self.allow_unused = directory, allow_unused
         self.family = family.name
         mapping = family.hf_mapping
         try:
@@ -95,6 +95,13 @@ class HFSource(ClosingSource):
         except BaseException:
             self._weights.close()
             raise
+        # What came in, so that an export gives it back (mega_format keeps it in the checkpoint).
+        self.origin = {
+            "format": "hf", "architecture": (config_json.get("architectures") or [mapping.architecture])[0],
+            "base_model_only": any(name != stored for name, stored in self._stored.items()),
+            "initialised": sorted(name for tensor_map in self._absent for name in tensor_map.other),
+            "copies": sorted(self._copies), "buffers": self._buffers,
+        }
 
     def _stored_names(self, prefix: str) -> dict[str, str]:
         """Mapped name -> name in the files: a checkpoint of the base model alone (GPT-2 on the
@@ -112,11 +119,7 @@ class HFSource(ClosingSource):
         if missing:
             raise ConversionError(f"{self.directory} lacks {format_names(missing)}, which {config_path} implies "
                                   f"({self.config.num_layers} layers); the weights and the config disagree")
-        unexpected = {name for name in set(self._stored) - wanted
-                      if not any(re.fullmatch(pattern, name) for pattern in ignored)}
-        if unexpected:
-            raise ConversionError(f"{self.directory} holds {format_names(unexpected)}, which the model {config_path} "
-                                  "describes does not have; the weights and the config disagree")
+        self._extra_tensors(set(self._stored) - wanted, ignored)
         parameters = model_parameters(family, self.config)
         if set(self._by_name) != set(parameters):
             raise ConversionError(f"the {family.name} family's Hugging Face mapping does not cover its model: "
@@ -144,6 +147,41 @@ class HFSource(ClosingSource):
                 raise ConversionError(f"{self.directory}: {format_names(tensor_map.other)} are converted together "
                                       f"but have different dtypes ({', '.join(map(str, dtypes))})")
         return shapes
+
+    def _extra_tensors(self, names: set[str], ignored: tuple[str, ...]) -> None:
+        """The files' tensors no map takes: second copies of a tensor (each must equal it), buffers
+        transformers computes (kept when they are its values), ignored ones; any other is unused."""
+        mapping = self._family.hf_mapping
+        copies = mapping.copies(self.config) if mapping.copies else {}
+        buffers = mapping.buffers(self.config) if mapping.buffers else {}
+        self._copies: list[str] = []
+        self._buffers: dict[str, str] = {}  # name -> dtype of the buffers written back on export
+        unexpected = set()
+        for name in sorted(names):
+            stored = self._weights.read(self._stored[name]) if name in copies or name in buffers else None
+            if name in copies:
+                original = copies[name]
+                if original not in self._stored or not torch.equal(stored, self._weights.read(self._stored[original])):
+                    self._unused([name], f"a copy of {original} in the model the config describes, which it does "
+                                         "not equal (or which the files lack)")
+                    continue
+                self._copies.append(name)
+            elif name in buffers and stored.shape == buffers[name].shape and \
+                    torch.equal(stored.to(buffers[name].dtype), buffers[name]):
+                self._buffers[name] = str(stored.dtype).removeprefix("torch.")
+            elif not any(re.fullmatch(pattern, name) for pattern in ignored):
+                unexpected.add(name)
+        if unexpected:
+            self._unused(unexpected, f"which the model {self.directory / CONFIG_FILE} describes does not have")
+
+    def _unused(self, names, why: str) -> None:
+        """Tensors of the files the conversion would not use: an error naming them, or with
+        ``allow_unused`` (``--allow-unused-tensors``) a warning."""
+        message = f"{self.directory} holds {format_names(names)}, {why}"
+        if not self.allow_unused:
+            raise ConversionError(f"{message}; the weights and the config disagree (--allow-unused-tensors converts "
+                                  "without them)")
+        self.warnings.append(f"{message}: left out (--allow-unused-tensors)")
 
     def _absent_maps(self, optional: tuple[str, ...]) -> list[TensorMap]:
         """The maps none of whose tensors the directory holds, all of them optional (a head the

@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+from mega.core.plugins import get_plugins
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
 
 # Files that describe tokens beside the vocabulary itself; they travel with the model unchanged.
@@ -78,8 +79,6 @@ def write_hf_tokenizer(spec: TokenizerSpec | None, extras: dict[str, Path], dire
 def _special_tokens(spec: TokenizerSpec) -> dict[str, str]:
     """eos/bos/pad token strings of the tokenizer ``spec`` builds: a bare tokenizer.json names
     none, and clients (lm-evaluation-harness) need the end of text."""
-    from mega.core.plugins import get_plugins
-
     try:
         tokenizer = spec.build(get_plugins())
     except Exception:  # no tokenizer plugin here: the files are copied as they are

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from mega.ckpt_convert.errors import ConversionError
 from mega.ckpt_convert.hf_tokenizer import write_hf_tokenizer
 from mega.ckpt_convert.hf_weights import write_hf_weights
@@ -21,7 +23,10 @@ TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def write_hf(source: ModelSource, mapping: HFMapping, directory: Path, max_shard_bytes: int,
-             progress: bool | None) -> list[str]:
+             progress: bool | None, with_initialised_heads: bool = False) -> list[str]:
+    """``source`` as a Hugging Face directory. A source converted from one (its ``origin``) goes
+    back as it came: its architecture, its tensor names (a base model's without the prefix), its
+    copies and buffers, and without the heads mega initialised (unless ``with_initialised_heads``)."""
     config = source.config
     try:
         config_json = mapping.config_to_hf(config)
@@ -29,6 +34,10 @@ def write_hf(source: ModelSource, mapping: HFMapping, directory: Path, max_shard
         raise ConversionError(f"the {source.family} model cannot be written for transformers: {error}") from None
     maps = mapping.tensor_maps(config)
     tensors = _tensors_to_write(source, maps)
+    origin = getattr(source, "origin", None)
+    if origin and origin.get("format") == "hf" and not with_initialised_heads:
+        config_json["architectures"] = [origin["architecture"]]
+        tensors = _as_it_came(tensors, origin, mapping, config)
 
     def convert(tensor_map: TensorMap):
         inputs = (source.get(name)[: config.vocab_size] if tensor_map.vocab else source.get(name)
@@ -37,6 +46,7 @@ def write_hf(source: ModelSource, mapping: HFMapping, directory: Path, max_shard
 
     converted = LastConverted(convert)
     writes = [TensorToWrite(name, shape, dtype, lambda m=tensor_map, i=index: converted.output(m, i))
+              if tensor_map is not None else TensorToWrite(name, shape, dtype, lambda t=index: t)
               for name, shape, dtype, tensor_map, index in tensors]
     meter = Progress(sum(t.nbytes for t in writes), config.num_layers, progress)
     try:
@@ -82,6 +92,30 @@ def _tensors_to_write(source: ModelSource, maps: list[TensorMap]) -> list[tuple]
         tensors += [(name, shape, dtype, tensor_map, index)
                     for index, (name, shape) in enumerate(zip(tensor_map.other, out_shapes, strict=True))]
     return tensors
+
+
+def _as_it_came(tensors: list[tuple], origin: dict, mapping: HFMapping, config) -> list[tuple]:
+    """``tensors`` (as :func:`_tensors_to_write` lists them) as the source directory held them:
+    without the heads initialised on import, with its copies and buffers, and without the base
+    model's prefix where a base model (``BertModel``) came in. A buffer is (name, shape, dtype,
+    None, its tensor)."""
+    initialised = set(origin.get("initialised", ()))
+    kept = [entry for entry in tensors if entry[0] not in initialised]
+    by_name = {entry[0]: entry for entry in kept}
+    copies = mapping.copies(config) if mapping.copies else {}
+    for name in origin.get("copies", ()):
+        if copies.get(name) in by_name:
+            kept.append((name, *by_name[copies[name]][1:]))
+    buffers = mapping.buffers(config) if mapping.buffers else {}
+    for name, dtype in origin.get("buffers", {}).items():
+        if name in buffers:
+            tensor = buffers[name].to(getattr(torch, dtype)).contiguous()
+            kept.append((name, tuple(tensor.shape), tensor.dtype, None, tensor))
+    prefix = mapping.base_model_prefix
+    if origin.get("base_model_only") and origin.get("architecture") != mapping.architecture and \
+            all(entry[0].startswith(prefix) for entry in kept):
+        kept = [(entry[0].removeprefix(prefix), *entry[1:]) for entry in kept]
+    return kept
 
 
 def _token_ids(source: ModelSource) -> dict:

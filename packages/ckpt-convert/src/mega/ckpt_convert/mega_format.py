@@ -16,10 +16,17 @@ import torch
 from mega.ckpt_convert.errors import ConversionError
 from mega.ckpt_convert.formats import WriteOptions
 from mega.ckpt_convert.hf_tokenizer import EXTRA_FILES
+from mega.ckpt_convert.megatron.directory import find as find_megatron
 from mega.ckpt_convert.optimizer_state import MAIN_PARAM, MOMENTS, OptimizerState, optimizer_state_of
 from mega.ckpt_convert.progress import Progress
 from mega.ckpt_convert.safetensors_io import tensor_nbytes
-from mega.ckpt_convert.source import ClosingSource, ModelSource, format_names, model_parameters
+from mega.ckpt_convert.source import (
+    ModelSource,
+    TableSource,
+    family_by_name,
+    format_names,
+    model_parameters,
+)
 from mega.core.checkpoint import (
     TRACKER_FILE,
     CheckpointError,
@@ -32,23 +39,16 @@ from mega.core.checkpoint import (
     write_checkpoint,
 )
 from mega.core.checkpoint.metadata import METADATA_FILE
-from mega.core.checkpoint.pieces import Piece
 from mega.core.checkpoint.sharded_io import ShardedEntry, load_entries, read_index
 from mega.core.checkpoint.state import OPTIMIZER
 from mega.core.checkpoint.tokenizer_files import TOKENIZER_DIR
+from mega.core.parallel import ParallelConfig
+from mega.core.parallel.pieces import Piece
+from mega.core.pipeline.partition import PartitionError, split_layers
 from mega.core.version import __version__
 
 
-def _family(name: str):
-    from mega.core.plugins import PluginError, get_plugins
-
-    try:
-        return get_plugins().models.get(name)
-    except PluginError as error:
-        raise ConversionError(str(error)) from None
-
-
-class MegaSource(ClosingSource):
+class MegaSource(TableSource):
     """A mega checkpoint as a model source; each read opens and closes its files."""
 
     def __init__(self, path: Path, model_family: str | None):
@@ -56,7 +56,7 @@ class MegaSource(ClosingSource):
         if model_family is not None and model_family != metadata.model_family:
             raise ConversionError(f"{self.directory} holds a {metadata.model_family!r} model, not --model-family "
                                   f"{model_family!r}")
-        family = _family(metadata.model_family)
+        family = family_by_name(metadata.model_family)
         self.family = family.name
         try:
             self.config = family.config_class(**metadata.model_config)
@@ -68,6 +68,7 @@ class MegaSource(ClosingSource):
         self.tokenizer_extras = {name: tokenizer_dir / name for name in EXTRA_FILES if (tokenizer_dir / name).is_file()}
         self._tensors = tensor_shapes(self.directory)
         self._metadata = metadata
+        self.origin = metadata.source  # what the checkpoint was converted from, if it was
         tp = metadata.layout.get("tp", 1)
         check_tensors(f"{self.directory}", {name: shape for name, (shape, _) in self._tensors.items()},
                       model_parameters(family, self.config, tp), self.config.vocab_size)
@@ -75,11 +76,8 @@ class MegaSource(ClosingSource):
     def names(self) -> list[str]:
         return list(self._tensors)
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._tensors[name][0]
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self._tensors[name][1]
+    def _table(self) -> dict:
+        return self._tensors
 
     def get(self, name: str) -> torch.Tensor:
         return read_tensors(self.directory, [name])[name]
@@ -147,20 +145,15 @@ class MegaFormat:
     name = "mega"
 
     def detect(self, path: Path) -> bool:
-        from mega.ckpt_convert.megatron_directory import find
-
         # Megatron-LM save directories have the same tracker file.
-        return (path / METADATA_FILE).is_file() or ((path / TRACKER_FILE).is_file() and find(path) is None)
+        return (path / METADATA_FILE).is_file() or ((path / TRACKER_FILE).is_file() and find_megatron(path) is None)
 
-    def open(self, path: Path, model_family: str | None = None) -> MegaSource:
-        return MegaSource(path, model_family)
+    def open(self, path: Path, model_family: str | None = None, allow_unused: bool = False) -> MegaSource:
+        return MegaSource(path, model_family)  # a mega checkpoint holds exactly its model's tensors (checked)
 
     def write(self, source: ModelSource, directory: Path, options: WriteOptions) -> list[str]:
-        from mega.core.parallel import ParallelConfig
-        from mega.core.pipeline.partition import PartitionError, split_layers
-
         tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
-        family, config = _family(source.family), source.config
+        family, config = family_by_name(source.family), source.config
         try:
             split_layers(config.num_layers, pp)
         except PartitionError as error:
@@ -200,6 +193,7 @@ class MegaFormat:
             model_family=family.name, model_config=dataclasses.asdict(config),
             layout={"world_size": tp * pp * ep, "tp": tp, "pp": pp, "dp": ep, "cp": 1, "ep": ep, "vpp": 1},
             num_parameters=family.num_parameters(config, tp), mega_version=__version__,
+            source=getattr(source, "origin", None),
         )
         try:
             write_checkpoint(directory, metadata, tensors, source.tokenizer, list(source.tokenizer_extras.values()),

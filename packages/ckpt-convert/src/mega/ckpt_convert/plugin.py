@@ -12,7 +12,7 @@ def register_checkpoint_formats(register):
              "Hugging Face transformers directories (config.json + safetensors + tokenizer) of GPT-2 and LLaMA")
     register("mega", "mega.ckpt_convert.mega_format:MEGA_FORMAT",
              "mega's sharded checkpoints (mega train --save), read and written at any tp/pp")
-    register("megatron", "mega.ckpt_convert.megatron_format:MEGATRON_FORMAT",
+    register("megatron", "mega.ckpt_convert.megatron.format:MEGATRON_FORMAT",
              "Megatron-LM save directories, legacy (torch.save per rank) or torch_dist, GPT and LLaMA")
 
 

@@ -15,6 +15,11 @@ from typing import Any, Protocol
 import torch
 
 from mega.ckpt_convert.errors import ConversionError
+from mega.core.build import build_stage
+from mega.core.checkpoint.state import named_parameters
+from mega.core.parallel import ParallelConfig
+from mega.core.parallel.param_attrs import is_padded_vocab
+from mega.core.plugins import PluginError, get_plugins
 from mega.core.tokenizer import TokenizerSpec
 
 
@@ -63,6 +68,19 @@ class ClosingSource:
         self.close()
 
 
+class TableSource(ClosingSource):
+    """A source that lists its tensors in a table: ``_table()`` gives name -> (shape, dtype, ...)."""
+
+    def _table(self) -> dict:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._table()[name][0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._table()[name][1]
+
+
 class CastSource(ClosingSource):
     """A source whose floating-point tensors come as ``dtype`` (``mega convert --dtype``)."""
 
@@ -88,8 +106,8 @@ class CastSource(ClosingSource):
         self.source.close()
 
     def __getattr__(self, name: str):
-        # optimizer_state / get_optimizer / iteration pass through uncast: --dtype concerns the weights
-        if name in ("optimizer_state", "get_optimizer", "iteration"):
+        # optimizer_state / get_optimizer / iteration / origin pass through uncast: --dtype concerns the weights
+        if name in ("optimizer_state", "get_optimizer", "iteration", "origin"):
             return getattr(self.source, name)
         raise AttributeError(name)
 
@@ -97,11 +115,6 @@ class CastSource(ClosingSource):
 def model_parameters(family, config, tensor_parallel_size: int = 1) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Name -> (global shape, whether dim 0 is the padded vocabulary) of every parameter of the
     whole model at ``tensor_parallel_size``, from a build on the meta device (nothing allocated)."""
-    from mega.core.build import build_stage
-    from mega.core.checkpoint.state import named_parameters
-    from mega.core.parallel import ParallelConfig
-    from mega.core.parallel.param_attrs import is_padded_vocab
-
     try:
         config.validate(tensor_parallel_size)
     except ValueError as error:
@@ -111,6 +124,14 @@ def model_parameters(family, config, tensor_parallel_size: int = 1) -> dict[str,
     model = build_stage(family, config, parallel=ParallelConfig(tp=tensor_parallel_size), device="meta")
     named, _ = named_parameters([model])  # by canonical name, as checkpoints store them
     return {name: (tuple(param.shape), is_padded_vocab(param)) for name, param in named.items()}
+
+
+def family_by_name(name: str):
+    """The registered model family ``name``; an unknown one is a :class:`ConversionError`."""
+    try:
+        return get_plugins().models.get(name)
+    except PluginError as error:
+        raise ConversionError(str(error)) from None
 
 
 def format_names(names, limit: int = 4) -> str:

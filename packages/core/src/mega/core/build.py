@@ -9,6 +9,15 @@ own bytes, not a whole layer's. Initialisation is layout-independent: every glob
 cut into blocks of whole rows, each filled from a generator seeded by (seed, name, block), and a
 rank fills only the blocks its shard overlaps. A parameter of one block (every small model's)
 starts exactly as ``fill(whole_tensor, generator(seed, name))`` would make it.
+
+Where a shard sits in its global parameter is what the parallel passes marked on it
+(:mod:`mega.core.parallel.param_attrs`, read through :class:`TensorParallelSplit`), so the same
+holds for every split a family's pass marks: tensor-parallel rows or columns, the experts'
+own tensor group (``expert_tensor_shard``), and expert parallelism. Experts stacked in one
+tensor (dimension 0 the experts) are marked ``expert_shard``; experts held one module each keep
+their global names through ``parameter_aliases`` (a rank's local expert 0 initialised as global
+expert ``ep_rank * local_experts``), as checkpoints do. tests/test_moe_training.py checks every
+family with the ``moe`` feature at ep, tp x ep and expert-tensor-parallel layouts bit for bit.
 """
 
 from __future__ import annotations
@@ -19,12 +28,12 @@ import math
 import torch
 from torch import nn
 
-from mega.core.checkpoint.aliases import canonical_names
-from mega.core.checkpoint.pieces import Piece, TensorParallelSplit, tensor_pieces
 from mega.core.kernels import Kernels
 from mega.core.model_family import ModelFamily, Stage, StageRun
 from mega.core.parallel.config import ParallelConfig
 from mega.core.parallel.groups import Group, ParallelGroups
+from mega.core.parallel.pieces import Piece, TensorParallelSplit, tensor_pieces
+from mega.core.parameter_names import canonical_names
 
 DEFAULT_SEED = 1234  # Megatron's --seed default
 # Elements per initialisation block (a fixed number of whole rows, from the global shape alone).

@@ -13,6 +13,8 @@ import importlib.metadata
 import re
 from typing import Protocol
 
+from mega.core.plugins.install_hint import pip_install
+
 
 def version_tuple(version: str) -> tuple[int, ...]:
     """``"2.7.4.post1"`` -> ``(2, 7, 4)``: the leading release numbers, enough to compare."""
@@ -35,7 +37,7 @@ def package_problem(module: str, distribution: str, minimum: str | None = None, 
     """"" when ``module`` imports (at ``minimum`` or newer), else what is missing: the
     distribution, the version needed, and how to install it."""
     needed = f"{distribution} >= {minimum}" if minimum else distribution
-    how = install or f"pip install '{needed}'"
+    how = install or pip_install(f"'{needed}'")
     try:
         imported = importlib.import_module(module)
     except ImportError as error:
@@ -64,7 +66,7 @@ class CudaGPU:
     """The current CUDA device, asked through torch (imported only when asked)."""
 
     def capability(self) -> tuple[int, int] | None:
-        import torch
+        import torch  # start-up cost: plugins import this module when they register
 
         if not torch.cuda.is_available():
             return None
@@ -76,7 +78,7 @@ class CudaGPU:
         if capability is None:
             return f"a CUDA GPU of compute capability >= {wanted} (torch sees no CUDA device)"
         if capability < minimum_capability:
-            import torch
+            import torch  # start-up cost, as above
 
             return (f"a CUDA GPU of compute capability >= {wanted} (this {torch.cuda.get_device_name()} "
                     f"is {'.'.join(map(str, capability))})")

@@ -22,7 +22,7 @@ The kinds and what their component is:
   norm fused into the following linear layer (Transformer Engine's LayerNormLinear), holding
   ``layer_norm_weight`` (and ``layer_norm_bias``), ``weight`` and ``bias``; the module that
   uses it declares where the norm's weights live canonically (see
-  :func:`mega.core.checkpoint.aliases.canonical_names`).
+  :func:`mega.core.parameter_names.canonical_names`).
 * ``norm_mlp``: the whole MLP block with the norm before it in one module (Transformer Engine's
   LayerNormMLP). A factory ``(norm_kind, hidden_size, ffn_hidden_size, activation, bias, eps)
   -> nn.Module`` computing ``fc2(act(fc1(norm(x))))``, with an ``activations`` attribute: the
@@ -71,10 +71,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from mega.core.plugins import Plugins, get_plugins
+
 if TYPE_CHECKING:
     import torch
-
-    from mega.core.plugins import Plugins
 
 KINDS = ("attention", "norm", "linear", "norm_linear", "norm_mlp", "activation", "rotary", "loss",
          "block_attention", "linear_loss")
@@ -125,8 +125,6 @@ class KernelBackend(Protocol):
 def get_kernel_backend(name: str, kind: str | None = None, plugins: Plugins | None = None) -> KernelBackend:
     """The registered backend ``name``, checked to fill ``kind`` and to be usable here."""
     if plugins is None:
-        from mega.core.plugins import get_plugins
-
         plugins = get_plugins()
     backend = plugins.kernel_backends.get(name)  # an unknown name lists the installed ones
     kinds = frozenset(getattr(backend, "kinds", ()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
@@ -23,6 +24,10 @@ from datetime import timedelta
 FAILURE_FILE_ENV = "MEGA_FAILURE_FILE"
 # How long ranks asked to stop (SIGTERM) may take to exit before they are killed.
 STOP_GRACE_S = 10.0
+# A rank whose collective timed out exits with this code (see mega.core.training.launch_run).
+TIMEOUT_EXIT_CODE = 3
+# Where ranks leave their hang reports' data for the launcher (see mega.core.training.hang_report).
+DEBUG_DIR_ENV = "MEGA_DEBUG_DIR"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -33,7 +38,8 @@ def _free_port() -> int:
 
 
 def launch_local(nproc: int, command: list[str], threads_per_process: int | None = None,
-                 program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main")) -> int:
+                 program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main"),
+                 handled_signal: int | None = None) -> int:
     """Run ``python -m mega.core.cli.main <command>`` (``program`` + ``command``) on ``nproc`` local
     ranks; return the exit code.
 
@@ -41,6 +47,9 @@ def launch_local(nproc: int, command: list[str], threads_per_process: int | None
     first failing rank is named with how it ended. SIGTERM and SIGINT sent to the launcher are
     passed on to the ranks; a launcher that dies however it dies (even SIGKILL) takes its ranks
     with it, so none is left training on its own.
+
+    ``handled_signal`` is a signal the ranks act on themselves (``--exit-signal-handler``: save,
+    then exit 0): it is passed on, and the job then ends as its ranks do.
     """
     if nproc < 1:
         raise ValueError(f"--nproc-per-node must be positive, got {nproc}")
@@ -53,12 +62,12 @@ def launch_local(nproc: int, command: list[str], threads_per_process: int | None
             env = dict(
                 os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                 LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                OMP_NUM_THREADS=str(threads), **{FAILURE_FILE_ENV: failure_files[rank]},
+                OMP_NUM_THREADS=str(threads), **{FAILURE_FILE_ENV: failure_files[rank], DEBUG_DIR_ENV: failure_dir},
             )
             processes.append(subprocess.Popen([*program, *command], env=env,
                                               preexec_fn=_die_with_parent(os.getpid())))
-        with _forwarding_stop_signals(processes) as received:
-            first_exit = _supervise(processes, received)
+        with _forwarding_stop_signals(processes, handled_signal) as received:
+            first_exit = _supervise(processes, received, failure_dir)
         if received:
             name = signal.Signals(received[0]).name
             print(f"mega: stopped by {name}; the ranks were stopped too", file=sys.stderr, flush=True)
@@ -73,6 +82,13 @@ def launch_local(nproc: int, command: list[str], threads_per_process: int | None
             rank, returncode = recorded
         print(f"mega: rank {rank} {describe_exit(returncode)}, first; the other ranks were stopped",
               file=sys.stderr, flush=True)
+        if returncode == TIMEOUT_EXIT_CODE:
+            # Start-up cost: hang_report imports torch, which the launcher process does not need.
+            from mega.core.training.hang_report import name_the_rank_behind
+
+            behind = name_the_rank_behind(failure_dir)
+            if behind:
+                print(f"mega: {behind}", file=sys.stderr, flush=True)
         return returncode if returncode > 0 else 128 - returncode
 
 
@@ -92,17 +108,22 @@ class _forwarding_stop_signals:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, processes: list[subprocess.Popen]):
+    def __init__(self, processes: list[subprocess.Popen], handled: int | None = None):
         self.processes, self.received, self.previous = processes, [], {}
+        self.handled = handled  # the ranks' own (--exit-signal-handler): passed on, not a reason to stop them
 
     def _forward(self, signum, frame) -> None:
-        self.received.append(signum)
+        if signum == self.handled:
+            print(f"mega: {signal.Signals(signum).name} passed on to the ranks (--exit-signal-handler)",
+                  file=sys.stderr, flush=True)
+        else:
+            self.received.append(signum)
         for process in self.processes:
             if process.poll() is None:
                 process.send_signal(signum)
 
     def __enter__(self) -> list[int]:
-        for signum in self.SIGNALS:
+        for signum in {*self.SIGNALS, *([self.handled] if self.handled else [])}:
             self.previous[signum] = signal.signal(signum, self._forward)
         return self.received
 
@@ -111,9 +132,10 @@ class _forwarding_stop_signals:
             signal.signal(signum, handler)
 
 
-def _supervise(processes: list[subprocess.Popen], received: list[int]) -> tuple[int, int] | None:
+def _supervise(processes: list[subprocess.Popen], received: list[int], debug_dir: str) -> tuple[int, int] | None:
     """Wait for every process; stop them all at the first failure or stop signal; return the first
-    failing rank and its return code (negative: the signal that killed it), None if all succeeded."""
+    failing rank and its return code (negative: the signal that killed it), None if all succeeded.
+    After a collective timeout the ranks still running are asked for their hang reports first."""
     failed = None
     try:
         while not received and any(p.poll() is None for p in processes):
@@ -121,6 +143,11 @@ def _supervise(processes: list[subprocess.Popen], received: list[int]) -> tuple[
             if failed is not None:
                 break
             time.sleep(0.05)
+        if failed is not None and failed.returncode == TIMEOUT_EXIT_CODE:
+            from mega.core.training.hang_report import request_reports  # start-up cost: torch, as above
+
+            running = [rank for rank, process in enumerate(processes) if process.poll() is None]
+            request_reports(debug_dir, f"rank {processes.index(failed)}'s collective timed out", running)
         for rank, process in enumerate(processes):
             if _is_stopped(process.pid):  # its peers' collectives timed out waiting for it
                 print(f"mega: rank {rank} (pid {process.pid}) is stopped (SIGSTOP or a debugger) and did not "
@@ -198,8 +225,6 @@ def end_rank_process(exit_code: int) -> None:
     250 or 134). Everything this process had to do is done and flushed, so it exits without that
     teardown.
     """
-    import logging
-
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -232,7 +257,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> bo
     The backend is NCCL when CUDA is present, gloo otherwise. Under SLURM, MASTER_ADDR and
     MASTER_PORT must be exported by the job script (as with torchrun on several nodes).
     """
-    import torch
+    import torch  # start-up cost: the launcher process (`mega train --nproc-per-node`) never needs torch
     import torch.distributed as dist
 
     env = distributed_env()
@@ -245,7 +270,34 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> bo
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in os.environ:
             raise RuntimeError(f"{name} is not set: export it (torchrun sets it; under SLURM the job script must)")
-    dist.init_process_group(
-        backend, rank=env["rank"], world_size=env["world_size"], timeout=timedelta(seconds=timeout_s)
-    )
+    global _collective_timeout
+    _collective_timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, rank=env["rank"], world_size=env["world_size"], timeout=_collective_timeout,
+                            store=_attempt_store(env["world_size"], _collective_timeout))
     return True
+
+
+def _attempt_store(world_size: int, timeout: timedelta):
+    """Under torch's elastic agent (torchrun, ``--max-restarts``), the agent's store, with the keys
+    of this attempt under a prefix of their own; None elsewhere (torch makes the store).
+
+    The agent keeps one store for every attempt of a job, so a restarted rank would read the
+    addresses its failed predecessors wrote there (gloo then connects to ports nobody listens on)."""
+    import torch.distributed as dist  # start-up cost: torch, which the launcher process does not need
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"mega/attempt_{attempt}", store)
+
+
+_collective_timeout: timedelta | None = None
+
+
+def collective_timeout() -> timedelta | None:
+    """The timeout the job was joined with, for the process groups created after it (torch's
+    ``new_group`` does not inherit it: without it a sub-group's collective would wait torch's
+    default of 30 minutes, not --distributed-timeout-minutes); None: torch's default."""
+    return _collective_timeout

@@ -33,11 +33,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mega.core.parallel.config import ParallelConfig
+from mega.core.parallel.tensor_parallel import apply_tensor_parallel
+from mega.core.pipeline.partition import split_layers
+from mega.core.pipeline.tensor_spec import TensorSpec  # noqa: F401  (part of the family contract: ``boundary``)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -84,6 +87,11 @@ class HFMapping:
     * ``optional``: regular expressions of Hugging Face tensors a directory may lack (the heads
       a bare base model has not); a map all of whose tensors are absent is initialised by the
       family's ``init_parameter`` instead, and the converter says so.
+    * ``copies(config) -> {name: name it repeats}``: tensors a directory may hold twice (a tied
+      output layer beside the embedding), by Hugging Face name; read, each must equal the other.
+    * ``buffers(config) -> {name: tensor}``: the non-parameter buffers some transformers versions
+      saved (position ids, causal masks), as transformers computes them; read, each must equal
+      its value. Copies and buffers a directory held are written back when it round-trips.
     """
 
     architecture: str
@@ -95,18 +103,8 @@ class HFMapping:
     ignored: tuple[str, ...] = ()
     also_reads: tuple[str, ...] = ()
     optional: tuple[str, ...] = ()
-
-
-class ModelConfig(Protocol):
-    """The fields of a family's config that code outside the family reads."""
-
-    num_layers: int
-    hidden_size: int
-    seq_length: int
-    vocab_size: int
-
-    def validate(self, tensor_parallel_size: int = 1) -> None:
-        """Raise ``ValueError`` naming the flags and numbers when the config cannot be built."""
+    copies: Callable[[Any], dict[str, str]] | None = None
+    buffers: Callable[[Any], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -131,19 +129,6 @@ class Stage:
     @property
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape and dtype of one named tensor that crosses a stage boundary. Floating tensors carry
-    a gradient back; others (masks, ids) travel forward only."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def has_gradient(self) -> bool:
-        return self.dtype.is_floating_point
 
 
 @dataclass(frozen=True)
@@ -175,8 +160,6 @@ def stack_stages(config: Any, pp: int, vpp: int = 1, *, stack: str = "decoder",
                  batch_keys: tuple[str, ...] = ("tokens", "position_ids")) -> list[Stage]:
     """The default ``pipeline_stages``: one stack of ``config.num_layers`` layers split evenly
     (Megatron's interleaved assignment with ``vpp`` chunks); the first stage reads the tokens."""
-    from mega.core.pipeline.partition import split_layers
-
     per_rank = split_layers(config.num_layers, pp, vpp)
     ranges = [per_rank[index % pp][index // pp] for index in range(pp * vpp)]
     return [Stage(index, pp * vpp, {stack: layers}, batch_keys if index == 0 else ())
@@ -270,8 +253,6 @@ class ModelFamily:
         """The family's ``parallelize``, or else its tensor-parallel plan applied to ``module``."""
         if self.parallelize is not None:
             return self.parallelize(module, groups, run)
-        from mega.core.parallel.tensor_parallel import apply_tensor_parallel
-
         plan = self.tensor_parallel_plan(run.config, module.stage) if self.tensor_parallel_plan else {}
         return apply_tensor_parallel(module, plan, groups, sequence_parallel=run.parallel.sequence_parallel)
 

@@ -76,6 +76,31 @@ def register_callbacks(register):
         description="TensorBoard scalars under Megatron's tags (--tensorboard-dir)",
     )
     register(
+        "wandb",
+        "mega.core.training.wandb_log:wandb_logger",
+        description="Weights & Biases: the log line's metrics and the run's configuration (--wandb-project)",
+    )
+    register(
+        "exit-signal",
+        "mega.core.training.exit_signal:exit_before_the_end",
+        description="save and exit 0 on a preemption signal or before --exit-duration-in-mins runs out",
+    )
+    register(
+        "hang-report",
+        "mega.core.training.hang_report:hang_watch",
+        description="records each rank's collectives; on a collective timeout every rank reports what it was doing",
+    )
+    register(
+        "straggler",
+        "mega.core.training.straggler:straggler_report",
+        description="names the slowest ranks and their ratio to the median every --log-interval (--log-straggler)",
+    )
+    register(
+        "restart-progress",
+        "mega.core.training.in_job_restart:progress_file",
+        description="rank 0's last finished iteration, for --max-restarts' report of the iterations a failure cost",
+    )
+    register(
         "profiler",
         "mega.core.training.profiler:step_profiler",
         description="torch.profiler Chrome trace of chosen iterations (--profile)",

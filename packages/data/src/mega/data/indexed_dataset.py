@@ -77,10 +77,6 @@ def _as_dtype(dtype) -> np.dtype:
     return dtype
 
 
-def dataset_exists(prefix: str | os.PathLike) -> bool:
-    return os.path.isfile(idx_path(prefix)) and os.path.isfile(bin_path(prefix))
-
-
 class IndexedDataset:
     """Read-only, memory-mapped access to ``{prefix}.bin`` / ``{prefix}.idx``.
 
@@ -275,19 +271,6 @@ class IndexedDatasetWriter:
         self._closed = False
 
     # -- adding data -----------------------------------------------------------------------------
-    def add_sequence(self, tokens, mode: int = 0) -> None:
-        """Append one sequence to the current document (close it with :meth:`end_document`)."""
-        array = np.asarray(tokens, dtype=self.dtype).reshape(-1)
-        self._bin.write(array.tobytes())
-        self._lengths.write(np.int32(array.size).tobytes())
-        if self._modes is not None:
-            self._modes.write(np.int8(mode).tobytes())
-        self.sequence_count += 1
-
-    def end_document(self) -> None:
-        self._documents.write(np.int64(self.sequence_count).tobytes())
-        self.document_count += 1
-
     def add_document(self, tokens, lengths: Sequence[int] | None = None, modes: Sequence[int] | None = None) -> None:
         """Append a document: ``tokens`` split into sequences of ``lengths`` (one sequence by default).
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -16,6 +17,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--input", nargs="+", required=True, metavar="PREFIX_OR_DIR")
     parser.add_argument("--output-prefix", required=True)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON: inputs, output, documents, sequences, tokens")
     args = parser.parse_args(argv)
 
     from mega.data.indexed_dataset import IndexedDatasetError, find_dataset_prefixes, merge_datasets
@@ -35,5 +37,9 @@ def main(argv: list[str]) -> int:
     except (IndexedDatasetError, OSError, ValueError) as error:
         print(f"mega merge-datasets: error: {error}", file=sys.stderr)
         return 1
-    print(f"mega merge-datasets: {len(prefixes)} datasets -> {merged}")
+    if args.json:
+        print(json.dumps({"inputs": prefixes, "output": merged.prefix, "documents": merged.num_documents,
+                          "sequences": merged.sequence_count, "tokens": merged.num_tokens}))
+    else:
+        print(f"mega merge-datasets: {len(prefixes)} datasets -> {merged}")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
                        help="progress line on stderr (auto: only on a terminal)")
     group.add_argument("--block-size", type=int, default=1 << 20, help=argparse.SUPPRESS)
+    group.add_argument("--json", action="store_true",
+                       help="print the summary as JSON: documents, tokens, seconds, outputs, bad_rows")
     return parser
 
 
@@ -74,7 +77,7 @@ def main(argv: list[str]) -> int:
     from mega.data.tokenizers.base import TokenizerError
 
     if args.workers < 1:
-        print("mega preprocess: --workers must be at least 1", file=sys.stderr)
+        print(f"mega preprocess: error: --workers must be at least 1, got {args.workers}", file=sys.stderr)
         return 2
     if args.keep_newlines and not args.split_sentences:
         print("mega preprocess: note: --keep-newlines only matters with --split-sentences", file=sys.stderr)
@@ -109,12 +112,15 @@ def main(argv: list[str]) -> int:
         return 130
 
     rate = result.tokens / result.seconds if result.seconds else 0.0
-    print(
-        f"mega preprocess: {result.documents:,} documents, {result.tokens:,} tokens in "
-        f"{result.seconds:.1f} s ({rate / 1e6:.2f}M tokens/s)"
-    )
-    for prefix in result.outputs.values():
-        print(f"  {prefix}.bin / .idx")
+    if args.json:
+        print(json.dumps({"documents": result.documents, "tokens": result.tokens, "seconds": result.seconds,
+                          "outputs": result.outputs, "bad_rows": result.bad_rows,
+                          "first_bad_rows": result.first_bad_rows}))
+    else:
+        print(f"mega preprocess: {result.documents:,} documents, {result.tokens:,} tokens in "
+              f"{result.seconds:.1f} s ({rate / 1e6:.2f}M tokens/s)")
+        for prefix in result.outputs.values():
+            print(f"  {prefix}.bin / .idx")
     if result.bad_rows:
         print(f"mega preprocess: skipped {result.bad_rows:,} bad lines, the first:", file=sys.stderr)
         for line in result.first_bad_rows:

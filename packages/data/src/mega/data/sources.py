@@ -133,7 +133,7 @@ def read_records(path: str, fmt: str, keys: list[str], rows_per_block: int = 204
         import datasets
     except ImportError:
         raise InputError(
-            f"{path}: reading {fmt} input needs Hugging Face datasets (pip install 'mega-data[hf]'); "
+            f"{path}: reading {fmt} input needs Hugging Face datasets (pip install -c constraints.txt -e 'packages/data[hf]', from the mega repository); "
             f"JSON Lines needs nothing extra"
         ) from None
     if not os.path.isfile(path):

@@ -43,6 +43,13 @@ class Job:
         for request in self.requests:
             request.cancelled = True
 
+    def expire(self, error: BaseException) -> None:
+        """On the event loop: past its deadline, the job ends with ``error`` and its sequences
+        leave the batch at the next step."""
+        if not self.done.done():
+            self.cancel()
+            self._failed(error)
+
     @property
     def cancelled(self) -> bool:
         return all(request.cancelled for request in self.requests)
@@ -125,15 +132,18 @@ class EngineWorker(abc.ABC):
 
 class BatchingWorker(EngineWorker):
     """``before_batch(requests)`` runs on the worker thread before each engine batch (the
-    tensor-parallel leader hands the batch to the other ranks there)."""
+    tensor-parallel leader hands the batch to the other ranks there); ``generate`` runs it (the
+    engine's by default, a :class:`~mega.inference.static_decode.StaticDecoder`'s on the static
+    KV cache)."""
 
     thread_name = "mega-batching-worker"
 
     def __init__(self, engine: GenerationEngine, max_batch_size: int = 32,
                  before_batch: Callable[[list[GenerationRequest]], None] | None = None,
-                 metrics: ServerMetrics | None = None):
+                 metrics: ServerMetrics | None = None, generate: Callable | None = None):
         super().__init__(engine, max_batch_size, metrics)
         self.before_batch = before_batch
+        self.generate = generate or engine.generate  # or a static KV cache decoder's
         self._pending: collections.deque[Job] = collections.deque()
 
     def submit(self, job: Job) -> None:
@@ -185,7 +195,7 @@ class BatchingWorker(EngineWorker):
         try:
             if self.before_batch is not None:
                 self.before_batch(requests)
-            self.engine.generate(requests, on_token=on_token, on_finish=on_finish)
+            self.generate(requests, on_token=on_token, on_finish=on_finish)
         except Exception as error:  # the server lives on; these requests get the error
             log.exception("generation failed for a batch of %d sequences", len(requests))
             for job in batch:

@@ -19,6 +19,15 @@ for a :class:`~mega.inference.static_decode.SlotKVCache`: each sequence owns a s
 model's whole length (a one-block table, so admission and freeing are unchanged), and a decode
 step runs over the first slots up to a batch-size bucket with fixed shapes, which on CUDA is a
 captured graph replayed (:class:`~mega.inference.static_decode.DecodeSteps`).
+
+``prefix_caching`` (``--enable-prefix-caching``, on by default for the paged cache): blocks that
+hold a prompt's full blocks are kept, keyed by their prefix, and shared by later prompts that
+start with it (:mod:`mega.inference.prefix_cache`): those prefill only the rest.
+
+``max_num_batched_tokens`` (``--max-num-batched-tokens``): a step computes at most that many
+tokens, one per decoding sequence and the rest prompt tokens: a long prompt is prefilled in
+chunks over several steps while the running sequences go on decoding, instead of stalling them
+all for one long forward. Without it each admitted prompt is prefilled whole in its first step.
 """
 
 from __future__ import annotations
@@ -29,13 +38,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from mega.inference.batching import EngineWorker, Job
-from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest, GenerationResult, _top
+from mega.inference.decode_step import DecodingSequence, record_logprobs
+from mega.inference.engine import FinishReason, GenerationEngine, GenerationError, GenerationRequest
 from mega.inference.metrics import ServerMetrics
 from mega.inference.paged_kv_cache import BlockAllocator, PagedKVCache
-from mega.inference.sampling import Sampler
+from mega.inference.prefix_cache import PrefixCachingAllocator, prefix_keys
 from mega.inference.static_decode import DecodeSteps, SlotAllocator, SlotKVCache, bucket_for
 
 log = logging.getLogger(__name__)
@@ -44,22 +53,15 @@ BLOCK_SIZE = 16
 PREFILL_TOKENS = 4096  # padded prompt tokens in one prefill forward (bounds its activations)
 
 
-@dataclass
-class _Sequence:
+@dataclass(eq=False, kw_only=True)
+class _Sequence(DecodingSequence):
     job: Job
     index: int  # within its job
-    request: GenerationRequest
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose keys are in the cache
-    generated: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
-    top_logprobs: list | None = None
+    prefix_keys: list[bytes] = field(default_factory=list)  # of the prompt's full blocks (prefix caching)
     logits: torch.Tensor | None = None  # [vocab] the next token's, once computed
     number: int = 0  # unique among the worker's sequences
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.prompt + self.generated
 
 
 class ContinuousBatchingWorker(EngineWorker):
@@ -67,10 +69,18 @@ class ContinuousBatchingWorker(EngineWorker):
 
     def __init__(self, engine: GenerationEngine, max_batch_size: int = 32, max_num_tokens: int | None = None,
                  block_size: int = BLOCK_SIZE, metrics: ServerMetrics | None = None, static_cache: bool = False,
-                 use_cuda_graphs: bool | None = None):
+                 use_cuda_graphs: bool | None = None, prefix_caching: bool = False,
+                 max_num_batched_tokens: int | None = None):
         if engine.tp_group is not None and engine.tp_group.size > 1:
             raise ValueError("continuous batching runs in one process; tensor-parallel serving batches in lock-step")
+        if prefix_caching and static_cache:
+            raise ValueError("prefix caching shares paged cache blocks; the static KV cache has none to share")
+        if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch_size:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_batch_size "
+                             f"({max_batch_size}): every running sequence decodes a token per step")
         super().__init__(engine, max_batch_size, metrics)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefilled_tokens = 0  # prompt tokens computed (not taken from the prefix cache)
         self.max_num_tokens = max_num_tokens or max_batch_size * engine.max_positions
         if self.max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be positive, got {self.max_num_tokens}")
@@ -81,17 +91,26 @@ class ContinuousBatchingWorker(EngineWorker):
                 raise ValueError(f"the static KV cache gives each sequence the model's {engine.max_positions} "
                                  f"positions; max_num_tokens {self.max_num_tokens} holds none")
             self.allocator = SlotAllocator(slots, engine.max_positions)
-            dtype = next(engine.model.parameters()).dtype
-            self.cache = SlotKVCache(slots, engine.max_positions, engine.device, dtype)
+            self.cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype)
             graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
             self._decode_steps = DecodeSteps(engine, self.cache, graphs)
         else:
-            self.allocator = BlockAllocator(max(1, self.max_num_tokens // block_size), block_size)
-            self.cache = PagedKVCache(self.allocator, max_batch_size, _head_repeats(engine))
+            allocator_class = PrefixCachingAllocator if prefix_caching else BlockAllocator
+            self.allocator = allocator_class(max(1, self.max_num_tokens // block_size), block_size)
+            self.cache = PagedKVCache(self.allocator, max_batch_size, engine.kv_head_repeats)
         self._pending: collections.deque[_Sequence] = collections.deque()
-        self._running: list[_Sequence] = []
+        self._prefilling: list[_Sequence] = []  # admitted, their prompts not all cached yet
         self._numbered = 0
-        self._sampler = Sampler([], engine.device)
+        # The running sequences are the decode step's rows, in its order.
+        self._decode_step = engine.decode_step(on_token=self._on_token, on_finish=self._finish)
+
+    @property
+    def _running(self) -> list[_Sequence]:
+        return self._decode_step.sequences
+
+    @property
+    def prefix_caching(self) -> bool:
+        return isinstance(self.allocator, PrefixCachingAllocator)
 
     def check(self, request: GenerationRequest) -> None:
         """A sequence longer than the whole cache could never be admitted."""
@@ -104,14 +123,14 @@ class ContinuousBatchingWorker(EngineWorker):
         with self._condition:
             for index, request in enumerate(job.requests):
                 self._numbered += 1
-                self._pending.append(_Sequence(job, index, request, number=self._numbered))
+                self._pending.append(_Sequence(request, job=job, index=index, number=self._numbered))
             self._condition.notify()
 
     # The worker thread.
     def _run(self) -> None:
         while True:
             with self._condition:
-                while not self._pending and not self._running and not self._stopping:
+                while not self._pending and not self._running and not self._prefilling and not self._stopping:
                     self._condition.wait()
                 if self._stopping:
                     return
@@ -120,31 +139,49 @@ class ContinuousBatchingWorker(EngineWorker):
                 self._step(admitted)
             except Exception as error:  # the server lives on; the sequences of this step get the error
                 log.exception("generation failed in a step of %d sequences", len(self._running) + len(admitted))
-                for sequence in [*self._running, *admitted]:
+                for sequence in [*self._running, *self._prefilling]:
                     self.allocator.free(sequence.blocks)
                     sequence.job.failed(error)
-                self._running, self._sampler = [], Sampler([], self.engine.device)
+                self._decode_step.reset()
+                self._prefilling = []
 
     def _admit(self) -> list[_Sequence]:
         """Queued sequences that fit now, in order; cancelled ones are dropped."""
         admitted: list[_Sequence] = []
         now = time.monotonic()
-        while self._pending and len(self._running) + len(admitted) < self.max_batch_size:
+        while self._pending and len(self._running) + len(self._prefilling) < self.max_batch_size:
             sequence = self._pending[0]
             if sequence.request.cancelled:
                 self._pending.popleft()
-                self._finish(sequence, "cancelled")
+                sequence.finish_reason = FinishReason.CANCELLED
+                self._finish(sequence)
                 continue
-            request = sequence.request
-            if not self.allocator.can_hold(len(request.prompt) + request.max_new_tokens):
+            if not self._allocate(sequence):
                 break  # first come, first served: wait for blocks to free
             self._pending.popleft()
-            sequence.blocks = self.allocator.allocate(len(request.prompt) + request.max_new_tokens)
-            sequence.logprobs = [] if request.logprobs else None
-            sequence.top_logprobs = [] if request.top_logprobs else None
             self.metrics.admitted(now - sequence.job.submitted_at)
+            self._prefilling.append(sequence)
             admitted.append(sequence)
         return admitted
+
+    def _allocate(self, sequence: _Sequence) -> bool:
+        """Blocks for the sequence's prompt and every token it may generate, sharing the cached
+        blocks of its prompt's prefix (not where it wants its prompt's log-probabilities, which
+        need the logits of every position); False: no room yet."""
+        request = sequence.request
+        tokens = len(request.prompt) + request.max_new_tokens
+        if not self.prefix_caching:
+            if not self.allocator.can_hold(tokens):
+                return False
+            sequence.blocks = self.allocator.allocate(tokens)
+            return True
+        sequence.prefix_keys = prefix_keys(request.prompt, self.allocator.block_size)
+        keys = [] if request.logprobs else sequence.prefix_keys
+        allocated = self.allocator.allocate_with_prefix(keys, len(request.prompt), tokens)
+        if allocated is None:
+            return False
+        sequence.blocks, sequence.cached = allocated
+        return True
 
     def _forward(self, sequences: list[_Sequence], tokens: torch.Tensor, logits_to_keep: int | torch.Tensor | None,
                  real: list[int] | None = None) -> torch.Tensor:
@@ -155,10 +192,10 @@ class ContinuousBatchingWorker(EngineWorker):
         self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device, [s.number for s in sequences],
                         real)
         positions = torch.tensor(cached, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
-        logits = self.engine.model(tokens, positions, inference_cache=self.cache, logits_to_keep=logits_to_keep)
+        logits = self.engine.forward(tokens, positions, self.cache, logits_to_keep)
         for row, sequence in enumerate(sequences):
             sequence.cached += tokens.shape[1] if real is None else real[row]
-        return logits[..., : self.engine.vocab_size].float()
+        return logits
 
     def _prefill_together(self, sequences: list[_Sequence]) -> None:
         """Prompts (no prompt log-probabilities wanted) right-padded into one forward: one large
@@ -173,14 +210,15 @@ class ContinuousBatchingWorker(EngineWorker):
             sequence.logits = logits[row]
 
     def _prefill_all(self, admitted: list[_Sequence]) -> None:
-        """Prompt log-probabilities need every position's logits: those prefill alone; the others in
-        groups of similar length (sorted, so little padding) of at most PREFILL_TOKENS padded tokens."""
-        together = sorted((s for s in admitted if not s.request.logprobs and len(s.request.prompt) > 1),
-                          key=lambda s: len(s.request.prompt))
+        """Whole prompts. Prompt log-probabilities need every position's logits and a cached
+        prefix a start past 0: those prefill alone; the others in groups of similar length
+        (sorted, so little padding) of at most PREFILL_TOKENS padded tokens."""
+        together = sorted((s for s in admitted if not s.request.logprobs and len(s.request.prompt) > 1
+                           and not s.cached), key=lambda s: len(s.request.prompt))
         grouped = {id(s) for s in together}
         for sequence in admitted:
             if id(sequence) not in grouped:
-                self._prefill(sequence)
+                self._prefill(sequence, len(sequence.request.prompt) - sequence.cached)
         group: list[_Sequence] = []
         for sequence in together:
             if group and (len(group) + 1) * len(sequence.request.prompt) > PREFILL_TOKENS:
@@ -190,22 +228,35 @@ class ContinuousBatchingWorker(EngineWorker):
         if group:
             self._prefill_group(group)
 
+    def _prefill_chunks(self, budget: int) -> None:
+        """Up to ``budget`` prompt tokens, first admitted first: each sequence's next chunk."""
+        for sequence in self._prefilling:
+            count = min(len(sequence.request.prompt) - sequence.cached, budget)
+            if count <= 0:
+                break
+            self._prefill(sequence, count)
+            budget -= count
+
     def _prefill_group(self, group: list[_Sequence]) -> None:
         if len(group) == 1:
-            self._prefill(group[0])
+            self._prefill(group[0], len(group[0].request.prompt))
         else:
+            self.prefilled_tokens += sum(len(s.request.prompt) for s in group)
             self._prefill_together(group)
 
-    def _prefill(self, sequence: _Sequence) -> None:
-        request = sequence.request
-        tokens = torch.tensor([request.prompt], device=self.engine.device)
-        logits = self._forward([sequence], tokens, None if request.logprobs else 1)[:, 0]  # [kept, vocab]
-        if request.logprobs and len(request.prompt) > 1:
-            log_probs = F.log_softmax(logits[:-1], dim=-1)
-            sequence.logprobs.extend(log_probs.gather(-1, tokens[0, 1:, None]).squeeze(-1).tolist())
-            if sequence.top_logprobs is not None:
-                sequence.top_logprobs.extend(_top(log_probs, request.top_logprobs))
-        sequence.logits = logits[-1]
+    def _prefill(self, sequence: _Sequence, count: int) -> None:
+        """The next ``count`` prompt tokens after those cached (the logits of the last prompt
+        token once it is reached; prompt log-probabilities as asked)."""
+        prompt, start = sequence.request.prompt, sequence.cached
+        end = start + count
+        tokens = torch.tensor([prompt[start:end]], device=self.engine.device)
+        logits = self._forward([sequence], tokens, None if sequence.request.logprobs else 1)[:, 0]  # [kept, vocab]
+        self.prefilled_tokens += count
+        if sequence.request.logprobs:  # of the tokens after each of these: the next chunk's first too
+            targets = torch.tensor(prompt[start + 1: end + 1], device=self.engine.device)
+            record_logprobs(sequence, logits[: len(targets)], targets)
+        if end == len(prompt):
+            sequence.logits = logits[-1]
 
     @torch.inference_mode()  # no autograd graph: across steps it would keep every activation alive
     def _step(self, admitted: list[_Sequence]) -> None:
@@ -214,13 +265,18 @@ class ContinuousBatchingWorker(EngineWorker):
             logits = self._decode(decoding)
             for row, sequence in enumerate(decoding):
                 sequence.logits = logits[row]
-        self._prefill_all(admitted)
-        for sequence in admitted:
-            if sequence.request.max_new_tokens == 0:  # scoring only: done with the prompt
-                self._finish(sequence, "length")
-                continue
-            self._running.append(sequence)
-            self._sampler.extend(Sampler([sequence.request.sampling], self.engine.device))
+        if self.max_num_batched_tokens is None:
+            self._prefill_all(admitted)
+        else:
+            self._prefill_chunks(self.max_num_batched_tokens - len(decoding))
+        ready = [s for s in self._prefilling if s.cached == len(s.request.prompt)]
+        if ready:
+            self._prefilling = [s for s in self._prefilling if s.cached < len(s.request.prompt)]
+            if self.prefix_caching:
+                for sequence in ready:
+                    self.allocator.register(sequence.prefix_keys, sequence.blocks)
+                self.metrics.prefix_cache(self.allocator.queried_tokens, self.allocator.hit_tokens)
+            self._decode_step.join(ready)  # those with nothing to generate (scoring only) finish here
         with self._condition:
             queued = len(self._pending)
         self.metrics.step(len(self._running), self.max_batch_size, queued, len(self._running))
@@ -236,11 +292,16 @@ class ContinuousBatchingWorker(EngineWorker):
             return self._forward(decoding, tokens, 1)[0]
         # The static cache: one step over the window of the first slots, up to a bucket (see
         # static_decode); slots in it that no sequence decodes compute a row nobody reads. Those
-        # just admitted are prefilled after this step, over what it wrote at their position 0.
+        # just admitted are prefilled after this step, over what it wrote at their position 0; one
+        # whose prompt is part prefilled (in chunks) has it write at its next position, which its
+        # next chunk overwrites.
         slots = [s.blocks[0] for s in decoding]
         window = min(bucket_for(max(slots) + 1), self.cache.slots)
         tokens = torch.zeros(window, 1, dtype=torch.long)
         cached = torch.zeros(window, dtype=torch.long)
+        for sequence in self._prefilling:
+            if sequence.blocks[0] < window:
+                cached[sequence.blocks[0]] = sequence.cached
         for slot, sequence in zip(slots, decoding, strict=True):
             tokens[slot, 0], cached[slot] = sequence.tokens[-1], sequence.cached
             sequence.cached += 1
@@ -248,61 +309,17 @@ class ContinuousBatchingWorker(EngineWorker):
         return logits[torch.tensor(slots, device=device)]
 
     def _choose(self) -> None:
-        """Every running sequence's next token; the finished ones leave the batch."""
-        running = self._running
-        logits = torch.stack([s.logits for s in running])
-        drawing = [True] * len(running)
-        chosen = self._sampler.sample(logits, drawing)
-        self._sampler.observe(chosen, drawing)
-        wants_logprobs = [row for row, s in enumerate(running) if s.logprobs is not None]
-        log_probs = F.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None
-        chosen_list = chosen.tolist()
-        finished: dict[int, str] = {}
-        for k, row in enumerate(wants_logprobs):
-            sequence = running[row]
-            sequence.logprobs.append(log_probs[k, chosen_list[row]].item())
-            if sequence.top_logprobs is not None:
-                sequence.top_logprobs.extend(_top(log_probs[k: k + 1], sequence.request.top_logprobs))
-        for row, sequence in enumerate(running):
-            request = sequence.request
-            sequence.generated.append(chosen_list[row])
+        """Every running sequence's next token; the finished ones leave the batch (the last row
+        takes a finished row's place, so the others stay where the cache's decode views hold them)."""
+        self._decode_step(torch.stack([s.logits for s in self._running]))
+        for sequence in self._running:
             sequence.logits = None
-            logprob = sequence.logprobs[-1] if sequence.logprobs is not None else None
-            top = sequence.top_logprobs[-1] if sequence.top_logprobs is not None else None
-            sequence.job.token(sequence.index, chosen_list[row], logprob, top)
-            if self.engine.stop_checker.should_stop(request.stop, sequence.generated):
-                finished[row] = "stop"
-            elif request.cancelled:
-                finished[row] = "cancelled"
-            elif len(sequence.generated) >= request.max_new_tokens:
-                finished[row] = "length"
-        if finished:
-            for row, reason in finished.items():
-                self._finish(running[row], reason)
-            # The last row takes a finished row's place, so the others stay where the cache's
-            # decode views hold them (see PagedKVCache): a step re-gathers no one's keys.
-            kept = list(range(len(running)))
-            for row in sorted(finished, reverse=True):
-                last = kept.pop()
-                if last != row:
-                    kept[row] = last
-            self._running = [running[row] for row in kept]
-            self._sampler.keep(kept)
 
-    def _finish(self, sequence: _Sequence, reason: str) -> None:
+    @staticmethod
+    def _on_token(sequence: _Sequence, token: int, logprob: float | None, top) -> None:
+        sequence.job.token(sequence.index, token, logprob, top)
+
+    def _finish(self, sequence: _Sequence) -> None:
         self.allocator.free(sequence.blocks)
         sequence.blocks = []
-        request = sequence.request
-        sequence.job.finished(sequence.index, GenerationResult(
-            tokens=sequence.tokens, prompt_length=len(request.prompt), finish_reason=reason,
-            logprobs=sequence.logprobs, top_logprobs=sequence.top_logprobs))
-
-
-def _head_repeats(engine: GenerationEngine) -> int:
-    """Query heads per key head where the attention kernel repeats key heads itself (everywhere
-    but CUDA's native grouped-query attention): the decode views then hold them repeated."""
-    config = getattr(engine.model, "config", None)
-    heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_query_groups", None)
-    if engine.device.type == "cuda" or not heads or not groups:
-        return 1
-    return heads // groups
+        sequence.job.finished(sequence.index, sequence.result())

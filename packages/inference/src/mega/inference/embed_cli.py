@@ -131,9 +131,10 @@ def serve_embeddings(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.batch_size < 1:
-        raise SystemExit(f"mega embed: error: --batch-size must be >= 1, got {args.batch_size}")
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")  # exit 2, as argparse's
     try:
         numbered = read_inputs(Path(args.input))
     except ValueError as error:

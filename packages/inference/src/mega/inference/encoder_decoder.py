@@ -21,24 +21,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from mega.core.parallel import Group
-from mega.core.parallel.collectives import gather_along
+from mega.inference.decode_step import DecodingSequence
 from mega.inference.engine import (
-    FINISH_REASONS,
-    FINISHED_BY_CANCEL,
-    FINISHED_BY_LENGTH,
-    FINISHED_BY_STOP,
     EngineBase,
     FinishCallback,
     GenerationError,
     GenerationRequest,
     GenerationResult,
     TokenCallback,
-    agree,
 )
-from mega.inference.sampling import Sampler
 
 # T5's decoder starts from the padding token (Hugging Face's decoder_start_token_id).
 DECODER_START_TOKEN = 0
@@ -79,98 +72,38 @@ class EncoderDecoderEngine(EngineBase):
                  on_finish: FinishCallback | None = None) -> list[GenerationResult]:
         for request in requests:
             self.check(request)
-        return _EncoderDecoderRun(self, list(requests), on_token, on_finish).results()
+        return _encoder_decoder_run(self, list(requests), on_token, on_finish)
 
 
-class _EncoderDecoderRun:
-    def __init__(self, engine: EncoderDecoderEngine, requests: list[GenerationRequest], on_token, on_finish):
-        self.engine, self.requests, self.on_token, self.on_finish = engine, requests, on_token, on_finish
-        device = engine.device
-        longest = max(len(r.prompt) for r in requests)
-        self.prompts = torch.full((len(requests), longest), PAD_TOKEN, dtype=torch.long, device=device)
-        self.padding = torch.zeros(len(requests), longest, dtype=torch.bool, device=device)
-        for row, request in enumerate(requests):
-            self.prompts[row, : len(request.prompt)] = torch.tensor(request.prompt, device=device)
-            self.padding[row, : len(request.prompt)] = True
-        self.active = list(range(len(requests)))
-        self.cache = engine.cache_class(max(r.max_new_tokens for r in requests))
-        self.sampler = Sampler([r.sampling for r in requests], device)
-        self.generated: list[list[int]] = [[] for _ in requests]
-        self.logprobs = [[None] * (len(r.prompt) - 1) if r.logprobs else None for r in requests]
-        self.top_logprobs = [[None] * (len(r.prompt) - 1) if r.top_logprobs else None for r in requests]
-        self.finished: dict[int, GenerationResult] = {}
-
-    def results(self) -> list[GenerationResult]:
-        model = self.engine.model
-        encoder_output = model.encode(self.prompts, self.padding)
-        padding = self.padding
-        tokens = torch.full((len(self.requests), 1), self.engine.decoder_start_token, dtype=torch.long,
-                            device=self.prompts.device)
-        while self.active:
-            logits = model.decode(tokens, encoder_output, padding, self.cache, logits_to_keep=1)[-1]
-            group = self.engine.tp_group
-            if group is not None and group.size > 1:
-                logits = gather_along(logits, group, dim=-1)
-            chosen, keep = self._step(logits[..., : self.engine.vocab_size].float())
-            if keep is not None and self.active:
-                rows = torch.tensor(keep, dtype=torch.long, device=chosen.device)
-                encoder_output, padding, chosen = encoder_output[:, rows], padding[rows], chosen[rows]
-            tokens = chosen[:, None]
-        return [self.finished[i] for i in range(len(self.requests))]
-
-    def _step(self, logits: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
-        """Choose each row's next token; retire the rows that end; return the tokens and the rows
-        kept (None: all)."""
-        active, engine = self.active, self.engine
-        finish = [0] * len(active)
-        if engine.is_leader:
-            drawing = [True] * len(active)  # every decoder token is generated: none is the prompt's
-            chosen = self.sampler.sample(logits, drawing)
-            self.sampler.observe(chosen, drawing)  # frequency/presence penalties count it
-            if any(self.logprobs[i] is not None for i in active):
-                log_probs = F.log_softmax(logits, dim=-1)
-                values = log_probs.gather(-1, chosen[:, None]).squeeze(-1).tolist()
-            for row, i in enumerate(active):
-                request, generated = self.requests[i], self.generated[i]
-                generated.append(int(chosen[row]))
-                if self.logprobs[i] is not None:
-                    self.logprobs[i].append(values[row])
-                    if self.top_logprobs[i] is not None:
-                        top, ids = log_probs[row].topk(request.top_logprobs)
-                        self.top_logprobs[i].append(list(zip(ids.tolist(), top.tolist(), strict=True)))
-                if self.on_token is not None:
-                    logprob = self.logprobs[i][-1] if self.logprobs[i] is not None else None
-                    top = self.top_logprobs[i][-1] if self.top_logprobs[i] is not None else None
-                    self.on_token(i, generated[-1], logprob, top)
-                if engine.stop_checker.should_stop(request.stop, generated):
-                    finish[row] = FINISHED_BY_STOP
-                elif request.cancelled:
-                    finish[row] = FINISHED_BY_CANCEL
-                elif len(generated) >= request.max_new_tokens:
-                    finish[row] = FINISHED_BY_LENGTH
-            chosen, finish = agree(self.engine.tp_group, chosen, finish)
-        else:
-            nothing = torch.empty(len(active), dtype=torch.long, device=logits.device)
-            chosen, finish = agree(self.engine.tp_group, nothing, finish)
-            for row, i in enumerate(active):
-                self.generated[i].append(int(chosen[row]))
-        if not any(finish):
-            return chosen, None
-        keep = [row for row, flag in enumerate(finish) if not flag]
-        for row, flag in enumerate(finish):
-            if flag:
-                i = active[row]
-                self.finished[i] = result = self._result(i, flag)
-                if self.on_finish is not None and engine.is_leader:
-                    self.on_finish(i, result)
-        self.active = [active[row] for row in keep]
-        if self.active:
-            self.cache.keep(torch.tensor(keep, dtype=torch.long, device=chosen.device))
-            self.sampler.keep(keep)
-        return chosen, keep
-
-    def _result(self, i: int, flag: int) -> GenerationResult:
-        request = self.requests[i]
-        return GenerationResult(tokens=list(request.prompt) + self.generated[i], prompt_length=len(request.prompt),
-                                finish_reason=FINISH_REASONS[flag], logprobs=self.logprobs[i],
-                                top_logprobs=self.top_logprobs[i])
+def _encoder_decoder_run(engine: EncoderDecoderEngine, requests: list[GenerationRequest],
+                         on_token: TokenCallback | None, on_finish: FinishCallback | None) -> list[GenerationResult]:
+    """Encode every prompt once, then decode from the start token; each step's logits go to the
+    shared :class:`~mega.inference.decode_step.DecodeStep`, and finished rows leave the encoder
+    output, its padding and the caches."""
+    device, model = engine.device, engine.model
+    longest = max(len(r.prompt) for r in requests)
+    prompts = torch.full((len(requests), longest), PAD_TOKEN, dtype=torch.long, device=device)
+    padding = torch.zeros(len(requests), longest, dtype=torch.bool, device=device)
+    for row, request in enumerate(requests):
+        prompts[row, : len(request.prompt)] = torch.tensor(request.prompt, device=device)
+        padding[row, : len(request.prompt)] = True
+    # The decoder predicts no prompt token: those positions' log-probabilities are None.
+    sequences = [DecodingSequence(r, logprobs=[None] * (len(r.prompt) - 1) if r.logprobs else None,
+                                  top_logprobs=[None] * (len(r.prompt) - 1) if r.top_logprobs else None)
+                 for r in requests]
+    step = engine.batch_step(sequences, on_token, on_finish)
+    cache = engine.cache_class(max(r.max_new_tokens for r in requests))
+    encoder_output = model.encode(prompts, padding)
+    step.join(sequences)  # every request generates at least one token (checked)
+    tokens = torch.full((len(requests), 1), engine.decoder_start_token, dtype=torch.long, device=device)
+    while step.sequences:
+        logits = engine.real_logits(model.decode(tokens, encoder_output, padding, cache, logits_to_keep=1)[-1])
+        outcome = step(logits)
+        if not step.sequences:
+            break
+        if len(outcome.kept) != len(outcome.chosen):
+            rows = torch.tensor(outcome.kept, dtype=torch.long, device=device)
+            encoder_output, padding = encoder_output[:, rows], padding[rows]
+            cache.keep(rows)
+        tokens = outcome.next_tokens[:, None]
+    return [s.result() for s in sequences]

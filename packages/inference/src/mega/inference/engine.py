@@ -11,56 +11,27 @@ Under tensor parallelism every rank of the tensor group runs ``generate`` on the
 (see :mod:`mega.inference.tp_serving`); the logits' vocabulary shards are gathered, the first
 rank of the group samples and decides who stops, and broadcasts both each step, so the ranks
 never disagree (cancellations, unseeded sampling and stop strings happen on the first rank only).
+Choosing tokens, log-probabilities and endings is :class:`~mega.inference.decode_step.DecodeStep`'s
+job, shared with every other engine path.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from mega.core.parallel import Group
 from mega.core.parallel.collectives import gather_along
-from mega.inference.sampling import GREEDY, Sampler, SamplingParams
-from mega.inference.stopping import StopChecker, StopRules
+from mega.inference.decode_step import DecodeStep, DecodingSequence, record_logprobs
+from mega.inference.requests import FinishReason, GenerationError, GenerationRequest, GenerationResult
+from mega.inference.stopping import StopChecker
 from mega.models.kv_cache import KVCache
 
+__all__ = ["EngineBase", "FinishReason", "GenerationEngine", "GenerationError", "GenerationRequest",
+           "GenerationResult"]
 
-class GenerationError(ValueError):
-    """A request the engine cannot run (empty prompt, longer than the model's positions)."""
-
-
-@dataclass
-class GenerationRequest:
-    prompt: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams = GREEDY
-    stop: StopRules = field(default_factory=StopRules)
-    logprobs: bool = False  # log-probability of every token after the first, prompt included
-    top_logprobs: int = 0  # also the n most likely tokens at each of those positions
-    # Set from another thread (a client went away): the sequence ends at the next step.
-    cancelled: bool = False
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[int]  # the prompt, then the generated tokens (a stop token included)
-    prompt_length: int
-    finish_reason: str  # "stop" (a stop rule), "length" (max_new_tokens) or "cancelled"
-    logprobs: list[float] | None = None  # of tokens[1:], each given the tokens before it
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # per position of tokens[1:]
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_length:]
-
-
-FINISHED_BY_STOP, FINISHED_BY_LENGTH, FINISHED_BY_CANCEL = 1, 2, 3
-FINISH_REASONS = {FINISHED_BY_STOP: "stop", FINISHED_BY_LENGTH: "length", FINISHED_BY_CANCEL: "cancelled"}
 
 # (request index, token, its logprob, the most likely (token, logprob) pairs at its position)
 TokenCallback = Callable[[int, int, "float | None", "list[tuple[int, float]] | None"], None]
@@ -85,20 +56,35 @@ class EngineBase:
     def is_leader(self) -> bool:
         return self.tp_group is None or self.tp_group.rank == 0
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def decode_step(self, on_token=None, on_finish=None) -> DecodeStep:
+        """A :class:`DecodeStep` over this engine's stop rules, device and tensor group."""
+        return DecodeStep(self.stop_checker, self.device, self.tp_group, on_token, on_finish)
+
+    def batch_step(self, sequences: Sequence[DecodingSequence], on_token: TokenCallback | None,
+                   on_finish: FinishCallback | None) -> DecodeStep:
+        """A :class:`DecodeStep` for one ``generate`` batch, whose callbacks name each sequence by
+        its index in ``sequences`` (the request's index), as ``generate``'s callers expect."""
+        index = {sequence: i for i, sequence in enumerate(sequences)}
+        return self.decode_step(
+            on_token=None if on_token is None else lambda s, *token: on_token(index[s], *token),
+            on_finish=None if on_finish is None else lambda s: on_finish(index[s], s.result()))
+
+    def real_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Fp32 logits over the real vocabulary, every tensor shard gathered."""
+        group = self.tp_group
+        if group is not None and group.size > 1:
+            logits = gather_along(logits, group, dim=-1)
+        return logits[..., : self.vocab_size].float()
+
     def check_prompt(self, request: GenerationRequest) -> None:
         if not request.prompt:
             raise GenerationError("the prompt is empty: give at least one token")
         if bad := [t for t in request.prompt if not 0 <= t < self.vocab_size]:
             raise GenerationError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-
-
-def agree(group: Group | None, chosen: torch.Tensor, finish: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """The first rank's tokens and finish flags, on every rank of the tensor group."""
-    if group is None or group.size == 1:
-        return chosen, finish
-    packed = torch.stack([chosen, torch.tensor(finish, device=chosen.device)])
-    dist.broadcast(packed, src=group.ranks[0], group=group.group)
-    return packed[0], packed[1].tolist()
 
 
 class GenerationEngine(EngineBase):
@@ -129,154 +115,60 @@ class GenerationEngine(EngineBase):
                 f"{total} exceeds the model's {self.max_positions} positions"
             )
 
+
+
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
+                logits_to_keep: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Fp32 logits ``[seq (or logits_to_keep), batch, vocab]`` of ``tokens`` ``[batch, seq]`` at
+        ``positions``, continuing what ``cache`` holds (any cache the model's attention takes:
+        :class:`KVCache`, the paged or the static one)."""
+        logits = self.model(tokens, positions, inference_cache=cache, logits_to_keep=logits_to_keep)
+        return self.real_logits(logits)
+
+    @property
+    def kv_head_repeats(self) -> int:
+        """Query heads per key head where the attention kernel repeats key heads itself
+        (everywhere but CUDA's native grouped-query attention), else 1."""
+        config = getattr(self.model, "config", None)
+        heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_query_groups", None)
+        if self.device.type == "cuda" or not heads or not groups:
+            return 1
+        return heads // groups
+
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest], on_token: TokenCallback | None = None,
                  on_finish: FinishCallback | None = None) -> list[GenerationResult]:
         for request in requests:
             self.check(request)
-        run = _BatchRun(self, list(requests), on_token, on_finish)
-        return run.results()
+        return _lock_step(self, list(requests), on_token, on_finish)
 
 
-class _BatchRun:
-    """One call of ``generate``: the batch's state while it runs."""
-
-    def __init__(self, engine: GenerationEngine, requests: list[GenerationRequest],
-                 on_token: TokenCallback | None, on_finish: FinishCallback | None):
-        self.engine, self.requests = engine, requests
-        self.on_token, self.on_finish = on_token, on_finish
-        device = engine.device
-        self.prompt_lengths = torch.tensor([len(r.prompt) for r in requests], device=device)
-        self.limits = [len(r.prompt) + r.max_new_tokens for r in requests]
-        self.tokens = torch.zeros(len(requests), max(self.limits), dtype=torch.long, device=device)
-        for row, request in enumerate(requests):
-            self.tokens[row, : len(request.prompt)] = torch.tensor(request.prompt)
-        self.active = list(range(len(requests)))  # request index of each row of the batch
-        self.cache = KVCache(max(self.limits))
-        self.sampler = Sampler([r.sampling for r in requests], device)
-        self.generated: list[list[int]] = [[] for _ in requests]
-        self.logprobs: list[list[float] | None] = [[] if r.logprobs else None for r in requests]
-        self.top_logprobs: list[list | None] = [[] if r.top_logprobs else None for r in requests]
-        self.finished: dict[int, GenerationResult] = {}
-
-    def results(self) -> list[GenerationResult]:
-        length = int(self.prompt_lengths.min())
-        scoring_prompts = any(r.logprobs for r in self.requests)
-        logits = self._forward(self.tokens[:, :length], 0, None if scoring_prompts else 1)
-        self._record_prompt_logprobs(logits, length)
-        last = logits[-1]
-        # Sequences with nothing to generate and no prompt left to score end here.
-        kept = self._retire([FINISHED_BY_LENGTH if self.limits[i] <= length else 0 for i in self.active])
-        last = last[kept]
-        while self.active:
-            self._step(last, length)
-            length += 1
-            if self.active:
-                last = self._forward(self.tokens[self.active, length - 1: length], length - 1)[-1]
-        return [self.finished[i] for i in range(len(self.requests))]
-
-    def _forward(self, tokens: torch.Tensor, start: int, logits_to_keep: int | None = None) -> torch.Tensor:
-        """fp32 logits ``[seq (or logits_to_keep), batch, vocab]`` over the real vocabulary, all
-        tensor shards."""
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None, :]
-        logits = self.engine.model(tokens, positions, inference_cache=self.cache, logits_to_keep=logits_to_keep)
-        group = self.engine.tp_group
-        if group is not None and group.size > 1:
-            logits = gather_along(logits, group, dim=-1)
-        return logits[..., : self.engine.vocab_size].float()
-
-    def _record_prompt_logprobs(self, logits: torch.Tensor, length: int) -> None:
-        """Log-probabilities of the prompt tokens the first forward saw (after the first)."""
-        rows = [row for row, i in enumerate(self.active) if self.logprobs[i] is not None]
-        if not rows or length < 2 or not self.engine.is_leader:
-            return
-        log_probs = F.log_softmax(logits[:-1, rows], dim=-1).transpose(0, 1)  # [rows, length-1, V]
-        chosen = log_probs.gather(-1, self.tokens[rows, 1:length, None]).squeeze(-1)
-        for k, row in enumerate(rows):
-            i = self.active[row]
-            self.logprobs[i].extend(chosen[k].tolist())
-            if self.top_logprobs[i] is not None:
-                self.top_logprobs[i].extend(_top(log_probs[k], self.requests[i].top_logprobs))
-
-    def _step(self, logits: torch.Tensor, position: int) -> None:
-        """Choose the token at ``position`` for every row; retire the rows that end there."""
-        active, engine = self.active, self.engine
-        in_prompt = self.prompt_lengths[active] > position
-        finish = [0] * len(active)
-        if engine.is_leader:
-            in_prompt_list = in_prompt.tolist()
-            drawing = [not prompt for prompt in in_prompt_list]
-            sampled = self.sampler.sample(logits, drawing)
-            chosen = torch.where(in_prompt, self.tokens[active, position], sampled)
-            self.sampler.observe(chosen, drawing)
-            self._add(chosen, in_prompt)
-            self._record_step_logprobs(logits, chosen)
-            for row, i in enumerate(active):
-                request, generated = self.requests[i], self.generated[i]
-                if not in_prompt_list[row]:
-                    if self.on_token is not None:
-                        logprob = self.logprobs[i][-1] if self.logprobs[i] is not None else None
-                        top = self.top_logprobs[i][-1] if self.top_logprobs[i] is not None else None
-                        self.on_token(i, generated[-1], logprob, top)
-                    if engine.stop_checker.should_stop(request.stop, generated):
-                        finish[row] = FINISHED_BY_STOP
-                if request.cancelled:
-                    finish[row] = FINISHED_BY_CANCEL
-                elif not finish[row] and position + 1 >= self.limits[i]:
-                    finish[row] = FINISHED_BY_LENGTH
-            chosen, finish = agree(self.engine.tp_group, chosen, finish)
-        else:
-            nothing = torch.empty(len(active), dtype=torch.long, device=logits.device)
-            chosen, finish = agree(self.engine.tp_group, nothing, finish)
-            self._add(chosen, in_prompt)
-        self.tokens[active, position] = chosen
-        self._retire(finish)
-
-    def _add(self, chosen: torch.Tensor, in_prompt: torch.Tensor) -> None:
-        for i, token, prompt in zip(self.active, chosen.tolist(), in_prompt.tolist(), strict=True):
-            if not prompt:
-                self.generated[i].append(token)
-
-    def _record_step_logprobs(self, logits: torch.Tensor, chosen: torch.Tensor) -> None:
-        rows = [row for row, i in enumerate(self.active) if self.logprobs[i] is not None]
-        if not rows:
-            return
-        log_probs = F.log_softmax(logits[rows], dim=-1)
-        values = log_probs.gather(-1, chosen[rows, None]).squeeze(-1).tolist()
-        for k, row in enumerate(rows):
-            i = self.active[row]
-            self.logprobs[i].append(values[k])
-            if self.top_logprobs[i] is not None:
-                self.top_logprobs[i].extend(_top(log_probs[k : k + 1], self.requests[i].top_logprobs))
-
-    def _retire(self, finish: list[int]) -> list[int]:
-        """Hand out the results of the rows flagged in ``finish`` and drop them from the batch;
-        return the rows kept."""
-        if not any(finish):
-            return list(range(len(finish)))
-        keep = [row for row, flag in enumerate(finish) if not flag]
-        for row, flag in enumerate(finish):
-            if flag:
-                i = self.active[row]
-                self.finished[i] = result = self._result(i, flag)
-                if self.on_finish is not None and self.engine.is_leader:
-                    self.on_finish(i, result)
-        self.active = [self.active[row] for row in keep]
-        if self.active:
-            self.cache.keep(torch.tensor(keep, device=self.tokens.device))
-            self.sampler.keep(keep)
-        return keep
-
-    def _result(self, i: int, flag: int) -> GenerationResult:
-        request = self.requests[i]
-        return GenerationResult(
-            tokens=list(request.prompt) + self.generated[i], prompt_length=len(request.prompt),
-            finish_reason=FINISH_REASONS[flag], logprobs=self.logprobs[i], top_logprobs=self.top_logprobs[i],
-        )
-
-
-def _top(log_probs: torch.Tensor, n: int) -> list[list[tuple[int, float]]]:
-    """The ``n`` most likely (token, log-probability) pairs of each row of ``log_probs``."""
-    values, ids = log_probs.topk(n, dim=-1)
-    rows = zip(ids.tolist(), values.tolist(), strict=True)
-    return [list(zip(row_ids, row_values, strict=True)) for row_ids, row_values in rows]
+def _lock_step(engine: GenerationEngine, requests: list[GenerationRequest], on_token: TokenCallback | None,
+               on_finish: FinishCallback | None) -> list[GenerationResult]:
+    """One call of ``generate``: the first forward covers every prompt's first ``min(lengths)``
+    tokens, then each step feeds one token per row (the next prompt token or the one drawn)."""
+    device = engine.device
+    length = min(len(r.prompt) for r in requests)
+    sequences = [DecodingSequence(request, known=length) for request in requests]
+    step = engine.batch_step(sequences, on_token, on_finish)
+    cache = KVCache(max(s.limit for s in sequences))
+    prompts = torch.tensor([r.prompt[:length] for r in requests], device=device)
+    scoring = any(r.logprobs for r in requests)
+    logits = engine.forward(prompts, torch.arange(length, device=device)[None, :], cache, None if scoring else 1)
+    if scoring and engine.is_leader:
+        for row, sequence in enumerate(sequences):
+            record_logprobs(sequence, logits[:-1, row], prompts[row, 1:])
+    joined = step.join(sequences)
+    if len(joined) != len(sequences) and joined:
+        cache.keep(torch.tensor(joined, device=device))
+    last = logits[-1, joined]
+    while step.sequences:
+        outcome = step(last)
+        if not step.sequences:
+            break
+        if len(outcome.kept) != len(outcome.chosen):
+            cache.keep(torch.tensor(outcome.kept, device=device))
+        last = engine.forward(outcome.next_tokens[:, None], torch.tensor([[length]], device=device), cache, 1)[-1]
+        length += 1
+    return [s.result() for s in sequences]

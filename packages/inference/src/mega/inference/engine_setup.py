@@ -25,10 +25,11 @@ class EngineSetup:
     tp_group: Group
 
 
-def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup | None:
+def setup_engine(args: argparse.Namespace, command: str, generate_for=None) -> EngineSetup | None:
     """The engine for ``mega <command>`` on the leading rank; None on the other ranks of the
     tensor group, once they have followed the leader's batches to the end. A model or tokenizer
-    that cannot be loaded ends the command with one line naming the problem."""
+    that cannot be loaded ends the command with one line naming the problem. ``generate_for(engine)``:
+    how the leader generates (the engine's own ``generate`` by default), which the followers run too."""
     init_distributed()
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     groups = ParallelGroups(ParallelConfig(tp=world))
@@ -41,7 +42,7 @@ def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup | None:
     engine = engine_class(loaded.model, vocab_size=loaded.config.vocab_size,
                           max_positions=loaded.max_positions, tokenizer=loaded.tokenizer, tp_group=groups.tp)
     if not engine.is_leader:
-        follow(engine, groups.tp)
+        follow(engine, groups.tp, generate_for(engine) if generate_for is not None else None)
         return None
     if loaded.tokenizer is None:
         lead(None, groups.tp)

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--strict-lambada", action="store_true",
                        help="lambada: the last whitespace-separated word, not the last token")
     group.add_argument("--micro-batch-size", type=int, default=8, help="windows per forward (default 8)")
+    parser.add_argument("--json", action="store_true",
+                        help="the result is printed as JSON with or without it (as every report command takes --json)")
     return parser
 
 
@@ -64,11 +66,12 @@ def read_texts(path: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     for flag in ("seq_length", "overlapping_eval", "micro_batch_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            raise SystemExit(f"mega eval: error: --{flag.replace('_', '-')} must be positive, got {value}")
+            parser.error(f"--{flag.replace('_', '-')} must be positive, got {value}")  # exit 2, as argparse's
     try:
         texts = read_texts(args.valid_data)
     except ValueError as error:
@@ -92,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if loaded.tokenizer is None:
         raise SystemExit("mega eval: error: the checkpoint names no tokenizer: give --tokenizer-type (and its files)")
     seq_length = args.seq_length or loaded.max_positions
-    if seq_length > loaded.max_positions:
-        raise SystemExit(f"mega eval: error: --seq-length {seq_length} exceeds the model's {loaded.max_positions} "
-                         "positions")
+    if seq_length > loaded.max_positions:  # a flag the model cannot take: exit 2, as `mega generate --max-tokens`
+        print(f"mega eval: error: --seq-length {seq_length} exceeds the model's {loaded.max_positions} positions",
+              file=sys.stderr)
+        return 2
     device = next(loaded.model.parameters()).device
     tp = groups.tp if groups.tp.size > 1 else None
     try:

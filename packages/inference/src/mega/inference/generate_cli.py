@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt (default 64)")
     choice = group.add_mutually_exclusive_group()
     choice.add_argument("--greedy", action="store_true", help="always the most likely token")
-    choice.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    choice.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature (default 1.0); 0 is greedy, as --greedy (and as the server, "
+                             "OpenAI and transformers take it)")
     group.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     group.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling probability (0: off)")
     group.add_argument("--seed", type=int, help="sampling seed (prompt i uses seed + i): runs reproduce")
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--stop-on-eol", action="store_true", help="stop at the first newline")
     group.add_argument("--stop-on-double-eol", action="store_true", help="stop at a blank line")
     group.add_argument("--max-batch-size", type=int, default=32, help="prompts generated together (default 32)")
-    add_decoding_arguments(group, "one process, without --logprobs")
+    add_decoding_arguments(group, "for decoder-only models (under tensor parallelism only when asked)")
     group = parser.add_argument_group("output")
     group.add_argument("--echo", action="store_true", help="print the prompt before its continuation")
     group.add_argument("--json", action="store_true",
@@ -63,20 +65,23 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.temperature >= 0:
+        parser.error(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     from mega.inference.engine import GenerationError, GenerationRequest
     from mega.inference.engine_setup import setup_engine
     from mega.inference.sampling import GREEDY, SamplingError, SamplingParams
-    from mega.inference.static_decode import StaticDecoder, static_kv_cache_wanted
     from mega.inference.stopping import StopRules
     from mega.inference.tp_serving import lead
 
-    setup = setup_engine(args, "generate")
+    setup = setup_engine(args, "generate", generate_for=lambda engine: generate_for(args, engine))
     if setup is None:  # a follower: the leader's batches have ended
         return 0
     try:
         tokenizer = setup.loaded.tokenizer
-        sampling = GREEDY if args.greedy else SamplingParams(args.temperature, args.top_k, args.top_p)
+        greedy = args.greedy or args.temperature == 0
+        sampling = GREEDY if greedy else SamplingParams(args.temperature, args.top_k, args.top_p)
         stop = StopRules(stop_ids=frozenset({tokenizer.eod}), stop_strings=tuple(args.stop),
                          stop_on_eol=args.stop_on_eol, stop_on_double_eol=args.stop_on_double_eol)
         prompts = read_prompts(args)
@@ -89,11 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             requests.append(GenerationRequest(ids, args.max_tokens, SamplingParams(
                 sampling.temperature, sampling.top_k, sampling.top_p, seed), stop, logprobs=args.logprobs))
             setup.engine.check(requests[-1])
-        generate = setup.engine.generate
-        if static_kv_cache_wanted(args.static_kv_cache, setup.engine.device, not args.logprobs and
-                                  setup.tp_group.size == 1, "one process and without --logprobs"):
-            cuda_graphs = setup.engine.device.type == "cuda" and args.cuda_graphs
-            generate = StaticDecoder(setup.engine, use_cuda_graphs=cuda_graphs).generate
+        generate = generate_for(args, setup.engine)
         for start in range(0, len(requests), args.max_batch_size):
             batch = requests[start: start + args.max_batch_size]
             lead(batch, setup.tp_group)
@@ -105,6 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         lead(None, setup.tp_group)
     return 0
+
+
+def generate_for(args: argparse.Namespace, engine):
+    """The leader's and the followers' ``generate``: the static KV cache's where wanted (by default
+    on CUDA in one process; under tensor parallelism when asked: its graphs would hold the
+    collectives), else the engine's. Decoder-only models; log-probabilities included."""
+    from mega.inference.encoder_decoder import is_encoder_decoder
+    from mega.inference.static_decode import StaticDecoder, static_kv_cache_wanted
+
+    tensor_parallel = engine.tp_group is not None and engine.tp_group.size > 1
+    requested = False if args.static_kv_cache is None and tensor_parallel else args.static_kv_cache
+    if static_kv_cache_wanted(requested, engine.device, not is_encoder_decoder(engine.model),
+                              "for decoder-only models"):
+        return StaticDecoder(engine, use_cuda_graphs=engine.device.type == "cuda" and args.cuda_graphs).generate
+    return engine.generate
 
 
 def print_result(args, tokenizer, prompt: str, result, stop) -> None:

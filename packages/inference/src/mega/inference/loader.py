@@ -111,7 +111,7 @@ def _open_hugging_face(path: Path, plugins):
         checkpoint_format = plugins.checkpoint_formats.get(HF_FORMAT)
     except PluginError as error:
         raise LoadError(f"--load {path} is a Hugging Face directory, which needs the {HF_FORMAT!r} checkpoint "
-                        f"format (pip install -e packages/ckpt-convert, from the mega repository): {error}") from None
+                        f"format (pip install -c constraints.txt -e packages/ckpt-convert, from the mega repository): {error}") from None
     return checkpoint_format.open(path)
 
 

@@ -53,6 +53,8 @@ class ServerMetrics:
         self.steps = 0
         self.running = 0
         self.queued = 0
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of those, found there (not prefilled)
 
     def request(self, route: str, status: int, seconds: float) -> None:
         with self._lock:
@@ -73,6 +75,15 @@ class ServerMetrics:
             self.running, self.queued = running, queued
             self.generated_tokens += tokens
             self.occupancy.observe(running / capacity if capacity else 0.0)
+
+    def prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        """The prefix cache's running totals (the allocator counts them)."""
+        with self._lock:
+            self.prefix_queried_tokens, self.prefix_hit_tokens = queried_tokens, hit_tokens
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
     def render(self) -> str:
         with self._lock:
@@ -95,5 +106,13 @@ class ServerMetrics:
                       "# HELP mega_running_sequences Sequences in the running batch.",
                       "# TYPE mega_running_sequences gauge", f"mega_running_sequences {self.running}",
                       "# HELP mega_queued_sequences Sequences waiting for the engine.",
-                      "# TYPE mega_queued_sequences gauge", f"mega_queued_sequences {self.queued}"]
+                      "# TYPE mega_queued_sequences gauge", f"mega_queued_sequences {self.queued}",
+                      "# HELP mega_prefix_cache_queries_total Prompt tokens looked up in the prefix cache.",
+                      "# TYPE mega_prefix_cache_queries_total counter",
+                      f"mega_prefix_cache_queries_total {self.prefix_queried_tokens}",
+                      "# HELP mega_prefix_cache_hits_total Prompt tokens found in the prefix cache (not prefilled).",
+                      "# TYPE mega_prefix_cache_hits_total counter", f"mega_prefix_cache_hits_total {self.prefix_hit_tokens}",
+                      "# HELP mega_prefix_cache_hit_rate Hits over queries since the start.",
+                      "# TYPE mega_prefix_cache_hit_rate gauge",
+                      f"mega_prefix_cache_hit_rate {self.prefix_cache_hit_rate:.6f}"]
         return "\n".join(lines) + "\n"

@@ -41,10 +41,6 @@ class BlockAllocator:
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
 
-    @property
-    def free_blocks(self) -> int:
-        return len(self._free)
-
     def can_hold(self, tokens: int) -> bool:
         return self.blocks_for(tokens) <= len(self._free)
 

@@ -5,8 +5,15 @@ Megatron's order: logits are divided by the temperature, then filtered by top-k 
 token always stays), then sampled. ``top_k == 1`` is greedy, as in Megatron's API.
 
 Every sequence draws from its own CPU random stream, one uniform number per step, and picks its
-token by inverse transform of the filtered distribution. So a seeded request gives the same
-tokens whichever other requests share its batch, and on every device.
+token by inverse transform of the filtered distribution (its tokens sorted most likely first).
+So a seeded request gives the same tokens whichever other requests share its batch, and on every
+device.
+
+No step waits for the device: each stream's numbers are drawn ahead on the CPU, a block of
+``DRAWS_AHEAD`` at a time (the same numbers, in the same order, as one draw per step), and sit
+on the device with each row's count of those used; the settings that decide the path (all
+greedy? penalties?) are known on the host. So :meth:`Sampler.sample` is tensor operations only,
+which a captured decode step can hold.
 
 Before any of that, OpenAI's adjustments change the logits (greedy choices too): ``logit_bias``
 adds a fixed value per token id, and ``presence_penalty`` / ``frequency_penalty`` subtract
@@ -60,15 +67,20 @@ SEED_LIMIT = 2**64  # torch.Generator takes an unsigned 64-bit seed
 GREEDY = SamplingParams(top_k=1)
 
 
+DRAWS_AHEAD = 32  # uniform numbers drawn per stream at a time
+
+
 class Sampler:
     """The sampling state of a batch: settings as tensors, one random stream per sequence.
 
     Rows leave (:meth:`keep`) as sequences finish and join (:meth:`extend`) under continuous
-    batching; each row's stream and penalty counts travel with it.
+    batching; each row's stream, its numbers drawn ahead and its penalty counts travel with it.
     """
 
     def __init__(self, params: Sequence[SamplingParams], device: torch.device):
-        self.greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device)
+        self.device = device
+        self.greedy_rows = [p.greedy for p in params]  # on the host: no step asks the device
+        self.greedy = torch.tensor(self.greedy_rows, dtype=torch.bool, device=device)
         self.temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
         self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
         self.top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 0.0 for p in params], device=device)
@@ -83,25 +95,37 @@ class Sampler:
         # [batch, vocab] counts of generated tokens and logit biases, once the vocabulary is known.
         self.counts: torch.Tensor | None = None
         self.bias_values: torch.Tensor | None = None
+        # Each row's numbers drawn ahead [batch, drawn], and how many it has used (on the device
+        # for the step, mirrored on the host to know when to draw more).
+        self.uniforms = torch.zeros(len(params), 0, device=device)
+        self.used = torch.zeros(len(params), dtype=torch.long, device=device)
+        self.used_rows = [0] * len(params)
 
-    _ROW_TENSORS = ("greedy", "temperature", "top_k", "top_p", "presence", "frequency")
+    _ROW_TENSORS = ("greedy", "temperature", "top_k", "top_p", "presence", "frequency", "uniforms", "used")
 
     def keep(self, rows: list[int]) -> None:
         """Keep the streams and settings of the sequences at ``rows`` (the others finished)."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.greedy.device)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
         for name in self._ROW_TENSORS:
             setattr(self, name, getattr(self, name)[index])
         self.generators = [self.generators[row] for row in rows]
         self.bias = [self.bias[row] for row in rows]
+        self.greedy_rows = [self.greedy_rows[row] for row in rows]
+        self.used_rows = [self.used_rows[row] for row in rows]
         if self.counts is not None:
             self.counts, self.bias_values = self.counts[index], self.bias_values[index]
 
     def extend(self, other: Sampler) -> None:
         """Add ``other``'s rows after this batch's (sequences joining a running batch)."""
+        width = max(self.uniforms.shape[1], other.uniforms.shape[1])
+        self._draw_ahead(width - self.uniforms.shape[1])
+        other._draw_ahead(width - other.uniforms.shape[1])
         for name in self._ROW_TENSORS:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.generators += other.generators
         self.bias += other.bias
+        self.greedy_rows += other.greedy_rows
+        self.used_rows += other.used_rows
         self.adjusted = self.adjusted or other.adjusted
         if self.counts is not None or other.counts is not None:
             vocab = (self.counts if self.counts is not None else other.counts).shape[-1]
@@ -109,11 +133,19 @@ class Sampler:
             self.counts = torch.cat([mine[0], theirs[0]])
             self.bias_values = torch.cat([mine[1], theirs[1]])
 
+    def _draw_ahead(self, count: int) -> None:
+        """``count`` more numbers of every row's stream, on the device."""
+        if count <= 0:
+            return
+        drawn = [torch.rand(count, generator=g) for g in self.generators]
+        more = torch.stack(drawn).to(self.device) if drawn else torch.zeros(0, count)
+        self.uniforms = torch.cat([self.uniforms, more.to(self.device)], dim=1)
+
     def _materialised(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.counts is None:
-            rows, device = len(self.generators), self.greedy.device
-            self.counts = torch.zeros(rows, vocab, device=device)
-            self.bias_values = torch.zeros(rows, vocab, device=device)
+            rows = len(self.generators)
+            self.counts = torch.zeros(rows, vocab, device=self.device)
+            self.bias_values = torch.zeros(rows, vocab, device=self.device)
             for row, bias in enumerate(self.bias):
                 for token, value in bias:
                     if token < vocab:
@@ -127,40 +159,50 @@ class Sampler:
         counts, bias_values = self._materialised(logits.shape[-1])
         return logits + bias_values - self.presence * (counts > 0) - self.frequency * counts
 
+    def _mask(self, rows: Sequence[bool]) -> torch.Tensor | None:
+        """``rows`` as a device mask; None where every row is in it."""
+        return None if all(rows) else torch.tensor(rows, dtype=torch.bool, device=self.device)
+
     def observe(self, tokens: torch.Tensor, generated: Sequence[bool]) -> None:
         """Count ``tokens`` for the penalties where ``generated`` (not prompt tokens)."""
         if not self.adjusted or self.counts is None:
             return
-        rows = torch.tensor(generated, device=tokens.device).nonzero(as_tuple=True)[0]
-        self.counts.index_put_((rows, tokens[rows]), torch.ones_like(rows, dtype=self.counts.dtype), accumulate=True)
+        mask = self._mask(generated)
+        ones = torch.ones(len(generated), 1, dtype=self.counts.dtype, device=self.device)
+        self.counts.scatter_add_(1, tokens[:, None], ones if mask is None else ones * mask[:, None])
 
     def sample(self, logits: torch.Tensor, drawing: Sequence[bool]) -> torch.Tensor:
-        """Token ids ``[batch]`` from fp32 logits ``[batch, vocab]``.
+        """Token ids ``[batch]`` from fp32 logits ``[batch, vocab]``, on the device.
 
-        Only the sequences flagged in ``drawing`` advance their streams (the others are still
-        being fed their prompts), so a stream's draws never depend on its batch-mates.
+        Only the sequences flagged in ``drawing`` use up a number of their streams (the others
+        are still being fed their prompts), so a stream's draws never depend on its batch-mates.
         """
         logits = self.adjust(logits)
         greedy_tokens = logits.argmax(dim=-1)
-        if bool(self.greedy.all()):
+        if all(self.greedy_rows):
             return greedy_tokens
-        uniform = torch.tensor([torch.rand((), generator=g).item() if draw else 0.0
-                                for g, draw in zip(self.generators, drawing, strict=True)], device=logits.device)
-        scaled = logits / self.temperature
-        if bool((self.top_k > 0).any() or (self.top_p > 0).any()):
-            scaled, order = scaled.sort(dim=-1, descending=True)
-            ranks = torch.arange(scaled.shape[-1], device=logits.device)
-            removed = (self.top_k[:, None] > 0) & (ranks >= self.top_k[:, None])
-            probs = scaled.masked_fill(removed, float("-inf")).softmax(dim=-1)
-            # A token goes when the tokens more likely than it already reach top_p.
-            removed |= (self.top_p[:, None] > 0) & (probs.cumsum(dim=-1) - probs > self.top_p[:, None])
-            probs = scaled.masked_fill(removed, float("-inf")).softmax(dim=-1)
-        else:
-            order, removed, probs = None, None, scaled.softmax(dim=-1)
+        if any(used >= self.uniforms.shape[1] for used, draw in zip(self.used_rows, drawing, strict=True) if draw):
+            self._draw_ahead(DRAWS_AHEAD)
+        mask = self._mask(drawing)
+        uniform = self.uniforms.gather(1, self.used[:, None].clamp(max=self.uniforms.shape[1] - 1))
+        self.used += 1 if mask is None else mask.long()
+        self.used_rows = [used + bool(draw) for used, draw in zip(self.used_rows, drawing, strict=True)]
+        return torch.where(self.greedy, greedy_tokens, self.draw(logits, uniform))
+
+    def draw(self, logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """Each row's token for its number ``uniform`` ``[batch, 1]``: the temperature, top-k and
+        top-p applied over the tokens sorted most likely first, then the inverse transform."""
+        # Every row draws over its tokens sorted most likely first, filtered or not: the token a
+        # draw picks must not depend on whether a batch-mate's top-k or top-p sorted the batch.
+        scaled, order = (logits / self.temperature).sort(dim=-1, descending=True)
+        ranks = torch.arange(scaled.shape[-1], device=logits.device)
+        removed = (self.top_k[:, None] > 0) & (ranks >= self.top_k[:, None])
+        probs = scaled.masked_fill(removed, float("-inf")).softmax(dim=-1)
+        # A token goes when the tokens more likely than it already reach top_p.
+        removed |= (self.top_p[:, None] > 0) & (probs.cumsum(dim=-1) - probs > self.top_p[:, None])
+        probs = scaled.masked_fill(removed, float("-inf")).softmax(dim=-1)
         cumulative = probs.cumsum(dim=-1)
-        picked = torch.searchsorted(cumulative, uniform[:, None], right=True)
+        picked = torch.searchsorted(cumulative, uniform, right=True)
         # Rounding can leave the total a hair below the draw: fall back to the last kept token.
-        last_kept = (probs.shape[-1] - 1) if removed is None else (~removed).sum(-1, keepdim=True) - 1
-        picked = torch.minimum(picked, torch.as_tensor(last_kept, device=logits.device))
-        sampled = (order.gather(-1, picked) if order is not None else picked).squeeze(-1)
-        return torch.where(self.greedy, greedy_tokens, sampled)
+        picked = torch.minimum(picked, (~removed).sum(-1, keepdim=True) - 1)
+        return order.gather(-1, picked).squeeze(-1)

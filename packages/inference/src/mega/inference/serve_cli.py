@@ -7,6 +7,7 @@ serves HTTP and hands every engine batch to the other ranks, which follow until 
 from __future__ import annotations
 
 import argparse
+import os
 
 from mega.core.cli.argparser import CommandParser
 from mega.inference.embed_cli import add_embedding_arguments, is_encoder_checkpoint, serve_embeddings
@@ -27,7 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
     group.add_argument("--port", type=int, default=5000, help="port (default 5000)")
-    group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the generation routes")
+    group.add_argument("--api-key", default=os.environ.get("MEGA_API_KEY") or None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health and /v1/health "
+                            "(default: the MEGA_API_KEY environment variable, else no key)")
+    group.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                       help="the longest sequence (prompt and generated tokens) a request may ask for, at most the "
+                            "model's positions (default: the model's positions); also what a static KV cache slot "
+                            "holds")
+    group.add_argument("--max-request-bytes", type=int, default=4 << 20, metavar="BYTES",
+                       help="a request body larger than this is refused with 413 (default 4 MiB)")
+    group.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                       help="a request not answered within this is cancelled and gets 408 (default: no limit)")
     group.add_argument("--max-batch-size", type=int, default=32,
                        help="sequences the engine runs together; concurrent requests share batches (default 32)")
     group.add_argument("--batching", choices=["continuous", "lockstep"], default="continuous",
@@ -39,34 +50,59 @@ def build_parser() -> argparse.ArgumentParser:
                             "request is admitted once its prompt and max tokens fit (default: --max-batch-size "
                             "times the model's positions); with the static KV cache, a slot of the model's "
                             "positions per sequence")
-    add_decoding_arguments(group, "with continuous batching (the paged cache's place; without --max-num-tokens "
-                                  "when on by default)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="continuous batching on the paged KV cache: keep the cache blocks of prompts' full "
+                            "16-token blocks, keyed by the hash of their prefix, and share them with later prompts "
+                            "that start the same (those prefill only the rest; least recently used blocks are "
+                            "evicted when room is needed). Default: on wherever the paged cache runs")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                       help="continuous batching: tokens one engine step computes at most (one per decoding "
+                            "sequence, the rest prompt tokens), so long prompts are prefilled in chunks between "
+                            "decode steps; at least --max-batch-size (default: each prompt prefilled whole)")
+    add_decoding_arguments(group, "with continuous batching (the paged cache's place; by default without "
+                                  "--max-num-tokens) and, when asked, with lock-step batches (tensor-parallel "
+                                  "serving); decoder-only models")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level")
     return parser
 
 
-def static_kv_cache(args: argparse.Namespace, device, lockstep: bool) -> bool:
-    """Whether continuous batching runs on the static KV cache: as asked, else on CUDA unless
-    ``--max-num-tokens`` sizes a paged cache."""
+def static_kv_cache(args: argparse.Namespace, device, lockstep: bool, decoder_only: bool = True) -> bool:
+    """Whether the server decodes on the static KV cache: as asked, else on CUDA under continuous
+    batching unless ``--max-num-tokens`` sizes a paged cache. Lock-step batches (tensor-parallel
+    serving) use it only when asked: their captured graphs would hold the collectives."""
     from mega.inference.static_decode import static_kv_cache_wanted
 
     requested = args.static_kv_cache
-    if requested is None and args.max_num_tokens is not None:
+    if requested is None and (args.max_num_tokens is not None or lockstep):
         requested = False
-    return static_kv_cache_wanted(requested, device, not lockstep,
-                                  "with continuous batching: in one process, for a decoder-only model")
+    return static_kv_cache_wanted(requested, device, decoder_only, "for decoder-only models")
+
+
+def lockstep_generate(args: argparse.Namespace, engine, lockstep: bool = True):
+    """How lock-step batches generate, on the leader and the followers alike: the static KV
+    cache's decoder where it is on, else the engine."""
+    from mega.inference.encoder_decoder import is_encoder_decoder
+    from mega.inference.static_decode import StaticDecoder
+
+    if static_kv_cache(args, engine.device, lockstep, not is_encoder_decoder(engine.model)):
+        return StaticDecoder(engine, use_cuda_graphs=args.cuda_graphs and engine.device.type == "cuda").generate
+    return engine.generate
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.static_kv_cache and args.batching == "lockstep":
-        parser.error("--static-kv-cache runs with continuous batching, not --batching lockstep")
-    for flag in ("max_batch_size", "max_num_tokens"):
+    for flag in ("max_batch_size", "max_num_tokens", "max_model_len", "max_request_bytes", "request_timeout",
+                 "max_num_batched_tokens"):
         value = getattr(args, flag)
-        if value is not None and value < 1:
+        if value is not None and value <= 0:
             raise SystemExit(f"mega serve: error: --{flag.replace('_', '-')} must be positive, got {value}")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.max_batch_size:
+        parser.error(f"--max-num-batched-tokens {args.max_num_batched_tokens} must be at least --max-batch-size "
+                     f"{args.max_batch_size} (every running sequence decodes a token per step)")
+    if args.enable_prefix_caching and args.static_kv_cache:
+        parser.error("--enable-prefix-caching shares paged KV cache blocks: not with --static-kv-cache")
     if is_encoder_checkpoint(args.load):  # an encoder serves POST /v1/embeddings instead
         return serve_embeddings(args)
     import uvicorn
@@ -80,27 +116,44 @@ def main(argv: list[str] | None = None) -> int:
     from mega.inference.service import InferenceService
     from mega.inference.tp_serving import lead
 
-    setup = setup_engine(args, "serve")
+    setup = setup_engine(args, "serve", generate_for=lambda engine: lockstep_generate(args, engine))
     if setup is None:  # a follower: the leader has stopped serving
         return 0
+    if args.max_model_len is not None:
+        if args.max_model_len > setup.engine.max_positions:
+            lead(None, setup.tp_group)
+            raise SystemExit(f"mega serve: error: --max-model-len {args.max_model_len} exceeds the model's "
+                             f"{setup.engine.max_positions} positions")
+        setup.engine.max_positions = args.max_model_len
     # Encoder-decoder models (T5) run lock-step batches in their own engine (no paged cache).
     lockstep = args.batching == "lockstep" or setup.tp_group.size > 1 or is_encoder_decoder(setup.engine.model)
     try:
-        static = static_kv_cache(args, setup.engine.device, lockstep)
+        static = static_kv_cache(args, setup.engine.device, lockstep, not is_encoder_decoder(setup.engine.model))
     except GenerationError as error:
         lead(None, setup.tp_group)  # the other ranks stop following
         raise SystemExit(f"mega serve: error: {error}") from None
+    if lockstep and (args.enable_prefix_caching or args.max_num_batched_tokens is not None):
+        lead(None, setup.tp_group)
+        raise SystemExit("mega serve: error: --enable-prefix-caching and --max-num-batched-tokens run with continuous "
+                         "batching (one process, a decoder-only model), not lock-step batches")
     if not lockstep:
+        if args.enable_prefix_caching and static:
+            lead(None, setup.tp_group)
+            raise SystemExit("mega serve: error: --enable-prefix-caching shares paged KV cache blocks; the static KV "
+                             "cache (on by default on CUDA) has none: add --no-static-kv-cache")
         worker = ContinuousBatchingWorker(setup.engine, args.max_batch_size, args.max_num_tokens, static_cache=static,
-                                          use_cuda_graphs=args.cuda_graphs and setup.engine.device.type == "cuda")
+                                          use_cuda_graphs=args.cuda_graphs and setup.engine.device.type == "cuda",
+                                          prefix_caching=not static and args.enable_prefix_caching is not False,
+                                          max_num_batched_tokens=args.max_num_batched_tokens)
     else:
         worker = BatchingWorker(setup.engine, args.max_batch_size,
-                                before_batch=lambda requests: lead(requests, setup.tp_group))
+                                before_batch=lambda requests: lead(requests, setup.tp_group),
+                                generate=lockstep_generate(args, setup.engine) if static else None)
     service = InferenceService(setup.engine, worker, setup.loaded.tokenizer, setup.loaded.name,
-                               chat_template=setup.loaded.chat_template)
+                               chat_template=setup.loaded.chat_template, request_timeout=args.request_timeout)
     worker.start()
     try:
-        uvicorn.run(create_app(service, api_key=args.api_key), host=args.host, port=args.port,
+        uvicorn.run(create_app(service, api_key=args.api_key, max_body_bytes=args.max_request_bytes), host=args.host, port=args.port,
                     log_level=args.log_level)
     finally:
         worker.stop()

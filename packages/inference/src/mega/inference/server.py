@@ -1,12 +1,13 @@
 """The REST server: Megatron's ``PUT /api``; OpenAI-style ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models``; ``/tokenize``, ``/detokenize``,
-``/tokenizer_info``; ``GET /v1/health``; ``GET /metrics``.
+``/tokenizer_info``; ``GET /health`` (and ``/v1/health``); ``GET /metrics``.
 
 The OpenAPI schema and its browsable page are at ``/openapi.json`` and ``/docs``. Invalid
 requests get 400 with a message naming the field (Megatron's API answers with the message
 string, as Megatron does; ``/v1`` with OpenAI's error object, for every status: 400, 401, 404,
-405, 413 and 500); bodies over ``max_body_bytes`` get 413. With an API key, the generation
-routes want ``Authorization: Bearer KEY``.
+405, 408, 413 and 500); bodies over ``max_body_bytes`` get 413. With an API key every route but
+the health checks wants ``Authorization: Bearer KEY`` (compared in constant time; else 401 with
+OpenAI's error object), checked before the body is read.
 
 :func:`api_routers` is the one place that lists the routers; a new endpoint module adds its
 router there.
@@ -20,7 +21,7 @@ import logging
 import re
 import time
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
@@ -40,12 +41,12 @@ MAX_BODY_BYTES = 4 << 20  # 128 long prompts fit many times over
 def create_app(service: InferenceService, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="mega text generation", version=__version__,
                   description=f"Serving {service.model_name}: Megatron's PUT /api and OpenAI-style completions.")
-    guard = [Depends(_api_key_check(api_key))] if api_key else []
     routers = api_routers(service)
     for router in routers:
-        app.include_router(router, dependencies=guard)
+        app.include_router(router)
 
-    @app.get("/v1/health", summary="liveness")
+    @app.get("/health", summary="liveness (open without the API key)")
+    @app.get("/v1/health", summary="liveness (open without the API key)")
     async def health() -> dict:
         return {"status": "ok", "model": service.model_name}
 
@@ -58,30 +59,22 @@ def create_app(service: InferenceService, api_key: str | None = None, max_body_b
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    paths = {route.path for router in routers for route in router.routes} | {"/v1/health", "/metrics"}
+    if api_key:
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
+    paths = {route.path for router in routers for route in router.routes} | OPEN_PATHS | {"/metrics"}
     app.add_middleware(RequestMetrics, metrics=service.metrics, routes=paths)
     return app
 
 
 def api_routers(service: InferenceService) -> list[APIRouter]:
-    """Every router the server serves behind the API key (health and metrics stay open)."""
+    """Every router of the API (behind the API key, as every route but the health checks)."""
     return [megatron_router(service), completions_router(service), chat_router(service), tokenizer_router(service)]
-
-
-def _api_key_check(api_key: str):
-    expected = f"Bearer {api_key}".encode()
-
-    def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise RequestError("a valid API key is needed: Authorization: Bearer KEY", status=401)
-
-    return check
 
 
 # OpenAI's error types by status, for errors that name none.
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               413: "invalid_request_error", 500: "server_error"}
+               408: "timeout_error", 413: "invalid_request_error", 500: "server_error"}
+OPEN_PATHS = {"/health", "/v1/health"}  # what a load balancer probes: never behind the API key
 
 
 def openai_error(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
@@ -177,6 +170,34 @@ class RequestMetrics:
             self.metrics.request(route, status, time.monotonic() - start)
 
 
+class ApiKeyGuard:
+    """Every route but :data:`OPEN_PATHS` wants ``Authorization: Bearer KEY``: compared in
+    constant time (``hmac.compare_digest``), so the time taken says nothing of how much matched;
+    else 401 with OpenAI's error object, before the body is read."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        message = "a valid API key is needed: Authorization: Bearer KEY" if given else \
+            "no API key given: send Authorization: Bearer KEY"
+        await _send_json(send, 401, openai_error(message, 401, code="invalid_api_key"),
+                         [(b"www-authenticate", b"Bearer")])
+
+
+async def _send_json(send, status: int, content, headers=()) -> None:
+    body = json.dumps(content).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class BodySizeLimit:
     """Refuses (413) a request body larger than ``max_bytes``, counted as it arrives (a missing
     or false Content-Length does not get around it). The body is read here, then replayed."""
@@ -212,8 +233,5 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope, send) -> None:
-        message = f"the request body exceeds {self.max_bytes} bytes"
-        body = json.dumps(openai_error(message, 413) if speaks_openai(scope["path"]) else message).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        message = f"the request body exceeds {self.max_bytes} bytes (--max-request-bytes)"
+        await _send_json(send, 413, openai_error(message, 413) if speaks_openai(scope["path"]) else message)

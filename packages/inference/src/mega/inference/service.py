@@ -36,6 +36,7 @@ class InferenceService:
     tokenizer: object  # mega.core.tokenizer.Tokenizer
     model_name: str
     chat_template: object | None = None  # mega.inference.chat_template.ChatTemplate
+    request_timeout: float | None = None  # seconds a request may take (--request-timeout), else none
 
     @property
     def metrics(self):
@@ -94,7 +95,12 @@ class InferenceService:
             except GenerationError as error:
                 where = f"{param}[{index}]" if len(requests) > 1 else param
                 raise RequestError(f"{where}: {error}", param) from None
-        job = Job(requests, asyncio.get_running_loop(), stream=stream)
+        loop = asyncio.get_running_loop()
+        job = Job(requests, loop, stream=stream)
+        if self.request_timeout is not None:
+            error = RequestError(f"the request took longer than the server's {self.request_timeout:g} s "
+                                 "(--request-timeout)", status=408, kind="timeout")
+            loop.call_later(self.request_timeout, job.expire, error)
         self.worker.submit(job)
         return job
 

@@ -18,9 +18,8 @@ tensors the step reads (the window's positions and mask) are updated in place, s
 :class:`StaticDecoder` runs ``mega generate``'s batches on it; ``mega serve``'s continuous
 batching uses the same cache with one slot per running sequence
 (:class:`~mega.inference.continuous.ContinuousBatchingWorker`). On CPU the steps run eagerly,
-which is how the tests check they give the paged and lock-step engines' tokens. NOTE: the
-CUDA-graph capture follows PyTorch's documented ``torch.cuda.graph`` API but has not yet run on a
-GPU (none was available to this project's sessions since it was written).
+which is how the tests check they give the paged and lock-step engines' tokens. The CUDA-graph
+capture follows PyTorch's documented ``torch.cuda.graph`` API and has run on an H200 (issue 35).
 """
 
 from __future__ import annotations
@@ -30,9 +29,16 @@ from collections.abc import Sequence
 import torch
 
 from mega.core.kernels import AttentionMask
-from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest, GenerationResult
+from mega.inference.decode_step import DecodingSequence, record_logprobs
+from mega.inference.engine import (
+    FinishCallback,
+    GenerationEngine,
+    GenerationError,
+    GenerationRequest,
+    GenerationResult,
+    TokenCallback,
+)
 from mega.inference.paged_kv_cache import BlockAllocator
-from mega.inference.sampling import Sampler
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -160,8 +166,7 @@ class DecodeSteps:
 
     def eager(self, tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
         self.cache.bind_window(cached, 1)
-        logits = self.engine.model(tokens, cached[:, None], inference_cache=self.cache, logits_to_keep=1)
-        return logits[-1, :, : self.engine.vocab_size].float()
+        return self.engine.forward(tokens, cached[:, None], self.cache, 1)[-1]
 
     def __call__(self, tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
         if not self.use_cuda_graphs:
@@ -187,14 +192,14 @@ class DecodeSteps:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            static_logits = self.engine.model(static_tokens, static_cached[:, None], inference_cache=self.cache,
-                                              logits_to_keep=1)[-1, :, : self.engine.vocab_size].float()
+            static_logits = self.engine.forward(static_tokens, static_cached[:, None], self.cache, 1)[-1]
         return graph, static_tokens, static_cached, static_logits
 
 
 class StaticDecoder:
-    """Generates a batch with a :class:`SlotKVCache` (no logprobs: the fast path for plain
-    decoding); ``use_cuda_graphs`` replays a captured decode step per bucket."""
+    """Generates a batch with a :class:`SlotKVCache`; ``use_cuda_graphs`` replays a captured decode
+    step per bucket. Tokens, endings and generated log-probabilities come from the shared
+    :class:`~mega.inference.decode_step.DecodeStep`."""
 
     def __init__(self, engine: GenerationEngine, use_cuda_graphs: bool | None = None):
         self.engine = engine
@@ -204,13 +209,13 @@ class StaticDecoder:
     def _decode_steps(self, slots: int) -> DecodeSteps:
         """One cache and its captured graphs per bucket size, kept across batches."""
         if self._steps is None or self._steps.cache.slots != slots:
-            dtype = next(self.engine.model.parameters()).dtype
-            cache = SlotKVCache(slots, self.engine.max_positions, self.engine.device, dtype)
+            cache = SlotKVCache(slots, self.engine.max_positions, self.engine.device, self.engine.dtype)
             self._steps = DecodeSteps(self.engine, cache, self.use_cuda_graphs)
         return self._steps
 
     @torch.inference_mode()
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: Sequence[GenerationRequest], on_token: TokenCallback | None = None,
+                 on_finish: FinishCallback | None = None) -> list[GenerationResult]:
         engine, device = self.engine, self.engine.device
         for request in requests:
             engine.check(request)
@@ -224,32 +229,22 @@ class StaticDecoder:
         # Prefill every row at once (right-padded).
         steps.cache.bind_window(torch.zeros(slots, dtype=torch.long, device=device), longest)
         positions = torch.arange(longest, device=device)[None, :].expand(slots, longest)
-        logits = engine.model(prompts, positions, inference_cache=steps.cache)
-        rows = torch.arange(len(requests), device=device)
-        last = logits[torch.tensor(lengths, device=device) - 1, rows][:, : engine.vocab_size].float()
+        logits = engine.forward(prompts, positions, steps.cache)
+        sequences = [DecodingSequence(request) for request in requests]
+        step = engine.batch_step(sequences, on_token, on_finish)
+        for row, sequence in enumerate(sequences):  # the prefill computed every prompt position
+            record_logprobs(sequence, logits[: lengths[row] - 1, row], prompts[row, 1: lengths[row]])
+        slot_of = step.join(sequences)  # the slot of each row: row i of the batch sits in slot i
+        last = logits[torch.tensor(lengths, device=device)[slot_of] - 1, torch.tensor(slot_of, device=device)]
         cached = torch.tensor(lengths + [0] * (slots - len(requests)), device=device)
-        sampler = Sampler([r.sampling for r in requests], device)
-        generated: list[list[int]] = [[] for _ in requests]
-        finish = [None if r.max_new_tokens else "length" for r in requests]
-        while any(reason is None for reason in finish):
-            drawing = [reason is None for reason in finish]
-            chosen = sampler.sample(last, drawing)
-            sampler.observe(chosen, drawing)
-            for row, token in enumerate(chosen.tolist()):
-                if finish[row] is not None:
-                    continue
-                generated[row].append(token)
-                request = requests[row]
-                if engine.stop_checker.should_stop(request.stop, generated[row]):
-                    finish[row] = "stop"
-                elif len(generated[row]) >= request.max_new_tokens:
-                    finish[row] = "length"
-            if all(reason is not None for reason in finish):
+        while step.sequences:
+            outcome = step(last)
+            slot_of = [slot_of[row] for row in outcome.kept]
+            if not step.sequences:
                 break
             tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)
-            tokens[: len(requests), 0] = chosen
-            last = steps(tokens, cached)[: len(requests)]
+            tokens[slot_of, 0] = outcome.next_tokens
+            last = steps(tokens, cached)[slot_of]
             # A finished row stays in the window; it may not pass the last position.
             cached = (cached + 1).clamp_(max=engine.max_positions - 1)
-        return [GenerationResult(tokens=list(r.prompt) + g, prompt_length=len(r.prompt), finish_reason=reason)
-                for r, g, reason in zip(requests, generated, finish, strict=True)]
+        return [s.result() for s in sequences]

@@ -31,7 +31,9 @@ def lead(requests: Sequence[GenerationRequest] | None, group: Group) -> None:
         _broadcast(list(requests) if requests is not None else None, group)
 
 
-def follow(engine: GenerationEngine, group: Group) -> None:
-    """On a follower: run every batch the leader hands over, until it says the end."""
+def follow(engine: GenerationEngine, group: Group, generate=None) -> None:
+    """On a follower: run every batch the leader hands over, until it says the end, with the
+    leader's way of generating (``generate``: the engine's, or a static decoder's)."""
+    generate = generate or engine.generate
     while (requests := _broadcast(None, group)) is not None:
-        engine.generate(requests)
+        generate(requests)

@@ -46,6 +46,7 @@ class BertConfig(TransformerConfig):
             "--position-embedding-type (BERT learns absolute positions)": self.position_embedding_type != "learned_absolute",
             "--normalization (BERT uses LayerNorm)": self.normalization != "LayerNorm",
             "--swiglu (BERT has a GELU MLP)": self.swiglu,
+            f"--activation {self.mlp_activation} (BERT has a GELU MLP)": self.mlp_activation in ("relu", "squared_relu"),
             "--disable-bias-linear (BERT's linear layers have biases)": not self.add_bias_linear,
             "--num-query-groups (BERT has one key/value head per query head)":
                 self.num_query_groups != self.num_attention_heads,

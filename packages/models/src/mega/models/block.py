@@ -3,11 +3,13 @@ stage holds (a :class:`~mega.models.layer_stack.LayerStack`)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from mega.core.kernels import Kernels
 from mega.models.attention import SelfAttention
 from mega.models.config import TransformerConfig
+from mega.models.fusions import bias_dropout_add
 from mega.models.layer_stack import LayerStack, PreNormLayer
 from mega.models.mlp import MLP, fused_norm_mlp
 from mega.models.moe.layer import MoELayer
@@ -34,8 +36,15 @@ class TransformerLayer(PreNormLayer):
             hidden_dropout=config.hidden_dropout,
         )
         self.fused_mlp = fused_mlp is not None  # the plan then splits the MLP module whole
+        self.bias_dropout_fusion = config.bias_dropout_fusion
         if fused or fused_mlp is not None:
             self.parameter_aliases = fused_norm_aliases(config, norm_linear=fused, norm_mlp=fused_mlp is not None)
+
+    def dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + dropout(x)``, one kernel with --bias-dropout-fusion (mega.models.fusions)."""
+        if self.bias_dropout_fusion:
+            return bias_dropout_add(x, None, residual, self.hidden_dropout.p, self.training)
+        return super().dropout_add(x, residual)
 
 
 def build_mlp(config: TransformerConfig, kernels: Kernels) -> nn.Module:

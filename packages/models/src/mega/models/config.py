@@ -9,11 +9,16 @@ concrete sizes; ``dataclasses.replace`` keeps derived values unless they are rep
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 from mega.core.config.options import option
+
+# The MLP activations: what the torch kernel backend (and so every --activation-backend) offers
+# for an ungated MLP, and SwiGLU (gated: fc1 holds [gate; up], as --swiglu).
+MLP_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "swiglu")
 
 
 class ModelConfigError(ValueError):
@@ -62,12 +67,24 @@ class TransformerConfig:
     layernorm_epsilon: float = option(1e-5, "norm epsilon", flag="--norm-epsilon")
     swiglu: bool = option(False, "SwiGLU MLP instead of GELU")
     openai_gelu: bool = option(False, "GELU with the tanh approximation (GPT-2's gelu_new)")
+    squared_relu: bool = option(False, "squared ReLU MLP activation, relu(x)^2")
+    activation: str | None = option(None, "MLP activation; default gelu, or what --swiglu / --squared-relu / "
+                                    "--openai-gelu (gelu_tanh) say", choices=MLP_ACTIVATIONS)
     add_bias_linear: bool = option(True, "no biases in linear layers", flag="--disable-bias-linear")
     add_qkv_bias: bool = option(False, "bias in the QKV projection even without other linear biases")
     untie_embeddings_and_output_weights: bool = option(False, "separate output layer weights")
     softmax_scale: float | None = option(None, "attention softmax scale; default 1/sqrt(kv_channels)")
 
     # Initialisation and regularisation.
+    bias_gelu_fusion: bool = option(True, "add fc1's bias inside the GELU kernel (compiled on a GPU)",
+                                    action=argparse.BooleanOptionalAction)
+    bias_swiglu_fusion: bool = option(True, "add fc1's bias inside the SwiGLU kernel (compiled on a GPU)",
+                                      action=argparse.BooleanOptionalAction)
+    bias_dropout_fusion: bool = option(True, "dropout and the residual add in one kernel (compiled on a GPU "
+                                       "where dropout is off)", action=argparse.BooleanOptionalAction)
+    cross_entropy_loss_fusion: bool = option(False, "cross-entropy from the logits without an fp32 copy of them "
+                                             "(compiled on a GPU; a vocabulary split by tensor parallelism "
+                                             "keeps the vocab-parallel loss)")
     init_method_std: float = option(0.02, "std of the normal weight initialisation")
     hidden_dropout: float = option(0.1, "residual dropout")
     attention_dropout: float = option(0.1, "attention-probability dropout")
@@ -79,13 +96,22 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         derived = {}
+        # --activation sets Megatron's flag of the same meaning, so whatever reads the flags (sizes,
+        # plans, exports to Megatron-LM and Hugging Face) sees it; plain relu has no such flag.
+        if self.activation == "swiglu":
+            derived["swiglu"] = True  # the gated layout (fc1 [gate; up]) every size and plan reads
+        if self.activation == "gelu_tanh":
+            derived["openai_gelu"] = True
+        if self.activation == "squared_relu":
+            derived["squared_relu"] = True
         if self.kv_channels is None and self.num_attention_heads > 0:
             derived["kv_channels"] = self.hidden_size // self.num_attention_heads
         if self.num_query_groups is None:
             derived["num_query_groups"] = self.num_attention_heads
         if self.ffn_hidden_size is None:
             ffn = 4 * self.hidden_size
-            derived["ffn_hidden_size"] = int(ffn * 2 / 3 / 64) * 64 if self.swiglu else ffn
+            gated = derived.get("swiglu", self.swiglu)
+            derived["ffn_hidden_size"] = int(ffn * 2 / 3 / 64) * 64 if gated else ffn
         if self.max_position_embeddings is None:
             derived["max_position_embeddings"] = self.seq_length
         for name, value in derived.items():
@@ -108,6 +134,7 @@ class TransformerConfig:
         else:
             need(self.kv_channels % 2 == 0, f"RoPE needs an even head size, got --kv-channels {self.kv_channels}")
         need_dropout_probabilities(self)
+        self._validate_activation()
         self._validate_recompute()
         if tp > 1:
             need(heads % tp == 0, f"--num-attention-heads {heads} is not divisible by "
@@ -116,6 +143,29 @@ class TransformerConfig:
                  f"--tensor-model-parallel-size {tp} (each rank must hold whole key/value groups)")
             need(self.ffn_hidden_size % tp == 0, f"--ffn-hidden-size {self.ffn_hidden_size} is not "
                  f"divisible by --tensor-model-parallel-size {tp}")
+
+    @property
+    def mlp_activation(self) -> str:
+        """The MLP's activation, by the name kernel backends give it (``--activation``, else the flags)."""
+        if self.activation is not None:
+            return self.activation
+        if self.swiglu:
+            return "swiglu"
+        if self.squared_relu:
+            return "squared_relu"
+        return "gelu_tanh" if self.openai_gelu else "gelu"
+
+    def _validate_activation(self) -> None:
+        need(self.activation in (None, *MLP_ACTIVATIONS),
+             f"--activation must be one of {', '.join(MLP_ACTIVATIONS)}, got {self.activation!r}")
+        flags = {"--swiglu": ("swiglu", self.swiglu), "--squared-relu": ("squared_relu", self.squared_relu),
+                 "--openai-gelu": ("gelu_tanh", self.openai_gelu)}
+        chosen = {flag: name for flag, (name, on) in flags.items() if on}
+        if self.activation is not None:
+            chosen["--activation"] = self.activation
+        need(len(set(chosen.values())) <= 1,
+             "the MLP has one activation, these flags ask for several: "
+             + ", ".join(f"{flag} ({name})" for flag, name in chosen.items()))
 
     def _validate_recompute(self) -> None:
         granularity, method, count = self.recompute_granularity, self.recompute_method, self.recompute_num_layers

@@ -47,7 +47,8 @@ def language_model_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str,
                                            labels, loss_mask, context.tp_group, vocab_size)
     else:
         logits = outputs["logits"]  # [s, b, vocab (shard)]
-        per_token = per_token_cross_entropy(context.kernels, logits, labels, context.tp_group, vocab_size)
+        per_token = per_token_cross_entropy(context.kernels, logits, labels, context.tp_group, vocab_size,
+                                            fused=getattr(context.config, "cross_entropy_loss_fusion", False))
         total = (per_token * loss_mask).sum()
     loss, mean = sequence_mean(total, loss_mask.sum(), context.cp_group)
     return loss, {"lm loss": mean}

@@ -133,6 +133,20 @@ def bert_tensor_maps(config: BertConfig) -> list[TensorMap]:
     return maps
 
 
+def bert_copies(config: BertConfig) -> dict[str, str]:
+    """The MLM decoder's weight (tied: the word embedding) and bias (``cls.predictions.bias``),
+    which some saves hold under their own names too."""
+    copies = {"cls.predictions.decoder.bias": "cls.predictions.bias"}
+    if not config.untie_embeddings_and_output_weights:
+        copies["cls.predictions.decoder.weight"] = "bert.embeddings.word_embeddings.weight"
+    return copies
+
+
+def bert_buffers(config: BertConfig) -> dict[str, torch.Tensor]:
+    """The position-ids buffer transformers 4.30 and older saved."""
+    return {"bert.embeddings.position_ids": torch.arange(config.max_position_embeddings).expand((1, -1))}
+
+
 BERT = HFMapping(
     architecture="BertForPreTraining",
     model_type="bert",
@@ -140,8 +154,8 @@ BERT = HFMapping(
     config_from_hf=bert_config,
     config_to_hf=bert_hf_config,
     tensor_maps=bert_tensor_maps,
-    # The position-ids buffer older transformers saved; the tied decoder's weight and bias duplicates.
-    ignored=(r"bert\.embeddings\.position_ids", r"cls\.predictions\.decoder\.(weight|bias)"),
+    copies=bert_copies,
+    buffers=bert_buffers,
     also_reads=("BertModel", "BertForMaskedLM"),
     # A bare BertModel has no cls.* heads; one saved without its pooling layer has no pooler.
     optional=(r"cls\..*", r"bert\.pooler\..*"),

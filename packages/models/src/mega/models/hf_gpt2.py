@@ -60,6 +60,7 @@ def gpt2_hf_config(config: TransformerConfig) -> dict:
         "position_embedding_type (GPT-2 learns absolute positions)": config.position_embedding_type != "learned_absolute",
         "normalization (GPT-2 uses LayerNorm)": config.normalization != "LayerNorm",
         "swiglu (GPT-2 has a GELU MLP)": config.swiglu,
+        f"--activation {config.mlp_activation} (GPT-2 has a GELU MLP)": config.mlp_activation in ("relu", "squared_relu"),
         "add_bias_linear (GPT-2 linears have biases)": not config.add_bias_linear,
         "num_query_groups (GPT-2 has one key/value head per query head)":
             config.num_query_groups != config.num_attention_heads,
@@ -126,6 +127,17 @@ def _conv1d(mega: str, hf: str, kind: str) -> TensorMap:
     return TensorMap((mega,), (hf,), transpose, transpose)
 
 
+def gpt2_buffers(config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """The causal-mask buffers transformers 4.x before 4.36 saved (one per layer)."""
+    positions = config.max_position_embeddings
+    mask = torch.tril(torch.ones((positions, positions), dtype=torch.bool)).view(1, 1, positions, positions)
+    buffers = {}
+    for n in range(config.num_layers):
+        buffers[f"transformer.h.{n}.attn.bias"] = mask
+        buffers[f"transformer.h.{n}.attn.masked_bias"] = torch.tensor(-1e4)
+    return buffers
+
+
 GPT2 = HFMapping(
     architecture="GPT2LMHeadModel",
     model_type="gpt2",
@@ -133,6 +145,9 @@ GPT2 = HFMapping(
     config_from_hf=gpt2_config,
     config_to_hf=gpt2_hf_config,
     tensor_maps=gpt2_tensor_maps,
-    # The causal-mask buffers older transformers saved; a tied lm_head saved as a duplicate.
-    ignored=(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)", r"lm_head\.weight"),
+    copies=lambda config: {} if config.untie_embeddings_and_output_weights else {"lm_head.weight": "transformer.wte.weight"},
+    buffers=gpt2_buffers,
+    # The causal-mask buffers older transformers saved, when not what transformers computes.
+    ignored=(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",),
+    also_reads=("GPT2Model",),
 )

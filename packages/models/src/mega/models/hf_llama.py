@@ -19,7 +19,7 @@ import torch
 
 from mega.core.model_family import HFMapping, TensorMap
 from mega.models.config import TransformerConfig
-from mega.models.hf_mapping import interleave_qkv, linear_kinds, read_field, same, split_qkv
+from mega.models.hf_mapping import interleave_qkv, linear_kinds, read_field, refuse_headless, same, split_qkv
 
 # LlamaConfig's defaults for the keys read here (config.json may leave them out).
 DEFAULTS = {
@@ -47,6 +47,7 @@ def llama_config(hf_config: Mapping[str, Any], **overrides) -> TransformerConfig
     def get(key):
         return read_field(hf_config, DEFAULTS, key)
 
+    refuse_headless(hf_config, "LlamaModel", "LlamaForCausalLM")
     if get("hidden_act") != "silu":
         raise ValueError(f"LLaMA hidden_act {get('hidden_act')!r} is not SwiGLU's silu")
     if get("attention_bias") != get("mlp_bias"):
@@ -147,6 +148,8 @@ LLAMA = HFMapping(
     config_from_hf=llama_config,
     config_to_hf=llama_hf_config,
     tensor_maps=llama_tensor_maps,
-    # Rotary frequencies older transformers saved as buffers; a tied lm_head saved as a duplicate.
-    ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"lm_head\.weight"),
+    copies=lambda config: {} if config.untie_embeddings_and_output_weights else {"lm_head.weight": "model.embed_tokens.weight"},
+    # Rotary frequencies older transformers saved as buffers (derived from the config, not weights).
+    ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
+    also_reads=("LlamaModel",),  # refused by llama_config, naming LlamaForCausalLM
 )

@@ -27,6 +27,15 @@ Tensors = Mapping[str, torch.Tensor]
 
 # --- Layout helpers ------------------------------------------------------------------------------
 
+def refuse_headless(hf_config: Mapping[str, Any], headless: str, headed: str) -> None:
+    """A decoder's base model alone (``LlamaModel``) has no ``lm_head``, which an untied mega
+    decoder must have: refused, naming the class to convert instead."""
+    if headless in (hf_config.get("architectures") or []):
+        raise ValueError(f"architectures {headless} is the base model alone, without the lm_head of {headed}, "
+                         f"which mega's model computes; mega converts {headed} directories (save the model with "
+                         "its head, or load it into that class)")
+
+
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
     """Stacked per-projection rows (weights or biases) -> Megatron's per-group rows."""
     per_group = [t.reshape(num_query_groups, -1, *t.shape[1:]) for t in (q, k, v)]

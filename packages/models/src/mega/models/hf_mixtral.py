@@ -23,7 +23,7 @@ import torch
 
 from mega.core.model_family import HFMapping, TensorMap
 from mega.models.hf_llama import llama_config, llama_hf_config, llama_tensor_maps
-from mega.models.hf_mapping import read_field, same
+from mega.models.hf_mapping import read_field, refuse_headless, same
 from mega.models.moe.config import MoETransformerConfig
 
 # MixtralConfig's defaults for the keys read here beyond LLaMA's.
@@ -41,6 +41,7 @@ def mixtral_config(hf_config: Mapping[str, Any], **overrides) -> MoETransformerC
     def get(key):
         return read_field(hf_config, DEFAULTS, key)
 
+    refuse_headless(hf_config, "MixtralModel", "MixtralForCausalLM")
     window, positions = get("sliding_window"), get("max_position_embeddings")
     if window is not None and window < positions:
         raise ValueError(f"Mixtral sliding_window {window} < max_position_embeddings {positions}: "
@@ -123,4 +124,5 @@ MIXTRAL = HFMapping(
     config_to_hf=mixtral_hf_config,
     tensor_maps=mixtral_tensor_maps,
     ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
+    also_reads=("MixtralModel",),  # refused by mixtral_config, naming MixtralForCausalLM
 )

@@ -28,6 +28,7 @@ from mega.core.kernels import Kernels, check_linear_loss
 from mega.core.model_family import Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.param_attrs import mark_padded_vocab
+from mega.models import fusions
 from mega.models.block import transformer_block
 from mega.models.config import TransformerConfig
 from mega.models.embedding import Embedding
@@ -117,9 +118,14 @@ class LanguageModel(nn.Module):
 
 
 def per_token_cross_entropy(kernels: Kernels, logits: torch.Tensor, labels: torch.Tensor, tp_group=None,
-                            vocab_size: int | None = None) -> torch.Tensor:
+                            vocab_size: int | None = None, fused: bool = False) -> torch.Tensor:
     """``[b, s]`` cross-entropy of logits ``[s, b, vocab (shard over tp_group)]`` against labels ``[b, s]``
-    from the selected loss kernel, over the first ``vocab_size`` rows (the rest is padding)."""
+    from the selected loss kernel, over the first ``vocab_size`` rows (the rest is padding);
+    ``fused`` (--cross-entropy-loss-fusion) computes torch's loss as one kernel where the
+    vocabulary is held whole."""
+    whole = tp_group is None or tp_group.size == 1
+    if fused and whole and vocab_size is not None and kernels.selection.get("loss") == "torch":
+        return fusions.cross_entropy(logits, labels.transpose(0, 1), vocab_size).transpose(0, 1)
     return kernels.loss(logits, labels.transpose(0, 1), tp_group, vocab_size).transpose(0, 1)
 
 

@@ -47,9 +47,13 @@ class PreNormLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, *attention_args, **attention_kwargs) -> torch.Tensor:
         normed = self.input_layernorm(hidden) if self.input_layernorm is not None else hidden
-        hidden = hidden + self.hidden_dropout(self.self_attention(normed, *attention_args, **attention_kwargs))
+        hidden = self.dropout_add(self.self_attention(normed, *attention_args, **attention_kwargs), hidden)
         normed = self.pre_mlp_layernorm(hidden) if self.pre_mlp_layernorm is not None else hidden
-        return hidden + self.hidden_dropout(self.mlp(normed))
+        return self.dropout_add(self.mlp(normed), hidden)
+
+    def dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + dropout(x)`` (a layer may fuse it)."""
+        return residual + self.hidden_dropout(x)
 
 
 class LayerStack(nn.Module):

@@ -1,4 +1,5 @@
-"""The feed-forward block: GELU (exact or tanh-approximated) or SwiGLU.
+"""The feed-forward block: GELU (exact or tanh-approximated), ReLU, squared ReLU or SwiGLU
+(``config.mlp_activation``, from ``--activation`` or Megatron's flags).
 
 With SwiGLU ``linear_fc1`` holds the gate and up projections stacked ``[gate; up]`` (Megatron's
 layout); tensor parallelism splits each half on its own, so ``chunk(2)`` separates them on a
@@ -10,18 +11,21 @@ the MLP together with one module (:func:`fused_norm_mlp`), when it computes the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from mega.core.kernels import Kernels
+from mega.core.parallel.grad_accumulation_fusion import Linear as FusionAwareLinear
+from mega.core.parallel.layers import ColumnParallelLinear
+from mega.models import fusions
 from mega.models.config import TransformerConfig
 from mega.models.norms import input_linear
 
 
 def activation_name(config: TransformerConfig) -> str:
-    if config.swiglu:
-        return "swiglu"
-    return "gelu_tanh" if config.openai_gelu else "gelu"
+    return config.mlp_activation
 
 
 def fused_norm_mlp(config: TransformerConfig, kernels: Kernels) -> nn.Module | None:
@@ -43,6 +47,26 @@ class MLP(nn.Module):
         self.linear_fc1 = input_linear(config, kernels, fc1_size, bias=config.add_bias_linear)
         self.activation = kernels.activation(activation_name(config))
         self.linear_fc2 = kernels.linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
+        self.bias_activation = fused_bias_activation(config, kernels)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.activation(self.linear_fc1(hidden)))
+        fc1 = self.linear_fc1
+        if self.bias_activation is not None and isinstance(fc1, LINEARS_LEAVING_THEIR_BIAS):
+            return self.linear_fc2(self.bias_activation(fc1(hidden, add_bias=False), fc1.bias))
+        return self.linear_fc2(self.activation(fc1(hidden)))
+
+
+# The linear layers that can leave their bias to the activation (mega's; a kernel's may not).
+LINEARS_LEAVING_THEIR_BIAS = (FusionAwareLinear, ColumnParallelLinear)
+
+
+def fused_bias_activation(config: TransformerConfig, kernels: Kernels):
+    """fc1's bias and the torch activation in one function (--bias-gelu-fusion,
+    --bias-swiglu-fusion, :mod:`mega.models.fusions`); None where unfused."""
+    if not config.add_bias_linear or kernels.selection.get("activation") != "torch":
+        return None
+    if config.swiglu:
+        return fusions.bias_swiglu if config.bias_swiglu_fusion else None
+    if not config.bias_gelu_fusion:
+        return None
+    return functools.partial(fusions.bias_gelu, approximate="tanh" if config.openai_gelu else "none")

@@ -14,6 +14,7 @@ from torch import nn
 
 from mega.core.kernels import AttentionMask
 from mega.core.parallel.cross_entropy import cross_entropy
+from mega.core.parallel.grad_accumulation_fusion import Linear
 
 # Only the CUDA flash kernel takes fewer key/value heads natively (torch >= 2.5); elsewhere
 # ``enable_gqa`` falls back to the unfused math kernel, slower than repeating the heads.
@@ -67,7 +68,7 @@ def norm(kind: str, hidden_size: int, eps: float) -> nn.Module:
 
 
 def linear(in_features: int, out_features: int, bias: bool = True) -> nn.Module:
-    return nn.Linear(in_features, out_features, bias=bias)
+    return Linear(in_features, out_features, bias=bias)  # nn.Linear, gradient-accumulation fusion aware
 
 
 def activation(name: str):
@@ -75,6 +76,7 @@ def activation(name: str):
         "gelu": F.gelu,
         "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
         "relu": F.relu,
+        "squared_relu": lambda x: F.relu(x).square(),  # Megatron's --squared-relu
         "swiglu": _SwiGLU.apply,
         "geglu": lambda x: F.gelu(x.chunk(2, dim=-1)[0]) * x.chunk(2, dim=-1)[1],
     }

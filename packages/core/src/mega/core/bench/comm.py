@@ -26,6 +26,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
 from mega.core.cli.argparser import CommandParser
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
@@ -136,8 +140,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _spawn(args: argparse.Namespace) -> int:
-    import torch.multiprocessing as mp
-
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -157,16 +159,11 @@ def _spawned_rank(local_rank: int, world_size: int, port: int, options: dict) ->
 
 
 def _default_backend() -> str:
-    import torch
-
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     return "nccl" if accelerator is not None and accelerator.type == "cuda" else "gloo"
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-    import torch.distributed as dist
-
     backend = args.backend or _default_backend()
     device = torch.device("cpu")
     if backend == "nccl":
@@ -194,9 +191,6 @@ def _run(args: argparse.Namespace) -> int:
 
 def measure(op: str, size: int, dtype, device, iters: int, warmup: int) -> Row | None:
     """Check and time one collective at one message size; ``None`` if the size holds no element."""
-    import torch
-    import torch.distributed as dist
-
     rank, world = dist.get_rank(), dist.get_world_size()
     itemsize = torch.empty((), dtype=dtype).element_size()
     shared = op in ("all_gather", "reduce_scatter", "all_to_all")  # the buffer is split over ranks
@@ -229,9 +223,6 @@ def measure(op: str, size: int, dtype, device, iters: int, warmup: int) -> Row |
 
 def _collective(op: str, count: int, total: int, dtype, device, rank: int, world: int):
     """``run()`` for timing and ``check()`` (fill, run once, count wrong elements) for one op."""
-    import torch
-    import torch.distributed as dist
-
     # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
     all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -310,9 +301,7 @@ def _collective(op: str, count: int, total: int, dtype, device, rank: int, world
 
 def _synchronize(device) -> None:
     if device.type != "cpu":
-        import torch
-
-        torch.accelerator.synchronize(device)
+            torch.accelerator.synchronize(device)
 
 
 def format_table(header: dict, rows: list[Row]) -> str:

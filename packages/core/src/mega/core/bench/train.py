@@ -5,14 +5,16 @@
 
 Every precision (fp32, fp16, bf16, and fp8 where a kernel backend offers it) runs in processes of
 its own (started like `mega train --nproc-per-node N`), so each peak memory is that run's. The
-first ``--warmup`` steps are left out; the report gives the median step time, samples/s, tokens/s,
+first ``--warmup-iters`` steps are left out; the report gives the median step time, samples/s, tokens/s,
 TFLOP/s per GPU, MFU (where the GPU's peak is known) and peak memory, under the environment
-`mega doctor` sees, as markdown (printed and written) and JSON.
+`mega doctor` sees, as markdown and JSON (both written; ``--json`` prints the JSON instead of the
+markdown). The runs' own log lines go to stderr, so stdout holds the report alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -20,7 +22,21 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mega.core.plugins import hookimpl
+import torch.distributed as dist
+
+from mega.core.cli.argparser import CommandParser
+from mega.core.config import ConfigError
+from mega.core.doctor.checks import run_checks
+from mega.core.launch import init_distributed, launch_local
+from mega.core.parallel import ParallelGroups
+from mega.core.plugins import PluginError, get_plugins, hookimpl
+from mega.core.training.data_setup import build_datasets
+from mega.core.training.device_peaks import peak_tflops
+from mega.core.training.interval_metrics import peak_memory_gb
+from mega.core.training.precision import model_dtype
+from mega.core.training.run_config import check_supported, derive
+from mega.core.training.run_parser import parse_run
+from mega.core.training.trainer import Trainer
 
 PRECISION_FLAGS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"], "fp8": ["--bf16", "--fp8-hybrid"]}
 COLUMNS = [("precision", "precision"), ("step_time_s", "step time s"), ("samples_per_s", "samples/s"),
@@ -29,7 +45,7 @@ COLUMNS = [("precision", "precision"), ("step_time_s", "step time s"), ("samples
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega bench train",
         description="Baseline report: a short `mega train` per precision (fp32, fp16, bf16, fp8 where "
                     "available) with step time, samples/s, tokens/s, TFLOP/s, MFU and peak memory, and the "
@@ -37,10 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--precisions", default="fp32,fp16,bf16,fp8",
                         help="comma-separated, of fp32, fp16, bf16, fp8 (default: all; fp8 is skipped, with "
                              "the reason, where no backend offers it)")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures (default 2)")
+    parser.add_argument("--warmup-iters", "--warmup", type=int, default=2, dest="warmup",
+                        help="first steps left out of the figures (default 2; spelled as `mega bench comm`'s)")
     parser.add_argument("--output", default="bench-train",
                         help="write OUTPUT.md and OUTPUT.json (default bench-train)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="processes per run (default 1)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of markdown")
     parser.add_argument("--one-run", metavar="RESULT_JSON", help=argparse.SUPPRESS)  # a worker's own run
     return parser
 
@@ -58,12 +76,8 @@ class StepRecorder:
             self.step_times.append(metrics["elapsed_s"])
 
     def result(self, run) -> dict:
-        from mega.core.training.console_log import peak_memory_gb
-        from mega.core.training.device_peaks import peak_tflops
-        from mega.core.training.precision import model_dtype
-
         if not self.step_times:
-            raise ValueError(f"--train-iters must exceed --warmup {self.warmup} to time any step")
+            raise ValueError(f"--train-iters must exceed --warmup-iters {self.warmup} to time any step")
         step = statistics.median(self.step_times)
         world = run.groups.world_size
         tokens = run.derived.global_batch_size * run.config.model.seq_length
@@ -78,32 +92,24 @@ class StepRecorder:
 
 def _one_run(argv: list[str], result_path: str, warmup: int) -> int:
     """A worker: train with ``argv`` in this process (one rank) and write rank 0's figures."""
-    import torch.distributed as dist
-
-    from mega.core.launch import init_distributed
-    from mega.core.parallel import ParallelGroups
-    from mega.core.plugins import get_plugins
-    from mega.core.training.command import parse_run
-    from mega.core.training.data_setup import build_datasets
-    from mega.core.training.run_config import derive
-    from mega.core.training.trainer import Trainer
-
     plugins = get_plugins()
     run, family = parse_run(argv, plugins)
     init_distributed()
-    try:
-        run, derived = derive(run, dist.get_world_size() if dist.is_initialized() else 1)
-        groups = ParallelGroups(run.parallel)
-        run, data = build_datasets(run, derived, plugins)
-        trainer = Trainer(run, derived, family, plugins, data, groups)
-        recorder = StepRecorder(warmup)
-        trainer.events.add(recorder)
-        state = trainer.train()
-        if groups.global_rank == 0:
-            Path(result_path).write_text(json.dumps(recorder.result(state)))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # The launcher's stdout is the report's: a run's log lines are progress, for stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            run, derived = derive(run, dist.get_world_size() if dist.is_initialized() else 1)
+            groups = ParallelGroups(run.parallel)
+            run, data = build_datasets(run, derived, plugins)
+            trainer = Trainer(run, derived, family, plugins, data, groups)
+            recorder = StepRecorder(warmup)
+            trainer.events.add(recorder)
+            state = trainer.train()
+            if groups.global_rank == 0:
+                Path(result_path).write_text(json.dumps(recorder.result(state)))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return 0
 
 
@@ -112,10 +118,6 @@ def unavailable_reason(train_argv: list[str], precision: str) -> str | None:
 
     ``train_argv`` must parse (checked first): only what the precision adds is judged here.
     """
-    from mega.core.config import ConfigError
-    from mega.core.training.command import parse_run
-    from mega.core.training.run_config import check_supported
-
     run, _ = parse_run(train_argv + PRECISION_FLAGS[precision])
     try:
         check_supported(run)
@@ -155,20 +157,12 @@ def main(argv: list[str]) -> int:
     args, train_argv = _parser().parse_known_args(argv)
     if args.one_run:
         return _one_run(train_argv, args.one_run, args.warmup)
-    from mega.core.doctor.checks import run_checks
-    from mega.core.launch import launch_local
-
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     unknown = [p for p in precisions if p not in PRECISION_FLAGS]
     if unknown:
         print(f"mega bench train: error: --precisions: unknown {', '.join(unknown)}; choose from "
               f"{', '.join(PRECISION_FLAGS)}", file=sys.stderr)
         return 2
-    from mega.core.config import ConfigError
-    from mega.core.plugins import PluginError
-    from mega.core.training.command import parse_run
-    from mega.core.training.run_config import check_supported
-
     try:
         check_supported(parse_run(train_argv)[0])  # the flags every run shares must be right
     except (ConfigError, PluginError, KeyError) as error:
@@ -182,7 +176,7 @@ def main(argv: list[str]) -> int:
                 runs.append({"precision": precision, "skipped": reason})
                 continue
             result = Path(scratch) / f"{precision}.json"
-            command = ["bench", "train", "--one-run", str(result), "--warmup", str(args.warmup),
+            command = ["bench", "train", "--one-run", str(result), "--warmup-iters", str(args.warmup),
                        *train_argv, *PRECISION_FLAGS[precision]]
             print(f"mega bench train: {precision} ...", file=sys.stderr, flush=True)
             code = launch_local(args.nproc_per_node, command)
@@ -193,9 +187,9 @@ def main(argv: list[str]) -> int:
     _, facts = run_checks()
     report = {"argv": argv, "warmup": args.warmup, "nproc_per_node": args.nproc_per_node,
               "environment": facts, "runs": runs}
-    text = markdown(report)
+    text, report_json = markdown(report), json.dumps(report, indent=2) + "\n"
     Path(f"{args.output}.md").write_text(text)
-    Path(f"{args.output}.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(text, end="")
+    Path(f"{args.output}.json").write_text(report_json)
+    print(report_json if args.json else text, end="")
     print(f"mega bench train: wrote {args.output}.md and {args.output}.json", file=sys.stderr)
     return 0

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mega.core.checkpoint import rng, space
+from mega.core.checkpoint.config import CheckpointConfig
 from mega.core.checkpoint.config_check import check_model_config
 from mega.core.checkpoint.directory import (
     RELEASE,
@@ -41,7 +43,7 @@ from mega.core.checkpoint.directory import (
 from mega.core.checkpoint.foreign import foreign_format
 from mega.core.checkpoint.lock import SaveDirLock
 from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
-from mega.core.checkpoint.pieces import Piece
+from mega.core.checkpoint.model_io import load_model_weights
 from mega.core.checkpoint.sharded_io import ShardedEntry, load_entries, read_index, save_entries
 from mega.core.checkpoint.state import (
     MAIN_PARAM,
@@ -57,7 +59,7 @@ from mega.core.checkpoint.tokenizer_files import copy_tokenizer_files, tokenizer
 from mega.core.checkpoint.validate import check_entries, check_model_names, zero_rows_beyond
 from mega.core.model_family import ModelFamily
 from mega.core.parallel.groups import ParallelGroups
-from mega.core.training.config import CheckpointConfig
+from mega.core.parallel.pieces import Piece
 from mega.core.version import __version__
 
 
@@ -67,7 +69,9 @@ class TrainingState:
     (DDP-wrapped or not), the optimizer (its fp16 loss scaler inside), the RNG tracker, the
     progress (``iteration``, ``consumed_samples`` - the data position -, skipped and NaN
     iteration counts; the learning-rate schedule is a function of the iteration), and what
-    describes the run in the metadata (family, run config, tokenizer). ``events`` hears
+    describes the run in the metadata (family, run config, tokenizer). ``whole_model_on_meta``
+    builds the whole model on the meta device (a load checks the checkpoint holds all its
+    parameters; the caller builds it, so checkpoints need nothing from build). ``events`` hears
     ``on_checkpoint``."""
 
     chunks: list[nn.Module]
@@ -76,6 +80,7 @@ class TrainingState:
     progress: Any
     family: ModelFamily
     run: Any
+    whole_model_on_meta: Callable[[], nn.Module]
     tokenizer_spec: Any = None
     events: Any = None
 
@@ -281,14 +286,15 @@ class Checkpointer:
     def _load_foreign(self, checkpoint_format) -> None:
         """The weights of a checkpoint in another format (a Megatron-LM directory), converted by its
         plugin as they are read; optimizer, RNG and data position start fresh, as with --finetune."""
-        from mega.core.checkpoint.model_io import load_model_weights
-
         saved, path = self.state, Path(self.config.load)
-        with checkpoint_format.open(path, saved.family.name) as source:
+        unused = {"allow_unused": True} if self.config.allow_unused_tensors else {}  # older formats lack it
+        with checkpoint_format.open(path, saved.family.name, **unused) as source:
             check_model_config(path, dataclasses.asdict(source.config), saved.run.model)
             load_model_weights(source, saved.chunks, self.groups)
             kind = getattr(source, "kind", "")
             iteration = getattr(source, "iteration", None)
+            for warning in getattr(source, "warnings", []):  # tensors left out, heads initialised...
+                self._say(f"warning: {warning}")
         refresh_main_params(saved.optimizer.main_params)
         self._barrier()
         self._say(f"loaded {checkpoint_format.name} {kind} checkpoint {path} (saved at iteration {iteration}): "
@@ -310,11 +316,7 @@ class Checkpointer:
 
 def full_model_names(state: TrainingState) -> set[str]:
     """Canonical parameter names of the whole model (built on the meta device: nothing is allocated)."""
-    from mega.core.build import build_stage
-
-    run = state.run
-    model = build_stage(state.family, run.model, parallel=run.parallel, device="meta")
-    return set(named_parameters([model])[0])
+    return set(named_parameters([state.whole_model_on_meta()])[0])
 
 
 RNG_LAYOUT_KEYS = ("world_size", "tp", "pp", "dp", "cp", "vpp")

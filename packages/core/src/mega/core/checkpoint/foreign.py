@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mega.core.plugins import get_plugins
+
 OWN_FORMAT = "mega"
 
 
 def foreign_format(path: str | Path, plugins=None, capability: str | None = None):
     """The registered checkpoint format, other than mega's own, that recognises ``path`` (and has
     the attribute ``capability`` true, when given); or None."""
-    from mega.core.plugins import get_plugins
-
     path = Path(path)
     if not path.is_dir():
         return None

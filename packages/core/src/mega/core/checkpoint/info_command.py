@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from mega.core.checkpoint.directory import checkpoint_and_metadata, read_tracker, saved_iterations
+from mega.core.checkpoint.foreign import foreign_format
 from mega.core.checkpoint.metadata import CheckpointError
 from mega.core.checkpoint.space import human_size
 from mega.core.cli.argparser import CommandParser
@@ -22,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(its latest checkpoint) or one checkpoint in it (e.g. DIR/iter_0000500).",
     )
     parser.add_argument("directory", metavar="DIR")
-    parser.add_argument("--json", action="store_true", help="print the metadata as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print the metadata as JSON (another format's checkpoint: its format and description)")
     return parser
 
 
@@ -31,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path, metadata = checkpoint_and_metadata(args.directory)  # checks completeness
     except CheckpointError as error:
-        return _describe_foreign(args.directory, error)
+        return _describe_foreign(args.directory, error, args.json)
     if args.json:
         print(metadata.to_json())
         return 0
@@ -60,16 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _describe_foreign(directory: str, error: CheckpointError) -> int:
+def _describe_foreign(directory: str, error: CheckpointError, as_json: bool) -> int:
     """A checkpoint of another format a plugin recognises (a Megatron-LM save directory)."""
-    from mega.core.checkpoint.foreign import foreign_format
-
     checkpoint_format = foreign_format(directory, capability="describe")
     if checkpoint_format is None:
         print(f"mega checkpoint info: {error}", file=sys.stderr)
         return 1
     try:
-        print("\n".join(checkpoint_format.describe(Path(directory))))
+        lines = checkpoint_format.describe(Path(directory))
+        if as_json:
+            name = getattr(checkpoint_format, "name", type(checkpoint_format).__name__)
+            print(json.dumps({"checkpoint": directory, "format": name, "description": lines}, indent=2))
+        else:
+            print("\n".join(lines))
     except CheckpointError as foreign_error:
         print(f"mega checkpoint info: {foreign_error}", file=sys.stderr)
         return 1

@@ -48,6 +48,9 @@ class CheckpointMetadata:
     optimizer: dict[str, Any] | None = None
     grad_scaler: dict[str, Any] | None = None
     run_config: dict[str, Any] | None = None
+    # What a converted checkpoint was converted from (mega convert: a Hugging Face directory's
+    # architecture, naming, the heads initialised on import), so an export gives back what came in.
+    source: dict[str, Any] | None = None
     files: dict[str, int] = field(default_factory=dict)  # every other file -> its size in bytes
     checksums: dict[str, str] = field(default_factory=dict)  # every other file -> "crc32:..." (checksums.py)
     mega_version: str = ""

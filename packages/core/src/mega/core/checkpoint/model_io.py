@@ -29,11 +29,11 @@ from mega.core.checkpoint.directory import (
     staging_path,
 )
 from mega.core.checkpoint.metadata import CheckpointMetadata
-from mega.core.checkpoint.pieces import Piece
 from mega.core.checkpoint.sharded_io import LazyTensor, ShardedEntry, load_entries, read_index, save_entries
 from mega.core.checkpoint.state import MODEL, OPTIMIZER, model_entries, prepare_optional
 from mega.core.checkpoint.tokenizer_files import copy_tokenizer_files, tokenizer_entry
 from mega.core.checkpoint.validate import check_entries, zero_rows_beyond
+from mega.core.parallel.pieces import Piece
 from mega.core.tokenizer import TokenizerSpec
 
 

@@ -29,13 +29,14 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from mega.core.checkpoint.metadata import DCP_METADATA_FILE, CheckpointError
-from mega.core.checkpoint.pieces import Piece
+from mega.core.parallel.pieces import Piece
 
 
 class LazyTensor:
@@ -150,8 +151,6 @@ class SafeFileSystemReader(FileSystemReader):
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path} does not hold torch.distributed.checkpoint metadata; it is damaged")
         if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

@@ -15,7 +15,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from mega.core.checkpoint.metadata import CheckpointError
+from mega.core.checkpoint.directory import saved_iterations
+from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
 
 # How a full disk (or quota) reads once DCP and torch's zip writer have wrapped it.
 _OUT_OF_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "unexpected pos")
@@ -76,9 +77,6 @@ def removed_if_failed(staging: Path, needed: int):
 def expected_bytes(save_dir: Path, entries: dict, model_parallel_size: int) -> int:
     """About how many bytes the next checkpoint in ``save_dir`` takes: the size of the newest one
     there, or else this rank's share of the tensors times the ranks that hold different shares."""
-    from mega.core.checkpoint.directory import saved_iterations
-    from mega.core.checkpoint.metadata import CheckpointMetadata
-
     for _, path in reversed(saved_iterations(save_dir)):
         try:
             return sum(CheckpointMetadata.read(path).files.values())

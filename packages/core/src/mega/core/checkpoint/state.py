@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mega.core.checkpoint.aliases import canonical, canonical_names
-from mega.core.checkpoint.pieces import Piece, TensorParallelSplit, tensor_pieces
 from mega.core.checkpoint.sharded_io import ShardedEntry
 from mega.core.optim.optimizer import MainParam, MixedPrecisionOptimizer
 from mega.core.parallel.groups import Group
 from mega.core.parallel.param_attrs import is_padded_vocab
+from mega.core.parallel.pieces import Piece, TensorParallelSplit, tensor_pieces
+from mega.core.parameter_names import canonical, canonical_names
 
 MODEL = "model."
 BUFFER = "buffer."
@@ -53,7 +53,7 @@ class Entries:
 
 
 def named_parameters(chunks: list[nn.Module], buffers: bool = False) -> tuple[dict[str, torch.Tensor], list]:
-    """Global canonical name (:mod:`mega.core.checkpoint.aliases`) -> parameter over a rank's
+    """Global canonical name (:mod:`mega.core.parameter_names`) -> parameter over a rank's
     model chunks (or its persistent buffers, with ``buffers``); plus (first, copy) pairs of names
     held twice on this rank (a tied embedding's copy on a later chunk)."""
     named, duplicates = {}, []

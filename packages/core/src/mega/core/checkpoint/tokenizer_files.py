@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mega.core.checkpoint.directory import checkpoint_and_metadata
 from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
+from mega.core.plugins import get_plugins
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
 
 TOKENIZER_DIR = "tokenizer"
@@ -66,7 +67,5 @@ def tokenizer_spec(checkpoint_dir: Path, metadata: CheckpointMetadata) -> Tokeni
 
 def load_tokenizer(path: str | os.PathLike, plugins=None):
     """The tokenizer a checkpoint was trained with (None when it recorded none)."""
-    from mega.core.plugins import get_plugins
-
     spec = tokenizer_spec(*checkpoint_and_metadata(path))
     return spec.build(plugins or get_plugins()) if spec else None

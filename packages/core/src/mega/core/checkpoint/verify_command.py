@@ -8,10 +8,12 @@ a damaged newest one is worth knowing about before an older one is pruned).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from mega.core.checkpoint.directory import RELEASE, saved_iterations, verify
+from mega.core.checkpoint.foreign import foreign_format
 from mega.core.checkpoint.metadata import METADATA_FILE, CheckpointError
 from mega.core.cli.argparser import CommandParser
 
@@ -24,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "or a --save directory (every checkpoint in it). Exit 0 when all are intact, 1 otherwise.",
     )
     parser.add_argument("directory", metavar="DIR")
+    parser.add_argument("--json", action="store_true",
+                        help="print the result as JSON: every checkpoint's path, intact, error")
     return parser
 
 
@@ -36,7 +40,7 @@ def checkpoints_in(directory: Path) -> list[Path]:
 
 def check(checkpoint: Path) -> None:
     """Raise :class:`CheckpointError` naming what is wrong with ``checkpoint``."""
-    from mega.core.checkpoint.sharded_io import read_index  # imports torch: only once there is work
+    from mega.core.checkpoint.sharded_io import read_index  # start-up cost: torch, only once there is work
 
     metadata = verify(checkpoint, checksums=True)
     read_index(checkpoint)
@@ -52,16 +56,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mega checkpoint verify: {directory} does not exist or is not a directory", file=sys.stderr)
         return 1
     checkpoints = checkpoints_in(directory)
+    other = None if _holds_mega_metadata(checkpoints) else _other_format(directory)
+    if other is not None:  # a Megatron-LM save directory: iter_N directories too, but no damage in them
+        print(f"mega checkpoint verify: {directory} holds a {other} checkpoint, not a mega one: only mega "
+              "checkpoints record the checksums this checks (`mega checkpoint info` describes it)", file=sys.stderr)
+        return 1
     if not checkpoints:
         print(f"mega checkpoint verify: {directory} holds no mega checkpoint", file=sys.stderr)
         return 1
-    damaged = 0
+    results = []
     for checkpoint in checkpoints:
         try:
             check(checkpoint)
-            print(f"ok       {checkpoint}")
+            results.append({"path": str(checkpoint), "intact": True, "error": None})
         except CheckpointError as error:
-            damaged += 1
-            print(f"DAMAGED  {checkpoint}: {error}")
-    print(f"{len(checkpoints) - damaged} of {len(checkpoints)} checkpoint(s) intact")
-    return 1 if damaged else 0
+            results.append({"path": str(checkpoint), "intact": False, "error": str(error)})
+    intact = sum(result["intact"] for result in results)
+    if args.json:
+        print(json.dumps({"directory": str(directory), "intact": intact, "checkpoints": results}, indent=2))
+    else:
+        for result in results:
+            print(f"ok       {result['path']}" if result["intact"] else f"DAMAGED  {result['path']}: {result['error']}")
+        print(f"{intact} of {len(results)} checkpoint(s) intact")
+    return 0 if intact == len(results) else 1
+
+
+def _holds_mega_metadata(checkpoints: list[Path]) -> bool:
+    return any((checkpoint / METADATA_FILE).exists() for checkpoint in checkpoints)
+
+
+def _other_format(directory: Path) -> str | None:
+    """The name of the checkpoint format other than mega's that recognises ``directory``, if any."""
+    other = foreign_format(directory, capability="describe")
+    return None if other is None else getattr(other, "name", type(other).__name__)

@@ -13,6 +13,7 @@ import sys
 
 from mega.core.launch import distributed_env, end_rank_process, record_failure
 from mega.core.plugins import PluginError, Plugins, get_plugins
+from mega.core.plugins.failures import FailedPlugin, failure_line
 from mega.core.plugins.registry import resolve
 from mega.core.version import __version__
 
@@ -55,19 +56,21 @@ def _run(argv: list[str] | None, plugins: Plugins | None) -> int:
         if group:
             print(format_help(plugins, prefix=argv[0]))
             return 0 if argv[1:2] in ([], ["-h"], ["--help"]) else 2
-        print(f"mega: unknown command {argv[0]!r}{_suggest(plugins, argv[0])}", file=sys.stderr)
+        print(f"mega: unknown command {argv[0]!r}{_suggest(plugins, argv[0])}{_failed(plugins, argv[0])}",
+              file=sys.stderr)
         print(USAGE, file=sys.stderr)
         return 2
 
     try:
         command = plugins.commands.get(name)
         command_main = resolve(command.main)
-    except (PluginError, ImportError, AttributeError) as error:
+    except PluginError as error:
+        print(f"mega: {error}", file=sys.stderr)
+        return 1
+    except (ImportError, AttributeError) as error:
         entry = plugins.commands.entry(name)
-        print(
-            f"mega: command {name!r} (from {entry.origin}) could not be loaded: {error}",
-            file=sys.stderr,
-        )
+        failure = FailedPlugin.from_error(entry.plugin, entry.distribution, entry.version, error)
+        print(f"mega: command {name!r}: {failure_line(failure)}", file=sys.stderr)
         return 1
     try:
         exit_code = int(command_main(rest) or 0)
@@ -93,6 +96,12 @@ def _suggest(plugins: Plugins, word: str) -> str:
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
+def _failed(plugins: Plugins, word: str) -> str:
+    """The plugins that failed to load: one of them may be the one that provides ``word``."""
+    failed = plugins.failed()
+    return "".join(f"; {failure_line(info)} (it may provide {word!r})" for info in failed)
+
+
 def format_help(plugins: Plugins, prefix: str | None = None) -> str:
     lines = [USAGE if prefix is None else f"usage: mega {prefix} <command> [<args>...]", ""]
     if prefix is None:
@@ -111,6 +120,11 @@ def format_help(plugins: Plugins, prefix: str | None = None) -> str:
     if broken and prefix is None:
         lines += ["", "plugins that failed to load (their commands are missing):"]
         lines += [f"  {info.name} ({info.distribution}): {info.error}" for info in broken]
+        lines.append("  (MEGA_PLUGIN_TRACEBACKS=1 or `mega plugins --traceback` shows the tracebacks)")
+    contested = plugins.contested()
+    if contested and prefix is None:
+        lines += ["", "names two plugins registered (unusable until the newcomer is disabled):"]
+        lines += [f"  {message}" for info in contested for message in info.duplicates]
     lines += ["", "Run `mega <command> --help` for a command's options."]
     return "\n".join(lines)
 

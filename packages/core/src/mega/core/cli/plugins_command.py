@@ -6,14 +6,21 @@ import json
 
 from mega.core.cli.argparser import CommandParser
 from mega.core.plugins import get_plugins
+from mega.core.plugins.failures import failure_line
+from mega.core.plugins.scaffold import main as new_main
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["new"]:
+        return new_main(argv[1:])
     parser = CommandParser(
         prog="mega plugins",
-        description="List installed plugins, their distribution and version, and what they registered.",
+        description="List installed plugins, their distribution and version, and what they registered. "
+                    "`mega plugins new NAME --kind KIND` writes a new plugin distribution to start from.",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list for machines")
+    parser.add_argument("--traceback", action="store_true",
+                        help="print the full traceback of each plugin that failed to load (as MEGA_PLUGIN_TRACEBACKS=1)")
     args = parser.parse_args(argv)
 
     plugins = get_plugins()
@@ -21,9 +28,14 @@ def main(argv: list[str]) -> int:
         print(json.dumps([info.as_json() for info in plugins.infos], indent=2))
         return 0
 
+    contested = {(registry.kind, name) for registry in plugins.registries.values() for name in registry.contested()}
     rows = [("plugin", "distribution", "version", "registered")]
     for info in plugins.infos:
-        registered = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in info.registered.items())
+        registered = "; ".join(
+            f"{kind}: " + ", ".join(f"{name} (CONTESTED)" if (kind, name) in contested else name for name in names)
+            for kind, names in info.registered.items())
+        if info.duplicates:
+            registered += " | DUPLICATE " + "; ".join(info.duplicates)
         if info.error:
             registered = f"ERROR {info.error}" + (f" | {registered}" if registered else "")
         rows.append((info.name, info.distribution, info.version, registered or "-"))
@@ -33,6 +45,8 @@ def main(argv: list[str]) -> int:
     _print_kernel_backends(plugins)
     if plugins.disabled:
         print(f"\ndisabled by MEGA_LOAD_PLUGINS / MEGA_DISABLE_PLUGINS: {', '.join(plugins.disabled)}")
+    for info in plugins.failed():
+        print(f"\n{failure_line(info, with_traceback=args.traceback or None)}")
     return 0
 
 

@@ -37,7 +37,7 @@ from torch import nn
 from mega.core.distributed.grad_buffer import GradBuffer
 from mega.core.parallel.collectives import all_reduce
 from mega.core.parallel.groups import ParallelGroups
-from mega.core.parallel.param_attrs import is_expert_parallel, is_sequence_parallel
+from mega.core.parallel.param_attrs import is_expert_parallel, is_padded_vocab, is_sequence_parallel
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ class DDPConfig:
     overlap_grad_reduce: bool = False
     grad_reduce_in_fp32: bool = False
     use_distributed_optimizer: bool = False
+    # Linear layers accumulate weight gradients straight into main_grad (see
+    # mega.core.parallel.grad_accumulation_fusion); this marks the weights they may do it for.
+    gradient_accumulation_fusion: bool = False
 
 
 class DistributedDataParallel(nn.Module):
@@ -73,6 +76,9 @@ class DistributedDataParallel(nn.Module):
         self._bucket_of = {id(p): (buffer, bucket) for buffer in self.grad_buffers
                            for bucket in buffer.buckets for p in bucket.params}
         self._sequence_parallel_params = [p for p in params if is_sequence_parallel(p)]
+        if config.gradient_accumulation_fusion:
+            for param in params:  # not a vocabulary weight: its lookup's gradient is an ordinary one
+                param.fuse_grad_accumulation = param.dim() == 2 and not is_padded_vocab(param)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     def forward(self, *args, **kwargs):
@@ -85,7 +91,10 @@ class DistributedDataParallel(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)
+        if getattr(param, "grad_added_to_main_grad", False):  # fused: param.grad is a placeholder
+            param.grad_added_to_main_grad = False
+        else:
+            param.main_grad.add_(param.grad)
         param.grad = None
         if not (self._sync_enabled and self.config.overlap_grad_reduce):
             return

@@ -17,7 +17,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from mega.core.doctor.topology import TopologyError, advise, largest_fast_group, parse_topology
+from mega.core.plugins import get_plugins
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 MIN_PYTHON = (3, 10)
@@ -108,8 +112,6 @@ def check_cudnn_nccl(torch) -> list[Check]:
         return [Check("cudnn", SKIP, "CPU-only torch"), Check("nccl", SKIP, "CPU-only torch: gloo does the collectives")]
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     checks = [Check("cudnn", PASS if cudnn else WARN, f"cuDNN {cudnn}" if cudnn else "cuDNN not available")]
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_nccl_available():
         version = ".".join(map(str, torch.cuda.nccl.version()))
         checks.append(Check("nccl", PASS, f"NCCL {version}"))
@@ -155,19 +157,27 @@ def check_packages() -> tuple[Check, dict]:
 
 
 def check_plugins() -> list[Check]:
-    from mega.core.plugins import get_plugins
-
     plugins = get_plugins()
     checks = []
     failed = plugins.failed()
     if failed:
         checks.append(Check("plugins", FAIL, "; ".join(f"{i.name} ({i.distribution}): {i.error}" for i in failed),
-                            "reinstall the named distribution or disable it with MEGA_DISABLE_PLUGINS"))
+                            "reinstall the named distribution (pip install -c constraints.txt ..., as the README "
+                            "installs) or disable it with MEGA_DISABLE_PLUGINS; MEGA_PLUGIN_TRACEBACKS=1 shows why"))
     else:
         checks.append(Check("plugins", PASS, f"{len(plugins.infos)} loaded: " + ", ".join(i.name for i in plugins.infos)))
+    for info in plugins.contested():
+        # The newcomer is the one to disable: the name worked before it was installed.
+        checks.append(Check("plugin names", FAIL, "; ".join(info.duplicates),
+                            f"disable the newcomer: MEGA_DISABLE_PLUGINS={info.name} "
+                            f"(or pip uninstall {info.distribution})"))
     backends = []
     for name in plugins.kernel_backends.names():
-        backend = plugins.kernel_backends.get(name)
+        try:
+            backend = plugins.kernel_backends.get(name)
+        except Exception as error:  # a broken or contested backend must not hide the others
+            backends.append(f"{name}: ERROR {error}")
+            continue
         available, missing = backend.is_available()
         kinds = ",".join(sorted(getattr(backend, "kinds", ()))) or "?"
         backends.append(f"{name} ({kinds}): " + ("available" if available else f"unavailable ({missing})"))
@@ -210,8 +220,6 @@ def check_environment(environ, has_gpus: bool, cpu_count: int) -> list[Check]:
 
 def run_checks(environ=None) -> tuple[list[Check], dict]:
     """Every check, and the facts behind them (for --json)."""
-    import torch
-
     environ = os.environ if environ is None else environ
     gpus_check, gpus = check_gpus(torch)
     checks = [check_python(), check_torch(torch), check_driver(torch), *check_cudnn_nccl(torch), gpus_check]

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import asdict
 
+from mega.core.cli.argparser import CommandParser
 from mega.core.doctor.checks import FAIL, run_checks
 
 MARKS = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "skip": "SKIP"}
@@ -24,7 +24,7 @@ def report_lines(checks) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega doctor",
         description="Check that Python, torch, the CUDA runtime and driver, cuDNN and NCCL agree; list the "
                     "GPUs and advise tensor-parallel groups from `nvidia-smi topo -m`; list mega's packages, "

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mega.core.launch import collective_timeout
 from mega.core.parallel.config import ParallelConfig
 from mega.core.parallel.layout import embedding_ranks, rank_groups
 
@@ -85,15 +86,11 @@ class ParallelGroups:
         handles = {}
         if self._connected and self.world_size > 1:
             for ranks in _unique(all_ranks):
-                handles[tuple(ranks)] = dist.new_group(ranks, backend=self._backend)
+                handles[tuple(ranks)] = dist.new_group(ranks, backend=self._backend, timeout=collective_timeout())
         if not mine:  # e.g. a middle pipeline stage is in no embedding group
             return Group(name, (), -1, None)
         ranks = tuple(mine[0])
         return Group(name, ranks, ranks.index(self.global_rank), handles.get(ranks))
-
-    @property
-    def is_pipeline_first(self) -> bool:
-        return self.pp.is_first
 
     @property
     def is_pipeline_last(self) -> bool:

@@ -31,6 +31,7 @@ from mega.core.parallel.collectives import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from mega.core.parallel.grad_accumulation_fusion import linear
 from mega.core.parallel.groups import Group
 from mega.core.parallel.param_attrs import mark_sequence_parallel, mark_tensor_parallel
 
@@ -124,6 +125,11 @@ class _ShardedLinear(nn.Module):
         layer.weight.requires_grad_(linear.weight.requires_grad)
         return layer
 
+    def local_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """This rank's product ``x @ weight_shard.T (+ bias)``, between the layer's collectives;
+        a subclass computes it otherwise (FP8: mega-torchao's layers)."""
+        return linear(x, self.weight, bias)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, tp={self.group.size}, "
@@ -150,12 +156,13 @@ class ColumnParallelLinear(_ShardedLinear):
         self.gather_output = gather_output
         super().__init__(in_features, out_features, group, bias, chunks, sequence_parallel, device, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """``add_bias=False`` leaves the bias to the caller (a fused bias + activation)."""
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.local_linear(x, self.bias if add_bias else None)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
 
@@ -175,7 +182,7 @@ class RowParallelLinear(_ShardedLinear):
         super().__init__(in_features, out_features, group, bias, 1, sequence_parallel, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.local_linear(x, None)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:

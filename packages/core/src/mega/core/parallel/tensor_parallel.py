@@ -1,9 +1,10 @@
 """``apply_tensor_parallel``: split a model written for one device with a plan of styles.
 
-The model is built (and initialised) whole, on every rank, from the same seed. The plan maps
-module-name patterns to the styles of :mod:`mega.core.parallel.plan`; each matching
-``nn.Linear`` / ``nn.Embedding`` is replaced by its parallel layer holding this rank's shard, so
-every layout holds slices of the same model. Names are unchanged (a parallel layer keeps
+:func:`mega.core.build.build_stage` calls it on a stage built on the ``meta`` device (nothing
+allocated yet); only afterwards does each rank materialise and initialise its own shards, from
+per-name seeds, so every layout holds slices of the same model. The plan maps module-name
+patterns to the styles of :mod:`mega.core.parallel.plan`; each matching ``nn.Linear`` /
+``nn.Embedding`` is replaced by its parallel layer holding this rank's shard. Names are unchanged (a parallel layer keeps
 ``weight`` and ``bias``), so state dicts and hooks keep working.
 
 Under sequence parallelism the activations between the marked ``SequenceParallelOutput`` module
@@ -30,6 +31,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from mega.core.parallel.collectives import scatter_to_sequence_parallel_region
+from mega.core.parallel.grad_accumulation_fusion import Linear as FusionAwareLinear
 from mega.core.parallel.groups import ParallelGroups
 from mega.core.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from mega.core.parallel.param_attrs import is_expert_parallel, is_tensor_parallel, mark_sequence_parallel
@@ -129,7 +131,8 @@ def _parallel_layer(name: str, old: nn.Module, style: PlanStyle, group, sequence
         raise TypeError(f"plan style ColumnThenRow for {name!r} needs a module that does its own tensor-parallel "
                         f"communication (to_tensor_parallel), found {type(old).__name__}")
     expected = nn.Embedding if isinstance(style, VocabEmbedding) else nn.Linear
-    if type(old) is not expected:
+    # The exact class (a subclass's own forward would be lost), or the fusion-aware Linear.
+    if type(old) not in (expected, FusionAwareLinear if expected is nn.Linear else expected):
         raise TypeError(f"plan style {type(style).__name__} for {name!r} needs an {expected.__name__}, "
                         f"found {type(old).__name__}")
     if isinstance(style, Colwise):

@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from mega.core.model_family import TensorSpec
 from mega.core.parallel import ParallelGroups
 from mega.core.pipeline.messages import ACTIVATION, Exchange, Message
+from mega.core.pipeline.tensor_spec import TensorSpec
 
 
 class PipelineLinks:

@@ -1,8 +1,9 @@
 """The schedule table: which micro-batch and model chunk each pipeline rank runs, in which order.
 
 It is computed from the pipeline size, the number of model chunks per rank and the number of
-micro-batches alone, without a model. The schedules execute exactly this order, and tests, docs
-and the bubble arithmetic read it, so there is one source of truth for what a schedule does.
+micro-batches alone, without a model. The schedules execute exactly this order, and the tests
+(whose unit-cost timeline checks the bubble arithmetic), docs and memory plan read it, so there
+is one source of truth for what a schedule does.
 
 Model chunk ``c`` of pipeline rank ``r`` is virtual stage ``c * pp + r``: a micro-batch flows
 through rank 0, 1, ..., pp-1 for chunk 0, then wraps to rank 0 for chunk 1, and so on (Megatron's
@@ -45,15 +46,6 @@ class Action:
 
 
 @dataclass(frozen=True)
-class Slot:
-    """When an action runs in the idealised timeline of :meth:`ScheduleTable.slots`."""
-
-    start: float
-    end: float
-    action: Action
-
-
-@dataclass(frozen=True)
 class ScheduleTable:
     pp: int
     vpp: int
@@ -76,79 +68,6 @@ class ScheduleTable:
     def rank_and_chunk(self, stage: int) -> tuple[int, int]:
         chunk, rank = divmod(stage, self.pp)
         return rank, chunk
-
-    def slots(self, forward_cost: float = 1.0, backward_cost: float = 1.0) -> list[list[Slot]]:
-        """Start and end of every action if each rank runs its actions in table order, as early
-        as its dependencies allow, with free communication and the given per-chunk costs."""
-        cost = {FORWARD: forward_cost, BACKWARD: backward_cost}
-        done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, stage) -> end time
-        slots: list[list[Slot]] = [[] for _ in range(self.pp)]
-        free_at = [0.0] * self.pp
-        position = [0] * self.pp
-        actions = self.actions
-        remaining = sum(len(rank_actions) for rank_actions in actions)
-        while remaining:
-            progressed = False
-            for rank in range(self.pp):
-                while position[rank] < len(actions[rank]):
-                    action = actions[rank][position[rank]]
-                    stage = self.stage(rank, action.chunk)
-                    dependency = self._dependency(action, stage)
-                    if dependency is not None and dependency not in done:
-                        break
-                    start = max(free_at[rank], done[dependency] if dependency else 0.0)
-                    end = start + cost[action.kind]
-                    done[(action.kind, action.microbatch, stage)] = free_at[rank] = end
-                    slots[rank].append(Slot(start, end, action))
-                    position[rank] += 1
-                    remaining -= 1
-                    progressed = True
-            if not progressed:
-                stuck = {rank: str(actions[rank][position[rank]]) for rank in range(self.pp)
-                         if position[rank] < len(actions[rank])}
-                raise ScheduleError(f"the schedule cannot make progress; waiting actions: {stuck}")
-        return slots
-
-    def _dependency(self, action: Action, stage: int) -> tuple[str, int, int] | None:
-        """The action (elsewhere in the pipeline) whose result this action consumes."""
-        if action.kind == FORWARD:
-            return (FORWARD, action.microbatch, stage - 1) if stage > 0 else None
-        if stage == self.num_stages - 1:  # the loss's backward starts from its own forward
-            return (FORWARD, action.microbatch, stage)
-        return (BACKWARD, action.microbatch, stage + 1)
-
-    def bubble_fraction(self, forward_cost: float = 1.0, backward_cost: float = 1.0) -> float:
-        """The share of the makespan a rank sits idle (the same on every rank: all do equal work)."""
-        slots = self.slots(forward_cost, backward_cost)
-        makespan = max(slot.end for rank_slots in slots for slot in rank_slots)
-        busy = sum(slot.end - slot.start for slot in slots[0])
-        return 1.0 - busy / makespan
-
-    def in_flight(self, rank: int) -> int:
-        """Most micro-batch chunks whose activations ``rank`` holds at once (forward done,
-        backward not yet)."""
-        held = peak = 0
-        for action in self.actions[rank]:
-            held += 1 if action.kind == FORWARD else -1
-            peak = max(peak, held)
-        return peak
-
-    def __str__(self) -> str:
-        """One line per rank of the unit-cost timeline; ``.`` marks an idle slot."""
-        slots = self.slots()
-        makespan = max(slot.end for rank_slots in slots for slot in rank_slots)
-        width = max(len(str(action)) for actions in self.actions for action in actions)
-        lines = []
-        for rank, rank_slots in enumerate(slots):
-            cells, clock = [], 0.0
-            for slot in rank_slots:
-                cells += ["." * width] * int(slot.start - clock) + [str(slot.action).ljust(width)]
-                clock = slot.end
-            cells += ["." * width] * int(makespan - clock)
-            lines.append(f"rank {rank}: " + " ".join(cells))
-        return "\n".join(lines)
-
-
 def schedule_table(pp: int, num_microbatches: int, vpp: int = 1, forward_only: bool = False) -> ScheduleTable:
     """The table of the schedule the pipeline runs: no pipelining (``pp == 1``), 1F1B
     (``vpp == 1``) or interleaved 1F1B (``vpp > 1``), or forwards only (evaluation)."""

@@ -20,11 +20,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from mega.core.model_family import TensorSpec
 from mega.core.parallel import ParallelGroups
 from mega.core.pipeline.messages import consumed, exchanges, produced
 from mega.core.pipeline.p2p import PipelineLinks
 from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, Action, ScheduleTable, schedule_table
+from mega.core.pipeline.tensor_spec import TensorSpec
 from mega.core.pipeline.tied import sum_tied_grads
 from mega.core.plugins import Events
 

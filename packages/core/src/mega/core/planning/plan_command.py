@@ -17,20 +17,27 @@ import json
 import sys
 from dataclasses import asdict
 
+from mega.core.cli.argparser import CommandParser
 from mega.core.config import ConfigError
+from mega.core.planning.memory_plan import Layout
+from mega.core.planning.step_estimate import MEMORY_HEADROOM, estimate, search
 from mega.core.plugins import PluginError
+from mega.core.training.device_peaks import peak_tflops_of
+from mega.core.training.precision import grads_in_fp32
+from mega.core.training.run_config import model_with_megatron_shorthands
+from mega.core.training.run_parser import parse_run
 
 GIB = 1024**3
 DEFAULT_MFU = 0.45  # about what mega reached for GPT 1.3B on one H100 (docs/benchmarks.md)
 
 
 def _machine_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="mega plan", add_help=False,
         description="Memory per GPU (weights, gradients, optimizer state, activations) per pipeline stage, "
                     "FLOPs and estimated step time of a `mega train` run; --search lists layouts that fit. "
                     "Takes every `mega train` flag (see `mega train --help`) plus these.")
-    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    parser.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
     parser.add_argument("--world-size", "--gpus", type=int, dest="world_size",
                         help="GPUs in the run (default: tp x pp x cp, one data-parallel replica)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80, an H100)")
@@ -52,8 +59,6 @@ def _gb(value: int) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from mega.core.training.command import parse_run
-
     machine, train_argv = _machine_parser().parse_known_args(argv)
     if machine.help:
         _machine_parser().print_help()
@@ -67,12 +72,6 @@ def main(argv: list[str]) -> int:
 
 
 def _plan(run, family, machine) -> int:
-    from mega.core.planning.memory_plan import Layout
-    from mega.core.planning.step_estimate import MEMORY_HEADROOM, estimate, search
-    from mega.core.training.device_peaks import peak_tflops_of
-    from mega.core.training.precision import grads_in_fp32
-    from mega.core.training.run_config import model_with_megatron_shorthands
-
     model = model_with_megatron_shorthands(run)
     parallel = run.parallel
     world = machine.world_size or parallel.tp * parallel.pp * parallel.cp

@@ -9,6 +9,7 @@ from typing import Any
 import pluggy
 
 from mega.core.plugins import hookspecs
+from mega.core.plugins.registry import PluginError
 
 
 class Events:
@@ -46,10 +47,21 @@ class Events:
 
     @classmethod
     def from_callbacks(cls, plugins, run_config: Any) -> Events:
-        """Instantiate every registered callback factory that wants to take part in this run."""
+        """Instantiate every registered callback factory that wants to take part in this run.
+
+        A callback that cannot be loaded raises :class:`PluginError` naming its plugin, unless the
+        run was asked to skip failed plugins (``--skip-failed-plugins``; mega train has warned)."""
+        training = getattr(run_config, "training", None)
+        skip_failed = bool(getattr(training, "skip_failed_plugins", False))
         listeners = []
         for name in plugins.callbacks.names():
-            listener = plugins.callbacks.get(name)(run_config)
+            try:
+                factory = plugins.callbacks.get(name)
+            except PluginError:
+                if skip_failed:
+                    continue
+                raise
+            listener = factory(run_config)
             if listener is not None:
                 listeners.append(listener)
         return cls(listeners)

@@ -3,9 +3,14 @@
 Two kinds of hooks live here.
 
 * Registration hooks are called once when the plugins are loaded. Each receives a
-  ``register(name, obj, description="")`` callback; ``obj`` may be the object itself or an
-  import path ``"package.module:attribute"`` that is imported only when the name is used, so
-  that listing plugins or printing ``mega --help`` never imports torch.
+  ``register(name, obj, description="", *, options=None)`` callback; ``obj`` may be the object
+  itself or an import path ``"package.module:attribute"`` that is imported only when the name is
+  used, so that listing plugins or printing ``mega --help`` never imports torch. ``options`` is a
+  dataclass of :func:`mega.core.config.option` fields: flags of ``mega train`` and a TOML table
+  named after the plugin (:mod:`mega.core.plugins.options`).
+
+docs/plugins.md states every hook's arguments, return value and the ranks that receive it;
+tests/test_plugin_docs.py fails when a signature here changes without that page.
 
 * Event hooks (:class:`EventSpecs`) fire during one training run. Objects implementing them are
   made per run by the factories registered through :func:`register_callbacks`, so a logger or a
@@ -80,6 +85,12 @@ class EventSpecs:
     @hookspec
     def on_train_end(self, run):
         """After the last iteration (also when training stops on an error)."""
+
+    @hookspec
+    def on_stage_built(self, stage, groups):
+        """A pass over this rank's model chunk (``stage``: built, parallel, initialised, on its
+        device) before ``--compile`` and data parallelism wrap it; it changes the stage in place
+        and keeps its parameters (FP8 linear layers, ...)."""
 
     @hookspec
     def on_step_start(self, run, iteration):

@@ -12,6 +12,7 @@ from typing import Any
 import pluggy
 
 from mega.core.plugins import hookspecs
+from mega.core.plugins.failures import describe, format_traceback
 from mega.core.plugins.registry import DuplicateNameError, Entry, Registry
 
 ENTRY_POINT_GROUP = "mega"
@@ -32,11 +33,16 @@ KINDS = {
 
 @dataclass
 class PluginInfo:
+    """One plugin as ``mega plugins`` lists it. ``error``: it failed to load (import or hook);
+    ``duplicates``: names it registered that an earlier plugin already had (it is the newcomer)."""
+
     name: str
     distribution: str
     version: str
     registered: dict[str, list[str]] = field(default_factory=dict)
     error: str | None = None
+    traceback: str = ""
+    duplicates: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -45,6 +51,7 @@ class PluginInfo:
             "version": self.version,
             "registered": self.registered,
             "error": self.error,
+            "duplicates": self.duplicates,
         }
 
 
@@ -54,6 +61,7 @@ class _Candidate:
     distribution: str
     version: str
     load: Any  # () -> plugin module or object
+    installed_at: float = 0.0  # when the distribution was installed: the newcomer registers last
 
 
 class Plugins:
@@ -62,7 +70,7 @@ class Plugins:
     def __init__(self) -> None:
         self.manager = pluggy.PluginManager(hookspecs.PROJECT)
         self.manager.add_hookspecs(hookspecs.RegistrationSpecs)
-        self.registries = {kind: Registry(kind) for kind in KINDS.values()}
+        self.registries = {kind: Registry(kind, self.failed) for kind in KINDS.values()}
         self.infos: list[PluginInfo] = []
         self.disabled: list[str] = []
 
@@ -102,9 +110,10 @@ class Plugins:
     def add(self, plugin: Any, name: str, distribution: str = "(local)", version: str = "") -> PluginInfo:
         """Register one plugin object or module and collect what it registers.
 
-        A plugin whose hooks fail, or that claims a name another plugin registered, is recorded
-        with its error instead of raising, so one broken plugin never takes the CLI down; the
-        contested name then raises :class:`DuplicateNameError` wherever it is looked up.
+        A plugin whose hooks fail is recorded with its error instead of raising, so one broken
+        plugin never takes the CLI down. A name another plugin registered before is recorded in
+        this (the newcomer's) ``duplicates``; the contested name then raises
+        :class:`DuplicateNameError` wherever it is looked up, and nothing else is affected.
         """
         info = PluginInfo(name, distribution, version)
         self.infos.append(info)
@@ -115,35 +124,35 @@ class Plugins:
                     continue
                 registered: list[str] = []
 
-                errors: list[str] = []
-
-                def register(entry_name: str, obj: Any, description: str = "", *, _kind=kind,
-                             _acc=registered, _errors=errors):
-                    entry = Entry(entry_name, obj, name, distribution, version, description)
+                def register(entry_name: str, obj: Any, description: str = "", *, options: Any = None,
+                             _kind=kind, _acc=registered):
+                    entry = Entry(entry_name, obj, name, distribution, version, description, options)
                     try:
                         self.registries[_kind].add(entry)
                     except DuplicateNameError as error:
-                        _errors.append(str(error))
-                    else:
-                        _acc.append(entry_name)
+                        info.duplicates.append(str(error))
+                    _acc.append(entry_name)
 
                 try:
                     impl.function(register=register)
                 except Exception as error:
-                    errors.append(f"{hook_name} failed: {type(error).__name__}: {error}")
-                if errors:
-                    info.error = "; ".join(filter(None, [info.error, *errors]))
+                    info.error = "; ".join(filter(None, [info.error, f"{hook_name} failed: {describe(error)}"]))
+                    info.traceback += format_traceback(error)
                 if registered:
                     info.registered[kind] = registered
         return info
 
     def add_failed(self, name: str, distribution: str, version: str, error: BaseException) -> None:
-        self.infos.append(
-            PluginInfo(name, distribution, version, error=f"{type(error).__name__}: {error}")
-        )
+        self.infos.append(PluginInfo(name, distribution, version, error=describe(error),
+                                     traceback=format_traceback(error)))
 
     def failed(self) -> list[PluginInfo]:
+        """The plugins that failed to load (their module or one of their hooks raised)."""
         return [info for info in self.infos if info.error]
+
+    def contested(self) -> list[PluginInfo]:
+        """The plugins that registered a name an earlier one had (the newcomers)."""
+        return [info for info in self.infos if info.duplicates]
 
 
 def _entry_point_candidates() -> list[_Candidate]:
@@ -156,10 +165,22 @@ def _entry_point_candidates() -> list[_Candidate]:
                 distribution=dist.metadata["Name"] if dist else "(unknown)",
                 version=dist.version if dist else "",
                 load=entry_point.load,
+                installed_at=_installed_at(dist),
             )
         )
-    # Core first, then by name: registration order (and so duplicate messages) is stable.
-    return sorted(candidates, key=lambda c: (c.name != CORE_PLUGIN, c.name))
+    # Core first, then in the order the distributions were installed (then by name): of two
+    # registrations of one name the second is the newcomer's, which is the one to mark.
+    return sorted(candidates, key=lambda c: (c.name != CORE_PLUGIN, c.installed_at, c.name))
+
+
+def _installed_at(dist) -> float:
+    """When ``dist`` was installed: the modification time of its metadata directory (pip writes
+    it last). importlib.metadata has no public accessor for the directory; 0 when unknown."""
+    path = getattr(dist, "_path", None)
+    try:
+        return path.stat().st_mtime if path is not None else 0.0
+    except OSError:
+        return 0.0
 
 
 def _names_from_env(value: str | None) -> set[str] | None:

@@ -64,6 +64,8 @@ def _load_function(reference: tuple[str, str | None, str], cache: dict) -> Calla
 
 
 def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float, conn) -> None:
+    # Start-up cost: torch is imported by the ranks (preloaded by their forkserver), not by every
+    # test session that loads this fixture module.
     import torch
     import torch.distributed as dist
 

@@ -7,13 +7,13 @@ layout it is given in sequence, sparing a process start per layout.
 
 from __future__ import annotations
 
+from mega.core.training.launch_run import run_training
+from mega.core.training.run_parser import parse_run
+
 
 def train_losses(argv: list[str]) -> list[float]:
     """The per-iteration losses of ``mega train ARGV`` run in this process (every rank of a world
     reports the same list: losses are shared from the last pipeline stage)."""
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
-
     run, family = parse_run(argv)
     return run_training(run, family).losses
 

@@ -7,96 +7,36 @@
 
 The flags are generated from the config dataclasses (the model family's config and the sections
 in mega.core.training.run_config), so `mega train --help` always lists exactly what is accepted.
+
+Parsing is mega.core.training.run_parser's; the launcher of `--nproc-per-node` and
+`--max-restarts` is mega.core.training.launch_job's.
 """
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 
-from mega.core.cli.argparser import CommandParser
-from mega.core.config import ConfigError, add_section, parse
-from mega.core.config.parser import tomllib
+from mega.core.config import ConfigError, flag_reference
 from mega.core.plugins import PluginError, get_plugins
+from mega.core.plugins.training_check import check_plugins_for_training
+from mega.core.training import default_run
+from mega.core.training.launch_job import launch_job
+from mega.core.training.run_config import run_sections
 
-DESCRIPTION = "Pretrain a decoder-only language model at any parallel layout (Megatron's flags)."
-# The model families (GPT, LLaMA) ship in mega-models, which is installed from the repository.
-MODELS_HINT = "install mega-models (pip install -e packages/models, from the mega repository)"
-
-
-def _launcher_parser() -> argparse.ArgumentParser:
-    """Flags that are not config fields: where the config comes from and how many processes."""
-    parser = CommandParser(add_help=False)
-    parser.add_argument("--config", help="TOML file with [training], [model], [parallel]... tables")
-    parser.add_argument("--nproc-per-node", type=int, help="start this many local processes (like torchrun)")
-    return parser
-
-
-def _early_parser() -> argparse.ArgumentParser:
-    """What must be known before the full parser exists: it depends on the model family."""
-    parser = _launcher_parser()
-    parser.add_argument("--model-family", default=None)
-    parser.add_argument("--model-preset", default=None)
-    return parser
-
-
-def build_parser(model_config_class: type | None, family_name: str) -> argparse.ArgumentParser:
-    """The full parser; without a model config class (none installed), every other section."""
-    from mega.core.training.run_config import SECTIONS, run_sections
-
-    parser = CommandParser(
-        prog="mega train", description=DESCRIPTION, parents=[_launcher_parser()],
-        epilog="With no arguments, trains the embedded default: a small GPT on the text of Python's "
-               "pydoc topics, on the CPU, in about two minutes.",
-    )
-    sections = run_sections(model_config_class) if model_config_class is not None else SECTIONS
-    for name, cls in sections.items():
-        add_section(parser, name, cls, title=f"model ({family_name} family)" if name == "model" else None)
-    return parser
-
-
-def parse_run(argv: list[str], plugins=None):
-    """Parse ``argv`` into a RunConfig (the family and preset chosen first)."""
-    from mega.core.training.run_config import RunConfig, run_sections
-
-    plugins = plugins or get_plugins()
-    early, _ = _early_parser().parse_known_args(argv)
-    toml_training = _toml_training_table(early.config) if early.config else {}
-    family_name = early.model_family or toml_training.get("model_family") or "gpt"
-    if family_name not in plugins.models and not plugins.models.names():
-        raise PluginError(f"no model family is installed ({family_name!r} was asked for): {MODELS_HINT}")
-    family = plugins.models.get(family_name)
-    preset = early.model_preset or toml_training.get("model_preset")
-    # A preset is the starting point its flags override; without one the config class derives
-    # its dependent sizes (ffn, query groups...) from the flags given.
-    bases = {"model": family.preset(preset)} if preset else {}
-
-    sections = run_sections(family.config_class)
-    parser = build_parser(family.config_class, family_name)
-    configs = parse(argv, sections, parser, bases=bases)
-    return RunConfig(**configs), family
-
-
-def _toml_training_table(path: str) -> dict:
-    """The [training] table, read early for the model family and preset (errors come later)."""
-    try:
-        with open(path, "rb") as handle:
-            return tomllib.load(handle).get("training", {})
-    except (OSError, tomllib.TOMLDecodeError):
-        return {}  # the full parse reports the problem with the file's name
+# parse_run and build_parser are imported from here by tools and tests.
+from mega.core.training.run_parser import MODELS_HINT, build_parser, launcher_parser, parse_run  # noqa: F401
 
 
 def flag_reference_markdown(family_name: str = "gpt", plugins=None) -> str:
     """docs/training-flags.md: every flag of `mega train`, generated from the config dataclasses."""
-    from mega.core.config import flag_reference
-    from mega.core.training.run_config import run_sections
-
     family = (plugins or get_plugins()).models.get(family_name)
     return (
         "# `mega train` flags\n\n"
         "Generated by `mega train --flag-reference` from the config dataclasses (each field declares its\n"
         "flag once); a test keeps this page in step with the code. Besides these: `--config FILE` (TOML,\n"
-        "one table per section; flags override it) and `--nproc-per-node N` (start N local processes).\n\n"
+        "one table per section; flags override it), `--nproc-per-node N` (start N local processes) and\n"
+        "`--max-restarts N` (restart every rank after a failure, resuming from `--save`).\n\n"
         + flag_reference(run_sections(family.config_class)) + "\n"
     )
 
@@ -106,41 +46,54 @@ def main(argv: list[str]) -> int:
         print(flag_reference_markdown(), end="")
         return 0
     if not argv:
-        from mega.core.training.default_run import main as default_main
-
-        return default_main()
-    early, _ = _launcher_parser().parse_known_args(argv)
-    if early.nproc_per_node:
-        from mega.core.launch import launch_local
-
-        return launch_local(early.nproc_per_node, ["train", *_without_nproc(argv)])
+        problem = default_run.missing_requirement(get_plugins())
+        if problem is not None:
+            print(f"mega train: {problem}", file=sys.stderr)
+            return 2
+        print(default_run.ANNOUNCEMENT, flush=True)
+        argv = default_run.DEFAULT_ARGV
+    early, _ = launcher_parser().parse_known_args(argv)
+    if early.nproc_per_node or early.max_restarts is not None:
+        return launch_job(early.nproc_per_node or 1, ["train", *_without_launcher_flags(argv)], early.max_restarts)
     try:
         run, family = parse_run(argv)
     except PluginError as error:
-        if {"-h", "--help"} & set(argv) and MODELS_HINT in str(error):
-            build_parser(None, "").print_help()  # the help still helps; the model's flags are missing
-            print(f"\nmodel flags (--num-layers, --hidden-size, ...) come from a model family: {MODELS_HINT}")
+        if {"-h", "--help"} & set(argv):
+            # The help still helps (a family not installed, contested or broken); its flags are missing.
+            build_parser(None, "").print_help()
+            hint = MODELS_HINT if MODELS_HINT in str(error) else str(error)
+            print(f"\nmodel flags (--num-layers, --hidden-size, ...) come from a model family: {hint}")
             return 0
         print(f"mega train: error: {error}", file=sys.stderr)
         return 2
     except (ConfigError, KeyError) as error:
         print(f"mega train: error: {error}", file=sys.stderr)
         return 2
+    try:
+        skipped = check_plugins_for_training(get_plugins(), run.training.skip_failed_plugins)
+    except PluginError as error:
+        print(f"mega train: error: {error}", file=sys.stderr)
+        return 2
+    if skipped and os.environ.get("RANK", "0") == "0":  # one warning per job, not per rank
+        print("mega train: warning: --skip-failed-plugins: training without " + "; ".join(skipped), file=sys.stderr)
+    # Start-up cost: the training stack, which the launcher of --nproc-per-node does not need.
     from mega.core.training.launch_run import train
 
     return train(run, family)
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
+def _without_launcher_flags(argv: list[str]) -> list[str]:
+    """``argv`` for the ranks: without --nproc-per-node and --max-restarts (and their values)."""
+    flags = ("--nproc-per-node", "--max-restarts")
     out, skip = [], False
     for word in argv:
         if skip:
             skip = False
             continue
-        if word == "--nproc-per-node":
+        if word in flags:
             skip = True
             continue
-        if word.startswith("--nproc-per-node="):
+        if word.startswith(tuple(flag + "=" for flag in flags)):
             continue
         out.append(word)
     return out

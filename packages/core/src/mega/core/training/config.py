@@ -11,7 +11,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Literal
 
+from mega.core.checkpoint.config import CheckpointConfig  # noqa: F401  (a section of the run, declared with checkpoints)
 from mega.core.config.options import option
+from mega.core.kernels import select_backends
 from mega.core.optim.config import OptimizerConfig  # noqa: F401  (a section of the run, declared with the optimizer)
 
 
@@ -30,6 +32,12 @@ class TrainingConfig:
     exit_interval: int | None = option(
         None, "stop after an iteration divisible by N (saving a checkpoint first under --save)"
     )
+    exit_duration_in_mins: float | None = option(
+        None, "save a checkpoint and exit 0 once the run has lasted this long (a job's time limit)")
+    exit_signal_handler: bool = option(
+        False, "on --exit-signal (a scheduler's preemption notice): finish the iteration, save, exit 0")
+    exit_signal: Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"] = option(
+        "SIGTERM", "the signal --exit-signal-handler acts on")
     seed: int = option(1234, "random seed")
     distributed_timeout_minutes: float = option(
         10, "end the job when a collective does not complete within this time (a hung or stopped rank)"
@@ -42,6 +50,8 @@ class TrainingConfig:
     use_mcore_models: bool = option(False, "accepted for Megatron compatibility; has no effect")
     recompute_activations: bool = option(False, "Megatron's shorthand for --recompute-granularity selective")
     group_query_attention: bool = option(False, "accepted for Megatron compatibility; --num-query-groups sets the groups")
+    skip_failed_plugins: bool = option(False, "train although a plugin failed to load or a callback does not import "
+                                       "(they take no part); without it mega train stops before training, naming them")
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "train_iters", "eval_interval"):
@@ -49,6 +59,8 @@ class TrainingConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.eval_iters < 0:
             raise ValueError(f"--eval-iters must be >= 0, got {self.eval_iters}")
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ValueError(f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}")
 
 
 @dataclass
@@ -59,15 +71,26 @@ class PrecisionConfig:
         None, "accumulate gradients over micro-batches and all-reduce them in fp32 (default: with --bf16; "
         "--no-accumulate-allreduce-grads-in-fp32 keeps them in the parameters' dtype)",
         action=argparse.BooleanOptionalAction)
+    gradient_accumulation_fusion: bool | None = option(
+        None, "accumulate each weight gradient into its fp32 main-grad buffer inside the weight-gradient GEMM "
+        "(default: on a GPU when gradients accumulate in fp32; the unfused path runs where it cannot)",
+        action=argparse.BooleanOptionalAction)
     loss_scale: float | None = option(None, "static loss scale for fp16 (default: dynamic)")
     initial_loss_scale: float = option(2.0**32, "initial dynamic loss scale")
     min_loss_scale: float = option(1.0, "smallest dynamic loss scale")
     loss_scale_window: int = option(1000, "clean steps before the dynamic loss scale grows")
     hysteresis: int = option(2, "overflowing steps tolerated before the loss scale backs off")
     fp8_format: Literal["e4m3", "hybrid"] | None = option(
-        None, "FP8 training through Transformer Engine (a GPU of compute capability >= 8.9): e4m3 everywhere, "
+        None, "FP8 training (Transformer Engine or torchao, by --fp8-recipe): e4m3 everywhere, "
         "or hybrid (E4M3 forward, E5M2 gradients)")
     fp8_hybrid: bool = option(False, "shorthand for --fp8-format hybrid")
+    fp8_recipe: Literal["delayed", "tensorwise", "rowwise", "mxfp8", "blockwise"] = option(
+        "delayed", "FP8 scaling recipe: delayed (Transformer Engine's amax history), tensorwise or rowwise (current "
+        "scaling through torchao, the mega-torchao plugin); mxfp8 and blockwise are refused where no plugin has them")
+    first_last_layers_bf16: bool = option(False, "keep the first and last transformer layers out of FP8 "
+                                          "(--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16 of them)")
+    num_layers_at_start_in_bf16: int = option(1, "with --first-last-layers-bf16: layers at the start kept out of FP8")
+    num_layers_at_end_in_bf16: int = option(1, "with --first-last-layers-bf16: layers at the end kept out of FP8")
     fp8_margin: int = option(0, "FP8 scaling margin: scales leave 2^margin of headroom below the format's maximum")
     fp8_amax_compute_algo: Literal["most_recent", "max"] = option("most_recent", "FP8 amax algorithm")
     fp8_amax_history_len: int = option(1, "FP8 amax history length")
@@ -83,6 +106,8 @@ class PrecisionConfig:
             raise ValueError("--bf16 and --fp16 are mutually exclusive")
         if self.fp8_hybrid and self.fp8_format == "e4m3":
             raise ValueError("--fp8-hybrid means --fp8-format hybrid; it contradicts --fp8-format e4m3")
+        if self.num_layers_at_start_in_bf16 < 0 or self.num_layers_at_end_in_bf16 < 0:
+            raise ValueError("--num-layers-at-start-in-bf16 and --num-layers-at-end-in-bf16 must be >= 0")
 
     @property
     def fp8(self) -> str | None:
@@ -114,21 +139,6 @@ class DataConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    save: str | None = option(None, "directory to save checkpoints to")
-    load: str | None = option(None, "checkpoint directory (or one iter_XXXXXXX in it) to resume from")
-    save_interval: int | None = option(None, "save every N iterations (and at the end)")
-    load_optim: bool = option(True, "do not load the optimizer state", flag="--no-load-optim")
-    load_rng: bool = option(True, "do not load the RNG states", flag="--no-load-rng")
-    finetune: bool = option(False, "load weights only and start at iteration 0")
-    ckpt_format: Literal["torch_dist"] = option("torch_dist", "checkpoint format")
-    keep_last: int | None = option(None, "keep only the K newest checkpoints")
-    async_save: bool = option(False, "write checkpoints in the background")
-    verify_checksums: bool = option(True, "do not compare the loaded checkpoint's files with their checksums "
-                                    "(saves reading a huge checkpoint twice)", flag="--no-verify-checksums")
-
-
-@dataclass
 class LoggingConfig:
     log_interval: int = option(10, "print the log line every N iterations")
     tensorboard_dir: str | None = option(None, "write TensorBoard events here")
@@ -139,6 +149,13 @@ class LoggingConfig:
     profile_step_end: int = option(12, "iteration after the last profiled one")
     profile_dir: str = option("profiles", "directory for --profile's Chrome traces (one per rank)")
     pipeline_timeline: str | None = option(None, "write a Chrome trace of the pipeline schedule here")
+    wandb_project: str | None = option(None, "log the run to this Weights & Biases project (needs wandb; "
+                                       "WANDB_MODE=offline writes it locally)")
+    wandb_exp_name: str | None = option(None, "the W&B run's name")
+    wandb_save_dir: str | None = option(None, "where W&B writes its files (default: --save/wandb, else ./wandb)")
+    log_straggler: bool = option(False, "every --log-interval, name the ranks whose step is slowest, with their "
+                                 "ratio to the median")
+    straggler_minmax_count: int = option(1, "how many of the slowest (and fastest) ranks --log-straggler names")
 
 
 @dataclass
@@ -173,8 +190,6 @@ class KernelConfig:
 
     def selection(self, plugins=None) -> dict[str, str]:
         """Kind -> backend name; every chosen backend checked usable here (see select_backends)."""
-        from mega.core.kernels import select_backends
-
         return select_backends(self.kernels, self.overrides(), plugins)
 
 

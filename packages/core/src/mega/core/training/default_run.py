@@ -9,9 +9,8 @@ to ``checkpoints/pydoc-gpt`` under the working directory, with its tokenizer, fo
 
 from __future__ import annotations
 
-import sys
-
-from mega.core.plugins import PluginError, get_plugins
+from mega.core.plugins import PluginError
+from mega.core.plugins.install_hint import repository_package
 
 # Where the default run leaves its model (relative to the working directory), for `mega generate`.
 DEFAULT_SAVE_DIR = "checkpoints/pydoc-gpt"
@@ -29,15 +28,14 @@ DEFAULT_ARGV = [
 ]
 
 
-def main() -> int:
-    from mega.core.training.command import main as train_main
-
-    plugins = get_plugins()
+def missing_requirement(plugins) -> str | None:
+    """Why the default run cannot start in this installation (mega-data is missing), or None."""
     try:
         plugins.datasets.entry("pydoc-topics")
     except PluginError as error:
-        print(f"mega train: the embedded default needs mega-data (pip install -e packages/data, from the mega repository): {error}", file=sys.stderr)
-        return 2
-    print("mega train: no arguments, so training the embedded default (a small GPT on Python's pydoc "
-          "topics, on the CPU);\n  the same run is `mega train " + " ".join(DEFAULT_ARGV) + "`", flush=True)
-    return train_main(DEFAULT_ARGV)
+        return f"the embedded default needs mega-data: {repository_package('mega-data', 'packages/data')}: {error}"
+    return None
+
+
+ANNOUNCEMENT = ("mega train: no arguments, so training the embedded default (a small GPT on Python's pydoc "
+                "topics, on the CPU);\n  the same run is `mega train " + " ".join(DEFAULT_ARGV) + "`")

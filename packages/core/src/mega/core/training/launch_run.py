@@ -8,12 +8,14 @@ import torch.distributed as dist
 
 from mega.core.checkpoint import CheckpointError
 from mega.core.config import ConfigError
-from mega.core.launch import init_distributed, record_failure
+from mega.core.launch import TIMEOUT_EXIT_CODE, init_distributed, record_failure
 from mega.core.model_family import ModelFamily
 from mega.core.parallel import ParallelGroups
 from mega.core.plugins import PluginError, get_plugins
 from mega.core.training.collective_timeout import describe_timeout
 from mega.core.training.data_setup import build_datasets
+from mega.core.training.hang_report import flight_recorder_env, write_report
+from mega.core.training.in_job_restart import resume_after_restart
 from mega.core.training.run_config import RunConfig, derive
 from mega.core.training.trainer import RunState, Trainer
 
@@ -21,6 +23,8 @@ from mega.core.training.trainer import RunState, Trainer
 def run_training(run: RunConfig, family: ModelFamily, plugins=None) -> RunState:
     """Train in this process (joining the distributed job its environment describes)."""
     plugins = plugins or get_plugins()
+    run = resume_after_restart(run)
+    flight_recorder_env(run.checkpoint.save)
     init_distributed(timeout_s=run.training.distributed_timeout_minutes * 60)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     run, derived = derive(run, world_size)
@@ -43,9 +47,10 @@ def train(run: RunConfig, family: ModelFamily) -> int:
         timeout = describe_timeout(error, run.training.distributed_timeout_minutes)
         if timeout is None:
             raise
-        record_failure(3)
-        print(f"mega train: error: {timeout}", file=sys.stderr)
-        return 3
+        print(f"mega train: error: {timeout}", file=sys.stderr, flush=True)
+        write_report(dist.get_rank() if dist.is_initialized() else 0, run.checkpoint.save, timeout)
+        record_failure(TIMEOUT_EXIT_CODE)
+        return TIMEOUT_EXIT_CODE
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -22,6 +22,14 @@ def grads_in_fp32(precision: PrecisionConfig) -> bool:
     return precision.bf16
 
 
+def gradient_accumulation_fusion(precision: PrecisionConfig, device: torch.device) -> bool:
+    """``--gradient-accumulation-fusion``; by default on a GPU with fp32 main grads (Megatron's
+    default), where the weight-gradient GEMM can write fp32 from bf16 operands."""
+    if precision.gradient_accumulation_fusion is not None:
+        return precision.gradient_accumulation_fusion
+    return device.type == "cuda" and grads_in_fp32(precision)
+
+
 def grad_scaler_for(precision: PrecisionConfig) -> ConstantGradScaler | DynamicGradScaler | None:
     """fp16 needs loss scaling (static with ``--loss-scale``, else dynamic); bf16 and fp32 do not."""
     if not precision.fp16:

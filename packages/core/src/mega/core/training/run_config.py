@@ -16,7 +16,7 @@ from mega.core.config import ConfigError
 from mega.core.kernels import KernelBackendError, Kernels, check_linear_loss
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.context_parallel import check_sequence_length
-from mega.core.plugins import PluginError
+from mega.core.plugins import PluginError, get_plugins
 from mega.core.training.config import (
     CheckpointConfig,
     DataConfig,
@@ -27,6 +27,7 @@ from mega.core.training.config import (
     PrecisionConfig,
     TrainingConfig,
 )
+from mega.core.training.fp8_recipes import DELAYED, check_fp8_flags
 
 SECTIONS: dict[str, type] = {
     "training": TrainingConfig,
@@ -63,6 +64,9 @@ class RunConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
+    # The options plugins declare, by plugin name: run_config.plugins["loss_csv"] (see
+    # mega.core.plugins.options); empty where the run was not parsed from flags or TOML.
+    plugins: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -166,8 +170,6 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
     """Fail, naming the flag and what is missing, for what this installation cannot run: the
     registries (model family features, kernel backends, optimizers) are asked, nothing is assumed."""
     if plugins is None:
-        from mega.core.plugins import get_plugins
-
         plugins = get_plugins()
     family = family or plugins.models.get(run.training.model_family)
     for flag, (feature, needs, asked) in FEATURE_FLAGS.items():
@@ -184,7 +186,10 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
         if precision.transformer_impl == "transformer_engine":
             raise ConfigError(f"--transformer-impl transformer_engine needs {TRANSFORMER_ENGINE}: {error}") from None
         raise ConfigError(f"--kernels / --*-backend: {error}") from None
+    check_fp8_flags(precision, kernels.kernels, plugins)
     for flag, (feature, asked) in KERNEL_FLAGS.items():
+        if feature == "fp8" and precision.fp8_recipe != DELAYED:
+            continue  # current scaling: check_fp8_flags found the backend with the recipe
         backend = kernels.kernels and plugins.kernel_backends.get(kernels.kernels)
         if asked(run) and feature not in getattr(backend, "features", ()):
             raise ConfigError(f"{flag} needs {TRANSFORMER_ENGINE}, or another kernel backend with {feature}")

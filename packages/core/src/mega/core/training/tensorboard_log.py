@@ -11,10 +11,10 @@ from mega.core.plugins import hookimpl
 class TensorBoardLogger:
     def __init__(self, directory: str):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional dependency: tensorboard
         except ImportError:
             raise ConfigError(
-                "--tensorboard-dir needs the tensorboard package: pip install tensorboard "
+                "--tensorboard-dir needs the tensorboard package: pip install -c constraints.txt tensorboard "
                 "(or mega-core[tensorboard])"
             ) from None
         self._writer_class = SummaryWriter
@@ -41,6 +41,7 @@ class TensorBoardLogger:
             "throughput tokens/s": tokens / metrics["elapsed_s"],
             # the family's other losses (MoE auxiliary, BERT's sentence loss), under their names
             **{name: value for name, value in metrics.get("losses", {}).items() if name != "lm loss"},
+            **metrics.get("straggler", {}),  # --log-straggler's numbers, at its report's iterations
         }
         for tag, value in scalars.items():
             if math.isfinite(value):

@@ -32,7 +32,12 @@ from mega.core.plugins import Events, Plugins
 from mega.core.training.batches import MicroBatches
 from mega.core.training.compile import compile_stage
 from mega.core.training.lr_schedule import LearningRateSchedule
-from mega.core.training.precision import grad_scaler_for, grads_in_fp32, model_dtype
+from mega.core.training.precision import (
+    grad_scaler_for,
+    gradient_accumulation_fusion,
+    grads_in_fp32,
+    model_dtype,
+)
 from mega.core.training.run_config import Derived, RunConfig
 
 
@@ -52,6 +57,7 @@ class RunState:
     nan_iterations: int = 0
     losses: list[float] = field(default_factory=list)
     finished: bool = False  # set when the loop ends normally; on_train_end also runs after a failure
+    exit_reason: str | None = None  # a listener's reason to save and stop now (a preemption signal...)
 
     @property
     def is_logging_rank(self) -> bool:
@@ -76,6 +82,7 @@ class Trainer:
         # Under context parallelism every stage reads its chunks' positions (RoPE in every layer).
         self.reads_batch = [bool(stage.batch_keys) or stage.is_last or self.groups.cp.size > 1
                             for stage in self.stages]
+        self.events = Events.from_callbacks(plugins, run)
         self.chunks = self._build_model_chunks()
         self.optimizer = build_optimizer(self.chunks, self.groups, run.optimizer, grad_scaler_for(run.precision),
                                          plugins)
@@ -88,21 +95,25 @@ class Trainer:
         self.tokenizer_spec = data.tokenizer_spec
         flops = family.num_floating_point_operations(run.model, derived.global_batch_size)
         self.state = RunState(run, derived, self.groups, family, flops)
-        self.events = Events.from_callbacks(plugins, run)
         self.checkpointer = None
         if run.checkpoint.save or run.checkpoint.load:
-            # Imported here: torch.distributed.checkpoint takes a second to import.
-            from mega.core.checkpoint.checkpointer import Checkpointer
-
-            self.checkpointer = Checkpointer(run.checkpoint, self.groups, self.checkpoint_state())
+            self.checkpointer = self._checkpointer()
         if run.checkpoint.load:
             self.checkpointer.load()
 
-    def checkpoint_state(self):
-        from mega.core.checkpoint.checkpointer import TrainingState
+    def _checkpointer(self):
+        # Start-up cost: torch.distributed.checkpoint takes a second to import; a run that neither
+        # saves nor loads does not pay it.
+        from mega.core.checkpoint.checkpointer import Checkpointer, TrainingState
 
-        return TrainingState(self.chunks, self.optimizer, self.rng_tracker, self.state, self.family, self.run,
-                             self.tokenizer_spec, self.events)
+        state = TrainingState(self.chunks, self.optimizer, self.rng_tracker, self.state, self.family, self.run,
+                              whole_model_on_meta=self._whole_model_on_meta, tokenizer_spec=self.tokenizer_spec,
+                              events=self.events)
+        return Checkpointer(self.run.checkpoint, self.groups, state)
+
+    def _whole_model_on_meta(self):
+        run = self.run
+        return build_stage(self.family, run.model, parallel=run.parallel, device="meta")
 
     # -- building ---------------------------------------------------------------------------
     def _build_model_chunks(self) -> list[DistributedDataParallel]:
@@ -113,11 +124,13 @@ class Trainer:
             overlap_grad_reduce=run.optimizer.overlap_grad_reduce,
             use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
             grad_reduce_in_fp32=grads_in_fp32(run.precision),
+            gradient_accumulation_fusion=gradient_accumulation_fusion(run.precision, groups.device),
         )
         chunks = []
         for stage in self.stages:
             module = build_stage(self.family, run.model, stage, groups=groups, kernels=self.kernels,
                                  rng_tracker=self.rng_tracker, seed=run.training.seed, dtype=self.dtype)
+            self.events.hook.on_stage_built(stage=module, groups=groups)  # passes of plugins (FP8)
             if run.kernels.compile:
                 compile_stage(self.family, module, run.kernels.compile_backend)
             chunks.append(module)
@@ -222,7 +235,7 @@ class Trainer:
                     state.iteration % self.run.training.eval_interval == 0 or state.iteration == train_iters
                 ):
                     hooks.on_eval(run=state, iteration=state.iteration, metrics=self.evaluate())
-                exiting = state.iteration == train_iters or bool(
+                exiting = state.iteration == train_iters or state.exit_reason is not None or bool(
                     self.run.training.exit_interval and state.iteration % self.run.training.exit_interval == 0)
                 if self.checkpointer is not None:
                     self.checkpointer.poll()

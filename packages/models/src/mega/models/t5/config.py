@@ -135,10 +135,6 @@ class T5Config:
     def query_projection_size(self) -> int:
         return self.num_attention_heads * self.kv_channels
 
-    @property
-    def total_layers(self) -> int:
-        return self.num_layers + self.decoder_num_layers
-
     def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
         """Megatron's padding: the next multiple of make_vocab_size_divisible_by * tp."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size

@@ -175,6 +175,14 @@ def t5_tensor_maps(config: T5Config) -> list[TensorMap]:
     return maps
 
 
+def t5_copies(config: T5Config) -> dict[str, str]:
+    """The stacks' views of the shared embedding, and a tied lm_head: the same tensor where saved."""
+    copies = {f"{stack}.embed_tokens.weight": "shared.weight" for stack in ("encoder", "decoder")}
+    if not config.untie_embeddings_and_output_weights:
+        copies["lm_head.weight"] = "shared.weight"
+    return copies
+
+
 T5_MAPPING = HFMapping(
     architecture="T5ForConditionalGeneration",
     model_type="t5",
@@ -183,5 +191,5 @@ T5_MAPPING = HFMapping(
     config_to_hf=t5_hf_config,
     tensor_maps=t5_tensor_maps,
     # The stacks' views of the shared embedding, and a tied lm_head, saved as duplicates.
-    ignored=(r"(encoder|decoder)\.embed_tokens\.weight", r"lm_head\.weight"),
+    copies=t5_copies,
 )

@@ -1,0 +1,29 @@
+"""``CheckpointConfig``: the checkpoint section of a training run (``--save``, ``--load`` and friends).
+
+It sits here, with the code that reads it, so the checkpoint package needs nothing from training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mega.core.config.options import option
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = option(None, "directory to save checkpoints to")
+    load: str | None = option(None, "checkpoint directory (or one iter_XXXXXXX in it) to resume from")
+    save_interval: int | None = option(None, "save every N iterations (and at the end)")
+    load_optim: bool = option(True, "do not load the optimizer state", flag="--no-load-optim")
+    load_rng: bool = option(True, "do not load the RNG states", flag="--no-load-rng")
+    finetune: bool = option(False, "load weights only and start at iteration 0")
+    allow_unused_tensors: bool = option(False, "--load of a foreign checkpoint (Megatron-LM, Hugging Face): "
+                                        "leave out, with a warning, tensors its model does not use instead of "
+                                        "refusing it")
+    ckpt_format: Literal["torch_dist"] = option("torch_dist", "checkpoint format")
+    keep_last: int | None = option(None, "keep only the K newest checkpoints")
+    async_save: bool = option(False, "write checkpoints in the background")
+    verify_checksums: bool = option(True, "do not compare the loaded checkpoint's files with their checksums "
+                                    "(saves reading a huge checkpoint twice)", flag="--no-verify-checksums")

@@ -1,0 +1,1 @@
+"""The training loop and the `mega train` command (see trainer.py and command.py)."""

@@ -1,0 +1,169 @@
+"""One decode step for every engine path: the lock-step engine, the static KV cache, continuous
+batching over the paged cache, and the encoder-decoder engine give the same tokens,
+log-probabilities and finish reasons for the same requests, cancels and stops included, with one
+order of precedence (stop, then length, then cancel).
+
+The encoder-decoder engine runs a decoder wrapped as an encoder-decoder model (the "encoder"
+hands the prompt through, the "decoder" runs the decoder over prompt + generated tokens without
+a cache) so its tokens can be compared with the decoder paths'; T5 itself is checked against
+transformers in test_encoder_decoder.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_models import POSITIONS, hf_tiny, mega_from_hf  # noqa: E402
+
+from mega.inference.batching import Job  # noqa: E402
+from mega.inference.continuous import ContinuousBatchingWorker  # noqa: E402
+from mega.inference.encoder_decoder import EncoderDecoderEngine  # noqa: E402
+from mega.inference.engine import FinishReason, GenerationEngine, GenerationRequest  # noqa: E402
+from mega.inference.sampling import SamplingParams  # noqa: E402
+from mega.inference.static_decode import StaticDecoder  # noqa: E402
+from mega.inference.stopping import StopRules  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model, config = mega_from_hf(hf_tiny("llama"), "llama")
+    return GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
+
+
+class _PromptThrough(torch.nn.Module):
+    """``encode`` keeps the prompt; ``decode`` runs the decoder over prompt + generated tokens."""
+
+    def __init__(self, decoder: torch.nn.Module):
+        super().__init__()
+        self.decoder = decoder
+
+    def encode(self, prompts: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return prompts.T  # [length, batch]: the engine selects rows on dimension 1
+
+    def decode(self, tokens, encoder_output, encoder_padding, cache, logits_to_keep=None):
+        cache.add(tokens)
+        rows = []
+        for row in range(tokens.shape[0]):
+            prompt = encoder_output[:, row][encoder_padding[row]]
+            ids = torch.cat([prompt, cache.generated[row]])[None]
+            positions = torch.arange(ids.shape[1])[None]
+            rows.append(self.decoder(ids, positions, inference_cache=None, logits_to_keep=1)[-1, 0])
+        return torch.stack(rows)[None]
+
+
+class _History:
+    """The decoder tokens fed so far (the start token left out), one row per sequence."""
+
+    def __init__(self, max_length: int):
+        self.generated: torch.Tensor | None = None
+
+    def add(self, tokens: torch.Tensor) -> None:
+        self.generated = tokens[:, :0] if self.generated is None else torch.cat([self.generated, tokens], 1)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.generated = self.generated[rows]
+
+
+def requests(stop_token: int) -> tuple[list[GenerationRequest], dict[int, int]]:
+    """The requests and, per request index, the generated token count at which its client cancels."""
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=3, frequency_penalty=0.5, logit_bias=((4, 2.0),))
+    batch = [
+        GenerationRequest([5, 17, 42, 8, 99, 3, 1], 10, logprobs=True, top_logprobs=2),
+        GenerationRequest([7, 9], 12, sampling=sampled, logprobs=True),
+        GenerationRequest([200, 13, 60], 14, sampling=SamplingParams(top_k=5, seed=11)),
+        GenerationRequest(list(range(30, 50)), 15, logprobs=True),  # cancelled after 4 tokens
+        GenerationRequest([11, 12], 4),  # cancelled at its last token: the length wins
+        GenerationRequest([5, 17, 42, 8, 99, 3, 1], 10, stop=StopRules(stop_ids=frozenset({stop_token}))),
+        # Cancelled at its stop token: the stop wins.
+        GenerationRequest([5, 17, 42, 8, 99, 3, 1], 10, stop=StopRules(stop_ids=frozenset({stop_token}))),
+        GenerationRequest([3, 4, 5], 0, logprobs=True),  # scoring only: no step at all
+    ]
+    return batch, {3: 4, 4: 4, 6: 3}
+
+
+def canceller(batch: list[GenerationRequest], cancel_after: dict[int, int]):
+    counts = [0] * len(batch)
+
+    def on_token(index: int, *_) -> None:
+        counts[index] += 1
+        if counts[index] == cancel_after.get(index):
+            batch[index].cancelled = True
+
+    return on_token
+
+
+def lock_step(engine, stop_token):
+    batch, cancel_after = requests(stop_token)
+    return engine.generate(batch, on_token=canceller(batch, cancel_after))
+
+
+def static(engine, stop_token):
+    batch, cancel_after = requests(stop_token)
+    return StaticDecoder(engine).generate(batch, on_token=canceller(batch, cancel_after))
+
+
+def encoder_decoder(engine, stop_token):
+    batch, cancel_after = requests(stop_token)
+    batch = [r for r in batch if r.max_new_tokens]  # an encoder-decoder model generates at least one token
+    seq2seq = EncoderDecoderEngine(_PromptThrough(engine.model), vocab_size=engine.vocab_size,
+                                   max_positions=POSITIONS)
+    seq2seq.cache_class = _History
+    return seq2seq.generate(batch, on_token=canceller(batch, cancel_after))
+
+
+def continuous(engine, stop_token):
+    batch, cancel_after = requests(stop_token)
+    on_token = canceller(batch, cancel_after)
+
+    class CancellingJob(Job):  # the client reads each token as the worker hands it out
+        def token(self, index, token, logprob, top=None):
+            on_token(batch.index(self.requests[index]), token)
+            super().token(index, token, logprob, top)
+
+    worker = ContinuousBatchingWorker(engine, max_batch_size=8, max_num_tokens=512, block_size=8)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        jobs = [CancellingJob([request], loop) for request in batch]
+        for job in jobs:
+            worker.submit(job)
+        worker.start()
+        return [(await job.done)[0] for job in jobs]
+
+    try:
+        return asyncio.run(run())
+    finally:
+        worker.stop()
+
+
+def test_every_path_decodes_alike(engine):
+    greedy = engine.generate([GenerationRequest([5, 17, 42, 8, 99, 3, 1], 10)])[0].generated
+    stop_token = greedy[2]  # the greedy request stops at its third token
+    assert stop_token not in greedy[:2]
+    expected = lock_step(engine, stop_token)
+    reasons = [r.finish_reason for r in expected]
+    assert reasons == ["length", "length", "length", "cancelled", "length", "stop", "stop", "length"]
+    assert all(isinstance(reason, FinishReason) for reason in reasons)
+    assert [len(r.generated) for r in expected] == [10, 12, 14, 4, 4, 3, 3, 0]
+    for path in (static, continuous, encoder_decoder):
+        got = path(engine, stop_token)
+        compared = [r for r in expected if r.generated or path is not encoder_decoder]
+        assert [r.tokens for r in got] == [r.tokens for r in compared], path.__name__
+        assert [r.finish_reason for r in got] == [r.finish_reason for r in compared], path.__name__
+        for want, have in zip(compared, got, strict=True):
+            if want.logprobs is None:
+                assert have.logprobs is None
+                continue
+            # The encoder-decoder engine scores generated tokens only (the decoder sees no prompt).
+            count = len(want.generated) if path is encoder_decoder else len(want.logprobs)
+            assert len(have.logprobs) == len(want.logprobs), path.__name__
+            torch.testing.assert_close(torch.tensor(have.logprobs[len(have.logprobs) - count:]),
+                                       torch.tensor(want.logprobs[len(want.logprobs) - count:]), atol=1e-5, rtol=0)
+            if want.top_logprobs is not None:
+                assert [[t for t, _ in top] for top in have.top_logprobs[len(have.top_logprobs) - count:]] == \
+                       [[t for t, _ in top] for top in want.top_logprobs[len(want.top_logprobs) - count:]]

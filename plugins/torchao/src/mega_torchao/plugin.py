@@ -1,0 +1,15 @@
+"""What mega-torchao registers, by import path: listing plugins imports neither torch nor torchao."""
+
+from mega.core.plugins import hookimpl
+
+
+@hookimpl
+def register_kernel_backends(register):
+    register("torchao", "mega_torchao.backend:BACKEND",
+             "FP8 training through torchao.float8: --fp8-recipe tensorwise or rowwise (current scaling)")
+
+
+@hookimpl
+def register_callbacks(register):
+    register("fp8-torchao", "mega_torchao.fp8:fp8_pass_callback",
+             "the FP8 pass (apply_fp8) over every model chunk when --fp8-recipe is tensorwise or rowwise")
