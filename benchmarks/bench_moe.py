@@ -121,7 +121,7 @@ def traffic(tokens_per_rank: int) -> dict:
     from mega.core.parallel import ParallelConfig, ParallelGroups
     from mega.core.parallel.collectives import CommCounter
     from mega.models.moe.layer import MoELayer
-    from mega.models.moe.model import shard_experts
+    from mega.models.moe_model import shard_experts
 
     groups = ParallelGroups(ParallelConfig(ep=4))
     torch.manual_seed(0)

@@ -38,6 +38,13 @@ def lint(sources: list[Path], cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
+def test_every_plugin_is_a_root_package_of_the_check():
+    listed = CONFIG.read_text().split("root_packages =")[1].split("\n\n")[0].split()
+    plugins = {package.name for source in ROOT.glob("plugins/*/src") for package in source.iterdir()
+               if (package / "__init__.py").is_file()}
+    assert plugins <= set(listed), f"add {sorted(plugins - set(listed))} to .importlinter"
+
+
 def test_the_tree_keeps_every_contract(tmp_path):
     result = lint(SOURCES, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -45,7 +45,7 @@ SPECS = (hookspecs.RegistrationSpecs, hookspecs.EventSpecs)
 
 def test_every_hook_is_documented_with_its_signature():
     assert drift(documented_hooks(DOC.read_text(encoding="utf-8")), specified_hooks(*SPECS)) == []
-    assert len(documented_hooks(DOC.read_text(encoding="utf-8"))) == 24
+    assert "on_step_end" in documented_hooks(DOC.read_text(encoding="utf-8"))  # the rows are found at all
 
 
 def test_a_changed_signature_or_hook_without_the_page_is_caught():

@@ -88,7 +88,11 @@ class _Float8Matmul(torch.autograd.Function):
         return grad_input, grad_weight, None
 
 
+@torch.compiler.disable
 def float8_matmul(x: torch.Tensor, weight: torch.Tensor, products: Float8Products) -> torch.Tensor:
+    """Eager under ``--compile``: the amax all-reduces are process-group calls dynamo does not
+    trace. Only tensor-parallel layers take this path; one process's linear layers are
+    torchao's ``Float8Linear``, which compiles."""
     return _Float8Matmul.apply(x, weight, products)
 
 

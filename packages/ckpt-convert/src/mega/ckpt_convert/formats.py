@@ -24,6 +24,7 @@ from typing import Protocol
 from mega.ckpt_convert.errors import ConversionError
 from mega.ckpt_convert.source import ModelSource
 from mega.core.plugins import PluginError, get_plugins
+from mega.core.plugins.failures import failure_line
 
 # transformers' save_pretrained shards at 5 GB by default (4.x); larger files load as well.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -74,8 +75,6 @@ def detect_format(path: Path, plugins=None) -> CheckpointFormat:
         checkpoint_format = get_format(name, plugins)
         if checkpoint_format.detect(path):
             return checkpoint_format
-    from mega.core.plugins.failures import failure_line
-
     failed = "".join(f"; {failure_line(info)} (it may provide the format)" for info in (plugins or get_plugins()).failed())
     raise ConversionError(f"{path} is not a checkpoint of a known format ({', '.join(registry.names())}); "
                           f"name it with --from{failed}")

@@ -19,6 +19,8 @@ import tempfile
 import time
 from datetime import timedelta
 
+from mega.core.rank_reports import DEBUG_DIR_ENV, name_the_rank_behind, request_reports
+
 # Each local rank may record its failure here, so the launcher can tell the rank that failed first
 # (say, with a clear configuration error) from the peers whose collectives then broke.
 FAILURE_FILE_ENV = "MEGA_FAILURE_FILE"
@@ -26,12 +28,10 @@ FAILURE_FILE_ENV = "MEGA_FAILURE_FILE"
 STOP_GRACE_S = 10.0
 # A rank whose collective timed out exits with this code (see mega.core.training.launch_run).
 TIMEOUT_EXIT_CODE = 3
-# Where ranks leave their hang reports' data for the launcher (see mega.core.training.hang_report).
-DEBUG_DIR_ENV = "MEGA_DEBUG_DIR"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -53,7 +53,7 @@ def launch_local(nproc: int, command: list[str], threads_per_process: int | None
     """
     if nproc < 1:
         raise ValueError(f"--nproc-per-node must be positive, got {nproc}")
-    port = _free_port()
+    port = free_port()
     threads = threads_per_process or max(1, (os.cpu_count() or 1) // nproc)
     with tempfile.TemporaryDirectory(prefix="mega-launch-") as failure_dir:
         failure_files = [os.path.join(failure_dir, f"rank{rank}.json") for rank in range(nproc)]
@@ -83,9 +83,6 @@ def launch_local(nproc: int, command: list[str], threads_per_process: int | None
         print(f"mega: rank {rank} {describe_exit(returncode)}, first; the other ranks were stopped",
               file=sys.stderr, flush=True)
         if returncode == TIMEOUT_EXIT_CODE:
-            # Start-up cost: hang_report imports torch, which the launcher process does not need.
-            from mega.core.training.hang_report import name_the_rank_behind
-
             behind = name_the_rank_behind(failure_dir)
             if behind:
                 print(f"mega: {behind}", file=sys.stderr, flush=True)
@@ -144,8 +141,6 @@ def _supervise(processes: list[subprocess.Popen], received: list[int], debug_dir
                 break
             time.sleep(0.05)
         if failed is not None and failed.returncode == TIMEOUT_EXIT_CODE:
-            from mega.core.training.hang_report import request_reports  # start-up cost: torch, as above
-
             running = [rank for rank, process in enumerate(processes) if process.poll() is None]
             request_reports(debug_dir, f"rank {processes.index(failed)}'s collective timed out", running)
         for rank, process in enumerate(processes):
@@ -283,7 +278,7 @@ def _attempt_store(world_size: int, timeout: timedelta):
 
     The agent keeps one store for every attempt of a job, so a restarted rank would read the
     addresses its failed predecessors wrote there (gloo then connects to ports nobody listens on)."""
-    import torch.distributed as dist  # start-up cost: torch, which the launcher process does not need
+    import torch.distributed as dist  # start-up cost: the launcher itself never needs torch
 
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

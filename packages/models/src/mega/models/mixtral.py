@@ -1,5 +1,5 @@
 """The ``mixtral`` family: LLaMA's attention, norms and RoPE with a mixture of SwiGLU experts as
-every layer's MLP (see :mod:`mega.models.moe`; parameter names in :mod:`mega.models.moe.model`).
+every layer's MLP (see :mod:`mega.models.moe`; parameter names in :mod:`mega.models.moe_model`).
 
 Presets are the released models' Hugging Face configs: Mixtral-8x7B (v0.1: 32 layers, hidden
 4096, 8 experts of 14336, top-2, 8 key/value heads, 32000-token vocabulary, RoPE theta 10^6) and
@@ -13,7 +13,7 @@ from mega.core.model_family import ModelFamily
 from mega.models.hf_mixtral import MIXTRAL
 from mega.models.initialization import init_parameter
 from mega.models.moe.config import MoETransformerConfig
-from mega.models.moe.model import (
+from mega.models.moe_model import (
     build_moe_model,
     moe_boundary,
     moe_loss,

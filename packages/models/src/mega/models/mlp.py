@@ -65,8 +65,9 @@ def fused_bias_activation(config: TransformerConfig, kernels: Kernels):
     --bias-swiglu-fusion, :mod:`mega.models.fusions`); None where unfused."""
     if not config.add_bias_linear or kernels.selection.get("activation") != "torch":
         return None
-    if config.swiglu:
+    name = activation_name(config)
+    if name == "swiglu":
         return fusions.bias_swiglu if config.bias_swiglu_fusion else None
-    if not config.bias_gelu_fusion:
-        return None
-    return functools.partial(fusions.bias_gelu, approximate="tanh" if config.openai_gelu else "none")
+    if name not in ("gelu", "gelu_tanh") or not config.bias_gelu_fusion:
+        return None  # the other activations (relu, squared_relu) have no fused bias form
+    return functools.partial(fusions.bias_gelu, approximate="tanh" if name == "gelu_tanh" else "none")

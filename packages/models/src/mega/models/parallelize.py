@@ -7,7 +7,7 @@ stage and of exactly what it needs (groups, config, flags), changes modules in p
 every parameter name (checkpoints depend on them). The order:
 
 1. Family passes that need the whole weights: the experts this rank keeps
-   (:func:`mega.models.moe.model.apply_expert_parallel`), T5's relative-position tables split by
+   (:func:`mega.models.moe_model.apply_expert_parallel`), T5's relative-position tables split by
    heads (:func:`mega.models.t5.family.shard_relative_position_tables`).
 2. Tensor and sequence parallelism by the family's plan:
    :func:`mega.core.parallel.tensor_parallel.apply_tensor_parallel` ``(stage, plan, groups,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from mega.core.cli.argparser import CommandParser
+from mega.core.cli.scaffold import main as new_main
 from mega.core.plugins import get_plugins
 from mega.core.plugins.failures import failure_line
-from mega.core.plugins.scaffold import main as new_main
 
 
 def main(argv: list[str]) -> int:

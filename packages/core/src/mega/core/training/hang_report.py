@@ -5,7 +5,7 @@ collectives with their group, sizes and sequence numbers, the Python stack of ev
 ``--save/debug/rank_R.txt``, or to stderr without ``--save``. Its peers may be stuck anywhere, in a
 collective or not, so each rank also keeps a thread that writes the same report when the local
 launcher asks (it does when a rank exits with a timeout), and the launcher compares the ranks'
-sequence numbers to name the rank that is behind (:func:`name_the_rank_behind`).
+sequence numbers to name the rank that is behind (mega.core.rank_reports).
 
 On CUDA, PyTorch's NCCL flight recorder is switched on (its environment variables, unless the user
 set them) and dumps its trace beside the reports when NCCL's watchdog sees a timeout.
@@ -25,12 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mega.core.launch import DEBUG_DIR_ENV
 from mega.core.plugins import hookimpl
+from mega.core.rank_reports import DEBUG_DIR_ENV, REQUEST_FILE
 from mega.core.training.collective_history import active_history, start_recording, stop_recording
 
-# In the launcher's DEBUG_DIR_ENV directory, beside the ranks' rank_R.json: its request for reports.
-REQUEST_FILE = "report-request"
 POLL_S = 0.2
 
 
@@ -124,43 +122,3 @@ def hang_watch(run_config) -> HangWatch | None:
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return None
     return HangWatch(dist.get_rank(), run_config.checkpoint.save)
-
-
-# -- the launcher's side ------------------------------------------------------------------------
-def request_reports(directory: str, reason: str, ranks_running: list[int], wait_s: float = 5.0) -> None:
-    """Ask every rank for its report and wait (at most ``wait_s``) for those still running."""
-    request = Path(directory) / REQUEST_FILE
-    request.write_text(reason)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if all((Path(directory) / f"rank_{rank}.json").exists() for rank in ranks_running):
-            return
-        time.sleep(0.05)
-
-
-def name_the_rank_behind(directory: str) -> str | None:
-    """The line naming the rank(s) behind on the group where a collective timed out, from the
-    ranks' reports; None when they do not tell (no report, or no rank behind)."""
-    reports = {}
-    for path in Path(directory).glob("rank_*.json"):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        reports[data["rank"]] = data
-    stuck = [data for data in reports.values() if data["waiting"]]
-    if not stuck:
-        return None
-    waiting = max((data["waiting"] for data in stuck), key=lambda call: call["sequence"])
-    group, ranks = waiting["group"], waiting["ranks"] or sorted(reports)
-    entered = {rank: reports[rank]["sequences"].get(group, 0) for rank in ranks if rank in reports}
-    behind = sorted(rank for rank, count in entered.items() if count < waiting["sequence"])
-    silent = [rank for rank in ranks if rank not in reports]
-    if not behind and not silent:
-        return None
-    parts = [f"rank {rank} is behind: it entered {entered[rank]} collectives on group {group} (ranks {ranks})"
-             for rank in behind]
-    parts += [f"rank {rank} sent no report" for rank in silent]
-    where = {data["report"].rsplit("/", 1)[0] for data in reports.values() if data.get("report")}
-    return ("; ".join(parts) + f", while others wait in #{waiting['sequence']} ({waiting['op']})"
-            + (f"; reports in {', '.join(sorted(where))}" if where else ""))

@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 
 from mega.core.checkpoint.directory import read_tracker
-from mega.core.launch import _free_port, describe_exit
+from mega.core.launch import describe_exit, free_port
 from mega.core.plugins import hookimpl
 
 # Set for the ranks by the agent: rank 0 keeps the last iteration it finished here.
@@ -137,7 +137,7 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
                 # A peer is gone: the others cannot save anything, so they are not asked to.
                 self._shutdown(signal.SIGKILL)
 
-        parameters = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{_free_port()}",
+        parameters = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{free_port()}",
                                           run_id=uuid.uuid4().hex, min_nodes=1, max_nodes=1, is_host=True)
         spec = WorkerSpec(role="mega", local_world_size=nproc, entrypoint=program[0],
                           args=(*program[1:], *command), rdzv_handler=rendezvous.get_rendezvous_handler(parameters),

@@ -65,7 +65,7 @@ def core_sections(model_config_class: type | None) -> dict[str, type]:
 
 
 def plugin_sections(sections: dict[str, type], plugins=None) -> dict[str, tuple[type, str]]:
-    taken = {"-h", "--help", "--config", "--nproc-per-node", *known_flags(sections)}
+    taken = {"-h", "--help", "--config", "--nproc-per-node", "--max-restarts", *known_flags(sections)}
     return option_sections(plugins or get_plugins(), taken, set(sections))
 
 

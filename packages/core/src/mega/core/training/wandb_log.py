@@ -42,7 +42,7 @@ class WandbLogger:
     def __init__(self, project: str, name: str | None, directory: str, log_interval: int,
                  peak_override: float | None):
         try:
-            import wandb  # optional dependency: wandb
+            import wandb  # optional dependency (mega-core[wandb])
         except ImportError:
             raise ConfigError("--wandb-project needs the wandb package: pip install wandb "
                               "(or mega-core[wandb])") from None
