@@ -28,6 +28,12 @@ from datetime import timedelta
 from typing import Any
 
 GRACE_AFTER_FAILURE_S = 3.0
+# Every gloo process group a rank creates keeps threads that wake up about every 10 ms, idle or
+# not; a world whose calls build many groups (megatron-core's initialize_model_parallel builds
+# dozens each time) ends up with thousands of them, and they take the CPU from the calls that
+# follow and from the module's other worlds. Past this many threads a world is restarted after
+# the call that crossed it (each call is self-contained: its state is what it wrote to disk).
+MAX_RANK_THREADS = 400
 
 
 class RankFailed(AssertionError):
@@ -63,6 +69,15 @@ def _load_function(reference: tuple[str, str | None, str], cache: dict) -> Calla
     return obj
 
 
+def _native_threads() -> int:
+    """This process's thread count (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
 def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float, conn) -> None:
     # Start-up cost: torch is imported by the ranks (preloaded by their forkserver), not by every
     # test session that loads this fixture module.
@@ -83,9 +98,9 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s:
         reference, args, kwargs = pickle.loads(message)
         try:
             result = _load_function(reference, modules)(*args, **kwargs)
-            reply = pickle.dumps(("ok", result))
+            reply = pickle.dumps(("ok", result, _native_threads()))
         except BaseException:
-            reply = pickle.dumps(("error", traceback.format_exc()))
+            reply = pickle.dumps(("error", traceback.format_exc(), _native_threads()))
         conn.send_bytes(reply)
     # No destroy_process_group and no interpreter shutdown: with many groups, gloo threads and
     # loaded models they take seconds per rank, and nothing is left to flush (results went back
@@ -136,6 +151,7 @@ class DistributedWorld:
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
+        crowded = False
         while len(results) + len(failures) < self.world_size and time.monotonic() < deadline:
             for rank, conn in enumerate(self._connections):
                 if rank in results or rank in failures:
@@ -143,8 +159,9 @@ class DistributedWorld:
                 if not self._processes[rank].is_alive() and not conn.poll():
                     failures[rank] = f"rank {rank} died (exit code {self._processes[rank].exitcode})"
                 elif conn.poll(0.01):
-                    status, value = pickle.loads(conn.recv_bytes())
+                    status, value, threads = pickle.loads(conn.recv_bytes())
                     (results if status == "ok" else failures)[rank] = value
+                    crowded = crowded or threads > MAX_RANK_THREADS
             if failures:  # the other ranks may be stuck in a collective with the failed one
                 deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
 
@@ -156,6 +173,8 @@ class DistributedWorld:
                 raise RankFailed(f"{name} failed on rank {rank} of {self.world_size}:\n{failures[rank]}")
             missing = [rank for rank in range(self.world_size) if rank not in results]
             raise WorldTimeout(f"{name}: ranks {missing} of {self.world_size} did not finish in time")
+        if crowded:
+            self.close()  # the next call starts a fresh world
         return [results[rank] for rank in range(self.world_size)]
 
     def close(self, force: bool = False) -> None:
