@@ -158,8 +158,13 @@ class DecodeStep:
         """Whether the next step's tokens may be chosen where the logits are made (inside a
         captured decode step, :meth:`Sampler.greedy_choice`) and handed to :meth:`__call__`:
         every row greedy on unadjusted logits, past its prompt, asking no log-probabilities."""
-        return self.sampler.chooses_greedily and all(
-            s.logprobs is None and s.known >= len(s.request.prompt) for s in self.sequences)
+        return self.sampler.chooses_greedily and self.may_choose_on_device(self.sequences)
+
+    @staticmethod
+    def may_choose_on_device(sequences: Sequence[DecodingSequence]) -> bool:
+        """:attr:`chooses_on_device` for ``sequences`` about to join (their settings alone)."""
+        return all(s.request.sampling.greedy and not s.request.sampling.adjusts_logits and s.logprobs is None
+                   and s.known >= len(s.request.prompt) for s in sequences)
 
     def __call__(self, logits: torch.Tensor | None, chosen: torch.Tensor | None = None) -> StepOutcome:
         """Fp32 ``logits`` ``[rows, vocab]`` (the real vocabulary, every tensor shard) of each
