@@ -9,6 +9,8 @@ from mega.core.optim.config import OptimizerConfig
 from mega.core.optim.distributed_optimizer import DistributedOptimizer
 from mega.core.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from mega.core.optim.optimizer import MixedPrecisionOptimizer
+from mega.core.parallel.fsdp import FullyShardedDataParallel
+from mega.core.parallel.fsdp_optimizer import FullyShardedOptimizer
 from mega.core.parallel.groups import ParallelGroups
 from mega.core.plugins import Plugins, get_plugins
 
@@ -41,6 +43,8 @@ def build_optimizer(models: list[nn.Module], groups: ParallelGroups, config: Opt
 
     options = {"clip_grad": config.clip_grad, "grad_scaler": grad_scaler}
     grouped = param_groups(models, config.weight_decay)
+    if any(isinstance(m, FullyShardedDataParallel) for m in models):  # the shards are the main parameters
+        return FullyShardedOptimizer(grouped, groups, make, **options)
     if not config.use_distributed_optimizer:
         return MixedPrecisionOptimizer(grouped, groups, make, **options)
     wrapped = [m for m in models if isinstance(m, DistributedDataParallel)]
