@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mega.core.checkpoint.sharded_io import ShardedEntry
 from mega.core.optim.optimizer import MainParam, MixedPrecisionOptimizer
+from mega.core.parallel.fsdp import shard_pieces
 from mega.core.parallel.groups import Group
 from mega.core.parallel.param_attrs import is_padded_vocab
 from mega.core.parallel.pieces import Piece, TensorParallelSplit, tensor_pieces
@@ -47,7 +49,10 @@ class Entries:
             flat_range: tuple[int, int] | None = None) -> None:
         split = TensorParallelSplit.of(param, tp.rank, tp.size) if tp is not None else TensorParallelSplit.of(param, 0, 1)
         shape = tuple(param.shape)
-        pieces = tensor_pieces(tensor.detach(), split, shape, flat_range)
+        if isinstance(tensor, DTensor):  # an FSDP shard (of the parameter or of its optimizer state)
+            pieces = shard_pieces(tensor, split)
+        else:
+            pieces = tensor_pieces(tensor.detach(), split, shape, flat_range)
         self.entries[key] = ShardedEntry(split.global_shape(shape), tensor.dtype, pieces)
         self.sources[key] = (tensor, is_padded_vocab(param))
 

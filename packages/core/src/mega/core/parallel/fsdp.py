@@ -33,17 +33,32 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from mega.core.launch import collective_timeout
 from mega.core.parallel.collectives import all_reduce
 from mega.core.parallel.groups import ParallelGroups
 from mega.core.parallel.layout import rank_groups
 from mega.core.parallel.param_attrs import is_expert_parallel, is_sequence_parallel
+from mega.core.parallel.pieces import Piece, TensorParallelSplit
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor`` (a DTensor's local shard; any other tensor as it is)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_pieces(tensor: DTensor, split: TensorParallelSplit) -> list[Piece]:
+    """The global pieces of this rank's FSDP shard of ``tensor`` (a DTensor over the data-parallel
+    mesh whose global shape is a tensor-parallel shard that ``split`` places): the rows FSDP gave
+    this rank, placed in the tensor-parallel shard, placed in the global tensor. An empty shard
+    (more ranks than rows) has none."""
+    shard = tensor.detach().to_local()
+    if shard.numel() == 0:
+        return []
+    shape = tuple(tensor.shape)
+    _, offsets = compute_local_shape_and_global_offset(shape, tensor.device_mesh, tensor.placements)
+    return split.pieces(shard, tuple(offsets), shape)
 
 
 def data_parallel_mesh(groups: ParallelGroups, replicas: int = 1) -> DeviceMesh:
@@ -98,7 +113,8 @@ def shard_stage(module: nn.Module, layers: Iterable[nn.Module], groups: Parallel
     marks = {name: dict(param.__dict__) for name, param in module.named_parameters()}
     mixed = MixedPrecisionPolicy() if compute_dtype == torch.float32 else MixedPrecisionPolicy(
         param_dtype=compute_dtype, reduce_dtype=torch.float32 if reduce_in_fp32 else None)
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Pinned host memory needs an accelerator; on a CPU run the policy only keeps the step on the CPU.
+    offload = CPUOffloadPolicy(pin_memory=groups.device.type != "cpu") if cpu_offload else OffloadPolicy()
 
     def reshard(index: int) -> bool:
         if not shard_params or reshard_after_forward == "never":
@@ -114,7 +130,10 @@ def shard_stage(module: nn.Module, layers: Iterable[nn.Module], groups: Parallel
     for unit in expert_units(module):
         expert_mesh = DeviceMesh.from_group(groups.expert_dp.group, groups.device.type)
         fully_shard(unit, mesh=expert_mesh, reshard_after_forward=shard_params, **options)
-        unit.set_gradient_divide_factor(float(groups.dp_cp.size))
+        if groups.expert_dp.size != groups.dp_cp.size:
+            unit.set_gradient_divide_factor(float(groups.dp_cp.size))
+            if groups.device.type == "cpu":  # gloo has no pre-multiplied sum: sum, then divide
+                unit.set_force_sum_reduction_for_comms(True)
     for index, layer in enumerate(layers):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard(index), **options)
     fully_shard(module, mesh=mesh, reshard_after_forward=shard_params, **options)
