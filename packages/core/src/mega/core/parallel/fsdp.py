@@ -183,7 +183,7 @@ class FullyShardedDataParallel(nn.Module):
         grads = [local(p.grad) for p in self._sequence_parallel_params if p.grad is not None]
         if grads and self.groups.tp.size > 1:
             # Tensor-parallel peers hold the same FSDP shard of a replicated norm: sum the shards.
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = torch.cat([g.reshape(-1) for g in grads]).to(self.groups.device)  # (from host memory: --cpu-offload)
             all_reduce(flat, self.groups.tp)
             offset = 0
             for grad in grads:

@@ -107,6 +107,9 @@ def check_sharding(run, dp: int):
                           f"(or --use-torch-fsdp2), not {strategy}")
     if not fsdp:
         return run
+    if config.cpu_offload and parallel.pp > 1:
+        raise ConfigError(f"--cpu-offload with --pipeline-model-parallel-size {parallel.pp} is not supported "
+                          "(the tied embedding's gradients would cross stages from host memory)")
     refused = {
         "--gradient-accumulation-fusion": precision.gradient_accumulation_fusion,
         "--fp8-format": precision.fp8_format is not None or precision.fp8_hybrid,
