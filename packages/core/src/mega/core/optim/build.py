@@ -7,10 +7,10 @@ from torch import nn
 from mega.core.distributed.ddp import DistributedDataParallel
 from mega.core.optim.config import OptimizerConfig
 from mega.core.optim.distributed_optimizer import DistributedOptimizer
+from mega.core.optim.fsdp_optimizer import FullyShardedOptimizer
 from mega.core.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from mega.core.optim.optimizer import MixedPrecisionOptimizer
 from mega.core.parallel.fsdp import FullyShardedDataParallel
-from mega.core.parallel.fsdp_optimizer import FullyShardedOptimizer
 from mega.core.parallel.groups import ParallelGroups
 from mega.core.plugins import Plugins, get_plugins
 
