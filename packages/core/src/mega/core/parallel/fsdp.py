@@ -73,7 +73,7 @@ def data_parallel_mesh(groups: ParallelGroups, replicas: int = 1) -> DeviceMesh:
     device_type = groups.device.type
     dp = groups.dp_cp
     if replicas == 1:
-        return DeviceMesh.from_group(dp.group, device_type)
+        return _mesh_of(dp.group, device_type)
     shard = dp.size // replicas
     all_dp = rank_groups({"tp": groups.tp.size, "cp": groups.cp.size, "dp": groups.dp.size, "pp": groups.pp.size},
                          "dp-cp")
@@ -89,6 +89,11 @@ def data_parallel_mesh(groups: ParallelGroups, replicas: int = 1) -> DeviceMesh:
     row, column = divmod(dp.rank, shard)
     return DeviceMesh.from_group([handles[tuple(mine[:, column].tolist())], handles[tuple(mine[row].tolist())]],
                                  device_type, mesh=mine, mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def _mesh_of(group, device_type: str) -> DeviceMesh:
+    # A world of one process builds no groups (ParallelGroups): its one group is the world.
+    return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device_type)
 
 
 def expert_units(module: nn.Module) -> list[nn.Module]:
@@ -134,7 +139,7 @@ def shard_stage(module: nn.Module, layers: Iterable[nn.Module], groups: Parallel
 
     options = {"mp_policy": mixed, "offload_policy": offload}
     for unit in expert_units(module):
-        expert_mesh = DeviceMesh.from_group(groups.expert_dp.group, groups.device.type)
+        expert_mesh = _mesh_of(groups.expert_dp.group, groups.device.type)
         fully_shard(unit, mesh=expert_mesh, reshard_after_forward=shard_params, **options)
         if groups.expert_dp.size != groups.dp_cp.size:
             unit.set_gradient_divide_factor(float(groups.dp_cp.size))
