@@ -43,7 +43,6 @@ LAYOUTS = {
         "zero3 dp4": ZERO3,
         "zero3 tp2 sp recompute": ZERO3 + TP2_SP + ["--recompute-granularity", "full", "--recompute-method",
                                                       "uniform", "--recompute-num-layers", "1"],
-        "zero2 pp2 1f1b": ZERO2 + ["--pipeline-model-parallel-size", "2"],
         "zero3 pp2 interleaved": ZERO3 + ["--pipeline-model-parallel-size", "2",
                                           "--num-layers-per-virtual-pipeline-stage", "1"],
     },
