@@ -16,7 +16,9 @@ normalisation would hide.
 Checkpoints go through DCP with global shapes: GPT's ZeRO-3 at dp4 saves at step 2, ZeRO-1 (the
 distributed optimizer) at dp2 x pp2 resumes and saves at step 3, ZeRO-3 at dp2 x tp2 resumes from
 that, and both continue with the uninterrupted run's losses. bf16 (FSDP's MixedPrecisionPolicy, fp32
-gradient reduction) follows one process's bf16 run closely. Bad combinations fail naming both flags.
+gradient reduction) follows one process's bf16 run closely, and its checkpoint (fp32 main weights
+saved as DDP saves them) resumes under DDP with FSDP's next losses. Bad combinations fail naming
+both flags.
 """
 
 from __future__ import annotations
@@ -89,12 +91,17 @@ def test_fsdp_layouts_match_one_process(worlds, tmp_path, family):
         assert_losses_close(results[0][name], reference[at:], f"resumed: {name}")
 
 
-def test_bf16_follows_one_process(worlds):
+def test_bf16_follows_one_process_and_resumes_under_ddp(worlds, tmp_path):
     base = COMMON + FAMILIES["llama"] + ["--bf16"]
     reference = train_losses(base)
-    results = worlds.run(4, each, {"zero3 bf16 dp4": base + ZERO3})
-    # bf16 compute in another order (sums over ranks): close, not equal.
-    assert_losses_close(results[0]["zero3 bf16 dp4"], reference, "zero3 bf16", tolerance=2e-3)
+    results = worlds.run(4, each, {
+        "zero3 bf16 dp4": base + ZERO3 + ["--save", str(tmp_path), "--save-interval", str(SAVED_AT)],
+        # the fp32 main weights travel (saved as DDP saves them), so DDP continues FSDP's run exactly
+        "zero3 -> ddp bf16": base + ["--load", f"{tmp_path}/iter_{SAVED_AT:07d}"],
+    })[0]
+    # bf16 compute summed in another order (over ranks): close, not equal.
+    assert_losses_close(results["zero3 bf16 dp4"], reference, "zero3 bf16", tolerance=2e-3)
+    assert_losses_close(results["zero3 -> ddp bf16"], results["zero3 bf16 dp4"][SAVED_AT:], "zero3 -> ddp, bf16")
 
 
 @pytest.mark.parametrize(("flags", "message"), [

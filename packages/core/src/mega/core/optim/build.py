@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from mega.core.distributed.ddp import DistributedDataParallel
@@ -43,8 +44,10 @@ def build_optimizer(models: list[nn.Module], groups: ParallelGroups, config: Opt
 
     options = {"clip_grad": config.clip_grad, "grad_scaler": grad_scaler}
     grouped = param_groups(models, config.weight_decay)
-    if any(isinstance(m, FullyShardedDataParallel) for m in models):  # the shards are the main parameters
-        return FullyShardedOptimizer(grouped, groups, make, **options)
+    sharded = [m for m in models if isinstance(m, FullyShardedDataParallel)]
+    if sharded:  # the shards are the main parameters
+        mixed_precision = any(m.compute_dtype != torch.float32 for m in sharded)
+        return FullyShardedOptimizer(grouped, groups, make, mixed_precision=mixed_precision, **options)
     if not config.use_distributed_optimizer:
         return MixedPrecisionOptimizer(grouped, groups, make, **options)
     wrapped = [m for m in models if isinstance(m, DistributedDataParallel)]

@@ -29,7 +29,16 @@ def first_replica(tensor: torch.Tensor) -> bool:
 
 
 class FullyShardedOptimizer(MixedPrecisionOptimizer):
+    """``mixed_precision``: the model computes in bf16/fp16 (FSDP's MixedPrecisionPolicy); its
+    checkpoints then also store the shards as the fp32 main parameters, as a bf16 DDP run's do, so
+    either resumes from the other without rounding the weights to bf16."""
+
     dp_sharded = True
+    params_are_main_params = True  # a checkpoint's main parameters load into the parameters themselves
+
+    def __init__(self, *args, mixed_precision: bool = False, **options):
+        self.saves_main_params = mixed_precision
+        super().__init__(*args, **options)
 
     def _main_params_of(self, param: nn.Parameter) -> list[MainParam]:
         if param.dtype != torch.float32:

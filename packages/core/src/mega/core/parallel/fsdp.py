@@ -138,6 +138,12 @@ def shard_stage(module: nn.Module, layers: Iterable[nn.Module], groups: Parallel
         return groups.pp.size == 1 and index < len(layers) - 1
 
     options = {"mp_policy": mixed, "offload_policy": offload}
+    if compute_dtype != torch.float32:
+        # Start where a bf16/fp16 model starts: its fp32 main weights are copies of the
+        # initialised weights cast to that dtype (mega's DDP, as Megatron), not the fp32 draw.
+        with torch.no_grad():
+            for param in module.parameters():
+                param.copy_(param.to(compute_dtype))
     for unit in expert_units(module):
         expert_mesh = _mesh_of(groups.expert_dp.group, groups.device.type)
         fully_shard(unit, mesh=expert_mesh, reshard_after_forward=shard_params, **options)
@@ -167,11 +173,13 @@ class FullyShardedDataParallel(nn.Module):
     (FSDP has reduce-scattered during backward; sequence-parallel gradients are summed over the
     tensor group here) and ``zero_grad_buffer()``."""
 
-    def __init__(self, module: nn.Module, groups: ParallelGroups, events=None):
+    def __init__(self, module: nn.Module, groups: ParallelGroups, compute_dtype: torch.dtype = torch.float32,
+                 events=None):
         super().__init__()
         if not isinstance(module, FSDPModule):
             raise TypeError("FullyShardedDataParallel wraps a module sharded by shard_stage (fully_shard)")
         self.module, self.groups, self.events = module, groups, events
+        self.compute_dtype = compute_dtype  # the parameters stay fp32
         self._sequence_parallel_params = [p for p in module.parameters() if is_sequence_parallel(p)]
 
     def forward(self, *args, **kwargs):
@@ -223,5 +231,5 @@ def fully_shard_chunks(chunks: list[nn.Module], layers_of, groups: ParallelGroup
         shard_stage(chunk, layers_of(chunk), groups, mesh=mesh, compute_dtype=compute_dtype,
                     reshard_after_forward=reshard_after_forward, shard_params=strategy == "optim_grads_params",
                     cpu_offload=cpu_offload, reduce_in_fp32=reduce_in_fp32)
-        wrapped.append(FullyShardedDataParallel(chunk, groups))
+        wrapped.append(FullyShardedDataParallel(chunk, groups, compute_dtype))
     return wrapped
