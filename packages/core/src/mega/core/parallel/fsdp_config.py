@@ -24,6 +24,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+import torch.distributed as dist
+
 from mega.core.config import ConfigError
 from mega.core.config.options import option
 
@@ -107,6 +109,9 @@ def check_sharding(run, dp: int):
                           f"(or --use-torch-fsdp2), not {strategy}")
     if not fsdp:
         return run
+    if dp * parallel.tp * parallel.pp * parallel.cp == 1 and not dist.is_initialized():
+        raise ConfigError(f"{named} (FSDP2) needs torch.distributed even on one GPU: launch with "
+                          "--nproc-per-node 1 (or torchrun)")
     if config.cpu_offload and parallel.pp > 1:
         raise ConfigError(f"--cpu-offload with --pipeline-model-parallel-size {parallel.pp} is not supported "
                           "(the tied embedding's gradients would cross stages from host memory)")
