@@ -117,11 +117,13 @@ def check_sharding(run, dp: int):
                           "(the tied embedding's gradients would cross stages from host memory)")
     refused = {
         "--gradient-accumulation-fusion": precision.gradient_accumulation_fusion,
-        "--fp8-format": precision.fp8_format is not None or precision.fp8_hybrid,
         "--compile": run.kernels.compile,
         "--cpu-optimizer": optimizer.cpu_optimizer,
     }
     for flag, asked in refused.items():
         if asked:
             raise ConfigError(f"{named} (FSDP2) with {flag} is not supported")
+    if (precision.fp8_format is not None or precision.fp8_hybrid) and precision.fp8_recipe == "delayed":
+        raise ConfigError(f"{named} (FSDP2) with --fp8-recipe delayed (Transformer Engine's FP8) is not supported; "
+                          "torchao's recipes are (--fp8-recipe tensorwise or rowwise)")
     return run
