@@ -5,7 +5,8 @@ Tiny GPT, LLaMA and Mixtral models train 4 steps in fp32 on Megatron's mock data
 seed: one process, then on one world of 4 gloo ranks. GPT: ZeRO-3 at dp4 (each layer its own
 unit, resharded after forward), ZeRO-3 with tp2 x sp and full recompute, and with pp2 interleaved
 (the tied embedding crosses the stages). LLaMA: ZeRO-3 as HSDP 2x2
-(--num-distributed-optimizer-instances 2) never resharded, with CPU offload; ZeRO-2 at dp4; ZeRO-3
+(--num-distributed-optimizer-instances 2) never resharded, with CPU offload; ZeRO-2 at dp4 with
+--compile (each layer compiled, then sharded, as torchtitan does); ZeRO-3
 with cp2 and selective recompute. Mixtral: ZeRO-3 with experts at ep2 (sharded over their own
 data-parallel group). Every loss must equal one process's within 1e-5 (relative).
 
@@ -51,7 +52,7 @@ LAYOUTS = {
     "llama": {
         "zero3 hsdp 2x2 never resharded cpu offload": ZERO3 + ["--num-distributed-optimizer-instances", "2",
                                                                "--fsdp-reshard-after-forward", "never", "--cpu-offload"],
-        "zero2 dp4": ZERO2,
+        "zero2 dp4 compiled": ZERO2 + ["--compile", "--compile-backend", "aot_eager"],
         "zero3 cp2 recompute": ZERO3 + ["--context-parallel-size", "2", "--recompute-activations"],
     },
     "mixtral": {
@@ -116,7 +117,8 @@ def test_bf16_follows_one_process_and_resumes_under_ddp(worlds, tmp_path):
     (["--num-distributed-optimizer-instances", "2", "--data-parallel-replicate-degree", "4"],
      r"--data-parallel-replicate-degree 4 contradicts --num-distributed-optimizer-instances 2"),
     (["--cpu-offload"], r"--cpu-offload needs --data-parallel-sharding-strategy"),
-    (["--use-torch-fsdp2", "--compile"], r"--use-torch-fsdp2 \(FSDP2\) with --compile"),
+    (["--use-torch-fsdp2", "--cpu-offload", "--pipeline-model-parallel-size", "2"],
+     r"--cpu-offload with --pipeline-model-parallel-size 2"),
     (["--data-parallel-sharding-strategy", "optim_grads", "--gradient-accumulation-fusion"],
      r"optim_grads \(FSDP2\) with --gradient-accumulation-fusion"),
 ])

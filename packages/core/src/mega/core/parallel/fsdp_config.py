@@ -115,14 +115,9 @@ def check_sharding(run, dp: int):
     if config.cpu_offload and parallel.pp > 1:
         raise ConfigError(f"--cpu-offload with --pipeline-model-parallel-size {parallel.pp} is not supported "
                           "(the tied embedding's gradients would cross stages from host memory)")
-    refused = {
-        "--gradient-accumulation-fusion": precision.gradient_accumulation_fusion,
-        "--compile": run.kernels.compile,
-        "--cpu-optimizer": optimizer.cpu_optimizer,
-    }
-    for flag, asked in refused.items():
-        if asked:
-            raise ConfigError(f"{named} (FSDP2) with {flag} is not supported")
+    if precision.gradient_accumulation_fusion:  # the weight-gradient GEMM would write into DDP's buffers
+        raise ConfigError(f"{named} (FSDP2) with --gradient-accumulation-fusion is not supported (FSDP owns the "
+                          "gradients)")
     if (precision.fp8_format is not None or precision.fp8_hybrid) and precision.fp8_recipe == "delayed":
         raise ConfigError(f"{named} (FSDP2) with --fp8-recipe delayed (Transformer Engine's FP8) is not supported; "
                           "torchao's recipes are (--fp8-recipe tensorwise or rowwise)")
