@@ -3,20 +3,20 @@
 
 Tiny GPT, LLaMA and Mixtral models train 4 steps in fp32 on Megatron's mock data from the same
 seed: one process, then on one world of 4 gloo ranks. GPT: ZeRO-3 at dp4 (each layer its own
-unit, resharded after forward), ZeRO-3 with tp2 x sp and full recompute, and with pp2 interleaved
-(the tied embedding crosses the stages). LLaMA: ZeRO-3 as HSDP 2x2
-(--num-distributed-optimizer-instances 2) never resharded, with CPU offload; ZeRO-2 at dp4 with
---compile (each layer compiled, then sharded, as torchtitan does); ZeRO-3
-with cp2 and selective recompute. Mixtral: ZeRO-3 with experts at ep2 (sharded over their own
+unit, resharded after forward) and with pp2 interleaved (the tied embedding crosses the stages).
+LLaMA: ZeRO-3 at cp2 x dp2 as HSDP 2x2 (--num-distributed-optimizer-instances 2) never resharded,
+with CPU offload and selective recompute; ZeRO-2 at dp4 with --compile (each layer compiled, then
+sharded, as torchtitan does). Mixtral: ZeRO-3 with experts at ep2 (sharded over their own
 data-parallel group). Every loss must equal one process's within 1e-5 (relative).
 
 SGD with momentum and clipping at a norm the gradients exceed: a gradient off by a constant
 factor or a norm counted wrong across shards or replicas changes the step, which Adam's
 normalisation would hide.
 
-Checkpoints go through DCP with global shapes: GPT's ZeRO-3 at dp4 saves at step 2, ZeRO-1 (the
-distributed optimizer) at dp2 x pp2 resumes and saves at step 3, ZeRO-3 at dp2 x tp2 resumes from
-that, and both continue with the uninterrupted run's losses. bf16 (FSDP's MixedPrecisionPolicy, fp32
+Checkpoints go through DCP with global shapes: GPT's ZeRO-3 at dp4 saves at step 1, ZeRO-1 (the
+distributed optimizer) at dp2 x pp2 resumes and saves at step 2, ZeRO-3 at dp2 x tp2 with
+sequence parallelism and full recompute resumes from that, and both continue with the
+uninterrupted run's losses. bf16 (FSDP's MixedPrecisionPolicy, fp32
 gradient reduction) follows one process's bf16 run closely, and its checkpoint (fp32 main weights
 saved as DDP saves them) resumes under DDP with FSDP's next losses. Bad combinations fail naming
 both flags.
@@ -41,30 +41,30 @@ FAMILIES = {"gpt": ["--model-family", "gpt"], "llama": ["--model-family", "llama
             "mixtral": MIXTRAL}
 ZERO3, ZERO2 = ["--use-torch-fsdp2"], ["--data-parallel-sharding-strategy", "optim_grads"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+RECOMPUTE_FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 LAYOUTS = {
     "gpt": {
         "zero3 dp4": ZERO3,
-        "zero3 tp2 sp recompute": ZERO3 + TP2_SP + ["--recompute-granularity", "full", "--recompute-method",
-                                                      "uniform", "--recompute-num-layers", "1"],
         "zero3 pp2 interleaved": ZERO3 + ["--pipeline-model-parallel-size", "2",
                                           "--num-layers-per-virtual-pipeline-stage", "1"],
     },
     "llama": {
-        "zero3 hsdp 2x2 never resharded cpu offload": ZERO3 + ["--num-distributed-optimizer-instances", "2",
-                                                               "--fsdp-reshard-after-forward", "never", "--cpu-offload"],
+        "zero3 cp2 x dp2 as hsdp 2x2, never resharded, cpu offload, recompute": ZERO3 + [
+            "--context-parallel-size", "2", "--num-distributed-optimizer-instances", "2",
+            "--fsdp-reshard-after-forward", "never", "--cpu-offload", "--recompute-activations"],
         "zero2 dp4 compiled": ZERO2 + ["--compile", "--compile-backend", "aot_eager"],
-        "zero3 cp2 recompute": ZERO3 + ["--context-parallel-size", "2", "--recompute-activations"],
     },
     "mixtral": {
         "zero3 ep2": ZERO3 + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
     },
 }
-SAVED_AT, RESUMED_AT = 2, 3
-# GPT's ZeRO-3 dp4 run saves; ZeRO-1 at dp2 (x pp2) resumes and saves; ZeRO-3 at dp2 x tp2 resumes.
+SAVED_AT, RESUMED_AT = 1, 2
+# GPT's ZeRO-3 dp4 run saves; ZeRO-1 at dp2 (x pp2) resumes and saves; ZeRO-3 at dp2 x tp2 (with
+# sequence parallelism and full recompute) resumes and takes two steps.
 RESUMES = {
     "zero3 dp4 -> zero1 dp2": ("a", SAVED_AT, ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
                                                "--save", "{dir}/b", "--save-interval", str(RESUMED_AT)]),
-    "zero1 dp2 -> zero3 dp2 x tp2": ("b", RESUMED_AT, ZERO3 + ["--tensor-model-parallel-size", "2"]),
+    "zero1 dp2 -> zero3 dp2 x tp2 sp recompute": ("b", RESUMED_AT, ZERO3 + TP2_SP + RECOMPUTE_FULL),
 }
 
 
@@ -95,14 +95,15 @@ def test_fsdp_layouts_match_one_process(worlds, tmp_path, family):
 def test_bf16_follows_one_process_and_resumes_under_ddp(worlds, tmp_path):
     base = COMMON + FAMILIES["llama"] + ["--bf16"]
     reference = train_losses(base)
+    saved_at = 2  # the resumed run steps twice: its second loss follows a step from the loaded main weights
     results = worlds.run(4, each, {
-        "zero3 bf16 dp4": base + ZERO3 + ["--save", str(tmp_path), "--save-interval", str(SAVED_AT)],
+        "zero3 bf16 dp4": base + ZERO3 + ["--save", str(tmp_path), "--save-interval", str(saved_at)],
         # the fp32 main weights travel (saved as DDP saves them), so DDP continues FSDP's run exactly
-        "zero3 -> ddp bf16": base + ["--load", f"{tmp_path}/iter_{SAVED_AT:07d}"],
+        "zero3 -> ddp bf16": base + ["--load", f"{tmp_path}/iter_{saved_at:07d}"],
     })[0]
     # bf16 compute summed in another order (over ranks): close, not equal.
     assert_losses_close(results["zero3 bf16 dp4"], reference, "zero3 bf16", tolerance=2e-3)
-    assert_losses_close(results["zero3 -> ddp bf16"], results["zero3 bf16 dp4"][SAVED_AT:], "zero3 -> ddp, bf16")
+    assert_losses_close(results["zero3 -> ddp bf16"], results["zero3 bf16 dp4"][saved_at:], "zero3 -> ddp, bf16")
 
 
 @pytest.mark.parametrize(("flags", "message"), [
