@@ -21,7 +21,7 @@ def held_bytes(argv: list[str]) -> dict:
     import torch.distributed as dist
 
     from mega.core.parallel import ParallelGroups
-    from mega.core.parallel.fsdp import local
+    from mega.core.parallel.local_shard import local
     from mega.core.plugins import get_plugins
     from mega.core.training.command import parse_run
     from mega.core.training.data_setup import build_datasets

@@ -8,10 +8,8 @@ from torch import nn
 from mega.core.distributed.ddp import DistributedDataParallel
 from mega.core.optim.config import OptimizerConfig
 from mega.core.optim.distributed_optimizer import DistributedOptimizer
-from mega.core.optim.fsdp_optimizer import FullyShardedOptimizer
 from mega.core.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from mega.core.optim.optimizer import MixedPrecisionOptimizer
-from mega.core.parallel.fsdp import FullyShardedDataParallel
 from mega.core.parallel.groups import ParallelGroups
 from mega.core.plugins import Plugins, get_plugins
 
@@ -44,8 +42,11 @@ def build_optimizer(models: list[nn.Module], groups: ParallelGroups, config: Opt
 
     options = {"clip_grad": config.clip_grad, "grad_scaler": grad_scaler}
     grouped = param_groups(models, config.weight_decay)
-    sharded = [m for m in models if isinstance(m, FullyShardedDataParallel)]
-    if sharded:  # the shards are the main parameters
+    sharded = [m for m in models if getattr(m, "fully_sharded", False)]  # FSDP2: the shards are the main parameters
+    if sharded:
+        # Start-up cost: DTensor's import takes a second; only runs that shard pay it.
+        from mega.core.optim.fsdp_optimizer import FullyShardedOptimizer
+
         mixed_precision = any(m.compute_dtype != torch.float32 for m in sharded)
         return FullyShardedOptimizer(grouped, groups, make, mixed_precision=mixed_precision, **options)
     if not config.use_distributed_optimizer:

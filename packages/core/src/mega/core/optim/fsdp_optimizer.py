@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from mega.core.optim.clip_grads import owns_gradient
 from mega.core.optim.optimizer import MainParam, MixedPrecisionOptimizer
-from mega.core.parallel.fsdp import local
+from mega.core.parallel.local_shard import local
 
 
 def first_replica(tensor: torch.Tensor) -> bool:

@@ -45,13 +45,9 @@ from mega.core.launch import collective_timeout
 from mega.core.parallel.collectives import all_reduce
 from mega.core.parallel.groups import ParallelGroups
 from mega.core.parallel.layout import rank_groups
+from mega.core.parallel.local_shard import local
 from mega.core.parallel.param_attrs import is_expert_parallel, is_sequence_parallel
 from mega.core.parallel.pieces import Piece, TensorParallelSplit
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor`` (a DTensor's local shard; any other tensor as it is)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def shard_pieces(tensor: DTensor, split: TensorParallelSplit) -> list[Piece]:
@@ -172,6 +168,8 @@ class FullyShardedDataParallel(nn.Module):
     ``no_sync()`` (gradients accumulate unsharded, nothing is reduced), ``finish_grad_sync()``
     (FSDP has reduce-scattered during backward; sequence-parallel gradients are summed over the
     tensor group here) and ``zero_grad_buffer()``."""
+
+    fully_sharded = True  # what build_optimizer asks (without importing this module: start-up cost)
 
     def __init__(self, module: nn.Module, groups: ParallelGroups, compute_dtype: torch.dtype = torch.float32,
                  events=None):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mega.core.parallel import ParallelGroups
-from mega.core.parallel.fsdp import local
+from mega.core.parallel.local_shard import local
 from mega.core.parallel.param_attrs import is_shared_embedding
 
 

@@ -26,7 +26,6 @@ from mega.core.model_family import LossContext, ModelFamily
 from mega.core.optim.build import build_optimizer
 from mega.core.parallel import ParallelGroups
 from mega.core.parallel.context_parallel import split_batch
-from mega.core.parallel.fsdp import fully_shard_chunks
 from mega.core.parallel.random import seed_parallel_rng
 from mega.core.pipeline.schedules import forward_backward
 from mega.core.pipeline.tied import setup_tied_weights
@@ -141,6 +140,9 @@ class Trainer:
             chunks.append(module)
         setup_tied_weights(chunks, groups)
         if fsdp:
+            # Start-up cost: torch's FSDP and DTensor take a second to import; only runs that shard pay it.
+            from mega.core.parallel.fsdp import fully_shard_chunks
+
             layers_of = self.family.compile_units or (lambda chunk: [])
             return fully_shard_chunks(
                 chunks, layers_of, groups, strategy=strategy, replicas=run.data_parallel.replicas,
