@@ -7,7 +7,7 @@ unit, resharded after forward) and with pp2 interleaved (the tied embedding cros
 LLaMA: ZeRO-3 at cp2 x dp2 as HSDP 2x2 (--num-distributed-optimizer-instances 2) never resharded,
 with CPU offload and selective recompute; ZeRO-2 at dp4 with --compile (each layer compiled, then
 sharded, as torchtitan does). Mixtral: ZeRO-3 with experts at ep2 (sharded over their own
-data-parallel group). Every loss must equal one process's within 1e-5 (relative).
+data-parallel group) and the dense layers as HSDP 2x2. Every loss must equal one process's within 1e-5 (relative).
 
 SGD with momentum and clipping at a norm the gradients exceed: a gradient off by a constant
 factor or a norm counted wrong across shards or replicas changes the step, which Adam's
@@ -55,7 +55,8 @@ LAYOUTS = {
         "zero2 dp4 compiled": ZERO2 + ["--compile", "--compile-backend", "aot_eager"],
     },
     "mixtral": {
-        "zero3 ep2": ZERO3 + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+        "zero3 ep2, dense as hsdp 2x2": ZERO3 + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                                 "alltoall", "--num-distributed-optimizer-instances", "2"],
     },
 }
 SAVED_AT, RESUMED_AT = 1, 2

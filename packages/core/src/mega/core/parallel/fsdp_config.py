@@ -101,9 +101,6 @@ def check_sharding(run, dp: int):
         if (dp * parallel.cp) % config.replicas:
             raise ConfigError(f"--num-distributed-optimizer-instances {config.replicas} must divide the "
                               f"data-parallel x context-parallel size {dp} x {parallel.cp}")
-        if parallel.ep > 1:
-            raise ConfigError(f"--num-distributed-optimizer-instances {config.replicas} with "
-                              f"--expert-model-parallel-size {parallel.ep}: hybrid sharding of experts is not supported")
     if config.cpu_offload and not fsdp:
         raise ConfigError(f"--cpu-offload needs --data-parallel-sharding-strategy optim_grads or optim_grads_params "
                           f"(or --use-torch-fsdp2), not {strategy}")
