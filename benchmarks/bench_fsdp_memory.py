@@ -15,6 +15,7 @@ import argparse
 import json
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+COLUMNS = ("weights", "gradients", "optimizer", "total")
 
 
 def held_bytes(argv: list[str]) -> dict:
@@ -71,19 +72,20 @@ def main() -> int:
             per_rank = world.run(held_bytes, argv + ["--data-parallel-sharding-strategy", strategy])
             worst = {key: max(rank[key] for rank in per_rank) for key in per_rank[0]}
             rows.append({"strategy": strategy, **worst, "total": sum(worst.values())})
-    unsharded = rows[0]["total"]
     for row in rows:
-        row["vs_no_shard"] = row["total"] / unsharded
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    print(f"dp{args.dp}, GPT {args.layers} layers x hidden {args.hidden}, {'bf16' if args.bf16 else 'fp32'}, "
-          f"AdamW; MiB per rank (1/dp = {1 / args.dp:.3f})")
-    print(f"{'strategy':>20} {'weights':>9} {'grads':>9} {'optimizer':>10} {'total':>9} {'x no_shard':>11}")
-    for row in rows:
-        print(f"{row['strategy']:>20} {row['weights'] / 2**20:>9.2f} {row['gradients'] / 2**20:>9.2f} "
-              f"{row['optimizer'] / 2**20:>10.2f} {row['total'] / 2**20:>9.2f} {row['vs_no_shard']:>11.3f}")
+        row["vs_no_shard"] = row["total"] / rows[0]["total"]
+    print(json.dumps(rows, indent=2) if args.json else markdown(rows, args))
     return 0
+
+
+def markdown(rows: list[dict], args) -> str:
+    """The rows as docs/fsdp.md's table (MiB per rank)."""
+    title = (f"dp{args.dp}, GPT {args.layers} layers x hidden {args.hidden}, {'bf16' if args.bf16 else 'fp32'}, "
+             f"AdamW; MiB per rank (1/dp = {1 / args.dp:.3f})")
+    lines = [title, "", "| strategy | weights | gradients | optimizer | total | x no_shard |", "|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join([row["strategy"], *(f"{row[key] / 2**20:.2f}" for key in COLUMNS),
+                                 f"{row['vs_no_shard']:.3f}"]) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
