@@ -251,6 +251,8 @@ class Checkpointer:
                                           metadata.optimizer["state_keys"], metadata.optimizer["main_params"])
             wanted.entries.update(optimizer.entries)
             wanted.sources.update(optimizer.sources)
+            for key in optimizer.main_param_instead:  # one tensor, loaded once: from its fp32 copy
+                del wanted.entries[key], wanted.sources[key]
         # fp32 main weights come from the checkpoint when it has them, else from the loaded weights
         loads_main_params = any(key.endswith("." + MAIN_PARAM) for key in wanted.entries)
         index = read_index(path)

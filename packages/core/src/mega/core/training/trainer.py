@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from mega.core.build import build_stage
 from mega.core.datasets import TrainingData
@@ -116,9 +117,9 @@ class Trainer:
         return build_stage(self.family, run.model, parallel=run.parallel, device="meta")
 
     # -- building ---------------------------------------------------------------------------
-    def _build_model_chunks(self) -> list[DistributedDataParallel]:
+    def _build_model_chunks(self) -> list[nn.Module]:
         """This rank's model chunks (virtual stages ``rank``, ``rank + pp``, ...), each built by
-        :func:`build_stage` and wrapped for data parallelism."""
+        :func:`build_stage` and wrapped for data parallelism (DDP, or FSDP2 by the sharding strategy)."""
         run, groups = self.run, self.groups
         ddp_config = DDPConfig(
             overlap_grad_reduce=run.optimizer.overlap_grad_reduce,
@@ -126,15 +127,28 @@ class Trainer:
             grad_reduce_in_fp32=grads_in_fp32(run.precision),
             gradient_accumulation_fusion=gradient_accumulation_fusion(run.precision, groups.device),
         )
+        strategy = run.data_parallel.strategy(run.optimizer.use_distributed_optimizer)
+        fsdp = run.data_parallel.uses_fsdp(run.optimizer.use_distributed_optimizer)
         chunks = []
         for stage in self.stages:
             module = build_stage(self.family, run.model, stage, groups=groups, kernels=self.kernels,
-                                 rng_tracker=self.rng_tracker, seed=run.training.seed, dtype=self.dtype)
+                                 rng_tracker=self.rng_tracker, seed=run.training.seed,
+                                 dtype=torch.float32 if fsdp else self.dtype)  # FSDP's shards are the fp32 main weights
             self.events.hook.on_stage_built(stage=module, groups=groups)  # passes of plugins (FP8)
             if run.kernels.compile:
                 compile_stage(self.family, module, run.kernels.compile_backend)
             chunks.append(module)
         setup_tied_weights(chunks, groups)
+        if fsdp:
+            # Start-up cost: torch's FSDP and DTensor take a second to import; only runs that shard pay it.
+            from mega.core.parallel.fsdp import fully_shard_chunks
+
+            layers_of = self.family.compile_units or (lambda chunk: [])
+            return fully_shard_chunks(
+                chunks, layers_of, groups, strategy=strategy, replicas=run.data_parallel.replicas,
+                compute_dtype=self.dtype, reshard_after_forward=run.data_parallel.fsdp_reshard_after_forward,
+                cpu_offload=run.data_parallel.cpu_offload,
+                reduce_in_fp32=run.precision.accumulate_allreduce_grads_in_fp32 is not False)
         return [DistributedDataParallel(chunk, groups, ddp_config) for chunk in chunks]
 
     def _boundary(self, index: int) -> dict:
