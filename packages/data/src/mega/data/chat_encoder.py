@@ -60,6 +60,9 @@ class ChatEncoder:
             except (ChatTemplateError, _BadConversation) as error:
                 bad.append((number, str(error)))
                 continue
+            except Exception as error:  # text the tokenizer rejects (NullTokenizer given words, say)
+                bad.append((number, f"the rendered conversation cannot be tokenized: {error}"))
+                continue
             token_parts.append(tokens)
             mask_parts.append(mask)
         lengths = np.fromiter(map(len, token_parts), np.int64, len(token_parts))
