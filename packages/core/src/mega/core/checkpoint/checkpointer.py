@@ -47,6 +47,7 @@ from mega.core.checkpoint.model_io import load_model_weights
 from mega.core.checkpoint.sharded_io import ShardedEntry, load_entries, read_index, save_entries
 from mega.core.checkpoint.state import (
     MAIN_PARAM,
+    MODEL,
     create_optimizer_state,
     model_entries,
     named_parameters,
@@ -254,7 +255,8 @@ class Checkpointer:
         # fp32 main weights come from the checkpoint when it has them, else from the loaded weights
         loads_main_params = any(key.endswith("." + MAIN_PARAM) for key in wanted.entries)
         index = read_index(path)
-        check_model_names(path, full_model_names(saved), index)
+        optional = {key for key in wanted.optional if key.startswith(MODEL)}
+        check_model_names(path, full_model_names(saved), {k: v for k, v in index.items() if k not in optional})
         extra_state = prepare_optional(wanted, index)
         check_entries(path, wanted, index)
         zero_rows_beyond(wanted, index)

@@ -18,7 +18,7 @@ from torch import nn
 from mega.core.checkpoint.sharded_io import ShardedEntry
 from mega.core.optim.optimizer import MainParam, MixedPrecisionOptimizer
 from mega.core.parallel.groups import Group
-from mega.core.parallel.param_attrs import is_padded_vocab
+from mega.core.parallel.param_attrs import is_checkpoint_optional, is_padded_vocab
 from mega.core.parallel.pieces import Piece, TensorParallelSplit, tensor_pieces
 from mega.core.parameter_names import canonical, canonical_names
 
@@ -84,6 +84,8 @@ def model_entries(chunks: list[nn.Module], tp: Group | None) -> Entries:
     result = Entries(duplicates=duplicates)
     for name, param in named.items():
         result.add(MODEL + name, param.data, param, tp)
+        if is_checkpoint_optional(param):  # LoRA adapters: absent from a base model's checkpoint
+            result.optional.add(MODEL + name)
     for name, buffer in named_parameters(chunks, buffers=True)[0].items():
         result.add(BUFFER + name, buffer, buffer, tp)
         result.optional.add(BUFFER + name)
