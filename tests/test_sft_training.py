@@ -1,6 +1,7 @@
 """`mega train --sft` on `mega preprocess --chat` data: packed rows train exactly as one conversation
-per row (per-token loss, fp32), and packed training at tp2 + sequence parallel, pp2 and dp2 with the
-distributed optimizer computes what one process computes."""
+per row (per-token loss, fp32); packed training, without and with LoRA adapters, at tp2 + sequence
+parallel, pp2 and dp2 with the distributed optimizer computes what one process computes; a LoRA run
+starts from a base checkpoint, saves its adapters and resumes from them."""
 
 from __future__ import annotations
 
@@ -57,6 +58,12 @@ def flags(data, rows, *extra):
             "--seed", "3", "--calculate-per-token-loss", *extra]
 
 
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2"]
+LAYOUTS = {"tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+           "pp2": ["--pipeline-model-parallel-size", "2"],
+           "dp2-distributed-optimizer": ["--use-distributed-optimizer", "--micro-batch-size", "1"]}
+
+
 def test_packed_rows_train_as_one_conversation_per_row(chat_data, worlds):
     from mega.data.indexed_dataset import IndexedDataset
     from mega.data.packing import first_fit_decreasing
@@ -69,13 +76,13 @@ def test_packed_rows_train_as_one_conversation_per_row(chat_data, worlds):
     packed = train_losses(flags(chat_data, bins, "--packed-sequences"))
     assert_losses_close(packed, unpacked, "packed vs one conversation per row")
 
-    layouts = {"tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-               "pp2": ["--pipeline-model-parallel-size", "2"],
-               "dp2-distributed-optimizer": ["--use-distributed-optimizer", "--micro-batch-size", "1"]}
-    results = worlds.run(2, train_each, [flags(chat_data, bins, "--packed-sequences", *extra)
-                                         for extra in layouts.values()])
-    for index, layout in enumerate(layouts):
-        assert_losses_close(results[0][index], packed, f"packed {layout}")
+    lora = train_losses(flags(chat_data, bins, "--packed-sequences", *LORA))
+    assert lora[0] == packed[0] and lora[1] != packed[1], "a fresh adapter changes nothing; then it trains"
+    # LoRA's frozen base still carries every activation gradient through the packed attention.
+    results = worlds.run(2, train_each, [flags(chat_data, bins, "--packed-sequences", *extra, *LORA)
+                                         for extra in LAYOUTS.values()])
+    for index, layout in enumerate(LAYOUTS):
+        assert_losses_close(results[0][index], lora, f"packed, LoRA, {layout}")
 
 
 def test_context_parallel_with_packing_is_refused(chat_data):
@@ -87,3 +94,17 @@ def test_context_parallel_with_packing_is_refused(chat_data):
     with pytest.raises(ConfigError, match="--packed-sequences does not run under --context-parallel-size 2"):
         derive(run, 2)
     assert np.isfinite(train_losses(flags(chat_data, 2))[0])  # unpacked, mean per micro-batch
+
+
+def test_lora_starts_from_a_base_checkpoint_and_resumes(chat_data, tmp_path):
+    from mega.core.checkpoint.model_io import tensor_shapes
+
+    base, lora = tmp_path / "base", tmp_path / "lora"
+    base_losses = train_losses(flags(chat_data, 2, "--save", str(base)))
+    first = train_losses(flags(chat_data, 2, *LORA, "--load", str(base), "--finetune", "--save", str(lora)))
+    assert first[0] < base_losses[0]  # the base's trained weights were loaded (B = 0 adds nothing)
+    saved = tensor_shapes(lora)
+    adapters = [name for name in saved if ".adapter." in name]
+    assert len(adapters) == 16 and any("linear_qkv.weight" in name for name in saved)
+    resumed = train_losses(flags(chat_data, 2, *LORA, "--load", str(lora), "--train-iters", "3"))
+    assert len(resumed) == 1  # iterations 3 of 3: it resumed at 2

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from mega.core.config import ConfigError
 from mega.core.config.options import option
+from mega.core.plugins import hookimpl
 
 PLUGIN = "models"  # the entry-point name: run_config.plugins[PLUGIN], a [models] table in --config
 
@@ -51,6 +52,7 @@ class LoRAPass:
     def __init__(self, options: LoRAOptions, seed: int):
         self.settings, self.seed = options.settings(), seed
 
+    @hookimpl
     def on_stage_built(self, stage, groups):
         from mega.models.lora import LoRAError, apply_lora
 
