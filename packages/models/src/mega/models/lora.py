@@ -6,7 +6,7 @@ layer (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``, Megatron
 and every other parameter is frozen. The base keeps its parameter names (``parameter_aliases``),
 so a base checkpoint loads as it is; the adapter is ``<layer>.adapter.linear_in.weight`` (A,
 ``[rank, in]``) and ``<layer>.adapter.linear_out.weight`` (B, ``[out, rank]``), Megatron-Bridge's
-names. A starts as PEFT starts it (Kaiming-uniform, from the seed and its global name, so every
+names, with ``<layer>.adapter.scaling`` (alpha / rank) beside them. A starts as PEFT starts it (Kaiming-uniform, from the seed and its global name, so every
 layout starts alike) and B at zero, so a fresh adapter leaves the model's function unchanged.
 
 Under tensor parallelism the adapter follows its layer (as Megatron-Bridge splits it): beside a
@@ -86,6 +86,8 @@ class LoRAAdapter(nn.Module):
         super().__init__()
         self.style, self.group, self.sequence_parallel = style, group, sequence_parallel
         self.scale = settings.scale
+        # alpha / rank travels with the adapter in checkpoints (export and merge read it).
+        self.register_buffer("scaling", torch.tensor(settings.scale, dtype=torch.float32, device=device))
         self.dropout = nn.Dropout(settings.dropout)
         self.linear_in = nn.Linear(in_features, settings.rank, bias=False, device=device, dtype=dtype)
         self.linear_out = nn.Linear(settings.rank, out_features, bias=False, device=device, dtype=dtype)
