@@ -13,10 +13,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from mega.ckpt_convert.hf_peft import merged_tensors, write_peft_adapter  # noqa: E402
 from mega.core.build import build_stage  # noqa: E402
 from mega.core.parameter_names import canonical_names  # noqa: E402
 from mega.core.plugins import get_plugins  # noqa: E402
-from mega.ckpt_convert.hf_peft import merged_tensors, write_peft_adapter  # noqa: E402
 from mega.models.hf_mapping import mega_to_hf  # noqa: E402
 from mega.models.lora import LoRASettings, adapter_parameters, apply_lora  # noqa: E402
 
