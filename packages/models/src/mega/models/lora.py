@@ -87,7 +87,7 @@ class LoRAAdapter(nn.Module):
         self.style, self.group, self.sequence_parallel = style, group, sequence_parallel
         self.scale = settings.scale
         # alpha / rank travels with the adapter in checkpoints (export and merge read it).
-        self.register_buffer("scaling", torch.tensor(settings.scale, dtype=torch.float32, device=device))
+        self.register_buffer("scaling", torch.tensor([settings.scale], dtype=torch.float32, device=device))
         self.dropout = nn.Dropout(settings.dropout)
         self.linear_in = nn.Linear(in_features, settings.rank, bias=False, device=device, dtype=dtype)
         self.linear_out = nn.Linear(settings.rank, out_features, bias=False, device=device, dtype=dtype)
