@@ -4,12 +4,17 @@ without sequence parallelism) the loss and every adapter gradient equal one proc
 
 from __future__ import annotations
 
+import os
+import sys
 import zlib
 
 import pytest
 import torch
 
 from mega.core.parallel import ParallelConfig
+
+sys.path.insert(0, os.path.dirname(__file__))  # ranks load this file by path
+from whole_gradients import whole_gradients  # noqa: E402
 
 SEQ, SEED = 16, 11
 FAMILIES = ("gpt", "llama")
@@ -103,9 +108,6 @@ def test_bad_targets_name_the_flag():
 
 
 def loss_and_adapter_grads(family_name, groups=None, parallel=ParallelConfig()):
-    from mega.core.parallel.collectives import all_reduce
-    from mega.core.parallel.layers import gather_shards
-    from mega.core.parallel.param_attrs import is_sequence_parallel, is_tensor_parallel
     from mega.models.lora import adapter_parameters, apply_lora
 
     model = tiny(family_name, groups, parallel)
@@ -115,15 +117,7 @@ def loss_and_adapter_grads(family_name, groups=None, parallel=ParallelConfig()):
     ids, labels = tokens()
     loss = model.loss(model(ids), labels, tp).mean()
     loss.backward()
-    grads = {}
-    for name, param in adapter_parameters(model).items():
-        grad = param.grad.clone()
-        if tp is not None and is_tensor_parallel(param):
-            grad = gather_shards(grad, tp, param.partition_dim, param.partition_chunks)
-        elif tp is not None and is_sequence_parallel(param):
-            all_reduce(grad, tp)
-        grads[name] = grad
-    return loss.detach(), grads
+    return loss.detach(), whole_gradients(adapter_parameters(model).items(), tp)
 
 
 def tensor_parallel_lora():

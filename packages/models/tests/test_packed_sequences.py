@@ -5,9 +5,15 @@ process."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
 from mega.core.parallel import ParallelConfig
+
+sys.path.insert(0, os.path.dirname(__file__))  # ranks load this file by path
+from whole_gradients import whole_gradients  # noqa: E402
 
 FAMILIES = ("gpt", "llama")
 SEQ, SEED = 16, 5
@@ -60,24 +66,13 @@ def test_packed_documents_equal_each_alone():
 
 def loss_and_grads(family_name, groups=None, parallel=ParallelConfig()):
     from mega.core.model_family import LossContext
-    from mega.core.parallel.collectives import all_reduce
-    from mega.core.parallel.layers import gather_shards
-    from mega.core.parallel.param_attrs import is_sequence_parallel, is_tensor_parallel
 
     family, model = build(family_name, groups, parallel)
     batch = packed_batch()
     tp = groups.tp if groups is not None else None
     loss, _ = family.loss(model(batch), batch, LossContext(model.config, tp, model.kernels))
     loss.backward()
-    grads = {}
-    for name, param in model.named_parameters():
-        grad = param.grad.clone()
-        if tp is not None and is_tensor_parallel(param):
-            grad = gather_shards(grad, tp, param.partition_dim, param.partition_chunks)
-        elif tp is not None and is_sequence_parallel(param):
-            all_reduce(grad, tp)
-        grads[name] = grad
-    return loss.detach(), grads
+    return loss.detach(), whole_gradients(model.named_parameters(), tp)
 
 
 def tensor_parallel_packed():
