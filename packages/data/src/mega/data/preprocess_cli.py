@@ -80,6 +80,7 @@ def _cpu_count() -> int:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    # start-up cost: `mega --help` and the parser stay free of torch and the models
     from mega.core.plugins import PluginError
     from mega.data.chat_template import ChatTemplateError
     from mega.data.indexed_dataset import IndexedDatasetError
