@@ -97,7 +97,9 @@ def test_context_parallel_with_packing_is_refused(chat_data):
 
 
 def test_lora_starts_from_a_base_checkpoint_and_resumes(chat_data, tmp_path):
-    from mega.core.checkpoint.model_io import tensor_shapes
+    import torch
+
+    from mega.core.checkpoint.model_io import read_tensors, tensor_shapes
 
     base, lora = tmp_path / "base", tmp_path / "lora"
     base_losses = train_losses(flags(chat_data, 2, "--save", str(base)))
@@ -118,3 +120,10 @@ def test_lora_starts_from_a_base_checkpoint_and_resumes(chat_data, tmp_path):
     assert mega(["lora", "export-peft", "--load", str(lora), "--output", str(tmp_path / "peft")]) == 0
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
+    # The PEFT adapter folded into the (frozen, unchanged) base is the merged checkpoint.
+    assert mega(["lora", "import-peft", "--load", str(base), "--adapter", str(tmp_path / "peft"),
+                 "--save", str(tmp_path / "imported")]) == 0
+    names = list(tensor_shapes(tmp_path / "merged"))
+    imported, merged_weights = read_tensors(tmp_path / "imported", names), read_tensors(tmp_path / "merged", names)
+    for name in names:
+        torch.testing.assert_close(imported[name], merged_weights[name], rtol=1e-5, atol=1e-6)

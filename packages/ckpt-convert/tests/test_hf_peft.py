@@ -1,6 +1,7 @@
 """LoRA adapters exported for PEFT: ``peft.PeftModel.from_pretrained`` on the transformers model
-gives mega's logits (LLaMA: fused QKV and SwiGLU split; GPT-2: Conv1D, ``fan_in_fan_out``), and
-the merged tensors give the adapted model's function."""
+gives mega's logits (LLaMA: fused QKV and SwiGLU split; GPT-2: Conv1D, ``fan_in_fan_out``), the
+merged tensors give the adapted model's function, and an adapter PEFT made, folded into mega's
+weights, gives PEFT's logits."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from mega.ckpt_convert.hf_peft import merged_tensors, write_peft_adapter  # noqa: E402
+from mega.ckpt_convert.hf_peft import (  # noqa: E402
+    fold_peft_adapter,
+    merged_tensors,
+    read_peft_adapter,
+    write_peft_adapter,
+)
 from mega.core.build import build_stage  # noqa: E402
 from mega.core.parameter_names import canonical_names  # noqa: E402
 from mega.core.plugins import get_plugins  # noqa: E402
@@ -68,3 +74,27 @@ def test_peft_loads_mega_adapters_with_the_same_logits(tmp_path, family_name):
     merged = hf_model(family, config, merged_tensors(tensors))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family_name", ["llama", "gpt"])
+def test_a_peft_made_adapter_folds_into_mega(tmp_path, family_name):
+    family, config, model, tensors = adapted_model(family_name)
+    base = {name: tensor for name, tensor in tensors.items() if ".adapter." not in name}
+    targets = {"llama": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"], "gpt": ["c_attn", "c_fc"]}
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets[family_name], init_lora_weights=False,
+                           fan_in_fan_out=family_name == "gpt", use_rslora=family_name == "llama")
+    torch.manual_seed(5)
+    peft_model = peft.get_peft_model(hf_model(family, config, base), lora).eval()
+    peft_model.save_pretrained(str(tmp_path / "made-by-peft"))
+    adapter_config, adapter = read_peft_adapter(tmp_path / "made-by-peft")
+    folded = fold_peft_adapter(family.hf_mapping, config, base, adapter_config, adapter)
+    mega_model = build_stage(family, config, seed=9)
+    names = {canonical: name for name, canonical in canonical_names(mega_model).items()}
+    mega_model.load_state_dict({names.get(n, n): t for n, t in folded.items()})
+    ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+        with peft_model.disable_adapter():
+            assert not torch.allclose(peft_model(ids).logits, expected, atol=1e-3)  # the adapter matters
+        got = mega_model(ids).transpose(0, 1)[..., : config.vocab_size]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -14,6 +14,7 @@ Conv1D layers hold their weights transposed (PEFT's ``fan_in_fan_out``); the ada
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -98,4 +99,56 @@ def merged_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     for layer, (a, b, scaling) in layers.items():
         weight = merged[f"{layer}.weight"]
         merged[f"{layer}.weight"] = (weight.float() + b.float() @ a.float() * scaling).to(weight.dtype)
+    return merged
+
+
+def read_peft_adapter(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(adapter_config, tensors)`` of a PEFT LoRA directory, checked to be what mega can fold in."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    try:
+        adapter_config = json.loads((directory / "adapter_config.json").read_text())
+        tensors = load_file(str(directory / "adapter_model.safetensors"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{directory}: not a PEFT adapter directory ({error})") from None
+    if adapter_config.get("peft_type") != "LORA":
+        raise ValueError(f"{directory}: adapter_config.json's peft_type is {adapter_config.get('peft_type')!r}, not LORA")
+    for field in ("rank_pattern", "alpha_pattern"):
+        if adapter_config.get(field):
+            raise ValueError(f"{directory}: adapter_config.json's {field} (per-module ranks) is not supported")
+    extra = [name for name in tensors if ".lora_A." not in name and ".lora_B." not in name]
+    if extra:
+        raise ValueError(f"{directory}: holds {', '.join(sorted(extra)[:3])}, which is not a LoRA A or B of a "
+                         f"linear layer (bias='none' adapters only)")
+    return adapter_config, tensors
+
+
+def fold_peft_adapter(mapping, config, tensors: Mapping[str, torch.Tensor], adapter_config: Mapping,
+                      peft: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """mega's global ``tensors`` with a PEFT adapter folded in: each Hugging Face module's
+    ``B A * alpha / r`` (``/ sqrt(r)`` with rsLoRA) is a delta of its weight, which the family's
+    tensor maps carry to mega's layout (q/k/v deltas into the fused QKV, gate/up into ``[gate; up]``)."""
+    rank, alpha = adapter_config["r"], adapter_config["lora_alpha"]
+    scaling = alpha / math.sqrt(rank) if adapter_config.get("use_rslora") else alpha / rank
+    deltas = {}
+    for name, a in peft.items():
+        if ".lora_A." not in name:
+            continue
+        module = name.removeprefix(PEFT_PREFIX).rsplit(".lora_A.", 1)[0]
+        delta = peft[name.replace(".lora_A.", ".lora_B.")].float() @ a.float() * scaling
+        deltas[f"{module}.weight"] = delta.t() if adapter_config.get("fan_in_fan_out") else delta
+    merged, used = dict(tensors), set()
+    for tensor_map in mapping.tensor_maps(config):
+        if not any(name in deltas for name in tensor_map.other):
+            continue
+        shapes = [t.shape for t in tensor_map.from_mega(*(tensors[name] for name in tensor_map.mega))]
+        pieces = [deltas.get(name, torch.zeros(shape)) for name, shape in zip(tensor_map.other, shapes, strict=True)]
+        for name, delta in zip(tensor_map.mega, tensor_map.to_mega(*pieces), strict=True):
+            merged[name] = (tensors[name].float() + delta).to(tensors[name].dtype)
+        used.update(tensor_map.other)
+    unknown = sorted(set(deltas) - used)
+    if unknown:
+        raise ValueError(f"the adapter adapts {', '.join(unknown[:3])}, which {mapping.architecture} of this "
+                         f"config has no weight for")
     return merged

@@ -2,10 +2,13 @@
 
     mega lora export-peft --load CKPT --output DIR [--base-model NAME]   # peft.PeftModel.from_pretrained
     mega lora merge --load CKPT --save OUT                               # a plain mega checkpoint
+    mega lora import-peft --load BASE --adapter DIR --save OUT           # a PEFT adapter folded into BASE
 
 Both read the checkpoint's global tensors (any layout it was saved at). The merged checkpoint is a
 ``release`` (weights only) of the same family and config without adapters: ``mega train --load``,
-``mega convert --to hf``, ``mega generate`` take it as any other.
+``mega convert --to hf``, ``mega generate`` take it as any other. ``import-peft`` folds an adapter PEFT made for the
+family's transformers model into a mega base checkpoint the same way (mega's fused layers hold one
+adapter of one rank, PEFT's q/k/v and gate/up each their own, so the import merges).
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ def build_parser():
     merge = commands.add_parser("merge", help="fold the adapters into the base weights: a plain checkpoint")
     merge.add_argument("--load", required=True, help="a mega checkpoint of a LoRA run (--lora-rank)")
     merge.add_argument("--save", required=True, help="where to write the merged checkpoint")
+    fold = commands.add_parser("import-peft", help="fold a PEFT LoRA adapter into a mega base checkpoint")
+    fold.add_argument("--load", required=True, help="the base model as a mega checkpoint (mega convert --from hf)")
+    fold.add_argument("--adapter", required=True, help="a PEFT adapter directory (adapter_config.json + safetensors)")
+    fold.add_argument("--save", required=True, help="where to write the merged checkpoint")
     return parser
 
 
@@ -51,7 +58,13 @@ def checkpoint_tensors(path: str) -> dict:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from mega.ckpt_convert.hf_peft import ADAPTER, merged_tensors, write_peft_adapter
+    from mega.ckpt_convert.hf_peft import (
+        ADAPTER,
+        fold_peft_adapter,
+        merged_tensors,
+        read_peft_adapter,
+        write_peft_adapter,
+    )
     from mega.core.checkpoint.directory import checkpoint_and_metadata
     from mega.core.checkpoint.metadata import CheckpointError
     from mega.core.plugins import get_plugins
@@ -60,6 +73,15 @@ def main(argv: list[str]) -> int:
         directory, metadata = checkpoint_and_metadata(args.load)
         family = get_plugins().models.get(metadata.model_family)
         tensors = checkpoint_tensors(args.load)
+        if args.action == "import-peft":
+            if family.hf_mapping is None:
+                raise ValueError(f"the {family.name} family has no Hugging Face counterpart to take adapters of")
+            adapter_config, adapter = read_peft_adapter(args.adapter)
+            config = family.config_class(**metadata.model_config)
+            merged = fold_peft_adapter(family.hf_mapping, config, tensors, adapter_config, adapter)
+            write_release(args.save, directory, metadata, merged)
+            print(f"mega lora: folded {len(adapter) // 2} adapted modules of {args.adapter} into {args.save}")
+            return 0
         if not any(ADAPTER in name for name in tensors):
             raise ValueError(f"{args.load} holds no LoRA adapters (train with --lora-rank)")
         if args.action == "export-peft":
@@ -70,22 +92,29 @@ def main(argv: list[str]) -> int:
                                          args.base_model)
             print(f"mega lora: wrote a PEFT adapter of {len(modules)} modules to {args.output}")
             return 0
-        from mega.core.checkpoint.model_io import write_checkpoint
-        from mega.core.checkpoint.tokenizer_files import TOKENIZER_DIR, tokenizer_spec
-
         merged = merged_tensors(tensors)
-        tokenizer_dir = directory / TOKENIZER_DIR
-        extra_files = sorted(tokenizer_dir.iterdir()) if tokenizer_dir.is_dir() else []
-        release = dataclasses.replace(metadata, iteration=0, optimizer=None, grad_scaler=None, files={},
-                                      checksums={}, consumed_samples=0, consumed_valid_samples=0)
-        try:
-            tokenizer = tokenizer_spec(directory, metadata)
-        except CheckpointError as error:  # said, not dropped silently
-            print(f"mega lora: note: the tokenizer is not carried over: {error}", file=sys.stderr)
-            tokenizer, extra_files = None, []
-        write_checkpoint(args.save, release, merged, tokenizer, extra_files)
+        write_release(args.save, directory, metadata, merged)
         print(f"mega lora: merged {len(tensors) - len(merged)} adapter tensors into {args.save}")
         return 0
     except (CheckpointError, ValueError, KeyError, OSError) as error:
         print(f"mega lora: error: {error}", file=sys.stderr)
         return 1
+
+
+def write_release(save: str, directory, metadata, tensors: dict) -> None:
+    """``tensors`` as a release checkpoint of ``metadata``'s family and config, with the source
+    checkpoint's tokenizer (said where it cannot be carried)."""
+    from mega.core.checkpoint.metadata import CheckpointError
+    from mega.core.checkpoint.model_io import write_checkpoint
+    from mega.core.checkpoint.tokenizer_files import TOKENIZER_DIR, tokenizer_spec
+
+    tokenizer_dir = directory / TOKENIZER_DIR
+    extra_files = sorted(tokenizer_dir.iterdir()) if tokenizer_dir.is_dir() else []
+    release = dataclasses.replace(metadata, iteration=0, optimizer=None, grad_scaler=None, files={},
+                                  checksums={}, consumed_samples=0, consumed_valid_samples=0)
+    try:
+        tokenizer = tokenizer_spec(directory, metadata)
+    except CheckpointError as error:  # said, not dropped silently
+        print(f"mega lora: note: the tokenizer is not carried over: {error}", file=sys.stderr)
+        tokenizer, extra_files = None, []
+    write_checkpoint(save, release, tensors, tokenizer, extra_files)
