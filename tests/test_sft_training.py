@@ -111,11 +111,8 @@ def test_lora_starts_from_a_base_checkpoint_and_resumes(chat_data, tmp_path):
     resumed = train_losses(flags(chat_data, 2, *LORA, "--load", str(lora), "--train-iters", "3"))
     assert len(resumed) == 1  # iterations 3 of 3: it resumed at 2
 
-    # Merged into the base, the plain model starts where the adapted one does.
+    # (that merged weights compute the adapted model: packages/ckpt-convert/tests/test_hf_peft.py)
     assert mega(["lora", "merge", "--load", str(lora), "--save", str(tmp_path / "merged")]) == 0
-    adapted = train_losses(flags(chat_data, 2, *LORA, "--load", str(lora), "--finetune", "--train-iters", "1"))
-    merged = train_losses(flags(chat_data, 2, "--load", str(tmp_path / "merged"), "--finetune", "--train-iters", "1"))
-    assert_losses_close(merged, adapted, "merged vs adapted")
     assert not any(".adapter." in name for name in tensor_shapes(tmp_path / "merged"))
     assert mega(["lora", "export-peft", "--load", str(lora), "--output", str(tmp_path / "peft")]) == 0
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
