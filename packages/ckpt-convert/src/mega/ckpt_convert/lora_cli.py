@@ -1,10 +1,11 @@
 """``mega lora``: a LoRA run's checkpoint as a PEFT adapter directory, or merged into its base.
 
-    mega lora export-peft --load CKPT --output DIR [--base-model NAME]   # peft.PeftModel.from_pretrained
-    mega lora merge --load CKPT --save OUT                               # a plain mega checkpoint
+    mega lora export-peft --load LORA --output DIR [--base-model NAME]   # peft.PeftModel.from_pretrained
+    mega lora merge --load BASE --load-adapter LORA --save OUT           # a plain mega checkpoint
     mega lora import-peft --load BASE --adapter DIR --save OUT           # a PEFT adapter folded into BASE
 
-Both read the checkpoint's global tensors (any layout it was saved at). The merged checkpoint is a
+They read checkpoints' global tensors (any layout they were saved at); a LoRA run's checkpoint
+holds the adapters alone, its base is the checkpoint the run loaded (``--load``). The merged checkpoint is a
 ``release`` (weights only) of the same family and config without adapters: ``mega train --load``,
 ``mega convert --to hf``, ``mega generate`` take it as any other. ``import-peft`` folds an adapter PEFT made for the
 family's transformers model into a mega base checkpoint the same way (mega's fused layers hold one
@@ -29,7 +30,8 @@ def build_parser():
     export.add_argument("--base-model", help="base_model_name_or_path recorded in adapter_config.json")
     export.add_argument("--lora-dropout", type=float, default=0.0, help="recorded in adapter_config.json")
     merge = commands.add_parser("merge", help="fold the adapters into the base weights: a plain checkpoint")
-    merge.add_argument("--load", required=True, help="a mega checkpoint of a LoRA run (--lora-rank)")
+    merge.add_argument("--load", required=True, help="the base model's mega checkpoint (the LoRA run's --load)")
+    merge.add_argument("--load-adapter", required=True, help="the LoRA run's checkpoint (its adapters)")
     merge.add_argument("--save", required=True, help="where to write the merged checkpoint")
     fold = commands.add_parser("import-peft", help="fold a PEFT LoRA adapter into a mega base checkpoint")
     fold.add_argument("--load", required=True, help="the base model as a mega checkpoint (mega convert --from hf)")
@@ -82,8 +84,13 @@ def main(argv: list[str]) -> int:
             write_release(args.save, directory, metadata, merged)
             print(f"mega lora: folded {len(adapter) // 2} adapted modules of {args.adapter} into {args.save}")
             return 0
+        source = args.load
+        if args.action == "merge":
+            source = args.load_adapter
+            adapters = {name: t for name, t in checkpoint_tensors(source).items() if ADAPTER in name}
+            tensors = {**{name: t for name, t in tensors.items() if ADAPTER not in name}, **adapters}
         if not any(ADAPTER in name for name in tensors):
-            raise ValueError(f"{args.load} holds no LoRA adapters (train with --lora-rank)")
+            raise ValueError(f"{source} holds no LoRA adapters (train with --lora-rank)")
         if args.action == "export-peft":
             if family.hf_mapping is None:
                 raise ValueError(f"the {family.name} family has no Hugging Face counterpart to adapt")
@@ -94,7 +101,7 @@ def main(argv: list[str]) -> int:
             return 0
         merged = merged_tensors(tensors)
         write_release(args.save, directory, metadata, merged)
-        print(f"mega lora: merged {len(tensors) - len(merged)} adapter tensors into {args.save}")
+        print(f"mega lora: merged the adapters of {source} ({len(tensors) - len(merged)} tensors) into {args.save}")
         return 0
     except (CheckpointError, ValueError, KeyError, OSError) as error:
         print(f"mega lora: error: {error}", file=sys.stderr)

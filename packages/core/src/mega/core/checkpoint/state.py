@@ -42,6 +42,8 @@ class Entries:
     extra_state: dict[str, nn.Module] = field(default_factory=dict)
     # keys loaded only when the checkpoint has them (buffers, extra state: kernel-specific)
     optional: set[str] = field(default_factory=set)
+    # whether the model has parameters added after it was built (LoRA adapters, ``optional`` too)
+    adapters: bool = False
 
     def add(self, key: str, tensor: torch.Tensor, param: nn.Parameter, tp: Group | None,
             flat_range: tuple[int, int] | None = None) -> None:
@@ -86,6 +88,7 @@ def model_entries(chunks: list[nn.Module], tp: Group | None) -> Entries:
         result.add(MODEL + name, param.data, param, tp)
         if is_checkpoint_optional(param):  # LoRA adapters: absent from a base model's checkpoint
             result.optional.add(MODEL + name)
+            result.adapters = True
     for name, buffer in named_parameters(chunks, buffers=True)[0].items():
         result.add(BUFFER + name, buffer, buffer, tp)
         result.optional.add(BUFFER + name)
