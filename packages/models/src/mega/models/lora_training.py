@@ -4,8 +4,9 @@ The flags are this package's plugin options (``run_config.plugins["models"]``): 
 (0: no LoRA), ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``. The callback's
 ``on_stage_built`` runs :func:`mega.models.lora.apply_lora` on each chunk before data parallelism
 and the optimizer see it, so only the adapters are trained, reduced and kept in the optimizer.
-The adapters are optional in checkpoints: ``--load`` of a base model (``--finetune``, or a
-converted Hugging Face model) starts fresh adapters on it, a LoRA run's own checkpoint resumes them.
+The adapters are marked ``checkpoint_optional``: ``--load`` of a base model starts fresh adapters on
+it, checkpoints of the run hold the adapters alone, and ``--load BASE --load-adapter DIR`` resumes
+them (mega.core.checkpoint.adapters).
 """
 
 from __future__ import annotations
