@@ -107,6 +107,8 @@ def test_lora_starts_from_a_base_checkpoint_and_resumes(chat_data, tmp_path):
     assert first[0] < base_losses[0]  # the base's trained weights were loaded (B = 0 adds nothing)
     assert sorted(tensor_shapes(lora)) == sorted(n for n in tensor_shapes(lora) if ".adapter." in n)  # alone
     assert len(tensor_shapes(lora)) == 16
+    with pytest.raises(Exception, match="--lora-rank with --save but no --load"):
+        train_losses(flags(chat_data, 2, *LORA, "--save", str(tmp_path / "nowhere")))
     with pytest.raises(Exception, match="holds LoRA adapters alone: give the base model with --load"):
         train_losses(flags(chat_data, 2, *LORA, "--load", str(lora)))
     resumed = train_losses(flags(chat_data, 2, *LORA, "--load", str(base), "--load-adapter", str(lora),

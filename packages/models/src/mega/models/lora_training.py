@@ -68,4 +68,8 @@ def lora_callback(run_config):
     options = run_config.plugins.get(PLUGIN)
     if options is None or not options.lora_rank:
         return None
+    checkpoint = run_config.checkpoint
+    if checkpoint.save and not checkpoint.load:
+        raise ConfigError("--lora-rank with --save but no --load: checkpoints of a LoRA run hold the adapters "
+                          "alone, so the base model must come from --load")
     return LoRAPass(options, run_config.training.seed)
