@@ -20,7 +20,7 @@ from mega.core.checkpoint.sharded_io import ShardedEntry
 from mega.core.optim.optimizer import MainParam, MixedPrecisionOptimizer
 from mega.core.parallel.fsdp import shard_pieces
 from mega.core.parallel.groups import Group
-from mega.core.parallel.param_attrs import is_padded_vocab
+from mega.core.parallel.param_attrs import is_checkpoint_optional, is_padded_vocab
 from mega.core.parallel.pieces import Piece, TensorParallelSplit, tensor_pieces
 from mega.core.parameter_names import canonical, canonical_names
 
@@ -47,6 +47,8 @@ class Entries:
     # model keys of parameters that are their own fp32 main parameters (FSDP's shards) and load
     # from the checkpoint's main parameter instead, which a bf16 model entry would round
     main_param_instead: set[str] = field(default_factory=set)
+    # whether the model has parameters added after it was built (LoRA adapters, ``optional`` too)
+    adapters: bool = False
 
     def add(self, key: str, tensor: torch.Tensor, param: nn.Parameter, tp: Group | None,
             flat_range: tuple[int, int] | None = None) -> None:
@@ -92,6 +94,9 @@ def model_entries(chunks: list[nn.Module], tp: Group | None) -> Entries:
     result = Entries(duplicates=duplicates)
     for name, param in named.items():
         result.add(MODEL + name, param.data, param, tp)
+        if is_checkpoint_optional(param):  # LoRA adapters: absent from a base model's checkpoint
+            result.optional.add(MODEL + name)
+            result.adapters = True
     for name, buffer in named_parameters(chunks, buffers=True)[0].items():
         result.add(BUFFER + name, buffer, buffer, tp)
         result.optional.add(BUFFER + name)

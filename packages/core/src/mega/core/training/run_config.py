@@ -101,6 +101,11 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
         raise ConfigError(str(error)) from None
     run = check_sharding(run, dp)
     run.model.validate(parallel.tp)
+    if parallel.cp > 1 and (run.data.per_document or run.training.calculate_per_token_loss):
+        flag = "--calculate-per-token-loss" if not run.data.per_document else (
+            "--packed-sequences" if run.data.packed_sequences else "--reset-attention-mask/--reset-position-ids")
+        raise ConfigError(f"{flag} does not run under --context-parallel-size {parallel.cp} yet (context "
+                          f"parallelism does not chunk per document); use tensor or data parallelism")
     try:
         check_sequence_length(run.model.seq_length, parallel.cp)
     except ValueError as error:

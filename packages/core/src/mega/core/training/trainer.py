@@ -33,6 +33,7 @@ from mega.core.plugins import Events, Plugins
 from mega.core.training.batches import MicroBatches
 from mega.core.training.compile import compile_stage
 from mega.core.training.lr_schedule import LearningRateSchedule
+from mega.core.training.per_token_loss import read_step, token_weight
 from mega.core.training.precision import (
     grad_scaler_for,
     gradient_accumulation_fusion,
@@ -81,8 +82,10 @@ class Trainer:
         # Virtual stage c * pp + r is model chunk c of pipeline rank r (interleaved order).
         self.stages = [self.all_stages[chunk * pp + self.groups.pp.rank] for chunk in range(vpp)]
         # Under context parallelism every stage reads its chunks' positions (RoPE in every layer).
+        # Rows of several documents: every stage reads their documents and positions too.
         self.reads_batch = [bool(stage.batch_keys) or stage.is_last or self.groups.cp.size > 1
-                            for stage in self.stages]
+                            or run.data.per_document for stage in self.stages]
+        self._token_weight = None  # --calculate-per-token-loss: set per step by _run_schedule
         self.events = Events.from_callbacks(plugins, run)
         self.chunks = self._build_model_chunks()
         self.optimizer = build_optimizer(self.chunks, self.groups, run.optimizer, grad_scaler_for(run.precision),
@@ -159,6 +162,10 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------
     def _loss_fn(self, outputs, batch: dict) -> torch.Tensor:
         loss, metrics = self.family.loss(outputs, batch, self.loss_context)
+        if self._token_weight is not None:  # --calculate-per-token-loss (see per_token_loss)
+            weight = batch["loss_mask"].sum() * self._token_weight
+            loss = loss * weight
+            metrics = {**metrics, "lm loss": metrics["lm loss"] * weight} if "lm loss" in metrics else metrics
         self._metrics.append(metrics)
         return loss
 
@@ -182,6 +189,11 @@ class Trainer:
         scale = 1.0 if forward_only else self.optimizer.loss_scale
         loss_fn = self._loss_fn if scale == 1.0 else (lambda output, batch: self._loss_fn(output, batch) * scale)
         self._metrics = []
+        self._token_weight = None
+        if self.run.training.calculate_per_token_loss and self.groups.is_pipeline_last:
+            step = read_step(data, self.derived.num_microbatches)
+            self._token_weight = token_weight(step, self.derived.num_microbatches, self.groups.dp)
+            data = iter(step)
         losses = forward_backward(
             self.chunks, data, self.derived.num_microbatches, loss_fn, self.groups,
             boundary=self._boundary, reads_batch=self.reads_batch,
