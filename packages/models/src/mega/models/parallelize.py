@@ -12,7 +12,8 @@ every parameter name (checkpoints depend on them). The order:
 2. Tensor and sequence parallelism by the family's plan:
    :func:`mega.core.parallel.tensor_parallel.apply_tensor_parallel` ``(stage, plan, groups,
    sequence_parallel=)``; then family passes that amend it (BERT's heads see the whole sequence:
-   :func:`mega.models.bert.keep_heads_whole`).
+   :func:`mega.models.bert.keep_heads_whole`); :func:`apply_head_norm_grad_sum` (QK-norm weights
+   see only a rank's own heads).
 3. :func:`apply_attention_dropout_rng` ``(stage, rng_tracker, sequence_parallel)``: dropout over
    a rank's own attention heads draws from the RNG tracker's model-parallel stream.
 4. :func:`apply_sequence_parallel_rng` ``(stage, rng_tracker, sequence_parallel)``: under
@@ -39,6 +40,7 @@ from torch import nn
 
 from mega.core.model_family import StageRun
 from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.parallel.param_attrs import mark_sequence_parallel
 from mega.core.parallel.plan import PlanStyle
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.models.attention import CoreAttention, SelfAttention
@@ -52,6 +54,7 @@ def parallelize(stage: nn.Module, groups: ParallelGroups, run: StageRun, plan: M
     """Passes 2-6 of the module docstring, in order; returns ``stage``."""
     sequence_parallel = run.parallel.sequence_parallel
     apply_tensor_parallel(stage, plan, groups, sequence_parallel=sequence_parallel)
+    apply_head_norm_grad_sum(stage, groups)
     apply_attention_dropout_rng(stage, run.rng_tracker, sequence_parallel)
     apply_sequence_parallel_rng(stage, run.rng_tracker, sequence_parallel)
     apply_recompute(stage, run.config, run.rng_tracker, run.training)
@@ -62,6 +65,18 @@ def parallelize(stage: nn.Module, groups: ParallelGroups, run: StageRun, plan: M
 def modules_of(stage: nn.Module, kind: type) -> list:
     """The modules of ``stage`` that are ``kind``s, listed first so a pass may replace them."""
     return [module for module in stage.modules() if isinstance(module, kind)]
+
+
+def apply_head_norm_grad_sum(stage: nn.Module, groups: ParallelGroups) -> None:
+    """QK-norm weights are whole on every tensor rank but each rank normalises only its own heads,
+    so their gradients are summed over the tensor group (marked as the sequence-parallel norms are,
+    which DDP sums; Megatron-Core's ``average_gradients_across_tp_domain``)."""
+    if groups.tp.size <= 1:
+        return
+    for attention in modules_of(stage, SelfAttention):
+        for norm in (attention.q_layernorm, attention.k_layernorm):
+            for param in norm.parameters() if norm is not None else ():
+                mark_sequence_parallel(param)
 
 
 def apply_attention_dropout_rng(stage: nn.Module, rng_tracker, sequence_parallel: bool) -> None:

@@ -1,0 +1,38 @@
+"""`mega train` of the qwen3, qwen3-moe and deepseek-v3 families at parallel layouts computes what
+one process computes: 4 steps of tiny models (2 layers, hidden 32) on Megatron's mock data in fp32,
+every loss within 1e-5 (relative) of the one-process run's. Each layout is one call on one world
+of 4 gloo ranks (dp takes the ranks the layout leaves).
+
+qwen3: tp2 and tp2 + sequence parallelism (QK-norm weights see only a rank's own heads: their
+gradients are summed over the tensor group)."""
+
+from __future__ import annotations
+
+from mega.core.testing.training_runs import assert_losses_close, train_losses
+
+STEPS = ["--mock-data", "--num-layers", "2", "--seq-length", "16", "--vocab-size", "90",
+         "--make-vocab-size-divisible-by", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--train-iters", "4", "--optimizer", "sgd", "--lr", "0.5", "--lr-decay-style", "constant", "--eval-iters", "0",
+         "--log-interval", "100", "--seed", "7", "--init-method-std", "0.2"]
+QWEN3 = ["--model-family", "qwen3", "--model-preset", "tiny", "--hidden-size", "32", "--ffn-hidden-size", "64",
+         "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16", *STEPS]
+TP2 = ["--tensor-model-parallel-size", "2"]
+SP = ["--sequence-parallel"]
+
+# name -> (one-process flags, flags of the layout)
+RUNS = {
+    "qwen3 tp2": (QWEN3, TP2),
+    "qwen3 tp2 sp": (QWEN3, TP2 + SP),
+}
+
+
+def test_layouts_train_like_one_process(worlds):
+    references = {}
+    for name, (common, layout) in RUNS.items():
+        key = tuple(common)
+        if key not in references:
+            references[key] = train_losses(common)
+            assert references[key][-1] < references[key][0], f"{name}: the tiny model should learn"
+        ranks = worlds.run(2, train_losses, common + layout)
+        assert all(losses == ranks[0] for losses in ranks), name
+        assert_losses_close(ranks[0], references[key], name)
