@@ -1,10 +1,11 @@
 """`mega train` of the qwen3, qwen3-moe and deepseek-v3 families at parallel layouts computes what
 one process computes: 4 steps of tiny models (2 layers, hidden 32) on Megatron's mock data in fp32,
 every loss within 1e-5 (relative) of the one-process run's. Each layout is one call on one world
-of 4 gloo ranks (dp takes the ranks the layout leaves).
+of 2 gloo ranks.
 
 qwen3: tp2 and tp2 + sequence parallelism (QK-norm weights see only a rank's own heads: their
-gradients are summed over the tensor group)."""
+gradients are summed over the tensor group). qwen3-moe: ep2 (all-to-all) and tp2 x etp1 x ep2 with
+sequence parallelism (whole experts spread over the tensor ranks), the load-balancing loss on."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ STEPS = ["--mock-data", "--num-layers", "2", "--seq-length", "16", "--vocab-size
          "--log-interval", "100", "--seed", "7", "--init-method-std", "0.2"]
 QWEN3 = ["--model-family", "qwen3", "--model-preset", "tiny", "--hidden-size", "32", "--ffn-hidden-size", "64",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16", *STEPS]
+QWEN3_MOE = ["--model-family", "qwen3-moe", "--model-preset", "tiny", "--hidden-size", "32",
+             "--moe-ffn-hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+             "--kv-channels", "16", "--moe-aux-loss-coeff", "0.01", *STEPS]
 TP2 = ["--tensor-model-parallel-size", "2"]
 SP = ["--sequence-parallel"]
 
@@ -23,6 +27,10 @@ SP = ["--sequence-parallel"]
 RUNS = {
     "qwen3 tp2": (QWEN3, TP2),
     "qwen3 tp2 sp": (QWEN3, TP2 + SP),
+    "qwen3-moe ep2 alltoall": (QWEN3_MOE, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                           "alltoall"]),
+    "qwen3-moe tp2 x etp1 x ep2 sp": (QWEN3_MOE, TP2 + SP + ["--expert-tensor-parallel-size", "1",
+                                                             "--expert-model-parallel-size", "2"]),
 }
 
 

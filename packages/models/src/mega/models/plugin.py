@@ -13,6 +13,7 @@ def register_models(register):
     register("t5", "mega.models.t5.family:FAMILY", "T5 encoder-decoder: v1.0 small/base/large, v1.1 base")
     register("mixtral", "mega.models.mixtral:FAMILY", "Mixtral mixture of experts (tiny, 8x7b, 8x22b)")
     register("qwen3", "mega.models.qwen3:FAMILY", "Qwen3 dense 0.6b ... 32b (LLaMA with QK-norm)")
+    register("qwen3-moe", "mega.models.qwen3_moe:FAMILY", "Qwen3-MoE 30b-a3b, 235b-a22b (QK-norm, top-8 of 128 experts)")
     register("bert", "mega.models.bert:FAMILY", "BERT base/large, MiniLM-L6 (masked-LM encoder, embeddings)")
 
 
