@@ -30,6 +30,15 @@ MODELS = {  # name -> (class, config class, settings, layouts (tp, pp, ep) on 2 
                   dict(intermediate_size=96, moe_intermediate_size=48, num_key_value_heads=2, head_dim=16,
                        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
                   {"tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                    dict(intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4, n_shared_experts=1,
+                         n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+                         routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+                         qk_rope_head_dim=8, v_head_dim=12, rope_parameters={
+                             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 1.0, "mscale_all_dim": 0.7}),
+                    {"tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}),
 }
 PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
 NEW_TOKENS = 8
@@ -44,6 +53,9 @@ def make_model(name: str):
         for param in model.parameters():
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's expert bias: make it change the routing
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.05)
     return model
 
 

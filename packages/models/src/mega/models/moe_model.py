@@ -58,9 +58,9 @@ class MoELanguageModel(LanguageModel):
         return outputs
 
     def _layer_stats(self, dtype: torch.dtype) -> torch.Tensor:
-        held = {int(number): layer.mlp.stats for number, layer in self.decoder.layers.items()}
-        device = next(iter(held.values())).device
-        absent = torch.zeros(len(STATS), device=device)
+        held = {int(number): layer.mlp.stats for number, layer in self.decoder.layers.items()
+                if isinstance(layer.mlp, MoELayer)}  # (dense layers, --moe-layer-freq, add nothing)
+        absent = torch.zeros(len(STATS), device=next(self.parameters()).device)
         return torch.stack([held.get(n, absent) for n in range(self.config.num_layers)]).to(dtype)
 
 
