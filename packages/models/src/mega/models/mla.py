@@ -36,7 +36,10 @@ import torch
 from torch import nn
 
 from mega.core.kernels import CAUSAL, AttentionMask, Kernels
-from mega.core.parallel.collectives import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
+from mega.core.parallel.collectives import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 from mega.models.attention import CoreAttention
 from mega.models.kv_cache import LayerKVCache
 from mega.models.recompute import is_recomputing_allowed, recomputed
