@@ -5,7 +5,11 @@ of 2 gloo ranks.
 
 qwen3: tp2 and tp2 + sequence parallelism (QK-norm weights see only a rank's own heads: their
 gradients are summed over the tensor group). qwen3-moe: ep2 (all-to-all) and tp2 x etp1 x ep2 with
-sequence parallelism (whole experts spread over the tensor ranks), the load-balancing loss on."""
+sequence parallelism (whole experts spread over the tensor ranks), the load-balancing loss on.
+deepseek-v3 (MLA, a dense then a MoE layer with shared experts, sigmoid group routing, the expert
+bias moved after every step, one MTP module): tp2 + sequence parallelism, ep2 with the distributed
+optimizer, pp2 (MTP on the last stage, which holds a tied copy of the word embedding) and, without
+MTP, cp2 (ring attention: values padded to the query/key head size)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,9 @@ QWEN3 = ["--model-family", "qwen3", "--model-preset", "tiny", "--hidden-size", "
 QWEN3_MOE = ["--model-family", "qwen3-moe", "--model-preset", "tiny", "--hidden-size", "32",
              "--moe-ffn-hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
              "--kv-channels", "16", "--moe-aux-loss-coeff", "0.01", *STEPS]
+DEEPSEEK = ["--model-family", "deepseek-v3", "--model-preset", "tiny", "--moe-token-dispatcher-type", "alltoall",
+            "--moe-router-bias-update-rate", "0.01", *STEPS]
+NO_MTP = ["--mtp-num-layers", "0"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 SP = ["--sequence-parallel"]
 
@@ -31,6 +38,11 @@ RUNS = {
                                            "alltoall"]),
     "qwen3-moe tp2 x etp1 x ep2 sp": (QWEN3_MOE, TP2 + SP + ["--expert-tensor-parallel-size", "1",
                                                              "--expert-model-parallel-size", "2"]),
+    "deepseek-v3 tp2 sp": (DEEPSEEK, TP2 + SP),
+    "deepseek-v3 ep2 distributed optimizer": (DEEPSEEK, ["--expert-model-parallel-size", "2",
+                                                         "--use-distributed-optimizer"]),
+    "deepseek-v3 pp2 (MTP on the last stage)": (DEEPSEEK, ["--pipeline-model-parallel-size", "2"]),
+    "deepseek-v3 cp2 without MTP": (DEEPSEEK + NO_MTP, ["--context-parallel-size", "2"]),
 }
 
 

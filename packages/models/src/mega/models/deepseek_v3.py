@@ -27,17 +27,13 @@ from __future__ import annotations
 
 from mega.core.model_family import ModelFamily, Stage
 from mega.core.parallel import ParallelGroups
-from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise
+from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
 from mega.models.deepseek_config import DeepSeekV3Config
+from mega.models.deepseek_model import build_deepseek_model, deepseek_loss, deepseek_stages
 from mega.models.hf_deepseek_v3 import DEEPSEEK_V3
 from mega.models.initialization import init_parameter
 from mega.models.mla import MultiLatentAttention
-from mega.models.moe_model import (
-    apply_expert_parallel,
-    build_moe_model,
-    moe_boundary,
-    moe_loss,
-)
+from mega.models.moe_model import apply_expert_parallel, moe_boundary
 from mega.models.parallel_plan import tensor_parallel_plan
 from mega.models.parallelize import modules_of, parallelize
 
@@ -99,6 +95,18 @@ def deepseek_tensor_parallel_plan(config: DeepSeekV3Config, stage: Stage) -> dic
     for n in stage.layers["decoder"]:
         mlp = f"decoder.layers.{n}.mlp." if not config.is_moe_layer(n) else (
             f"decoder.layers.{n}.mlp.shared_experts." if config.moe_shared_expert_intermediate_size else None)
+        if mlp is not None:
+            plan[mlp + "linear_fc1"] = Colwise(chunks=2)
+            plan[mlp + "linear_fc2"] = Rowwise()
+    if config.mtp_num_layers and stage.is_last:
+        plan["embedding"] = SequenceParallelOutput()  # the MTP modules embed tokens on this stage
+        plan["embedding.word_embeddings"] = VocabEmbedding()
+        prefix = "mtp.layers.*.transformer_layer."
+        plan[f"{prefix}self_attention.{query}"] = Colwise()
+        plan[f"{prefix}self_attention.linear_kv_up_proj"] = Colwise()
+        plan[f"{prefix}self_attention.linear_proj"] = Rowwise()
+        mlp = f"{prefix}mlp." if not config.is_moe_layer(config.num_layers - 1) else (
+            f"{prefix}mlp.shared_experts." if config.moe_shared_expert_intermediate_size else None)
         if mlp is not None:
             plan[mlp + "linear_fc1"] = Colwise(chunks=2)
             plan[mlp + "linear_fc2"] = Rowwise()
@@ -168,15 +176,16 @@ FAMILY = ModelFamily(
     name="deepseek-v3",
     config_class=DeepSeekV3Config,
     presets=PRESETS,
-    build=build_moe_model,
+    build=build_deepseek_model,
     init_parameter=deepseek_init_parameter,
-    loss=moe_loss,
+    loss=deepseek_loss,
+    pipeline_stages=deepseek_stages,
     num_parameters=num_deepseek_parameters,
     num_floating_point_operations=num_deepseek_floating_point_operations,
     tensor_parallel_plan=deepseek_tensor_parallel_plan,
     parallelize=parallelize_deepseek,
     boundary=moe_boundary,
-    features=frozenset({"moe"}),
+    features=frozenset({"moe", "context_parallel"}),
     description="DeepSeek-V3: multi-latent attention, shared + routed experts with sigmoid group routing, "
                 "aux-loss-free balancing, multi-token prediction",
     hf_mapping=DEEPSEEK_V3,

@@ -145,10 +145,16 @@ class MultiLatentAttention(nn.Module):
         k_nope, value = kv.split([nope, config.v_head_dim], dim=-1)
         key = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
         query = torch.cat((q_nope, q_rope), dim=-1)
+        v_dim = value.shape[-1]
+        padded = v_dim < query.shape[-1] and not isinstance(self.core_attention, CoreAttention)
+        if padded:  # context parallelism passes keys and values round together: one head size
+            value = torch.nn.functional.pad(value, (0, query.shape[-1] - v_dim))
         if inference_cache is None and self.recompute_core and is_recomputing_allowed(self):
             context = recomputed(self.core_attention, query, key, value, mask, rng_tracker=self.recompute_rng_tracker)
         else:
             context = self.core_attention(query, key, value, mask)
+        if padded:
+            context = context.view(*context.shape[:2], -1, query.shape[-1])[..., :v_dim].flatten(2)
         return self.linear_proj(context)
 
     def _whole_rope_key(self, k_rope: torch.Tensor) -> torch.Tensor:

@@ -129,6 +129,7 @@ def moe_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tens
     config, stats = context.config, outputs[MOE_STATS]
     total = loss + config.moe_aux_loss_coeff * stats[:, 0].sum() + (config.moe_z_loss_coeff or 0.0) * stats[:, 1].sum()
     detached = stats.detach()
+    detached = detached[detached[:, 3] > 0]  # the MoE layers' rows (a dense layer's are zeros)
     if config.moe_router_load_balancing_type != "none":
         metrics[STATS[0]] = detached[:, 0].mean()
     if config.moe_z_loss_coeff:

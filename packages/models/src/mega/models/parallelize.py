@@ -47,7 +47,11 @@ from mega.models.attention import CoreAttention, SelfAttention
 from mega.models.config import TransformerConfig
 from mega.models.context_parallel import ContextParallelAttention, check_context_parallel
 from mega.models.layer_stack import LayerStack
+from mega.models.mla import MultiLatentAttention
 from mega.models.recompute import layer_runs
+
+# The self-attention modules whose core the recompute and context-parallel passes set up.
+ATTENTIONS = (SelfAttention, MultiLatentAttention)
 
 
 def parallelize(stage: nn.Module, groups: ParallelGroups, run: StageRun, plan: Mapping[str, PlanStyle]) -> nn.Module:
@@ -104,7 +108,7 @@ def apply_recompute(stage: nn.Module, config: TransformerConfig, rng_tracker, tr
         if training:
             stack.recompute_runs = layer_runs(config, len(stack.layers))
     selective = training and config.recompute_granularity == "selective"
-    for attention in modules_of(stage, SelfAttention):
+    for attention in modules_of(stage, ATTENTIONS):
         attention.recompute_core = selective
         attention.recompute_rng_tracker = rng_tracker
 
@@ -115,5 +119,5 @@ def apply_cp(stage: nn.Module, groups: ParallelGroups, config: TransformerConfig
     if groups.cp.size <= 1:
         return
     check_context_parallel(config, parallel)
-    for attention in modules_of(stage, SelfAttention):
+    for attention in modules_of(stage, ATTENTIONS):
         attention.core_attention = ContextParallelAttention(attention.core_attention, groups, parallel.cp_comm_type)

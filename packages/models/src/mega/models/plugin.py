@@ -23,3 +23,10 @@ def register_models(register):
 def register_kernel_backends(register):
     register("torch", "mega.models.torch_kernels:TORCH",
              "torch-native attention (sdpa), norms, linear, activations, rotary, cross-entropy")
+
+
+@hookimpl
+def register_callbacks(register):
+    register("moe-expert-bias", "mega.models.moe.expert_bias:expert_bias_update",
+             description="aux-loss-free MoE balancing: each step moves the experts' routing bias towards an even load "
+                         "(--moe-router-enable-expert-bias)")
