@@ -131,3 +131,32 @@ def test_mega_to_hugging_face_is_bit_exact(case, tmp_path):
     assert sorted(back) == sorted(original), name
     for tensor_name, tensor in original.items():
         assert torch.equal(back[tensor_name], tensor), f"{name} {tensor_name}"
+
+
+def test_megatron_core_qwen3_imports_and_exports(worlds, tmp_path):
+    """A genuine megatron-core GPTModel with --qk-layernorm (Qwen3's layers, tied) saved at tp2 by
+    ``dist_checkpointing.save`` imports as the qwen3 family with megatron-core's tensors (its own tp1
+    view), and mega's torch_dist export at tp2 loads back into megatron-core with equal tensors."""
+    ref = pytest.importorskip("megatron_reference")
+    from mega.ckpt_convert import open_checkpoint
+    from mega.core.checkpoint import read_tensors, tensor_shapes
+
+    saved = tmp_path / "mcore" / "iter_0000007"
+    worlds.run(2, ref.save_torch_dist, "qwen3", 2, str(saved))
+    truth = worlds.run(2, ref.load_torch_dist, "qwen3", 1, str(saved))[0]
+    convert(tmp_path / "mcore", tmp_path / "mega", from_format="megatron", to_format="mega")
+    with open_checkpoint(str(tmp_path / "mega")) as source:
+        assert source.family == "qwen3" and source.config.qk_layernorm
+    names = list(tensor_shapes(tmp_path / "mega"))
+    assert any("q_layernorm" in name for name in names)
+    for name, tensor in read_tensors(tmp_path / "mega", names).items():
+        assert torch.equal(tensor, truth[name]), name
+    exported = tmp_path / "export"
+    convert(tmp_path / "mega", exported, to_format="megatron",
+            options=WriteOptions(tensor_parallel_size=2, megatron_format="torch_dist", iteration=7))
+    loaded = worlds.run(2, ref.load_torch_dist, "qwen3", 2, str(exported / "iter_0000007"))
+    original = worlds.run(2, ref.load_torch_dist, "qwen3", 2, str(saved))
+    for rank in range(2):
+        assert loaded[rank].keys() == original[rank].keys()
+        for name, tensor in loaded[rank].items():
+            assert torch.equal(tensor, original[rank][name]), (rank, name)
