@@ -23,8 +23,8 @@ from typing import Any
 
 from mega.core.model_family import HFMapping, TensorMap
 from mega.models.hf_llama import llama_tensor_maps
-from mega.models.hf_mapping import read_field, refuse_headless, same
-from mega.models.hf_mixtral import _stack, _stack_experts, _unstack, _unstack_experts
+from mega.models.hf_mapping import read_field, refuse_headless
+from mega.models.hf_mixtral import expert_maps, with_expert_maps
 from mega.models.hf_qwen3 import check_qwen3_attention, qwen3_config, qwen3_hf_config, with_qk_norms
 from mega.models.moe.config import MoETransformerConfig
 
@@ -75,28 +75,13 @@ def qwen3_moe_hf_config(config: MoETransformerConfig) -> dict:
 
 
 def routed_expert_maps(num_experts: int, mega: str, hf: str) -> list[TensorMap]:
-    """The router and the experts of one layer (``mega``/``hf``: the MLP's prefixes) in the per-expert
-    ``gate_proj``/``up_proj``/``down_proj`` files of Qwen2/3-MoE and DeepSeek-V3."""
-    experts = range(num_experts)
-    return [
-        same(mega + "router.weight", hf + "gate.weight"),
-        TensorMap((mega + "experts.linear_fc1.weight",),
-                  tuple(hf + f"experts.{e}.{w}.weight" for e in experts for w in ("gate_proj", "up_proj")),
-                  _stack_experts, _unstack_experts),
-        TensorMap((mega + "experts.linear_fc2.weight",), tuple(hf + f"experts.{e}.down_proj.weight" for e in experts),
-                  _stack, _unstack),
-    ]
+    """The router and the experts of one layer in Qwen2/3-MoE's and DeepSeek-V3's files."""
+    return expert_maps(num_experts, mega, hf, "gate_proj", "up_proj", "down_proj")
 
 
 def qwen3_moe_tensor_maps(config: MoETransformerConfig) -> list[TensorMap]:
-    maps = []
-    for tensor_map in with_qk_norms(llama_tensor_maps(config), config):
-        if ".mlp." not in tensor_map.mega[0]:
-            maps.append(tensor_map)
-        if tensor_map.mega[0].endswith("pre_mlp_layernorm.weight"):  # the layer's MLP comes next
-            n = tensor_map.mega[0].split(".")[2]
-            maps += routed_expert_maps(config.num_experts, f"decoder.layers.{n}.mlp.", f"model.layers.{n}.mlp.")
-    return maps
+    return with_expert_maps(with_qk_norms(llama_tensor_maps(config), config), lambda n: routed_expert_maps(
+        config.num_experts, f"decoder.layers.{n}.mlp.", f"model.layers.{n}.mlp."))
 
 
 QWEN3_MOE = HFMapping(
