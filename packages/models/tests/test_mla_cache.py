@@ -49,3 +49,4 @@ def test_expert_bias_moves_by_the_step_loads():
     update.on_optimizer_step_end(None, 1)
     assert torch.equal(moe.router.expert_bias, updated_expert_bias(torch.zeros_like(load), load, 0.01))
     assert moe.router.expert_bias.abs().sum() > 0 and moe.tokens_per_expert.sum() == 0
+
