@@ -2,7 +2,9 @@
 saved to disk are converted to mega (written at tp2 x pp2, and ep2 for experts); the one-process
 model and the tp2, pp2 and (experts) ep2 layouts, each on one world of 2 gloo ranks, give
 transformers' logits and loss (fp32, 1e-5 relative); greedy generation equals transformers'
-``generate`` token for token; mega -> Hugging Face gives back the files' tensors bit for bit."""
+``generate`` token for token; mega -> Hugging Face gives back the files' tensors bit for bit.
+Against megatron-core on the same world: a Qwen3-style (QK-norm) torch_dist checkpoint both ways,
+and DeepSeek's shared experts (megatron-core's ``SharedExpertMLP`` at tp2) given the same weights."""
 
 from __future__ import annotations
 
@@ -159,3 +161,46 @@ with equal tensors."""
     assert loaded.keys() == truth.keys()
     for name, tensor in loaded.items():
         assert torch.equal(tensor, truth[name]), name
+
+
+def shared_experts_outputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(megatron-core's ``SharedExpertMLP`` at tp2 from whole weights split as its checkpoints
+    split them, mega's ``SharedExperts`` on one device with the same weights) on one input."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mega.core.kernels import Kernels
+    from mega.models.moe.shared_experts import SharedExperts
+
+    ref = pytest.importorskip("megatron_reference")
+    ref._shims()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(2, 1)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+                               moe_shared_expert_intermediate_size=24, gated_linear_unit=True, activation_func=F.silu,
+                               add_bias_linear=False, use_cpu_initialization=True, tensor_model_parallel_size=2)
+    theirs = SharedExpertMLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                             gate=False, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    generator = torch.Generator().manual_seed(seed)
+    fc1, fc2 = torch.randn(48, 16, generator=generator) * 0.3, torch.randn(16, 24, generator=generator) * 0.3
+    hidden = torch.randn(5, 2, 16, generator=generator)
+    gate, up = fc1.chunk(2)
+    with torch.no_grad():  # each rank: its rows of gate and of up; its columns of fc2
+        theirs.linear_fc1.weight.copy_(torch.cat([gate.chunk(2)[rank], up.chunk(2)[rank]]))
+        theirs.linear_fc2.weight.copy_(fc2.chunk(2, dim=1)[rank])
+        ours = SharedExperts(16, 24, Kernels())
+        ours.linear_fc1.weight.copy_(fc1)
+        ours.linear_fc2.weight.copy_(fc2)
+        return theirs(hidden), ours(hidden)
+
+
+def test_shared_experts_equal_megatron_cores(worlds, assert_close):
+    for theirs, ours in worlds.run(2, shared_experts_outputs, 3):
+        assert_close(ours, theirs, what="shared experts")
