@@ -64,6 +64,7 @@ def mixtral_hf_config(config: MoETransformerConfig) -> dict:
         "moe_router_pre_softmax (Mixtral renormalises the top-k weights)": config.moe_router_pre_softmax,
         "moe_expert_capacity_factor (Mixtral is dropless)": config.moe_expert_capacity_factor is not None,
         "moe_ffn_hidden_size differs from ffn_hidden_size": config.moe_ffn_hidden_size != config.ffn_hidden_size,
+        **plain_routing_differences(config),
     }
     unsupported = [field for field, differs in differences.items() if differs]
     if unsupported:
@@ -75,6 +76,16 @@ def mixtral_hf_config(config: MoETransformerConfig) -> dict:
               num_experts_per_tok=config.moe_router_topk, router_aux_loss_coef=config.moe_aux_loss_coeff,
               sliding_window=None, router_jitter_noise=0.0)
     return hf
+
+
+def plain_routing_differences(config: MoETransformerConfig) -> dict[str, bool]:
+    """What a softmax top-k router without extras (Mixtral's, Qwen3-MoE's) cannot compute."""
+    return {
+        "moe_router_score_function sigmoid": config.moe_router_score_function != "softmax",
+        "moe_router_num_groups (group-limited routing)": config.moe_router_num_groups is not None,
+        "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor not in (None, 1.0),
+        "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+    }
 
 
 def _stack_experts(*w1_w3_pairs: torch.Tensor) -> tuple[torch.Tensor]:

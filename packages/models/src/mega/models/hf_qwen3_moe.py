@@ -24,7 +24,7 @@ from typing import Any
 from mega.core.model_family import HFMapping, TensorMap
 from mega.models.hf_llama import llama_tensor_maps
 from mega.models.hf_mapping import read_field, refuse_headless
-from mega.models.hf_mixtral import expert_maps, with_expert_maps
+from mega.models.hf_mixtral import expert_maps, plain_routing_differences, with_expert_maps
 from mega.models.hf_qwen3 import check_qwen3_attention, qwen3_config, qwen3_hf_config, with_qk_norms
 from mega.models.moe.config import MoETransformerConfig
 
@@ -63,9 +63,11 @@ def qwen3_moe_config(hf_config: Mapping[str, Any], **overrides) -> MoETransforme
 def qwen3_moe_hf_config(config: MoETransformerConfig) -> dict:
     """config.json of the ``Qwen3MoeForCausalLM`` computing what ``config`` computes."""
     check_qwen3_attention(config, "Qwen3MoeForCausalLM")
-    if config.moe_expert_capacity_factor is not None:
-        raise ValueError("Qwen3MoeForCausalLM cannot express this model: moe_expert_capacity_factor "
-                         "(Qwen3-MoE is dropless)")
+    differences = {"moe_expert_capacity_factor (Qwen3-MoE is dropless)": config.moe_expert_capacity_factor is not None,
+                   **plain_routing_differences(config)}
+    unsupported = [field for field, differs in differences.items() if differs]
+    if unsupported:
+        raise ValueError(f"Qwen3MoeForCausalLM cannot express this model: {'; '.join(unsupported)}")
     hf = qwen3_hf_config(config)
     hf.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=config.num_experts,
               num_experts_per_tok=config.moe_router_topk, moe_intermediate_size=config.moe_ffn_hidden_size,

@@ -36,6 +36,7 @@ from mega.core.kernels import Kernels
 from mega.core.model_family import LossContext, Stage, StageRun, TensorSpec, hidden_boundary
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.param_attrs import mark_expert_shard, mark_expert_tensor_shard, mark_tensor_parallel
+from mega.models.config import ModelConfigError
 from mega.models.family import language_model_loss
 from mega.models.flops import num_floating_point_operations as dense_flops
 from mega.models.language_model import LanguageModel
@@ -67,6 +68,10 @@ class MoELanguageModel(LanguageModel):
 def build_moe_model(config: MoETransformerConfig, stage: Stage, *, kernels: Kernels,
                     parallel: ParallelConfig) -> MoELanguageModel:
     config.validate_parallel(parallel)
+    if config.num_moe_layers != config.num_layers or config.moe_shared_expert_intermediate_size:
+        raise ModelConfigError("--moe-layer-freq with dense layers and --moe-shared-expert-intermediate-size are "
+                               "the deepseek-v3 family's (its plan splits dense layers and shared experts); "
+                               "this family has experts in every layer and no shared expert")
     return MoELanguageModel(config, stage, kernels, parallel)
 
 

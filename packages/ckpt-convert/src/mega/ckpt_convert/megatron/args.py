@@ -32,7 +32,9 @@ UNSUPPORTED = {
 # Megatron's MoE arguments, which the mixtral family's config names the same (``--num-experts`` too).
 MOE_SAME = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
             "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
-            "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type", "moe_grouped_gemm")
+            "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type", "moe_grouped_gemm",
+            "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
+            "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_bias_update_rate")
 ARGS_OF_SHAPES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                   "kv_channels", "padded_vocab_size", "max_position_embeddings", "swiglu", "add_bias_linear",
                   "add_qkv_bias", "untie_embeddings_and_output_weights", "normalization",
