@@ -1,5 +1,5 @@
 """`mega train` of the qwen3, qwen3-moe and deepseek-v3 families at parallel layouts computes what
-one process computes: 3 steps of tiny models (2 layers, hidden 32 or 64) on Megatron's mock data in fp32,
+one process computes: 2 steps of tiny models (2 layers, hidden 32 or 64) on Megatron's mock data in fp32,
 every loss within 1e-5 (relative) of the one-process run's. Each layout is one call on one world
 of 2 gloo ranks.
 
@@ -18,7 +18,7 @@ from mega.core.testing.training_runs import assert_losses_close, train_losses
 
 STEPS = ["--mock-data", "--num-layers", "2", "--seq-length", "16", "--vocab-size", "90",
          "--make-vocab-size-divisible-by", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "3", "--optimizer", "sgd", "--lr", "0.5", "--lr-decay-style", "constant", "--eval-iters", "0",
+         "--train-iters", "2", "--optimizer", "sgd", "--lr", "0.5", "--lr-decay-style", "constant", "--eval-iters", "0",
          "--log-interval", "100", "--seed", "7", "--init-method-std", "0.2"]
 QWEN3 = ["--model-family", "qwen3", "--model-preset", "tiny", "--hidden-size", "32", "--ffn-hidden-size", "64",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16", *STEPS]
