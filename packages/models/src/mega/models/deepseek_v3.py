@@ -159,8 +159,9 @@ def num_deepseek_floating_point_operations(config: DeepSeekV3Config, batch_size:
     if config.q_lora_rank is None:
         query = h * heads * (nope + rope)
     else:
-        query = h * config.q_lora_rank + config.q_lora_rank * heads * (nope + rope)
-    projections = query + h * (config.kv_lora_rank + rope) + config.kv_lora_rank * heads * (nope + v) + heads * v * h
+        query = config.q_lora_rank * (h + heads * (nope + rope) + 1)  # down, up, and the latent's norm
+    projections = (query + config.kv_lora_rank * (h + heads * (nope + v) + 1) + h * rope  # as query; the rope key
+                   + heads * v * h)
     scores = s * heads * (nope + rope + v) * (0.5 if causal else 1.0)
     attention = projections + scores
     moe = (config.moe_router_topk * config.moe_ffn_hidden_size + (config.moe_shared_expert_intermediate_size or 0)) * 3 * h
