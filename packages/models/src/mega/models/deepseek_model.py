@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from mega.core.kernels import Kernels
+from mega.core.kernels import CAUSAL, Kernels
 from mega.core.model_family import LossContext, Stage, stack_stages
 from mega.core.parallel import ParallelConfig
 from mega.core.pipeline.tied import tie_across_stages
@@ -37,9 +37,12 @@ class DeepSeekModel(MoELanguageModel):
             if self.embedding is not None:
                 tie_across_stages(self.embedding.word_embeddings.weight)
 
-    def forward(self, inputs, position_ids=None, inference_cache=None, logits_to_keep=None):
+    def forward(self, inputs, position_ids=None, inference_cache=None, logits_to_keep=None, mask=CAUSAL):
         if self.mtp is None or not isinstance(inputs, Mapping):
-            return super().forward(inputs, position_ids, inference_cache, logits_to_keep)
+            return super().forward(inputs, position_ids, inference_cache, logits_to_keep, mask)
+        if inputs.get("document_ids") is not None:
+            raise ValueError("multi-token prediction over packed sequences (document_ids) is not supported: "
+                             "its modules would attend across documents; train without --mtp-num-layers")
         positions = inputs.get("position_ids")
         hidden = self._final_hidden(inputs["tokens"] if self.pre_process else inputs["hidden"], positions)
         outputs = {"logits": self.output_layer(hidden),
