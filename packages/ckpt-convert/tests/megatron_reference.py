@@ -23,6 +23,10 @@ MODELS = {
     "llama": dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
                   swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
                   untie_embeddings_and_output_weights=True),
+    # Qwen3's layers: LLaMA's with QK-norm (megatron-core's --qk-layernorm)
+    "qwen3": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                  swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
+                  untie_embeddings_and_output_weights=False, qk_layernorm=True),
     "gpt": dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=128,
                 swiglu=False, normalization="LayerNorm", position_embedding_type="learned_absolute",
                 add_bias_linear=True, untie_embeddings_and_output_weights=False),
@@ -85,7 +89,7 @@ def megatron_args(family: str, tp: int, pp: int, iteration: int, ckpt_format: st
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, params_dtype=torch.float32,
         model_type=ModelType.encoder_or_decoder, ckpt_format=ckpt_format, iteration=iteration,
-        tokenizer_type="NullTokenizer", transformer_impl="local", qk_layernorm=False,
+        tokenizer_type="NullTokenizer", transformer_impl="local", qk_layernorm=m.get("qk_layernorm", False),
     )
 
 
@@ -122,6 +126,7 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
         num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
         gated_linear_unit=m["swiglu"], activation_func=F.silu if m["swiglu"] else F.gelu,
         normalization=m["normalization"], add_bias_linear=m["add_bias_linear"], hidden_dropout=0.0,
+        qk_layernorm=m.get("qk_layernorm", False),
         attention_dropout=0.0, use_cpu_initialization=True, perform_initialization=True,
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, pipeline_dtype=torch.float32 if pp > 1 else None)
@@ -130,7 +135,8 @@ def _model(family: str, tp: int, layers: int | None = None, pre: bool = True, po
     config.sequence_parallel = False
     torch.manual_seed(seed + chunk)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
-                         num_experts=experts, moe_grouped_gemm=False, normalization=m["normalization"]),
+                         num_experts=experts, moe_grouped_gemm=False, normalization=m["normalization"],
+                         qk_layernorm=m.get("qk_layernorm", False)),
                      vocab_size=padded_vocab(tp), max_sequence_length=SEQ, pre_process=pre, post_process=post,
                      position_embedding_type=m["position_embedding_type"],
                      share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"], vp_stage=vp_stage)

@@ -27,6 +27,11 @@ from mega.models.recompute import is_recomputing_allowed, recomputed
 from mega.models.rope import rotary_cos_sin
 
 
+def head_norm(config: TransformerConfig, kernels: Kernels) -> nn.Module:
+    """A norm over one head's ``kv_channels`` (QK-norm), of the model's kind and epsilon."""
+    return kernels.norm(config.normalization, config.kv_channels, config.layernorm_epsilon)
+
+
 class CoreAttention(nn.Module):
     """softmax(q k^T * scale + mask) v with dropout; no parameters.
 
@@ -64,6 +69,9 @@ class SelfAttention(nn.Module):
         self.queries_per_group = config.num_attention_heads // config.num_query_groups
         qkv_size = config.query_projection_size + 2 * config.kv_projection_size
         self.linear_qkv = input_linear(config, kernels, qkv_size, bias=config.add_bias_linear or config.add_qkv_bias)
+        # QK-norm: one norm over the head dimension, shared by every query (key) head.
+        self.q_layernorm = head_norm(config, kernels) if config.qk_layernorm else None
+        self.k_layernorm = head_norm(config, kernels) if config.qk_layernorm else None
         self.core_attention = CoreAttention(config, kernels)
         self.linear_proj = kernels.linear(config.query_projection_size, config.hidden_size,
                                           bias=config.add_bias_linear)
@@ -83,6 +91,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(seq, batch, -1, (per_group + 2) * d)  # [s, b, local groups, ...]
         query, key, value = qkv.split([per_group * d, d, d], dim=-1)
         query = query.reshape(seq, batch, -1, d)
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
         if self.config.position_embedding_type == "rope":
             cos, sin = rotary_cos_sin(self.config, seq, position_ids, qkv.device)
             query, key = self.kernels.rotary(query, cos, sin), self.kernels.rotary(key, cos, sin)

@@ -11,6 +11,7 @@ from mega.models.attention import SelfAttention
 from mega.models.config import TransformerConfig
 from mega.models.fusions import bias_dropout_add
 from mega.models.layer_stack import LayerStack, PreNormLayer
+from mega.models.mla import MultiLatentAttention
 from mega.models.mlp import MLP, fused_norm_mlp
 from mega.models.moe.layer import MoELayer
 from mega.models.norms import build_norm, fused_norm_aliases
@@ -25,14 +26,14 @@ class TransformerLayer(PreNormLayer):
     checkpoints do not depend on the kernels.
     """
 
-    def __init__(self, config: TransformerConfig, kernels: Kernels):
+    def __init__(self, config: TransformerConfig, kernels: Kernels, number: int = 0):
         fused = kernels.get("norm_linear") is not None
         fused_mlp = None if getattr(config, "num_experts", None) else fused_norm_mlp(config, kernels)
         super().__init__(
             input_layernorm=None if fused else build_norm(config, kernels),
-            self_attention=SelfAttention(config, kernels),
+            self_attention=build_attention(config, kernels),
             pre_mlp_layernorm=None if fused or fused_mlp is not None else build_norm(config, kernels),
-            mlp=fused_mlp if fused_mlp is not None else build_mlp(config, kernels),
+            mlp=fused_mlp if fused_mlp is not None else build_mlp(config, kernels, number),
             hidden_dropout=config.hidden_dropout,
         )
         self.fused_mlp = fused_mlp is not None  # the plan then splits the MLP module whole
@@ -47,9 +48,17 @@ class TransformerLayer(PreNormLayer):
         return super().dropout_add(x, residual)
 
 
-def build_mlp(config: TransformerConfig, kernels: Kernels) -> nn.Module:
-    """A dense MLP, or a mixture of experts when the config has experts (the ``mixtral`` family)."""
-    if getattr(config, "num_experts", None):
+def build_attention(config: TransformerConfig, kernels: Kernels) -> nn.Module:
+    """Self-attention, or multi-latent attention where the config asks for it (``deepseek-v3``)."""
+    if getattr(config, "multi_latent_attention", False):
+        return MultiLatentAttention(config, kernels)
+    return SelfAttention(config, kernels)
+
+
+def build_mlp(config: TransformerConfig, kernels: Kernels, number: int = 0) -> nn.Module:
+    """A dense MLP, or a mixture of experts when the config has experts and layer ``number`` is
+    one of its MoE layers (``--moe-layer-freq``; the ``mixtral`` family: every layer)."""
+    if getattr(config, "num_experts", None) and config.is_moe_layer(number):
         return MoELayer(config, kernels)
     return MLP(config, kernels)
 
@@ -59,5 +68,5 @@ def transformer_block(config: TransformerConfig, layer_numbers: range, final_nor
     """The decoder layers numbered ``layer_numbers`` (global numbers, the parameter names'
     ``decoder.layers.N``), and the final norm on the last stage. Called with the hidden state,
     the positions and, when generating, ``cache=`` the model's :class:`KVCache`."""
-    layers = {number: TransformerLayer(config, kernels) for number in layer_numbers}
+    layers = {number: TransformerLayer(config, kernels, number) for number in layer_numbers}
     return LayerStack(layers, build_norm(config, kernels) if final_norm else None)

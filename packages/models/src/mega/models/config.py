@@ -72,6 +72,8 @@ class TransformerConfig:
                                     "--openai-gelu (gelu_tanh) say", choices=MLP_ACTIVATIONS)
     add_bias_linear: bool = option(True, "no biases in linear layers", flag="--disable-bias-linear")
     add_qkv_bias: bool = option(False, "bias in the QKV projection even without other linear biases")
+    qk_layernorm: bool = option(False, "normalise each query and key head (over its kv-channels, with --normalization) "
+                                "before RoPE: QK-norm (Qwen3)")
     untie_embeddings_and_output_weights: bool = option(False, "separate output layer weights")
     softmax_scale: float | None = option(None, "attention softmax scale; default 1/sqrt(kv_channels)")
 

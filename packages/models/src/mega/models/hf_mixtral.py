@@ -64,6 +64,7 @@ def mixtral_hf_config(config: MoETransformerConfig) -> dict:
         "moe_router_pre_softmax (Mixtral renormalises the top-k weights)": config.moe_router_pre_softmax,
         "moe_expert_capacity_factor (Mixtral is dropless)": config.moe_expert_capacity_factor is not None,
         "moe_ffn_hidden_size differs from ffn_hidden_size": config.moe_ffn_hidden_size != config.ffn_hidden_size,
+        **plain_routing_differences(config),
     }
     unsupported = [field for field, differs in differences.items() if differs]
     if unsupported:
@@ -75,6 +76,16 @@ def mixtral_hf_config(config: MoETransformerConfig) -> dict:
               num_experts_per_tok=config.moe_router_topk, router_aux_loss_coef=config.moe_aux_loss_coeff,
               sliding_window=None, router_jitter_noise=0.0)
     return hf
+
+
+def plain_routing_differences(config: MoETransformerConfig) -> dict[str, bool]:
+    """What a softmax top-k router without extras (Mixtral's, Qwen3-MoE's) cannot compute."""
+    return {
+        "moe_router_score_function sigmoid": config.moe_router_score_function != "softmax",
+        "moe_router_num_groups (group-limited routing)": config.moe_router_num_groups is not None,
+        "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor not in (None, 1.0),
+        "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+    }
 
 
 def _stack_experts(*w1_w3_pairs: torch.Tensor) -> tuple[torch.Tensor]:
@@ -94,24 +105,31 @@ def _unstack(stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def mixtral_tensor_maps(config: MoETransformerConfig) -> list[TensorMap]:
-    maps = []
-    for tensor_map in llama_tensor_maps(config):
+    return with_expert_maps(llama_tensor_maps(config), lambda n: expert_maps(
+        config.num_experts, f"decoder.layers.{n}.mlp.", f"model.layers.{n}.block_sparse_moe.", "w1", "w3", "w2"))
+
+
+def with_expert_maps(maps: list[TensorMap], experts_of) -> list[TensorMap]:
+    """``maps`` of a dense decoder with each layer's MLP maps replaced by ``experts_of(layer)``."""
+    out = []
+    for tensor_map in maps:
         if ".mlp." not in tensor_map.mega[0]:
-            maps.append(tensor_map)
+            out.append(tensor_map)
         if tensor_map.mega[0].endswith("pre_mlp_layernorm.weight"):  # the layer's MLP comes next
-            n = tensor_map.mega[0].split(".")[2]
-            maps += _moe_maps(config, f"decoder.layers.{n}.mlp.", f"model.layers.{n}.block_sparse_moe.")
-    return maps
+            out += experts_of(int(tensor_map.mega[0].split(".")[2]))
+    return out
 
 
-def _moe_maps(config: MoETransformerConfig, mega: str, hf: str) -> list[TensorMap]:
-    experts = range(config.num_experts)
+def expert_maps(num_experts: int, mega: str, hf: str, gate: str, up: str, down: str) -> list[TensorMap]:
+    """The router (``gate.weight``) and the experts of one layer (``mega``/``hf``: the MLP's
+    prefixes), each expert's projections in files of their own: ``experts.E.{gate,up,down}.weight``."""
+    experts = range(num_experts)
     return [
         same(mega + "router.weight", hf + "gate.weight"),
         TensorMap((mega + "experts.linear_fc1.weight",),
-                  tuple(hf + f"experts.{e}.{w}.weight" for e in experts for w in ("w1", "w3")),
+                  tuple(hf + f"experts.{e}.{w}.weight" for e in experts for w in (gate, up)),
                   _stack_experts, _unstack_experts),
-        TensorMap((mega + "experts.linear_fc2.weight",), tuple(hf + f"experts.{e}.w2.weight" for e in experts),
+        TensorMap((mega + "experts.linear_fc2.weight",), tuple(hf + f"experts.{e}.{down}.weight" for e in experts),
                   _stack, _unstack),
     ]
 

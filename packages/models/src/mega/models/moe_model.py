@@ -36,6 +36,7 @@ from mega.core.kernels import CAUSAL, Kernels
 from mega.core.model_family import LossContext, Stage, StageRun, TensorSpec, hidden_boundary
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.param_attrs import mark_expert_shard, mark_expert_tensor_shard, mark_tensor_parallel
+from mega.models.config import ModelConfigError
 from mega.models.family import language_model_loss
 from mega.models.flops import num_floating_point_operations as dense_flops
 from mega.models.language_model import LanguageModel
@@ -58,15 +59,19 @@ class MoELanguageModel(LanguageModel):
         return outputs
 
     def _layer_stats(self, dtype: torch.dtype) -> torch.Tensor:
-        held = {int(number): layer.mlp.stats for number, layer in self.decoder.layers.items()}
-        device = next(iter(held.values())).device
-        absent = torch.zeros(len(STATS), device=device)
+        held = {int(number): layer.mlp.stats for number, layer in self.decoder.layers.items()
+                if isinstance(layer.mlp, MoELayer)}  # (dense layers, --moe-layer-freq, add nothing)
+        absent = torch.zeros(len(STATS), device=next(self.parameters()).device)
         return torch.stack([held.get(n, absent) for n in range(self.config.num_layers)]).to(dtype)
 
 
 def build_moe_model(config: MoETransformerConfig, stage: Stage, *, kernels: Kernels,
                     parallel: ParallelConfig) -> MoELanguageModel:
     config.validate_parallel(parallel)
+    if config.num_moe_layers != config.num_layers or config.moe_shared_expert_intermediate_size:
+        raise ModelConfigError("--moe-layer-freq with dense layers and --moe-shared-expert-intermediate-size are "
+                               "the deepseek-v3 family's (its plan splits dense layers and shared experts); "
+                               "this family has experts in every layer and no shared expert")
     return MoELanguageModel(config, stage, kernels, parallel)
 
 
@@ -129,6 +134,7 @@ def moe_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tens
     config, stats = context.config, outputs[MOE_STATS]
     total = loss + config.moe_aux_loss_coeff * stats[:, 0].sum() + (config.moe_z_loss_coeff or 0.0) * stats[:, 1].sum()
     detached = stats.detach()
+    detached = detached[detached[:, 3] > 0]  # the MoE layers' rows (a dense layer's are zeros)
     if config.moe_router_load_balancing_type != "none":
         metrics[STATS[0]] = detached[:, 0].mean()
     if config.moe_z_loss_coeff:

@@ -12,7 +12,8 @@ every parameter name (checkpoints depend on them). The order:
 2. Tensor and sequence parallelism by the family's plan:
    :func:`mega.core.parallel.tensor_parallel.apply_tensor_parallel` ``(stage, plan, groups,
    sequence_parallel=)``; then family passes that amend it (BERT's heads see the whole sequence:
-   :func:`mega.models.bert.keep_heads_whole`).
+   :func:`mega.models.bert.keep_heads_whole`); :func:`apply_head_norm_grad_sum` (QK-norm weights
+   see only a rank's own heads).
 3. :func:`apply_attention_dropout_rng` ``(stage, rng_tracker, sequence_parallel)``: dropout over
    a rank's own attention heads draws from the RNG tracker's model-parallel stream.
 4. :func:`apply_sequence_parallel_rng` ``(stage, rng_tracker, sequence_parallel)``: under
@@ -39,19 +40,25 @@ from torch import nn
 
 from mega.core.model_family import StageRun
 from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.parallel.param_attrs import mark_sequence_parallel
 from mega.core.parallel.plan import PlanStyle
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.models.attention import CoreAttention, SelfAttention
 from mega.models.config import TransformerConfig
 from mega.models.context_parallel import ContextParallelAttention, check_context_parallel
 from mega.models.layer_stack import LayerStack
+from mega.models.mla import MultiLatentAttention
 from mega.models.recompute import layer_runs
+
+# The self-attention modules whose core the recompute and context-parallel passes set up.
+ATTENTIONS = (SelfAttention, MultiLatentAttention)
 
 
 def parallelize(stage: nn.Module, groups: ParallelGroups, run: StageRun, plan: Mapping[str, PlanStyle]) -> nn.Module:
     """Passes 2-6 of the module docstring, in order; returns ``stage``."""
     sequence_parallel = run.parallel.sequence_parallel
     apply_tensor_parallel(stage, plan, groups, sequence_parallel=sequence_parallel)
+    apply_head_norm_grad_sum(stage, groups)
     apply_attention_dropout_rng(stage, run.rng_tracker, sequence_parallel)
     apply_sequence_parallel_rng(stage, run.rng_tracker, sequence_parallel)
     apply_recompute(stage, run.config, run.rng_tracker, run.training)
@@ -62,6 +69,18 @@ def parallelize(stage: nn.Module, groups: ParallelGroups, run: StageRun, plan: M
 def modules_of(stage: nn.Module, kind: type) -> list:
     """The modules of ``stage`` that are ``kind``s, listed first so a pass may replace them."""
     return [module for module in stage.modules() if isinstance(module, kind)]
+
+
+def apply_head_norm_grad_sum(stage: nn.Module, groups: ParallelGroups) -> None:
+    """QK-norm weights are whole on every tensor rank but each rank normalises only its own heads,
+    so their gradients are summed over the tensor group (marked as the sequence-parallel norms are,
+    which DDP sums; Megatron-Core's ``average_gradients_across_tp_domain``)."""
+    if groups.tp.size <= 1:
+        return
+    for attention in modules_of(stage, SelfAttention):
+        for norm in (attention.q_layernorm, attention.k_layernorm):
+            for param in norm.parameters() if norm is not None else ():
+                mark_sequence_parallel(param)
 
 
 def apply_attention_dropout_rng(stage: nn.Module, rng_tracker, sequence_parallel: bool) -> None:
@@ -89,7 +108,7 @@ def apply_recompute(stage: nn.Module, config: TransformerConfig, rng_tracker, tr
         if training:
             stack.recompute_runs = layer_runs(config, len(stack.layers))
     selective = training and config.recompute_granularity == "selective"
-    for attention in modules_of(stage, SelfAttention):
+    for attention in modules_of(stage, ATTENTIONS):
         attention.recompute_core = selective
         attention.recompute_rng_tracker = rng_tracker
 
@@ -100,5 +119,5 @@ def apply_cp(stage: nn.Module, groups: ParallelGroups, config: TransformerConfig
     if groups.cp.size <= 1:
         return
     check_context_parallel(config, parallel)
-    for attention in modules_of(stage, SelfAttention):
+    for attention in modules_of(stage, ATTENTIONS):
         attention.core_attention = ContextParallelAttention(attention.core_attention, groups, parallel.cp_comm_type)

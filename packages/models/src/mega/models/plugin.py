@@ -12,6 +12,10 @@ def register_models(register):
     register("llama", "mega.models.llama:FAMILY", "LLaMA-2 7b/13b/70b, LLaMA-3 8b/70b/405b")
     register("t5", "mega.models.t5.family:FAMILY", "T5 encoder-decoder: v1.0 small/base/large, v1.1 base")
     register("mixtral", "mega.models.mixtral:FAMILY", "Mixtral mixture of experts (tiny, 8x7b, 8x22b)")
+    register("qwen3", "mega.models.qwen3:FAMILY", "Qwen3 dense 0.6b ... 32b (LLaMA with QK-norm)")
+    register("qwen3-moe", "mega.models.qwen3_moe:FAMILY", "Qwen3-MoE 30b-a3b, 235b-a22b (QK-norm, top-8 of 128 experts)")
+    register("deepseek-v3", "mega.models.deepseek_v3:FAMILY",
+             "DeepSeek-V3 671b (MLA, shared + sigmoid-routed experts, MTP), v2-lite shape")
     register("bert", "mega.models.bert:FAMILY", "BERT base/large, MiniLM-L6 (masked-LM encoder, embeddings)")
 
 
@@ -23,6 +27,9 @@ def register_kernel_backends(register):
 
 @hookimpl
 def register_callbacks(register):
+    register("moe-expert-bias", "mega.models.moe.expert_bias:expert_bias_update",
+             description="aux-loss-free MoE balancing: each step moves the experts' routing bias towards an even load "
+                         "(--moe-router-enable-expert-bias)")
     register("lora", "mega.models.lora_training:lora_callback",
              "LoRA adapters beside the linear layers, the base frozen (--lora-rank)",
              options="mega.models.lora_training:LoRAOptions")

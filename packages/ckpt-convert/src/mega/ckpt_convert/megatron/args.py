@@ -22,17 +22,19 @@ SAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "
         "max_position_embeddings", "make_vocab_size_divisible_by", "rotary_base", "swiglu", "openai_gelu",
         "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights", "init_method_std",
         "hidden_dropout", "attention_dropout", "normalization", "use_rope_scaling", "rope_scaling_factor",
-        "squared_relu")
+        "squared_relu", "qk_layernorm")
 # Megatron features mega's GPT/LLaMA models do not have: argument -> the value that means "off".
 UNSUPPORTED = {
-    "qk_layernorm": False, "apply_residual_connection_post_layernorm": False,
+    "apply_residual_connection_post_layernorm": False,
     "rotary_interleaved": False, "multi_latent_attention": False,
     "apply_layernorm_1p": False, "mtp_num_layers": None,
 }
 # Megatron's MoE arguments, which the mixtral family's config names the same (``--num-experts`` too).
 MOE_SAME = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
             "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
-            "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type", "moe_grouped_gemm")
+            "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type", "moe_grouped_gemm",
+            "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk",
+            "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_bias_update_rate")
 ARGS_OF_SHAPES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                   "kv_channels", "padded_vocab_size", "max_position_embeddings", "swiglu", "add_bias_linear",
                   "add_qkv_bias", "untie_embeddings_and_output_weights", "normalization",
@@ -89,14 +91,18 @@ def model_settings(args: argparse.Namespace, where: str, model_family: str | Non
 
 
 def family_of(settings: dict[str, Any]) -> str:
-    """Experts make Mixtral; LLaMA is the RMSNorm + SwiGLU + RoPE decoder; everything else is GPT
-    (the two share one model); a decoder stack besides the encoder's is T5."""
+    """Experts make Mixtral (Qwen3-MoE with QK-norm); LLaMA is the RMSNorm + SwiGLU + RoPE decoder
+    (Qwen3 with QK-norm); everything else is GPT (the two share one model); a decoder stack besides
+    the encoder's is T5."""
     if "decoder_num_layers" in settings:
         return "t5"
+    qk_norm = settings.get("qk_layernorm")
     if settings.get("num_experts"):
-        return "mixtral"
+        return "qwen3-moe" if qk_norm else "mixtral"
     llama = (settings.get("normalization") == "RMSNorm" and settings.get("swiglu")
              and settings.get("position_embedding_type") == "rope")
+    if llama and qk_norm:
+        return "qwen3"
     return "llama" if llama else "gpt"
 
 

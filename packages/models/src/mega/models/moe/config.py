@@ -37,6 +37,25 @@ class MoETransformerConfig(TransformerConfig):
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = option(
         "allgather", "how tokens reach the experts of other expert-parallel ranks (Megatron's default: "
         "allgather; its Mixtral recipes use alltoall)")
+    moe_router_score_function: Literal["softmax", "sigmoid"] = option(
+        "softmax", "softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3: weights are the chosen experts' sigmoids, "
+        "renormalised)")
+    moe_router_num_groups: int | None = option(None, "split the experts into this many groups for group-limited "
+                                               "routing (DeepSeek-V3's node-limited routing)")
+    moe_router_group_topk: int | None = option(None, "groups each token may use, chosen by the sum of their best "
+                                               "topk/group-topk scores (needs --moe-router-num-groups)")
+    moe_router_topk_scaling_factor: float | None = option(None, "multiply the routing weights by this "
+                                                          "(DeepSeek-V3's routed_scaling_factor)")
+    moe_router_enable_expert_bias: bool = option(False, "aux-loss-free balancing: a per-expert bias added to the scores "
+                                                 "for the top-k choice only, moved after every step towards an even "
+                                                 "load (needs --moe-router-score-function sigmoid)")
+    moe_router_bias_update_rate: float = option(1e-3, "how far each step moves an expert's bias (by the sign of "
+                                                "its load's difference from the mean)")
+    moe_shared_expert_intermediate_size: int | None = option(None, "hidden size of the shared experts, one SwiGLU "
+                                                             "MLP every token passes through beside the routed ones "
+                                                             "(DeepSeek's n_shared_experts x moe_intermediate_size)")
+    moe_layer_freq: str = option("1", "which layers are MoE: every Nth (an integer), or one 0/1 per layer as "
+                                 "Megatron writes it, e.g. '[0]*3+[1]*58' (the first 3 dense)")
     moe_grouped_gemm: bool = option(False, "run the experts as one grouped GEMM where the device has one "
                                     "(torch._grouped_mm on a GPU); a loop over experts elsewhere, same numbers")
 
@@ -69,9 +88,34 @@ class MoETransformerConfig(TransformerConfig):
         need(not self.moe_pad_expert_input_to_capacity or factor is not None,
              "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
         need(self.swiglu, "the experts are SwiGLU MLPs: MoE models need --swiglu")
+        need(self.moe_router_score_function in ("softmax", "sigmoid"),
+             f"--moe-router-score-function must be softmax or sigmoid, got {self.moe_router_score_function!r}")
+        need(not self.moe_router_enable_expert_bias or self.moe_router_score_function == "sigmoid",
+             "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        need((groups is None) == (group_topk is None),
+             "group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk")
+        if groups is not None:
+            need(groups > 0 and experts % groups == 0,
+                 f"--num-experts {experts} is not divisible by --moe-router-num-groups {groups}")
+            need(0 < group_topk <= groups and topk % group_topk == 0 and topk // group_topk <= experts // groups,
+                 f"--moe-router-group-topk {group_topk} must divide --moe-router-topk {topk} and be at most "
+                 f"--moe-router-num-groups {groups}, each group holding topk/group-topk experts")
+        shared = self.moe_shared_expert_intermediate_size
+        need(shared is None or (isinstance(shared, int) and shared > 0),
+             f"--moe-shared-expert-intermediate-size must be a positive integer, got {shared!r}")
+        moe_layer_pattern(self.moe_layer_freq, self.num_layers)
         # (None only while __post_init__ runs: it is derived from ffn_hidden_size right after.)
         moe_ffn = self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_hidden_size
         need(isinstance(moe_ffn, int) and moe_ffn > 0, f"--moe-ffn-hidden-size must be a positive integer, got {moe_ffn!r}")
+
+    def is_moe_layer(self, number: int) -> bool:
+        """Whether layer ``number`` (0-based) has a mixture of experts (``--moe-layer-freq``)."""
+        return moe_layer_pattern(self.moe_layer_freq, self.num_layers)[number]
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(moe_layer_pattern(self.moe_layer_freq, self.num_layers))
 
     def validate_parallel(self, parallel) -> None:
         """What the layout (a ``ParallelConfig``) asks of the experts: they split evenly over
@@ -86,3 +130,27 @@ class MoETransformerConfig(TransformerConfig):
         if self.num_experts % expert_parallel_size:
             raise ModelConfigError(f"--num-experts {self.num_experts} is not divisible by "
                                    f"--expert-model-parallel-size {expert_parallel_size}")
+
+
+def moe_layer_pattern(freq, num_layers: int) -> list[bool]:
+    """``--moe-layer-freq`` as one flag per layer: an integer N (layers 0, N, 2N... are MoE) or
+    Megatron's list expression, sums of ``[0/1, ...]`` optionally repeated (``[0]*3+[1]*58``)."""
+    text = str(freq).replace(" ", "")
+    if text.lstrip("(").rstrip(")").isdigit():
+        every = int(text.strip("()"))
+        if every < 1:
+            raise ModelConfigError(f"--moe-layer-freq must be at least 1, got {every}")
+        return [n % every == 0 for n in range(num_layers)]
+    pattern = []
+    for term in text.strip("()").split("+"):
+        items, _, repeat = term.partition("*")
+        if not (items.startswith("[") and items.endswith("]")) or (repeat and not repeat.isdigit()):
+            raise ModelConfigError(f"--moe-layer-freq {freq!r}: expected an integer or terms like [0]*3+[1]*58")
+        values = [value for value in items[1:-1].split(",") if value]
+        if any(value not in ("0", "1") for value in values):
+            raise ModelConfigError(f"--moe-layer-freq {freq!r}: list entries must be 0 (dense) or 1 (MoE)")
+        pattern += [value == "1" for value in values] * (int(repeat) if repeat else 1)
+    if len(pattern) != num_layers:
+        raise ModelConfigError(f"--moe-layer-freq {freq!r} describes {len(pattern)} layers, the model has "
+                               f"--num-layers {num_layers}")
+    return pattern

@@ -18,6 +18,12 @@ the experts' partial outputs are reduce-scattered over it. The expert-parallel d
 takes these slices from more ranks (``tp / etp`` times as many), which hold whole experts or
 ``1 / etp`` of each.
 
+DeepSeek's additions (megatron-core's names): ``shared_experts`` (a SwiGLU MLP every token
+passes through, :mod:`mega.models.moe.shared_experts`), and with aux-loss-free balancing
+``router.expert_bias`` [E], a frozen parameter (checkpointed and converted, never trained) added
+to the scores for the top-k choice; ``tokens_per_expert`` counts the slots routed since the last
+optimizer step, from which :mod:`mega.models.moe.expert_bias` moves the bias after each step.
+
 After each forward ``stats`` holds ``[load-balancing loss, z-loss, least-loaded expert,
 most-loaded expert]`` (loads relative to a perfectly even spread: 1.0 each) for the family's
 loss and logs.
@@ -39,6 +45,7 @@ from mega.models.moe.config import MoETransformerConfig
 from mega.models.moe.dispatch import dispatch
 from mega.models.moe.experts import GroupedExperts
 from mega.models.moe.routing import Routing, route
+from mega.models.moe.shared_experts import SharedExperts
 
 STATS = ("load_balancing_loss", "z_loss", "expert load min", "expert load max")
 
@@ -48,6 +55,11 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = config
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        if config.moe_router_enable_expert_bias:
+            self.router.expert_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
+            self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
+        shared = config.moe_shared_expert_intermediate_size
+        self.shared_experts = SharedExperts(config.hidden_size, shared, kernels) if shared else None
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size, kernels,
                                       grouped_gemm=config.moe_grouped_gemm)
         # Set by parallelize: the tensor, expert-tensor and expert groups, and whether the input is
@@ -58,7 +70,15 @@ class MoELayer(nn.Module):
         self.sequence_parallel = False
         self.stats: torch.Tensor | None = None
 
+    def reset_buffers(self) -> None:
+        if self.config.moe_router_enable_expert_bias:
+            self.tokens_per_expert.zero_()
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        routed = self._routed(hidden)
+        return routed if self.shared_experts is None else routed + self.shared_experts(hidden)
+
+    def _routed(self, hidden: torch.Tensor) -> torch.Tensor:
         seq, batch, width = hidden.shape
         tokens = hidden.reshape(-1, width)
         logits = self.router(tokens)
@@ -72,7 +92,10 @@ class MoELayer(nn.Module):
                 tokens = gather_from_sequence_parallel_region(tokens, etp, tensor_parallel_output_grad=True)
         elif split:
             tokens = copy_to_tensor_parallel_region(tokens, tp)
-        routing = route(logits, self.config, sequences=batch)
+        expert_bias = getattr(self.router, "expert_bias", None)
+        routing = route(logits, self.config, sequences=batch, expert_bias=expert_bias)
+        if expert_bias is not None and self.training and torch.is_grad_enabled():
+            self.tokens_per_expert += routing.load.to(self.tokens_per_expert.dtype)
         self.stats = self._stats(routing, logits.shape[0])
         if split and self.sequence_parallel:
             # The expert tensor group's slices: this rank's and its etp - 1 neighbours' (all of tp's when etp = tp).

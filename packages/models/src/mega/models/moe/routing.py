@@ -33,16 +33,14 @@ class Routing:
     load: torch.Tensor
 
 
-def route(logits: torch.Tensor, config: MoETransformerConfig, sequences: int = 1) -> Routing:
+def route(logits: torch.Tensor, config: MoETransformerConfig, sequences: int = 1,
+          expert_bias: torch.Tensor | None = None) -> Routing:
     """Route the tokens whose router logits are ``logits`` [T, E] (token ``t`` of sequence
-    ``t % sequences``: the ``[s, b]`` order flattened)."""
+    ``t % sequences``: the ``[s, b]`` order flattened); ``expert_bias`` [E]: added to the scores
+    for the choice only (aux-loss-free balancing)."""
     topk, num_experts = config.moe_router_topk, config.num_experts
-    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # over every expert
-    if config.moe_router_pre_softmax:
-        weights, experts = torch.topk(scores, topk, dim=-1)
-    else:  # softmax over the chosen logits: Mixtral's renormalised top-k weights
-        top_logits, experts = torch.topk(logits, topk, dim=-1)
-        weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
+    weights, experts = choose_experts(logits, config, expert_bias)
+    scores = aux_loss_scores(logits, config)
     load = torch.bincount(experts.reshape(-1), minlength=num_experts)
     kept, capacity = _apply_capacity(experts, weights, config)
     balancing = config.moe_router_load_balancing_type
@@ -57,6 +55,61 @@ def route(logits: torch.Tensor, config: MoETransformerConfig, sequences: int = 1
     z = z_loss(logits) if config.moe_z_loss_coeff else scores.new_zeros(())
     return Routing(experts, weights * kept, kept, capacity if config.moe_pad_expert_input_to_capacity else None,
                    aux, z, load)
+
+
+def choose_experts(logits: torch.Tensor, config: MoETransformerConfig,
+                   expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, experts [T, k]) as megatron-core's ``topk_routing_with_score_function``:
+    softmax before or after the top-k, or sigmoid scores (chosen with ``expert_bias`` added,
+    weighted without it, renormalised when k > 1), group-limited, times the scaling factor."""
+    topk = config.moe_router_topk
+    if config.moe_router_score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        choice = scores + expert_bias if expert_bias is not None else scores
+        experts = top_experts(choice, config)[1]
+        weights = scores.gather(1, experts)
+        if topk > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    elif config.moe_router_pre_softmax:
+        weights, experts = top_experts(torch.softmax(logits, dim=-1, dtype=torch.float32), config)
+    else:  # softmax over the chosen logits: Mixtral's renormalised top-k weights
+        top_logits, experts = top_experts(logits, config)
+        weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
+    if config.moe_router_topk_scaling_factor:
+        weights = weights * config.moe_router_topk_scaling_factor
+    return weights, experts
+
+
+def top_experts(scores: torch.Tensor, config: MoETransformerConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k of ``scores`` [T, E]; with group-limited routing only among the
+    ``--moe-router-group-topk`` groups whose best topk/group-topk scores sum highest."""
+    topk, groups, group_topk = config.moe_router_topk, config.moe_router_num_groups, config.moe_router_group_topk
+    if not group_topk:
+        return torch.topk(scores, topk, dim=-1)
+    tokens, num_experts = scores.shape
+    grouped = scores.view(tokens, groups, num_experts // groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1)[0].sum(dim=-1)  # [T, groups]
+    chosen_groups = torch.topk(group_scores, group_topk, dim=-1, sorted=False)[1]
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen_groups, True)
+    masked = grouped.masked_fill(~allowed[..., None], float("-inf")).view(tokens, num_experts)
+    return torch.topk(masked, topk, dim=-1)
+
+
+def aux_loss_scores(logits: torch.Tensor, config: MoETransformerConfig) -> torch.Tensor:
+    """The per-expert probabilities the load-balancing loss weighs (megatron-core's
+    ``compute_routing_scores_for_aux_loss``): softmax, or sigmoids normalised per token."""
+    if config.moe_router_score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    return torch.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def updated_expert_bias(expert_bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """Aux-loss-free balancing's step (megatron-core's ``get_updated_expert_bias``): each expert's
+    bias moves by ``rate`` towards an even load, by the sign of (mean load - its load); ``load``
+    [E] summed over the step's micro-batches and data-parallel ranks."""
+    load = load.float()
+    return expert_bias + torch.sign(load.mean() - load) * rate
 
 
 def _load(experts: torch.Tensor, num_experts: int) -> torch.Tensor:

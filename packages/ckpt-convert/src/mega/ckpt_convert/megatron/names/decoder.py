@@ -1,5 +1,5 @@
-"""The decoder-only families' names in Megatron-LM's files: GPT and LLaMA share one table, Mixtral
-(a mixture of experts in every layer) adds the per-expert names."""
+"""The decoder-only families' names in Megatron-LM's files: GPT, LLaMA and Qwen3 share one table,
+Mixtral and Qwen3-MoE (a mixture of experts in every layer) add the per-expert names."""
 
 from __future__ import annotations
 
@@ -53,5 +53,6 @@ MIXTURE_OF_EXPERTS = replace(
     expert_extra_state_parts=("linear_fc1", "linear_fc2"),
 )
 
-register(DECODER_ONLY, "gpt", "llama")
-register(MIXTURE_OF_EXPERTS, "mixtral")
+# Qwen3's QK-norm is self_attention.q_layernorm / k_layernorm in megatron-core (local and TE specs) and in mega.
+register(DECODER_ONLY, "gpt", "llama", "qwen3")
+register(MIXTURE_OF_EXPERTS, "mixtral", "qwen3-moe")
