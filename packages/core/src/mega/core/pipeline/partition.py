@@ -4,7 +4,8 @@ There are ``pp * vpp`` virtual stages; virtual stage ``c * pp + r`` is model chu
 pipeline rank ``r`` and holds the ``c * pp + r``-th block of consecutive layers (Megatron's
 interleaved assignment; with ``vpp == 1`` rank ``r`` simply holds block ``r``). Blocks are equal
 unless ``layers_per_stage`` gives each virtual stage's layer count, in pipeline order, e.g. fewer
-layers on the stages that also hold the embedding or the output layer.
+layers on the stages that also hold the embedding or the output layer (:mod:`mega.core.pipeline.layout`
+derives them from Megatron's flags); only the first and the last stage may then hold none.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def split_layers(
 ) -> list[list[range]]:
     """Layer indices of every pipeline rank and model chunk: ``result[rank][chunk]``."""
     stages = pp * vpp
-    if num_layers < stages:
+    if num_layers < stages and layers_per_stage is None:
         raise PartitionError(
             f"cannot split {num_layers} layers into pp*vpp = {pp}*{vpp} = {stages} stages: "
             f"every stage needs at least one layer"
@@ -45,8 +46,10 @@ def split_layers(
             f"layers_per_stage has {len(counts)} counts, but pp*vpp = {pp}*{vpp} = {stages} "
             f"stages need one each"
         )
-    if any(not isinstance(count, int) or count < 1 for count in counts):
-        raise PartitionError(f"every stage needs at least one layer; layers_per_stage = {counts}")
+    ends = {0, stages - 1}
+    if any(not isinstance(count, int) or count < (0 if stage in ends else 1) for stage, count in enumerate(counts)):
+        raise PartitionError(f"every stage but the first and the last needs at least one layer; "
+                             f"layers_per_stage = {counts}")
     if sum(counts) != num_layers:
         raise PartitionError(
             f"layers_per_stage = {counts} adds up to {sum(counts)} layers, but the model has {num_layers}"

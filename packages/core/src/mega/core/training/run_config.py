@@ -16,6 +16,8 @@ from mega.core.config import ConfigError
 from mega.core.kernels import KernelBackendError, Kernels, check_linear_loss
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.context_parallel import check_sequence_length
+from mega.core.pipeline.config import PipelineConfig
+from mega.core.pipeline.layout import layers_per_stage, layout_stage_count
 from mega.core.plugins import PluginError, get_plugins
 from mega.core.training.config import (
     CheckpointConfig,
@@ -32,6 +34,7 @@ from mega.core.training.fp8_recipes import DELAYED, check_fp8_flags
 SECTIONS: dict[str, type] = {
     "training": TrainingConfig,
     "parallel": ParallelConfig,
+    "pipeline": PipelineConfig,
     "precision": PrecisionConfig,
     "optimizer": OptimizerConfig,
     "data": DataConfig,
@@ -57,6 +60,7 @@ class RunConfig:
     model: Any  # the model family's config (e.g. mega.models.TransformerConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -92,6 +96,7 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
                 f"stage (--num-layers {run.model.num_layers} / --pipeline-model-parallel-size {parallel.pp})"
             )
         parallel = dataclasses.replace(parallel, vpp=layers_per_rank // nlpvs)
+    parallel = _vpp_of_layout(run.pipeline, parallel)
     try:
         dp = parallel.data_parallel_size(world_size)
     except ValueError as error:
@@ -125,8 +130,30 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
             f"the interleaved schedule needs the micro-batches per step ({microbatches}) to be a multiple "
             f"of --pipeline-model-parallel-size {parallel.pp}"
         )
+    try:
+        layers_per_stage(run.pipeline, getattr(run.model, "num_layers", 0), parallel.pp, parallel.vpp or 1)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     run = dataclasses.replace(run, parallel=parallel)
     return run, Derived(world_size, dp, global_batch, microbatches)
+
+
+def _vpp_of_layout(pipeline: PipelineConfig, parallel: ParallelConfig) -> ParallelConfig:
+    """--pipeline-model-parallel-layout spells out pp*vpp stages: it sets vpp, as in Megatron."""
+    try:
+        stages = layout_stage_count(pipeline)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if stages is None:
+        return parallel
+    if stages % parallel.pp:
+        raise ConfigError(f"--pipeline-model-parallel-layout has {stages} stages, not a multiple of "
+                          f"--pipeline-model-parallel-size {parallel.pp}")
+    vpp = stages // parallel.pp
+    if (parallel.vpp or 1) not in (1, vpp):
+        raise ConfigError(f"--pipeline-model-parallel-layout has {stages} stages = {vpp} per pipeline rank, but "
+                          f"the virtual stages per rank are {parallel.vpp}")
+    return dataclasses.replace(parallel, vpp=vpp if vpp > 1 else None)
 
 
 def model_with_megatron_shorthands(run: RunConfig):

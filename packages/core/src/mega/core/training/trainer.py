@@ -26,6 +26,7 @@ from mega.core.optim.build import build_optimizer
 from mega.core.parallel import ParallelGroups
 from mega.core.parallel.context_parallel import split_batch
 from mega.core.parallel.random import seed_parallel_rng
+from mega.core.pipeline.layout import layers_per_stage
 from mega.core.pipeline.schedules import forward_backward
 from mega.core.pipeline.tied import setup_tied_weights
 from mega.core.plugins import Events, Plugins
@@ -76,7 +77,8 @@ class Trainer:
         self.kernels = Kernels(run.kernels.selection(), plugins)
         self.loss_context = LossContext(run.model, self.groups.tp, self.kernels, self.groups.cp)
         pp, vpp = self.groups.pp.size, run.parallel.vpp or 1
-        self.all_stages = family.pipeline_stages(run.model, pp, vpp)
+        uneven = layers_per_stage(run.pipeline, getattr(run.model, "num_layers", 0), pp, vpp)
+        self.all_stages = family.stages(run.model, pp, vpp, uneven)
         # Virtual stage c * pp + r is model chunk c of pipeline rank r (interleaved order).
         self.stages = [self.all_stages[chunk * pp + self.groups.pp.rank] for chunk in range(vpp)]
         # Under context parallelism every stage reads its chunks' positions (RoPE in every layer).
