@@ -51,6 +51,44 @@ def parse_layout(layout: str) -> list[str]:
     return stages
 
 
+def layout_string(counts) -> str:
+    """The ``--pipeline-model-parallel-layout`` of these layer counts per virtual stage."""
+    stages = [f"t*{count}" if count > 1 else "t" * count for count in counts]
+    stages[0] = "E" + stages[0]
+    stages[-1] = stages[-1] + ("," if stages[-1] else "") + "L"
+    return "|".join(stages)
+
+
+def uneven_candidates(num_layers: int, pp: int, vpp: int = 1) -> list[tuple[int, ...]]:
+    """Uneven layouts worth trying beside the even split (``mega plan --search``): Megatron's
+    embedding and loss each counted as a layer, the loss alone, and one layer fewer on the last
+    stage (and on the first) spread over the others, where they split evenly."""
+    if pp == 1:
+        return []
+    found = []
+    for embedding, loss in ((True, True), (False, True)):
+        try:
+            counts = _accounting(PipelineConfig(account_for_embedding_in_pipeline_split=embedding,
+                                                account_for_loss_in_pipeline_split=loss), num_layers, pp, vpp)
+        except PartitionError:
+            continue
+        found.append(tuple(counts))
+    base = num_layers // pp
+    for first, last in ((None, base - 1), (base - 1, base - 1)):
+        try:
+            counts = _first_and_last(PipelineConfig(decoder_first_pipeline_num_layers=first,
+                                                    decoder_last_pipeline_num_layers=last), num_layers, pp, vpp)
+        except PartitionError:
+            continue
+        found.append(tuple(counts))
+    even = num_layers % (pp * vpp) == 0
+    unique = []
+    for counts in found:
+        if min(counts[1:-1], default=1) > 0 and counts not in unique and not (even and len(set(counts)) == 1):
+            unique.append(counts)
+    return unique
+
+
 def layout_stage_count(pipeline: PipelineConfig) -> int | None:
     """How many virtual stages the layout string has (None without one)."""
     layout = pipeline.pipeline_model_parallel_layout

@@ -23,6 +23,7 @@ from mega.core.distributed.ddp import DDPConfig
 from mega.core.distributed.grad_buffer import SHARD_ALIGNMENT
 from mega.core.model_family import ModelFamily
 from mega.core.parallel import ParallelConfig
+from mega.core.pipeline.layout import layout_string
 from mega.core.pipeline.partition import even_layer_counts, split_layers
 from mega.core.pipeline.schedule_table import FORWARD, schedule_table
 from mega.core.planning.footprint import StageFootprint
@@ -48,6 +49,9 @@ class Layout:
     distributed_optimizer: bool = False
     recompute: str | None = None  # None, "selective" or "full"
     micro_batch_size: int = 1
+    # Transformer layers of every virtual stage in pipeline order (None: split evenly); see
+    # mega.core.pipeline.layout.
+    layers_per_stage: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -64,7 +68,10 @@ class Layout:
         parts += ["sp"] if self.sequence_parallel else []
         parts += ["distopt"] if self.distributed_optimizer else []
         parts += [f"recompute-{self.recompute}"] if self.recompute else []
-        return " ".join(parts) + f" mb{self.micro_batch_size}"
+        parts += [f"mb{self.micro_batch_size}"]
+        if self.layers_per_stage is not None:
+            parts += [f"--pipeline-model-parallel-layout '{layout_string(self.layers_per_stage)}'"]
+        return " ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -85,9 +92,14 @@ class RankMemory:
         return self.weights + self.gradients + self.optimizer + self.activations
 
 
-def layer_split(num_layers: int, pp: int, vpp: int) -> list[list[range]]:
-    """Layers of every rank and chunk; an uneven model is split as evenly as possible (larger
-    stages first), as Megatron's uneven pipeline flags would."""
+def layer_split(num_layers: int, pp: int, vpp: int, layers_per_stage=None) -> list[list[range]]:
+    """Layers of every rank and chunk: ``layers_per_stage`` where given, else an uneven model is
+    split as evenly as possible (larger stages first), as Megatron's uneven pipeline flags would."""
+    if layers_per_stage is not None:
+        try:
+            return split_layers(num_layers, pp, vpp, list(layers_per_stage))
+        except ValueError as error:
+            raise PlanError(str(error)) from None
     stages = pp * vpp
     if num_layers < stages:
         raise PlanError(f"cannot split {num_layers} layers into pp*vpp = {stages} stages")
@@ -136,7 +148,7 @@ def plan_memory(family: ModelFamily, config, layout: Layout, *, dtype_bytes: int
     tied = not getattr(config, "untie_embeddings_and_output_weights", True)
     schedule = _schedule_actions(layout.pp, num_microbatches, layout.vpp)
     ranks = []
-    for stage, chunks in enumerate(layer_split(config.num_layers, layout.pp, layout.vpp)):
+    for stage, chunks in enumerate(layer_split(config.num_layers, layout.pp, layout.vpp, layout.layers_per_stage)):
         footprints, tied_elements = [], []
         for index, layers in enumerate(chunks):
             pre = stage == 0 and index == 0
