@@ -169,8 +169,9 @@ def pipeline_run(layout, timeline_path=None):
 
     # Evaluation first: forwards only, same losses as training's first step, no gradients.
     data = (microbatch(0, groups.dp.rank * m + i) for i in range(m))
+    schedule = layout.get("schedule", "1f1b")
     eval_losses = forward_backward(ddps, data, m, loss_fn, groups, tensor_shape=[SEQ, MICRO_BATCH, HIDDEN],
-                                   grad_sync=syncs, events=events, forward_only=True)
+                                   grad_sync=syncs, events=events, forward_only=True, schedule=schedule)
     assert all(p.grad is None and not p.main_grad.any() for p in params)
     assert all(sync.no_sync_calls == 0 for sync in syncs)
 
@@ -183,7 +184,7 @@ def pipeline_run(layout, timeline_path=None):
         data = (microbatch(step, first + i) for i in range(m))
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             losses = forward_backward(ddps, data, m, loss_fn, groups, tensor_shape=[SEQ, MICRO_BATCH, HIDDEN],
-                                      grad_sync=syncs, events=events)
+                                      grad_sync=syncs, events=events, schedule=schedule)
         named = full_named_params(chunks, groups)
         history.append(([loss.item() for loss in losses], {name: grad for name, (_, grad) in named.items()}))
         with torch.no_grad():
@@ -208,7 +209,9 @@ def pipeline_run(layout, timeline_path=None):
 
 
 def run_layouts(layouts, timeline_path=None):
-    return [pipeline_run(layout, timeline_path if layout.get("timeline") else None) for layout in layouts]
+    """``layout["timeline"]``: the name of its timeline file beside ``timeline_path``."""
+    return [pipeline_run(layout, str(timeline_path).replace("timeline.json", layout["timeline"])
+                         if layout.get("timeline") else None) for layout in layouts]
 
 
 def assert_close(actual, expected, what):
@@ -241,8 +244,9 @@ def check_against_reference(results, reference_for):
         # Every parameter of the model lives on some stage.
         names = {name for r in results if r["layout"] == layout for name in r["params"]}
         assert names == set(params), where
-        # Each chunk's reduction ran once per step: all its backwards but the last under no_sync.
-        assert result["no_sync_calls"] == STEPS * (layout.get("vpp") or 1) * (m - 1), where
+        # Each chunk's reduction ran once per step: all its backwards (and Ws) but the last under no_sync.
+        halves = 2 if layout.get("schedule") == "zb-h1" else 1
+        assert result["no_sync_calls"] == STEPS * (layout.get("vpp") or 1) * (m - 1) * halves, where
 
 
 @pytest.fixture(scope="module")
@@ -266,17 +270,20 @@ def test_no_pipelining_in_one_process_matches(reference_for):
     check_against_reference([pipeline_run({"tp": 1, "pp": 1, "microbatches": 4})], reference_for)
 
 
-def test_1f1b_and_interleaved_on_two_ranks(worlds, reference_for):
-    layouts = [{"tp": 1, "pp": 2, "microbatches": 4}, {"tp": 1, "pp": 2, "vpp": 2, "microbatches": 4}]
+def test_1f1b_interleaved_and_zb_h1_on_two_ranks(worlds, reference_for):
+    layouts = [{"tp": 1, "pp": 2, "microbatches": 4}, {"tp": 1, "pp": 2, "vpp": 2, "microbatches": 4},
+               {"tp": 1, "pp": 2, "microbatches": 4, "schedule": "zb-h1"}]
     for results in split_by_layout(worlds.run(2, run_layouts, layouts)):
         check_against_reference(results, reference_for)
 
 
 def test_pp4_pp2xdp2_pp2xtp2_on_four_ranks_with_timeline(worlds, reference_for, tmp_path):
     layouts = [
-        {"tp": 1, "pp": 4, "microbatches": 6, "timeline": True},
+        {"tp": 1, "pp": 4, "microbatches": 6, "timeline": "timeline.json"},
         {"tp": 1, "pp": 2, "microbatches": 3},
         {"tp": 2, "pp": 2, "microbatches": 3},
+        {"tp": 1, "pp": 4, "microbatches": 6, "schedule": "zb-h1", "timeline": "zb-h1.json"},
+        {"tp": 2, "pp": 2, "microbatches": 3, "schedule": "zb-h1"},
     ]
     per_layout = split_by_layout(worlds.run(4, run_layouts, layouts, str(tmp_path / "timeline.json")))
     for results in per_layout:
@@ -305,6 +312,16 @@ def test_pp4_pp2xdp2_pp2xtp2_on_four_ranks_with_timeline(worlds, reference_for, 
         assert any("recv_backward" in n for n in mine) == (rank < 3)
     assert any(e["name"] == "idle" for e in spans)  # the bubble is explicit
     assert {e["args"]["iteration"] for e in spans} == {None, *range(STEPS)}
+
+    # ZB-H1's timeline shows each backward's B and W apart, in the table's order.
+    from mega.core.pipeline import schedule_table
+
+    trace = per_layout[3][0]["trace"]
+    table = schedule_table(4, 6, schedule="zb-h1")
+    for rank in range(4):
+        mine = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == rank
+                and e["cat"] in ("forward", "backward", "weight_grad") and e["args"]["iteration"] == 0]
+        assert mine == [str(action) for action in table.actions[rank]]
 
 
 def owned_gradient_slices(num_microbatches):

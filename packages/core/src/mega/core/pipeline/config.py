@@ -10,18 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mega.core.config.options import option
-
-# 1f1b: 1F1B, interleaved 1F1B with virtual stages. zb-h1: zero bubble (backward split into B and
-# W) with 1F1B's memory, interleaved zero bubble with virtual stages.
-SCHEDULES = ("1f1b", "zb-h1")
+from mega.core.pipeline.schedule_table import SCHEDULES
 
 
 @dataclass
 class PipelineConfig:
     pipeline_schedule: str = option(
         "1f1b", "the pipeline schedule: 1f1b (interleaved 1F1B with virtual stages) or zb-h1 (zero bubble: "
-        "each backward split into an input-gradient and a weight-gradient step, 1F1B's activation memory; "
-        "interleaved zero bubble with virtual stages); see docs/pipeline.md", choices=SCHEDULES)
+        "each backward split into an input-gradient and a weight-gradient step, 1F1B's activation memory, "
+        "one model chunk per rank); see docs/pipeline.md", choices=SCHEDULES)
     decoder_first_pipeline_num_layers: int | None = option(
         None, "transformer layers on the first pipeline stage (the others split the rest evenly)")
     decoder_last_pipeline_num_layers: int | None = option(
@@ -52,8 +49,3 @@ class PipelineConfig:
         if uneven and accounts:  # as Megatron: no standalone embedding or loss stage with uneven first/last
             raise ValueError("--decoder-first/last-pipeline-num-layers cannot be combined with "
                              "--account-for-embedding/loss-in-pipeline-split")
-
-    @property
-    def splits_backward(self) -> bool:
-        """Whether the schedule runs each backward as an input-gradient and a weight-gradient step."""
-        return self.pipeline_schedule != "1f1b"

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from mega.core.pipeline.schedule_table import FORWARD, Action, ScheduleError, ScheduleTable
+from mega.core.pipeline.schedule_table import FORWARD, WEIGHT, Action, ScheduleError, ScheduleTable
 
 ACTIVATION = "activation"
 GRADIENT = "gradient"
@@ -50,6 +50,8 @@ class Exchange:
 
 def consumed(table: ScheduleTable, rank: int, action: Action) -> Message | None:
     """The message ``action`` needs from another stage before it can run."""
+    if action.kind == WEIGHT:  # W uses what its B left on this rank
+        return None
     stage = table.stage(rank, action.chunk)
     if action.kind == FORWARD:
         return Message(ACTIVATION, action.microbatch, stage - 1, stage) if stage > 0 else None
@@ -60,6 +62,8 @@ def consumed(table: ScheduleTable, rank: int, action: Action) -> Message | None:
 
 def produced(table: ScheduleTable, rank: int, action: Action) -> Message | None:
     """The message ``action`` sends to another stage once it has run."""
+    if action.kind == WEIGHT:
+        return None
     stage = table.stage(rank, action.chunk)
     if action.kind == FORWARD:
         last = stage == table.num_stages - 1

@@ -19,61 +19,42 @@ The actions of a rank are grouped into *steps*; stages exchange tensors between 
 ranks or the pipeline deadlocks. In 1F1B every action is a step. In the interleaved schedule the
 stages form a ring (the last rank feeds chunk ``c + 1`` of the first), which needs neighbours'
 warm-ups to differ by two forwards, and then a steady-state step is one forward plus one backward.
+
+A zero-bubble schedule (``schedule="zb-h1"``, :mod:`mega.core.pipeline.zero_bubble`) splits each
+backward into B (the input gradient: what the previous stage waits for) and W (the weight
+gradients, :mod:`mega.core.parallel.weight_grad_split`); its table has W actions. Without them,
+B is the whole backward.
+
+Peak live activations per rank (micro-batch chunks forwarded whose backward, or W, has not run):
+1F1B ``min(pp - rank, m)``; interleaved ``warm-up + 1`` chunks (Megatron's); ZB-H1 the same as
+1F1B, counted up to W. The table tests check these.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from mega.core.pipeline.actions import BACKWARD, FORWARD, WEIGHT, Action, ScheduleError, ScheduleTable
+from mega.core.pipeline.zero_bubble import zb_h1_table
 
-FORWARD = "F"
-BACKWARD = "B"
+__all__ = ["BACKWARD", "FORWARD", "SCHEDULES", "WEIGHT", "Action", "ScheduleError", "ScheduleTable", "schedule_table"]
 
-
-class ScheduleError(ValueError):
-    """A schedule that cannot be built for the numbers asked."""
+SCHEDULES = ("1f1b", "zb-h1")
 
 
-@dataclass(frozen=True)
-class Action:
-    """One forward or backward pass of one micro-batch through one model chunk."""
-
-    kind: str  # FORWARD or BACKWARD
-    microbatch: int
-    chunk: int
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch} c{self.chunk}"
-
-
-@dataclass(frozen=True)
-class ScheduleTable:
-    pp: int
-    vpp: int
-    num_microbatches: int
-    steps: tuple[tuple[tuple[Action, ...], ...], ...]  # steps[rank][i]: one or two actions
-
-    @property
-    def actions(self) -> tuple[tuple[Action, ...], ...]:
-        """``actions[rank]``: every action of ``rank`` in execution order."""
-        return tuple(tuple(a for step in steps for a in step) for steps in self.steps)
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.vpp
-
-    def stage(self, rank: int, chunk: int) -> int:
-        """The virtual stage that chunk ``chunk`` of pipeline rank ``rank`` computes."""
-        return chunk * self.pp + rank
-
-    def rank_and_chunk(self, stage: int) -> tuple[int, int]:
-        chunk, rank = divmod(stage, self.pp)
-        return rank, chunk
-def schedule_table(pp: int, num_microbatches: int, vpp: int = 1, forward_only: bool = False) -> ScheduleTable:
+def schedule_table(pp: int, num_microbatches: int, vpp: int = 1, forward_only: bool = False,
+                   schedule: str = "1f1b") -> ScheduleTable:
     """The table of the schedule the pipeline runs: no pipelining (``pp == 1``), 1F1B
-    (``vpp == 1``) or interleaved 1F1B (``vpp > 1``), or forwards only (evaluation)."""
+    (``vpp == 1``) or interleaved 1F1B (``vpp > 1``), ZB-H1 (``schedule="zb-h1"``), or forwards
+    only (evaluation, whatever the schedule)."""
     for name, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
+    if schedule not in SCHEDULES:
+        raise ScheduleError(f"unknown pipeline schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
+    if schedule == "zb-h1" and not forward_only:
+        if vpp > 1:
+            raise ScheduleError(f"--pipeline-schedule zb-h1 runs one model chunk per rank; got vpp = {vpp} "
+                                f"(interleaved zero bubble is not built yet)")
+        return zb_h1_table(pp, num_microbatches)
     if vpp > 1 and pp == 1:
         raise ScheduleError(f"vpp = {vpp} model chunks per rank needs pp > 1, got pp = 1")
     if vpp > 1 and num_microbatches % pp:

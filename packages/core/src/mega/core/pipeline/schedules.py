@@ -2,13 +2,16 @@
 
 The schedule is the table of :func:`~mega.core.pipeline.schedule_table.schedule_table`: no
 pipelining for ``pp == 1`` (gradient accumulation), 1F1B for one model chunk per rank,
-interleaved 1F1B for several. This module only executes it: before each step of the table it
-runs that step's exchange of tensors with the neighbouring stages, then the step's forward and
-backward passes.
+interleaved 1F1B for several, ZB-H1 (``schedule="zb-h1"``). This module only executes it: before
+each step of the table it runs that step's exchange of tensors with the neighbouring stages, then
+the step's forward and backward passes. Where the table splits backwards into B and W, each
+forward runs inside :func:`~mega.core.parallel.weight_grad_split.deferring_weight_grads`, so its
+B leaves the layers' weight-gradient products to its W.
 
 As in Megatron, each micro-batch's loss is divided by the number of micro-batches before its
 backward, so the accumulated gradients are those of the mean loss over the global batch; and
-the gradients of data-parallel replicas are reduced once, after the last backward.
+the gradients of data-parallel replicas are reduced once, after the last backward (with
+``overlap_grad_reduce``, bucket by bucket as each bucket's last gradient, from a B or a W, is in).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import torch
 from torch import nn
 
 from mega.core.parallel import ParallelGroups
+from mega.core.parallel.weight_grad_split import deferring_weight_grads, run_weight_grads
 from mega.core.pipeline.messages import consumed, exchanges, produced
 from mega.core.pipeline.p2p import PipelineLinks
-from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, Action, ScheduleTable, schedule_table
+from mega.core.pipeline.schedule_table import FORWARD, WEIGHT, Action, ScheduleTable, schedule_table
 from mega.core.pipeline.tensor_spec import TensorSpec
 from mega.core.pipeline.tied import sum_tied_grads
 from mega.core.plugins import Events
@@ -54,6 +58,7 @@ def forward_backward(
     grad_sync: GradSync | Sequence[GradSync | None] | None = None,
     events: Events | None = None,
     forward_only: bool = False,
+    schedule: str = "1f1b",
 ) -> list[torch.Tensor]:
     """Run ``num_microbatches`` micro-batches forward (and backward); return the losses.
 
@@ -70,8 +75,10 @@ def forward_backward(
     (a dict) merged under what crossed in. Or one tensor of ``tensor_shape`` and ``dtype``
     crosses, and chunks map a tensor to a tensor.
 
-    ``grad_sync``: the data-parallel wrapper, or one per chunk. Every backward but the last one
-    of its chunks runs inside its ``no_sync()``; ``finish_grad_sync()`` is called at the end,
+    ``schedule``: ``"1f1b"`` (interleaved with several chunks) or ``"zb-h1"``.
+
+    ``grad_sync``: the data-parallel wrapper, or one per chunk. Every backward (and W) but the
+    last one of its chunks runs inside its ``no_sync()``; ``finish_grad_sync()`` is called at the end,
     then the gradients of weights tied across stages are summed.
 
     Returns the un-normalised per-micro-batch losses (detached) on the last stage, else ``[]``.
@@ -94,7 +101,7 @@ def forward_backward(
             f"pp = {groups.pp.size} needs boundary (or tensor_shape): the shapes of the tensors "
             f"sent between stages, e.g. [sequence, micro_batch, hidden]"
         )
-    table = schedule_table(groups.pp.size, num_microbatches, len(chunks), forward_only)
+    table = schedule_table(groups.pp.size, num_microbatches, len(chunks), forward_only, schedule)
     events = events if events is not None else Events()
     links = PipelineLinks(groups, boundary, events) if groups.pp.size > 1 else None
     if reads_batch is None:
@@ -126,11 +133,14 @@ class _ScheduleRun:
         self.outbox: dict = {}  # Message -> tensors by name to send at the next exchange
         self.losses: list[torch.Tensor] = []
         self.syncers = _per_chunk(grad_sync, len(chunks))
-        # A wrapper syncs during the last backward through any chunk it covers.
-        self.final_backward = {}
+        # A wrapper syncs during the last backward through any chunk it covers (and during the
+        # last W: a weight's gradient arrives in B or in W, and each only once outside no_sync).
+        self.final_actions: dict[tuple[int, str], Action] = {}
         for action in table.actions[self.rank]:
-            if action.kind == BACKWARD and self.syncers[action.chunk] is not None:
-                self.final_backward[id(self.syncers[action.chunk])] = action
+            if action.kind != FORWARD and self.syncers[action.chunk] is not None:
+                self.final_actions[(id(self.syncers[action.chunk]), action.kind)] = action
+        self.deferred: dict[tuple[int, int], list] = {}  # (mb, chunk) -> weight-gradient products for its W
+        self.splits_backward = table.splits_backward and not forward_only
 
     def execute(self) -> list[torch.Tensor]:
         steps = self.table.steps[self.rank]
@@ -140,6 +150,8 @@ class _ScheduleRun:
             for action in step:
                 if action.kind == FORWARD:
                     self._forward(action)
+                elif action.kind == WEIGHT:
+                    self._weight_grads(action)
                 else:
                     self._backward(action)
         self._exchange(plan[-1])
@@ -170,7 +182,11 @@ class _ScheduleRun:
             else:
                 x = {**inputs, **received} if isinstance(inputs, Mapping) else received
         self.events.hook.on_forward_start(microbatch=action.microbatch, chunk=action.chunk)
-        with torch.set_grad_enabled(not self.forward_only), self.events.forward_context(action.microbatch, action.chunk):
+        deferring = contextlib.nullcontext()
+        if self.splits_backward:
+            deferring = deferring_weight_grads(self.deferred.setdefault((action.microbatch, action.chunk), []))
+        with torch.set_grad_enabled(not self.forward_only), self.events.forward_context(action.microbatch, action.chunk), \
+                deferring:
             y = self.chunks[action.chunk](x)
             if last:
                 loss = self.loss_fn(y, targets)
@@ -187,12 +203,7 @@ class _ScheduleRun:
         received, y = self.saved.pop((action.microbatch, action.chunk))
         incoming = consumed(self.table, self.rank, action)
         self.events.hook.on_backward_start(microbatch=action.microbatch, chunk=action.chunk)
-        syncer = self.syncers[action.chunk]
-        if syncer is None or self.final_backward[id(syncer)] == action:
-            context = contextlib.nullcontext()
-        else:
-            context = syncer.no_sync()
-        with context:
+        with self._sync_context(action):
             if incoming is None:  # the last stage: y is the loss
                 torch.autograd.backward(y)
             else:
@@ -205,6 +216,19 @@ class _ScheduleRun:
             self.outbox[outgoing] = {name: t.grad if t.grad is not None else torch.zeros_like(t)
                                      for name, t in received.items() if t.is_floating_point()}
         self.events.hook.on_backward_end(microbatch=action.microbatch, chunk=action.chunk)
+
+    def _weight_grads(self, action: Action) -> None:
+        """W: the weight-gradient products the micro-batch's B left for this chunk."""
+        self.events.hook.on_weight_grad_start(microbatch=action.microbatch, chunk=action.chunk)
+        with self._sync_context(action):
+            run_weight_grads(self.deferred.pop((action.microbatch, action.chunk)))
+        self.events.hook.on_weight_grad_end(microbatch=action.microbatch, chunk=action.chunk)
+
+    def _sync_context(self, action: Action):
+        syncer = self.syncers[action.chunk]
+        if syncer is None or self.final_actions[(id(syncer), action.kind)] == action:
+            return contextlib.nullcontext()
+        return syncer.no_sync()
 
     def _microbatch(self, microbatch: int) -> tuple[Any, Any]:
         """The micro-batch, read once however many of this rank's chunks read it."""

@@ -168,7 +168,7 @@ def plan_memory(family: ModelFamily, config, layout: Layout, *, dtype_bytes: int
                            else parameters) * per_element
         held = peak = peak_chunks = chunks_held = 0
         for action in schedule[stage]:
-            sign = 1 if action.kind == FORWARD else -1
+            sign = 1 if action.kind == FORWARD else -1  # (a 1F1B table: each backward frees its chunk)
             held += sign * footprints[action.chunk].activation_bytes
             chunks_held += sign
             if held > peak:

@@ -130,6 +130,9 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
             f"the interleaved schedule needs the micro-batches per step ({microbatches}) to be a multiple "
             f"of --pipeline-model-parallel-size {parallel.pp}"
         )
+    if run.pipeline.pipeline_schedule != "1f1b" and (parallel.vpp or 1) > 1:
+        raise ConfigError(f"--pipeline-schedule {run.pipeline.pipeline_schedule} runs one model chunk per pipeline "
+                          f"rank; got {parallel.vpp} virtual stages per rank")
     try:
         layers_per_stage(run.pipeline, getattr(run.model, "num_layers", 0), parallel.pp, parallel.vpp or 1)
     except ValueError as error:

@@ -1,7 +1,7 @@
 """The training loop: build the model for this rank, then step it through the schedule.
 
     groups -> model chunks from the family (tensor-parallel plan applied) -> DDP -> optimizer
-    -> for each iteration: forward_backward (no pipelining / 1F1B / interleaved) -> step -> hooks
+    -> for each iteration: forward_backward (no pipelining / 1F1B / interleaved / ZB-H1) -> step -> hooks
 
 Everything optional (logging, TensorBoard, profiling, the pipeline timeline) is a listener of
 the run's events, not a branch here.
@@ -174,6 +174,7 @@ class Trainer:
             self.chunks, data, self.derived.num_microbatches, loss_fn, self.groups,
             boundary=self._boundary, reads_batch=self.reads_batch,
             grad_sync=None if forward_only else self.chunks, events=self.events, forward_only=forward_only,
+            schedule=self.run.pipeline.pipeline_schedule,
         )
         return self._mean_over_ranks([loss / scale for loss in losses], self._metrics)
 
