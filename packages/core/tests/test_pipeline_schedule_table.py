@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mega.core.pipeline import ScheduleError, ScheduleTable, check_exchanges, schedule_table
-from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, Action
+from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, WEIGHT, Action
 
 sys.path.insert(0, str(Path(__file__).parent))  # the timeline is a test-support module beside this file
 from schedule_timeline import bubble_fraction, in_flight, timeline_text  # noqa: E402
@@ -122,3 +122,37 @@ def test_bad_numbers_are_named():
         schedule_table(1, 4, vpp=2)
     with pytest.raises(ScheduleError, match="num_microbatches must be a positive integer, got 0"):
         schedule_table(2, 0)
+
+
+ZERO_BUBBLE = [(pp, m) for pp in range(1, 7) for m in range(1, 13)]
+
+
+def test_zb_h1_bubble_is_p_minus_1_over_3m_plus_p_minus_1():
+    # T_F = T_B = T_W: ZB-H1 idles pp - 1 units where 1F1B (backward = B + W) idles 3 (pp - 1).
+    for pp, m in ZERO_BUBBLE:
+        bubble = bubble_fraction(schedule_table(pp, m, schedule="zb-h1"))
+        assert bubble == pytest.approx((pp - 1) / (3 * m + pp - 1), abs=1e-12), (pp, m)
+    zb, one_f_one_b = bubble_fraction(schedule_table(4, 8, schedule="zb-h1")), bubble_fraction(schedule_table(4, 8), 1, 2)
+    assert one_f_one_b == pytest.approx(3 / 11) and zb == pytest.approx(1 / 9)
+    assert zb / one_f_one_b == pytest.approx(11 / 27)  # 41% of 1F1B's at pp4 with 8 micro-batches
+
+
+def test_zb_h1_holds_what_1f1b_holds():
+    for pp, m in ZERO_BUBBLE:
+        table = schedule_table(pp, m, schedule="zb-h1")
+        assert [in_flight(table, rank) for rank in range(pp)] == [min(pp - rank, m) for rank in range(pp)], (pp, m)
+
+
+def test_zb_h1_runs_every_f_b_w_once_in_order_and_its_exchanges_meet():
+    for pp, m in ZERO_BUBBLE:
+        table = schedule_table(pp, m, schedule="zb-h1")
+        check_exchanges(table)
+        for actions in table.actions:
+            for mb in range(m):
+                f, b, w = (actions.index(Action(kind, mb, 0)) for kind in (FORWARD, BACKWARD, WEIGHT))
+                assert f < b < w
+            assert len(actions) == 3 * m
+    assert timeline_text(schedule_table(2, 2, schedule="zb-h1")) == (
+        "rank 0: F0 c0 F1 c0 ..... B0 c0 W0 c0 B1 c0 W1 c0\n"
+        "rank 1: ..... F0 c0 B0 c0 W0 c0 F1 c0 B1 c0 W1 c0"
+    )

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+INTERLEAVED = "interleaved"  # chunk c of rank r is virtual stage c * pp + r (Megatron's)
+V_SHAPE = "v"  # two chunks: rank r holds stages r and 2 pp - 1 - r (ZB-V, DualPipeV)
+
 FORWARD = "F"
 BACKWARD = "B"  # the whole backward, or its input-gradient half where the table has W actions
 WEIGHT = "W"  # the weight-gradient half of a backward
@@ -32,7 +35,12 @@ class ScheduleTable:
     pp: int
     vpp: int
     num_microbatches: int
-    steps: tuple[tuple[tuple[Action, ...], ...], ...]  # steps[rank][i]: one or two actions
+    steps: tuple[tuple[tuple[Action, ...], ...], ...]  # steps[rank][i]: no, one or two actions
+    placement: str = INTERLEAVED
+    # Slotted tables (the zero-bubble ones) are timed: step i of every rank is time slot i (an
+    # empty step an idle slot), and a message is received in the slot after it was sent,
+    # whenever its consumer runs (mega.core.pipeline.messages).
+    slotted: bool = False
 
     @property
     def actions(self) -> tuple[tuple[Action, ...], ...]:
@@ -50,8 +58,22 @@ class ScheduleTable:
 
     def stage(self, rank: int, chunk: int) -> int:
         """The virtual stage that chunk ``chunk`` of pipeline rank ``rank`` computes."""
-        return chunk * self.pp + rank
+        return stage_of(rank, chunk, self.pp, self.placement)
 
     def rank_and_chunk(self, stage: int) -> tuple[int, int]:
-        chunk, rank = divmod(stage, self.pp)
-        return rank, chunk
+        return rank_and_chunk_of(stage, self.pp, self.placement)
+
+
+def stage_of(rank: int, chunk: int, pp: int, placement: str = INTERLEAVED) -> int:
+    """The virtual stage chunk ``chunk`` of pipeline rank ``rank`` computes under ``placement``."""
+    if placement == V_SHAPE and chunk == 1:
+        return 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def rank_and_chunk_of(stage: int, pp: int, placement: str = INTERLEAVED) -> tuple[int, int]:
+    """The pipeline rank and model chunk that compute virtual stage ``stage``."""
+    chunk, rank = divmod(stage, pp)
+    if placement == V_SHAPE and chunk == 1:
+        rank = pp - 1 - rank
+    return rank, chunk

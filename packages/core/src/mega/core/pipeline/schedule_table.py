@@ -33,31 +33,37 @@ Peak live activations per rank (micro-batch chunks forwarded whose backward, or 
 from __future__ import annotations
 
 from mega.core.pipeline.actions import BACKWARD, FORWARD, WEIGHT, Action, ScheduleError, ScheduleTable
-from mega.core.pipeline.zero_bubble import zb_h1_table
+from mega.core.pipeline.interleaved_order import interleaved_forward
+from mega.core.pipeline.zero_bubble import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, zero_bubble_table
 
-__all__ = ["BACKWARD", "FORWARD", "SCHEDULES", "WEIGHT", "Action", "ScheduleError", "ScheduleTable", "schedule_table"]
+__all__ = ["BACKWARD", "FORWARD", "SCHEDULES", "V_SCHEDULES", "WEIGHT", "Action", "ScheduleError", "ScheduleTable",
+           "schedule_table"]
 
-SCHEDULES = ("1f1b", "zb-h1")
+SCHEDULES = ("1f1b", *ZERO_BUBBLE_SCHEDULES)
 
 
 def schedule_table(pp: int, num_microbatches: int, vpp: int = 1, forward_only: bool = False,
                    schedule: str = "1f1b") -> ScheduleTable:
     """The table of the schedule the pipeline runs: no pipelining (``pp == 1``), 1F1B
-    (``vpp == 1``) or interleaved 1F1B (``vpp > 1``), ZB-H1 (``schedule="zb-h1"``), or forwards
-    only (evaluation, whatever the schedule)."""
+    (``vpp == 1``) or interleaved 1F1B (``vpp > 1``), a zero-bubble schedule (``"zb-h1"``,
+    interleaved with ``vpp > 1``; ``"zbv"`` and ``"dualpipev"`` with two chunks in a V:
+    :mod:`mega.core.pipeline.zero_bubble`), or forwards only (evaluation)."""
     for name, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
     if schedule not in SCHEDULES:
         raise ScheduleError(f"unknown pipeline schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
-    if schedule == "zb-h1" and not forward_only:
-        if vpp > 1:
-            raise ScheduleError(f"--pipeline-schedule zb-h1 runs one model chunk per rank; got vpp = {vpp} "
-                                f"(interleaved zero bubble is not built yet)")
-        return zb_h1_table(pp, num_microbatches)
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        table = zero_bubble_table(schedule, pp, num_microbatches, vpp)
+        if not forward_only:
+            return table
+        # Evaluation: the forwards in the slots the schedule runs them.
+        return ScheduleTable(pp, vpp, num_microbatches, tuple(
+            tuple(tuple(a for a in step if a.kind == FORWARD) for step in steps) for steps in table.steps),
+            table.placement, slotted=True)
     if vpp > 1 and pp == 1:
         raise ScheduleError(f"vpp = {vpp} model chunks per rank needs pp > 1, got pp = 1")
-    if vpp > 1 and num_microbatches % pp:
+    if vpp > 1 and num_microbatches % pp and schedule not in V_SCHEDULES:
         raise ScheduleError(
             f"the interleaved schedule (vpp = {vpp}) needs the number of micro-batches to be a "
             f"multiple of pp = {pp}, got {num_microbatches}"
@@ -91,8 +97,5 @@ def _rank_steps(pp: int, vpp: int, num_microbatches: int, rank: int, forward_onl
 def _microbatch_and_chunk(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
     """The ``k``-th forward (or backward) of a rank: micro-batches go through the chunks in
     groups of ``pp``; backwards visit the chunks in reverse."""
-    group, within = divmod(k, pp * vpp)
-    chunk, offset = divmod(within, pp)
-    if not forward:
-        chunk = vpp - 1 - chunk
-    return group * pp + offset, chunk
+    microbatch, chunk = interleaved_forward(k, pp, vpp)
+    return microbatch, chunk if forward else vpp - 1 - chunk

@@ -25,7 +25,7 @@ from torch import nn
 
 from mega.core.parallel import ParallelGroups
 from mega.core.parallel.weight_grad_split import deferring_weight_grads, run_weight_grads
-from mega.core.pipeline.messages import consumed, exchanges, produced
+from mega.core.pipeline.messages import consumed, crossing, exchanges, produced
 from mega.core.pipeline.p2p import PipelineLinks
 from mega.core.pipeline.schedule_table import FORWARD, WEIGHT, Action, ScheduleTable, schedule_table
 from mega.core.pipeline.tensor_spec import TensorSpec
@@ -103,7 +103,7 @@ def forward_backward(
         )
     table = schedule_table(groups.pp.size, num_microbatches, len(chunks), forward_only, schedule)
     events = events if events is not None else Events()
-    links = PipelineLinks(groups, boundary, events) if groups.pp.size > 1 else None
+    links = PipelineLinks(groups, boundary, events, table.rank_and_chunk) if groups.pp.size > 1 else None
     if reads_batch is None:
         last = table.num_stages - 1
         reads_batch = [table.stage(groups.pp.rank, chunk) in (0, last) for chunk in range(len(chunks))]
@@ -194,7 +194,7 @@ class _ScheduleRun:
                 y = loss / self.table.num_microbatches
         if not last:
             y = y if isinstance(y, Mapping) else {TENSOR: y}
-            self.outbox[produced(self.table, self.rank, action)] = {name: t.detach() for name, t in y.items()}
+            self._send(produced(self.table, self.rank, action), {name: t.detach() for name, t in y.items()})
         if not self.forward_only:
             self.saved[(action.microbatch, action.chunk)] = (received, y)
         self.events.hook.on_forward_end(microbatch=action.microbatch, chunk=action.chunk)
@@ -213,9 +213,16 @@ class _ScheduleRun:
                     torch.autograd.backward([out for out, _ in pairs], grad_tensors=[grad for _, grad in pairs])
         outgoing = produced(self.table, self.rank, action)
         if outgoing is not None:
-            self.outbox[outgoing] = {name: t.grad if t.grad is not None else torch.zeros_like(t)
-                                     for name, t in received.items() if t.is_floating_point()}
+            self._send(outgoing, {name: t.grad if t.grad is not None else torch.zeros_like(t)
+                                  for name, t in received.items() if t.is_floating_point()})
         self.events.hook.on_backward_end(microbatch=action.microbatch, chunk=action.chunk)
+
+    def _send(self, message, tensors: dict) -> None:
+        """To the next exchange, or straight to this rank's inbox where it holds both stages."""
+        if crossing(self.table, self.rank, message) is None:
+            self.inbox[message] = {name: tensor.clone() for name, tensor in tensors.items()}
+        else:
+            self.outbox[message] = tensors
 
     def _weight_grads(self, action: Action) -> None:
         """W: the weight-gradient products the micro-batch's B left for this chunk."""

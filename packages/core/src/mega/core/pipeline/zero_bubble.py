@@ -5,65 +5,151 @@ others: the bubble of ``(pp - 1) / (m + pp - 1)``. B is all the previous stage w
 W (:mod:`mega.core.parallel.weight_grad_split`) waits for nothing and can fill those gaps
 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023).
 
-ZB-H1 (``--pipeline-schedule zb-h1``) is built here the way that paper builds its schedules: a
-list schedule over unit costs (F = B = W = 1), each rank at each moment running
+The schedules are built the way that paper builds them, as list schedules over unit costs
+(F = B = W = 1 per model chunk): in every time slot each rank runs
 
-1. the oldest B whose gradient has arrived (B is on the critical path), else
-2. its next F, if its input has arrived and fewer than ``pp - rank`` micro-batches are live on it
-   (forward run, W not yet: W still needs the layers' inputs), 1F1B's memory, else
-3. its oldest pending W, else nothing.
+1. a B whose gradient has arrived (B is on the critical path), the oldest, else
+2. its oldest W if more than ``max_deferred`` W are pending (they hold memory), else
+3. an F whose input has arrived, if fewer than its ``live`` limit of chunks are held (forward
+   run, B not yet): with interleaved chunks the next in interleaved 1F1B's order (groups of pp
+   micro-batches per chunk, whose memory bound holds only in that order), in a V the one
+   furthest down the pipeline (it reaches the loss soonest), else
+4. its oldest W, else nothing (an idle slot).
 
-The last stage then runs F B W F B W...; the earlier ones hold W back until the cool-down, where
-it fills the time 1F1B spends waiting for gradients. With T_F = T_B = T_W the bubble is
-``(pp - 1) / (3 m + pp - 1)``: a third of 1F1B's ``3 (pp - 1) / (3 m + 3 (pp - 1))`` for m >> pp.
-Each action is a step of its own (as in 1F1B), so the exchanges of
-:mod:`mega.core.pipeline.messages` apply unchanged; the tests check they never deadlock.
+The entries (``schedule_table(..., schedule=...)``), each with its live-activation limit per
+rank, which the table tests check, and its bubble with T_F = T_B = T_W:
+
+* ``zb-h1``, one chunk per rank: 1F1B's ``pp - rank`` activations; bubble ``(pp - 1) / (3 m +
+  pp - 1)`` for ``m >= pp``, a third of 1F1B's pp - 1 slots of F + B + W.
+* ``zb-h1`` with ``vpp`` chunks per rank (interleaved zero bubble, Megatron's interleaved
+  placement): interleaved 1F1B's ``2 (pp - rank - 1) + (vpp - 1) pp + 1`` chunks.
+* ``zbv``, two chunks per rank in a V (rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``, so the
+  first rank also computes the loss): ``2 pp`` chunks on every rank, 1F1B's first-rank peak.
+* ``dualpipev``: the same V with DualPipeV's ``pp + 1`` chunks (DeepSeek's figure).
+
+W pending (a linear's input and output gradient each, a fraction of a chunk's activations) is
+at most ``pp`` per rank (fewer held back, and the cool-down has too few W to fill its gaps). The table is *slotted*: step ``i`` of every rank is time slot ``i``, and
+every message is exchanged in the slot after the one that produced it, so each exchange meets its
+counterpart at the same slot (:mod:`mega.core.pipeline.messages`), a W never waits for a transfer
+and the real run follows the unit-cost timeline as closely as the costs are equal.
 """
 
 from __future__ import annotations
 
-from mega.core.pipeline.actions import BACKWARD, FORWARD, WEIGHT, Action, ScheduleError, ScheduleTable
+from collections.abc import Callable
+
+from mega.core.pipeline.actions import (
+    BACKWARD,
+    FORWARD,
+    INTERLEAVED,
+    V_SHAPE,
+    WEIGHT,
+    Action,
+    ScheduleError,
+    ScheduleTable,
+    stage_of,
+)
+from mega.core.pipeline.interleaved_order import interleaved_forward
+
+ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")
 
 
-def zb_h1_table(pp: int, num_microbatches: int) -> ScheduleTable:
-    """The ZB-H1 schedule of ``pp`` ranks (one model chunk each) and ``num_microbatches``."""
-    m = num_microbatches
-    forward_done: dict[tuple[int, int], int] = {}  # (micro-batch, stage) -> time its F ends
+def live_limits(schedule: str, pp: int, vpp: int) -> list[int]:
+    """The most model chunks' activations (forward run, B not yet) each rank holds."""
+    if schedule == "zb-h1" and vpp == 1:
+        return [pp - rank for rank in range(pp)]
+    if schedule == "zb-h1":
+        return [2 * (pp - rank - 1) + (vpp - 1) * pp + 1 for rank in range(pp)]
+    if schedule == "zbv":
+        return [2 * pp] * pp
+    if schedule == "dualpipev":
+        return [2 * (pp + 1)] * pp
+    raise ScheduleError(f"{schedule!r} is not a zero-bubble schedule ({', '.join(ZERO_BUBBLE_SCHEDULES)})")
+
+
+def zero_bubble_table(schedule: str, pp: int, num_microbatches: int, vpp: int = 1) -> ScheduleTable:
+    """The table of ``schedule`` (one of :data:`ZERO_BUBBLE_SCHEDULES`)."""
+    if schedule in V_SCHEDULES and vpp != 2:
+        raise ScheduleError(f"--pipeline-schedule {schedule} runs two model chunks per rank in a V; got vpp = {vpp}")
+    placement = V_SHAPE if schedule in V_SCHEDULES else INTERLEAVED
+    return list_schedule(pp, num_microbatches, vpp, placement, live_limits(schedule, pp, vpp), max_deferred=pp - 1)
+
+
+def list_schedule(pp: int, num_microbatches: int, vpp: int, placement: str, live: list[int],
+                  max_deferred: int) -> ScheduleTable:
+    """The slotted table of the list schedule described in the module docstring."""
+    m, stages = num_microbatches, pp * vpp
+    stage: Callable[[int, int], int] = lambda rank, chunk: stage_of(rank, chunk, pp, placement)  # noqa: E731
+    forward_done: dict[tuple[int, int], int] = {}  # (micro-batch, stage) -> slot its F ended after
     backward_done: dict[tuple[int, int], int] = {}
-    orders: list[list[Action]] = [[] for _ in range(pp)]
-    next_forward = [0] * pp
-    next_backward = [0] * pp
-    weights: list[list[int]] = [[] for _ in range(pp)]  # micro-batches whose W is pending
-    live = [0] * pp
+    next_forward = [[0] * vpp for _ in range(pp)]
+    waiting_backward: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # (mb, chunk): F run, B not
+    deferred: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    slots: list[list[tuple[Action, ...]]] = [[] for _ in range(pp)]
+    forward_order = None
+    if placement == INTERLEAVED and vpp > 1:  # Megatron's: groups of pp micro-batches through each chunk
+        forward_order = [interleaved_forward(k, pp, vpp) for k in range(m * vpp)]
+    remaining = 3 * m * stages
     time = 0
-    while any(len(order) < 3 * m for order in orders):
-        started = []
+    while remaining:
+        finished = []
         for rank in range(pp):
-            b, f = next_backward[rank], next_forward[rank]
-            gradient_in = b < f and (backward_done.get((b, rank + 1), time + 1) <= time if rank < pp - 1
-                                     else forward_done[(b, rank)] <= time)
-            input_in = f < m and (rank == 0 or forward_done.get((f, rank - 1), time + 1) <= time)
-            if gradient_in:
-                action = Action(BACKWARD, b, 0)
-                next_backward[rank] += 1
-                weights[rank].append(b)
-            elif input_in and live[rank] < pp - rank:
-                action = Action(FORWARD, f, 0)
-                next_forward[rank] += 1
-                live[rank] += 1
-            elif weights[rank]:
-                action = Action(WEIGHT, weights[rank].pop(0), 0)
-                live[rank] -= 1
-            else:
+            action = _choose(rank, time, stage, stages, m, vpp, live[rank], max_deferred, forward_done,
+                             backward_done, next_forward[rank], waiting_backward[rank], deferred[rank], forward_order)
+            slots[rank].append((action,) if action else ())
+            if action is None:
                 continue
-            orders[rank].append(action)
-            started.append((rank, action))
-        for rank, action in started:  # every action takes one unit
-            done = forward_done if action.kind == FORWARD else backward_done if action.kind == BACKWARD else None
-            if done is not None:
-                done[(action.microbatch, rank)] = time + 1
+            remaining -= 1
+            if action.kind == FORWARD:
+                next_forward[rank][action.chunk] += 1
+                waiting_backward[rank].append((action.microbatch, action.chunk))
+                finished.append((forward_done, action.microbatch, stage(rank, action.chunk)))
+            elif action.kind == BACKWARD:
+                waiting_backward[rank].remove((action.microbatch, action.chunk))
+                deferred[rank].append((action.microbatch, action.chunk))
+                finished.append((backward_done, action.microbatch, stage(rank, action.chunk)))
+            else:
+                deferred[rank].remove((action.microbatch, action.chunk))
+        for done, microbatch, where in finished:  # results are there from the next slot on
+            done[(microbatch, where)] = time + 1
         time += 1
-        if time > 10 * pp * m + 10:
-            raise ScheduleError(f"the ZB-H1 list schedule of pp = {pp}, {m} micro-batches made no progress")
-    steps = tuple(tuple((action,) for action in order) for order in orders)
-    return ScheduleTable(pp, 1, m, steps)
+        if time > 4 * m * stages + 4 * stages:
+            raise ScheduleError(f"the list schedule of pp = {pp}, vpp = {vpp}, {m} micro-batches made no progress")
+    return ScheduleTable(pp, vpp, m, tuple(tuple(rank_slots) for rank_slots in slots), placement, slotted=True)
+
+
+def _chunk_of_next_forward(next_forward: list[int], order: list[tuple[int, int]]) -> int | None:
+    """The chunk of the first (micro-batch, chunk) of ``order`` not run yet."""
+    done = sum(next_forward)
+    return order[done][1] if done < len(order) else None
+
+
+def _choose(rank, time, stage, stages, m, vpp, live, max_deferred, forward_done, backward_done, next_forward,
+            waiting_backward, deferred, forward_order) -> Action | None:
+    def arrived(done, key):
+        return done.get(key, time + 1) <= time
+
+    ready_backward = [
+        (mb, chunk) for mb, chunk in waiting_backward
+        if (arrived(forward_done, (mb, stage(rank, chunk))) if stage(rank, chunk) == stages - 1
+            else arrived(backward_done, (mb, stage(rank, chunk) + 1)))
+    ]
+    if len(deferred) > max_deferred:
+        return Action(WEIGHT, *deferred[0])
+    if ready_backward:
+        mb, chunk = min(ready_backward, key=lambda item: (item[0], -stage(rank, item[1])))
+        return Action(BACKWARD, mb, chunk)
+    if len(waiting_backward) < live:
+        chunks = range(vpp) if forward_order is None else [_chunk_of_next_forward(next_forward, forward_order)]
+        ready_forward = [
+            (next_forward[chunk], chunk) for chunk in chunks
+            if chunk is not None and next_forward[chunk] < m
+            and (stage(rank, chunk) == 0 or arrived(forward_done, (next_forward[chunk], stage(rank, chunk) - 1)))
+        ]
+        if ready_forward:
+            mb, chunk = max(ready_forward, key=lambda item: (stage(rank, item[1]), -item[0]))
+            return Action(FORWARD, mb, chunk)
+    if deferred:
+        return Action(WEIGHT, *deferred[0])
+    return None
