@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import re
 
+from mega.core.pipeline.actions import rank_and_chunk_of
 from mega.core.pipeline.config import PipelineConfig
 from mega.core.pipeline.partition import PartitionError
+from mega.core.pipeline.zero_bubble import placement_of
 
 _REPEAT_GROUP = re.compile(r"\(([^()]+)\)\*(\d+)")
 _REPEAT_ONE = re.compile(r"(.)\*(\d+)")
@@ -97,7 +99,8 @@ def layout_stage_count(pipeline: PipelineConfig) -> int | None:
 
 def layers_per_stage(pipeline: PipelineConfig, num_layers: int, pp: int, vpp: int = 1) -> list[int] | None:
     """Transformer layers of each of the ``pp * vpp`` virtual stages (pipeline order), or None
-    for an even split."""
+    for an even split. The first/last flags count a pipeline rank's layers, over the chunks the
+    schedule places on it (in a V the first rank holds the first and the last stage)."""
     if pipeline.pipeline_model_parallel_layout is not None:
         counts = _from_layout(pipeline.pipeline_model_parallel_layout, num_layers, pp, vpp)
     elif pipeline.decoder_first_pipeline_num_layers is not None or pipeline.decoder_last_pipeline_num_layers is not None:
@@ -156,7 +159,8 @@ def _first_and_last(pipeline: PipelineConfig, num_layers: int, pp: int, vpp: int
         if count % vpp:
             raise PartitionError(f"pipeline rank {rank} holds {count} layers, which do not split evenly over its "
                                  f"{vpp} virtual stages ({named}, --num-layers {num_layers})")
-    return [per_rank[stage % pp] // vpp for stage in range(pp * vpp)]
+    placement = placement_of(pipeline.pipeline_schedule)
+    return [per_rank[rank_and_chunk_of(stage, pp, placement)[0]] // vpp for stage in range(pp * vpp)]
 
 
 def _accounting(pipeline: PipelineConfig, num_layers: int, pp: int, vpp: int) -> list[int]:

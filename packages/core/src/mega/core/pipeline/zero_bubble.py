@@ -55,6 +55,11 @@ ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zbv", "dualpipev")
 V_SCHEDULES = ("zbv", "dualpipev")
 
 
+def placement_of(schedule: str) -> str:
+    """Where a schedule puts the model chunks: a V for ``zbv`` and ``dualpipev``, else interleaved."""
+    return V_SHAPE if schedule in V_SCHEDULES else INTERLEAVED
+
+
 def live_limits(schedule: str, pp: int, vpp: int) -> list[int]:
     """The most model chunks' activations (forward run, B not yet) each rank holds."""
     if schedule == "zb-h1" and vpp == 1:
@@ -72,8 +77,7 @@ def zero_bubble_table(schedule: str, pp: int, num_microbatches: int, vpp: int = 
     """The table of ``schedule`` (one of :data:`ZERO_BUBBLE_SCHEDULES`)."""
     if schedule in V_SCHEDULES and vpp != 2:
         raise ScheduleError(f"--pipeline-schedule {schedule} runs two model chunks per rank in a V; got vpp = {vpp}")
-    placement = V_SHAPE if schedule in V_SCHEDULES else INTERLEAVED
-    return list_schedule(pp, num_microbatches, vpp, placement, live_limits(schedule, pp, vpp), max_deferred=pp - 1)
+    return list_schedule(pp, num_microbatches, vpp, placement_of(schedule), live_limits(schedule, pp, vpp), max_deferred=pp - 1)
 
 
 def list_schedule(pp: int, num_microbatches: int, vpp: int, placement: str, live: list[int],

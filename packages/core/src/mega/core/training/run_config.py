@@ -18,6 +18,7 @@ from mega.core.parallel import ParallelConfig
 from mega.core.parallel.context_parallel import check_sequence_length
 from mega.core.pipeline.config import PipelineConfig
 from mega.core.pipeline.layout import layers_per_stage, layout_stage_count
+from mega.core.pipeline.schedule_table import V_SCHEDULES
 from mega.core.plugins import PluginError, get_plugins
 from mega.core.training.config import (
     CheckpointConfig,
@@ -96,7 +97,7 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
                 f"stage (--num-layers {run.model.num_layers} / --pipeline-model-parallel-size {parallel.pp})"
             )
         parallel = dataclasses.replace(parallel, vpp=layers_per_rank // nlpvs)
-    parallel = _vpp_of_layout(run.pipeline, parallel)
+    parallel = _vpp_of_schedule(run, _vpp_of_layout(run.pipeline, parallel))
     try:
         dp = parallel.data_parallel_size(world_size)
     except ValueError as error:
@@ -125,20 +126,33 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
             f"--global-batch-size {global_batch} / (--micro-batch-size {training.micro_batch_size} x dp {dp}) "
             f"= {microbatches}"
         )
-    if (parallel.vpp or 1) > 1 and microbatches % parallel.pp:
+    if (parallel.vpp or 1) > 1 and microbatches % parallel.pp and run.pipeline.pipeline_schedule not in V_SCHEDULES:
         raise ConfigError(
             f"the interleaved schedule needs the micro-batches per step ({microbatches}) to be a multiple "
             f"of --pipeline-model-parallel-size {parallel.pp}"
         )
-    if run.pipeline.pipeline_schedule != "1f1b" and (parallel.vpp or 1) > 1:
-        raise ConfigError(f"--pipeline-schedule {run.pipeline.pipeline_schedule} runs one model chunk per pipeline "
-                          f"rank; got {parallel.vpp} virtual stages per rank")
     try:
         layers_per_stage(run.pipeline, getattr(run.model, "num_layers", 0), parallel.pp, parallel.vpp or 1)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     run = dataclasses.replace(run, parallel=parallel)
     return run, Derived(world_size, dp, global_batch, microbatches)
+
+
+def _vpp_of_schedule(run: RunConfig, parallel: ParallelConfig) -> ParallelConfig:
+    """zbv and dualpipev run two model chunks per rank in a V (vpp 2 unless set otherwise)."""
+    schedule = run.pipeline.pipeline_schedule
+    if schedule not in V_SCHEDULES:
+        return parallel
+    if parallel.pp < 2:
+        raise ConfigError(f"--pipeline-schedule {schedule} needs --pipeline-model-parallel-size of 2 or more")
+    if (parallel.vpp or 2) != 2:
+        raise ConfigError(f"--pipeline-schedule {schedule} runs two model chunks per pipeline rank in a V; got "
+                          f"{parallel.vpp} virtual stages per rank")
+    if not getattr(run.model, "untie_embeddings_and_output_weights", True):
+        raise ConfigError(f"--pipeline-schedule {schedule} puts the embedding and the output layer on the first "
+                          f"rank, as two model chunks: untie them (--untie-embeddings-and-output-weights)")
+    return dataclasses.replace(parallel, vpp=2)
 
 
 def _vpp_of_layout(pipeline: PipelineConfig, parallel: ParallelConfig) -> ParallelConfig:
