@@ -276,6 +276,8 @@ def split_by_layout(results_per_rank):
 
 def test_no_pipelining_in_one_process_matches(reference_for):
     check_against_reference([pipeline_run({"tp": 1, "pp": 1, "microbatches": 4})], reference_for)
+    # Split backwards on one process: the tied word embedding's gradient stays whole in B.
+    check_against_reference([pipeline_run({"tp": 1, "pp": 1, "microbatches": 4, "schedule": "zb-h1"})], reference_for)
 
 
 def test_1f1b_interleaved_and_zb_h1_on_two_ranks(worlds, reference_for):

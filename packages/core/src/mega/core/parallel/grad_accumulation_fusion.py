@@ -121,7 +121,7 @@ class _LinearDeferringWeightGrad(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, with the weight gradient accumulated into ``weight.main_grad`` where it is
     fused (:func:`fuses`), and deferred to the W step inside ``deferring_weight_grads``."""
-    pending = deferral_target()
+    pending = deferral_target(weight)
     if pending is not None and (weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _LinearDeferringWeightGrad.apply(x, weight.detach(), None if bias is None else bias.detach(),
                                                 (weight, bias), pending)

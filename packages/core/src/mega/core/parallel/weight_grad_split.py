@@ -26,7 +26,7 @@ tensors, only later.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 
 import torch
@@ -35,24 +35,32 @@ import torch
 # was accumulated into the parameter's main_grad already (gradient-accumulation fusion).
 WeightGrad = Callable[[], list[tuple[torch.Tensor, torch.Tensor | None]]]
 
-_pending: ContextVar[list[WeightGrad] | None] = ContextVar("mega_deferred_weight_grads", default=None)
+_pending: ContextVar[tuple[list[WeightGrad], frozenset[int]] | None] = ContextVar(
+    "mega_deferred_weight_grads", default=None)
 
 
 @contextlib.contextmanager
-def deferring_weight_grads(pending: list[WeightGrad]) -> Iterator[list[WeightGrad]]:
-    """Layers whose forward runs inside leave their weight gradients to ``pending``."""
-    token = _pending.set(pending)
+def deferring_weight_grads(pending: list[WeightGrad], keep_in_b: Iterable[torch.Tensor] = ()
+                           ) -> Iterator[list[WeightGrad]]:
+    """Layers whose forward runs inside leave their weight gradients to ``pending``, except for
+    the weights ``keep_in_b``: a weight that also gets an ordinary gradient in B (a word
+    embedding tied to the output layer of the same rank) must get all of it there, or the
+    data-parallel wrapper would reduce its bucket before W adds the rest."""
+    token = _pending.set((pending, frozenset(id(weight) for weight in keep_in_b)))
     try:
         yield pending
     finally:
         _pending.reset(token)
 
 
-def deferral_target() -> list[WeightGrad] | None:
-    """Where a layer built now puts its weight-gradient products (None: compute them in B)."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+def deferral_target(*weights: torch.Tensor) -> list[WeightGrad] | None:
+    """Where a layer run now puts the weight-gradient products of ``weights`` (None: compute
+    them in B)."""
+    context = _pending.get()
+    if context is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
-    return _pending.get()
+    pending, kept = context
+    return None if any(id(weight) in kept for weight in weights) else pending
 
 
 def defer(pending: list[WeightGrad], product: WeightGrad) -> None:

@@ -29,7 +29,7 @@ from mega.core.pipeline.messages import consumed, crossing, exchanges, produced
 from mega.core.pipeline.p2p import PipelineLinks
 from mega.core.pipeline.schedule_table import FORWARD, WEIGHT, Action, ScheduleTable, schedule_table
 from mega.core.pipeline.tensor_spec import TensorSpec
-from mega.core.pipeline.tied import sum_tied_grads
+from mega.core.pipeline.tied import sum_tied_grads, tied_parameters
 from mega.core.plugins import Events
 
 # The name of the one tensor that crosses when chunks map a tensor to a tensor.
@@ -141,6 +141,11 @@ class _ScheduleRun:
                 self.final_actions[(id(self.syncers[action.chunk]), action.kind)] = action
         self.deferred: dict[tuple[int, int], list] = {}  # (mb, chunk) -> weight-gradient products for its W
         self.splits_backward = table.splits_backward and not forward_only
+        # A rank that holds the first and the last stage (pp = 1) uses a tied word embedding for
+        # the lookup and the output layer: its gradient stays whole in B.
+        stages = {table.stage(self.rank, chunk) for chunk in range(len(chunks))}
+        holds_both_ends = {0, table.num_stages - 1} <= stages
+        self.keep_in_b = tied_parameters(chunks) if holds_both_ends else []
 
     def execute(self) -> list[torch.Tensor]:
         steps = self.table.steps[self.rank]
@@ -184,7 +189,8 @@ class _ScheduleRun:
         self.events.hook.on_forward_start(microbatch=action.microbatch, chunk=action.chunk)
         deferring = contextlib.nullcontext()
         if self.splits_backward:
-            deferring = deferring_weight_grads(self.deferred.setdefault((action.microbatch, action.chunk), []))
+            deferring = deferring_weight_grads(self.deferred.setdefault((action.microbatch, action.chunk), []),
+                                               self.keep_in_b)
         with torch.set_grad_enabled(not self.forward_only), self.events.forward_context(action.microbatch, action.chunk), \
                 deferring:
             y = self.chunks[action.chunk](x)
