@@ -5,33 +5,38 @@ others: the bubble of ``(pp - 1) / (m + pp - 1)``. B is all the previous stage w
 W (:mod:`mega.core.parallel.weight_grad_split`) waits for nothing and can fill those gaps
 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023).
 
-The schedules are built the way that paper builds them, as list schedules over unit costs
-(F = B = W = 1 per model chunk): in every time slot each rank runs
+The schedules are list schedules over unit costs (F = B = W = 1 per model chunk), built the way
+that paper builds its automatic ones: in every time slot each rank runs
 
-1. a B whose gradient has arrived (B is on the critical path), the oldest, else
-2. its oldest W if more than ``max_deferred`` W are pending (they hold memory), else
+1. its oldest W if ``max_deferred`` are pending (each holds a layer's input and output gradient), else
+2. a B whose gradient has arrived (B is on the critical path), the oldest, else
 3. an F whose input has arrived, if fewer than its ``live`` limit of chunks are held (forward
    run, B not yet): with interleaved chunks the next in interleaved 1F1B's order (groups of pp
-   micro-batches per chunk, whose memory bound holds only in that order), in a V the one
-   furthest down the pipeline (it reaches the loss soonest), else
+   micro-batches per chunk, the order its memory bound holds in), in a V the one furthest down
+   the pipeline (it reaches the loss soonest), else
 4. its oldest W, else nothing (an idle slot).
 
-The entries (``schedule_table(..., schedule=...)``), each with its live-activation limit per
-rank, which the table tests check, and its bubble with T_F = T_B = T_W:
+The entries of ``schedule_table(..., schedule=...)``, with what the table tests check (m
+micro-batches, bubbles with T_F = T_B = T_W against 1F1B's with a backward of B + W):
 
-* ``zb-h1``, one chunk per rank: 1F1B's ``pp - rank`` activations; bubble ``(pp - 1) / (3 m +
-  pp - 1)`` for ``m >= pp``, a third of 1F1B's pp - 1 slots of F + B + W.
-* ``zb-h1`` with ``vpp`` chunks per rank (interleaved zero bubble, Megatron's interleaved
-  placement): interleaved 1F1B's ``2 (pp - rank - 1) + (vpp - 1) pp + 1`` chunks.
-* ``zbv``, two chunks per rank in a V (rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``, so the
-  first rank also computes the loss): ``2 pp`` chunks on every rank, 1F1B's first-rank peak.
-* ``dualpipev``: the same V with DualPipeV's ``pp + 1`` chunks (DeepSeek's figure).
+* ``zb-h1``, one chunk per rank: 1F1B's ``pp - rank`` live chunks, at most ``pp`` W pending;
+  bubble ``(pp - 1) / (3 m + pp - 1)`` for ``m >= pp``, a third of 1F1B's slots.
+* ``zb-h1`` with ``vpp`` chunks per rank (interleaved zero bubble, Megatron's placement):
+  interleaved 1F1B's ``2 (pp - rank - 1) + (vpp - 1) pp + 1`` live chunks, at most ``pp`` W;
+  bubble at most 3/4 of interleaved 1F1B's and no more than ZB-H1's.
+* ``zbv``, two chunks per rank in a V (rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``: the
+  first rank also computes the loss): ``2 pp`` live chunks on every rank (1F1B's first-rank
+  peak: pp micro-batches of half-stage chunks), at most ``pp`` W; bubble at most half of
+  interleaved 1F1B's (two chunks) and no more than ZB-H1's.
+* ``dualpipev``: the same V with DualPipeV's memory (``pp + 1`` micro-batches, ``2 pp + 2``
+  chunks) and up to ``2 pp + 1`` W held back for a smaller bubble than ``zbv``'s on average.
+  DeepSeek's DualPipeV also overlaps one micro-batch's forward with another's backward to hide
+  expert-parallel communication; mega runs the actions of a slot one after the other.
 
-W pending (a linear's input and output gradient each, a fraction of a chunk's activations) is
-at most ``pp`` per rank (fewer held back, and the cool-down has too few W to fill its gaps). The table is *slotted*: step ``i`` of every rank is time slot ``i``, and
-every message is exchanged in the slot after the one that produced it, so each exchange meets its
-counterpart at the same slot (:mod:`mega.core.pipeline.messages`), a W never waits for a transfer
-and the real run follows the unit-cost timeline as closely as the costs are equal.
+The table is *slotted*: step ``i`` of every rank is time slot ``i``, and every message is
+exchanged in the slot after the one that produced it, so an exchange always meets its
+counterpart in the same slot (:mod:`mega.core.pipeline.messages`), a W never waits for a
+transfer, and a run follows the unit-cost timeline as closely as its costs are equal.
 """
 
 from __future__ import annotations
@@ -73,11 +78,17 @@ def live_limits(schedule: str, pp: int, vpp: int) -> list[int]:
     raise ScheduleError(f"{schedule!r} is not a zero-bubble schedule ({', '.join(ZERO_BUBBLE_SCHEDULES)})")
 
 
+def max_deferred_weight_grads(schedule: str, pp: int) -> int:
+    """The most W a rank holds back: ``pp`` (``2 pp + 1`` for dualpipev, which trades memory for bubble)."""
+    return 2 * pp + 1 if schedule == "dualpipev" else pp
+
+
 def zero_bubble_table(schedule: str, pp: int, num_microbatches: int, vpp: int = 1) -> ScheduleTable:
     """The table of ``schedule`` (one of :data:`ZERO_BUBBLE_SCHEDULES`)."""
     if schedule in V_SCHEDULES and vpp != 2:
         raise ScheduleError(f"--pipeline-schedule {schedule} runs two model chunks per rank in a V; got vpp = {vpp}")
-    return list_schedule(pp, num_microbatches, vpp, placement_of(schedule), live_limits(schedule, pp, vpp), max_deferred=pp - 1)
+    return list_schedule(pp, num_microbatches, vpp, placement_of(schedule), live_limits(schedule, pp, vpp),
+                         max_deferred_weight_grads(schedule, pp))
 
 
 def list_schedule(pp: int, num_microbatches: int, vpp: int, placement: str, live: list[int],
@@ -139,7 +150,7 @@ def _choose(rank, time, stage, stages, m, vpp, live, max_deferred, forward_done,
         if (arrived(forward_done, (mb, stage(rank, chunk))) if stage(rank, chunk) == stages - 1
             else arrived(backward_done, (mb, stage(rank, chunk) + 1)))
     ]
-    if len(deferred) > max_deferred:
+    if len(deferred) >= max_deferred:
         return Action(WEIGHT, *deferred[0])
     if ready_backward:
         mb, chunk = min(ready_backward, key=lambda item: (item[0], -stage(rank, item[1])))
