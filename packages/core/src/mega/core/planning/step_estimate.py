@@ -19,7 +19,15 @@ from dataclasses import dataclass
 
 from mega.core.model_family import ModelFamily
 from mega.core.pipeline.layout import uneven_candidates
-from mega.core.planning.memory_plan import Layout, PlanError, RankMemory, layer_split, plan_memory
+from mega.core.pipeline.schedule_table import V_SCHEDULES
+from mega.core.planning.memory_plan import (
+    Layout,
+    PlanError,
+    RankMemory,
+    layer_split,
+    plan_memory,
+    schedule_of,
+)
 
 RECOMPUTE_COST = {None: 1.0, "selective": 1.0, "full": 4.0 / 3.0}
 # Kept free on every GPU for the CUDA context, NCCL buffers and allocator fragmentation.
@@ -60,7 +68,7 @@ def estimate(family: ModelFamily, config, layout: Layout, *, global_batch_size: 
         raise PlanError(f"--global-batch-size {global_batch_size} is not divisible by micro-batch "
                         f"{layout.micro_batch_size} x dp {layout.dp}")
     microbatches = global_batch_size // per_step
-    if layout.vpp > 1 and microbatches % layout.pp:
+    if layout.vpp > 1 and microbatches % layout.pp and layout.schedule not in V_SCHEDULES:
         raise PlanError(f"the interleaved schedule needs the micro-batches ({microbatches}) to be a multiple of pp")
     # The peak of held activations is reached by the end of the warm-up; two rounds of pp
     # micro-batches show it without walking thousands of them.
@@ -68,13 +76,22 @@ def estimate(family: ModelFamily, config, layout: Layout, *, global_batch_size: 
     ranks = plan_memory(family, config, layout, dtype_bytes=dtype_bytes, optimizer=optimizer,
                         num_microbatches=walked, device_type=device_type, grad_dtype_bytes=grad_dtype_bytes)
     flops = family.num_floating_point_operations(config, global_batch_size)
-    bubble = (layout.pp - 1) / (layout.vpp * microbatches + layout.pp - 1)
+    bubble = pipeline_bubble(layout, microbatches)
     step_time = None
     if peak_tflops:
         busy = flops * RECOMPUTE_COST[layout.recompute] * stage_imbalance(family, config, layout) / (
             layout.world_size * peak_tflops * 1e12 * mfu)
         step_time = busy / (1.0 - bubble)
     return Estimate(layout, ranks, flops, bubble, step_time, global_batch_size * config.seq_length)
+
+
+def pipeline_bubble(layout: Layout, microbatches: int) -> float:
+    """1F1B's ``(pp - 1) / (vpp m + pp - 1)``; a zero-bubble schedule's idle share of its slotted
+    table (unit costs F = B = W: its slots are its makespan)."""
+    if layout.schedule == "1f1b":
+        return (layout.pp - 1) / (layout.vpp * microbatches + layout.pp - 1)
+    table = schedule_of(layout.pp, microbatches, layout.vpp, layout.schedule)
+    return 1.0 - 3 * microbatches * layout.vpp / len(table.steps[0])
 
 
 def stage_imbalance(family: ModelFamily, config, layout: Layout) -> float:
@@ -86,7 +103,9 @@ def stage_imbalance(family: ModelFamily, config, layout: Layout) -> float:
     total = family.num_floating_point_operations(config, 1)
     per_layer = total - family.num_floating_point_operations(dataclasses.replace(config, num_layers=config.num_layers - 1), 1)
     head = total - per_layer * config.num_layers
-    ranks = layer_split(config.num_layers, layout.pp, layout.vpp, layout.layers_per_stage)
+    placement = schedule_of(layout.pp, 1 if layout.vpp == 1 or layout.schedule in V_SCHEDULES else layout.pp,
+                            layout.vpp, layout.schedule).placement
+    ranks = layer_split(config.num_layers, layout.pp, layout.vpp, layout.layers_per_stage, placement)
     work = [sum(len(chunk) for chunk in chunks) * per_layer for chunks in ranks]
     work[-1] += head
     return max(work) / (total / layout.pp)
