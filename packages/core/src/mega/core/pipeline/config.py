@@ -2,7 +2,8 @@
 
 The layout flags are Megatron-LM's (see :mod:`mega.core.pipeline.layout` for their meaning);
 ``--pipeline-schedule`` picks an entry of the schedule table
-(:mod:`mega.core.pipeline.schedule_table`, :mod:`mega.core.pipeline.zero_bubble`).
+(:mod:`mega.core.pipeline.schedule_table`, :mod:`mega.core.pipeline.zero_bubble`;
+docs/pipeline.md).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from mega.core.pipeline.schedule_table import SCHEDULES
 @dataclass
 class PipelineConfig:
     pipeline_schedule: str = option(
-        "1f1b", "the pipeline schedule: 1f1b (interleaved 1F1B with virtual stages) or zb-h1 (zero bubble: "
-        "each backward split into an input-gradient and a weight-gradient step, 1F1B's activation memory, "
-        "one model chunk per rank); see docs/pipeline.md", choices=SCHEDULES)
+        "1f1b", "the pipeline schedule: 1f1b (interleaved 1F1B with virtual stages); zb-h1 (zero bubble: each "
+        "backward split into an input-gradient step B and a weight-gradient step W that fills the bubble, "
+        "1F1B's activation memory; interleaved zero bubble with virtual stages); zbv, dualpipev (two model "
+        "chunks per rank in a V, the loss on the first rank; untied embeddings); see docs/pipeline.md",
+        choices=SCHEDULES)
     decoder_first_pipeline_num_layers: int | None = option(
         None, "transformer layers on the first pipeline stage (the others split the rest evenly)")
     decoder_last_pipeline_num_layers: int | None = option(
