@@ -67,26 +67,21 @@ def uneven_candidates(num_layers: int, pp: int, vpp: int = 1) -> list[tuple[int,
     stage (and on the first) spread over the others, where they split evenly."""
     if pp == 1:
         return []
+    fewer = num_layers // pp - 1
+    tries = [dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True),
+             dict(account_for_loss_in_pipeline_split=True),
+             dict(decoder_last_pipeline_num_layers=fewer),
+             dict(decoder_first_pipeline_num_layers=fewer, decoder_last_pipeline_num_layers=fewer)]
     found = []
-    for embedding, loss in ((True, True), (False, True)):
+    for flags in tries:
         try:
-            counts = _accounting(PipelineConfig(account_for_embedding_in_pipeline_split=embedding,
-                                                account_for_loss_in_pipeline_split=loss), num_layers, pp, vpp)
-        except PartitionError:
+            found.append(tuple(layers_per_stage(PipelineConfig(**flags), num_layers, pp, vpp)))
+        except ValueError:  # does not split evenly (or a count below zero)
             continue
-        found.append(tuple(counts))
-    base = num_layers // pp
-    for first, last in ((None, base - 1), (base - 1, base - 1)):
-        try:
-            counts = _first_and_last(PipelineConfig(decoder_first_pipeline_num_layers=first,
-                                                    decoder_last_pipeline_num_layers=last), num_layers, pp, vpp)
-        except PartitionError:
-            continue
-        found.append(tuple(counts))
     even = num_layers % (pp * vpp) == 0
     unique = []
     for counts in found:
-        if min(counts[1:-1], default=1) > 0 and counts not in unique and not (even and len(set(counts)) == 1):
+        if counts not in unique and not (even and len(set(counts)) == 1):
             unique.append(counts)
     return unique
 

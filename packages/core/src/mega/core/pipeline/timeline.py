@@ -60,32 +60,36 @@ class PipelineTimeline:
     def on_step_start(self, iteration):
         self._iteration = iteration
 
+    def _pass_start(self, kind: str, microbatch: int, chunk: int) -> None:
+        self._starts[(kind, microbatch, chunk)] = self._now()
+
+    def _pass_end(self, kind: str, category: str, microbatch: int, chunk: int) -> None:
+        start = self._starts.pop((kind, microbatch, chunk))
+        self._record(f"{kind}{microbatch} c{chunk}", category, start, microbatch=microbatch, chunk=chunk)
+
     @hookimpl
     def on_forward_start(self, microbatch, chunk):
-        self._starts[("F", microbatch, chunk)] = self._now()
+        self._pass_start("F", microbatch, chunk)
 
     @hookimpl
     def on_forward_end(self, microbatch, chunk):
-        start = self._starts.pop(("F", microbatch, chunk))
-        self._record(f"F{microbatch} c{chunk}", "forward", start, microbatch=microbatch, chunk=chunk)
+        self._pass_end("F", "forward", microbatch, chunk)
 
     @hookimpl
     def on_backward_start(self, microbatch, chunk):
-        self._starts[("B", microbatch, chunk)] = self._now()
+        self._pass_start("B", microbatch, chunk)
 
     @hookimpl
     def on_backward_end(self, microbatch, chunk):
-        start = self._starts.pop(("B", microbatch, chunk))
-        self._record(f"B{microbatch} c{chunk}", "backward", start, microbatch=microbatch, chunk=chunk)
+        self._pass_end("B", "backward", microbatch, chunk)
 
     @hookimpl
     def on_weight_grad_start(self, microbatch, chunk):
-        self._starts[("W", microbatch, chunk)] = self._now()
+        self._pass_start("W", microbatch, chunk)
 
     @hookimpl
     def on_weight_grad_end(self, microbatch, chunk):
-        start = self._starts.pop(("W", microbatch, chunk))
-        self._record(f"W{microbatch} c{chunk}", "weight_grad", start, microbatch=microbatch, chunk=chunk)
+        self._pass_end("W", "weight_grad", microbatch, chunk)
 
     # The transfers of one exchange start together and are waited for together: one span.
     @hookimpl
