@@ -106,16 +106,21 @@ def unexplained_function_imports(source: Path) -> list[str]:
 
 
 def _explained(lines: list[str], index: int) -> bool:
-    """The import's own line, or the comment over the block of imports it belongs to, names a reason."""
+    """The import's own line, or the comment over the block of imports it belongs to (blank lines
+    between its groups included), names a reason."""
     while index >= 0:
         line = lines[index].strip().lower()
         if any(reason in line for reason in REASONS):
             return True
-        if not line.startswith(("import ", "from ", "#")):
+        if line and not line.startswith(("import ", "from ", "#")):
             return False
         index -= 1
     return False
 
 
-def test_core_imports_at_the_top_of_modules_unless_a_comment_says_why():
-    assert unexplained_function_imports(ROOT / "packages/core/src") == []
+SOURCES = sorted([*ROOT.glob("packages/*/src"), *ROOT.glob("plugins/*/src")])
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda path: str(path.relative_to(ROOT)))
+def test_imports_sit_at_the_top_of_modules_unless_a_comment_says_why(source):
+    assert unexplained_function_imports(source) == []

@@ -92,6 +92,31 @@ def test_joining_sequences_get_what_each_gets_alone(tiny_pair, static):
     assert not any(layer.keys.requires_grad for layer in worker.cache._layers.values())
 
 
+def test_greedy_requests_on_the_static_cache_choose_in_the_step(tiny_pair, monkeypatch):
+    """CPU. Greedy requests joining a running batch on the static cache: once every row and every
+    sequence about to join is greedy, the decode step chooses the tokens itself (the captured
+    graph's argmax on CUDA) and the rows just prefilled take their argmax; the tokens and endings
+    are what each gets alone."""
+    from mega.inference.static_decode import DecodeSteps
+
+    _, model, config = tiny_pair
+    engine = engine_for(model, config)
+    batch = [GenerationRequest(PROMPTS[0], 12), GenerationRequest(PROMPTS[3], 9, stop=StopRules(stop_ids=frozenset({1, 2, 3}))),
+             GenerationRequest(PROMPTS[1], 15), GenerationRequest(PROMPTS[4], 6)]
+    alone = [engine.generate([request])[0] for request in batch]
+    greedy_steps = []
+    original = DecodeSteps.greedy
+    monkeypatch.setattr(DecodeSteps, "greedy", lambda self, *a: greedy_steps.append(1) or original(self, *a))
+    worker = ContinuousBatchingWorker(engine, max_batch_size=3, max_num_tokens=3 * POSITIONS, static_cache=True)
+    worker.start()
+    try:
+        together = asyncio.run(run_staggered(worker, batch))
+    finally:
+        worker.stop()
+    assert [(r.tokens, r.finish_reason) for r in together] == [(r.tokens, r.finish_reason) for r in alone]
+    assert len(greedy_steps) >= 10
+
+
 @pytest.mark.parametrize(("budget", "static"), [(4096, False), (40, False), (4096, True)],
                          ids=["one-prefill", "budget", "static"])
 def test_prompts_admitted_together_are_prefilled_together_and_get_what_each_gets_alone(tiny_pair, monkeypatch, budget,

@@ -72,3 +72,37 @@ def test_serve_runs_the_static_kv_cache_by_default_on_cuda_under_continuous_batc
     with pytest.raises(GenerationError, match="--static-kv-cache runs for decoder-only models"):
         static_kv_cache(build_parser().parse_args(["--load", str(tmp_path), "--static-kv-cache"]),
                         torch.device("cpu"), True, decoder_only=False)
+
+
+def test_greedy_batches_choose_their_tokens_inside_the_step(tiny_pair, monkeypatch):
+    """CPU. An all-greedy batch takes its tokens from the step's own argmax (what the captured graph
+    computes on CUDA) once every row is past its prompt: the same tokens and endings as the engine,
+    with rows retiring out of order (a stop in the first row, lengths in the others)."""
+    from mega.inference.static_decode import DecodeSteps
+
+    _, model, config = tiny_pair
+    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
+    first = engine.generate([GenerationRequest([3, 9, 27], 8)])[0].tokens[3:]
+    requests = [GenerationRequest([3, 9, 27], 8, stop=StopRules(stop_ids=frozenset({first[2]}))),
+                GenerationRequest([5, 17, 42, 8, 99], 11), GenerationRequest(list(range(30, 48)), 6),
+                GenerationRequest([7, 1], 14)]
+    expected = [engine.generate([request])[0] for request in requests]
+    greedy_steps = []
+    original = DecodeSteps.greedy
+    monkeypatch.setattr(DecodeSteps, "greedy", lambda self, *a: greedy_steps.append(1) or original(self, *a))
+    got = StaticDecoder(engine).generate(requests)
+    assert [r.tokens for r in got] == [r.tokens for r in expected]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
+    assert len(greedy_steps) == 13  # every step after the first (which reads the prefill's logits)
+
+
+def test_log_probabilities_keep_the_logits_path(tiny_pair):
+    """CPU. A row asking for log-probabilities needs the step's logits: no choice on the device."""
+    _, model, config = tiny_pair
+    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
+    requests = [GenerationRequest([5, 17, 42], 6, logprobs=True), GenerationRequest([7], 6)]
+    expected = [engine.generate([request])[0] for request in requests]
+    got = StaticDecoder(engine).generate(requests)
+    assert [r.tokens for r in got] == [r.tokens for r in expected]
+    for mine, theirs in zip(got[0].logprobs, expected[0].logprobs, strict=True):
+        assert abs(mine - theirs) < 1e-5

@@ -40,6 +40,7 @@ class ApexNorms(_ApexPart):
     extensions = ("apex.normalization.fused_layer_norm", "fused_layer_norm_cuda")
 
     def component(self, kind: str):
+        # optional dependency: the kernel library may be absent; the backend reports it
         from mega_apex.kernels import ApexNorm
 
         return {"norm": ApexNorm}[kind]
@@ -51,6 +52,7 @@ class ApexSoftmax(_ApexPart):
     extensions = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda")
 
     def component(self, kind: str):
+        # optional dependency, as above
         from mega_apex.kernels import fused_softmax_attention
 
         return {"attention": fused_softmax_attention}[kind]
@@ -66,6 +68,7 @@ class FusedAdamFactory(_ApexPart):
         available, missing = self.is_available()
         if not available:
             raise RuntimeError(f"--optimizer apex-adam needs {missing}")
+        # optional dependency, as above
         from mega_apex.optimizer import fused_adam
 
         return fused_adam(param_groups, config)

@@ -12,6 +12,7 @@ import torch
 
 
 def fused_adam(param_groups: list[dict], config) -> torch.optim.Optimizer:
+    # optional dependency: the kernel library may be absent; the backend reports it
     from apex.optimizers import FusedAdam
 
     class CheckpointableFusedAdam(FusedAdam):

@@ -44,6 +44,7 @@ class FlashAttnBackend:
             return None
 
     def component(self, kind: str):
+        # optional dependency: the kernel library may be absent; the backend reports it
         from mega_flash_attn.attention import FlashAttention, FlashBlockAttention
 
         if kind == "attention":

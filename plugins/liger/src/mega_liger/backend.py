@@ -32,6 +32,7 @@ class LigerBackend:
         )
 
     def component(self, kind: str):
+        # optional dependency: the kernel library may be absent; the backend reports it
         from mega_liger import kernels
 
         return {"norm": kernels.norm, "rotary": kernels.rotary, "activation": kernels.activation,

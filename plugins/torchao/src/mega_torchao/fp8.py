@@ -20,7 +20,7 @@ from torch import nn
 
 from mega.core.config import ConfigError
 from mega.core.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from mega.core.plugins import hookimpl
+from mega.core.plugins import get_plugins, hookimpl
 from mega.core.training.fp8_recipes import fp8_backend
 from mega_torchao.backend import MIN_CAPABILITY, RECIPES
 
@@ -32,6 +32,7 @@ def float8_config(fp8_format: str, recipe: str):
     """torchao's ``Float8LinearConfig`` for Megatron's format and the recipe: ``tensorwise``
     (one scale per tensor) or ``rowwise`` (one per row, powers of two); ``hybrid`` casts the
     gradients to E5M2, ``e4m3`` to E4M3."""
+    # optional dependency: the kernel library may be absent; the backend reports it
     from torchao.float8.config import CastConfig, Float8LinearConfig, e4m3_dtype, e5m2_dtype
 
     config = Float8LinearConfig.from_recipe_name(recipe)
@@ -57,6 +58,7 @@ def apply_fp8(stage: nn.Module, config, *, num_layers: int, layers_at_start: int
     """Swap ``stage``'s linear layers (``nn.Linear``, mega's column/row-parallel ones) for FP8
     ones under torchao's ``config``, in place, but for the output layer, the router and the
     first ``layers_at_start`` / last ``layers_at_end`` of ``num_layers`` transformer layers."""
+    # optional dependency, as above
     from torchao.float8.float8_linear import Float8Linear
 
     from mega_torchao.layers import Float8ColumnParallelLinear, Float8RowParallelLinear
@@ -127,8 +129,6 @@ def fp8_pass_callback(run_config):
     precision = run_config.precision
     if precision.fp8 is None or precision.fp8_recipe not in RECIPES:
         return None
-    from mega.core.plugins import get_plugins
-
     if fp8_backend(precision, run_config.kernels.kernels, get_plugins()).name != "torchao":
         return None
     available, missing = get_plugins().kernel_backends.get("torchao").is_available()

@@ -35,9 +35,11 @@ class Environment:
             try:
                 version = importlib.metadata.version(PACKAGE)
             except importlib.metadata.PackageNotFoundError:
+                # optional dependency: the kernel library may be absent; the backend reports it
                 import transformer_engine
 
                 version = getattr(transformer_engine, "__version__", "0")
+        # optional dependency, as above
         import torch
 
         cuda = torch.cuda.is_available()

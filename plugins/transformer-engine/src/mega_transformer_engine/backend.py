@@ -34,6 +34,7 @@ class TransformerEngineBackend:
         return not missing, missing
 
     def component(self, kind: str):
+        # optional dependency: the kernel library may be absent; the backend reports it
         from mega_transformer_engine import layers
 
         te = importlib.import_module("transformer_engine.pytorch")

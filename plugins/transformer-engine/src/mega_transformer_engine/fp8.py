@@ -63,6 +63,7 @@ def fp8_autocast_callback(run_config):
     precision = run_config.precision
     if precision.fp8 is None or precision.fp8_recipe != "delayed":  # current scaling: another backend's
         return None
+    # optional dependency: the kernel library may be absent; the backend reports it
     from mega.core.plugins import get_plugins
 
     backend = get_plugins().kernel_backends.get(run_config.kernels.kernels or "transformer-engine")

@@ -135,6 +135,7 @@ def main(argv: list[str]) -> int:
     # start-up cost: `mega convert --help` and argument errors answer without importing torch
     import torch
 
+    # start-up cost: `mega --help` and the parser stay free of torch and the models
     from mega.ckpt_convert.conversion import convert
     from mega.ckpt_convert.errors import ConversionError
     from mega.ckpt_convert.formats import WriteOptions

@@ -9,6 +9,7 @@ pad to what their layout wants.
 
 from __future__ import annotations
 
+import abc
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -68,11 +69,12 @@ class ClosingSource:
         self.close()
 
 
-class TableSource(ClosingSource):
+class TableSource(ClosingSource, abc.ABC):
     """A source that lists its tensors in a table: ``_table()`` gives name -> (shape, dtype, ...)."""
 
+    @abc.abstractmethod
     def _table(self) -> dict:
-        raise NotImplementedError
+        """name -> (shape, dtype, ...) of every tensor the source holds."""
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._table()[name][0]

@@ -35,6 +35,7 @@ def cache_directory() -> Path:
 
 
 def _write_corpus(path: Path) -> None:
+    # start-up cost: tokenizers and pydoc's topics load only when the corpus is first built
     from pydoc_data.topics import topics
 
     with open(path, "w", encoding="utf-8") as handle:
@@ -43,6 +44,7 @@ def _write_corpus(path: Path) -> None:
 
 
 def _train_tokenizer(corpus: Path, path: Path) -> None:
+    # start-up cost, as above
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -82,6 +84,7 @@ def prepare(directory: Path) -> Path:
 
 def pydoc_topics_datasets(request: DatasetRequest) -> TrainingData:
     """The registered ``pydoc-topics`` dataset: GPT samples of the corpus, with its tokenizer."""
+    # start-up cost, as above
     from mega.data.tokenizers.huggingface import HuggingFaceTokenizer
 
     directory = cache_directory()

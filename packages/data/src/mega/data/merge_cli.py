@@ -20,6 +20,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the result as JSON: inputs, output, documents, sequences, tokens")
     args = parser.parse_args(argv)
 
+    # start-up cost: `mega --help` and the parser stay free of torch and the models
     from mega.data.indexed_dataset import IndexedDatasetError, find_dataset_prefixes, merge_datasets
 
     prefixes: list[str] = []

@@ -9,6 +9,7 @@ from mega.core.plugins import Command, hookimpl
 
 @hookimpl
 def register_tokenizers(register):
+    # start-up cost: plugin registration imports the table when the hook runs, not at discovery
     from mega.data.tokenizers import TOKENIZER_TYPES
 
     for name, (factory, description) in TOKENIZER_TYPES.items():

@@ -72,6 +72,7 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def _build_encoder(config: PreprocessConfig, tokenizer=None) -> DocumentEncoder:
     if tokenizer is None:
+        # start-up cost: loaded only on the path that needs it (a tokenizer; ctypes on Linux)
         from mega.data.tokenizers import build_tokenizer
 
         tokenizer = build_tokenizer(config.tokenizer_type, config.tokenizer_options, **config.tokenizer_settings)
@@ -106,6 +107,7 @@ def _die_with_main_process() -> None:
     open forever. (A worker forked just before the main process died finds itself orphaned.)"""
     if not sys.platform.startswith("linux"):
         return
+    # start-up cost, as above
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

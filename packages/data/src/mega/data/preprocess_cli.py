@@ -70,6 +70,7 @@ def _cpu_count() -> int:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    # start-up cost: `mega --help` and the parser stay free of torch and the models
     from mega.core.plugins import PluginError
     from mega.data.indexed_dataset import IndexedDatasetError
     from mega.data.preprocess import PreprocessConfig, preprocess

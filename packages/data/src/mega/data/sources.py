@@ -88,6 +88,7 @@ def open_binary(path: str) -> tuple[io.BufferedReader, io.IOBase]:
         return raw, lzma.LZMAFile(raw, "rb")
     if compression == "zstd":
         try:
+            # optional dependency: the [zstd] / [hf] extra
             import zstandard
         except ImportError:
             raw.close()
@@ -130,6 +131,7 @@ _DATASETS_BUILDER = {"json": "json", "parquet": "parquet", "csv": "csv", "arrow"
 def read_records(path: str, fmt: str, keys: list[str], rows_per_block: int = 2048) -> Iterator[RecordBlock]:
     """Rows of ``path`` through ``datasets.load_dataset(..., streaming=True)``."""
     try:
+        # optional dependency, as above
         import datasets
     except ImportError:
         raise InputError(

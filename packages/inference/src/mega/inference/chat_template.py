@@ -30,6 +30,7 @@ class ChatTemplate:
     special_tokens: dict[str, str] = field(default_factory=dict)
 
     def render(self, messages: list[dict]) -> str:
+        # start-up cost: jinja2 loads only when a chat template is rendered
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 

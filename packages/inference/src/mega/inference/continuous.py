@@ -40,11 +40,12 @@ from dataclasses import dataclass, field
 import torch
 
 from mega.inference.batching import EngineWorker, Job
-from mega.inference.decode_step import DecodingSequence, record_logprobs
+from mega.inference.decode_step import DecodeStep, DecodingSequence, record_logprobs
 from mega.inference.engine import FinishReason, GenerationEngine, GenerationError, GenerationRequest
 from mega.inference.metrics import ServerMetrics
 from mega.inference.paged_kv_cache import BlockAllocator, PagedKVCache
 from mega.inference.prefix_cache import PrefixCachingAllocator, prefix_keys
+from mega.inference.sampling import Sampler
 from mega.inference.static_decode import DecodeSteps, SlotAllocator, SlotKVCache, bucket_for
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class _Sequence(DecodingSequence):
     cached: int = 0  # tokens whose keys are in the cache
     prefix_keys: list[bytes] = field(default_factory=list)  # of the prompt's full blocks (prefix caching)
     logits: torch.Tensor | None = None  # [vocab] the next token's, once computed
+    choice: torch.Tensor | None = None  # or the next token itself, chosen in the decode step (greedy)
     number: int = 0  # unique among the worker's sequences
 
 
@@ -262,9 +264,7 @@ class ContinuousBatchingWorker(EngineWorker):
     def _step(self, admitted: list[_Sequence]) -> None:
         decoding = [s for s in self._running if s.logits is None]
         if decoding:
-            logits = self._decode(decoding)
-            for row, sequence in enumerate(decoding):
-                sequence.logits = logits[row]
+            self._decode(decoding, greedy=self._greedy_step(admitted))
         if self.max_num_batched_tokens is None:
             self._prefill_all(admitted)
         else:
@@ -284,12 +284,21 @@ class ContinuousBatchingWorker(EngineWorker):
         if self._running:
             self._choose()
 
-    def _decode(self, decoding: list[_Sequence]) -> torch.Tensor:
-        """fp32 logits ``[batch, vocab]`` of one new token for each of ``decoding``."""
+    def _greedy_step(self, admitted: list[_Sequence]) -> bool:
+        """Whether this step's decode may choose the tokens itself (the static cache's step, every
+        row greedy, and so every sequence that may join before the tokens are chosen)."""
+        return (self._decode_steps is not None and self._decode_step.chooses_on_device
+                and DecodeStep.may_choose_on_device(self._prefilling + admitted))
+
+    def _decode(self, decoding: list[_Sequence], greedy: bool) -> None:
+        """One new token's fp32 logits ``[vocab]`` for each of ``decoding`` (``sequence.logits``),
+        or with ``greedy`` the token itself (``sequence.choice``)."""
         device = self.engine.device
         if self._decode_steps is None:
             tokens = torch.tensor([[s.tokens[-1]] for s in decoding], device=device)
-            return self._forward(decoding, tokens, 1)[0]
+            for sequence, logits in zip(decoding, self._forward(decoding, tokens, 1)[0], strict=True):
+                sequence.logits = logits
+            return
         # The static cache: one step over the window of the first slots, up to a bucket (see
         # static_decode); slots in it that no sequence decodes compute a row nobody reads. Those
         # just admitted are prefilled after this step, over what it wrote at their position 0; one
@@ -305,15 +314,28 @@ class ContinuousBatchingWorker(EngineWorker):
         for slot, sequence in zip(slots, decoding, strict=True):
             tokens[slot, 0], cached[slot] = sequence.tokens[-1], sequence.cached
             sequence.cached += 1
+        if greedy:  # views of the step's output, read before the next step rewrites it
+            picked = self._decode_steps.greedy(tokens.to(device), cached.to(device))
+            for slot, sequence in zip(slots, decoding, strict=True):
+                sequence.choice = picked[slot]
+            return
         logits = self._decode_steps(tokens.to(device), cached.to(device))
-        return logits[torch.tensor(slots, device=device)]
+        for sequence, row in zip(decoding, logits[torch.tensor(slots, device=device)], strict=True):
+            sequence.logits = row
 
     def _choose(self) -> None:
         """Every running sequence's next token; the finished ones leave the batch (the last row
-        takes a finished row's place, so the others stay where the cache's decode views hold them)."""
-        self._decode_step(torch.stack([s.logits for s in self._running]))
-        for sequence in self._running:
-            sequence.logits = None
+        takes a finished row's place, so the others stay where the cache's decode views hold them).
+        Where the decode step chose its rows' tokens, the rows just prefilled take their greedy
+        choice of their logits too."""
+        running = self._running
+        if any(s.choice is not None for s in running):
+            self._decode_step(None, torch.stack([s.choice if s.choice is not None else Sampler.greedy_choice(s.logits)
+                                                 for s in running]))
+        else:
+            self._decode_step(torch.stack([s.logits for s in running]))
+        for sequence in running:
+            sequence.logits = sequence.choice = None
 
     @staticmethod
     def _on_token(sequence: _Sequence, token: int, logprob: float | None, top) -> None:

@@ -153,14 +153,29 @@ class DecodeStep:
         """Drop every row (a failed step: the caller answers their requests)."""
         self.sequences, self.sampler = [], Sampler([], self.device)
 
-    def __call__(self, logits: torch.Tensor) -> StepOutcome:
+    @property
+    def chooses_on_device(self) -> bool:
+        """Whether the next step's tokens may be chosen where the logits are made (inside a
+        captured decode step, :meth:`Sampler.greedy_choice`) and handed to :meth:`__call__`:
+        every row greedy on unadjusted logits, past its prompt, asking no log-probabilities."""
+        return self.sampler.chooses_greedily and self.may_choose_on_device(self.sequences)
+
+    @staticmethod
+    def may_choose_on_device(sequences: Sequence[DecodingSequence]) -> bool:
+        """:attr:`chooses_on_device` for ``sequences`` about to join (their settings alone)."""
+        return all(s.request.sampling.greedy and not s.request.sampling.adjusts_logits and s.logprobs is None
+                   and s.known >= len(s.request.prompt) for s in sequences)
+
+    def __call__(self, logits: torch.Tensor | None, chosen: torch.Tensor | None = None) -> StepOutcome:
         """Fp32 ``logits`` ``[rows, vocab]`` (the real vocabulary, every tensor shard) of each
-        row's next token: choose it, record it, and retire the rows that end."""
+        row's next token: choose it, record it, and retire the rows that end. ``chosen``: the
+        tokens already chosen on the device where :attr:`chooses_on_device` allowed it (then
+        ``logits`` may be None)."""
         sequences = self.sequences
         if self.is_leader:
-            chosen, codes = self._decide(logits)
+            chosen, codes = self._decide(logits, chosen)
         else:
-            chosen, codes = torch.empty(len(sequences), dtype=torch.long, device=logits.device), [0] * len(sequences)
+            chosen, codes = torch.empty(len(sequences), dtype=torch.long, device=self.device), [0] * len(sequences)
         chosen, codes = self._agree(chosen, codes)
         if not self.is_leader:
             for sequence, token in zip(sequences, chosen.tolist(), strict=True):
@@ -169,10 +184,11 @@ class DecodeStep:
                 sequence.known += 1
         return StepOutcome(chosen, *self._retire(codes))
 
-    def _decide(self, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    def _decide(self, logits: torch.Tensor | None, chosen: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
         sequences = self.sequences
         drawing = [s.known >= len(s.request.prompt) for s in sequences]
-        chosen = self.sampler.sample(logits, drawing)
+        if chosen is None:
+            chosen = self.sampler.sample(logits, drawing)
         if not all(drawing):  # rows still inside their prompts take its next token
             forced = torch.tensor([0 if draw else s.request.prompt[s.known] for s, draw in zip(sequences, drawing, strict=True)],
                                   device=chosen.device)

@@ -80,6 +80,7 @@ def read_inputs(path: Path) -> list:
 
 def load_embedder(args: argparse.Namespace, command: str, batch_size: int):
     """The model of ``--load`` as an :class:`~mega.inference.embeddings.Embedder` (one process)."""
+    # start-up cost: `mega --help` and the parser stay free of torch and the models
     from mega.core.checkpoint import CheckpointError
     from mega.core.parallel import ParallelConfig, ParallelGroups
     from mega.inference.embeddings import Embedder
@@ -97,16 +98,19 @@ def load_embedder(args: argparse.Namespace, command: str, batch_size: int):
 def is_encoder_checkpoint(path: str) -> bool:
     """Whether the checkpoint at ``path`` is of a family that gives embeddings (read from its
     config, before any weight is loaded)."""
+    # start-up cost, as above
     from mega.core.plugins import get_plugins
 
     plugins = get_plugins()
     try:
         if (Path(path) / "config.json").is_file():
+            # start-up cost, as above
             from mega.inference.loader import _open_hugging_face
 
             with _open_hugging_face(Path(path), plugins) as source:
                 family_name = source.family
         else:
+            # start-up cost, as above
             from mega.core.checkpoint import checkpoint_and_metadata
 
             family_name = checkpoint_and_metadata(Path(path))[1].model_family
@@ -117,6 +121,7 @@ def is_encoder_checkpoint(path: str) -> bool:
 
 def serve_embeddings(args: argparse.Namespace) -> int:
     """``mega serve`` on an encoder: ``POST /v1/embeddings`` (and ``GET /v1/health``)."""
+    # start-up cost, as above
     import uvicorn
 
     from mega.inference.embeddings_api import create_embeddings_app
@@ -140,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         raise SystemExit(f"mega embed: error: {error}") from None
     embedder, _ = load_embedder(args, "embed", args.batch_size)
+    # start-up cost, as above
     from mega.inference.embeddings import EmbeddingInputError
 
     try:

@@ -32,6 +32,7 @@ from mega.inference.engine import (
     GenerationResult,
     TokenCallback,
 )
+from mega.models.t5.model import DecoderCache
 
 # T5's decoder starts from the padding token (Hugging Face's decoder_start_token_id).
 DECODER_START_TOKEN = 0
@@ -49,8 +50,6 @@ class EncoderDecoderEngine(EngineBase):
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int, tokenizer=None,
                  tp_group: Group | None = None, decoder_start_token: int = DECODER_START_TOKEN):
-        from mega.models.t5.model import DecoderCache
-
         if not is_encoder_decoder(model):
             raise GenerationError(f"{type(model).__name__} has no encode/decode: it is not an encoder-decoder model")
         super().__init__(model, vocab_size=vocab_size, max_positions=max_positions, tokenizer=tokenizer,

@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         raise SystemExit(f"mega eval: error: {error}") from None
 
+    # start-up cost: `mega --help` and the parser stay free of torch and the models
     import torch
 
     from mega.core.checkpoint import CheckpointError

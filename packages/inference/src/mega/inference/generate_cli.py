@@ -12,6 +12,7 @@ import json
 import sys
 
 from mega.core.cli.argparser import CommandParser
+from mega.inference.completion_text import completion_text
 from mega.inference.load_arguments import add_decoding_arguments, add_load_arguments
 
 
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.temperature >= 0:
         parser.error(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    # start-up cost: `mega --help` and the parser stay free of torch and the models
     from mega.inference.engine import GenerationError, GenerationRequest
     from mega.inference.engine_setup import setup_engine
     from mega.inference.sampling import GREEDY, SamplingError, SamplingParams
@@ -112,6 +114,7 @@ def generate_for(args: argparse.Namespace, engine):
     """The leader's and the followers' ``generate``: the static KV cache's where wanted (by default
     on CUDA in one process; under tensor parallelism when asked: its graphs would hold the
     collectives), else the engine's. Decoder-only models; log-probabilities included."""
+    # start-up cost, as above
     from mega.inference.encoder_decoder import is_encoder_decoder
     from mega.inference.static_decode import StaticDecoder, static_kv_cache_wanted
 
@@ -124,8 +127,6 @@ def generate_for(args: argparse.Namespace, engine):
 
 
 def print_result(args, tokenizer, prompt: str, result, stop) -> None:
-    from mega.inference.completion_text import completion_text
-
     text = completion_text(tokenizer, result.generated, stop)
     if args.json:
         record = {"prompt": prompt, "text": text, "tokens": result.generated, "finish_reason": result.finish_reason}

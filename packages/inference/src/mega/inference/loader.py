@@ -18,8 +18,13 @@ import torch
 from torch import nn
 
 from mega.core.build import build_stage
+from mega.core.checkpoint import checkpoint_and_metadata, load_model_weights
+from mega.core.checkpoint import tokenizer_spec as saved_tokenizer
+from mega.core.launch import distributed_env
 from mega.core.parallel import ParallelGroups
+from mega.core.plugins import PluginError, get_plugins
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
+from mega.inference.chat_template import find_chat_template
 from mega.inference.load_arguments import DTYPE_NAMES
 
 HF_FORMAT = "hf"  # the registered checkpoint format that reads Hugging Face directories
@@ -46,8 +51,6 @@ class LoadedModel:
 
 def default_device() -> torch.device:
     if torch.cuda.is_available():
-        from mega.core.launch import distributed_env
-
         env = distributed_env()
         return torch.device("cuda", env["local_rank"] if env else torch.cuda.current_device())
     return torch.device("cpu")
@@ -68,9 +71,6 @@ def load_model(path: str | Path, *, groups: ParallelGroups, device: torch.device
                tokenizer_spec: TokenizerSpec | None = None, plugins=None) -> LoadedModel:
     """Build the checkpoint's model family at ``groups``' tensor-parallel size and fill it;
     ``tokenizer_spec`` replaces the tokenizer the checkpoint names."""
-    from mega.core.checkpoint import load_model_weights
-    from mega.core.plugins import get_plugins
-
     plugins = get_plugins() if plugins is None else plugins
     path = Path(path)
     if not path.exists():
@@ -86,9 +86,6 @@ def load_model(path: str | Path, *, groups: ParallelGroups, device: torch.device
         finally:
             source.close()
     else:
-        from mega.core.checkpoint import checkpoint_and_metadata
-        from mega.core.checkpoint import tokenizer_spec as saved_tokenizer
-
         checkpoint, metadata = checkpoint_and_metadata(path)
         family_name = metadata.model_family
         config = plugins.models.get(family_name).config_class(**metadata.model_config)
@@ -96,8 +93,6 @@ def load_model(path: str | Path, *, groups: ParallelGroups, device: torch.device
         tokenizer = build_tokenizer(spec, plugins)
         model = build_model(plugins.models.get(family_name), config, groups, device, dtype)
         load_model_weights(checkpoint, [model], groups)
-    from mega.inference.chat_template import find_chat_template
-
     return LoadedModel(model=model, family_name=family_name, config=config, tokenizer=tokenizer,
                        name=path.resolve().name, chat_template=find_chat_template(spec))
 
@@ -105,8 +100,6 @@ def load_model(path: str | Path, *, groups: ParallelGroups, device: torch.device
 def _open_hugging_face(path: Path, plugins):
     """A model source over a Hugging Face directory, from the checkpoint format registered as
     ``hf`` (mega-ckpt-convert's), found through the plugins as the design has it."""
-    from mega.core.plugins import PluginError
-
     try:
         checkpoint_format = plugins.checkpoint_formats.get(HF_FORMAT)
     except PluginError as error:

@@ -13,6 +13,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from mega.inference.sampling import GREEDY, SEED_LIMIT, SamplingParams
+from mega.inference.service import RequestError
 
 Number = Annotated[float, Strict()]  # an int or a float, never a string or a bool
 Integer = Annotated[int, Strict()]
@@ -92,8 +93,6 @@ class SamplingFields(BaseModel):
         """``logit_bias`` as (token id, value) pairs; a token outside the vocabulary is refused."""
         pairs = tuple((int(key), float(value)) for key, value in (self.logit_bias or {}).items())
         if bad := [token for token, _ in pairs if token >= vocab_size]:
-            from mega.inference.service import RequestError
-
             raise RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})",
                                "logit_bias")
         return pairs

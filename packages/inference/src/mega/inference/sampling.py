@@ -171,6 +171,17 @@ class Sampler:
         ones = torch.ones(len(generated), 1, dtype=self.counts.dtype, device=self.device)
         self.counts.scatter_add_(1, tokens[:, None], ones if mask is None else ones * mask[:, None])
 
+    @property
+    def chooses_greedily(self) -> bool:
+        """Every row takes its most likely token of the unadjusted logits: :meth:`greedy_choice`
+        alone decides, so it may run inside a captured decode step."""
+        return all(self.greedy_rows) and not self.adjusted
+
+    @staticmethod
+    def greedy_choice(logits: torch.Tensor) -> torch.Tensor:
+        """The most likely token of each row of ``logits`` ``[batch, vocab]``."""
+        return logits.argmax(dim=-1)
+
     def sample(self, logits: torch.Tensor, drawing: Sequence[bool]) -> torch.Tensor:
         """Token ids ``[batch]`` from fp32 logits ``[batch, vocab]``, on the device.
 
@@ -178,7 +189,7 @@ class Sampler:
         are still being fed their prompts), so a stream's draws never depend on its batch-mates.
         """
         logits = self.adjust(logits)
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = self.greedy_choice(logits)
         if all(self.greedy_rows):
             return greedy_tokens
         if any(used >= self.uniforms.shape[1] for used, draw in zip(self.used_rows, drawing, strict=True) if draw):

@@ -71,6 +71,7 @@ def static_kv_cache(args: argparse.Namespace, device, lockstep: bool, decoder_on
     """Whether the server decodes on the static KV cache: as asked, else on CUDA under continuous
     batching unless ``--max-num-tokens`` sizes a paged cache. Lock-step batches (tensor-parallel
     serving) use it only when asked: their captured graphs would hold the collectives."""
+    # start-up cost: `mega --help` and the parser stay free of torch and the models
     from mega.inference.static_decode import static_kv_cache_wanted
 
     requested = args.static_kv_cache
@@ -82,6 +83,7 @@ def static_kv_cache(args: argparse.Namespace, device, lockstep: bool, decoder_on
 def lockstep_generate(args: argparse.Namespace, engine, lockstep: bool = True):
     """How lock-step batches generate, on the leader and the followers alike: the static KV
     cache's decoder where it is on, else the engine."""
+    # start-up cost, as above
     from mega.inference.encoder_decoder import is_encoder_decoder
     from mega.inference.static_decode import StaticDecoder
 
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--enable-prefix-caching shares paged KV cache blocks: not with --static-kv-cache")
     if is_encoder_checkpoint(args.load):  # an encoder serves POST /v1/embeddings instead
         return serve_embeddings(args)
+    # start-up cost, as above
     import uvicorn
 
     from mega.inference.batching import BatchingWorker

@@ -39,6 +39,7 @@ from mega.inference.engine import (
     TokenCallback,
 )
 from mega.inference.paged_kv_cache import BlockAllocator
+from mega.inference.sampling import Sampler
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -95,6 +96,10 @@ class SlotKVCache:
             buffers[0].copy_(cached)
             buffers[1].copy_(bias)
         self.rows, (self.cached, self.mask_bias) = None, buffers
+
+    def use_window(self, rows: int, new_tokens: int) -> None:
+        """Point at the window buffers a captured step last wrote (a replay writes them itself)."""
+        self.rows, (self.cached, self.mask_bias) = None, self._windows[(rows, new_tokens)]
 
     def bind(self, tables: Sequence[Sequence[int]], cached: Sequence[int], new_tokens: int,
              device: torch.device | None = None, ids: Sequence[int] | None = None,
@@ -155,45 +160,58 @@ class _SlotLayer:
 
 
 class DecodeSteps:
-    """``steps(tokens [n, 1], cached [n]) -> fp32 logits [n, vocab]``: one decode step over the
-    cache's window of the first ``n`` slots (``n`` a bucket). With ``use_cuda_graphs`` the step
-    is captured once per ``n`` and replayed after."""
+    """One decode step over the cache's window of the first ``n`` slots (``n`` a bucket), from
+    ``tokens [n, 1]`` and ``cached [n]``: :meth:`__call__` gives fp32 logits ``[n, vocab]``,
+    :meth:`greedy` each slot's most likely token ``[n]`` (the sampler's
+    :meth:`~mega.inference.sampling.Sampler.greedy_choice`, computed inside the step). With
+    ``use_cuda_graphs`` each kind of step is captured once per ``n``, the window's positions and
+    mask included, and replayed after: a replay is two copies and one launch."""
 
     def __init__(self, engine: GenerationEngine, cache: SlotKVCache, use_cuda_graphs: bool):
         self.engine, self.cache, self.use_cuda_graphs = engine, cache, use_cuda_graphs
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[tuple[int, bool], tuple] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None  # graphs share memory
 
-    def eager(self, tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    def _eager(self, tokens: torch.Tensor, cached: torch.Tensor, greedy: bool) -> torch.Tensor:
         self.cache.bind_window(cached, 1)
-        return self.engine.forward(tokens, cached[:, None], self.cache, 1)[-1]
+        logits = self.engine.forward(tokens, cached[:, None], self.cache, 1)[-1]
+        return Sampler.greedy_choice(logits) if greedy else logits
 
     def __call__(self, tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+        logits = self._run(tokens, cached, greedy=False)
+        return logits.clone() if self.use_cuda_graphs else logits  # the graph's buffer is rewritten
+
+    def greedy(self, tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+        """Each slot's greedy token; on CUDA a view of the graph's output, valid until the next
+        step (feeding it back as the next ``tokens`` is safe: it is copied in first)."""
+        return self._run(tokens, cached, greedy=True)
+
+    def _run(self, tokens: torch.Tensor, cached: torch.Tensor, greedy: bool) -> torch.Tensor:
         if not self.use_cuda_graphs:
-            return self.eager(tokens, cached)
+            return self._eager(tokens, cached, greedy)
         rows = len(cached)
-        if rows not in self._graphs:
-            self._graphs[rows] = self._capture(tokens, cached)
-        graph, static_tokens, static_cached, static_logits = self._graphs[rows]
+        if (rows, greedy) not in self._graphs:
+            self._graphs[(rows, greedy)] = self._capture(tokens, cached, greedy)
+        graph, static_tokens, static_cached, output = self._graphs[(rows, greedy)]
         static_tokens.copy_(tokens)
         static_cached.copy_(cached)
-        self.cache.bind_window(cached, 1)  # in place: the graph reads the window's positions and mask
         graph.replay()
-        return static_logits.clone()
+        self.cache.use_window(rows, 1)
+        return output
 
-    def _capture(self, tokens: torch.Tensor, cached: torch.Tensor) -> tuple:
+    def _capture(self, tokens: torch.Tensor, cached: torch.Tensor, greedy: bool) -> tuple:
         # The warm-up runs the real step (it writes the keys the replay writes again), so the
         # slots of running sequences in the window are never touched with anything else.
         static_tokens, static_cached = tokens.clone(), cached.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.eager(static_tokens, static_cached)  # allocates the cache's pools outside the graph
+            self._eager(static_tokens, static_cached, greedy)  # allocates the cache's pools outside the graph
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            static_logits = self.engine.forward(static_tokens, static_cached[:, None], self.cache, 1)[-1]
-        return graph, static_tokens, static_cached, static_logits
+            output = self._eager(static_tokens, static_cached, greedy)
+        return graph, static_tokens, static_cached, output
 
 
 class StaticDecoder:
@@ -237,14 +255,22 @@ class StaticDecoder:
         slot_of = step.join(sequences)  # the slot of each row: row i of the batch sits in slot i
         last = logits[torch.tensor(lengths, device=device)[slot_of] - 1, torch.tensor(slot_of, device=device)]
         cached = torch.tensor(lengths + [0] * (slots - len(requests)), device=device)
+        chosen = picked = None
         while step.sequences:
-            outcome = step(last)
+            outcome = step(last, chosen)
             slot_of = [slot_of[row] for row in outcome.kept]
             if not step.sequences:
                 break
-            tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)
-            tokens[slot_of, 0] = outcome.next_tokens
-            last = steps(tokens, cached)[slot_of]
+            if picked is not None:  # the step chose every slot's token: it feeds them back as they are
+                tokens = picked[:, None]
+            else:
+                tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)
+                tokens[slot_of, 0] = outcome.next_tokens
+            if step.chooses_on_device:  # no logits leave the step: the host reads the tokens only
+                picked, last = steps.greedy(tokens, cached), None
+                chosen = picked[: len(slot_of)] if slot_of == list(range(len(slot_of))) else picked[slot_of]
+            else:
+                picked, chosen, last = None, None, steps(tokens, cached)[slot_of]
             # A finished row stays in the window; it may not pass the last position.
             cached = (cached + 1).clamp_(max=engine.max_positions - 1)
         return [s.result() for s in sequences]

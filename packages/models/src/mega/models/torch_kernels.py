@@ -8,6 +8,8 @@ memory-efficient on GPUs, a fused C++ kernel on CPUs).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +26,8 @@ NATIVE_GQA_DTYPES = (torch.float16, torch.bfloat16)
 def sdpa_attention(query, key, value, *, mask: AttentionMask, dropout_p: float = 0.0,
                    softmax_scale: float | None = None):
     repeats = query.shape[1] // key.shape[1]
+    if repeats > 1 and query.shape[2] == 1:
+        return _one_query_per_head(query, key, value, mask, dropout_p, softmax_scale, repeats)
     native_gqa = query.is_cuda and query.dtype in NATIVE_GQA_DTYPES
     if repeats > 1 and not native_gqa:
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
@@ -34,6 +38,24 @@ def sdpa_attention(query, key, value, *, mask: AttentionMask, dropout_p: float =
         query, key, value, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=softmax_scale,
         enable_gqa=repeats > 1 and native_gqa,
     )
+
+
+def _one_query_per_head(query, key, value, mask: AttentionMask, dropout_p: float, softmax_scale: float | None,
+                        repeats: int) -> torch.Tensor:
+    """A decode step's grouped-query attention, one query per head: a group's query heads become
+    query positions of its one key/value head. They all see the same keys (the mask of a single
+    query has no per-query part), so the fused kernels take the step, mask included, without the
+    keys and values repeated per query head (``enable_gqa`` with a mask leaves torch's SDPA on
+    its unfused math path)."""
+    batch, heads, _, dim = query.shape
+    # The one query sits after every key (causal masks align at the bottom right): causal hides none.
+    attn_mask = _explicit_mask(dataclasses.replace(mask, causal=False), query, key)  # [b or 1, h or 1, 1, keys]
+    if attn_mask is not None and attn_mask.shape[1] == heads:  # a per-head bias follows its head
+        attn_mask = attn_mask.reshape(attn_mask.shape[0], heads // repeats, repeats, attn_mask.shape[-1])
+    grouped = query.reshape(batch, heads // repeats, repeats, dim)  # heads are group-major
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                         scale=softmax_scale)
+    return out.reshape(batch, heads, 1, dim)
 
 
 def _explicit_mask(mask: AttentionMask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:

@@ -17,54 +17,63 @@ if TYPE_CHECKING:  # this module stays import-light: `mega --help` reads TOKENIZ
 
 
 def make_gpt2_bpe(options: TokenizerOptions, **settings) -> BaseTokenizer:
+    # start-up cost: a tokenizer's library loads only when that tokenizer is built
     from mega.data.tokenizers.gpt2_bpe import GPT2BPETokenizer
 
     return GPT2BPETokenizer(options.vocab_file, options.merge_file)
 
 
 def make_huggingface(options: TokenizerOptions, **settings) -> BaseTokenizer:
+    # start-up cost, as above
     from mega.data.tokenizers.huggingface import HuggingFaceTokenizer
 
     return HuggingFaceTokenizer(options.tokenizer_model)
 
 
 def make_sentencepiece(options: TokenizerOptions, **settings) -> BaseTokenizer:
+    # start-up cost, as above
     from mega.data.tokenizers.sentencepiece import SentencePieceTokenizer
 
     return SentencePieceTokenizer(options.tokenizer_model)
 
 
 def make_gpt_sentencepiece(options: TokenizerOptions, **settings) -> BaseTokenizer:
+    # start-up cost, as above
     from mega.data.tokenizers.sentencepiece import GPTSentencePieceTokenizer
 
     return GPTSentencePieceTokenizer(options.tokenizer_model)
 
 
 def make_llama2(options: TokenizerOptions, **settings) -> BaseTokenizer:
+    # start-up cost, as above
     from mega.data.tokenizers.sentencepiece import Llama2Tokenizer
 
     return Llama2Tokenizer(options.tokenizer_model)
 
 
 def make_bert_lower_case(options: TokenizerOptions, **settings) -> BaseTokenizer:
+    # start-up cost, as above
     from mega.data.tokenizers.bert_wordpiece import BertWordPieceLowerCase
 
     return BertWordPieceLowerCase(options.vocab_file, options.vocab_extra_ids)
 
 
 def make_bert_case(options: TokenizerOptions, **settings) -> BaseTokenizer:
+    # start-up cost, as above
     from mega.data.tokenizers.bert_wordpiece import BertWordPieceCase
 
     return BertWordPieceCase(options.vocab_file, options.vocab_extra_ids)
 
 
 def make_tiktoken(options: TokenizerOptions, pattern: str = "v2", num_special_tokens: int = 1000, **settings) -> BaseTokenizer:
+    # start-up cost, as above
     from mega.data.tokenizers.tiktoken_bpe import TikTokenizer
 
     return TikTokenizer(options.tokenizer_model, options.vocab_size, pattern, num_special_tokens)
 
 
 def make_null(options: TokenizerOptions, **settings) -> BaseTokenizer:
+    # start-up cost, as above
     from mega.data.tokenizers.null import NullTokenizer
 
     return NullTokenizer(options.vocab_size)
@@ -86,6 +95,7 @@ TOKENIZER_TYPES = {
 
 def build_tokenizer(name: str, options: TokenizerOptions, plugins=None, **settings):
     """The tokenizer registered as ``name`` (by any installed plugin), built from ``options``."""
+    # start-up cost, as above
     from mega.core.plugins import get_plugins
 
     plugins = get_plugins() if plugins is None else plugins

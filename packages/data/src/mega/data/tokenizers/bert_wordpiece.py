@@ -21,6 +21,7 @@ class BertWordPieceTokenizer(LibraryTokenizer):
     name = "BertWordPieceLowerCase"
 
     def __init__(self, vocab_file: str | None, vocab_extra_ids: int = 0):
+        # start-up cost: a tokenizer's library loads only when that tokenizer is built
         from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
         vocab_file = require_file(vocab_file, "--vocab-file", self.name, "a BERT vocab.txt")

@@ -47,6 +47,7 @@ def tiktoken_word_encoder(vocab: dict[str, int], merge_file: str):
     without tiktoken, this returns ``None`` and the reference encodes the words.
     """
     try:
+        # start-up cost: a tokenizer's library loads only when that tokenizer is built
         import tiktoken
     except ImportError:
         return None
@@ -88,6 +89,7 @@ def ascii_pre_tokens(text: str) -> list[str] | None:
 
 class GPT2BPETokenizer(LibraryTokenizer):
     def __init__(self, vocab_file: str | None, merge_file: str | None):
+        # start-up cost, as above
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
         name = "GPT2BPETokenizer"

@@ -63,6 +63,7 @@ def _uses_piece_local_byte_level(tokenizer) -> bool:
 
 class HuggingFaceTokenizer(LibraryTokenizer):
     def __init__(self, tokenizer_model: str | None):
+        # start-up cost: a tokenizer's library loads only when that tokenizer is built
         from tokenizers import Tokenizer
 
         if not tokenizer_model:

@@ -17,6 +17,7 @@ from mega.data.tokenizers.base import BaseTokenizer, TokenizerError, require_fil
 
 
 def _load(model_file: str | None, name: str):
+    # start-up cost: a tokenizer's library loads only when that tokenizer is built
     import sentencepiece
 
     model_file = require_file(model_file, "--tokenizer-model", name, "a SentencePiece .model file")

@@ -72,6 +72,7 @@ class TikTokenizer(BaseTokenizer):
         num_special_tokens: int = 1000,
         special_tokens: Sequence[str] | None = None,
     ):
+        # start-up cost: a tokenizer's library loads only when that tokenizer is built
         import tiktoken
 
         path = require_file(tokenizer_model, "--tokenizer-model", "TikTokenizer", "a .tiktoken or Megatron JSON vocabulary")
