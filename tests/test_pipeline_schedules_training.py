@@ -3,7 +3,8 @@ computes (fp32, gloo), for GPT, LLaMA and Mixtral, and a checkpoint resumes unde
 
 One 4-rank world runs, 6 layers each:
 
-* GPT, pp4, ``--pipeline-schedule zb-h1``, ``--decoder-first/last-pipeline-num-layers 1`` (1, 2, 2, 1);
+* GPT, pp4, ``--pipeline-schedule zb-h1``, ``--decoder-first/last-pipeline-num-layers 1`` (1, 2, 2, 1),
+  full recompute (a recomputed layer's weight gradients come in B);
 * LLaMA, pp2 x dp2, ``zbv`` (two chunks per rank in a V) with a ``--pipeline-model-parallel-layout``
   string (1, 2, 1, 2 layers), saving at iteration 1; then tp2 x pp2 with sequence parallelism under
   interleaved zero bubble (``zb-h1``, 2 chunks per rank), the embedding and the loss each counted as
@@ -16,7 +17,12 @@ Losses must match the single-process run's to 1e-5 at every step.
 
 from __future__ import annotations
 
+import pytest
+
+from mega.core.config import ConfigError
 from mega.core.testing.training_runs import assert_losses_close, train_each, train_losses
+from mega.core.training.run_config import derive
+from mega.core.training.run_parser import parse_run
 
 COMMON = [
     "--mock-data", "--model-preset", "tiny", "--num-layers", "6", "--hidden-size", "32", "--seq-length", "16",
@@ -30,7 +36,8 @@ FAMILIES = {
     "mixtral": ["--model-family", "mixtral", "--num-experts", "4", "--moe-router-topk", "2"],
 }
 PP4_ZB_H1_FIRST_LAST = ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "zb-h1",
-                        "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "1"]
+                        "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "1",
+                        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 PP2_ZBV_LAYOUT = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
                   "--pipeline-model-parallel-layout", "Et|tt|t|tt,L"]
 TP2_PP2_INTERLEAVED_ZB = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size",
@@ -57,3 +64,19 @@ def test_uneven_layouts_and_zero_bubble_schedules_match_one_process(worlds, tmp_
     assert_losses_close(llama, references["llama"], "llama pp2 zbv with a layout string")
     assert_losses_close(resumed, references["llama"][1:], "llama tp2 x pp2 interleaved zero bubble, resumed from zbv")
     assert_losses_close(mixtral, references["mixtral"], "mixtral pp2 x ep2 dualpipev, distributed optimizer")
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--model-family", "gpt", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"],
+     "untie them \\(--untie-embeddings-and-output-weights\\)"),
+    (["--model-family", "llama", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+      "--num-virtual-stages-per-pipeline-rank", "3"], "two model chunks per pipeline rank in a V; got 3"),
+    (["--model-family", "llama", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|t|t|t,L",
+      "--num-virtual-stages-per-pipeline-rank", "3"], "4 stages = 2 per pipeline rank, but the virtual stages per rank are 3"),
+    (["--model-family", "llama", "--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "3",
+      "--decoder-last-pipeline-num-layers", "2"], "the 1 layers left after .* do not split evenly over the 2 middle"),
+])
+def test_layouts_and_schedules_that_cannot_run_are_refused_before_training(extra, message):
+    run, _ = parse_run(COMMON + extra)
+    with pytest.raises(ConfigError, match=message):
+        derive(run, world_size=4 if "4" in extra else 2)
