@@ -11,8 +11,10 @@ input and the incoming gradient) to ``pending``; :func:`run_weight_grads` (the W
 The choice is made at forward time and kept on the autograd node, so it holds whatever thread
 autograd runs the backward on. Layers that defer: mega's linears (the torch ``linear`` component
 and the tensor-parallel linears, all through :func:`~mega.core.parallel.grad_accumulation_fusion.linear`)
-and the grouped MoE experts (each calls :func:`defer` from its backward); other weights (norms, embeddings, a kernel backend's own
-linears, a recomputed region) get their gradients in B as before, which changes only when.
+and the grouped MoE experts (each calls :func:`defer` from its backward); other weights (norms,
+embeddings, a kernel backend's own linears) get their gradients in B as before, which changes only
+when. Activation recompute reruns a region with the deferral its forward had
+(:func:`replaying_weight_grad_deferral`).
 
 W hands each summed gradient to autograd as the gradient of the parameter itself, so it lands
 where the backward would have put it (``.grad``) and the parameter's post-accumulate hooks fire:
@@ -61,6 +63,23 @@ def deferral_target(*weights: torch.Tensor) -> list[WeightGrad] | None:
         return None
     pending, kept = context
     return None if any(id(weight) in kept for weight in weights) else pending
+
+
+def replaying_weight_grad_deferral() -> contextlib.AbstractContextManager:
+    """Called where a region's forward runs: a context that puts back, while activation recompute
+    reruns the region in backward, whether (and where) its layers deferred their weight gradients,
+    so the recomputed operations save the same tensors as the first run."""
+    captured = _pending.get()
+
+    @contextlib.contextmanager
+    def replaying():
+        token = _pending.set(captured)
+        try:
+            yield
+        finally:
+            _pending.reset(token)
+
+    return replaying()
 
 
 def defer(pending: list[WeightGrad], product: WeightGrad) -> None:

@@ -41,8 +41,6 @@ transfer, and a run follows the unit-cost timeline as closely as its costs are e
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from mega.core.pipeline.actions import (
     BACKWARD,
     FORWARD,
@@ -94,77 +92,92 @@ def zero_bubble_table(schedule: str, pp: int, num_microbatches: int, vpp: int = 
 def list_schedule(pp: int, num_microbatches: int, vpp: int, placement: str, live: list[int],
                   max_deferred: int) -> ScheduleTable:
     """The slotted table of the list schedule described in the module docstring."""
-    m, stages = num_microbatches, pp * vpp
-    stage: Callable[[int, int], int] = lambda rank, chunk: stage_of(rank, chunk, pp, placement)  # noqa: E731
-    forward_done: dict[tuple[int, int], int] = {}  # (micro-batch, stage) -> slot its F ended after
-    backward_done: dict[tuple[int, int], int] = {}
-    next_forward = [[0] * vpp for _ in range(pp)]
-    waiting_backward: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # (mb, chunk): F run, B not
-    deferred: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    scheduler = _ListScheduler(pp, num_microbatches, vpp, placement, live, max_deferred)
     slots: list[list[tuple[Action, ...]]] = [[] for _ in range(pp)]
-    forward_order = None
-    if placement == INTERLEAVED and vpp > 1:  # Megatron's: groups of pp micro-batches through each chunk
-        forward_order = [interleaved_forward(k, pp, vpp) for k in range(m * vpp)]
-    remaining = 3 * m * stages
-    time = 0
+    remaining = 3 * num_microbatches * pp * vpp
     while remaining:
-        finished = []
-        for rank in range(pp):
-            action = _choose(rank, time, stage, stages, m, vpp, live[rank], max_deferred, forward_done,
-                             backward_done, next_forward[rank], waiting_backward[rank], deferred[rank], forward_order)
+        actions = [scheduler.choose(rank) for rank in range(pp)]
+        for rank, action in enumerate(actions):
             slots[rank].append((action,) if action else ())
+        remaining -= sum(action is not None for action in actions)
+        scheduler.advance(actions)
+        if scheduler.time > 4 * (num_microbatches + 1) * pp * vpp:
+            raise ScheduleError(f"the list schedule of pp = {pp}, vpp = {vpp}, {num_microbatches} micro-batches "
+                                f"made no progress")
+    return ScheduleTable(pp, vpp, num_microbatches, tuple(tuple(rank_slots) for rank_slots in slots), placement,
+                         slotted=True)
+
+
+class _ListScheduler:
+    """Every rank's state during the list schedule, one unit-time slot after another."""
+
+    def __init__(self, pp, num_microbatches, vpp, placement, live, max_deferred):
+        self.pp, self.m, self.vpp, self.placement = pp, num_microbatches, vpp, placement
+        self.live, self.max_deferred = live, max_deferred
+        self.time = 0
+        self.forward_done: dict[tuple[int, int], int] = {}  # (micro-batch, stage) -> slot its result is there
+        self.backward_done: dict[tuple[int, int], int] = {}
+        self.next_forward = [[0] * vpp for _ in range(pp)]  # per rank and chunk: the next micro-batch
+        self.waiting_backward: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # (mb, chunk): F run, B not
+        self.deferred: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # (mb, chunk): B run, W not
+        # Interleaved chunks run their forwards in Megatron's order, groups of pp micro-batches per chunk.
+        self.forward_order = None
+        if placement == INTERLEAVED and vpp > 1:
+            self.forward_order = [interleaved_forward(k, pp, vpp) for k in range(num_microbatches * vpp)]
+
+    def stage(self, rank: int, chunk: int) -> int:
+        return stage_of(rank, chunk, self.pp, self.placement)
+
+    def arrived(self, done: dict, key: tuple[int, int]) -> bool:
+        return done.get(key, self.time + 1) <= self.time
+
+    def choose(self, rank: int) -> Action | None:
+        """What ``rank`` runs in this slot (the rules of the module docstring)."""
+        deferred, waiting = self.deferred[rank], self.waiting_backward[rank]
+        if len(deferred) >= self.max_deferred:
+            return Action(WEIGHT, *deferred[0])
+        last = self.pp * self.vpp - 1
+        ready_backward = [
+            (mb, chunk) for mb, chunk in waiting
+            if (self.arrived(self.forward_done, (mb, last)) if self.stage(rank, chunk) == last
+                else self.arrived(self.backward_done, (mb, self.stage(rank, chunk) + 1)))
+        ]
+        if ready_backward:
+            mb, chunk = min(ready_backward, key=lambda item: (item[0], -self.stage(rank, item[1])))
+            return Action(BACKWARD, mb, chunk)
+        if len(waiting) < self.live[rank]:
+            ready_forward = [(self.next_forward[rank][chunk], chunk) for chunk in self._forward_chunks(rank)
+                             if self._input_arrived(rank, chunk)]
+            if ready_forward:
+                mb, chunk = max(ready_forward, key=lambda item: (self.stage(rank, item[1]), -item[0]))
+                return Action(FORWARD, mb, chunk)
+        return Action(WEIGHT, *deferred[0]) if deferred else None
+
+    def _forward_chunks(self, rank: int) -> list[int]:
+        """The chunks whose next forward ``rank`` may run now (the next in order, if ordered)."""
+        if self.forward_order is None:
+            return [chunk for chunk in range(self.vpp) if self.next_forward[rank][chunk] < self.m]
+        done = sum(self.next_forward[rank])
+        return [self.forward_order[done][1]] if done < len(self.forward_order) else []
+
+    def _input_arrived(self, rank: int, chunk: int) -> bool:
+        stage = self.stage(rank, chunk)
+        return stage == 0 or self.arrived(self.forward_done, (self.next_forward[rank][chunk], stage - 1))
+
+    def advance(self, actions: list[Action | None]) -> None:
+        """Book this slot's actions; their results are there from the next slot on."""
+        for rank, action in enumerate(actions):
             if action is None:
                 continue
-            remaining -= 1
+            item, stage = (action.microbatch, action.chunk), self.stage(rank, action.chunk)
             if action.kind == FORWARD:
-                next_forward[rank][action.chunk] += 1
-                waiting_backward[rank].append((action.microbatch, action.chunk))
-                finished.append((forward_done, action.microbatch, stage(rank, action.chunk)))
+                self.next_forward[rank][action.chunk] += 1
+                self.waiting_backward[rank].append(item)
+                self.forward_done[(action.microbatch, stage)] = self.time + 1
             elif action.kind == BACKWARD:
-                waiting_backward[rank].remove((action.microbatch, action.chunk))
-                deferred[rank].append((action.microbatch, action.chunk))
-                finished.append((backward_done, action.microbatch, stage(rank, action.chunk)))
+                self.waiting_backward[rank].remove(item)
+                self.deferred[rank].append(item)
+                self.backward_done[(action.microbatch, stage)] = self.time + 1
             else:
-                deferred[rank].remove((action.microbatch, action.chunk))
-        for done, microbatch, where in finished:  # results are there from the next slot on
-            done[(microbatch, where)] = time + 1
-        time += 1
-        if time > 4 * m * stages + 4 * stages:
-            raise ScheduleError(f"the list schedule of pp = {pp}, vpp = {vpp}, {m} micro-batches made no progress")
-    return ScheduleTable(pp, vpp, m, tuple(tuple(rank_slots) for rank_slots in slots), placement, slotted=True)
-
-
-def _chunk_of_next_forward(next_forward: list[int], order: list[tuple[int, int]]) -> int | None:
-    """The chunk of the first (micro-batch, chunk) of ``order`` not run yet."""
-    done = sum(next_forward)
-    return order[done][1] if done < len(order) else None
-
-
-def _choose(rank, time, stage, stages, m, vpp, live, max_deferred, forward_done, backward_done, next_forward,
-            waiting_backward, deferred, forward_order) -> Action | None:
-    def arrived(done, key):
-        return done.get(key, time + 1) <= time
-
-    ready_backward = [
-        (mb, chunk) for mb, chunk in waiting_backward
-        if (arrived(forward_done, (mb, stage(rank, chunk))) if stage(rank, chunk) == stages - 1
-            else arrived(backward_done, (mb, stage(rank, chunk) + 1)))
-    ]
-    if len(deferred) >= max_deferred:
-        return Action(WEIGHT, *deferred[0])
-    if ready_backward:
-        mb, chunk = min(ready_backward, key=lambda item: (item[0], -stage(rank, item[1])))
-        return Action(BACKWARD, mb, chunk)
-    if len(waiting_backward) < live:
-        chunks = range(vpp) if forward_order is None else [_chunk_of_next_forward(next_forward, forward_order)]
-        ready_forward = [
-            (next_forward[chunk], chunk) for chunk in chunks
-            if chunk is not None and next_forward[chunk] < m
-            and (stage(rank, chunk) == 0 or arrived(forward_done, (next_forward[chunk], stage(rank, chunk) - 1)))
-        ]
-        if ready_forward:
-            mb, chunk = max(ready_forward, key=lambda item: (stage(rank, item[1]), -item[0]))
-            return Action(FORWARD, mb, chunk)
-    if deferred:
-        return Action(WEIGHT, *deferred[0])
-    return None
+                self.deferred[rank].remove(item)
+        self.time += 1
