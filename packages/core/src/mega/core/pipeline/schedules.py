@@ -2,7 +2,8 @@
 
 The schedule is the table of :func:`~mega.core.pipeline.schedule_table.schedule_table`: no
 pipelining for ``pp == 1`` (gradient accumulation), 1F1B for one model chunk per rank,
-interleaved 1F1B for several, ZB-H1 (``schedule="zb-h1"``). This module only executes it: before
+interleaved 1F1B for several, the zero-bubble schedules (``zb-h1``, ``zbv``, ``dualpipev``:
+:mod:`mega.core.pipeline.zero_bubble`). This module only executes it: before
 each step of the table it runs that step's exchange of tensors with the neighbouring stages, then
 the step's forward and backward passes. Where the table splits backwards into B and W, each
 forward runs inside :func:`~mega.core.parallel.weight_grad_split.deferring_weight_grads`, so its
@@ -75,13 +76,16 @@ def forward_backward(
     (a dict) merged under what crossed in. Or one tensor of ``tensor_shape`` and ``dtype``
     crosses, and chunks map a tensor to a tensor.
 
-    ``schedule``: ``"1f1b"`` (interleaved with several chunks) or ``"zb-h1"``.
+    ``schedule``: ``"1f1b"`` (interleaved with several chunks), ``"zb-h1"`` (interleaved zero
+    bubble with several), ``"zbv"`` or ``"dualpipev"`` (two chunks in a V: the chunks are then
+    virtual stages ``rank`` and ``2 pp - 1 - rank``, e.g. from ``pipeline_chunks(..., placement="v")``).
 
     ``grad_sync``: the data-parallel wrapper, or one per chunk. Every backward (and W) but the
     last one of its chunks runs inside its ``no_sync()``; ``finish_grad_sync()`` is called at the end,
     then the gradients of weights tied across stages are summed.
 
-    Returns the un-normalised per-micro-batch losses (detached) on the last stage, else ``[]``.
+    Returns the un-normalised per-micro-batch losses (detached) on the rank of the last stage
+    (the first rank in a V), else ``[]``.
     Gradients accumulate (in ``.grad``, or the wrapper's ``main_grad``); zeroing them before the
     step is the caller's job.
     """
