@@ -5,11 +5,13 @@ gradient the previous stage waits for, W the weight gradients, which nothing wai
 fill the pipeline's bubbles. A linear layer's backward is three products; B does ``grad_input
 = grad_output @ W``, W does ``grad_W += grad_output^T @ input`` (and the bias gradient).
 
-Forwards run inside ``with deferring_weight_grads(pending):`` build layers whose backward
-computes the input gradient and appends the weight-gradient product (a closure over the saved
+A layer whose forward runs inside ``with deferring_weight_grads(pending):`` computes only the
+input gradient in its backward and appends the weight-gradient product (a closure over the saved
 input and the incoming gradient) to ``pending``; :func:`run_weight_grads` (the W step) runs them.
 The choice is made at forward time and kept on the autograd node, so it holds whatever thread
-autograd runs the backward on. Layers that defer: mega's linears (the torch ``linear`` component
+autograd runs the backward on; the weights enter the node detached, so autograd accumulates
+nothing into them (and runs none of their hooks) until W. The context is a ``ContextVar`` scoped
+by the ``with``, as ``torch.no_grad`` is: nothing to reset. Layers that defer: mega's linears (the torch ``linear`` component
 and the tensor-parallel linears, all through :func:`~mega.core.parallel.grad_accumulation_fusion.linear`)
 and the grouped MoE experts (each calls :func:`defer` from its backward); other weights (norms,
 embeddings, a kernel backend's own linears) get their gradients in B as before, which changes only
