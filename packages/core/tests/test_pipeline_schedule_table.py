@@ -207,3 +207,10 @@ def test_zb_h1_timeline_of_two_stages():
         "rank 0: F0 c0 F1 c0 ..... B0 c0 W0 c0 B1 c0 W1 c0\n"  # W0 fills the wait for B1's gradient
         "rank 1: ..... F0 c0 B0 c0 F1 c0 B1 c0 W0 c0 W1 c0"
     )
+
+
+def test_dualpipev_spends_its_larger_memory_on_a_bubble_no_larger_than_zbv():
+    for pp in range(2, 7):
+        for m in range(1, 3 * pp + 1):
+            dualpipev, zbv = (bubble_fraction(schedule_table(pp, m, 2, schedule=name)) for name in ("dualpipev", "zbv"))
+            assert dualpipev <= zbv + 1e-12, (pp, m)
