@@ -18,6 +18,7 @@ the gradients of data-parallel replicas are reduced once, after the last backwar
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -145,6 +146,14 @@ class _ScheduleRun:
                 self.final_actions[(id(self.syncers[action.chunk]), action.kind)] = action
         self.deferred: dict[tuple[int, int], list] = {}  # (mb, chunk) -> weight-gradient products for its W
         self.splits_backward = table.splits_backward and not forward_only
+        # FSDP2 reduce-scatters a module's gradients from its post-backward hook: before W. (Its
+        # DTensor parameters exist only where torch.distributed.tensor was imported: no import here.)
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        if self.splits_backward and dtensor is not None and any(
+                isinstance(p, dtensor.DTensor) for chunk in chunks for p in chunk.parameters()):
+            raise ValueError("the zero-bubble schedules leave weight gradients to a W step after the backward; "
+                             "FSDP (DTensor parameters) reduces them at the end of the backward: use "
+                             "--pipeline-schedule 1f1b with FSDP")
         # A rank that holds the first and the last stage (pp = 1) uses a tied word embedding for
         # the lookup and the output layer: its gradient stays whole in B.
         stages = {table.stage(self.rank, chunk) for chunk in range(len(chunks))}
