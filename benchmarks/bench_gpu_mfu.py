@@ -11,9 +11,11 @@ figure.
     python benchmarks/bench_gpu_mfu.py --micro-batch-size 8 --recompute selective --json
     python benchmarks/bench_gpu_mfu.py --json --kernels liger          # any further mega train flags
     python benchmarks/bench_gpu_mfu.py --json --hf llama    # Hugging Face's model of the same shape
+    python benchmarks/bench_gpu_mfu.py --json --use-torch-fsdp2   # FSDP2 (ZeRO-3) on one GPU: its overhead over DDP
 
 A table has a row per configuration: torch kernels, --compile, --kernels liger, FP8 through
-torchao (tensorwise, rowwise, tensorwise + --compile) and Hugging Face transformers' model of the
+torchao (tensorwise, rowwise, tensorwise + --compile), FSDP2 (--use-torch-fsdp2, ZeRO-3 over a
+one-process group: what sharding costs where nothing is sharded) and Hugging Face transformers' model of the
 same shape (sdpa attention, bf16 autocast over fp32 weights, fused AdamW). Each row is its own
 child process (a fresh CUDA context, so peak memory is the run's own); a row that fails shows
 the last line of its error.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,6 +33,7 @@ import time
 
 import torch
 
+from mega.core.launch import distributed_env
 from mega.core.plugins import hookimpl, load_plugins
 from mega.core.training.command import parse_run
 from mega.core.training.device_peaks import peak_tflops
@@ -72,6 +76,10 @@ def main() -> int:
             register("bench-mfu", lambda run_config: Listener())
 
     argv = train_argv(args) + train_flags
+    if FSDP_FLAGS & set(train_flags) and distributed_env() is None:
+        # FSDP2 shards over a process group, even of one GPU: join a one-process group.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     plugins = load_plugins(extra=[("bench", Recorder())])
     run, family = parse_run(argv, plugins)
     state = run_training(run, family, plugins)
@@ -115,6 +123,7 @@ MODELS = {
                "--num-attention-heads", "32", "--num-query-groups", "8"]),
 }
 FP8 = ["--fp8-format", "hybrid", "--fp8-recipe"]
+FSDP_FLAGS = {"--use-torch-fsdp2", "--data-parallel-sharding-strategy"}
 CONFIGURATIONS = {
     "torch kernels": [],
     "--compile": ["--compile"],
@@ -123,6 +132,7 @@ CONFIGURATIONS = {
     "fp8 tensorwise": [*FP8, "tensorwise"],
     "fp8 rowwise": [*FP8, "rowwise"],
     "fp8 tensorwise + --compile": [*FP8, "tensorwise", "--compile"],
+    "FSDP2 (--use-torch-fsdp2)": ["--use-torch-fsdp2"],
 }
 
 

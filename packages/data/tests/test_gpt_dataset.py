@@ -45,7 +45,7 @@ def megatron_datasets(data_path, sizes, tmp_path, mock=False, **options):
         path_to_cache=None,  # (with a cache directory, its BlendedDataset insists on torch.distributed)
         tokenizer=NullTokenizer(EOD),
         reset_position_ids=options.get("reset_position_ids", False),
-        reset_attention_mask=False,
+        reset_attention_mask=options.get("reset_attention_mask", False),
         eod_mask_loss=options.get("eod_mask_loss", False),
         add_extra_token_to_sequence=options.get("extra", True),
         drop_last_partial_validation_sequence=options.get("drop_last_valid", True),
@@ -64,6 +64,7 @@ def mega_config(tmp_path, **options):
         add_extra_token_to_sequence=options.get("extra", True),
         drop_last_partial_validation_sequence=options.get("drop_last_valid", True),
         reset_position_ids=options.get("reset_position_ids", False),
+        reset_attention_mask=options.get("reset_attention_mask", False),
         eod_mask_loss=options.get("eod_mask_loss", False),
         path_to_cache=str(tmp_path / "mega_cache"),
     )
@@ -132,7 +133,7 @@ def test_separate_final_epoch_is_exercised(corpora):
 
 
 def test_getitem_matches_megatron_masks_and_positions(corpora, tmp_path):
-    options = dict(sequence_length=32, reset_position_ids=True, eod_mask_loss=True)
+    options = dict(sequence_length=32, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
     theirs = megatron_datasets([corpora[2]], [300, 20, 20], tmp_path, **options)[0]
     ours = build_gpt_datasets([corpora[2]], [300, 20, 20], mega_config(tmp_path, **options))[0]
     for i in list(range(0, len(ours), 13)) + [None]:
@@ -140,6 +141,10 @@ def test_getitem_matches_megatron_masks_and_positions(corpora, tmp_path):
         got = ours[i]
         for key in ("tokens", "labels", "loss_mask", "position_ids"):
             np.testing.assert_array_equal(got[key], expected[key].numpy(), err_msg=f"{key} of sample {i}")
+        # Megatron's dense mask (True: not attended) is causal attention within our documents.
+        documents = got["document_ids"]
+        allowed = np.tril(documents[:, None] == documents[None, :])
+        np.testing.assert_array_equal(~allowed, expected["attention_mask"].numpy()[0], err_msg=f"sample {i}")
 
 
 @pytest.mark.parametrize(

@@ -73,6 +73,8 @@ MASKS = {
         [[s], [s - 5]], device=dev)), 2, 16, 16),
     "packed": (lambda b, s, dev: AttentionMask(causal=True, cu_seqlens=torch.tensor(
         [0, 5, 12, s], dtype=torch.int32, device=dev)), 1, 16, 16),
+    "packed rows": (lambda b, s, dev: AttentionMask(causal=True, cu_seqlens=torch.tensor(
+        [0, 5, s, s + 9, 2 * s], dtype=torch.int32, device=dev)), 2, 16, 16),
     "bias (runs torch's sdpa)": (lambda b, s, dev: AttentionMask(bias=torch.randn(
         1, 4, s, s, generator=torch.Generator().manual_seed(1)).to(dev)), 2, 16, 16),
 }

@@ -75,14 +75,17 @@ LAYOUTS = {
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
     "dp2-distributed-optimizer": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
+    "dp2-fsdp2": ["--use-torch-fsdp2"],
     "tp2-recompute": ["--tensor-model-parallel-size", "2", "--recompute-granularity", "full",
                       "--recompute-method", "uniform", "--recompute-num-layers", "1"],
 }
 # tp splits a row-parallel product's fp32 sum over the ranks (another order), and an element on
 # an FP8 rounding boundary downstream may then round the other way: measured 0 (GPT, tensorwise
 # hybrid: equal) and 8.8e-5 (LLaMA, rowwise e4m3) of the loss; 5e-4 leaves room for other CPUs'
-# summation orders. pp and dp compute the same products in the same order (measured 0).
-LAYOUT_TOLERANCE = {"tp2-sp": 5e-4, "tp2-recompute": 5e-4, "pp2": 1e-6, "dp2-distributed-optimizer": 1e-6}
+# summation orders. pp and dp (DDP, the distributed optimizer, FSDP2) compute the same products
+# in the same order (measured 0).
+LAYOUT_TOLERANCE = {"tp2-sp": 5e-4, "tp2-recompute": 5e-4, "pp2": 1e-6, "dp2-distributed-optimizer": 1e-6,
+                    "dp2-fsdp2": 1e-6}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

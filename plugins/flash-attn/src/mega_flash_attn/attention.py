@@ -41,7 +41,8 @@ class FlashAttention:
             return sdpa_attention(query, key, value, mask=mask, dropout_p=dropout_p, softmax_scale=softmax_scale)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, s, h, d] views
         if mask.cu_seqlens is not None:
-            out = self._packed(q[0], k[0], v[0], mask.cu_seqlens, mask.causal, dropout_p, softmax_scale)[None]
+            rows = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]  # the rows end to end: [b * s, h, d]
+            out = self._packed(*rows, mask.cu_seqlens, mask.causal, dropout_p, softmax_scale).view(q.shape)
         elif mask.padding is not None:
             out = self._padded_keys(q, k, v, mask.padding, dropout_p, softmax_scale)
         else:
@@ -84,8 +85,8 @@ def _expressible(mask: AttentionMask, query, key) -> bool:
         return False
     if mask.padding is not None:
         return not mask.causal and mask.cu_seqlens is None
-    if mask.cu_seqlens is not None:  # packed training: a batch of one, as many queries as keys
-        return query.shape[0] == 1 and query.shape[2] == key.shape[2]
+    if mask.cu_seqlens is not None:  # packed training: the rows end to end, as many queries as keys
+        return query.shape[2] == key.shape[2]
     return True
 
 

@@ -124,7 +124,9 @@ def check_tensors(what: str, shapes: dict[str, tuple[int, ...]],
     if missing or unexpected:
         problems = ([f"lacks {format_names(missing)}"] if missing else []) + (
             [f"has {format_names(unexpected)}, which the model does not"] if unexpected else [])
-        raise ConversionError(f"{what} does not match its model config: it {'; it '.join(problems)}")
+        hint = (" (LoRA adapters: `mega lora merge` folds them into the model, `mega lora export-peft` "
+                "writes them for PEFT)") if any(".adapter." in name for name in unexpected) else ""
+        raise ConversionError(f"{what} does not match its model config: it {'; it '.join(problems)}{hint}")
     for name, (shape, padded_vocab) in parameters.items():
         fits = shapes[name] == shape
         if padded_vocab:  # any padding, but every token's row

@@ -23,3 +23,8 @@ def register_commands(register):
         Command(help="convert checkpoints between Hugging Face and mega, or reshard to another tp/pp",
                 main="mega.ckpt_convert.cli:main"),
     )
+    register(
+        "lora",
+        Command(help="LoRA adapters of a checkpoint: export-peft (a Hugging Face PEFT adapter) or merge into the base",
+                main="mega.ckpt_convert.lora_cli:main"),
+    )

@@ -4,7 +4,9 @@ A dataset plugin registers (``register_datasets``) a builder ``build(request) ->
 Each split is ``None`` or a sized, indexable dataset whose item ``i`` is a mapping with
 ``tokens`` and ``labels`` (integer arrays of ``seq_length``: the inputs and the next tokens)
 and optionally ``loss_mask`` (1.0 where a label counts): the shape of Megatron's ``GPTDataset``
-samples. Every rank calls the builder at the same time; a builder that caches indices or
+samples; samples whose rows hold several documents (packed sequences, ``--reset-attention-mask``)
+add ``document_ids`` (``[seq]`` integers, equal within a document, increasing along the row) and
+``position_ids``. Every rank calls the builder at the same time; a builder that caches indices or
 prepares files coordinates that itself (rank 0 builds, the others wait and load).
 
 Families whose samples are not GPT's (BERT's masked-LM pairs, T5's span corruption) name their
@@ -35,6 +37,10 @@ class DatasetRequest:
     model: Any = None  # the family's model config (an encoder-decoder's lengths, BERT's binary head)
     mask_prob: float = 0.15  # masked-LM / span-corruption share of tokens (--mask-prob)
     short_seq_prob: float = 0.1  # chance of a shorter target length (--short-seq-prob)
+    packed_sequences: bool = False  # sft: several conversations per row (--packed-sequences)
+    reset_position_ids: bool = False  # GPT data: Megatron's --reset-position-ids
+    reset_attention_mask: bool = False  # GPT data: documents kept apart (samples carry document_ids)
+    eod_mask_loss: bool = False  # GPT data: end-of-document tokens out of the loss
 
 
 @dataclass

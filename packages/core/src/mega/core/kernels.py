@@ -96,7 +96,8 @@ class AttentionMask:
       query continuing a cached prefix sees the whole prefix).
     * ``padding``: ``[batch, keys]`` bool, True where the key is a real token.
     * ``cu_seqlens``: packed sequences, ``[n + 1]`` int32 offsets of ``n`` sequences laid end to
-      end in a batch of one; no token sees another sequence's.
+      end, the batch's rows one after the other (flash-attention's varlen layout; no sequence
+      crosses a row); no token sees another sequence's.
     * ``bias``: an additive ``[batch or 1, heads, queries, keys]`` float (relative positions).
     """
 

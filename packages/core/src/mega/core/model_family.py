@@ -159,10 +159,12 @@ class LossContext:
 
 
 def stack_stages(config: Any, pp: int, vpp: int = 1, layers_per_stage: Sequence[int] | None = None, *,
-                 stack: str = "decoder", batch_keys: tuple[str, ...] = ("tokens", "position_ids")) -> list[Stage]:
+                 stack: str = "decoder", batch_keys: tuple[str, ...] = ("tokens", "position_ids", "document_ids")
+                 ) -> list[Stage]:
     """The default ``pipeline_stages``: one stack of ``config.num_layers`` layers split evenly, or
     ``layers_per_stage[i]`` layers on virtual stage ``i`` (Megatron's interleaved assignment with
-    ``vpp`` chunks); the first stage reads the tokens."""
+    ``vpp`` chunks); the first stage reads the tokens (and the positions and ``document_ids`` of
+    packed rows where the samples have them)."""
     per_rank = split_layers(config.num_layers, pp, vpp, layers_per_stage)
     ranges = [per_rank[index % pp][index // pp] for index in range(pp * vpp)]
     return [Stage(index, pp * vpp, {stack: layers}, batch_keys if index == 0 else ())

@@ -20,6 +20,7 @@ import numpy as np
 
 from mega.data.blending import MID_LEVEL_SURPLUS
 from mega.data.index_cache import IndexCache, description_hash, files_fingerprint
+from mega.data.packing import document_ids_after_eod
 from mega.data.sample_index import build_gpt_indices
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class GPTDataset:
         return np.concatenate(parts, dtype=np.int64), np.asarray(documents, dtype=np.int64)
 
     def __getitem__(self, index: int | None) -> dict[str, np.ndarray]:
-        """tokens, labels, loss_mask and position_ids (and attention_mask with reset_attention_mask).
+        """tokens, labels, loss_mask and position_ids (and document_ids with reset_attention_mask).
 
         ``index=None`` gives a padding sample with a zero loss mask, as in Megatron.
         """
@@ -182,11 +183,9 @@ def _masks_and_positions(tokens: np.ndarray, config: GPTDatasetConfig) -> dict[s
             restart[eods[eods + 1 < length] + 1] = eods[eods + 1 < length] + 1
             position_ids -= np.maximum.accumulate(restart)
         if config.reset_attention_mask:
-            attention = np.tril(np.ones((length, length), dtype=bool))
-            for eod in eods:
-                attention[eod + 1 :, : eod + 1] = False
-            # Megatron's convention: True marks positions that may NOT be attended to.
-            sample["attention_mask"] = ~attention[None]
+            # Megatron's dense [1, s, s] mask, as the documents each token belongs to (an EOD ends
+            # its document): the model keeps them apart (mega.core.kernels.AttentionMask cu_seqlens).
+            sample["document_ids"] = document_ids_after_eod(tokens, config.eod)
     return sample
 
 

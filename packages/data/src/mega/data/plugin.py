@@ -26,6 +26,9 @@ def register_datasets(register):
     register("t5", "mega.data.training_data:t5_datasets",
              "megatron-core's T5 span-corruption samples over sentence-split .bin/.idx data")
     register("t5-mock", "mega.data.training_data:t5_mock_datasets", "T5 samples over synthetic sentences")
+    register("sft", "mega.data.sft_dataset:sft_datasets",
+             "chat conversations from `mega preprocess --chat`, assistant tokens in the loss, packed with "
+             "--packed-sequences (mega train --sft)")
     register("pydoc-topics", "mega.data.embedded_corpus:pydoc_topics_datasets",
              "the text of Python's pydoc topics with a BPE tokenizer trained on it (the embedded default)")
 

@@ -46,6 +46,10 @@ class PreprocessConfig:
     # Command-line use: on Ctrl-C or SIGTERM, stop the workers, delete the partial output and
     # exit at once (the signal may land anywhere, even inside the pool's own locks).
     exit_on_signals: bool = False
+    # --chat: conversations into tokens and an assistant loss mask (mega.data.chat_encoder).
+    chat: bool = False
+    chat_template: str | None = None  # a Jinja file; None: the tokenizer's own
+    seq_length: int | None = None  # with chat: a longer conversation is a bad line
 
 
 @dataclass
@@ -76,6 +80,10 @@ def _build_encoder(config: PreprocessConfig, tokenizer=None) -> DocumentEncoder:
         from mega.data.tokenizers import build_tokenizer
 
         tokenizer = build_tokenizer(config.tokenizer_type, config.tokenizer_options, **config.tokenizer_settings)
+    if config.chat:
+        from mega.data.chat_encoder import build_chat_encoder
+
+        return build_chat_encoder(config, tokenizer)
     settings = EncodingSettings(
         json_keys=tuple(config.json_keys),
         split_sentences=config.split_sentences,
@@ -123,6 +131,8 @@ def _encode(block) -> EncodedBlock:
 def _blocks(config: PreprocessConfig) -> Iterator:
     for path in config.inputs:
         fmt = config.input_format or detect_format(path)
+        if config.chat and fmt != "jsonl":
+            raise InputError(f"{path}: --chat reads JSON Lines (one conversation per line), not {fmt}")
         if fmt == "jsonl":
             yield from read_jsonl_blocks(path, config.block_bytes)
         else:
@@ -159,7 +169,12 @@ def preprocess(config: PreprocessConfig, tokenizer=None) -> PreprocessResult:
     if config.workers < 1:
         raise ValueError("--workers must be at least 1")
     encoder = _build_encoder(config, tokenizer)
-    outputs = output_prefixes(config.output_prefix, config.json_keys, config.split_sentences)
+    if config.chat:
+        from mega.data.chat_encoder import chat_output_prefixes
+
+        outputs = chat_output_prefixes(config.output_prefix, config.json_keys[0])
+    else:
+        outputs = output_prefixes(config.output_prefix, config.json_keys, config.split_sentences)
     result = PreprocessResult(outputs)
     start = time.monotonic()
     total_bytes = sum(os.path.getsize(p) for p in config.inputs)
@@ -169,7 +184,8 @@ def preprocess(config: PreprocessConfig, tokenizer=None) -> PreprocessResult:
     previous_handlers = _exit_on_signals(writers) if config.exit_on_signals else {}
     try:
         for key, prefix in outputs.items():
-            writers[key] = IndexedDatasetWriter(prefix, encoder.settings.dtype)
+            writers[key] = IndexedDatasetWriter(prefix, getattr(encoder, "output_dtypes", {}).get(
+                key, encoder.settings.dtype))
         if config.workers == 1:
             encoded_blocks = map(encoder.encode, _blocks(config))
         else:

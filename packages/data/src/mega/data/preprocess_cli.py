@@ -24,12 +24,22 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--input", nargs="+", required=True, metavar="PATH", help="input file(s), read in order")
     group.add_argument("--input-format", choices=["jsonl", "json", "parquet", "csv", "arrow", "text"],
                        help="format of every input (default: from each file name)")
-    group.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
-                       help="fields (columns) to tokenize, one output dataset each (default: text)")
+    group.add_argument("--json-keys", nargs="+", default=None, metavar="KEY",
+                       help="fields (columns) to tokenize, one output dataset each (default: text; "
+                            "with --chat: messages)")
     group.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (rule-based, offline)")
     group.add_argument("--keep-newlines", action="store_true",
                        help="with --split-sentences, keep the whitespace and newlines after each sentence")
     group.add_argument("--lang", default="english", help="accepted for compatibility; the splitter is language-neutral")
+    group.add_argument("--chat", action="store_true",
+                       help="conversations ({\"messages\": [{role, content}...]} or prompt/response pairs, JSON Lines) "
+                            "rendered by the chat template, with an assistant-only loss mask beside the tokens "
+                            "({prefix}_messages_document and ..._loss_mask); --json-keys names the messages field")
+    group.add_argument("--chat-template", metavar="FILE",
+                       help="with --chat: a Jinja chat template (or a tokenizer_config.json holding one); "
+                            "default: the tokenizer's own, beside its files")
+    group.add_argument("--seq-length", type=int, metavar="N",
+                       help="with --chat: a conversation of more than N tokens is a bad line")
     group.add_argument("--skip-bad-lines", action="store_true",
                        help="skip malformed lines (counted and reported) instead of failing on the first")
 
@@ -72,6 +82,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     # start-up cost: `mega --help` and the parser stay free of torch and the models
     from mega.core.plugins import PluginError
+    from mega.data.chat_template import ChatTemplateError
     from mega.data.indexed_dataset import IndexedDatasetError
     from mega.data.preprocess import PreprocessConfig, preprocess
     from mega.data.sources import InputError
@@ -79,6 +90,14 @@ def main(argv: list[str]) -> int:
 
     if args.workers < 1:
         print(f"mega preprocess: error: --workers must be at least 1, got {args.workers}", file=sys.stderr)
+        return 2
+    if args.json_keys is None:
+        args.json_keys = ["messages"] if args.chat else ["text"]
+    if not args.chat and (args.chat_template or args.seq_length):
+        print("mega preprocess: error: --chat-template and --seq-length need --chat", file=sys.stderr)
+        return 2
+    if args.chat and (args.split_sentences or len(args.json_keys) > 1):
+        print("mega preprocess: error: --chat takes one --json-keys field and no --split-sentences", file=sys.stderr)
         return 2
     if args.keep_newlines and not args.split_sentences:
         print("mega preprocess: note: --keep-newlines only matters with --split-sentences", file=sys.stderr)
@@ -101,10 +120,13 @@ def main(argv: list[str]) -> int:
         block_bytes=args.block_size,
         progress={"auto": None, "always": True, "never": False}[args.progress],
         exit_on_signals=True,
+        chat=args.chat,
+        chat_template=args.chat_template,
+        seq_length=args.seq_length,
     )
     try:
         result = preprocess(config)
-    except (InputError, TokenizerError, IndexedDatasetError, PluginError, OSError) as error:
+    except (InputError, TokenizerError, IndexedDatasetError, PluginError, ChatTemplateError, OSError) as error:
         print(f"mega preprocess: error: {error}", file=sys.stderr)
         print("mega preprocess: no output was written", file=sys.stderr)
         return 1

@@ -29,7 +29,8 @@ from mega.data.splits import SPLIT_NAMES, parse_split, split_bounds, split_docum
 def _config(request: DatasetRequest, eod: int | None, pad: int | None) -> GPTDatasetConfig:
     return GPTDatasetConfig(
         sequence_length=request.seq_length, random_seed=request.seed, split=request.split,
-        eod=eod, pad=pad, path_to_cache=request.cache_path,
+        eod=eod, pad=pad, path_to_cache=request.cache_path, reset_position_ids=request.reset_position_ids,
+        reset_attention_mask=request.reset_attention_mask, eod_mask_loss=request.eod_mask_loss,
     )
 
 

@@ -24,7 +24,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from mega.core.kernels import Kernels, check_linear_loss
+from mega.core.kernels import CAUSAL, AttentionMask, Kernels, check_linear_loss
 from mega.core.model_family import Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.param_attrs import mark_padded_vocab
@@ -34,6 +34,7 @@ from mega.models.config import TransformerConfig
 from mega.models.embedding import Embedding
 from mega.models.kv_cache import KVCache
 from mega.models.layer_stack import check_layers
+from mega.models.packed_sequences import document_attention_mask
 from mega.models.tied_embedding import stage_embedding, tie_output_layer
 
 
@@ -67,7 +68,8 @@ class LanguageModel(nn.Module):
                 tie_output_layer(self, self.output_layer, "output_layer.weight")
 
     def forward(self, inputs: torch.Tensor | Mapping[str, torch.Tensor], position_ids: torch.Tensor | None = None,
-                inference_cache: KVCache | None = None, logits_to_keep: int | torch.Tensor | None = None):
+                inference_cache: KVCache | None = None, logits_to_keep: int | torch.Tensor | None = None,
+                mask: AttentionMask = CAUSAL):
         """Token ids ``[b, s]`` on the first stage, hidden ``[s, b, h]`` after; returns hidden
         ``[s, b, h]``, or logits ``[s, b, vocab (shard)]`` on the last stage.
 
@@ -83,19 +85,22 @@ class LanguageModel(nn.Module):
         (generation needs the next token's; the vocabulary projection dominates short models), or,
         given a tensor ``[b]`` of positions, of that one position per row (right-padded prompts
         prefilled together each end at their own position): logits ``[1, b, vocab]``.
+        ``mask``: which keys each query sees (causal; packed rows: within each document, from the
+        batch's ``document_ids``, :mod:`mega.models.packed_sequences`).
         """
         if isinstance(inputs, Mapping):
             hidden = inputs["tokens"] if self.pre_process else inputs["hidden"]
+            mask = document_attention_mask(inputs.get("document_ids"))  # packed rows: each document alone
             if self.fused_loss:
-                hidden = self._final_hidden(hidden, inputs.get("position_ids"))
+                hidden = self._final_hidden(hidden, inputs.get("position_ids"), mask=mask)
                 return {"output_hidden": hidden, "output_weight": self.output_layer.weight}
-            output = self.forward(hidden, inputs.get("position_ids"))
+            output = self.forward(hidden, inputs.get("position_ids"), mask=mask)
             return {"logits" if self.post_process else "hidden": output}
         if inference_cache is not None and position_ids is None:
             seq = inputs.shape[1] if self.pre_process else inputs.shape[0]
             start = inference_cache.length
             position_ids = torch.arange(start, start + seq, device=inputs.device)[None, :]
-        hidden = self._final_hidden(inputs, position_ids, inference_cache)
+        hidden = self._final_hidden(inputs, position_ids, inference_cache, mask)
         if not self.post_process:
             return hidden
         if isinstance(logits_to_keep, torch.Tensor):
@@ -105,10 +110,12 @@ class LanguageModel(nn.Module):
         return self.output_layer(hidden)
 
     def _final_hidden(self, inputs: torch.Tensor, position_ids: torch.Tensor | None,
-                      inference_cache: KVCache | None = None) -> torch.Tensor:
+                      inference_cache: KVCache | None = None, mask: AttentionMask = CAUSAL) -> torch.Tensor:
         """The decoder's output ``[s, b, h]`` (after the final norm on the last stage)."""
         hidden = self.embedding(inputs, position_ids) if self.pre_process else inputs
-        return self.decoder(hidden, position_ids, cache=inference_cache)
+        if mask is CAUSAL:  # the layers' default: the call (and a compiled graph) stays as it was
+            return self.decoder(hidden, position_ids, cache=inference_cache)
+        return self.decoder(hidden, position_ids, cache=inference_cache, mask=mask)
 
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:

@@ -19,3 +19,10 @@ def register_models(register):
 def register_kernel_backends(register):
     register("torch", "mega.models.torch_kernels:TORCH",
              "torch-native attention (sdpa), norms, linear, activations, rotary, cross-entropy")
+
+
+@hookimpl
+def register_callbacks(register):
+    register("lora", "mega.models.lora_training:lora_callback",
+             "LoRA adapters beside the linear layers, the base frozen (--lora-rank)",
+             options="mega.models.lora_training:LoRAOptions")

@@ -71,9 +71,10 @@ def _explicit_mask(mask: AttentionMask, query: torch.Tensor, key: torch.Tensor) 
         allowed = allowed & torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
     if mask.padding is not None:
         allowed = allowed & mask.padding[:, None, None, :].to(torch.bool)
-    if mask.cu_seqlens is not None:
-        document = torch.bucketize(torch.arange(k_len, device=device), mask.cu_seqlens[1:].to(device), right=True)
-        allowed = allowed & (document[-q_len:, None] == document[None, :])[None, None]
+    if mask.cu_seqlens is not None:  # the batch's rows end to end: documents [batch, keys]
+        tokens = torch.arange(key.shape[0] * k_len, device=device)
+        document = torch.bucketize(tokens, mask.cu_seqlens[1:].to(device), right=True).view(-1, k_len)
+        allowed = allowed & (document[:, -q_len:, None] == document[:, None, :])[:, None]
     additive = torch.zeros(allowed.shape, dtype=query.dtype, device=device)
     additive.masked_fill_(~allowed, torch.finfo(query.dtype).min)
     if mask.bias is not None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mega.core.checkpoint import rng, space
+from mega.core.checkpoint.adapters import check_adapters_only, restrict_to_part
 from mega.core.checkpoint.config import CheckpointConfig
 from mega.core.checkpoint.config_check import check_model_config
 from mega.core.checkpoint.directory import (
@@ -47,6 +48,7 @@ from mega.core.checkpoint.model_io import load_model_weights
 from mega.core.checkpoint.sharded_io import ShardedEntry, load_entries, read_index, save_entries
 from mega.core.checkpoint.state import (
     MAIN_PARAM,
+    MODEL,
     create_optimizer_state,
     model_entries,
     named_parameters,
@@ -193,7 +195,10 @@ class Checkpointer:
 
     def _entries_to_save(self) -> tuple[dict, dict | None]:
         saved = self.state
-        entries = model_entries(saved.chunks, self.groups.tp).entries
+        model = model_entries(saved.chunks, self.groups.tp)
+        # A model with adapters (LoRA) saves them alone: its frozen base is --load's.
+        entries = {key: entry for key, entry in model.entries.items()
+                   if not key.startswith(MODEL) or key in model.optional or not model.adapters}
         description = optimizer_state_description(saved.optimizer)
         if description is not None:
             entries.update(optimizer_entries(saved.optimizer, saved.chunks, self.groups.tp,
@@ -222,27 +227,39 @@ class Checkpointer:
 
     # -- loading -----------------------------------------------------------------------------
     def load(self) -> None:
-        """Restore the run from ``--load`` (nothing when that directory holds no checkpoint yet)."""
+        """Restore the run from ``--load`` (nothing when that directory holds no checkpoint yet);
+        with ``--load-adapter``, the base's weights from ``--load``, then the LoRA adapters and the
+        run (optimizer, iteration, data position, RNG) from ``--load-adapter``."""
+        if self.config.load_adapter is None:
+            self._load_from(self.config.load, self.config.finetune)
+            return
+        self._load_from(self.config.load, finetune=True, part="base")
+        self._load_from(self.config.load_adapter, self.config.finetune, part="adapters")
+
+    def _load_from(self, location: str, finetune: bool, part: str | None = None) -> None:
+        """``part``: None (the whole model), ``base`` (all but the adapters) or ``adapters`` (only them)."""
         saved, state, config = self.state, self.state.progress, self.config
-        foreign = foreign_format(config.load, capability="load_for_training")
+        flag = "--load-adapter" if part == "adapters" else "--load"
+        foreign = foreign_format(location, capability="load_for_training") if part != "adapters" else None
         if foreign is not None:
             self._load_foreign(foreign)
             return
-        found = find_checkpoint(config.load, checksums=config.verify_checksums)
+        found = find_checkpoint(location, checksums=config.verify_checksums)
         if found is None:
-            if config.finetune:  # weights were asked for: training random ones would waste the run
-                raise CheckpointError(f"--finetune: {config.load} holds no checkpoint to fine-tune from")
-            if not Path(config.load).exists() and self.is_writer:  # often a typo; say so loudly
-                print(f"WARNING: --load {config.load} does not exist: training starts from scratch",
+            if finetune or part is not None:  # weights were asked for: training random ones would waste the run
+                raise CheckpointError(f"{'--finetune' if part is None else flag}: {location} holds no checkpoint "
+                                      f"to {'fine-tune' if part is None else 'load'} from")
+            if not Path(location).exists() and self.is_writer:  # often a typo; say so loudly
+                print(f"WARNING: --load {location} does not exist: training starts from scratch",
                       file=sys.stderr, flush=True)
-            self._say(f"no checkpoint in {config.load} yet; starting from scratch")
+            self._say(f"no checkpoint in {location} yet; starting from scratch")
             return
         path, metadata = found
         if metadata.model_family != saved.family.name:
             raise CheckpointError(f"{path} holds a {metadata.model_family!r} model; this run trains "
                                   f"{saved.family.name!r} (--model-family)")
         check_model_config(path, metadata.model_config, saved.run.model)
-        weights_only = config.finetune or path.name == RELEASE
+        weights_only = finetune or path.name == RELEASE
         with_optimizer = not weights_only and config.load_optim and metadata.optimizer is not None
         wanted = model_entries(saved.chunks, self.groups.tp)
         if with_optimizer:
@@ -251,10 +268,13 @@ class Checkpointer:
                                           metadata.optimizer["state_keys"], metadata.optimizer["main_params"])
             wanted.entries.update(optimizer.entries)
             wanted.sources.update(optimizer.sources)
+            for key in optimizer.main_param_instead:  # one tensor, loaded once: from its fp32 copy
+                del wanted.entries[key], wanted.sources[key]
         # fp32 main weights come from the checkpoint when it has them, else from the loaded weights
         loads_main_params = any(key.endswith("." + MAIN_PARAM) for key in wanted.entries)
         index = read_index(path)
-        check_model_names(path, full_model_names(saved), index)
+        check_adapters_only(path, index, part, flag)
+        check_model_names(path, *restrict_to_part(wanted, part, full_model_names(saved), index))
         extra_state = prepare_optional(wanted, index)
         check_entries(path, wanted, index)
         zero_rows_beyond(wanted, index)

@@ -19,6 +19,9 @@ class CheckpointConfig:
     load_optim: bool = option(True, "do not load the optimizer state", flag="--no-load-optim")
     load_rng: bool = option(True, "do not load the RNG states", flag="--no-load-rng")
     finetune: bool = option(False, "load weights only and start at iteration 0")
+    load_adapter: str | None = option(None, "LoRA: the adapters, with the optimizer and the run's progress, from "
+                                      "this checkpoint of a LoRA run (which holds the adapters alone); the base "
+                                      "weights from --load")
     allow_unused_tensors: bool = option(False, "--load of a foreign checkpoint (Megatron-LM, Hugging Face): "
                                         "leave out, with a warning, tensors its model does not use instead of "
                                         "refusing it")

@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mega.core.checkpoint.sharded_io import ShardedEntry
 from mega.core.optim.optimizer import MainParam, MixedPrecisionOptimizer
+from mega.core.parallel.fsdp import shard_pieces
 from mega.core.parallel.groups import Group
-from mega.core.parallel.param_attrs import is_padded_vocab
+from mega.core.parallel.param_attrs import is_checkpoint_optional, is_padded_vocab
 from mega.core.parallel.pieces import Piece, TensorParallelSplit, tensor_pieces
 from mega.core.parameter_names import canonical, canonical_names
 
@@ -42,12 +44,20 @@ class Entries:
     extra_state: dict[str, nn.Module] = field(default_factory=dict)
     # keys loaded only when the checkpoint has them (buffers, extra state: kernel-specific)
     optional: set[str] = field(default_factory=set)
+    # model keys of parameters that are their own fp32 main parameters (FSDP's shards) and load
+    # from the checkpoint's main parameter instead, which a bf16 model entry would round
+    main_param_instead: set[str] = field(default_factory=set)
+    # whether the model has parameters added after it was built (LoRA adapters, ``optional`` too)
+    adapters: bool = False
 
     def add(self, key: str, tensor: torch.Tensor, param: nn.Parameter, tp: Group | None,
             flat_range: tuple[int, int] | None = None) -> None:
         split = TensorParallelSplit.of(param, tp.rank, tp.size) if tp is not None else TensorParallelSplit.of(param, 0, 1)
         shape = tuple(param.shape)
-        pieces = tensor_pieces(tensor.detach(), split, shape, flat_range)
+        if isinstance(tensor, DTensor):  # an FSDP shard (of the parameter or of its optimizer state)
+            pieces = shard_pieces(tensor, split)
+        else:
+            pieces = tensor_pieces(tensor.detach(), split, shape, flat_range)
         self.entries[key] = ShardedEntry(split.global_shape(shape), tensor.dtype, pieces)
         self.sources[key] = (tensor, is_padded_vocab(param))
 
@@ -84,6 +94,9 @@ def model_entries(chunks: list[nn.Module], tp: Group | None) -> Entries:
     result = Entries(duplicates=duplicates)
     for name, param in named.items():
         result.add(MODEL + name, param.data, param, tp)
+        if is_checkpoint_optional(param):  # LoRA adapters: absent from a base model's checkpoint
+            result.optional.add(MODEL + name)
+            result.adapters = True
     for name, buffer in named_parameters(chunks, buffers=True)[0].items():
         result.add(BUFFER + name, buffer, buffer, tp)
         result.optional.add(BUFFER + name)
@@ -119,7 +132,8 @@ def optimizer_state_description(optimizer: MixedPrecisionOptimizer) -> dict | No
             return {
                 "state_keys": sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == entry.main.shape),
                 "scalars": {k: float(v) for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)},
-                "main_params": any(e.model_view is not None for e in optimizer.main_params),
+                "main_params": (any(e.model_view is not None for e in optimizer.main_params)
+                                or getattr(optimizer, "saves_main_params", False)),
             }
     return None
 
@@ -138,8 +152,11 @@ def optimizer_entries(optimizer: MixedPrecisionOptimizer, chunks: list[nn.Module
         state = optimizer.optimizer.state[entry.main]
         for key in state_keys:
             result.add(f"{OPTIMIZER}{name}.{key}", state[key], entry.model, tp, entry.flat_range)
-        if main_params and entry.model_view is not None:
+        own_main = entry.model_view is None and getattr(optimizer, "params_are_main_params", False)
+        if main_params and (entry.model_view is not None or own_main):
             result.add(f"{OPTIMIZER}{name}.{MAIN_PARAM}", entry.main.data, entry.model, tp, entry.flat_range)
+            if own_main:
+                result.main_param_instead.add(MODEL + name)
     return result
 
 

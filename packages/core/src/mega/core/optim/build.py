@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from mega.core.distributed.ddp import DistributedDataParallel
@@ -41,6 +42,13 @@ def build_optimizer(models: list[nn.Module], groups: ParallelGroups, config: Opt
 
     options = {"clip_grad": config.clip_grad, "grad_scaler": grad_scaler}
     grouped = param_groups(models, config.weight_decay)
+    sharded = [m for m in models if getattr(m, "fully_sharded", False)]  # FSDP2: the shards are the main parameters
+    if sharded:
+        # Start-up cost: DTensor's import takes a second; only runs that shard pay it.
+        from mega.core.optim.fsdp_optimizer import FullyShardedOptimizer
+
+        mixed_precision = any(m.compute_dtype != torch.float32 for m in sharded)
+        return FullyShardedOptimizer(grouped, groups, make, mixed_precision=mixed_precision, **options)
     if not config.use_distributed_optimizer:
         return MixedPrecisionOptimizer(grouped, groups, make, **options)
     wrapped = [m for m in models if isinstance(m, DistributedDataParallel)]

@@ -49,7 +49,8 @@ def global_norm(owned: Iterable[torch.Tensor], groups: ParallelGroups) -> float:
     owned = [t.float() for t in owned]  # no copy for fp32 (the usual main gradients)
     if owned:
         # One fused kernel over all tensors (as torch's own clip_grad_norm_ does).
-        total = torch.nn.utils.get_total_norm(owned, norm_type=2.0, foreach=True) ** 2
+        # (on the groups' device: FSDP's --cpu-offload keeps gradients in host memory)
+        total = (torch.nn.utils.get_total_norm(owned, norm_type=2.0, foreach=True) ** 2).to(groups.device)
     else:
         total = torch.zeros((), device=groups.device)
     all_reduce(total, world_group(groups))

@@ -116,8 +116,7 @@ class MixedPrecisionOptimizer:
             for grad in grads:
                 grad.mul_(1.0 / scale)
 
-        owned = [e.main.grad for e in with_grads if owns_gradient(e.model, self.groups, self.dp_sharded)]
-        grad_norm = global_norm(owned, self.groups)
+        grad_norm = global_norm(self._owned_grads(with_grads), self.groups)
         found_inf = not math.isfinite(grad_norm)
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
@@ -132,6 +131,10 @@ class MixedPrecisionOptimizer:
         self.zero_grad()  # fp32 params are their own main params: never leave a stale .grad behind
         self._copy_main_to_model()
         return StepResult(True, grad_norm, scale)
+
+    def _owned_grads(self, with_grads: list[MainParam]) -> list[torch.Tensor]:
+        """The gradients this rank counts in the global norm (each element of the model once)."""
+        return [e.main.grad for e in with_grads if owns_gradient(e.model, self.groups, self.dp_sharded)]
 
     def _copy_main_to_model(self) -> None:
         for entry in self.main_params:

@@ -25,6 +25,8 @@ where it has one, so readers of either code base recognise them.
 * ``padded_vocab`` (bool): dimension 0 is the vocabulary, padded as the layout pads it
   (``--make-vocab-size-divisible-by`` x tp), so its global size differs between layouts;
   checkpoints load the rows two layouts share and zero the rest.
+* ``checkpoint_optional`` (bool): added to a model after it was built (LoRA adapters): loaded
+  where a checkpoint has it, left as initialised where it does not (a base model's checkpoint).
 * ``shared`` (bool): a copy of a parameter another pipeline stage owns (tied word embeddings on
   the last stage); its gradient is synchronised with the owner's and it is not counted twice.
 """
@@ -94,3 +96,11 @@ def is_shared_copy(param: torch.Tensor) -> bool:
 
 def is_shared_embedding(param: torch.Tensor) -> bool:
     return getattr(param, "shared_embedding", False)
+
+
+def mark_checkpoint_optional(param: torch.Tensor) -> None:
+    param.checkpoint_optional = True
+
+
+def is_checkpoint_optional(param: torch.Tensor) -> bool:
+    return getattr(param, "checkpoint_optional", False)

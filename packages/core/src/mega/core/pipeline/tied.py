@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mega.core.parallel import ParallelGroups
+from mega.core.parallel.local_shard import local
 from mega.core.parallel.param_attrs import is_shared_embedding
 
 
@@ -47,7 +48,7 @@ def sum_tied_grads(modules: Iterable[nn.Module], groups: ParallelGroups) -> None
     """Add up the gradients of the tied copies on the first and the last stage.
 
     Both stages must mark the same tied parameters, in the same order. A data-parallel
-    wrapper's ``main_grad`` buffer is used where it exists, else ``.grad``.
+    wrapper's ``main_grad`` buffer is used where it exists, else ``.grad`` (FSDP's local shard).
     """
     if not _in_embedding_group(groups):
         return
@@ -57,7 +58,8 @@ def sum_tied_grads(modules: Iterable[nn.Module], groups: ParallelGroups) -> None
             if parameter.grad is None:  # this stage did not use it: contribute zeros
                 parameter.grad = torch.zeros_like(parameter)
             grad = parameter.grad
-        dist.all_reduce(grad, group=groups.embedding.group)
+        # Under FSDP the gradient is this rank's shard, sharded alike on both stages.
+        dist.all_reduce(local(grad), group=groups.embedding.group)
 
 
 def setup_tied_weights(modules: Iterable[nn.Module], groups: ParallelGroups) -> None:

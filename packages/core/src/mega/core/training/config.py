@@ -50,6 +50,9 @@ class TrainingConfig:
     use_mcore_models: bool = option(False, "accepted for Megatron compatibility; has no effect")
     recompute_activations: bool = option(False, "Megatron's shorthand for --recompute-granularity selective")
     group_query_attention: bool = option(False, "accepted for Megatron compatibility; --num-query-groups sets the groups")
+    calculate_per_token_loss: bool = option(
+        False, "average the loss over every loss token of the global batch (all micro-batches and data-parallel "
+        "ranks), not per micro-batch: packed and unpacked rows then train alike")
     skip_failed_plugins: bool = option(False, "train although a plugin failed to load or a callback does not import "
                                        "(they take no part); without it mega train stops before training, naming them")
 
@@ -136,6 +139,24 @@ class DataConfig:
     data_cache_path: str | None = option(None, "where sample indices are cached (default: beside the data)")
     mask_prob: float = option(0.15, "share of tokens masked in masked-LM (BERT) and span-corruption (T5) samples")
     short_seq_prob: float = option(0.1, "probability of a shorter target length in BERT and T5 samples")
+    sft: bool = option(False, "supervised fine-tuning on `mega preprocess --chat` data (--data-path): one "
+                       "conversation per row, only the assistant's tokens in the loss (the sft dataset)")
+    packed_sequences: bool = option(False, "with --sft: pack conversations into each --seq-length row (first-fit "
+                                    "decreasing); positions restart and attention stays within each conversation")
+    reset_position_ids: bool = option(False, "GPT data: positions restart after every end-of-document token")
+    reset_attention_mask: bool = option(False, "GPT data: no token attends across an end-of-document token")
+    eod_mask_loss: bool = option(False, "GPT data: end-of-document tokens are out of the loss")
+
+    def __post_init__(self) -> None:
+        if self.packed_sequences and not self.sft:
+            raise ValueError("--packed-sequences packs chat data: it needs --sft (for GPT data: "
+                             "--reset-position-ids --reset-attention-mask)")
+
+    @property
+    def per_document(self) -> bool:
+        """Rows hold several documents that each layer must keep apart (every pipeline stage reads
+        the batch's ``document_ids`` and ``position_ids``)."""
+        return self.packed_sequences or self.reset_attention_mask or self.reset_position_ids
 
 
 @dataclass

@@ -26,6 +26,8 @@ def dataset_name(run: RunConfig, plugins: Plugins) -> str:
     samples and mock samples for decoder families; an encoder or encoder-decoder family names its own)."""
     if run.data.dataset:
         return run.data.dataset
+    if run.data.sft:
+        return "sft"
     from_files, mock = plugins.models.get(run.training.model_family).datasets
     if run.data.mock_data:
         return mock
@@ -53,6 +55,8 @@ def build_datasets(run: RunConfig, derived: Derived, plugins: Plugins) -> tuple[
         seed=run.training.seed, num_samples=sample_counts(run, derived), cache_path=run.data.data_cache_path,
         tokenizer=tokenizer, vocab_size=run.model.vocab_size, model=run.model,
         mask_prob=run.data.mask_prob, short_seq_prob=run.data.short_seq_prob,
+        packed_sequences=run.data.packed_sequences, reset_position_ids=run.data.reset_position_ids,
+        reset_attention_mask=run.data.reset_attention_mask, eod_mask_loss=run.data.eod_mask_loss,
     ))
     if data.tokenizer is not None and tokenizer is None:
         run = _with_vocab_size(run, data.tokenizer.vocab_size)

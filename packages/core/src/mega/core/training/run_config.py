@@ -16,6 +16,7 @@ from mega.core.config import ConfigError
 from mega.core.kernels import KernelBackendError, Kernels, check_linear_loss
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.context_parallel import check_sequence_length
+from mega.core.parallel.fsdp_config import DataParallelConfig, check_sharding
 from mega.core.pipeline.config import PipelineConfig
 from mega.core.pipeline.layout import layers_per_stage, layout_stage_count
 from mega.core.pipeline.schedule_table import V_SCHEDULES
@@ -36,6 +37,7 @@ SECTIONS: dict[str, type] = {
     "training": TrainingConfig,
     "parallel": ParallelConfig,
     "pipeline": PipelineConfig,
+    "data_parallel": DataParallelConfig,
     "precision": PrecisionConfig,
     "optimizer": OptimizerConfig,
     "data": DataConfig,
@@ -62,6 +64,7 @@ class RunConfig:
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    data_parallel: DataParallelConfig = dataclasses.field(default_factory=DataParallelConfig)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -102,7 +105,13 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
         dp = parallel.data_parallel_size(world_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    run = check_sharding(run, dp)
     run.model.validate(parallel.tp)
+    if parallel.cp > 1 and (run.data.per_document or run.training.calculate_per_token_loss):
+        flag = "--calculate-per-token-loss" if not run.data.per_document else (
+            "--packed-sequences" if run.data.packed_sequences else "--reset-attention-mask/--reset-position-ids")
+        raise ConfigError(f"{flag} does not run under --context-parallel-size {parallel.cp} yet (context "
+                          f"parallelism does not chunk per document); use tensor or data parallelism")
     try:
         check_sequence_length(run.model.seq_length, parallel.cp)
     except ValueError as error:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from mega.core.build import build_stage
 from mega.core.datasets import TrainingData
@@ -35,6 +36,7 @@ from mega.core.plugins import Events, Plugins
 from mega.core.training.batches import MicroBatches
 from mega.core.training.compile import compile_stage
 from mega.core.training.lr_schedule import LearningRateSchedule
+from mega.core.training.per_token_loss import read_step, token_weight
 from mega.core.training.precision import (
     grad_scaler_for,
     gradient_accumulation_fusion,
@@ -87,8 +89,10 @@ class Trainer:
         self.stages = [self.all_stages[stage_of(self.groups.pp.rank, chunk, pp, placement)] for chunk in range(vpp)]
         self.loss_rank = rank_and_chunk_of(pp * vpp - 1, pp, placement)[0]
         # Under context parallelism every stage reads its chunks' positions (RoPE in every layer).
+        # Rows of several documents: every stage reads their documents and positions too.
         self.reads_batch = [bool(stage.batch_keys) or stage.is_last or self.groups.cp.size > 1
-                            for stage in self.stages]
+                            or run.data.per_document for stage in self.stages]
+        self._token_weight = None  # --calculate-per-token-loss: set per step by _run_schedule
         self.events = Events.from_callbacks(plugins, run)
         self.chunks = self._build_model_chunks()
         self.optimizer = build_optimizer(self.chunks, self.groups, run.optimizer, grad_scaler_for(run.precision),
@@ -123,9 +127,9 @@ class Trainer:
         return build_stage(self.family, run.model, parallel=run.parallel, device="meta")
 
     # -- building ---------------------------------------------------------------------------
-    def _build_model_chunks(self) -> list[DistributedDataParallel]:
+    def _build_model_chunks(self) -> list[nn.Module]:
         """This rank's model chunks (virtual stages ``rank``, ``rank + pp``, ...), each built by
-        :func:`build_stage` and wrapped for data parallelism."""
+        :func:`build_stage` and wrapped for data parallelism (DDP, or FSDP2 by the sharding strategy)."""
         run, groups = self.run, self.groups
         ddp_config = DDPConfig(
             overlap_grad_reduce=run.optimizer.overlap_grad_reduce,
@@ -133,15 +137,28 @@ class Trainer:
             grad_reduce_in_fp32=grads_in_fp32(run.precision),
             gradient_accumulation_fusion=gradient_accumulation_fusion(run.precision, groups.device),
         )
+        strategy = run.data_parallel.strategy(run.optimizer.use_distributed_optimizer)
+        fsdp = run.data_parallel.uses_fsdp(run.optimizer.use_distributed_optimizer)
         chunks = []
         for stage in self.stages:
             module = build_stage(self.family, run.model, stage, groups=groups, kernels=self.kernels,
-                                 rng_tracker=self.rng_tracker, seed=run.training.seed, dtype=self.dtype)
+                                 rng_tracker=self.rng_tracker, seed=run.training.seed,
+                                 dtype=torch.float32 if fsdp else self.dtype)  # FSDP's shards are the fp32 main weights
             self.events.hook.on_stage_built(stage=module, groups=groups)  # passes of plugins (FP8)
             if run.kernels.compile:
                 compile_stage(self.family, module, run.kernels.compile_backend)
             chunks.append(module)
         setup_tied_weights(chunks, groups)
+        if fsdp:
+            # Start-up cost: torch's FSDP and DTensor take a second to import; only runs that shard pay it.
+            from mega.core.parallel.fsdp import fully_shard_chunks
+
+            layers_of = self.family.compile_units or (lambda chunk: [])
+            return fully_shard_chunks(
+                chunks, layers_of, groups, strategy=strategy, replicas=run.data_parallel.replicas,
+                compute_dtype=self.dtype, reshard_after_forward=run.data_parallel.fsdp_reshard_after_forward,
+                cpu_offload=run.data_parallel.cpu_offload,
+                reduce_in_fp32=run.precision.accumulate_allreduce_grads_in_fp32 is not False)
         return [DistributedDataParallel(chunk, groups, ddp_config) for chunk in chunks]
 
     def _boundary(self, index: int) -> dict:
@@ -152,6 +169,10 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------
     def _loss_fn(self, outputs, batch: dict) -> torch.Tensor:
         loss, metrics = self.family.loss(outputs, batch, self.loss_context)
+        if self._token_weight is not None:  # --calculate-per-token-loss (see per_token_loss)
+            weight = batch["loss_mask"].sum() * self._token_weight
+            loss = loss * weight
+            metrics = {**metrics, "lm loss": metrics["lm loss"] * weight} if "lm loss" in metrics else metrics
         self._metrics.append(metrics)
         return loss
 
@@ -175,6 +196,11 @@ class Trainer:
         scale = 1.0 if forward_only else self.optimizer.loss_scale
         loss_fn = self._loss_fn if scale == 1.0 else (lambda output, batch: self._loss_fn(output, batch) * scale)
         self._metrics = []
+        self._token_weight = None
+        if self.run.training.calculate_per_token_loss and self.groups.is_pipeline_last:
+            step = read_step(data, self.derived.num_microbatches)
+            self._token_weight = token_weight(step, self.derived.num_microbatches, self.groups.dp)
+            data = iter(step)
         losses = forward_backward(
             self.chunks, data, self.derived.num_microbatches, loss_fn, self.groups,
             boundary=self._boundary, reads_batch=self.reads_batch,

@@ -1,0 +1,75 @@
+"""LoRA in `mega train`: its flags, and the callback that adapts every model chunk as it is built.
+
+The flags are this package's plugin options (``run_config.plugins["models"]``): ``--lora-rank``
+(0: no LoRA), ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``. The callback's
+``on_stage_built`` runs :func:`mega.models.lora.apply_lora` on each chunk before data parallelism
+and the optimizer see it, so only the adapters are trained, reduced and kept in the optimizer.
+The adapters are marked ``checkpoint_optional``: ``--load`` of a base model starts fresh adapters on
+it, checkpoints of the run hold the adapters alone, and ``--load BASE --load-adapter DIR`` resumes
+them (mega.core.checkpoint.adapters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mega.core.config import ConfigError
+from mega.core.config.options import option
+from mega.core.plugins import hookimpl
+
+PLUGIN = "models"  # the entry-point name: run_config.plugins[PLUGIN], a [models] table in --config
+
+
+@dataclass
+class LoRAOptions:
+    lora_rank: int = option(0, "LoRA: rank of the adapters beside the linear layers (0: no LoRA; the base is "
+                            "frozen and only adapters train)")
+    lora_alpha: float = option(32.0, "LoRA: the adapters' output is scaled by alpha / rank")
+    lora_dropout: float = option(0.0, "LoRA: dropout on the adapters' input")
+    lora_target_modules: list[str] | None = option(
+        None, "LoRA: layers to adapt among linear_qkv, linear_proj, linear_fc1, linear_fc2, or all-linear "
+        "(the default)")
+
+    def __post_init__(self) -> None:
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora-rank must be >= 0, got {self.lora_rank}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_rank:
+            from mega.models.lora import LoRAError, lora_targets
+
+            try:
+                lora_targets(self.lora_target_modules)
+            except LoRAError as error:
+                raise ValueError(str(error)) from None
+
+    def settings(self):
+        from mega.models.lora import LoRASettings, lora_targets
+
+        return LoRASettings(self.lora_rank, self.lora_alpha, self.lora_dropout, lora_targets(self.lora_target_modules))
+
+
+class LoRAPass:
+    def __init__(self, options: LoRAOptions, seed: int):
+        self.settings, self.seed = options.settings(), seed
+
+    @hookimpl
+    def on_stage_built(self, stage, groups):
+        from mega.models.lora import LoRAError, apply_lora
+
+        try:
+            apply_lora(stage, self.settings, self.seed)
+        except LoRAError as error:
+            raise ConfigError(str(error)) from None
+
+
+def lora_callback(run_config):
+    """The per-run listener when ``--lora-rank`` is set, None otherwise."""
+    options = run_config.plugins.get(PLUGIN)
+    if options is None or not options.lora_rank:
+        return None
+    checkpoint = run_config.checkpoint
+    if checkpoint.save and not checkpoint.load:
+        raise ConfigError("--lora-rank with --save but no --load: checkpoints of a LoRA run hold the adapters "
+                          "alone, so the base model must come from --load")
+    return LoRAPass(options, run_config.training.seed)

@@ -1,0 +1,75 @@
+"""Packed rows (``document_ids``, positions restarting per document): every token of a packed
+conversation gets the logits and loss it gets when its conversation runs alone (GPT and LLaMA,
+the torch backend, fp32); at tp2 with sequence parallelism (in test_lora.py's world) the loss and
+every gradient are one process's."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from mega.core.parallel import ParallelConfig
+
+sys.path.insert(0, os.path.dirname(__file__))  # ranks load this file by path
+from whole_gradients import whole_gradients  # noqa: E402
+
+FAMILIES = ("gpt", "llama")
+SEQ, SEED = 16, 5
+# Two rows of documents (lengths), the second ending in padding (its own document).
+ROWS = [[7, 5, 4], [9, 3, 4]]
+
+
+def tiny_config(family):
+    return family.preset("tiny", vocab_size=256, seq_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
+                         num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64)
+
+
+def packed_batch():
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 256, (len(ROWS), SEQ), generator=generator)
+    labels = torch.randint(0, 256, (len(ROWS), SEQ), generator=generator)
+    document_ids = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in ROWS])
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in ROWS])
+    return {"tokens": tokens, "labels": labels, "position_ids": positions, "document_ids": document_ids,
+            "loss_mask": torch.ones(len(ROWS), SEQ)}
+
+
+def build(family_name, groups=None, parallel=ParallelConfig()):
+    from mega.core.build import build_stage
+    from mega.core.plugins import get_plugins
+
+    family = get_plugins().models.get(family_name)
+    return family, build_stage(family, tiny_config(family), groups=groups, parallel=parallel, seed=SEED)
+
+
+def test_packed_documents_equal_each_alone():
+    batch = packed_batch()
+    for family_name in FAMILIES:
+        family, model = build(family_name)
+        with torch.no_grad():
+            packed = model(batch)["logits"]  # [s, b, V]
+            losses = model.loss(packed, batch["labels"])  # [b, s]
+            for row, lengths in enumerate(ROWS):
+                start = 0
+                for length in lengths:
+                    alone = model(batch["tokens"][row:row + 1, start:start + length])  # positions 0..n-1
+                    torch.testing.assert_close(packed[start:start + length, row], alone[:, 0], rtol=1e-5, atol=1e-5)
+                    alone_loss = model.loss(alone, batch["labels"][row:row + 1, start:start + length])
+                    torch.testing.assert_close(losses[row, start:start + length], alone_loss[0], rtol=1e-5, atol=1e-5)
+                    start += length
+            # The mask matters: without it the later documents' logits change.
+            unmasked = model({key: value for key, value in batch.items() if key != "document_ids"})["logits"]
+            assert not torch.allclose(unmasked[7:], packed[7:], atol=1e-3), family_name
+
+
+def loss_and_grads(family_name, groups=None, parallel=ParallelConfig()):
+    from mega.core.model_family import LossContext
+
+    family, model = build(family_name, groups, parallel)
+    batch = packed_batch()
+    tp = groups.tp if groups is not None else None
+    loss, _ = family.loss(model(batch), batch, LossContext(model.config, tp, model.kernels))
+    loss.backward()
+    return loss.detach(), whole_gradients(model.named_parameters(), tp)
