@@ -118,9 +118,6 @@ def _explained(lines: list[str], index: int) -> bool:
     return False
 
 
-SOURCES = sorted([*ROOT.glob("packages/*/src"), *ROOT.glob("plugins/*/src")])
-
-
 @pytest.mark.parametrize("source", SOURCES, ids=lambda path: str(path.relative_to(ROOT)))
 def test_imports_sit_at_the_top_of_modules_unless_a_comment_says_why(source):
     assert unexplained_function_imports(source) == []

@@ -64,6 +64,7 @@ def write_peft_adapter(directory: str | os.PathLike, mapping, config, tensors: M
                        dropout: float = 0.0, base_model: str | None = None) -> list[str]:
     """Write PEFT's adapter directory for mega's adapters in ``tensors`` (global names); returns
     the Hugging Face modules adapted."""
+    # optional dependency: safetensors (the [test] extra, or with peft) reads and writes PEFT's files
     from safetensors.torch import save_file
 
     layers = adapter_layers(tensors)
@@ -104,6 +105,7 @@ def merged_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def read_peft_adapter(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(adapter_config, tensors)`` of a PEFT LoRA directory, checked to be what mega can fold in."""
+    # optional dependency, as above
     from safetensors.torch import load_file
 
     directory = Path(directory)

@@ -17,7 +17,23 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+import torch
+
+from mega.ckpt_convert.hf_peft import (
+    ADAPTER,
+    fold_peft_adapter,
+    merged_tensors,
+    read_peft_adapter,
+    write_peft_adapter,
+)
+from mega.core.checkpoint.directory import checkpoint_and_metadata, resolve_checkpoint
+from mega.core.checkpoint.metadata import CheckpointError
+from mega.core.checkpoint.model_io import write_checkpoint
+from mega.core.checkpoint.sharded_io import ShardedEntry, load_entries, read_index
+from mega.core.checkpoint.tokenizer_files import TOKENIZER_DIR, tokenizer_spec
 from mega.core.cli.argparser import CommandParser
+from mega.core.parallel.pieces import Piece
+from mega.core.plugins import get_plugins
 
 
 def build_parser():
@@ -42,12 +58,6 @@ def build_parser():
 
 def checkpoint_tensors(path: str) -> dict:
     """Every global model tensor of a checkpoint, and its adapters' ``scaling`` buffers, by name."""
-    import torch
-
-    from mega.core.checkpoint.directory import resolve_checkpoint
-    from mega.core.checkpoint.sharded_io import ShardedEntry, load_entries, read_index
-    from mega.core.parallel.pieces import Piece
-
     directory = resolve_checkpoint(path)
     index = read_index(directory)
     wanted = {key: key.partition(".")[2] for key in index
@@ -60,16 +70,6 @@ def checkpoint_tensors(path: str) -> dict:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from mega.ckpt_convert.hf_peft import (
-        ADAPTER,
-        fold_peft_adapter,
-        merged_tensors,
-        read_peft_adapter,
-        write_peft_adapter,
-    )
-    from mega.core.checkpoint.directory import checkpoint_and_metadata
-    from mega.core.checkpoint.metadata import CheckpointError
-    from mega.core.plugins import get_plugins
 
     try:
         directory, metadata = checkpoint_and_metadata(args.load)
@@ -111,10 +111,6 @@ def main(argv: list[str]) -> int:
 def write_release(save: str, directory, metadata, tensors: dict) -> None:
     """``tensors`` as a release checkpoint of ``metadata``'s family and config, with the source
     checkpoint's tokenizer (said where it cannot be carried)."""
-    from mega.core.checkpoint.metadata import CheckpointError
-    from mega.core.checkpoint.model_io import write_checkpoint
-    from mega.core.checkpoint.tokenizer_files import TOKENIZER_DIR, tokenizer_spec
-
     tokenizer_dir = directory / TOKENIZER_DIR
     extra_files = sorted(tokenizer_dir.iterdir()) if tokenizer_dir.is_dir() else []
     release = dataclasses.replace(metadata, iteration=0, optimizer=None, grad_scaler=None, files={},

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mega.data.chat_template import ChatTemplate, ChatTemplateError
+from mega.data.chat_template import ChatTemplate, ChatTemplateError, find_chat_template, load_chat_template
 from mega.data.document_encoder import EncodedBlock, EncodedKey
+from mega.data.indexed_dataset import dtype_for_vocab_size
 from mega.data.sources import LineBlock
 
 LOSS_MASK_SUFFIX = "_loss_mask"
@@ -169,9 +170,6 @@ def _conversation(line: bytes, messages_key: str) -> list[dict]:
 def build_chat_encoder(config, tokenizer) -> ChatEncoder:
     """The encoder of a ``PreprocessConfig`` with ``chat``: its template is ``--chat-template``, else
     the one beside the tokenizer's files."""
-    from mega.data.chat_template import find_chat_template, load_chat_template
-    from mega.data.indexed_dataset import dtype_for_vocab_size
-
     options = config.tokenizer_options
     if config.chat_template:
         template = load_chat_template(config.chat_template)

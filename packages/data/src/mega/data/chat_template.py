@@ -36,6 +36,7 @@ _TRACKING: ContextVar = ContextVar("mega_chat_generation_spans", default=None)
 
 
 def _generation_extension():
+    # start-up cost: jinja2 loads only when a chat template is compiled
     import jinja2
     from jinja2.ext import Extension
 
@@ -68,6 +69,7 @@ class ChatTemplate:
     origin: str = "the chat template"
 
     def __post_init__(self):
+        # start-up cost, as above
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -96,6 +98,7 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
         """The text, and the ``(start, end)`` character spans of its ``{% generation %}`` blocks."""
+        # start-up cost, as above
         import jinja2
 
         chunks: list[str] = []

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from mega.core.tokenizer import TokenizerOptions
+from mega.data.chat_encoder import build_chat_encoder, chat_output_prefixes
 from mega.data.document_encoder import DocumentEncoder, EncodedBlock, EncodingSettings
 from mega.data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab_size
 from mega.data.progress import Progress
@@ -81,8 +82,6 @@ def _build_encoder(config: PreprocessConfig, tokenizer=None) -> DocumentEncoder:
 
         tokenizer = build_tokenizer(config.tokenizer_type, config.tokenizer_options, **config.tokenizer_settings)
     if config.chat:
-        from mega.data.chat_encoder import build_chat_encoder
-
         return build_chat_encoder(config, tokenizer)
     settings = EncodingSettings(
         json_keys=tuple(config.json_keys),
@@ -170,8 +169,6 @@ def preprocess(config: PreprocessConfig, tokenizer=None) -> PreprocessResult:
         raise ValueError("--workers must be at least 1")
     encoder = _build_encoder(config, tokenizer)
     if config.chat:
-        from mega.data.chat_encoder import chat_output_prefixes
-
         outputs = chat_output_prefixes(config.output_prefix, config.json_keys[0])
     else:
         outputs = output_prefixes(config.output_prefix, config.json_keys, config.split_sentences)

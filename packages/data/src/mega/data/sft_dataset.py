@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from mega.core.datasets import TrainingData
+from mega.data.blending import MID_LEVEL_SURPLUS
 from mega.data.chat_encoder import LOSS_MASK_SUFFIX
+from mega.data.dataset_builder import SplitBuilder, build_split_datasets
 from mega.data.index_cache import IndexCache, description_hash, files_fingerprint
 from mega.data.indexed_dataset import IndexedDataset
 from mega.data.packing import first_fit_decreasing, positions_within_documents
@@ -138,12 +142,6 @@ def open_loss_masks(tokens: IndexedDataset, path: str) -> IndexedDataset:
 def sft_datasets(request):
     """The ``sft`` dataset builder (``mega train --sft``): train/valid/test over ``--data-path``
     (chat datasets, blends too) split by ``--split``."""
-    import os
-
-    from mega.core.datasets import TrainingData
-    from mega.data.blending import MID_LEVEL_SURPLUS
-    from mega.data.dataset_builder import SplitBuilder, build_split_datasets
-
     if not request.data_path:
         raise ValueError("--sft needs --data-path (the prefix of `mega preprocess --chat` output, "
                          "e.g. data/chat_messages_document)")

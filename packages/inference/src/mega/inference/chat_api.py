@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mega.inference.chat_template import ChatTemplateError
 from mega.inference.completion_text import TextStream, completion_text
 from mega.inference.engine import GenerationRequest, GenerationResult
-from mega.inference.openai_api import Usage, check_model
+from mega.inference.openai_api import Usage, check_model, failed_event
 from mega.inference.openai_fields import MAX_TOP_LOGPROBS, Flag, Integer, SamplingFields
 from mega.inference.service import InferenceService, RequestError
 from mega.inference.stopping import StopRules
@@ -163,9 +163,7 @@ async def _events(service: InferenceService, body: ChatRequest, requests: list[G
         while unfinished:
             kind, *details = await job.events.get()
             if kind == "failed":
-                error = {"message": f"generation failed: {details[0]}", "type": "server_error", "param": None,
-                         "code": None}
-                yield f"data: {json.dumps({'error': error})}\n\n"
+                yield failed_event(details[0])
                 return
             index = details[0]
             if kind == "token":

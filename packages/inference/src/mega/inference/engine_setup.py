@@ -25,18 +25,24 @@ class EngineSetup:
     tp_group: Group
 
 
+def load_on_ranks(args: argparse.Namespace, command: str) -> tuple[LoadedModel, ParallelGroups]:
+    """Join torchrun's ranks (if any) as one tensor-parallel group and load ``--load`` at that
+    size; a model that cannot be loaded ends ``mega <command>`` with one line naming the problem."""
+    init_distributed()
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    groups = ParallelGroups(ParallelConfig(tp=world))
+    try:
+        return load_from_args(args, groups), groups
+    except (LoadError, CheckpointError) as error:
+        raise SystemExit(f"mega {command}: error: {error}") from None
+
+
 def setup_engine(args: argparse.Namespace, command: str, generate_for=None) -> EngineSetup | None:
     """The engine for ``mega <command>`` on the leading rank; None on the other ranks of the
     tensor group, once they have followed the leader's batches to the end. A model or tokenizer
     that cannot be loaded ends the command with one line naming the problem. ``generate_for(engine)``:
     how the leader generates (the engine's own ``generate`` by default), which the followers run too."""
-    init_distributed()
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    groups = ParallelGroups(ParallelConfig(tp=world))
-    try:
-        loaded = load_from_args(args, groups)
-    except (LoadError, CheckpointError) as error:
-        raise SystemExit(f"mega {command}: error: {error}") from None
+    loaded, groups = load_on_ranks(args, command)
     # The one place the model kind picks the engine: encoder-decoder models (T5) have their own.
     engine_class = EncoderDecoderEngine if is_encoder_decoder(loaded.model) else GenerationEngine
     engine = engine_class(loaded.model, vocab_size=loaded.config.vocab_size,

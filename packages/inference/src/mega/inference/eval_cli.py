@@ -78,21 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"mega eval: error: {error}") from None
 
     # start-up cost: `mega --help` and the parser stay free of torch and the models
-    import torch
-
-    from mega.core.checkpoint import CheckpointError
-    from mega.core.launch import init_distributed
-    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.inference.engine_setup import load_on_ranks
     from mega.inference.eval_tasks import lambada_accuracy, perplexity
-    from mega.inference.loader import LoadError, load_from_args
 
-    init_distributed()
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    groups = ParallelGroups(ParallelConfig(tp=world))
-    try:
-        loaded = load_from_args(args, groups)
-    except (LoadError, CheckpointError) as error:
-        raise SystemExit(f"mega eval: error: {error}") from None
+    loaded, groups = load_on_ranks(args, "eval")
     if loaded.tokenizer is None:
         raise SystemExit("mega eval: error: the checkpoint names no tokenizer: give --tokenizer-type (and its files)")
     seq_length = args.seq_length or loaded.max_positions

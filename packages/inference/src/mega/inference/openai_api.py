@@ -99,6 +99,12 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+def failed_event(error) -> str:
+    """The server-sent event that ends a stream whose generation failed (OpenAI's error object)."""
+    body = {"message": f"generation failed: {error}", "type": "server_error", "param": None, "code": None}
+    return f"data: {json.dumps({'error': body})}\n\n"
+
+
 def check_model(service: InferenceService, name: str | None) -> None:
     if name is not None and name != service.model_name:
         raise RequestError(f"model: the model {name!r} does not exist; this server serves {service.model_name!r}",
@@ -276,9 +282,7 @@ async def _events(service: InferenceService, body: CompletionRequest, requests: 
         while unfinished:
             kind, *details = await job.events.get()
             if kind == "failed":
-                error = {"message": f"generation failed: {details[0]}", "type": "server_error", "param": None,
-                         "code": None}
-                yield f"data: {json.dumps({'error': error})}\n\n"
+                yield failed_event(details[0])
                 return
             index, choice = details[0], choices[details[0]]
             if kind == "token":

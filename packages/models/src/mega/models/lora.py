@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mega.core.build import parameter_generator
 from mega.core.parallel.collectives import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -80,7 +81,6 @@ def lora_targets(names: Iterable[str] | None) -> tuple[str, ...]:
 class LoRAAdapter(nn.Module):
     """``linear_out(linear_in(dropout(x))) * scale`` laid out like the layer it adapts: ``style``
     ``whole`` (no tensor parallelism), ``column`` or ``row`` over ``group``."""
-
     def __init__(self, in_features: int, out_features: int, settings: LoRASettings, style: str = "whole",
                  group=None, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
@@ -105,7 +105,6 @@ class LoRAAdapter(nn.Module):
 
 class LoRALinear(nn.Module):
     """``base(x) + adapter(x)``; the base's parameters keep their names (``parameter_aliases``)."""
-
     def __init__(self, base: nn.Module, adapter: LoRAAdapter):
         super().__init__()
         self.base, self.adapter = base, adapter
@@ -145,8 +144,6 @@ def _adapter_for(base: nn.Module, settings: LoRASettings) -> LoRAAdapter:
 def _initialise(adapter: LoRAAdapter, base: nn.Module, name: str, seed: int) -> None:
     """A: PEFT's Kaiming-uniform of the whole ``[rank, in]`` from (seed, name), this rank's part;
     B: zero. Every layout starts from the same adapter."""
-    from mega.core.build import parameter_generator
-
     whole_in = base.in_features
     full = torch.empty(adapter.linear_in.weight.shape[0], whole_in, dtype=torch.float32)
     bound = 1 / math.sqrt(whole_in)  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6), bound gain * sqrt(3 / fan_in)

@@ -36,6 +36,7 @@ class LoRAOptions:
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if self.lora_rank:
+            # start-up cost: the plugin's options load at discovery; the adapters' code when a run uses them
             from mega.models.lora import LoRAError, lora_targets
 
             try:
@@ -44,6 +45,7 @@ class LoRAOptions:
                 raise ValueError(str(error)) from None
 
     def settings(self):
+        # start-up cost, as above
         from mega.models.lora import LoRASettings, lora_targets
 
         return LoRASettings(self.lora_rank, self.lora_alpha, self.lora_dropout, lora_targets(self.lora_target_modules))
@@ -55,6 +57,7 @@ class LoRAPass:
 
     @hookimpl
     def on_stage_built(self, stage, groups):
+        # start-up cost, as above
         from mega.models.lora import LoRAError, apply_lora
 
         try:

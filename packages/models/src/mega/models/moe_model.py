@@ -32,7 +32,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from mega.core.kernels import Kernels
+from mega.core.kernels import CAUSAL, Kernels
 from mega.core.model_family import LossContext, Stage, StageRun, TensorSpec, hidden_boundary
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.param_attrs import mark_expert_shard, mark_expert_tensor_shard, mark_tensor_parallel
@@ -49,9 +49,9 @@ MOE_STATS = "moe_stats"
 
 
 class MoELanguageModel(LanguageModel):
-    def forward(self, inputs, position_ids=None, inference_cache=None, logits_to_keep=None):
+    def forward(self, inputs, position_ids=None, inference_cache=None, logits_to_keep=None, mask=CAUSAL):
         if not isinstance(inputs, Mapping):
-            return super().forward(inputs, position_ids, inference_cache, logits_to_keep)
+            return super().forward(inputs, position_ids, inference_cache, logits_to_keep, mask)
         outputs = super().forward(inputs)
         stats = self._layer_stats(inputs[MOE_STATS].dtype if MOE_STATS in inputs else torch.float32)
         outputs[MOE_STATS] = inputs[MOE_STATS] + stats if MOE_STATS in inputs else stats
