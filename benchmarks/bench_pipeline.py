@@ -7,14 +7,20 @@ costs about one block, so with ``--blocks + 1`` units split evenly the first sta
 (cheap) embedding.
 
 Columns: step time (median over the timed steps), speed-up over pp = 1, the bubble the schedule
-predicts, (p-1)/(m+p-1) for 1F1B and (p-1)/(v*m+p-1) interleaved, the step time that bubble
+predicts, (p-1)/(m+p-1) for 1F1B and (p-1)/(v*m+p-1) interleaved, a zero-bubble schedule's from its
+slotted table (F = B = W; docs/pipeline.md), the step time that bubble
 predicts with one core per stage (pp=1's time / pp / (1 - bubble)), and from the pipeline
 timeline each rank's compute time per step and the share of each step it spent not computing
 (waiting in p2p, idle). The layouts run in alternation, round after round, each in its own set
 of processes, so that load from other jobs drifts over all of them alike.
 
     python benchmarks/bench_pipeline.py            # pp 1, 2, 4 and interleaved 2x2
+    python benchmarks/bench_pipeline.py --layouts 1 4 4/zb-h1 4x2 4x2/zb-h1 4x2/zbv 4x2/dualpipev
     python benchmarks/bench_pipeline.py --json
+
+A layout is ``PP``, ``PPxVPP`` (interleaved) and ``/SCHEDULE`` (``--pipeline-schedule``). The
+V schedules (zbv, dualpipev) put the embedding and the output layer on the first rank: their
+model unties them (same numbers).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mega.core.parallel.grad_accumulation_fusion import Linear
+from mega.core.pipeline import ScheduleError, schedule_table
+
 
 class Embedding(nn.Module):
     def __init__(self, vocab: int, hidden: int):
@@ -44,19 +53,23 @@ class Embedding(nn.Module):
 class Block(nn.Module):
     def __init__(self, hidden: int):
         super().__init__()
-        self.linear_fc1 = nn.Linear(hidden, 4 * hidden)
-        self.linear_fc2 = nn.Linear(4 * hidden, hidden)
+        # mega's linear: its weight gradient is what the zero-bubble schedules defer to W
+        self.linear_fc1 = Linear(hidden, 4 * hidden)
+        self.linear_fc2 = Linear(4 * hidden, hidden)
 
     def forward(self, x):
         return x + self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
-def build_layers(args) -> list[nn.Module]:
+def build_layers(args, tied: bool = True) -> list[nn.Module]:
     torch.manual_seed(0)
     # Vocabulary 8h: the output layer's 2*h*V flops per token equal one block's 2*2*h*4h.
     embedding = Embedding(8 * args.hidden, args.hidden)
-    output_layer = nn.Linear(args.hidden, 8 * args.hidden, bias=False)
-    output_layer.weight = embedding.word_embeddings.weight
+    output_layer = Linear(args.hidden, 8 * args.hidden, bias=False)
+    if tied:
+        output_layer.weight = embedding.word_embeddings.weight
+    else:
+        output_layer.weight = nn.Parameter(embedding.word_embeddings.weight.detach().clone())
     return [embedding, *[Block(args.hidden) for _ in range(args.blocks)], output_layer]
 
 
@@ -69,7 +82,7 @@ def balanced_layers_per_stage(args, stages: int) -> list[int]:
     return counts
 
 
-def time_pipeline(args, pp: int, vpp: int | None, trace_path: str | None) -> dict:
+def time_pipeline(args, pp: int, vpp: int | None, schedule: str, trace_path: str | None) -> dict:
     """On every rank: one untimed step, then ``args.steps`` timed ones; return the step times and
     this rank's timeline spans (and write the Chrome trace if ``trace_path`` is set)."""
     import torch.distributed as dist
@@ -85,9 +98,12 @@ def time_pipeline(args, pp: int, vpp: int | None, trace_path: str | None) -> dic
     from mega.core.plugins import Events
 
     groups = ParallelGroups(ParallelConfig(pp=pp, vpp=vpp))
-    layers = build_layers(args)
-    tie_across_stages(layers[0].word_embeddings.weight)
-    chunks = pipeline_chunks(layers, groups, balanced_layers_per_stage(args, pp * (vpp or 1)))
+    placement = schedule_table(pp, args.microbatches, vpp or 1, schedule=schedule).placement
+    tied = placement == "interleaved"
+    layers = build_layers(args, tied)
+    if tied:
+        tie_across_stages(layers[0].word_embeddings.weight)
+    chunks = pipeline_chunks(layers, groups, balanced_layers_per_stage(args, pp * (vpp or 1)), placement)
     setup_tied_weights(chunks, groups)
     params = [p for chunk in chunks for p in chunk.parameters()]
     optimizer = torch.optim.SGD(params, lr=1e-3)
@@ -110,7 +126,7 @@ def time_pipeline(args, pp: int, vpp: int | None, trace_path: str | None) -> dic
         start = time.perf_counter()
         optimizer.zero_grad()
         forward_backward(chunks, data, args.microbatches, loss_fn, groups,
-                         tensor_shape=[args.seq, args.micro_batch, args.hidden], events=events)
+                         tensor_shape=[args.seq, args.micro_batch, args.hidden], events=events, schedule=schedule)
         optimizer.step()
         if dist.is_initialized():
             dist.barrier()
@@ -130,7 +146,7 @@ def compute_and_waiting(spans_per_rank: list[list[dict]]) -> tuple[float, float]
         every = [s for spans in mine for s in spans]
         window = max(s["ts"] + s["dur"] for s in every) - min(s["ts"] for s in every)
         for spans in mine:
-            busy = sum(s["dur"] for s in spans if s["cat"] in ("forward", "backward"))
+            busy = sum(s["dur"] for s in spans if s["cat"] in ("forward", "backward", "weight_grad"))
             computes.append(busy / 1e6)
             shares.append(1 - busy / window)
     return statistics.mean(computes), statistics.mean(shares)
@@ -147,7 +163,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=4,
                         help="rounds over all layouts; alternating spreads load drift over every layout")
     parser.add_argument("--layouts", nargs="+", default=["1", "2", "4", "2x2"],
-                        help="pipeline sizes, PPxVPP for interleaved; the first is the baseline")
+                        help="pipeline sizes, PPxVPP for interleaved, /SCHEDULE for another --pipeline-schedule "
+                             "(4/zb-h1, 4x2/zbv); the first is the baseline")
     parser.add_argument("--trace-dir", default=os.path.join(tempfile.gettempdir(), "mega-bench-pipeline"),
                         help="where the Chrome traces of the last round go")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -157,23 +174,27 @@ def main(argv=None) -> int:
 
     layouts = []
     for text in args.layouts:
-        pp, _, vpp_text = text.partition("x")
+        sizes, _, schedule = text.partition("/")
+        pp, _, vpp_text = sizes.partition("x")
         pp, vpp = int(pp), int(vpp_text) if vpp_text else None
-        if vpp and args.microbatches % pp:
-            sys.exit(f"error: the interleaved layout {text} needs --microbatches a multiple of {pp}")
+        try:
+            table = schedule_table(pp, args.microbatches, vpp or 1, schedule=schedule or "1f1b")
+        except ScheduleError as error:
+            sys.exit(f"error: layout {text}: {error}")
         balanced_layers_per_stage(args, pp * (vpp or 1))  # fail early on an uneven split
-        layouts.append((pp, vpp))
+        layouts.append((pp, vpp, schedule or "1f1b", table))
 
     cores = os.cpu_count() or 1
-    worlds = [DistributedWorld(pp, timeout_s=600) for pp, _ in layouts]
+    worlds = [DistributedWorld(pp, timeout_s=600) for pp, *_ in layouts]
     step_times = [[] for _ in layouts]
-    spans = [[[] for _ in range(pp)] for pp, _ in layouts]
+    spans = [[[] for _ in range(pp)] for pp, *_ in layouts]
     try:
         for round_index in range(args.rounds):
-            for i, ((pp, vpp), world) in enumerate(zip(layouts, worlds, strict=True)):
+            for i, ((pp, vpp, schedule, _), world) in enumerate(zip(layouts, worlds, strict=True)):
                 last = round_index == args.rounds - 1
-                trace = os.path.join(args.trace_dir, f"pipeline_pp{pp}_vpp{vpp or 1}.json") if last else None
-                results = world.run(time_pipeline, args, pp, vpp, trace)
+                name = f"pipeline_pp{pp}_vpp{vpp or 1}_{schedule}.json"
+                trace = os.path.join(args.trace_dir, name) if last else None
+                results = world.run(time_pipeline, args, pp, vpp, schedule, trace)
                 # A step ends when the slowest rank finishes it.
                 step_times[i] += [max(steps) for steps in zip(*(r["times"] for r in results), strict=True)]
                 for rank, result in enumerate(results):
@@ -185,12 +206,15 @@ def main(argv=None) -> int:
 
     rows = []
     baseline = statistics.median(step_times[0])
-    for (pp, vpp), times, rank_spans in zip(layouts, step_times, spans, strict=True):
+    for (pp, vpp, schedule, table), times, rank_spans in zip(layouts, step_times, spans, strict=True):
         step_time = statistics.median(times)
-        bubble = (pp - 1) / ((vpp or 1) * args.microbatches + pp - 1)
+        if table.slotted:  # F = B = W: the table's slots are its makespan
+            bubble = 1 - 3 * args.microbatches * (vpp or 1) / len(table.steps[0])
+        else:
+            bubble = (pp - 1) / ((vpp or 1) * args.microbatches + pp - 1)
         compute, waiting = compute_and_waiting(rank_spans)
         rows.append({
-            "layout": f"pp={pp}" + (f" vpp={vpp}" if vpp else ""),
+            "layout": f"pp={pp}" + (f" vpp={vpp}" if vpp else "") + (f" {schedule}" if schedule != "1f1b" else ""),
             "step_ms": 1000 * step_time, "speedup": baseline / step_time,
             "bubble_formula": bubble,
             # One core per stage: the baseline's work split pp ways, stretched by the bubble.

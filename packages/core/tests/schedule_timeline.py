@@ -1,14 +1,15 @@
 """Test support: the idealised timeline of a schedule table, for the bubble arithmetic.
 
 Each rank runs its actions in table order, as early as its dependencies allow, with free
-communication and given per-chunk costs of a forward and a backward.
+communication and given per-chunk costs of a forward, a backward and, where the table splits
+backwards (zero bubble), of its weight-gradient half W (B then costs ``backward_cost``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, Action, ScheduleError, ScheduleTable
+from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, WEIGHT, Action, ScheduleError, ScheduleTable
 
 
 @dataclass(frozen=True)
@@ -20,9 +21,10 @@ class Slot:
     action: Action
 
 
-def slots(table: ScheduleTable, forward_cost: float = 1.0, backward_cost: float = 1.0) -> list[list[Slot]]:
+def slots(table: ScheduleTable, forward_cost: float = 1.0, backward_cost: float = 1.0,
+          weight_cost: float = 1.0) -> list[list[Slot]]:
     """Start and end of every action of every rank."""
-    cost = {FORWARD: forward_cost, BACKWARD: backward_cost}
+    cost = {FORWARD: forward_cost, BACKWARD: backward_cost, WEIGHT: weight_cost}
     done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, stage) -> end time
     timeline: list[list[Slot]] = [[] for _ in range(table.pp)]
     free_at = [0.0] * table.pp
@@ -54,6 +56,8 @@ def slots(table: ScheduleTable, forward_cost: float = 1.0, backward_cost: float 
 
 def _dependency(table: ScheduleTable, action: Action, stage: int) -> tuple[str, int, int] | None:
     """The action (elsewhere in the pipeline) whose result this action consumes."""
+    if action.kind == WEIGHT:  # its own B, earlier on the same rank
+        return None
     if action.kind == FORWARD:
         return (FORWARD, action.microbatch, stage - 1) if stage > 0 else None
     if stage == table.num_stages - 1:  # the loss's backward starts from its own forward
@@ -61,19 +65,22 @@ def _dependency(table: ScheduleTable, action: Action, stage: int) -> tuple[str, 
     return (BACKWARD, action.microbatch, stage + 1)
 
 
-def bubble_fraction(table: ScheduleTable, forward_cost: float = 1.0, backward_cost: float = 1.0) -> float:
+def bubble_fraction(table: ScheduleTable, forward_cost: float = 1.0, backward_cost: float = 1.0,
+                    weight_cost: float = 1.0) -> float:
     """The share of the makespan a rank sits idle (the same on every rank: all do equal work)."""
-    timeline = slots(table, forward_cost, backward_cost)
+    timeline = slots(table, forward_cost, backward_cost, weight_cost)
     makespan = max(slot.end for rank_slots in timeline for slot in rank_slots)
     busy = sum(slot.end - slot.start for slot in timeline[0])
     return 1.0 - busy / makespan
 
 
 def in_flight(table: ScheduleTable, rank: int) -> int:
-    """Most micro-batch chunks whose activations ``rank`` holds at once (forward done, backward not yet)."""
+    """Most micro-batch chunks whose activations ``rank`` holds at once (forward done, backward
+    not yet; where backwards are split, W not yet: W still needs the layers' inputs)."""
+    freed_by = WEIGHT if table.splits_backward else BACKWARD
     held = peak = 0
     for action in table.actions[rank]:
-        held += 1 if action.kind == FORWARD else -1
+        held += 1 if action.kind == FORWARD else -1 if action.kind == freed_by else 0
         peak = max(peak, held)
     return peak
 

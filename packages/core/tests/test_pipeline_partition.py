@@ -39,7 +39,7 @@ def test_uneven_split_with_explicit_counts_in_pipeline_order():
         ((3, 2, 2, None), r"cannot split 3 layers into pp\*vpp = 2\*2 = 4 stages: every stage needs at least one"),
         ((6, 2, 1, [2, 2, 2]), r"has 3 counts, but pp\*vpp = 2\*1 = 2 stages"),
         ((6, 2, 1, [1, 4]), r"adds up to 5 layers, but the model has 6"),
-        ((6, 2, 1, [0, 6]), r"every stage needs at least one layer; layers_per_stage = \[0, 6\]"),
+        ((6, 3, 1, [3, 0, 3]), r"every stage but the first and the last needs at least one layer; layers_per_stage = \[3, 0, 3\]"),
     ],
 )
 def test_impossible_splits_say_why(args, message):

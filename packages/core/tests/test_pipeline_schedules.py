@@ -39,12 +39,15 @@ class Block(nn.Module):
         return x + self.linear_fc2(torch.tanh(self.linear_fc1(x)))
 
 
-def build_layers():
+def build_layers(tied=True):
     torch.manual_seed(SEED)
     embedding = Embedding()
     blocks = [Block() for _ in range(BLOCKS)]
     output_layer = nn.Linear(HIDDEN, VOCAB, bias=False)
-    output_layer.weight = embedding.word_embeddings.weight  # tied
+    if tied:
+        output_layer.weight = embedding.word_embeddings.weight
+    else:  # the same numbers, a parameter of its own (a V puts both on the first rank)
+        output_layer.weight = nn.Parameter(embedding.word_embeddings.weight.detach().clone())
     return [embedding, *blocks, output_layer]
 
 
@@ -54,9 +57,9 @@ def microbatch(step, index):
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
-def reference_run(num_microbatches):
+def reference_run(num_microbatches, tied=True):
     """One process, no pipeline: accumulate the gradient of the mean loss, then SGD."""
-    model = nn.Sequential(*build_layers())
+    model = nn.Sequential(*build_layers(tied))
     history = []
     for step in range(STEPS):
         model.zero_grad()
@@ -142,6 +145,7 @@ def pipeline_run(layout, timeline_path=None):
         PipelineTimeline,
         forward_backward,
         pipeline_chunks,
+        schedule_table,
         setup_tied_weights,
         tie_across_stages,
     )
@@ -151,9 +155,12 @@ def pipeline_run(layout, timeline_path=None):
     groups = ParallelGroups(ParallelConfig(tp=tp, pp=pp, vpp=vpp))
     plan = {"0.word_embeddings": VocabEmbedding(), "*.linear_fc1": Colwise(), "*.linear_fc2": Rowwise(),
             str(BLOCKS + 1): Colwise()}
-    model = apply_tensor_parallel(nn.Sequential(*build_layers()), plan, groups)
-    tie_across_stages(model[0].word_embeddings.weight)
-    chunks = pipeline_chunks(list(model), groups)
+    tied = layout.get("tied", True)
+    model = apply_tensor_parallel(nn.Sequential(*build_layers(tied)), plan, groups)
+    if tied:
+        tie_across_stages(model[0].word_embeddings.weight)
+    table = schedule_table(pp, m, vpp or 1, schedule=layout.get("schedule", "1f1b"))
+    chunks = pipeline_chunks(list(model), groups, placement=table.placement)
     setup_tied_weights(chunks, groups)
     params = [p for chunk in chunks for p in chunk.parameters()]
     # Small buckets reduced during backward: a backward outside no_sync() too early would raise.
@@ -169,8 +176,9 @@ def pipeline_run(layout, timeline_path=None):
 
     # Evaluation first: forwards only, same losses as training's first step, no gradients.
     data = (microbatch(0, groups.dp.rank * m + i) for i in range(m))
+    schedule = layout.get("schedule", "1f1b")
     eval_losses = forward_backward(ddps, data, m, loss_fn, groups, tensor_shape=[SEQ, MICRO_BATCH, HIDDEN],
-                                   grad_sync=syncs, events=events, forward_only=True)
+                                   grad_sync=syncs, events=events, forward_only=True, schedule=schedule)
     assert all(p.grad is None and not p.main_grad.any() for p in params)
     assert all(sync.no_sync_calls == 0 for sync in syncs)
 
@@ -183,7 +191,7 @@ def pipeline_run(layout, timeline_path=None):
         data = (microbatch(step, first + i) for i in range(m))
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             losses = forward_backward(ddps, data, m, loss_fn, groups, tensor_shape=[SEQ, MICRO_BATCH, HIDDEN],
-                                      grad_sync=syncs, events=events)
+                                      grad_sync=syncs, events=events, schedule=schedule)
         named = full_named_params(chunks, groups)
         history.append(([loss.item() for loss in losses], {name: grad for name, (_, grad) in named.items()}))
         with torch.no_grad():
@@ -198,6 +206,7 @@ def pipeline_run(layout, timeline_path=None):
         "layout": layout,
         "dp_rank": groups.dp.rank,
         "pp_rank": groups.pp.rank,
+        "loss_rank": table.rank_and_chunk(table.num_stages - 1)[0],  # (the first rank in a V)
         "eval_losses": [loss.item() for loss in eval_losses],
         "history": history,
         "params": {name: param for name, (param, _) in full_named_params(chunks, groups).items()},
@@ -208,7 +217,9 @@ def pipeline_run(layout, timeline_path=None):
 
 
 def run_layouts(layouts, timeline_path=None):
-    return [pipeline_run(layout, timeline_path if layout.get("timeline") else None) for layout in layouts]
+    """``layout["timeline"]``: the name of its timeline file beside ``timeline_path``."""
+    return [pipeline_run(layout, str(timeline_path).replace("timeline.json", layout["timeline"])
+                         if layout.get("timeline") else None) for layout in layouts]
 
 
 def assert_close(actual, expected, what):
@@ -223,10 +234,10 @@ def check_against_reference(results, reference_for):
         layout = result["layout"]
         dp = len({r["dp_rank"] for r in results if r["layout"] == layout})
         m = layout["microbatches"]
-        history, params = reference_for(dp * m)
+        history, params = reference_for(dp * m, layout.get("tied", True))
         where = f"{layout} rank {rank}"
         for step, ((losses, grads), (ref_losses, ref_grads)) in enumerate(zip(result["history"], history, strict=True)):
-            if result["pp_rank"] == layout["pp"] - 1:
+            if result["pp_rank"] == result["loss_rank"]:
                 mine = ref_losses[result["dp_rank"] * m:(result["dp_rank"] + 1) * m]
                 assert losses == pytest.approx(mine, rel=TOLERANCE), f"{where} step {step} losses"
             else:
@@ -241,18 +252,19 @@ def check_against_reference(results, reference_for):
         # Every parameter of the model lives on some stage.
         names = {name for r in results if r["layout"] == layout for name in r["params"]}
         assert names == set(params), where
-        # Each chunk's reduction ran once per step: all its backwards but the last under no_sync.
-        assert result["no_sync_calls"] == STEPS * (layout.get("vpp") or 1) * (m - 1), where
+        # Each chunk's reduction ran once per step: all its backwards (and Ws) but the last under no_sync.
+        halves = 2 if layout.get("schedule", "1f1b") != "1f1b" else 1
+        assert result["no_sync_calls"] == STEPS * (layout.get("vpp") or 1) * (m - 1) * halves, where
 
 
 @pytest.fixture(scope="module")
 def reference_for():
     cache = {}
 
-    def get(num_microbatches):
-        if num_microbatches not in cache:
-            cache[num_microbatches] = reference_run(num_microbatches)
-        return cache[num_microbatches]
+    def get(num_microbatches, tied=True):
+        if (num_microbatches, tied) not in cache:
+            cache[(num_microbatches, tied)] = reference_run(num_microbatches, tied)
+        return cache[(num_microbatches, tied)]
 
     return get
 
@@ -264,19 +276,30 @@ def split_by_layout(results_per_rank):
 
 def test_no_pipelining_in_one_process_matches(reference_for):
     check_against_reference([pipeline_run({"tp": 1, "pp": 1, "microbatches": 4})], reference_for)
+    # Split backwards on one process: the tied word embedding's gradient stays whole in B.
+    check_against_reference([pipeline_run({"tp": 1, "pp": 1, "microbatches": 4, "schedule": "zb-h1"})], reference_for)
 
 
-def test_1f1b_and_interleaved_on_two_ranks(worlds, reference_for):
-    layouts = [{"tp": 1, "pp": 2, "microbatches": 4}, {"tp": 1, "pp": 2, "vpp": 2, "microbatches": 4}]
+def test_1f1b_interleaved_and_zb_h1_on_two_ranks(worlds, reference_for):
+    layouts = [{"tp": 1, "pp": 2, "microbatches": 4}, {"tp": 1, "pp": 2, "vpp": 2, "microbatches": 4},
+               {"tp": 1, "pp": 2, "microbatches": 4, "schedule": "zb-h1"},
+               {"tp": 1, "pp": 2, "vpp": 2, "microbatches": 4, "schedule": "zb-h1"},
+               {"tp": 1, "pp": 2, "vpp": 2, "microbatches": 3, "schedule": "zbv", "tied": False},
+               {"tp": 1, "pp": 2, "vpp": 2, "microbatches": 4, "schedule": "dualpipev", "tied": False}]
     for results in split_by_layout(worlds.run(2, run_layouts, layouts)):
         check_against_reference(results, reference_for)
 
 
 def test_pp4_pp2xdp2_pp2xtp2_on_four_ranks_with_timeline(worlds, reference_for, tmp_path):
     layouts = [
-        {"tp": 1, "pp": 4, "microbatches": 6, "timeline": True},
+        {"tp": 1, "pp": 4, "microbatches": 6, "timeline": "timeline.json"},
         {"tp": 1, "pp": 2, "microbatches": 3},
         {"tp": 2, "pp": 2, "microbatches": 3},
+        {"tp": 1, "pp": 4, "microbatches": 6, "schedule": "zb-h1", "timeline": "zb-h1.json"},
+        {"tp": 2, "pp": 2, "microbatches": 3, "schedule": "zb-h1"},
+        {"tp": 1, "pp": 4, "vpp": 2, "microbatches": 4, "schedule": "zb-h1"},
+        {"tp": 1, "pp": 4, "vpp": 2, "microbatches": 5, "schedule": "zbv", "tied": False},
+        {"tp": 2, "pp": 2, "vpp": 2, "microbatches": 3, "schedule": "dualpipev", "tied": False},
     ]
     per_layout = split_by_layout(worlds.run(4, run_layouts, layouts, str(tmp_path / "timeline.json")))
     for results in per_layout:
@@ -305,6 +328,17 @@ def test_pp4_pp2xdp2_pp2xtp2_on_four_ranks_with_timeline(worlds, reference_for, 
         assert any("recv_backward" in n for n in mine) == (rank < 3)
     assert any(e["name"] == "idle" for e in spans)  # the bubble is explicit
     assert {e["args"]["iteration"] for e in spans} == {None, *range(STEPS)}
+
+    # ZB-H1's timeline shows each backward's B and W apart, in the table's order.
+    from mega.core.pipeline import schedule_table
+
+    trace = per_layout[3][0]["trace"]
+    table = schedule_table(4, 6, schedule="zb-h1")
+    for rank in range(4):
+        mine = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == rank
+                and e["cat"] in ("forward", "backward", "weight_grad") and e["args"]["iteration"] == 0]
+        assert mine == [str(action) for action in table.actions[rank]]
+        assert sum(name.startswith("W") for name in mine) == 6
 
 
 def owned_gradient_slices(num_microbatches):

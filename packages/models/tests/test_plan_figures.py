@@ -86,3 +86,27 @@ def test_plan_prints_a_table_per_stage(capsys):
     out = capsys.readouterr().out
     assert "tp1 pp2 dp4 distopt mb4" in out and "weights GiB" in out and "fits in 80 GiB per GPU" in out
     assert out.count("\n    0 ") == 1 and out.count("\n    1 ") == 1  # one row per stage
+
+
+def test_plan_takes_uneven_layouts_and_zero_bubble_schedules(capsys):
+    # GPT 1.3B (24 layers; its output layer, 50k x 2048, costs about two layers), pp4.
+    base = ["--model-preset", "1.3b", "--bf16", "--gpus", "4", "--pipeline-model-parallel-size", "4",
+            "--global-batch-size", "16"]
+    code, even = _plan(capsys, *base)
+    assert code == 0 and [rank["layers"] for rank in even["ranks"]] == [6, 6, 6, 6]
+    code, layout = _plan(capsys, *base, "--pipeline-model-parallel-layout", "Et*7|t*7|t*7|t*3,L")
+    assert code == 0 and [rank["layers"] for rank in layout["ranks"]] == [7, 7, 7, 3]
+    assert layout["step_time_s"] < even["step_time_s"]  # the last rank no longer also carries the loss
+    code, zb = _plan(capsys, *base, "--pipeline-schedule", "zb-h1")
+    assert code == 0 and zb["bubble"] == pytest.approx(3 / (3 * 16 + 3)) and even["bubble"] == pytest.approx(3 / 19)
+    assert [rank["in_flight"] for rank in zb["ranks"]] == [4, 3, 2, 1]
+    assert plan_main([*base, "--pipeline-model-parallel-layout", "Et*7|t*7|t*7|t*2,L"]) == 2
+    assert "places 23 transformer layers, but the model has 24" in capsys.readouterr().err
+
+
+def test_search_proposes_uneven_layouts(capsys):
+    code, layouts = _plan(capsys, "--model-family", "llama", "--model-preset", "llama2-7b", "--bf16", "--gpus", "4",
+                          "--global-batch-size", "16", "--search", "--top", "100000")
+    assert code == 0
+    uneven = [entry["layout"]["layers_per_stage"] for entry in layouts if entry["layout"]["layers_per_stage"]]
+    assert [7, 9, 9, 7] in uneven  # Megatron's embedding + loss accounting at pp4

@@ -4,8 +4,9 @@ A family (``gpt``, ``llama``, a third party's) is registered with ``register_mod
 never imports a model package: training, inference, checkpoint loading and conversion all build
 a rank's part of a model with :func:`mega.core.build.build_stage`, which asks the family
 
-* ``pipeline_stages(config, pp, vpp)``: the virtual stages of the model, in pipeline order, each
-  a :class:`Stage` (which layers of which stack it holds, which micro-batch fields it reads);
+* ``pipeline_stages(config, pp, vpp, layers_per_stage=None)``: the virtual stages of the model, in
+  pipeline order, each a :class:`Stage` (which layers of which stack it holds, which micro-batch
+  fields it reads); ``layers_per_stage`` an uneven split (:mod:`mega.core.pipeline.layout`);
 * ``build(config, stage, kernels)``: the stage as single-device code (built on the ``meta``
   device by the core; nothing allocated), asking ``kernels`` for its components;
 * ``parallelize(module, groups, run)``: make it parallel from the outside - tensor and
@@ -31,7 +32,8 @@ directories through it one :class:`TensorMap` at a time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -156,12 +158,14 @@ class LossContext:
     cp_group: Any = None
 
 
-def stack_stages(config: Any, pp: int, vpp: int = 1, *, stack: str = "decoder",
-                 batch_keys: tuple[str, ...] = ("tokens", "position_ids", "document_ids")) -> list[Stage]:
-    """The default ``pipeline_stages``: one stack of ``config.num_layers`` layers split evenly
-    (Megatron's interleaved assignment with ``vpp`` chunks); the first stage reads the tokens (and
-    the positions and ``document_ids`` of packed rows where the samples have them)."""
-    per_rank = split_layers(config.num_layers, pp, vpp)
+def stack_stages(config: Any, pp: int, vpp: int = 1, layers_per_stage: Sequence[int] | None = None, *,
+                 stack: str = "decoder", batch_keys: tuple[str, ...] = ("tokens", "position_ids", "document_ids")
+                 ) -> list[Stage]:
+    """The default ``pipeline_stages``: one stack of ``config.num_layers`` layers split evenly, or
+    ``layers_per_stage[i]`` layers on virtual stage ``i`` (Megatron's interleaved assignment with
+    ``vpp`` chunks); the first stage reads the tokens (and the positions and ``document_ids`` of
+    packed rows where the samples have them)."""
+    per_rank = split_layers(config.num_layers, pp, vpp, layers_per_stage)
     ranges = [per_rank[index % pp][index // pp] for index in range(pp * vpp)]
     return [Stage(index, pp * vpp, {stack: layers}, batch_keys if index == 0 else ())
             for index, layers in enumerate(ranges)]
@@ -193,7 +197,9 @@ class ModelFamily:
       :func:`mega.core.parallel.tensor_parallel.apply_tensor_parallel`, and ``parallelize(module,
       groups, run: StageRun) -> nn.Module`` for families that do more than apply their plan
       (fork dropout into the tracker's streams, recompute, experts); see :meth:`parallelize_stage`.
-    * ``pipeline_stages(config, pp, vpp) -> list[Stage]`` (default :func:`stack_stages`).
+    * ``pipeline_stages(config, pp, vpp, layers_per_stage=None) -> list[Stage]`` (default
+      :func:`stack_stages`); a family that lays its stages out itself may leave out
+      ``layers_per_stage`` and then refuses uneven layouts (:meth:`stages`).
     * ``boundary(config, stage, micro_batch_size, parallel, dtype) -> {name: TensorSpec}``: what
       ``stage`` sends to the next stage (default :func:`hidden_boundary`).
     * ``batch_keys``: the micro-batch fields the family's stages and loss read.
@@ -256,6 +262,16 @@ class ModelFamily:
             return self.parallelize(module, groups, run)
         plan = self.tensor_parallel_plan(run.config, module.stage) if self.tensor_parallel_plan else {}
         return apply_tensor_parallel(module, plan, groups, sequence_parallel=run.parallel.sequence_parallel)
+
+    def stages(self, config: Any, pp: int, vpp: int = 1, layers_per_stage: Sequence[int] | None = None) -> list[Stage]:
+        """``pipeline_stages``, with an uneven split where one is given and the family takes it."""
+        if layers_per_stage is None:
+            return self.pipeline_stages(config, pp, vpp)
+        if "layers_per_stage" not in inspect.signature(self.pipeline_stages).parameters:
+            raise ValueError(f"the {self.name} family lays out its pipeline stages itself: it takes no uneven "
+                             f"layout (--decoder-first/last-pipeline-num-layers, --account-for-*-in-pipeline-split, "
+                             f"--pipeline-model-parallel-layout)")
+        return self.pipeline_stages(config, pp, vpp, layers_per_stage=layers_per_stage)
 
     def whole_model(self, config: Any) -> Stage:
         """The one stage that holds the whole model (one process, inference, conversion)."""

@@ -60,8 +60,9 @@ def build_bert(config: BertConfig, stage: Stage, *, kernels: Kernels, parallel: 
     return BertModel(config, stage, kernels, parallel)
 
 
-def bert_stages(config: BertConfig, pp: int, vpp: int = 1) -> list[Stage]:
-    stages = stack_stages(config, pp, vpp, stack="encoder", batch_keys=FIRST_STAGE_KEYS)
+def bert_stages(config: BertConfig, pp: int, vpp: int = 1, layers_per_stage=None) -> list[Stage]:
+    stages = stack_stages(config, pp, vpp, stack="encoder", batch_keys=FIRST_STAGE_KEYS,
+                          layers_per_stage=layers_per_stage)
     return [stage if stage.is_first else Stage(stage.index, stage.num_stages, stage.layers, LATER_STAGE_KEYS)
             for stage in stages]
 

@@ -61,6 +61,7 @@ class MoELanguageModel(LanguageModel):
     def _layer_stats(self, dtype: torch.dtype) -> torch.Tensor:
         held = {int(number): layer.mlp.stats for number, layer in self.decoder.layers.items()
                 if isinstance(layer.mlp, MoELayer)}  # (dense layers, --moe-layer-freq, add nothing)
+        # A stage may hold no layer: the embedding's device.
         absent = torch.zeros(len(STATS), device=next(self.parameters()).device)
         return torch.stack([held.get(n, absent) for n in range(self.config.num_layers)]).to(dtype)
 
@@ -79,7 +80,7 @@ def moe_tensor_parallel_plan(config: MoETransformerConfig, stage: Stage) -> dict
     """The dense plan less the MLP's linear layers: experts are split by :func:`shard_experts`."""
     plan = tensor_parallel_plan(config, stage)
     for name in ("decoder.layers.*.mlp.linear_fc1", "decoder.layers.*.mlp.linear_fc2"):
-        plan.pop(name)
+        plan.pop(name, None)  # (absent on a stage that holds no layer)
     return plan
 
 

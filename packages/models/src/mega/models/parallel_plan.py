@@ -29,10 +29,11 @@ def tensor_parallel_plan(config: TransformerConfig, stage: Stage) -> dict[str, P
     if pre_process or (post_process and tied):  # the last stage's copy of a tied embedding too
         plan["embedding"] = SequenceParallelOutput()
         plan["embedding.word_embeddings"] = VocabEmbedding()
-    plan["decoder.layers.*.self_attention.linear_qkv"] = Colwise()
-    plan["decoder.layers.*.self_attention.linear_proj"] = Rowwise()
-    plan[FC1] = Colwise(chunks=2 if config.swiglu else 1)
-    plan[FC2] = Rowwise()
+    if len(stage.layers["decoder"]):  # an uneven layout's first or last stage may hold no layer
+        plan["decoder.layers.*.self_attention.linear_qkv"] = Colwise()
+        plan["decoder.layers.*.self_attention.linear_proj"] = Rowwise()
+        plan[FC1] = Colwise(chunks=2 if config.swiglu else 1)
+        plan[FC2] = Rowwise()
     if post_process:
         plan["output_layer"] = Colwise()
     return plan

@@ -4,7 +4,9 @@ Built on ``torch.utils.checkpoint`` (non-reentrant), which saves and restores th
 RNG of the inputs' accelerator, so dropout draws the same masks when a region is recomputed.
 Dropout that forks into a named stream of the core's :class:`RNGStatesTracker` (attention heads
 split by tensor parallelism) is invisible to torch: the tracker's streams are snapshotted when
-the region first runs and put back while it is recomputed, as Megatron's checkpoint does.
+the region first runs and put back while it is recomputed, as Megatron's checkpoint does. So is
+whether the region's linears deferred their weight gradients to a zero-bubble schedule's W step
+(:mod:`mega.core.parallel.weight_grad_split`): the rerun must save what the first run saved.
 """
 
 from __future__ import annotations
@@ -15,18 +17,30 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from mega.core.parallel.weight_grad_split import replaying_weight_grad_deferral
 from mega.models.config import TransformerConfig
 
 
 def recomputed(function: Callable, *args, rng_tracker=None, **kwargs):
     """``function(*args, **kwargs)``, keeping only its inputs for backward."""
-    if rng_tracker is None:
-        return checkpoint(function, *args, use_reentrant=False, **kwargs)
-    return checkpoint(function, *args, use_reentrant=False,
-                      context_fn=lambda: _tracker_contexts(rng_tracker), **kwargs)
+    return checkpoint(function, *args, use_reentrant=False, context_fn=lambda: _contexts(rng_tracker), **kwargs)
 
 
-def _tracker_contexts(tracker):
+def _contexts(tracker):
+    """(forward context, recompute context): the recompute replays the tracker's streams and the
+    weight-gradient deferral as the forward had them."""
+    deferral = replaying_weight_grad_deferral()  # both capture now, at forward
+    streams = _replaying_tracker(tracker) if tracker is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def replaying():
+        with deferral, streams:
+            yield
+
+    return contextlib.nullcontext(), replaying()
+
+
+def _replaying_tracker(tracker):
     states_at_forward = tracker.get_states()
 
     @contextlib.contextmanager
@@ -38,7 +52,7 @@ def _tracker_contexts(tracker):
         finally:
             tracker.set_states(states_now)
 
-    return contextlib.nullcontext(), replaying()
+    return replaying()
 
 
 def is_recomputing_allowed(module: torch.nn.Module) -> bool:

@@ -15,6 +15,10 @@ The layer's autograd function then returns an uninitialised gradient (no kernel)
 its last gradient is in. Weights are fused only where data parallelism marked them
 (``param.fuse_grad_accumulation``, set with ``main_grad``): never a weight that another use
 (the embedding lookup of a tied output layer) gives an ordinary gradient.
+
+A zero-bubble pipeline schedule defers the weight-gradient product to its W step
+(:mod:`mega.core.parallel.weight_grad_split`): :func:`linear` then computes only the input
+gradient in backward, and the product runs later, fused or not as it would have.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mega.core.parallel.weight_grad_split import WeightGrad, defer, deferral_target
 
 
 def can_fuse(main_grad: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -42,8 +48,13 @@ def fuses(weight: torch.Tensor) -> bool:
     """Whether a linear layer's backward accumulates ``weight``'s gradient into ``main_grad``."""
     # Under torch.compile the unfused path runs: the backward's write into a buffer the graph does
     # not see and the mark on the weight are side effects AOTAutograd does not trace.
-    return (getattr(weight, "fuse_grad_accumulation", False) and weight.requires_grad and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and can_fuse(weight.main_grad, weight))
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and fuses_at_w(weight)
+
+
+def fuses_at_w(weight: torch.Tensor) -> bool:
+    """Whether a deferred weight-gradient product accumulates into ``main_grad``."""
+    return (getattr(weight, "fuse_grad_accumulation", False) and weight.requires_grad
+            and can_fuse(weight.main_grad, weight))
 
 
 class _LinearAccumulatingWeightGrad(torch.autograd.Function):
@@ -65,9 +76,55 @@ class _LinearAccumulatingWeightGrad(torch.autograd.Function):
         return grad_input, torch.empty_like(weight), grad_bias
 
 
+def linear_weight_grad(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+                       grad_output: torch.Tensor) -> WeightGrad:
+    """The deferred weight (and bias) gradient of ``y = x @ weight.T + bias``: a W-step product."""
+
+    def product():
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        x_2d = x.reshape(-1, x.shape[-1])
+        pairs = []
+        if weight.requires_grad:
+            if fuses_at_w(weight):
+                accumulate_weight_grad(weight.main_grad, grad_2d, x_2d)
+                pairs.append((weight, None))
+            else:
+                pairs.append((weight, grad_2d.t().matmul(x_2d)))
+        if bias is not None and bias.requires_grad:
+            pairs.append((bias, grad_2d.sum(0)))
+        return pairs
+
+    return product
+
+
+class _LinearDeferringWeightGrad(torch.autograd.Function):
+    """``F.linear`` whose backward computes the input gradient and defers the weight gradients.
+
+    The weights enter detached (``params`` holds the parameters themselves), so autograd's
+    accumulation of them does not run in B: it runs, with its hooks, when W hands it the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, params, pending):
+        ctx.save_for_backward(x, weight)
+        ctx.params, ctx.pending = params, pending
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        defer(ctx.pending, linear_weight_grad(*ctx.params, x, grad_output))
+        return grad_input, None, None, None, None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, with the weight gradient accumulated into ``weight.main_grad`` where it is
-    fused (:func:`fuses`)."""
+    fused (:func:`fuses`), and deferred to the W step inside ``deferring_weight_grads``."""
+    pending = deferral_target(weight)
+    if pending is not None and (weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return _LinearDeferringWeightGrad.apply(x, weight.detach(), None if bias is None else bias.detach(),
+                                                (weight, bias), pending)
     if fuses(weight):
         return _LinearAccumulatingWeightGrad.apply(x, weight, bias)
     return F.linear(x, weight, bias)

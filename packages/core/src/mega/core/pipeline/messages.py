@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from mega.core.pipeline.schedule_table import FORWARD, Action, ScheduleError, ScheduleTable
+from mega.core.pipeline.schedule_table import FORWARD, WEIGHT, Action, ScheduleError, ScheduleTable
 
 ACTIVATION = "activation"
 GRADIENT = "gradient"
@@ -50,6 +50,8 @@ class Exchange:
 
 def consumed(table: ScheduleTable, rank: int, action: Action) -> Message | None:
     """The message ``action`` needs from another stage before it can run."""
+    if action.kind == WEIGHT:  # W uses what its B left on this rank
+        return None
     stage = table.stage(rank, action.chunk)
     if action.kind == FORWARD:
         return Message(ACTIVATION, action.microbatch, stage - 1, stage) if stage > 0 else None
@@ -60,6 +62,8 @@ def consumed(table: ScheduleTable, rank: int, action: Action) -> Message | None:
 
 def produced(table: ScheduleTable, rank: int, action: Action) -> Message | None:
     """The message ``action`` sends to another stage once it has run."""
+    if action.kind == WEIGHT:
+        return None
     stage = table.stage(rank, action.chunk)
     if action.kind == FORWARD:
         last = stage == table.num_stages - 1
@@ -73,7 +77,10 @@ def exchanges(table: ScheduleTable, rank: int) -> list[Exchange]:
     It sends what step ``i - 1`` produced and receives what step ``i`` consumes. Within an
     exchange activations come before gradients on both sides, so that with pp = 2 (where the
     next and the previous rank are the same peer) both post the pair's messages in one order.
+    In a slotted table it receives instead what the other ranks' steps ``i - 1`` sent it.
     """
+    if table.slotted:
+        return _slotted_exchanges(table, rank)
     steps = table.steps[rank]
 
     def ordered(messages):
@@ -81,10 +88,44 @@ def exchanges(table: ScheduleTable, rank: int) -> list[Exchange]:
 
     plan = []
     for i in range(len(steps) + 1):
-        sends = [produced(table, rank, action) for action in steps[i - 1]] if i > 0 else []
-        recvs = [consumed(table, rank, action) for action in steps[i]] if i < len(steps) else []
+        sends = [crossing(table, rank, produced(table, rank, action)) for action in steps[i - 1]] if i > 0 else []
+        recvs = [crossing(table, rank, consumed(table, rank, action)) for action in steps[i]] if i < len(steps) else []
         plan.append(Exchange(ordered(sends), ordered(recvs)))
     return plan
+
+
+def crossing(table: ScheduleTable, rank: int, message: Message | None) -> Message | None:
+    """``message`` if it crosses to another rank; None if both its stages are on ``rank`` (in a
+    V the last rank holds the two middle stages: the schedule hands it over in memory)."""
+    if message is None:
+        return None
+    local = table.rank_and_chunk(message.source)[0] == table.rank_and_chunk(message.destination)[0] == rank
+    return None if local else message
+
+
+def _slotted_exchanges(table: ScheduleTable, rank: int) -> list[Exchange]:
+    """Every message travels between the slot that produced it and the next: sender and
+    receiver post it in the same exchange, in one order (kind, micro-batch, stages)."""
+    slots = len(table.steps[rank])
+    if any(len(steps) != slots for steps in table.steps):
+        raise ScheduleError("a slotted table needs the same number of steps (slots) on every rank")
+    sent: list[list[Message]] = [[] for _ in range(slots + 1)]  # sent[i]: produced in slot i - 1
+    received: list[list[Message]] = [[] for _ in range(slots + 1)]
+    for other in range(table.pp):
+        for slot, step in enumerate(table.steps[other]):
+            for action in step:
+                message = produced(table, other, action)
+                if message is None or table.rank_and_chunk(message.destination)[0] == other:
+                    continue
+                if other == rank:
+                    sent[slot + 1].append(message)
+                if table.rank_and_chunk(message.destination)[0] == rank:
+                    received[slot + 1].append(message)
+
+    def key(message: Message):
+        return message.kind != ACTIVATION, message.microbatch, message.source, message.destination
+
+    return [Exchange(tuple(sorted(sent[i], key=key)), tuple(sorted(received[i], key=key))) for i in range(slots + 1)]
 
 
 def check_exchanges(table: ScheduleTable) -> None:

@@ -27,8 +27,11 @@ class PipelineLinks:
     sides post a message's tensors in name order.
     """
 
-    def __init__(self, groups: ParallelGroups, boundary: Callable[[int], Mapping[str, TensorSpec]], events):
+    def __init__(self, groups: ParallelGroups, boundary: Callable[[int], Mapping[str, TensorSpec]], events,
+                 rank_and_chunk: Callable[[int], tuple[int, int]] | None = None):
         self.groups = groups
+        # Which pipeline rank computes a virtual stage (default: Megatron's interleaved placement).
+        self.rank_and_chunk = rank_and_chunk or (lambda stage: (stage % groups.pp.size, stage // groups.pp.size))
         self.boundary = boundary
         self.events = events
         if groups.backend == "nccl" and groups.pp.size > 1:
@@ -38,7 +41,7 @@ class PipelineLinks:
 
     def peer(self, stage: int) -> int:
         """Global rank of the process that computes virtual stage ``stage``."""
-        return self.groups.pp.ranks[stage % self.groups.pp.size]
+        return self.groups.pp.ranks[self.rank_and_chunk(stage)[0]]
 
     def specs(self, message: Message) -> dict[str, TensorSpec]:
         """The tensors ``message`` carries, by name, in the order they travel."""

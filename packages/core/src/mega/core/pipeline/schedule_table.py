@@ -19,64 +19,51 @@ The actions of a rank are grouped into *steps*; stages exchange tensors between 
 ranks or the pipeline deadlocks. In 1F1B every action is a step. In the interleaved schedule the
 stages form a ring (the last rank feeds chunk ``c + 1`` of the first), which needs neighbours'
 warm-ups to differ by two forwards, and then a steady-state step is one forward plus one backward.
+
+A zero-bubble schedule (``schedule="zb-h1"``, :mod:`mega.core.pipeline.zero_bubble`) splits each
+backward into B (the input gradient: what the previous stage waits for) and W (the weight
+gradients, :mod:`mega.core.parallel.weight_grad_split`); its table has W actions. Without them,
+B is the whole backward.
+
+Peak live activations per rank (micro-batch chunks forwarded whose backward, or W, has not run):
+1F1B ``min(pp - rank, m)``; interleaved ``warm-up + 1`` chunks (Megatron's); ZB-H1 the same as
+1F1B, counted up to W. The table tests check these.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from mega.core.pipeline.actions import BACKWARD, FORWARD, WEIGHT, Action, ScheduleError, ScheduleTable
+from mega.core.pipeline.interleaved_order import interleaved_forward
+from mega.core.pipeline.zero_bubble import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, zero_bubble_table
 
-FORWARD = "F"
-BACKWARD = "B"
+__all__ = ["BACKWARD", "FORWARD", "SCHEDULES", "V_SCHEDULES", "WEIGHT", "Action", "ScheduleError", "ScheduleTable",
+           "schedule_table"]
 
-
-class ScheduleError(ValueError):
-    """A schedule that cannot be built for the numbers asked."""
-
-
-@dataclass(frozen=True)
-class Action:
-    """One forward or backward pass of one micro-batch through one model chunk."""
-
-    kind: str  # FORWARD or BACKWARD
-    microbatch: int
-    chunk: int
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch} c{self.chunk}"
+SCHEDULES = ("1f1b", *ZERO_BUBBLE_SCHEDULES)
 
 
-@dataclass(frozen=True)
-class ScheduleTable:
-    pp: int
-    vpp: int
-    num_microbatches: int
-    steps: tuple[tuple[tuple[Action, ...], ...], ...]  # steps[rank][i]: one or two actions
-
-    @property
-    def actions(self) -> tuple[tuple[Action, ...], ...]:
-        """``actions[rank]``: every action of ``rank`` in execution order."""
-        return tuple(tuple(a for step in steps for a in step) for steps in self.steps)
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.vpp
-
-    def stage(self, rank: int, chunk: int) -> int:
-        """The virtual stage that chunk ``chunk`` of pipeline rank ``rank`` computes."""
-        return chunk * self.pp + rank
-
-    def rank_and_chunk(self, stage: int) -> tuple[int, int]:
-        chunk, rank = divmod(stage, self.pp)
-        return rank, chunk
-def schedule_table(pp: int, num_microbatches: int, vpp: int = 1, forward_only: bool = False) -> ScheduleTable:
+def schedule_table(pp: int, num_microbatches: int, vpp: int = 1, forward_only: bool = False,
+                   schedule: str = "1f1b") -> ScheduleTable:
     """The table of the schedule the pipeline runs: no pipelining (``pp == 1``), 1F1B
-    (``vpp == 1``) or interleaved 1F1B (``vpp > 1``), or forwards only (evaluation)."""
+    (``vpp == 1``) or interleaved 1F1B (``vpp > 1``), a zero-bubble schedule (``"zb-h1"``,
+    interleaved with ``vpp > 1``; ``"zbv"`` and ``"dualpipev"`` with two chunks in a V:
+    :mod:`mega.core.pipeline.zero_bubble`), or forwards only (evaluation)."""
     for name, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
+    if schedule not in SCHEDULES:
+        raise ScheduleError(f"unknown pipeline schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        table = zero_bubble_table(schedule, pp, num_microbatches, vpp)
+        if not forward_only:
+            return table
+        # Evaluation: the forwards in the slots the schedule runs them.
+        return ScheduleTable(pp, vpp, num_microbatches, tuple(
+            tuple(tuple(a for a in step if a.kind == FORWARD) for step in steps) for steps in table.steps),
+            table.placement, slotted=True)
     if vpp > 1 and pp == 1:
         raise ScheduleError(f"vpp = {vpp} model chunks per rank needs pp > 1, got pp = 1")
-    if vpp > 1 and num_microbatches % pp:
+    if vpp > 1 and num_microbatches % pp and schedule not in V_SCHEDULES:
         raise ScheduleError(
             f"the interleaved schedule (vpp = {vpp}) needs the number of micro-batches to be a "
             f"multiple of pp = {pp}, got {num_microbatches}"
@@ -110,8 +97,5 @@ def _rank_steps(pp: int, vpp: int, num_microbatches: int, rank: int, forward_onl
 def _microbatch_and_chunk(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
     """The ``k``-th forward (or backward) of a rank: micro-batches go through the chunks in
     groups of ``pp``; backwards visit the chunks in reverse."""
-    group, within = divmod(k, pp * vpp)
-    chunk, offset = divmod(within, pp)
-    if not forward:
-        chunk = vpp - 1 - chunk
-    return group * pp + offset, chunk
+    microbatch, chunk = interleaved_forward(k, pp, vpp)
+    return microbatch, chunk if forward else vpp - 1 - chunk

@@ -2,18 +2,23 @@
 
 The schedule is the table of :func:`~mega.core.pipeline.schedule_table.schedule_table`: no
 pipelining for ``pp == 1`` (gradient accumulation), 1F1B for one model chunk per rank,
-interleaved 1F1B for several. This module only executes it: before each step of the table it
-runs that step's exchange of tensors with the neighbouring stages, then the step's forward and
-backward passes.
+interleaved 1F1B for several, the zero-bubble schedules (``zb-h1``, ``zbv``, ``dualpipev``:
+:mod:`mega.core.pipeline.zero_bubble`). This module only executes it: before
+each step of the table it runs that step's exchange of tensors with the neighbouring stages, then
+the step's forward and backward passes. Where the table splits backwards into B and W, each
+forward runs inside :func:`~mega.core.parallel.weight_grad_split.deferring_weight_grads`, so its
+B leaves the layers' weight-gradient products to its W.
 
 As in Megatron, each micro-batch's loss is divided by the number of micro-batches before its
 backward, so the accumulated gradients are those of the mean loss over the global batch; and
-the gradients of data-parallel replicas are reduced once, after the last backward.
+the gradients of data-parallel replicas are reduced once, after the last backward (with
+``overlap_grad_reduce``, bucket by bucket as each bucket's last gradient, from a B or a W, is in).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -21,11 +26,12 @@ import torch
 from torch import nn
 
 from mega.core.parallel import ParallelGroups
-from mega.core.pipeline.messages import consumed, exchanges, produced
+from mega.core.parallel.weight_grad_split import deferring_weight_grads, run_weight_grads
+from mega.core.pipeline.messages import consumed, crossing, exchanges, produced
 from mega.core.pipeline.p2p import PipelineLinks
-from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, Action, ScheduleTable, schedule_table
+from mega.core.pipeline.schedule_table import FORWARD, WEIGHT, Action, ScheduleTable, schedule_table
 from mega.core.pipeline.tensor_spec import TensorSpec
-from mega.core.pipeline.tied import sum_tied_grads
+from mega.core.pipeline.tied import sum_tied_grads, tied_parameters
 from mega.core.plugins import Events
 
 # The name of the one tensor that crosses when chunks map a tensor to a tensor.
@@ -54,6 +60,7 @@ def forward_backward(
     grad_sync: GradSync | Sequence[GradSync | None] | None = None,
     events: Events | None = None,
     forward_only: bool = False,
+    schedule: str = "1f1b",
 ) -> list[torch.Tensor]:
     """Run ``num_microbatches`` micro-batches forward (and backward); return the losses.
 
@@ -70,11 +77,16 @@ def forward_backward(
     (a dict) merged under what crossed in. Or one tensor of ``tensor_shape`` and ``dtype``
     crosses, and chunks map a tensor to a tensor.
 
-    ``grad_sync``: the data-parallel wrapper, or one per chunk. Every backward but the last one
-    of its chunks runs inside its ``no_sync()``; ``finish_grad_sync()`` is called at the end,
+    ``schedule``: ``"1f1b"`` (interleaved with several chunks), ``"zb-h1"`` (interleaved zero
+    bubble with several), ``"zbv"`` or ``"dualpipev"`` (two chunks in a V: the chunks are then
+    virtual stages ``rank`` and ``2 pp - 1 - rank``, e.g. from ``pipeline_chunks(..., placement="v")``).
+
+    ``grad_sync``: the data-parallel wrapper, or one per chunk. Every backward (and W) but the
+    last one of its chunks runs inside its ``no_sync()``; ``finish_grad_sync()`` is called at the end,
     then the gradients of weights tied across stages are summed.
 
-    Returns the un-normalised per-micro-batch losses (detached) on the last stage, else ``[]``.
+    Returns the un-normalised per-micro-batch losses (detached) on the rank of the last stage
+    (the first rank in a V), else ``[]``.
     Gradients accumulate (in ``.grad``, or the wrapper's ``main_grad``); zeroing them before the
     step is the caller's job.
     """
@@ -94,9 +106,9 @@ def forward_backward(
             f"pp = {groups.pp.size} needs boundary (or tensor_shape): the shapes of the tensors "
             f"sent between stages, e.g. [sequence, micro_batch, hidden]"
         )
-    table = schedule_table(groups.pp.size, num_microbatches, len(chunks), forward_only)
+    table = schedule_table(groups.pp.size, num_microbatches, len(chunks), forward_only, schedule)
     events = events if events is not None else Events()
-    links = PipelineLinks(groups, boundary, events) if groups.pp.size > 1 else None
+    links = PipelineLinks(groups, boundary, events, table.rank_and_chunk) if groups.pp.size > 1 else None
     if reads_batch is None:
         last = table.num_stages - 1
         reads_batch = [table.stage(groups.pp.rank, chunk) in (0, last) for chunk in range(len(chunks))]
@@ -126,11 +138,27 @@ class _ScheduleRun:
         self.outbox: dict = {}  # Message -> tensors by name to send at the next exchange
         self.losses: list[torch.Tensor] = []
         self.syncers = _per_chunk(grad_sync, len(chunks))
-        # A wrapper syncs during the last backward through any chunk it covers.
-        self.final_backward = {}
+        # A wrapper syncs during the last backward through any chunk it covers (and during the
+        # last W: a weight's gradient arrives in B or in W, and each only once outside no_sync).
+        self.final_actions: dict[tuple[int, str], Action] = {}
         for action in table.actions[self.rank]:
-            if action.kind == BACKWARD and self.syncers[action.chunk] is not None:
-                self.final_backward[id(self.syncers[action.chunk])] = action
+            if action.kind != FORWARD and self.syncers[action.chunk] is not None:
+                self.final_actions[(id(self.syncers[action.chunk]), action.kind)] = action
+        self.deferred: dict[tuple[int, int], list] = {}  # (mb, chunk) -> weight-gradient products for its W
+        self.splits_backward = table.splits_backward and not forward_only
+        # FSDP2 reduce-scatters a module's gradients from its post-backward hook: before W. (Its
+        # DTensor parameters exist only where torch.distributed.tensor was imported: no import here.)
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        if self.splits_backward and dtensor is not None and any(
+                isinstance(p, dtensor.DTensor) for chunk in chunks for p in chunk.parameters()):
+            raise ValueError("the zero-bubble schedules leave weight gradients to a W step after the backward; "
+                             "FSDP (DTensor parameters) reduces them at the end of the backward: use "
+                             "--pipeline-schedule 1f1b with FSDP")
+        # A rank that holds the first and the last stage (pp = 1) uses a tied word embedding for
+        # the lookup and the output layer: its gradient stays whole in B.
+        stages = {table.stage(self.rank, chunk) for chunk in range(len(chunks))}
+        holds_both_ends = {0, table.num_stages - 1} <= stages
+        self.keep_in_b = tied_parameters(chunks) if holds_both_ends else []
 
     def execute(self) -> list[torch.Tensor]:
         steps = self.table.steps[self.rank]
@@ -140,6 +168,8 @@ class _ScheduleRun:
             for action in step:
                 if action.kind == FORWARD:
                     self._forward(action)
+                elif action.kind == WEIGHT:
+                    self._weight_grads(action)
                 else:
                     self._backward(action)
         self._exchange(plan[-1])
@@ -170,7 +200,12 @@ class _ScheduleRun:
             else:
                 x = {**inputs, **received} if isinstance(inputs, Mapping) else received
         self.events.hook.on_forward_start(microbatch=action.microbatch, chunk=action.chunk)
-        with torch.set_grad_enabled(not self.forward_only), self.events.forward_context(action.microbatch, action.chunk):
+        deferring = contextlib.nullcontext()
+        if self.splits_backward:
+            deferring = deferring_weight_grads(self.deferred.setdefault((action.microbatch, action.chunk), []),
+                                               self.keep_in_b)
+        with torch.set_grad_enabled(not self.forward_only), self.events.forward_context(action.microbatch, action.chunk), \
+                deferring:
             y = self.chunks[action.chunk](x)
             if last:
                 loss = self.loss_fn(y, targets)
@@ -178,7 +213,7 @@ class _ScheduleRun:
                 y = loss / self.table.num_microbatches
         if not last:
             y = y if isinstance(y, Mapping) else {TENSOR: y}
-            self.outbox[produced(self.table, self.rank, action)] = {name: t.detach() for name, t in y.items()}
+            self._send(produced(self.table, self.rank, action), {name: t.detach() for name, t in y.items()})
         if not self.forward_only:
             self.saved[(action.microbatch, action.chunk)] = (received, y)
         self.events.hook.on_forward_end(microbatch=action.microbatch, chunk=action.chunk)
@@ -187,12 +222,7 @@ class _ScheduleRun:
         received, y = self.saved.pop((action.microbatch, action.chunk))
         incoming = consumed(self.table, self.rank, action)
         self.events.hook.on_backward_start(microbatch=action.microbatch, chunk=action.chunk)
-        syncer = self.syncers[action.chunk]
-        if syncer is None or self.final_backward[id(syncer)] == action:
-            context = contextlib.nullcontext()
-        else:
-            context = syncer.no_sync()
-        with context:
+        with self._sync_context(action):
             if incoming is None:  # the last stage: y is the loss
                 torch.autograd.backward(y)
             else:
@@ -202,9 +232,29 @@ class _ScheduleRun:
                     torch.autograd.backward([out for out, _ in pairs], grad_tensors=[grad for _, grad in pairs])
         outgoing = produced(self.table, self.rank, action)
         if outgoing is not None:
-            self.outbox[outgoing] = {name: t.grad if t.grad is not None else torch.zeros_like(t)
-                                     for name, t in received.items() if t.is_floating_point()}
+            self._send(outgoing, {name: t.grad if t.grad is not None else torch.zeros_like(t)
+                                  for name, t in received.items() if t.is_floating_point()})
         self.events.hook.on_backward_end(microbatch=action.microbatch, chunk=action.chunk)
+
+    def _send(self, message, tensors: dict) -> None:
+        """To the next exchange, or straight to this rank's inbox where it holds both stages."""
+        if crossing(self.table, self.rank, message) is None:
+            self.inbox[message] = {name: tensor.clone() for name, tensor in tensors.items()}
+        else:
+            self.outbox[message] = tensors
+
+    def _weight_grads(self, action: Action) -> None:
+        """W: the weight-gradient products the micro-batch's B left for this chunk."""
+        self.events.hook.on_weight_grad_start(microbatch=action.microbatch, chunk=action.chunk)
+        with self._sync_context(action):
+            run_weight_grads(self.deferred.pop((action.microbatch, action.chunk)))
+        self.events.hook.on_weight_grad_end(microbatch=action.microbatch, chunk=action.chunk)
+
+    def _sync_context(self, action: Action):
+        syncer = self.syncers[action.chunk]
+        if syncer is None or self.final_actions[(id(syncer), action.kind)] == action:
+            return contextlib.nullcontext()
+        return syncer.no_sync()
 
     def _microbatch(self, microbatch: int) -> tuple[Any, Any]:
         """The micro-batch, read once however many of this rank's chunks read it."""

@@ -1,7 +1,9 @@
 """A timeline of the pipeline schedule, written as a Chrome trace (chrome://tracing, Perfetto).
 
 :class:`PipelineTimeline` listens to the schedule's events and records, on every rank, when each
-micro-batch's forward (``F3 c0``: micro-batch 3, model chunk 0) and backward ran, when the rank
+micro-batch's forward (``F3 c0``: micro-batch 3, model chunk 0) and backward ran (under a
+zero-bubble schedule the backward's input-gradient half ``B3 c0`` and its weight-gradient half
+``W3 c0``, category ``weight_grad``, separately), when the rank
 sent or waited for tensors (``send_forward+recv_backward``: one batched exchange), and the
 gradient sync. :meth:`PipelineTimeline.write` gathers all ranks on rank 0, which writes one JSON
 file with one track per rank and the gaps between spans as explicit ``idle`` spans. The pipeline
@@ -58,23 +60,36 @@ class PipelineTimeline:
     def on_step_start(self, iteration):
         self._iteration = iteration
 
+    def _pass_start(self, kind: str, microbatch: int, chunk: int) -> None:
+        self._starts[(kind, microbatch, chunk)] = self._now()
+
+    def _pass_end(self, kind: str, category: str, microbatch: int, chunk: int) -> None:
+        start = self._starts.pop((kind, microbatch, chunk))
+        self._record(f"{kind}{microbatch} c{chunk}", category, start, microbatch=microbatch, chunk=chunk)
+
     @hookimpl
     def on_forward_start(self, microbatch, chunk):
-        self._starts[("F", microbatch, chunk)] = self._now()
+        self._pass_start("F", microbatch, chunk)
 
     @hookimpl
     def on_forward_end(self, microbatch, chunk):
-        start = self._starts.pop(("F", microbatch, chunk))
-        self._record(f"F{microbatch} c{chunk}", "forward", start, microbatch=microbatch, chunk=chunk)
+        self._pass_end("F", "forward", microbatch, chunk)
 
     @hookimpl
     def on_backward_start(self, microbatch, chunk):
-        self._starts[("B", microbatch, chunk)] = self._now()
+        self._pass_start("B", microbatch, chunk)
 
     @hookimpl
     def on_backward_end(self, microbatch, chunk):
-        start = self._starts.pop(("B", microbatch, chunk))
-        self._record(f"B{microbatch} c{chunk}", "backward", start, microbatch=microbatch, chunk=chunk)
+        self._pass_end("B", "backward", microbatch, chunk)
+
+    @hookimpl
+    def on_weight_grad_start(self, microbatch, chunk):
+        self._pass_start("W", microbatch, chunk)
+
+    @hookimpl
+    def on_weight_grad_end(self, microbatch, chunk):
+        self._pass_end("W", "weight_grad", microbatch, chunk)
 
     # The transfers of one exchange start together and are waited for together: one span.
     @hookimpl

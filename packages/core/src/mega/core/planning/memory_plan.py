@@ -23,8 +23,10 @@ from mega.core.distributed.ddp import DDPConfig
 from mega.core.distributed.grad_buffer import SHARD_ALIGNMENT
 from mega.core.model_family import ModelFamily
 from mega.core.parallel import ParallelConfig
+from mega.core.pipeline.actions import INTERLEAVED
+from mega.core.pipeline.layout import layout_string
 from mega.core.pipeline.partition import even_layer_counts, split_layers
-from mega.core.pipeline.schedule_table import FORWARD, schedule_table
+from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, schedule_table
 from mega.core.planning.footprint import StageFootprint
 
 FP32 = 4
@@ -48,6 +50,10 @@ class Layout:
     distributed_optimizer: bool = False
     recompute: str | None = None  # None, "selective" or "full"
     micro_batch_size: int = 1
+    # Transformer layers of every virtual stage in pipeline order (None: split evenly); see
+    # mega.core.pipeline.layout.
+    layers_per_stage: tuple[int, ...] | None = None
+    schedule: str = "1f1b"  # --pipeline-schedule
 
     @property
     def world_size(self) -> int:
@@ -64,7 +70,10 @@ class Layout:
         parts += ["sp"] if self.sequence_parallel else []
         parts += ["distopt"] if self.distributed_optimizer else []
         parts += [f"recompute-{self.recompute}"] if self.recompute else []
-        return " ".join(parts) + f" mb{self.micro_batch_size}"
+        parts += [f"mb{self.micro_batch_size}"] + ([self.schedule] if self.schedule != "1f1b" else [])
+        if self.layers_per_stage is not None:
+            parts += [f"--pipeline-model-parallel-layout '{layout_string(self.layers_per_stage)}'"]
+        return " ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -85,20 +94,25 @@ class RankMemory:
         return self.weights + self.gradients + self.optimizer + self.activations
 
 
-def layer_split(num_layers: int, pp: int, vpp: int) -> list[list[range]]:
-    """Layers of every rank and chunk; an uneven model is split as evenly as possible (larger
-    stages first), as Megatron's uneven pipeline flags would."""
+def layer_split(num_layers: int, pp: int, vpp: int, layers_per_stage=None, placement=INTERLEAVED) -> list[list[range]]:
+    """Layers of every rank and chunk: ``layers_per_stage`` where given, else an uneven model is
+    split as evenly as possible (larger stages first), as Megatron's uneven pipeline flags would."""
+    if layers_per_stage is not None:
+        try:
+            return split_layers(num_layers, pp, vpp, list(layers_per_stage), placement)
+        except ValueError as error:
+            raise PlanError(str(error)) from None
     stages = pp * vpp
     if num_layers < stages:
         raise PlanError(f"cannot split {num_layers} layers into pp*vpp = {stages} stages")
     counts = None if num_layers % stages == 0 else even_layer_counts(num_layers, stages)
-    return split_layers(num_layers, pp, vpp, counts)
+    return split_layers(num_layers, pp, vpp, counts, placement)
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule_actions(pp: int, num_microbatches: int, vpp: int):
-    """Every pipeline rank's forwards and backwards in order (the search asks for few distinct ones)."""
-    return schedule_table(pp, num_microbatches, vpp).actions
+def schedule_of(pp: int, num_microbatches: int, vpp: int, schedule: str = "1f1b"):
+    """The schedule's table (the search asks for few distinct ones)."""
+    return schedule_table(pp, num_microbatches, vpp, schedule=schedule)
 
 
 def _padded(numel: int, alignment: int) -> int:
@@ -134,13 +148,15 @@ def plan_memory(family: ModelFamily, config, layout: Layout, *, dtype_bytes: int
         raise PlanError("the layout's recompute must be the config's recompute_granularity")
     parallel = layout.parallel
     tied = not getattr(config, "untie_embeddings_and_output_weights", True)
-    schedule = _schedule_actions(layout.pp, num_microbatches, layout.vpp)
+    table = schedule_of(layout.pp, num_microbatches, layout.vpp, layout.schedule)
+    schedule = table.actions
     ranks = []
-    for stage, chunks in enumerate(layer_split(config.num_layers, layout.pp, layout.vpp)):
+    split = layer_split(config.num_layers, layout.pp, layout.vpp, layout.layers_per_stage, table.placement)
+    for stage, chunks in enumerate(split):
         footprints, tied_elements = [], []
         for index, layers in enumerate(chunks):
-            pre = stage == 0 and index == 0
-            post = stage == layout.pp - 1 and index == len(chunks) - 1
+            pre = table.stage(stage, index) == 0
+            post = table.stage(stage, index) == table.num_stages - 1
             footprint = family.memory_model(
                 config, layers=len(layers), pre_process=pre, post_process=post, parallel=parallel,
                 micro_batch_size=layout.micro_batch_size, dtype_bytes=dtype_bytes, device_type=device_type)
@@ -156,7 +172,8 @@ def plan_memory(family: ModelFamily, config, layout: Layout, *, dtype_bytes: int
                            else parameters) * per_element
         held = peak = peak_chunks = chunks_held = 0
         for action in schedule[stage]:
-            sign = 1 if action.kind == FORWARD else -1
+            # A backward frees its chunk's activations (a split one mostly: W keeps a few inputs).
+            sign = 1 if action.kind == FORWARD else -1 if action.kind == BACKWARD else 0
             held += sign * footprints[action.chunk].activation_bytes
             chunks_held += sign
             if held > peak:

@@ -19,6 +19,8 @@ from dataclasses import asdict
 
 from mega.core.cli.argparser import CommandParser
 from mega.core.config import ConfigError
+from mega.core.pipeline.layout import layers_per_stage, layout_stage_count
+from mega.core.pipeline.schedule_table import V_SCHEDULES
 from mega.core.planning.memory_plan import Layout
 from mega.core.planning.step_estimate import MEMORY_HEADROOM, estimate, search
 from mega.core.plugins import PluginError
@@ -48,7 +50,8 @@ def _machine_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="whose kernels' saved tensors to count (default cuda)")
     parser.add_argument("--search", action="store_true",
-                        help="list the layouts (tp, pp, vpp, cp, dp, recompute, micro-batch) that fit, fastest first")
+                        help="list the layouts (tp, pp, vpp, cp, dp, recompute, micro-batch, uneven pipeline "
+                             "layouts) that fit, fastest first")
     parser.add_argument("--top", type=int, default=15, help="layouts --search prints (default 15)")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
     return parser
@@ -97,10 +100,16 @@ def _plan(run, family, machine) -> int:
     vpp = parallel.vpp or 1
     if run.training.num_layers_per_virtual_pipeline_stage:
         vpp = model.num_layers // parallel.pp // run.training.num_layers_per_virtual_pipeline_stage
+    stages = layout_stage_count(run.pipeline)  # a layout string spells out pp * vpp stages
+    vpp = stages // parallel.pp if stages else vpp
+    schedule = run.pipeline.pipeline_schedule
+    vpp = 2 if schedule in V_SCHEDULES else vpp  # two chunks per rank in a V
+    counts = layers_per_stage(run.pipeline, model.num_layers, parallel.pp, vpp)
     layout = Layout(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, vpp=vpp, dp=dp,
                     sequence_parallel=parallel.sequence_parallel,
                     distributed_optimizer=strategy == "optim",
-                    recompute=model.recompute_granularity, micro_batch_size=run.training.micro_batch_size)
+                    recompute=model.recompute_granularity, micro_batch_size=run.training.micro_batch_size,
+                    layers_per_stage=tuple(counts) if counts else None, schedule=schedule)
     global_batch = run.training.global_batch_size or layout.micro_batch_size * dp
     result = estimate(family, model, layout, global_batch_size=global_batch, **common)
     fits = result.peak_bytes <= budget * (1 - MEMORY_HEADROOM)

@@ -1,11 +1,14 @@
 """FLOPs of a step, its estimated time, and the search for layouts that fit.
 
-    step time = FLOPs x recompute / (GPUs x peak x MFU x (1 - bubble))
+    step time = FLOPs x recompute x imbalance / (GPUs x peak x MFU x (1 - bubble))
 
 FLOPs are the family's (Megatron's formula, the model's own work); full recompute repeats the
 layers' forward (x 4/3), selective recompute only the attention core's (not counted). ``MFU`` is
 what the kernels achieve while busy (mega measured ~47% for GPT 1.3B on one H100), and the 1F1B
-bubble is ``(pp - 1) / (vpp * m + pp - 1)`` of the step (m micro-batches per step).
+bubble is ``(pp - 1) / (vpp * m + pp - 1)`` of the step (m micro-batches per step). The
+pipeline runs at the pace of its busiest rank: ``imbalance`` is that rank's FLOPs over the mean
+(the output layer and loss make the last stage the busiest of an even split), which uneven
+layouts (``--pipeline-model-parallel-layout``...) even out; ``--search`` tries Megatron's.
 Communication is not modelled: among equal estimates the search prefers less model parallelism.
 """
 
@@ -15,7 +18,16 @@ import dataclasses
 from dataclasses import dataclass
 
 from mega.core.model_family import ModelFamily
-from mega.core.planning.memory_plan import Layout, PlanError, RankMemory, plan_memory
+from mega.core.pipeline.layout import uneven_candidates
+from mega.core.pipeline.schedule_table import V_SCHEDULES
+from mega.core.planning.memory_plan import (
+    Layout,
+    PlanError,
+    RankMemory,
+    layer_split,
+    plan_memory,
+    schedule_of,
+)
 
 RECOMPUTE_COST = {None: 1.0, "selective": 1.0, "full": 4.0 / 3.0}
 # Kept free on every GPU for the CUDA context, NCCL buffers and allocator fragmentation.
@@ -56,7 +68,7 @@ def estimate(family: ModelFamily, config, layout: Layout, *, global_batch_size: 
         raise PlanError(f"--global-batch-size {global_batch_size} is not divisible by micro-batch "
                         f"{layout.micro_batch_size} x dp {layout.dp}")
     microbatches = global_batch_size // per_step
-    if layout.vpp > 1 and microbatches % layout.pp:
+    if layout.vpp > 1 and microbatches % layout.pp and layout.schedule not in V_SCHEDULES:
         raise PlanError(f"the interleaved schedule needs the micro-batches ({microbatches}) to be a multiple of pp")
     # The peak of held activations is reached by the end of the warm-up; two rounds of pp
     # micro-batches show it without walking thousands of them.
@@ -64,12 +76,39 @@ def estimate(family: ModelFamily, config, layout: Layout, *, global_batch_size: 
     ranks = plan_memory(family, config, layout, dtype_bytes=dtype_bytes, optimizer=optimizer,
                         num_microbatches=walked, device_type=device_type, grad_dtype_bytes=grad_dtype_bytes)
     flops = family.num_floating_point_operations(config, global_batch_size)
-    bubble = (layout.pp - 1) / (layout.vpp * microbatches + layout.pp - 1)
+    bubble = pipeline_bubble(layout, microbatches)
     step_time = None
     if peak_tflops:
-        busy = flops * RECOMPUTE_COST[layout.recompute] / (layout.world_size * peak_tflops * 1e12 * mfu)
+        busy = flops * RECOMPUTE_COST[layout.recompute] * stage_imbalance(family, config, layout) / (
+            layout.world_size * peak_tflops * 1e12 * mfu)
         step_time = busy / (1.0 - bubble)
     return Estimate(layout, ranks, flops, bubble, step_time, global_batch_size * config.seq_length)
+
+
+def pipeline_bubble(layout: Layout, microbatches: int) -> float:
+    """1F1B's ``(pp - 1) / (vpp m + pp - 1)``; a zero-bubble schedule's idle share of its slotted
+    table (unit costs F = B = W: its slots are its makespan)."""
+    if layout.schedule == "1f1b":
+        return (layout.pp - 1) / (layout.vpp * microbatches + layout.pp - 1)
+    table = schedule_of(layout.pp, microbatches, layout.vpp, layout.schedule)
+    return 1.0 - 3 * microbatches * layout.vpp / len(table.steps[0])
+
+
+def stage_imbalance(family: ModelFamily, config, layout: Layout) -> float:
+    """The busiest pipeline rank's FLOPs over the mean rank's: the transformer layers it holds,
+    plus the output layer and loss on the last rank (what the model's FLOPs have beside its layers').
+    """
+    if layout.pp == 1:
+        return 1.0
+    total = family.num_floating_point_operations(config, 1)
+    per_layer = total - family.num_floating_point_operations(dataclasses.replace(config, num_layers=config.num_layers - 1), 1)
+    head = total - per_layer * config.num_layers
+    placement = schedule_of(layout.pp, 1 if layout.vpp == 1 or layout.schedule in V_SCHEDULES else layout.pp,
+                            layout.vpp, layout.schedule).placement
+    ranks = layer_split(config.num_layers, layout.pp, layout.vpp, layout.layers_per_stage, placement)
+    work = [sum(len(chunk) for chunk in chunks) * per_layer for chunks in ranks]
+    work[-1] += head
+    return max(work) / (total / layout.pp)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -97,11 +136,14 @@ def search(family: ModelFamily, config, *, world_size: int, global_batch_size: i
                     if world_size % (tp * cp * pp):
                         continue
                     dp = world_size // (tp * cp * pp)
-                    for vpp in [1] + [v for v in (2, 4) if pp > 1 and config.num_layers % (pp * v) == 0]:
+                    vpps = [1] + [v for v in (2, 4) if pp > 1 and config.num_layers % (pp * v) == 0]
+                    splits = [(vpp, counts) for vpp in vpps
+                              for counts in [None, *uneven_candidates(config.num_layers, pp, vpp)]]
+                    for vpp, counts in splits:
                         for micro in micro_batch_sizes:
                             layout = Layout(tp=tp, pp=pp, cp=cp, vpp=vpp, dp=dp, sequence_parallel=tp > 1,
                                             distributed_optimizer=dp * cp > 1, recompute=recompute,
-                                            micro_batch_size=micro)
+                                            micro_batch_size=micro, layers_per_stage=counts)
                             try:
                                 result = estimate(family, model, layout, global_batch_size=global_batch_size,
                                                   dtype_bytes=dtype_bytes, optimizer=optimizer,

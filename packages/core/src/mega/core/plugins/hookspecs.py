@@ -117,6 +117,15 @@ class EventSpecs:
         """After the backward pass of one micro-batch on one model chunk."""
 
     @hookspec
+    def on_weight_grad_start(self, microbatch, chunk):
+        """Before the W step (the deferred weight gradients of a zero-bubble schedule) of one
+        micro-batch on one model chunk; its backward hooks then covered the input gradient (B)."""
+
+    @hookspec
+    def on_weight_grad_end(self, microbatch, chunk):
+        """After the W step of one micro-batch on one model chunk."""
+
+    @hookspec
     def on_p2p_start(self, op, peer, microbatch):
         """Before a pipeline send/receive; ``op`` is e.g. ``"send_forward"``."""
 

@@ -16,7 +16,10 @@ from mega.core.config import ConfigError
 from mega.core.kernels import KernelBackendError, Kernels, check_linear_loss
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.context_parallel import check_sequence_length
-from mega.core.parallel.fsdp_config import DataParallelConfig, check_sharding
+from mega.core.parallel.fsdp_config import FSDP_STRATEGIES, DataParallelConfig, check_sharding
+from mega.core.pipeline.config import PipelineConfig
+from mega.core.pipeline.layout import layers_per_stage, layout_stage_count
+from mega.core.pipeline.schedule_table import V_SCHEDULES
 from mega.core.plugins import PluginError, get_plugins
 from mega.core.training.config import (
     CheckpointConfig,
@@ -33,6 +36,7 @@ from mega.core.training.fp8_recipes import DELAYED, check_fp8_flags
 SECTIONS: dict[str, type] = {
     "training": TrainingConfig,
     "parallel": ParallelConfig,
+    "pipeline": PipelineConfig,
     "data_parallel": DataParallelConfig,
     "precision": PrecisionConfig,
     "optimizer": OptimizerConfig,
@@ -59,6 +63,7 @@ class RunConfig:
     model: Any  # the model family's config (e.g. mega.models.TransformerConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     data_parallel: DataParallelConfig = dataclasses.field(default_factory=DataParallelConfig)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -95,6 +100,7 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
                 f"stage (--num-layers {run.model.num_layers} / --pipeline-model-parallel-size {parallel.pp})"
             )
         parallel = dataclasses.replace(parallel, vpp=layers_per_rank // nlpvs)
+    parallel = _vpp_of_schedule(run, _vpp_of_layout(run.pipeline, parallel))
     try:
         dp = parallel.data_parallel_size(world_size)
     except ValueError as error:
@@ -129,13 +135,57 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
             f"--global-batch-size {global_batch} / (--micro-batch-size {training.micro_batch_size} x dp {dp}) "
             f"= {microbatches}"
         )
-    if (parallel.vpp or 1) > 1 and microbatches % parallel.pp:
+    if (parallel.vpp or 1) > 1 and microbatches % parallel.pp and run.pipeline.pipeline_schedule not in V_SCHEDULES:
         raise ConfigError(
             f"the interleaved schedule needs the micro-batches per step ({microbatches}) to be a multiple "
             f"of --pipeline-model-parallel-size {parallel.pp}"
         )
+    try:
+        layers_per_stage(run.pipeline, getattr(run.model, "num_layers", 0), parallel.pp, parallel.vpp or 1)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     run = dataclasses.replace(run, parallel=parallel)
     return run, Derived(world_size, dp, global_batch, microbatches)
+
+
+def _vpp_of_schedule(run: RunConfig, parallel: ParallelConfig) -> ParallelConfig:
+    """zbv and dualpipev run two model chunks per rank in a V (vpp 2 unless set otherwise). No
+    zero-bubble schedule runs under FSDP: it reduce-scatters at the end of the backward, before W."""
+    schedule = run.pipeline.pipeline_schedule
+    strategy = run.data_parallel.strategy(run.optimizer.use_distributed_optimizer)
+    if schedule != "1f1b" and strategy in FSDP_STRATEGIES:
+        raise ConfigError(f"--pipeline-schedule {schedule} leaves weight gradients to a step after the backward, "
+                          f"but --data-parallel-sharding-strategy {strategy} (FSDP) reduces them at its end: use "
+                          f"--pipeline-schedule 1f1b with FSDP")
+    if schedule not in V_SCHEDULES:
+        return parallel
+    if parallel.pp < 2:
+        raise ConfigError(f"--pipeline-schedule {schedule} needs --pipeline-model-parallel-size of 2 or more")
+    if (parallel.vpp or 2) != 2:
+        raise ConfigError(f"--pipeline-schedule {schedule} runs two model chunks per pipeline rank in a V; got "
+                          f"{parallel.vpp} virtual stages per rank")
+    if not getattr(run.model, "untie_embeddings_and_output_weights", True):
+        raise ConfigError(f"--pipeline-schedule {schedule} puts the embedding and the output layer on the first "
+                          f"rank, as two model chunks: untie them (--untie-embeddings-and-output-weights)")
+    return dataclasses.replace(parallel, vpp=2)
+
+
+def _vpp_of_layout(pipeline: PipelineConfig, parallel: ParallelConfig) -> ParallelConfig:
+    """--pipeline-model-parallel-layout spells out pp*vpp stages: it sets vpp, as in Megatron."""
+    try:
+        stages = layout_stage_count(pipeline)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if stages is None:
+        return parallel
+    if stages % parallel.pp:
+        raise ConfigError(f"--pipeline-model-parallel-layout has {stages} stages, not a multiple of "
+                          f"--pipeline-model-parallel-size {parallel.pp}")
+    vpp = stages // parallel.pp
+    if (parallel.vpp or 1) not in (1, vpp):
+        raise ConfigError(f"--pipeline-model-parallel-layout has {stages} stages = {vpp} per pipeline rank, but "
+                          f"the virtual stages per rank are {parallel.vpp}")
+    return dataclasses.replace(parallel, vpp=vpp if vpp > 1 else None)
 
 
 def model_with_megatron_shorthands(run: RunConfig):

@@ -1,7 +1,7 @@
 """The training loop: build the model for this rank, then step it through the schedule.
 
     groups -> model chunks from the family (tensor-parallel plan applied) -> DDP -> optimizer
-    -> for each iteration: forward_backward (no pipelining / 1F1B / interleaved) -> step -> hooks
+    -> for each iteration: forward_backward (no pipelining / 1F1B / interleaved / ZB-H1) -> step -> hooks
 
 Everything optional (logging, TensorBoard, profiling, the pipeline timeline) is a listener of
 the run's events, not a branch here.
@@ -27,8 +27,11 @@ from mega.core.optim.build import build_optimizer
 from mega.core.parallel import ParallelGroups
 from mega.core.parallel.context_parallel import split_batch
 from mega.core.parallel.random import seed_parallel_rng
+from mega.core.pipeline.actions import rank_and_chunk_of, stage_of
+from mega.core.pipeline.layout import layers_per_stage
 from mega.core.pipeline.schedules import forward_backward
 from mega.core.pipeline.tied import setup_tied_weights
+from mega.core.pipeline.zero_bubble import placement_of
 from mega.core.plugins import Events, Plugins
 from mega.core.training.batches import MicroBatches
 from mega.core.training.compile import compile_stage
@@ -78,9 +81,13 @@ class Trainer:
         self.kernels = Kernels(run.kernels.selection(), plugins)
         self.loss_context = LossContext(run.model, self.groups.tp, self.kernels, self.groups.cp)
         pp, vpp = self.groups.pp.size, run.parallel.vpp or 1
-        self.all_stages = family.pipeline_stages(run.model, pp, vpp)
-        # Virtual stage c * pp + r is model chunk c of pipeline rank r (interleaved order).
-        self.stages = [self.all_stages[chunk * pp + self.groups.pp.rank] for chunk in range(vpp)]
+        uneven = layers_per_stage(run.pipeline, getattr(run.model, "num_layers", 0), pp, vpp)
+        self.all_stages = family.stages(run.model, pp, vpp, uneven)
+        # Virtual stage c * pp + r is model chunk c of pipeline rank r (interleaved order); in a V
+        # (zbv, dualpipev) rank r's second chunk is stage 2 pp - 1 - r, and rank 0 has the loss.
+        placement = placement_of(run.pipeline.pipeline_schedule)
+        self.stages = [self.all_stages[stage_of(self.groups.pp.rank, chunk, pp, placement)] for chunk in range(vpp)]
+        self.loss_rank = rank_and_chunk_of(pp * vpp - 1, pp, placement)[0]
         # Under context parallelism every stage reads its chunks' positions (RoPE in every layer).
         # Rows of several documents: every stage reads their documents and positions too.
         self.reads_batch = [bool(stage.batch_keys) or stage.is_last or self.groups.cp.size > 1
@@ -198,14 +205,15 @@ class Trainer:
             self.chunks, data, self.derived.num_microbatches, loss_fn, self.groups,
             boundary=self._boundary, reads_batch=self.reads_batch,
             grad_sync=None if forward_only else self.chunks, events=self.events, forward_only=forward_only,
+            schedule=self.run.pipeline.pipeline_schedule,
         )
         return self._mean_over_ranks([loss / scale for loss in losses], self._metrics)
 
     def _mean_over_ranks(self, losses: list[torch.Tensor], metrics: list[dict]) -> float:
         """Average the last stage's micro-batch loss and metrics over data-parallel ranks and
-        share them with every pipeline stage."""
+        share them with every pipeline stage (the last stage is on the first rank in a V)."""
         summary = None
-        if self.groups.is_pipeline_last:
+        if self.groups.pp.rank == self.loss_rank:
             names = sorted(metrics[0]) if metrics else []
             values = [torch.stack(losses).float().mean()] + [
                 torch.stack([m[name].float() for m in metrics]).mean() for name in names]
@@ -216,7 +224,7 @@ class Trainer:
             summary = [total[0].item(), dict(zip(names, total[1:].tolist(), strict=True))]
         if self.groups.pp.size > 1:
             shared = [summary]
-            dist.broadcast_object_list(shared, src=self.groups.pp.ranks[-1], group=self.groups.pp.group)
+            dist.broadcast_object_list(shared, src=self.groups.pp.ranks[self.loss_rank], group=self.groups.pp.group)
             summary = shared[0]
         loss, self.last_metrics = summary
         return self.last_metrics.get("lm loss", loss)

@@ -22,19 +22,27 @@ expert's activation is recomputed from the latter.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
+
+from mega.core.parallel.weight_grad_split import defer, deferral_target
 
 
 def grouped_swiglu_mlp(rows: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """``rows`` [N, hidden] in consecutive groups of ``counts[e]`` rows; group ``e`` goes through
     expert ``e``: ``fc1`` [experts, 2 * ffn, hidden] (``[gate; up]``), ``fc2`` [experts, hidden, ffn]."""
-    return _GroupedSwiGLUMLP.apply(rows, fc1, fc2, counts)
+    pending = deferral_target(fc1, fc2)
+    if pending is not None and (fc1.requires_grad or fc2.requires_grad):
+        # The weights enter detached: their gradients reach autograd (and its hooks) at the W step.
+        return _GroupedSwiGLUMLP.apply(rows, fc1.detach(), fc2.detach(), counts, (pending, fc1, fc2))
+    return _GroupedSwiGLUMLP.apply(rows, fc1, fc2, counts, None)
 
 
 class _GroupedSwiGLUMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, fc1, fc2, counts):
+    def forward(ctx, rows, fc1, fc2, counts, deferred):
         ffn = fc2.shape[2]
         projected = rows.new_empty(rows.shape[0], fc1.shape[1])  # fc1's output, kept for backward
         for e, (x, h) in enumerate(zip(rows.split(counts), projected.split(counts), strict=True)):
@@ -44,7 +52,7 @@ class _GroupedSwiGLUMLP(torch.autograd.Function):
         for e, (a, y) in enumerate(zip(activation.split(counts), out.split(counts), strict=True)):
             torch.mm(a, fc2[e].t(), out=y)
         ctx.save_for_backward(rows, fc1, fc2, projected)
-        ctx.counts = counts
+        ctx.counts, ctx.deferred = counts, deferred
         return out
 
     @staticmethod
@@ -56,28 +64,63 @@ class _GroupedSwiGLUMLP(torch.autograd.Function):
         gate, up = projected[:, :ffn], projected[:, ffn:]
         silu_gate = F.silu(gate)
         grad_rows = grad_fc1 = grad_fc2 = None
+        if ctx.deferred is not None:  # B now, the weight gradients at W
+            pending, fc1_param, fc2_param = ctx.deferred
+            grad_projected = _grad_projected(grad_out, fc2, gate, up, silu_gate, counts)
+            defer(pending, partial(_weight_grads, rows, fc1_param, fc2_param, grad_out, grad_projected, gate, up, counts))
+            return (_grad_rows(grad_projected, fc1, rows, counts) if want_rows else None), None, None, None, None
         if want_fc2:
-            grad_fc2 = fc2.new_empty(fc2.shape)  # (an expert with no rows: zeros)
-            activation = silu_gate * up
-            for e, (dy, a) in enumerate(zip(grad_out.split(counts), activation.split(counts), strict=True)):
-                torch.mm(dy.t(), a, out=grad_fc2[e])
-            del activation
+            grad_fc2 = _grad_fc2(grad_out, silu_gate * up, fc2, counts)
         if not (want_rows or want_fc1):
-            return None, None, grad_fc2, None
-        grad_act = rows.new_empty(rows.shape[0], ffn)
-        for e, (dy, da) in enumerate(zip(grad_out.split(counts), grad_act.split(counts), strict=True)):
-            torch.mm(dy, fc2[e], out=da)
-        grad_projected = torch.empty_like(projected)
-        torch.mul(grad_act, silu_gate, out=grad_projected[:, ffn:])  # d up
-        # d gate (silu_backward straight into the strided half is many times slower than this copy)
-        grad_projected[:, :ffn].copy_(torch.ops.aten.silu_backward(grad_act.mul_(up), gate))
-        del grad_act, silu_gate
+            return None, None, grad_fc2, None, None
+        grad_projected = _grad_projected(grad_out, fc2, gate, up, silu_gate, counts)
+        del silu_gate
         if want_fc1:
-            grad_fc1 = fc1.new_empty(fc1.shape)
-            for e, (dh, x) in enumerate(zip(grad_projected.split(counts), rows.split(counts), strict=True)):
-                torch.mm(dh.t(), x, out=grad_fc1[e])
+            grad_fc1 = _grad_fc1(grad_projected, rows, fc1, counts)
         if want_rows:
-            grad_rows = rows.new_empty(rows.shape)
-            for e, (dh, dx) in enumerate(zip(grad_projected.split(counts), grad_rows.split(counts), strict=True)):
-                torch.mm(dh, fc1[e], out=dx)
-        return grad_rows, grad_fc1, grad_fc2, None
+            grad_rows = _grad_rows(grad_projected, fc1, rows, counts)
+        return grad_rows, grad_fc1, grad_fc2, None, None
+
+
+def _grad_projected(grad_out, fc2, gate, up, silu_gate, counts):
+    """The gradient of fc1's output ``[gate; up]``."""
+    ffn = fc2.shape[2]
+    grad_act = grad_out.new_empty(grad_out.shape[0], ffn)
+    for e, (dy, da) in enumerate(zip(grad_out.split(counts), grad_act.split(counts), strict=True)):
+        torch.mm(dy, fc2[e], out=da)
+    grad_projected = grad_out.new_empty(grad_out.shape[0], 2 * ffn)
+    torch.mul(grad_act, silu_gate, out=grad_projected[:, ffn:])  # d up
+    # d gate (silu_backward straight into the strided half is many times slower than this copy)
+    grad_projected[:, :ffn].copy_(torch.ops.aten.silu_backward(grad_act.mul_(up), gate))
+    return grad_projected
+
+
+def _grad_rows(grad_projected, fc1, rows, counts):
+    grad_rows = rows.new_empty(rows.shape)
+    for e, (dh, dx) in enumerate(zip(grad_projected.split(counts), grad_rows.split(counts), strict=True)):
+        torch.mm(dh, fc1[e], out=dx)
+    return grad_rows
+
+
+def _grad_fc1(grad_projected, rows, fc1, counts):
+    grad_fc1 = fc1.new_empty(fc1.shape)  # (an expert with no rows: zeros)
+    for e, (dh, x) in enumerate(zip(grad_projected.split(counts), rows.split(counts), strict=True)):
+        torch.mm(dh.t(), x, out=grad_fc1[e])
+    return grad_fc1
+
+
+def _grad_fc2(grad_out, activation, fc2, counts):
+    grad_fc2 = fc2.new_empty(fc2.shape)  # (an expert with no rows: zeros)
+    for e, (dy, a) in enumerate(zip(grad_out.split(counts), activation.split(counts), strict=True)):
+        torch.mm(dy.t(), a, out=grad_fc2[e])
+    return grad_fc2
+
+
+def _weight_grads(rows, fc1, fc2, grad_out, grad_projected, gate, up, counts):
+    """The W step's products: both weight gradients (a frozen weight gets none)."""
+    pairs = []
+    if fc1.requires_grad:
+        pairs.append((fc1, _grad_fc1(grad_projected, rows, fc1, counts)))
+    if fc2.requires_grad:
+        pairs.append((fc2, _grad_fc2(grad_out, F.silu(gate) * up, fc2, counts)))
+    return pairs

@@ -1,0 +1,112 @@
+"""The backward split in two: B (the input gradient) now, W (the weight gradients) later.
+
+Zero-bubble pipeline schedules run a micro-batch's backward as two steps: B computes the
+gradient the previous stage waits for, W the weight gradients, which nothing waits for and so
+fill the pipeline's bubbles. A linear layer's backward is three products; B does ``grad_input
+= grad_output @ W``, W does ``grad_W += grad_output^T @ input`` (and the bias gradient).
+
+A layer whose forward runs inside ``with deferring_weight_grads(pending):`` computes only the
+input gradient in its backward and appends the weight-gradient product (a closure over the saved
+input and the incoming gradient) to ``pending``; :func:`run_weight_grads` (the W step) runs them.
+The choice is made at forward time and kept on the autograd node, so it holds whatever thread
+autograd runs the backward on; the weights enter the node detached, so autograd accumulates
+nothing into them (and runs none of their hooks) until W. The context is a ``ContextVar`` scoped
+by the ``with``, as ``torch.no_grad`` is: nothing to reset. Layers that defer: mega's linears (the torch ``linear`` component
+and the tensor-parallel linears, all through :func:`~mega.core.parallel.grad_accumulation_fusion.linear`)
+and the grouped MoE experts (each calls :func:`defer` from its backward); other weights (norms,
+embeddings, a kernel backend's own linears) get their gradients in B as before, which changes only
+when. Activation recompute reruns a region with the deferral its forward had
+(:func:`replaying_weight_grad_deferral`).
+
+W hands each summed gradient to autograd as the gradient of the parameter itself, so it lands
+where the backward would have put it (``.grad``) and the parameter's post-accumulate hooks fire:
+the data-parallel wrapper moves it into ``main_grad`` and starts a bucket's reduce when the
+bucket's last gradient (its last W) is in. Under gradient-accumulation fusion the product is
+accumulated straight into ``main_grad`` (``weight.grad_added_to_main_grad``), as the fused
+backward does. The gradients equal the unsplit backward's: the same products of the same
+tensors, only later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
+
+import torch
+
+# A deferred product: called at W, returns (parameter, gradient) pairs; gradient None means it
+# was accumulated into the parameter's main_grad already (gradient-accumulation fusion).
+WeightGrad = Callable[[], list[tuple[torch.Tensor, torch.Tensor | None]]]
+
+_pending: ContextVar[tuple[list[WeightGrad], frozenset[int]] | None] = ContextVar(
+    "mega_deferred_weight_grads", default=None)
+
+
+@contextlib.contextmanager
+def deferring_weight_grads(pending: list[WeightGrad], keep_in_b: Iterable[torch.Tensor] = ()
+                           ) -> Iterator[list[WeightGrad]]:
+    """Layers whose forward runs inside leave their weight gradients to ``pending``, except for
+    the weights ``keep_in_b``: a weight that also gets an ordinary gradient in B (a word
+    embedding tied to the output layer of the same rank) must get all of it there, or the
+    data-parallel wrapper would reduce its bucket before W adds the rest."""
+    token = _pending.set((pending, frozenset(id(weight) for weight in keep_in_b)))
+    try:
+        yield pending
+    finally:
+        _pending.reset(token)
+
+
+def deferral_target(*weights: torch.Tensor) -> list[WeightGrad] | None:
+    """Where a layer run now puts the weight-gradient products of ``weights`` (None: compute
+    them in B)."""
+    context = _pending.get()
+    if context is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    pending, kept = context
+    return None if any(id(weight) in kept for weight in weights) else pending
+
+
+def replaying_weight_grad_deferral() -> contextlib.AbstractContextManager:
+    """Called where a region's forward runs: a context that puts back, while activation recompute
+    reruns the region in backward, whether (and where) its layers deferred their weight gradients,
+    so the recomputed operations save the same tensors as the first run."""
+    captured = _pending.get()
+
+    @contextlib.contextmanager
+    def replaying():
+        token = _pending.set(captured)
+        try:
+            yield
+        finally:
+            _pending.reset(token)
+
+    return replaying()
+
+
+def defer(pending: list[WeightGrad], product: WeightGrad) -> None:
+    """Called by a layer's backward: run ``product`` at the W step."""
+    pending.append(product)
+
+
+def run_weight_grads(pending: list[WeightGrad]) -> None:
+    """The W step: every deferred product, summed per parameter, handed to autograd at once (so
+    each parameter's hooks fire once)."""
+    summed: dict[int, list] = {}
+    with torch.no_grad():  # the products are a backward's: no graph of their own
+        for product in pending:
+            for parameter, grad in product():
+                entry = summed.setdefault(id(parameter), [parameter, None])
+                if grad is not None:
+                    entry[1] = grad if entry[1] is None else entry[1] + grad
+    pending.clear()
+    if not summed:
+        return
+    parameters, grads = [], []
+    for parameter, grad in summed.values():
+        if grad is None:  # fused into main_grad: an uninitialised placeholder fires the hooks
+            parameter.grad_added_to_main_grad = True
+            grad = torch.empty_like(parameter)
+        parameters.append(parameter)
+        grads.append(grad)
+    torch.autograd.backward(parameters, grad_tensors=grads)

@@ -1,0 +1,67 @@
+"""The backward split into B and W gives the unsplit backward's gradients, bit for bit, and the
+data-parallel wrapper reduces a bucket once its last gradient is in, from B or from W.
+
+The model is test_grad_accumulation_fusion's: mega's torch linear, a column- and a row-parallel
+linear (tp 1) and a vocabulary weight tied to a linear layer. (The grouped MoE experts:
+packages/models/tests/test_experts_weight_grad_split.py.)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mega.core.distributed.ddp import DDPConfig, DistributedDataParallel
+from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.parallel.weight_grad_split import deferring_weight_grads, run_weight_grads
+
+sys.path.insert(0, str(Path(__file__).parent))  # the model of the fusion test, beside this file
+from test_grad_accumulation_fusion import Tiny  # noqa: E402
+
+
+def _main_grads(fused: bool, split: bool, device: str):
+    model = Tiny(torch.float32).to(device)
+    ddp = DistributedDataParallel(model, ParallelGroups(ParallelConfig()),
+                                  DDPConfig(bucket_size=1, overlap_grad_reduce=True,  # a bucket per parameter
+                                            gradient_accumulation_fusion=fused))
+    ddp.zero_grad_buffer()
+    launched = {}
+    for step in range(3):  # three micro-batches, the last one reducing
+        ids = torch.randint(0, 24, (4, 5), generator=torch.Generator().manual_seed(step)).to(device)
+        pending = []
+        with ddp.no_sync() if step < 2 else torch.enable_grad():
+            # The vocabulary weight's lookup gives it an ordinary gradient: its linear keeps it in B.
+            with deferring_weight_grads(pending, [model.head.weight]) if split else torch.enable_grad():
+                loss = ddp(ids).float().square().mean()
+            loss.backward()
+            launched["after B"] = _launched(ddp, model)
+            run_weight_grads(pending)
+            launched["after W"] = _launched(ddp, model)
+    ddp.finish_grad_sync()
+    return {name: p.main_grad.clone() for name, p in model.named_parameters()}, launched
+
+
+def _launched(ddp, model) -> set[str]:
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(p)] for buffer in ddp.grad_buffers for bucket in buffer.buckets if bucket.grad_launched
+            for p in bucket.params}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_split_backward_gives_the_unsplit_gradients_and_reduces_buckets_after_their_last_w(device, fused):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here")
+    whole, whole_launched = _main_grads(fused, split=False, device=device)
+    split, split_launched = _main_grads(fused, split=True, device=device)
+    for name, grad in whole.items():
+        assert torch.equal(split[name], grad), name
+    everything = set(whole)
+    assert whole_launched["after B"] == everything
+    # The linears' weights and biases wait for W; the tied vocabulary weight and the row-parallel
+    # bias (added after the layer's sum, by autograd) arrive in B.
+    assert split_launched["after B"] == {"embedding.weight", "row.bias"}
+    assert split_launched["after W"] == everything
