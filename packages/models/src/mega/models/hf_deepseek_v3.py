@@ -26,10 +26,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mega.core.model_family import HFMapping, TensorMap
+from mega.core.model_family import TensorMap
 from mega.models.deepseek_config import DeepSeekV3Config
 from mega.models.hf_llama import _fuse_gate_up, _rope, _split_gate_up
-from mega.models.hf_mapping import read_field, refuse_headless, same
+from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless, same
 from mega.models.hf_qwen3_moe import routed_expert_maps
 from mega.models.moe.config import moe_layer_pattern
 
@@ -191,13 +191,5 @@ def deepseek_v3_tensor_maps(config: DeepSeekV3Config) -> list[TensorMap]:
     return maps
 
 
-DEEPSEEK_V3 = HFMapping(
-    architecture="DeepseekV3ForCausalLM",
-    model_type="deepseek_v3",
-    base_model_prefix="model.",
-    config_from_hf=deepseek_v3_config,
-    config_to_hf=deepseek_v3_hf_config,
-    tensor_maps=deepseek_v3_tensor_maps,
-    copies=lambda config: {} if config.untie_embeddings_and_output_weights else {"lm_head.weight": "model.embed_tokens.weight"},
-    also_reads=("DeepseekV3Model",),  # refused by deepseek_v3_config, naming DeepseekV3ForCausalLM
-)
+DEEPSEEK_V3 = causal_lm_mapping("DeepseekV3ForCausalLM", "deepseek_v3", deepseek_v3_config, deepseek_v3_hf_config,
+                                deepseek_v3_tensor_maps)

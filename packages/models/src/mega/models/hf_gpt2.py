@@ -16,7 +16,7 @@ import torch
 
 from mega.core.model_family import HFMapping, TensorMap
 from mega.models.config import TransformerConfig
-from mega.models.hf_mapping import interleave_qkv, read_field, same, split_qkv
+from mega.models.hf_mapping import interleave_qkv, read_field, same, split_qkv, tied_lm_head
 
 # GPT2Config's defaults for the keys read here (config.json may leave them out).
 DEFAULTS = {
@@ -145,7 +145,7 @@ GPT2 = HFMapping(
     config_from_hf=gpt2_config,
     config_to_hf=gpt2_hf_config,
     tensor_maps=gpt2_tensor_maps,
-    copies=lambda config: {} if config.untie_embeddings_and_output_weights else {"lm_head.weight": "transformer.wte.weight"},
+    copies=tied_lm_head("transformer.wte.weight"),
     buffers=gpt2_buffers,
     # The causal-mask buffers older transformers saved, when not what transformers computes.
     ignored=(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",),

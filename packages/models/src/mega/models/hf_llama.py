@@ -17,9 +17,17 @@ from typing import Any
 
 import torch
 
-from mega.core.model_family import HFMapping, TensorMap
+from mega.core.model_family import TensorMap
 from mega.models.config import TransformerConfig
-from mega.models.hf_mapping import interleave_qkv, linear_kinds, read_field, refuse_headless, same, split_qkv
+from mega.models.hf_mapping import (
+    causal_lm_mapping,
+    interleave_qkv,
+    linear_kinds,
+    read_field,
+    refuse_headless,
+    same,
+    split_qkv,
+)
 
 # LlamaConfig's defaults for the keys read here (config.json may leave them out).
 DEFAULTS = {
@@ -141,15 +149,7 @@ def llama_tensor_maps(config: TransformerConfig) -> list[TensorMap]:
     return maps
 
 
-LLAMA = HFMapping(
-    architecture="LlamaForCausalLM",
-    model_type="llama",
-    base_model_prefix="model.",
-    config_from_hf=llama_config,
-    config_to_hf=llama_hf_config,
-    tensor_maps=llama_tensor_maps,
-    copies=lambda config: {} if config.untie_embeddings_and_output_weights else {"lm_head.weight": "model.embed_tokens.weight"},
+LLAMA = causal_lm_mapping(
+    "LlamaForCausalLM", "llama", llama_config, llama_hf_config, llama_tensor_maps,
     # Rotary frequencies older transformers saved as buffers (derived from the config, not weights).
-    ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
-    also_reads=("LlamaModel",),  # refused by llama_config, naming LlamaForCausalLM
-)
+    ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",))

@@ -36,6 +36,24 @@ def refuse_headless(hf_config: Mapping[str, Any], headless: str, headed: str) ->
                          "its head, or load it into that class)")
 
 
+def tied_lm_head(embedding: str):
+    """``copies`` of a causal LM: with tied embeddings its directory may hold ``lm_head.weight`` as a
+    copy of the embedding ``embedding`` (Hugging Face name)."""
+    return lambda config: {} if config.untie_embeddings_and_output_weights else {"lm_head.weight": embedding}
+
+
+def causal_lm_mapping(architecture: str, model_type: str, config_from_hf, config_to_hf, tensor_maps,
+                      **fields) -> HFMapping:
+    """The mapping of a causal LM in LLaMA's layout (``model.`` prefix, ``model.embed_tokens``, a
+    tied ``lm_head`` saved as its copy): its own architecture, config and tensor maps; the bare
+    base model (``...Model`` for ``...ForCausalLM``) is read too, which ``config_from_hf``
+    refuses by name. ``fields``: any other :class:`HFMapping` field, or these defaults replaced."""
+    fields.setdefault("also_reads", (architecture.replace("ForCausalLM", "Model"),))
+    fields.setdefault("copies", tied_lm_head("model.embed_tokens.weight"))
+    return HFMapping(architecture=architecture, model_type=model_type, base_model_prefix="model.",
+                     config_from_hf=config_from_hf, config_to_hf=config_to_hf, tensor_maps=tensor_maps, **fields)
+
+
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
     """Stacked per-projection rows (weights or biases) -> Megatron's per-group rows."""
     per_group = [t.reshape(num_query_groups, -1, *t.shape[1:]) for t in (q, k, v)]

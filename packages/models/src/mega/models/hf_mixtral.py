@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from mega.core.model_family import HFMapping, TensorMap
+from mega.core.model_family import TensorMap
 from mega.models.hf_llama import llama_config, llama_hf_config, llama_tensor_maps
-from mega.models.hf_mapping import read_field, refuse_headless, same
+from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless, same
 from mega.models.moe.config import MoETransformerConfig
 
 # MixtralConfig's defaults for the keys read here beyond LLaMA's.
@@ -134,13 +134,6 @@ def expert_maps(num_experts: int, mega: str, hf: str, gate: str, up: str, down: 
     ]
 
 
-MIXTRAL = HFMapping(
-    architecture="MixtralForCausalLM",
-    model_type="mixtral",
-    base_model_prefix="model.",
-    config_from_hf=mixtral_config,
-    config_to_hf=mixtral_hf_config,
-    tensor_maps=mixtral_tensor_maps,
-    ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
-    also_reads=("MixtralModel",),  # refused by mixtral_config, naming MixtralForCausalLM
-)
+MIXTRAL = causal_lm_mapping(
+    "MixtralForCausalLM", "mixtral", mixtral_config, mixtral_hf_config, mixtral_tensor_maps, copies=None,
+    ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",))

@@ -18,10 +18,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from mega.core.model_family import HFMapping, TensorMap
+from mega.core.model_family import TensorMap
 from mega.models.config import TransformerConfig
 from mega.models.hf_llama import llama_config, llama_hf_config, llama_tensor_maps
-from mega.models.hf_mapping import read_field, refuse_headless, same
+from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless, same
 
 # Qwen3Config's defaults for the keys read here (config.json may leave them out).
 DEFAULTS = {
@@ -89,13 +89,4 @@ def qwen3_tensor_maps(config: TransformerConfig) -> list[TensorMap]:
     return with_qk_norms(llama_tensor_maps(config), config)
 
 
-QWEN3 = HFMapping(
-    architecture="Qwen3ForCausalLM",
-    model_type="qwen3",
-    base_model_prefix="model.",
-    config_from_hf=qwen3_config,
-    config_to_hf=qwen3_hf_config,
-    tensor_maps=qwen3_tensor_maps,
-    copies=lambda config: {} if config.untie_embeddings_and_output_weights else {"lm_head.weight": "model.embed_tokens.weight"},
-    also_reads=("Qwen3Model",),  # refused by qwen3_config, naming Qwen3ForCausalLM
-)
+QWEN3 = causal_lm_mapping("Qwen3ForCausalLM", "qwen3", qwen3_config, qwen3_hf_config, qwen3_tensor_maps)

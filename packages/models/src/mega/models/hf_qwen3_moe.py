@@ -21,9 +21,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from mega.core.model_family import HFMapping, TensorMap
+from mega.core.model_family import TensorMap
 from mega.models.hf_llama import llama_tensor_maps
-from mega.models.hf_mapping import read_field, refuse_headless
+from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless
 from mega.models.hf_mixtral import expert_maps, plain_routing_differences, with_expert_maps
 from mega.models.hf_qwen3 import check_qwen3_attention, qwen3_config, qwen3_hf_config, with_qk_norms
 from mega.models.moe.config import MoETransformerConfig
@@ -86,13 +86,5 @@ def qwen3_moe_tensor_maps(config: MoETransformerConfig) -> list[TensorMap]:
         config.num_experts, f"decoder.layers.{n}.mlp.", f"model.layers.{n}.mlp."))
 
 
-QWEN3_MOE = HFMapping(
-    architecture="Qwen3MoeForCausalLM",
-    model_type="qwen3_moe",
-    base_model_prefix="model.",
-    config_from_hf=qwen3_moe_config,
-    config_to_hf=qwen3_moe_hf_config,
-    tensor_maps=qwen3_moe_tensor_maps,
-    copies=lambda config: {} if config.untie_embeddings_and_output_weights else {"lm_head.weight": "model.embed_tokens.weight"},
-    also_reads=("Qwen3MoeModel",),  # refused by qwen3_moe_config, naming Qwen3MoeForCausalLM
-)
+QWEN3_MOE = causal_lm_mapping("Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe_config, qwen3_moe_hf_config,
+                              qwen3_moe_tensor_maps)
