@@ -121,3 +121,13 @@ def _explained(lines: list[str], index: int) -> bool:
 @pytest.mark.parametrize("source", SOURCES, ids=lambda path: str(path.relative_to(ROOT)))
 def test_imports_sit_at_the_top_of_modules_unless_a_comment_says_why(source):
     assert unexplained_function_imports(source) == []
+
+
+def test_no_function_of_the_converter_is_over_60_lines():
+    """CPU. The converter's long constructors stay split (a check of what is refused, a layout build)."""
+    long = []
+    for path in sorted((ROOT / "packages/ckpt-convert/src").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert long == []
