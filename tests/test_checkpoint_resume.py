@@ -61,8 +61,9 @@ def two_ranks(save_dir: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("precision,save_mode", [([], []), ([], ["--async-save"]), (["--bf16"], []), (["--fp16"], [])],
-                         ids=["fp32", "fp32-async-save", "bf16", "fp16"])
+# fp32 with --async-save (the synchronous save resumes exactly in the bf16/fp16 cases and at tp2 x pp2).
+@pytest.mark.parametrize("precision,save_mode", [([], ["--async-save"]), (["--bf16"], []), (["--fp16"], [])],
+                         ids=["fp32-async-save", "bf16", "fp16"])
 def test_one_process_resume_is_exact(tmp_path, precision, save_mode):
     """bf16/fp16 also bring back the fp32 main weights; fp16 the dynamic loss scaler's state."""
     argv = COMMON + DROPOUT + precision

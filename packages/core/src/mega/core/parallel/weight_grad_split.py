@@ -60,8 +60,10 @@ def deferring_weight_grads(pending: list[WeightGrad], keep_in_b: Iterable[torch.
 def deferral_target(*weights: torch.Tensor) -> list[WeightGrad] | None:
     """Where a layer run now puts the weight-gradient products of ``weights`` (None: compute
     them in B)."""
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace a ContextVar's get
+        return None
     context = _pending.get()
-    if context is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if context is None or not torch.is_grad_enabled():
         return None
     pending, kept = context
     return None if any(id(weight) in kept for weight in weights) else pending
@@ -71,6 +73,8 @@ def replaying_weight_grad_deferral() -> contextlib.AbstractContextManager:
     """Called where a region's forward runs: a context that puts back, while activation recompute
     reruns the region in backward, whether (and where) its layers deferred their weight gradients,
     so the recomputed operations save the same tensors as the first run."""
+    if torch.compiler.is_compiling():  # a compiled region defers nothing (see deferral_target)
+        return contextlib.nullcontext()
     captured = _pending.get()
 
     @contextlib.contextmanager
