@@ -24,11 +24,18 @@ TOKEN_DESCRIPTION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "
                            "chat_template.jinja")
 
 
+def option_file(value: str) -> Path:
+    """The file a tokenizer option names: a Hugging Face tokenizer's directory stands for its
+    ``tokenizer.json`` (the file that travels, under its own name)."""
+    path = Path(value)
+    return path / "tokenizer.json" if path.is_dir() and (path / "tokenizer.json").is_file() else path
+
+
 def copy_tokenizer_files(spec: TokenizerSpec | None, checkpoint_dir: Path, extra_files: Sequence[Path] = ()) -> None:
     """The files ``spec`` names (and the token descriptions beside them), and ``extra_files``,
     into ``checkpoint_dir/tokenizer/``."""
-    sources = [Path(source) for option in FILE_OPTIONS
-               if spec is not None and (source := getattr(spec.options, option)) and Path(source).is_file()]
+    sources = [option_file(source) for option in FILE_OPTIONS
+               if spec is not None and (source := getattr(spec.options, option)) and option_file(source).is_file()]
     described = [source.parent / name for source in sources for name in TOKEN_DESCRIPTION_FILES
                  if (source.parent / name).is_file()]
     extra_names = {Path(extra).name for extra in extra_files}
@@ -46,7 +53,7 @@ def tokenizer_entry(spec: TokenizerSpec | None) -> dict | None:
     options = dataclasses.asdict(spec.options)
     for option in FILE_OPTIONS:
         if options[option]:
-            options[option] = Path(options[option]).name
+            options[option] = option_file(options[option]).name
     return {"type": spec.type, "options": options}
 
 
