@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import zlib
 
+import peft  # the [test] extra's: the reference these tests compare with, never skipped
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+import transformers
 
 from mega.ckpt_convert.hf_peft import (  # noqa: E402
     fold_peft_adapter,
