@@ -3,12 +3,14 @@ saved to disk are converted to mega (written at tp2 x pp2, and ep2 for experts);
 model and the tp2, pp2 and (experts) ep2 layouts, each on one world of 2 gloo ranks, give
 transformers' logits and loss (fp32, 1e-5 relative); greedy generation equals transformers'
 ``generate`` token for token; mega -> Hugging Face gives back the files' tensors bit for bit.
-Against megatron-core on the same world: a Qwen3-style (QK-norm) torch_dist checkpoint both ways,
-and DeepSeek's shared experts (megatron-core's ``SharedExpertMLP`` at tp2) given the same weights."""
+Against megatron-core on the same world: a Qwen3-style (QK-norm) and a DeepSeek-style (MLA, first
+layer dense, shared experts, expert bias, MTP) torch_dist checkpoint both ways, and DeepSeek's
+shared experts (megatron-core's ``SharedExpertMLP`` at tp2) given the same weights."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -158,6 +160,55 @@ with equal tensors."""
     convert(tmp_path / "mega", exported, to_format="megatron",
             options=WriteOptions(tensor_parallel_size=2, megatron_format="torch_dist", iteration=7))
     loaded = worlds.run(2, ref.load_torch_dist, "qwen3", 1, str(exported / "iter_0000007"))[0]
+    assert loaded.keys() == truth.keys()
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, truth[name]), name
+
+
+def stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """megatron-core's state dict with each layer's experts stacked as mega holds them
+    (``mlp.experts.local_experts.E.linear_fc1.weight`` -> ``mlp.experts.linear_fc1.weight`` [experts, ...])."""
+    stacked, experts = {}, {}
+    for name, tensor in state.items():
+        match = re.fullmatch(r"(.+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)", name)
+        if match:
+            experts.setdefault(match.group(1) + match.group(3), {})[int(match.group(2))] = tensor
+        else:
+            stacked[name] = tensor
+    for name, by_expert in experts.items():
+        stacked[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return stacked
+
+
+def test_megatron_core_deepseek_imports_and_exports(worlds, tmp_path):
+    """A genuine megatron-core DeepSeek-style GPTModel (MLA, a dense then an MoE layer with a shared
+    expert and expert bias, one MTP module) saved at tp2 by ``dist_checkpointing.save`` (one key
+    per layer: its layers are not alike) imports as the deepseek-v3 family with megatron-core's
+    tensors (its own tp1 view), and mega's torch_dist export at tp2 loads back into megatron-core
+    (``dist_checkpointing.load``, strict) with equal tensors."""
+    ref = pytest.importorskip("megatron_deepseek_reference")
+    from mega.ckpt_convert import open_checkpoint
+    from mega.core.checkpoint import read_tensors, tensor_shapes
+
+    saved = tmp_path / "mcore" / "iter_0000007"
+    worlds.run(2, ref.save_deepseek, 2, str(saved))
+    truth = stacked_experts(worlds.run(2, ref.load_deepseek, 1, str(saved))[0])
+    convert(tmp_path / "mcore", tmp_path / "mega", from_format="megatron", to_format="mega")
+    with open_checkpoint(str(tmp_path / "mega")) as source:
+        config = source.config
+        assert source.family == "deepseek-v3" and config.mtp_num_layers == 1
+        assert [config.is_moe_layer(n) for n in range(2)] == [False, True]
+    names = list(tensor_shapes(tmp_path / "mega"))
+    assert sorted(names) == sorted(truth)
+    assert {"decoder.layers.1.mlp.router.expert_bias", "decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
+            "decoder.layers.0.self_attention.kv_layernorm.weight", "mtp.layers.0.eh_proj.weight",
+            "mtp.layers.0.transformer_layer.mlp.experts.linear_fc2.weight"} <= set(names)
+    for name, tensor in read_tensors(tmp_path / "mega", names).items():
+        assert torch.equal(tensor, truth[name]), name
+    exported = tmp_path / "export"
+    convert(tmp_path / "mega", exported, to_format="megatron",
+            options=WriteOptions(tensor_parallel_size=2, megatron_format="torch_dist", iteration=7))
+    loaded = stacked_experts(worlds.run(2, ref.load_deepseek, 1, str(exported / "iter_0000007"))[0])
     assert loaded.keys() == truth.keys()
     for name, tensor in loaded.items():
         assert torch.equal(tensor, truth[name]), name

@@ -14,6 +14,7 @@ from typing import Any
 
 from mega.ckpt_convert.errors import ConversionError
 from mega.ckpt_convert.megatron.bert_args import bert_args
+from mega.ckpt_convert.megatron.deepseek_args import deepseek_args, deepseek_settings, is_deepseek_args
 from mega.ckpt_convert.megatron.t5_args import is_t5_args, t5_args, t5_settings
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
 
@@ -50,8 +51,11 @@ def model_settings(args: argparse.Namespace, where: str, model_family: str | Non
     when ``model_family`` or the args say T5, else a TransformerConfig's."""
     if model_family == "t5" or (model_family is None and is_t5_args(args)):
         return t5_settings(args, where)
+    deepseek = is_deepseek_args(args)
     for name, off in UNSUPPORTED.items():
         value = _arg(args, name, off)
+        if deepseek and name in ("multi_latent_attention", "mtp_num_layers"):
+            continue
         if value not in (off, None, False, 0):
             raise ConversionError(f"{where}: args.{name} is {value!r}; mega's GPT/LLaMA models have no such "
                                   "feature, so this checkpoint cannot be converted")
@@ -61,7 +65,11 @@ def model_settings(args: argparse.Namespace, where: str, model_family: str | Non
     if missing:
         raise ConversionError(f"{where}: args lack {', '.join(missing)}; the model cannot be known")
     settings = {name: getattr(args, name) for name in SAME if _arg(args, name) is not None}
-    if _arg(args, "num_experts"):  # every layer's MLP a mixture of experts: the mixtral family's model
+    if deepseek:  # its own MoE layers: first dense ones, shared experts
+        settings.update({name: getattr(args, name) for name in MOE_SAME if _arg(args, name) is not None})
+        settings.update(deepseek_settings(args, where))
+        settings.pop("qk_layernorm", None)  # the latents' norms, always there in mega's multi-latent attention
+    elif _arg(args, "num_experts"):  # every layer's MLP a mixture of experts: the mixtral family's model
         settings.update({name: getattr(args, name) for name in MOE_SAME if _arg(args, name) is not None})
         if (_arg(args, "moe_layer_freq") or 1) != 1:
             raise ConversionError(f"{where}: args.moe_layer_freq is {args.moe_layer_freq}; mega's MoE models have "
@@ -91,12 +99,14 @@ def model_settings(args: argparse.Namespace, where: str, model_family: str | Non
 
 
 def family_of(settings: dict[str, Any]) -> str:
-    """Experts make Mixtral (Qwen3-MoE with QK-norm); LLaMA is the RMSNorm + SwiGLU + RoPE decoder
+    """Multi-latent attention makes DeepSeek-V3; experts make Mixtral (Qwen3-MoE with QK-norm); LLaMA is the RMSNorm + SwiGLU + RoPE decoder
     (Qwen3 with QK-norm); everything else is GPT (the two share one model); a decoder stack besides
     the encoder's is T5."""
     if "decoder_num_layers" in settings:
         return "t5"
     qk_norm = settings.get("qk_layernorm")
+    if settings.get("multi_latent_attention"):
+        return "deepseek-v3"
     if settings.get("num_experts"):
         return "qwen3-moe" if qk_norm else "mixtral"
     llama = (settings.get("normalization") == "RMSNorm" and settings.get("swiglu")
@@ -151,6 +161,8 @@ def args_for(config, tensor_parallel_size: int, pipeline_parallel_size: int, pad
         args.norm_epsilon = config.layernorm_epsilon
         if hasattr(config, "bert_pre_layernorm"):  # pretrain_bert.py's
             bert_args(config, args)
+        if getattr(config, "multi_latent_attention", False):
+            deepseek_args(config, args)
     args.vocab_size = config.vocab_size
     args.padded_vocab_size = padded_vocab_size
     args.rotary_percent = 1.0

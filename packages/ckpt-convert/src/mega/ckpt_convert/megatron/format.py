@@ -9,7 +9,7 @@ from pathlib import Path
 from mega.ckpt_convert.errors import ConversionError
 from mega.ckpt_convert.formats import WriteOptions
 from mega.ckpt_convert.megatron.directory import LEGACY, TORCH_DIST, checkpoint, find
-from mega.ckpt_convert.megatron.layout import model_layouts, refuse_split_stacks, stage_layers
+from mega.ckpt_convert.megatron.layout import model_layouts, refuse_legacy, refuse_split_stacks, stage_layers
 from mega.ckpt_convert.megatron.names import names_for
 from mega.ckpt_convert.megatron.param_order import ORDERS
 from mega.ckpt_convert.megatron.read_legacy import LegacySource
@@ -70,6 +70,7 @@ def _check_source(source: ModelSource, family, options: WriteOptions) -> None:
         raise ConversionError(f"--megatron-format {kind!r}: choose {' or '.join(MEGATRON_FORMATS)}")
     config = source.config
     if kind == LEGACY:
+        refuse_legacy(names_for(family.name), family.name, "--megatron-format torch")
         refuse_split_stacks(names_for(family.name), pp, f"--pipeline-model-parallel-size {pp}")
     stage_layers(config.num_layers, pp)  # the layers split evenly over the stages
     layouts = model_layouts(family, config, tp)

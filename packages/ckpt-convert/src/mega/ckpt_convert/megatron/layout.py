@@ -80,6 +80,21 @@ def model_layouts(family, config, tp: int) -> dict[str, TensorLayout]:
     return layouts
 
 
+def layers_alike(config) -> bool:
+    """Whether megatron-core saves ``config``'s decoder layers stacked under one key per tensor
+    (``TransformerBlock.sharded_state_dict``): not when ``--moe-layer-freq`` is a list (first dense
+    layers, then MoE ones) or an interval over 1; it then keeps one key per layer."""
+    freq = str(getattr(config, "moe_layer_freq", 1)).replace(" ", "").strip("()")
+    return freq.isdigit() and int(freq) == 1
+
+
+def refuse_legacy(names: MegatronNames, family: str, where: str) -> None:
+    """A family whose legacy (``--ckpt-format torch``) files mega neither reads nor writes."""
+    if not names.legacy_files:
+        raise ConversionError(f"{where}: mega reads and writes {family} checkpoints of Megatron-LM as torch_dist "
+                              "(--ckpt-format torch_dist), not its legacy files (--ckpt-format torch)")
+
+
 def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[range]:
     """The global layers of each pipeline stage, as Megatron-LM splits them: evenly, or with
     ``--decoder-first/last-pipeline-num-layers`` set, those on the ends and the rest evenly."""

@@ -21,7 +21,13 @@ from mega.ckpt_convert.megatron.directory import (
     last_rank_file,
     rank_files,
 )
-from mega.ckpt_convert.megatron.layout import chunk_layers, expert_layout, global_shape, refuse_split_stacks
+from mega.ckpt_convert.megatron.layout import (
+    chunk_layers,
+    expert_layout,
+    global_shape,
+    refuse_legacy,
+    refuse_split_stacks,
+)
 from mega.ckpt_convert.megatron.legacy_optimizer import read_rank_optimizer
 from mega.ckpt_convert.megatron.names import expert_of_file_key, mega_name, names_for, stacked_expert
 from mega.ckpt_convert.megatron.pickles import load_megatron_pickle
@@ -97,6 +103,7 @@ class LegacySource(MegatronSource):
     def _refuse(self, where: str) -> None:
         """Layouts of legacy files that mega does not read, refused by name."""
         tp = self.tensor_parallel_size
+        refuse_legacy(names_for(self.family), self.family, where)
         refuse_split_stacks(names_for(self.family), self.pipeline_parallel_size, where)
         etp = getattr(self.args, "expert_tensor_parallel_size", None)
         if getattr(self.config, "num_experts", None) and etp not in (None, tp):

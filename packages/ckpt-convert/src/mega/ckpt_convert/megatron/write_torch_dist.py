@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -28,8 +29,14 @@ from mega.ckpt_convert.megatron.directory import (
     TRACKER_FILE,
     iteration_dir_name,
 )
-from mega.ckpt_convert.megatron.layout import TensorLayout, fit_rows, model_layouts
-from mega.ckpt_convert.megatron.names import LAYER_PREFIX, names_for, split_stack_layer, stack_sizes
+from mega.ckpt_convert.megatron.layout import (
+    TensorLayout,
+    fit_rows,
+    is_stacked_experts,
+    layers_alike,
+    model_layouts,
+)
+from mega.ckpt_convert.megatron.names import names_for, split_stack_layer, stack_sizes, torch_dist_name
 from mega.ckpt_convert.megatron.torch_dist_optimizer import (
     DISTRIBUTED_MAIN_PARAM_KEY,
     STATE_PREFIX,
@@ -46,12 +53,8 @@ DIST_CONFIG_CONTENT = {"sharded_backend": TORCH_DIST, "sharded_backend_version":
 # What a Megatron-Core module without FP8 state saves as its ``_extra_state`` object: the list of
 # the objects' data under one key (one object, None), which DCP's writer torch.saves as bytes.
 EMPTY_EXTRA_STATE = [None]
-
-
-def _file_key(names, rest: str) -> str:
-    """The Megatron-Core (Transformer Engine) name of a layer-local mega name."""
-    reverse = {mega: te for te, mega in names.layer_aliases.items()}
-    return reverse.get(rest, rest)
+# An MTP module's layer-local names: its own modules (eh_proj...) and its transformer layer's.
+_MTP_MODULE = re.compile(r"(mtp\.layers\.\d+\.(?:transformer_layer\.)?)(.+)")
 
 
 def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteration: int | None,
@@ -64,10 +67,12 @@ def write_torch_dist(source, family, directory: Path, tp: int, pp: int, iteratio
     config = source.config
     layouts: dict[str, TensorLayout] = model_layouts(family, config, tp)
     names = names_for(family.name)
-    stacks = stack_sizes(names, layouts)
+    # megatron-core stacks a block's layers under one key only when they are alike; otherwise (and
+    # always for MTP modules) each layer has its keys
+    stacks = stack_sizes(names, layouts) if layers_alike(config) else {}
     entries = _model_entries(source, layouts, names, stacks)
     entries.update(_optimizer_entries(source, layouts, names, stacks, optimizer, distributed))
-    entries.update(_extra_state_entries(config, layouts, names, stacks))
+    entries.update(_extra_state_entries(layouts, names, stacks))
     checkpoint_dir = directory / iteration_dir_name(iteration)
     checkpoint_dir.mkdir(parents=True)
     args = args_for(config, tp, pp, config.padded_vocab_size(tp), iteration or 0, TORCH_DIST, source.tokenizer)
@@ -116,23 +121,43 @@ def _optimizer_entries(source, layouts: dict[str, TensorLayout], names, stacks: 
     return entries
 
 
-def _extra_state_entries(config, layouts: dict[str, TensorLayout], names, stacks: dict[str, int]) -> dict:
-    """The empty ``_extra_state`` objects Megatron-Core's local spec loads strictly."""
+def _place(name: str, stacks: dict[str, int]) -> tuple[str | None, str, tuple[int, ...], tuple[int, ...]]:
+    """Where megatron-core keeps the mega tensor ``name``: (the prefix of its key, its layer-local
+    name, its layer's index and the layers' count in the shards of a stacked key); the prefix is
+    None outside layers. A stacked layer's prefix is its stack's; another's (one key per layer, an
+    MTP module's) its own."""
+    layer = split_stack_layer(name)
+    if layer is not None:
+        stack, number, rest = layer
+        return (stack, rest, (number,), (stacks[stack],)) if stack in stacks else (f"{stack}{number}.", rest, (), ())
+    mtp = _MTP_MODULE.fullmatch(name)
+    return (mtp.group(1), mtp.group(2), (), ()) if mtp else (None, name, (), ())
+
+
+def _shard_key(module: str, index: tuple[int, ...], count: tuple[int, ...]) -> str:
+    """The key of one ``_extra_state`` object of ``module`` (``index`` of ``count`` along stacked dims)."""
+    index, count = index or (0,), count or (1,)
+    return f"{module}._extra_state/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, count))}"
+
+
+def _extra_state_entries(layouts: dict[str, TensorLayout], names, stacks: dict[str, int]) -> dict:
+    """The empty ``_extra_state`` objects Megatron-Core's local spec loads strictly: one per linear
+    layer's module (per layer of a stack, per expert of a mixture of experts)."""
     entries = {}
-    for stack, size in stacks.items():
-        for module in names.extra_state_layer_modules:
-            if f"{stack}0.{module}.weight" in layouts:
-                for n in range(size):
-                    entries[f"{stack}{module}._extra_state/shard_{n}_{size}"] = EMPTY_EXTRA_STATE
-    for module in names.extra_state_modules:
-        entries[f"{module}._extra_state/shard_0_1"] = EMPTY_EXTRA_STATE
-    num_layers = config.num_layers
-    experts = getattr(config, "num_experts", 0) if names.expert_patterns else 0
-    for part in names.expert_extra_state_parts:  # an object per layer and expert
-        for n in range(num_layers):
-            for e in range(experts):
-                entries[f"{LAYER_PREFIX}mlp.experts.experts.{part}._extra_state/shard_{n}.{e}_{num_layers}.{experts}"] \
-                    = EMPTY_EXTRA_STATE
+    for name, layout in layouts.items():
+        prefix, local, index, count = _place(name, stacks)
+        module, _, kind = local.rpartition(".")
+        if kind != "weight":
+            continue
+        if prefix is None and module in names.extra_state_modules:
+            entries[_shard_key(module, index, count)] = EMPTY_EXTRA_STATE
+        elif prefix is not None and module in names.extra_state_layer_modules:
+            entries[_shard_key(prefix + module, index, count)] = EMPTY_EXTRA_STATE
+        elif prefix is not None and is_stacked_experts(name) and names.expert_extra_state_parts:
+            part, experts = module.rpartition(".")[2], layout.shape[0]
+            for expert in range(experts):
+                entries[_shard_key(f"{prefix}mlp.experts.experts.{part}", (*index, expert), (*count, experts))] = \
+                    EMPTY_EXTRA_STATE
     return entries
 
 
@@ -144,15 +169,15 @@ def _tensor_entries(get, dtype, layouts: dict[str, TensorLayout], names, stacks:
     for name, layout in layouts.items():
         layer = split_stack_layer(name)
         if layer is None or layer[0] not in stacks:
-            entries[prefix + name] = ShardedEntry(layout.shape, dtype(name), [
+            entries[prefix + torch_dist_name(names, name)] = ShardedEntry(layout.shape, dtype(name), [
                 (_lazy(get, dtype, name, layout), (0,) * len(layout.shape))])
-        else:
-            stacked.setdefault(layer[0] + _file_key(names, layer[2]), []).append(name)
+        else:  # the file's name without the layer number
+            stacked.setdefault(layer[0] + torch_dist_name(names, name).split(".", 3)[3], []).append(name)
     for key, layer_names in stacked.items():
         num_layers = stacks[split_stack_layer(layer_names[0])[0]]
         if len(layer_names) != num_layers:
-            raise ConversionError(f"{key}: {len(layer_names)} of {num_layers} layers have it; mega writes only "
-                                  "models whose layers are alike")
+            raise ConversionError(f"{key}: {len(layer_names)} of {num_layers} layers have it, but the model's config "
+                                  "makes its layers alike (megatron-core stacks them under one key)")
         layout = layouts[layer_names[0]]
         pieces = [(_lazy(get, dtype, name, layout, unsqueeze=True), (n,) + (0,) * len(layout.shape))
                   for n, name in enumerate(layer_names)]

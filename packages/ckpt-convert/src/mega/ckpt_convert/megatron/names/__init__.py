@@ -13,7 +13,8 @@ from mega.ckpt_convert.megatron.names.table import (
     split_stack_layer,
     stack_sizes,
     stacked_expert,
+    torch_dist_name,
 )
 
 __all__ = ["LAYER_PREFIX", "MegatronNames", "expert_of", "expert_of_file_key", "mega_name", "names_for",
-           "split_layer", "split_stack_layer", "stack_sizes", "stacked_expert"]
+           "split_layer", "split_stack_layer", "stack_sizes", "stacked_expert", "torch_dist_name"]

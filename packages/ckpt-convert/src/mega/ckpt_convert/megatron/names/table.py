@@ -38,6 +38,9 @@ from mega.ckpt_convert.errors import ConversionError
 LAYER_PREFIX = "decoder.layers."
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _STACK_LAYER = re.compile(r"((?:en|de)coder\.layers\.)(\d+)\.(.+)")
+# A multi-token-prediction module's transformer layer (megatron-core's MultiTokenPredictionBlock):
+# named alike in its files and in mega, one key per module (never stacked), on the last stage.
+_MTP_LAYER = re.compile(r"(mtp\.layers\.\d+\.transformer_layer\.)(.+)")
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,12 @@ class MegatronNames:
     # Second names a model registers for one of its tensors: file key -> mega name. Reading skips
     # them; writing repeats the tensor under them, since Megatron's strict loading expects both.
     duplicate_keys: dict[str, str] = field(default_factory=dict)
+    # Layer-local names torch_dist files of megatron-core's local spec give mega's (mega name ->
+    # file name) where they are not the reverse of ``layer_aliases`` (None: they are). Its
+    # multi-latent attention layer maps no norm to a Transformer Engine name, as other layers do.
+    written_layer_names: dict[str, str] | None = None
+    # Whether mega reads and writes this family's legacy (``--ckpt-format torch``) files too.
+    legacy_files: bool = True
 
 
 _TABLES: dict[str, MegatronNames] = {}  # model family -> its table, filled as the table modules load
@@ -107,10 +116,26 @@ def mega_name(names: MegatronNames, file_name: str, layer_offset: int = 0) -> st
         file_name = f"{LAYER_PREFIX}{number}.{rest}"
     layer = split_stack_layer(file_name)
     if layer is None:
-        return file_name
+        mtp = _MTP_LAYER.fullmatch(file_name)
+        return mtp.group(1) + names.layer_aliases.get(mtp.group(2), mtp.group(2)) if mtp else file_name
     stack, number, rest = layer
     offset = layer_offset if len(names.stacks) == 1 else 0  # pipelines renumber a lone stack's layers
     return f"{stack}{number + offset}.{names.layer_aliases.get(rest, rest)}"
+
+
+def torch_dist_name(names: MegatronNames, name: str) -> str:
+    """The name megatron-core's torch_dist files give the mega tensor ``name`` (its layer-local
+    part renamed, of a decoder layer or an MTP module's layer; the layer number kept)."""
+    layer = split_stack_layer(name)
+    head, rest = (layer[0] + f"{layer[1]}.", layer[2]) if layer else (None, None)
+    if layer is None and (mtp := _MTP_LAYER.fullmatch(name)):
+        head, rest = mtp.groups()
+    if head is None:
+        return name
+    written = names.written_layer_names
+    if written is None:
+        written = {mega: te for te, mega in names.layer_aliases.items()}
+    return head + written.get(rest, rest)
 
 
 def split_stack_layer(name: str) -> tuple[str, int, str] | None:
