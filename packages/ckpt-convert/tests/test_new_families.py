@@ -23,6 +23,7 @@ from ckpt_test_models import VOCAB, input_ids, save_hf_model  # noqa: E402
 transformers = pytest.importorskip("transformers")
 
 from mega.ckpt_convert import WriteOptions, convert  # noqa: E402
+from mega.ckpt_convert.errors import ConversionError  # noqa: E402
 
 TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
             initializer_range=0.1)
@@ -212,6 +213,9 @@ def test_megatron_core_deepseek_imports_and_exports(worlds, tmp_path):
     assert loaded.keys() == truth.keys()
     for name, tensor in loaded.items():
         assert torch.equal(tensor, truth[name]), name
+    with pytest.raises(ConversionError, match="torch_dist"):  # legacy files of it are refused, nothing written
+        convert(tmp_path / "mega", tmp_path / "legacy", to_format="megatron", options=WriteOptions(megatron_format="legacy"))
+    assert not (tmp_path / "legacy").exists()
 
 
 def shared_experts_outputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

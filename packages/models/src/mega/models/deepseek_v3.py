@@ -33,6 +33,7 @@ from mega.models.deepseek_model import build_deepseek_model, deepseek_loss, deep
 from mega.models.hf_deepseek_v3 import DEEPSEEK_V3
 from mega.models.initialization import init_parameter
 from mega.models.mla import MultiLatentAttention
+from mega.models.moe_memory import moe_stage_footprint
 from mega.models.moe_model import apply_expert_parallel, moe_boundary
 from mega.models.parallel_plan import tensor_parallel_plan
 from mega.models.parallelize import modules_of, parallelize
@@ -187,6 +188,7 @@ FAMILY = ModelFamily(
     parallelize=parallelize_deepseek,
     boundary=moe_boundary,
     features=frozenset({"moe", "context_parallel"}),
+    memory_model=moe_stage_footprint,
     description="DeepSeek-V3: multi-latent attention, shared + routed experts with sigmoid group routing, "
                 "aux-loss-free balancing, multi-token prediction",
     hf_mapping=DEEPSEEK_V3,

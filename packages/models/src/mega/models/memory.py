@@ -3,7 +3,8 @@
 Counted tensor by tensor from what this package's layers keep for the backward pass (so a change
 to a layer belongs here too; tests compare these figures with what a real forward saves):
 
-    norm         its input, and per-token statistics (RMSNorm on the CPU also keeps x * rstd)
+    norm         its input, and per-token statistics (RMSNorm on the CPU also keeps x * rstd);
+                 QK-norm the same per query and key head
     linear       its input (under sequence parallelism the all-gathered one: full sequence)
     attention    q, k, v, the output (which the projection keeps too) and fp32 log-sum-exp per
                  head and token; a fused kernel, so no [s, s] matrix
@@ -27,16 +28,22 @@ from mega.models.recompute import layer_runs
 FP32, INT64 = 4, 8
 
 
+def norm_elements(config: TransformerConfig) -> int:
+    """One norm's parameters (LayerNorm's bias besides its weight)."""
+    return config.hidden_size * (2 if config.normalization == "LayerNorm" else 1)
+
+
 def stage_parameters(config: TransformerConfig, layers: int, *, pre_process: bool, post_process: bool,
                      tensor_parallel_size: int = 1) -> int:
     """Parameter elements one tensor-parallel rank holds for a stage of ``layers`` layers."""
     tp, h = tensor_parallel_size, config.hidden_size
     q, kv, ffn = config.query_projection_size, config.kv_projection_size, config.ffn_hidden_size
     fc1 = ffn * (2 if config.swiglu else 1)
-    norm = h * (2 if config.normalization == "LayerNorm" else 1)
+    norm = norm_elements(config)
     bias = config.add_bias_linear
     # Column-parallel weights and biases split; row-parallel biases and norms are whole.
     layer = 2 * norm + (h * (q + 2 * kv) + q * h + h * fc1 + ffn * h) // tp
+    layer += 2 * config.kv_channels if config.qk_layernorm else 0  # QK-norm's weights, whole on every rank
     layer += (q + 2 * kv) // tp if (bias or config.add_qkv_bias) else 0
     layer += (fc1 // tp + 2 * h) if bias else 0
     vocab_shard = config.padded_vocab_size(tp) * h // tp
@@ -58,10 +65,24 @@ def _dropout_mask_bytes(tensor_bytes: int, dtype_bytes: int, device_type: str) -
     return tensor_bytes if device_type != "cuda" else tensor_bytes // dtype_bytes
 
 
-def _layer_activation_bytes(config: TransformerConfig, tokens: int, parallel: ParallelConfig,
-                            dtype_bytes: int, device_type: str) -> tuple[int, int, int]:
+def _head_norm_bytes(config: TransformerConfig, tokens: int, tp: int, widths: int, dtype_bytes: int,
+                     device_type: str) -> int:
+    """QK-norm (``--qk-layernorm``): a norm per query and key head, over views of the fused QKV
+    output (``widths`` channels per token); per-row fp32 statistics besides. torch's CPU rms_norm
+    keeps an fp32 copy and x * rstd, and an fp32 model's strided view a contiguous copy too."""
+    if not config.qk_layernorm:
+        return 0
+    statistics = tokens * (config.num_attention_heads + config.num_query_groups) // tp * FP32
+    if device_type != "cuda" and config.normalization == "RMSNorm":
+        return tokens * widths * FP32 * (3 if dtype_bytes == FP32 else 2) + statistics
+    return tokens * widths * dtype_bytes + statistics
+
+
+def layer_activation_bytes(config: TransformerConfig, tokens: int, parallel: ParallelConfig,
+                           dtype_bytes: int, device_type: str) -> tuple[int, int, int, dict[str, int]]:
     """For ``tokens`` = s/cp * b: (bytes one layer keeps besides what its first norm keeps of its
-    input, what that norm keeps of it, the input's own size)."""
+    input, what that norm keeps of it, the input's own size, and of the first: the ``attention``'s
+    and the ``mlp``'s own parts, their inputs aside, for families whose layers differ there)."""
     tp = parallel.tp
     split = tp if parallel.sequence_parallel else 1
     q, kv = config.query_projection_size // tp, config.kv_projection_size // tp
@@ -87,13 +108,14 @@ def _layer_activation_bytes(config: TransformerConfig, tokens: int, parallel: Pa
     if config.recompute_granularity != "selective":
         attention += tokens * config.num_attention_heads // tp * FP32  # the kernel's log-sum-exp
 
+    attention += _head_norm_bytes(config, tokens, tp, q + kv, dtype_bytes, device_type)
     ffn = config.ffn_hidden_size // tp
     mlp = tokens * (ffn * (2 if config.swiglu else 1) + ffn) * dtype_bytes
     linear_inputs = 2 * tokens * config.hidden_size * dtype_bytes  # qkv and fc1, full sequence
     dropout = 2 * _dropout_mask_bytes(outside, dtype_bytes, device_type) if config.hidden_dropout > 0 else 0
     second_norm = norm_input + statistics  # the pre-MLP norm and the residual sum it normalises
     layer = statistics + linear_inputs + attention + rope_tables + mlp + dropout + second_norm
-    return layer, norm_input, outside
+    return layer, norm_input, outside, {"attention": attention + rope_tables, "mlp": mlp}
 
 
 def stage_footprint(config: TransformerConfig, *, layers: int, pre_process: bool, post_process: bool,
@@ -102,7 +124,7 @@ def stage_footprint(config: TransformerConfig, *, layers: int, pre_process: bool
     """One rank of a stage holding ``layers`` layers, for one micro-batch (``ModelFamily.memory_model``)."""
     tp = parallel.tp
     tokens = config.seq_length // parallel.cp * micro_batch_size
-    layer, norm_input, hidden = _layer_activation_bytes(config, tokens, parallel, dtype_bytes, device_type)
+    layer, norm_input, hidden, _ = layer_activation_bytes(config, tokens, parallel, dtype_bytes, device_type)
     kept, recompute = 0, 0
     for start, end, recomputed in layer_runs(config, layers):
         count = end - start

@@ -13,6 +13,7 @@ from mega.core.model_family import ModelFamily
 from mega.models.hf_mixtral import MIXTRAL
 from mega.models.initialization import init_parameter
 from mega.models.moe.config import MoETransformerConfig
+from mega.models.moe_memory import moe_stage_footprint
 from mega.models.moe_model import (
     build_moe_model,
     moe_boundary,
@@ -58,6 +59,7 @@ FAMILY = ModelFamily(
     parallelize=parallelize_moe_model,
     boundary=moe_boundary,
     features=frozenset({"moe"}),
+    memory_model=moe_stage_footprint,
     description="Mixtral: LLaMA attention with a top-k mixture of SwiGLU experts in every layer",
     hf_mapping=MIXTRAL,
 )

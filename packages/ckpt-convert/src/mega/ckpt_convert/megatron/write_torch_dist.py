@@ -143,17 +143,15 @@ def _shard_key(module: str, index: tuple[int, ...], count: tuple[int, ...]) -> s
 def _extra_state_entries(layouts: dict[str, TensorLayout], names, stacks: dict[str, int]) -> dict:
     """The empty ``_extra_state`` objects Megatron-Core's local spec loads strictly: one per linear
     layer's module (per layer of a stack, per expert of a mixture of experts)."""
-    entries = {}
+    entries = {_shard_key(module, (), ()): EMPTY_EXTRA_STATE for module in names.extra_state_modules}
     for name, layout in layouts.items():
         prefix, local, index, count = _place(name, stacks)
         module, _, kind = local.rpartition(".")
-        if kind != "weight":
+        if kind != "weight" or prefix is None:
             continue
-        if prefix is None and module in names.extra_state_modules:
-            entries[_shard_key(module, index, count)] = EMPTY_EXTRA_STATE
-        elif prefix is not None and module in names.extra_state_layer_modules:
+        if module in names.extra_state_layer_modules:
             entries[_shard_key(prefix + module, index, count)] = EMPTY_EXTRA_STATE
-        elif prefix is not None and is_stacked_experts(name) and names.expert_extra_state_parts:
+        elif is_stacked_experts(name) and names.expert_extra_state_parts:
             part, experts = module.rpartition(".")[2], layout.shape[0]
             for expert in range(experts):
                 entries[_shard_key(f"{prefix}mlp.experts.experts.{part}", (*index, expert), (*count, experts))] = \
