@@ -53,3 +53,30 @@ def test_stages_add_up_to_the_model(family):
     last = stage_parameters(config, 1, pre_process=False, post_process=True)
     tied_copy = 0 if config.untie_embeddings_and_output_weights else config.padded_vocab_size() * config.hidden_size
     assert first + last == whole + tied_copy  # a later stage holds its own copy of a tied embedding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "deepseek-v3"])
+def test_moe_families_memory_model_matches_one_process(family, dtype):
+    """CPU, one process: the MoE families' memory model (mega.models.moe_memory) against what a
+    whole model's forward and loss save (DeepSeek-V3: MLA, its dense first layer, the shared
+    experts and the MTP module's losses) and the parameters it holds."""
+    from mega.core.plugins import get_plugins
+
+    plugin = get_plugins().models.get(family)
+    config = dataclasses.replace(plugin.presets["tiny"], vocab_size=256, seq_length=32)
+    model = build_stage(plugin, config, seed=0, dtype=dtype)
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length), generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        if getattr(model, "mtp", None) is None:
+            return model.loss(model(tokens), tokens)
+        outputs = model({"tokens": tokens})
+        return [model.loss(logits, tokens) for logits in (outputs["logits"], *outputs["mtp_logits"])]
+
+    saved, _ = saved_activation_bytes(forward, exclude=list(model.parameters()))
+    planned = plugin.memory_model(config, layers=config.num_layers, pre_process=True, post_process=True,
+                                  parallel=ParallelConfig(), micro_batch_size=2, dtype_bytes=dtype.itemsize,
+                                  device_type="cpu")
+    assert planned.activation_bytes == pytest.approx(saved, rel=0.02)
+    assert planned.parameters == sum(p.numel() for p in model.parameters())

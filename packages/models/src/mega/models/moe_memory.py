@@ -110,13 +110,21 @@ def _router_bytes(config, tokens: int) -> int:
 
 
 def _moe_mlp_bytes(config, tokens: int, parallel: ParallelConfig, dtype_bytes: int) -> int:
-    """One MoE MLP (routing, routed slots, shared experts) beside its input's norm and that input."""
+    """One MoE MLP (routing, routed slots, shared experts) beside its input's norm; its input, which
+    :mod:`mega.models.memory` counts whole (a dense fc1's, gathered under sequence parallelism),
+    is the router's: this rank's slice there unless shared experts gather it."""
     h, k, b = config.hidden_size, config.moe_router_topk, dtype_bytes
     ffn = config.moe_ffn_hidden_size // parallel.expert_tp
+    split = parallel.tp if parallel.sequence_parallel else 1
     slots = tokens * k
-    routed = slots * (3 * h + 2 * ffn) * b + 2 * slots * INT64  # rows, fc1 output, outputs (twice); the indices
+    # each slot's input row, fc1 output and output row, which the weighted sum keeps of this rank's tokens
+    routed = slots * (2 * h + 2 * ffn) * b + tokens // split * k * h * b + 2 * slots * INT64
+    if parallel.ep > 1 and config.moe_token_dispatcher_type == "alltoall":
+        routed += slots * h * b  # the outputs as they come back, before they return to their slots
     shared = config.moe_shared_expert_intermediate_size or 0
     shared_bytes = tokens * 3 * (shared // parallel.tp) * b  # fc1 output and activation
+    if not shared:
+        shared_bytes -= (tokens - tokens // split) * h * b
     return _router_bytes(config, tokens) + routed + shared_bytes
 
 
