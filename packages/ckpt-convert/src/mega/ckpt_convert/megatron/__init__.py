@@ -9,7 +9,7 @@ The modules form layers, each importing only those below it:
   ``torch_dist_optimizer`` (per-parameter state in torch_dist files), ``buffer_optimizer`` (the
   distributed optimizer's gradient-buffer layout, both formats), ``param_order`` and ``chained``;
 * ``layout``: tensor-parallel splits, pipeline stages and chunks, experts' splits, vocabulary rows;
-* ``args``, ``bert_args``, ``t5_args``: Megatron-LM's args <-> mega's model configs;
+* ``args``, ``bert_args``, ``t5_args``, ``deepseek_args``: Megatron-LM's args <-> mega's model configs;
 * ``names``: each family's names in Megatron-LM's files (each table registers itself);
 * ``directory``, ``pickles``: save directories and rank files; ``torch.load`` with an allowlist.
 """
