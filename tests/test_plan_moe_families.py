@@ -84,8 +84,7 @@ def measured_and_planned(argv: list[str]) -> dict:
                                   for chunk in trainer.chunks)
     layout = Layout(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, vpp=parallel.vpp or 1,
                     dp=derived.data_parallel_size, sequence_parallel=parallel.sequence_parallel,
-                    distributed_optimizer=run.optimizer.use_distributed_optimizer,
-                    recompute=model.recompute_granularity, micro_batch_size=micro)
+                    recompute=model.recompute_granularity, micro_batch_size=micro)  # DDP, the regular optimizer
     grad_bytes = 4 if grads_in_fp32(run.precision) else trainer.dtype.itemsize
     rank = plan_memory(family, model, layout, dtype_bytes=trainer.dtype.itemsize, num_microbatches=derived.num_microbatches,
                        device_type="cpu", grad_dtype_bytes=grad_bytes)[groups.pp.rank]
