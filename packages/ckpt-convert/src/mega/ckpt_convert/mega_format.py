@@ -185,7 +185,8 @@ class MegaFormat:
         tensors = {name: LazyTensor(shape, source.dtype(name), lambda n=name, s=shape, p=padded: produce(n, s, p))
                    for name, (shape, padded) in parameters.items()}
         optimizer = optimizer_state_of(source, "the input") if options.with_optimizer else None
-        moments = None if optimizer is None else _optimizer_tensors(source, optimizer, parameters)
+        moments = None if optimizer is None else _optimizer_tensors(
+            source, optimizer, model_parameters(family, config, tp, trained_only=True))
         metadata = CheckpointMetadata(
             iteration=0 if optimizer is None else optimizer.iteration,
             consumed_samples=0 if optimizer is None else optimizer.consumed_samples,

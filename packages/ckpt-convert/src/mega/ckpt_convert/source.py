@@ -114,9 +114,11 @@ class CastSource(ClosingSource):
         raise AttributeError(name)
 
 
-def model_parameters(family, config, tensor_parallel_size: int = 1) -> dict[str, tuple[tuple[int, ...], bool]]:
+def model_parameters(family, config, tensor_parallel_size: int = 1,
+                     trained_only: bool = False) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Name -> (global shape, whether dim 0 is the padded vocabulary) of every parameter of the
-    whole model at ``tensor_parallel_size``, from a build on the meta device (nothing allocated)."""
+    whole model at ``tensor_parallel_size``, from a build on the meta device (nothing allocated);
+    ``trained_only``: those the optimizer trains (a frozen one, DeepSeek's expert bias, has no state)."""
     try:
         config.validate(tensor_parallel_size)
     except ValueError as error:
@@ -125,7 +127,8 @@ def model_parameters(family, config, tensor_parallel_size: int = 1) -> dict[str,
         raise ConversionError(f"the {family.name} model {problem}: {error}") from None
     model = build_stage(family, config, parallel=ParallelConfig(tp=tensor_parallel_size), device="meta")
     named, _ = named_parameters([model])  # by canonical name, as checkpoints store them
-    return {name: (tuple(param.shape), is_padded_vocab(param)) for name, param in named.items()}
+    return {name: (tuple(param.shape), is_padded_vocab(param)) for name, param in named.items()
+            if param.requires_grad or not trained_only}
 
 
 def family_by_name(name: str):

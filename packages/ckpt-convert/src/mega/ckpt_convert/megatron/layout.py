@@ -32,6 +32,7 @@ class TensorLayout:
     dim: int | None  # tensor-parallel split dimension (None: whole on every rank)
     chunks: int  # blocks split each on their own (SwiGLU's fc1: 2)
     padded_vocab: bool
+    trained: bool = True  # False: a frozen parameter (DeepSeek's expert bias), with no optimizer state
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
         shape = list(self.shape)
@@ -76,7 +77,7 @@ def model_layouts(family, config, tp: int) -> dict[str, TensorLayout]:
             dim = 1
         elif styles and isinstance(styles[0], VocabEmbedding):
             dim = 0
-        layouts[name] = TensorLayout(tuple(param.shape), dim, chunks, is_padded_vocab(param))
+        layouts[name] = TensorLayout(tuple(param.shape), dim, chunks, is_padded_vocab(param), param.requires_grad)
     return layouts
 
 

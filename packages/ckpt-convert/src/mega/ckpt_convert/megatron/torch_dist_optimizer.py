@@ -122,7 +122,8 @@ def _state_keys(source, index: dict, names, state_key: str) -> dict[str, tuple[s
     if embedding not in mapped and tied_copy is not None:  # the shared weight's state under the output layer's key
         mapped[embedding] = (f"{STATE_PREFIX}{state_key}.{tied_copy}", None)
         shapes[embedding] = (tuple(index[mapped[embedding][0]].size), None)
-    missing, unexpected = set(source.layouts) - set(mapped), set(mapped) - set(source.layouts)
+    trained = {name for name, layout in source.layouts.items() if layout.trained}  # frozen ones have no state
+    missing, unexpected = trained - set(mapped), set(mapped) - trained
     if missing or unexpected:
         raise ConversionError(f"{where}: the optimizer's {state_key} " + " and ".join(
             ([f"lacks {format_names(missing)}"] if missing else [])

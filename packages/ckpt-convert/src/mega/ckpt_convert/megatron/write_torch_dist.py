@@ -108,16 +108,17 @@ def _model_entries(source, layouts: dict[str, TensorLayout], names, stacks: dict
 
 def _optimizer_entries(source, layouts: dict[str, TensorLayout], names, stacks: dict[str, int], optimizer,
                        distributed: bool) -> dict:
-    """The per-parameter optimizer state's entries (fp32), under Megatron's state keys."""
+    """The per-parameter optimizer state's entries (fp32), under Megatron's state keys (frozen
+    parameters have none)."""
     # Megatron's state key -> the tensor of a mega name it holds
     state = {TO_MEGATRON[key]: functools.partial(source.get_optimizer, key=key)
              for key in (optimizer.keys if optimizer is not None else ())}
     if distributed:  # its main parameters under their own key, of an fp32 model too (the weights themselves)
         state[DISTRIBUTED_MAIN_PARAM_KEY] = state.pop(TO_MEGATRON[MAIN_PARAM], source.get)
-    entries = {}
+    entries, trained = {}, {name: layout for name, layout in layouts.items() if layout.trained}
     for state_key, get in state.items():
         entries.update(_tensor_entries(lambda name, g=get: g(name).float(), lambda name: torch.float32,
-                                       layouts, names, stacks, f"{STATE_PREFIX}{state_key}."))
+                                       trained, names, stacks, f"{STATE_PREFIX}{state_key}."))
     return entries
 
 
