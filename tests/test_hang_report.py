@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 ARGV = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "64", "--micro-batch-size", "2", "--train-iters", "5",
+        "--seq-length", "64", "--vocab-size", "64", "--micro-batch-size", "2", "--train-iters", "5",
         "--eval-iters", "0", "--log-interval", "1", "--distributed-timeout-minutes", "0.1"]
 # Rank 1 skips the loss all-reduce of iteration 3 and then waits forever elsewhere.
 RANK = """
