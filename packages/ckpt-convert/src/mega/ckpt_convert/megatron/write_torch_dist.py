@@ -1,7 +1,9 @@
 """Writing Megatron-LM's torch_dist checkpoints (megatron-core ``dist_checkpointing``) that Megatron-LM
-loads at any layout: global tensors, each stack of layers stacked under one key, megatron-core's
-Transformer Engine names for the norms, ``common.pt`` (args, iteration, the optimizer's common part)
-and ``metadata.json``. Each layer's slice is produced when DCP writes it, so memory stays at one
+loads at any layout: global tensors, each stack of layers stacked under one key where megatron-core
+stacks them (layers alike), else one key per layer (``--moe-layer-freq`` mixing dense and MoE
+layers), MTP modules (``mtp.layers.N.*``) one key each, the names megatron-core's local spec
+saves (Transformer Engine's for the norms it fuses), ``common.pt`` (args, iteration, the
+optimizer's common part) and ``metadata.json``. Each layer's slice is produced when DCP writes it, so memory stays at one
 layer's tensors.
 """
 

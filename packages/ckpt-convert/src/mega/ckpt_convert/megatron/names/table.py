@@ -24,6 +24,10 @@ How tensors are split over tensor-parallel ranks is not here: it is mega's own p
   layer under a second name (``output_layer.*`` beside ``lm_head.output_layer.*``), and so its
   learned position table (``position_embeddings.weight``), which its files hold twice.
 
+* Layers that are not alike (DeepSeek-V3's first dense layers) keep one key per layer in
+  torch_dist files (``decoder.layers.N.<name>``), and multi-token-prediction modules always do
+  (``mtp.layers.N.eh_proj.weight``, ``mtp.layers.N.transformer_layer.<layer-local name>``).
+
 A family joins by registering its :class:`MegatronNames` (:func:`register`) in a module of this
 package that ``__init__`` imports.
 """
