@@ -17,7 +17,16 @@ import argparse
 from pathlib import Path
 
 import torch
-from megatron_reference import SEQ, VOCAB, _shims, _stop_writer_helper, padded_vocab, perturbed
+from megatron_reference import (
+    SEQ,
+    VOCAB,
+    _inner,
+    _optimizer,
+    _shims,
+    _stop_writer_helper,
+    padded_vocab,
+    perturbed,
+)
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, q_lora_rank=32, kv_lora_rank=24,
              qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12, rope_type="yarn", rotary_scaling_factor=4.0,
@@ -88,27 +97,47 @@ def deepseek_model(tp: int, seed: int = 0):
     return perturbed(model, seed)
 
 
-def save_deepseek(tp: int, directory: str, iteration: int = 7) -> None:
-    """What Megatron-LM's save_checkpoint writes with --ckpt-format torch_dist (the model part)."""
+def save_deepseek(tp: int, directory: str, iteration: int = 7, steps: int = 2) -> None:
+    """What Megatron-LM's save_checkpoint writes with --ckpt-format torch_dist: the model after
+    ``steps`` Adam steps of megatron-core's optimizer on random gradients (the same on every rank
+    for a replicated parameter, as training makes them) and the optimizer's state."""
     from megatron.core import dist_checkpointing
 
     model = deepseek_model(tp)
+    optimizer = _optimizer(model)
+    generator = torch.Generator().manual_seed(11)
+    for _ in range(steps):
+        for param in model.parameters():
+            param.grad = torch.randn(param.shape, generator=generator)
+        for inner in _inner(optimizer):
+            inner.step()
     Path(directory).mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
-    dist_checkpointing.save({"args": deepseek_megatron_args(tp, iteration), "checkpoint_version": 3.0,
-                             "iteration": iteration, "model": model.sharded_state_dict()}, directory)
+    args = deepseek_megatron_args(tp, iteration)
+    args.consumed_train_samples = iteration * 4
+    model_state = model.sharded_state_dict()
+    dist_checkpointing.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model_state,
+                             "optimizer": optimizer.sharded_state_dict(model_state)}, directory)
     _stop_writer_helper()
     if torch.distributed.get_rank() == 0:
         Path(directory).parent.joinpath("latest_checkpointed_iteration.txt").write_text(str(iteration))
     torch.distributed.barrier()
 
 
-def load_deepseek(tp: int, directory: str) -> dict[str, torch.Tensor]:
-    """megatron-core's dist_checkpointing.load of ``directory`` into a fresh model at ``tp`` (strict):
-    its state dict (every tensor, the expert biases included)."""
+def load_deepseek(tp: int, directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """megatron-core's dist_checkpointing.load of ``directory`` into a fresh model and optimizer at
+    ``tp`` (strict, as Megatron-LM's load_checkpoint): its state dict (every tensor, the expert
+    biases included) and the Adam state of each parameter by name."""
     from megatron.core import dist_checkpointing
 
     model = deepseek_model(tp, seed=123)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
+    optimizer = _optimizer(model)
+    model_state = model.sharded_state_dict()
+    wanted = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True)}
+    loaded = dist_checkpointing.load(wanted, directory)
     model.load_state_dict(loaded["model"], strict=True)
-    return {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    optimizer.load_state_dict(loaded["optimizer"])
+    states = {id(param): state for inner in _inner(optimizer) for param, state in inner.state.items()}
+    adam = {name: {key: value.clone() for key, value in states[id(param)].items()}
+            for name, param in model.named_parameters()}
+    return {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}, adam

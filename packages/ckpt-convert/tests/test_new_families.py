@@ -183,18 +183,22 @@ def stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def test_megatron_core_deepseek_imports_and_exports(worlds, tmp_path):
     """A genuine megatron-core DeepSeek-style GPTModel (MLA, a dense then an MoE layer with a shared
-    expert and expert bias, one MTP module) saved at tp2 by ``dist_checkpointing.save`` (one key
-    per layer: its layers are not alike) imports as the deepseek-v3 family with megatron-core's
-    tensors (its own tp1 view), and mega's torch_dist export at tp2 loads back into megatron-core
-    (``dist_checkpointing.load``, strict) with equal tensors."""
+    expert and expert bias, one MTP module), stepped twice by megatron-core's Adam, saved at tp2 by
+    ``dist_checkpointing.save`` (one key per layer: its layers are not alike) imports with
+    ``--with-optimizer`` as the deepseek-v3 family with megatron-core's tensors (its own tp1 view),
+    and mega's torch_dist export at tp2 loads back into megatron-core's model and optimizer
+    (``dist_checkpointing.load``, strict) with equal tensors and Adam state (the frozen expert
+    biases have none)."""
     ref = pytest.importorskip("megatron_deepseek_reference")
     from mega.ckpt_convert import open_checkpoint
     from mega.core.checkpoint import read_tensors, tensor_shapes
 
     saved = tmp_path / "mcore" / "iter_0000007"
     worlds.run(2, ref.save_deepseek, 2, str(saved))
-    truth = stacked_experts(worlds.run(2, ref.load_deepseek, 1, str(saved))[0])
-    convert(tmp_path / "mcore", tmp_path / "mega", from_format="megatron", to_format="mega")
+    truth, truth_adam = worlds.run(2, ref.load_deepseek, 1, str(saved))[0]
+    truth = stacked_experts(truth)
+    with_optimizer = WriteOptions(with_optimizer=True)
+    convert(tmp_path / "mcore", tmp_path / "mega", from_format="megatron", to_format="mega", options=with_optimizer)
     with open_checkpoint(str(tmp_path / "mega")) as source:
         config = source.config
         assert source.family == "deepseek-v3" and config.mtp_num_layers == 1
@@ -207,12 +211,16 @@ def test_megatron_core_deepseek_imports_and_exports(worlds, tmp_path):
     for name, tensor in read_tensors(tmp_path / "mega", names).items():
         assert torch.equal(tensor, truth[name]), name
     exported = tmp_path / "export"
-    convert(tmp_path / "mega", exported, to_format="megatron",
-            options=WriteOptions(tensor_parallel_size=2, megatron_format="torch_dist", iteration=7))
-    loaded = stacked_experts(worlds.run(2, ref.load_deepseek, 1, str(exported / "iter_0000007"))[0])
-    assert loaded.keys() == truth.keys()
+    convert(tmp_path / "mega", exported, to_format="megatron", options=WriteOptions(
+        tensor_parallel_size=2, megatron_format="torch_dist", iteration=7, with_optimizer=True))
+    loaded, adam = worlds.run(2, ref.load_deepseek, 1, str(exported / "iter_0000007"))[0]
+    loaded = stacked_experts(loaded)
+    assert loaded.keys() == truth.keys() and adam.keys() == truth_adam.keys()
     for name, tensor in loaded.items():
         assert torch.equal(tensor, truth[name]), name
+    for name, state in truth_adam.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(adam[name][key], state[key]), (name, key)
     with pytest.raises(ConversionError, match="torch_dist"):  # legacy files of it are refused, nothing written
         convert(tmp_path / "mega", tmp_path / "legacy", to_format="megatron", options=WriteOptions(megatron_format="legacy"))
     assert not (tmp_path / "legacy").exists()
