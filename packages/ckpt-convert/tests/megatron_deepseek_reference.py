@@ -14,7 +14,6 @@ here, so it is told TE is absent. The model is used for its weights and files, n
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 from megatron_reference import (
@@ -23,9 +22,9 @@ from megatron_reference import (
     _inner,
     _optimizer,
     _shims,
-    _stop_writer_helper,
     padded_vocab,
     perturbed,
+    save_trained,
 )
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, q_lora_rank=32, kv_lora_rank=24,
@@ -101,27 +100,8 @@ def save_deepseek(tp: int, directory: str, iteration: int = 7, steps: int = 2) -
     """What Megatron-LM's save_checkpoint writes with --ckpt-format torch_dist: the model after
     ``steps`` Adam steps of megatron-core's optimizer on random gradients (the same on every rank
     for a replicated parameter, as training makes them) and the optimizer's state."""
-    from megatron.core import dist_checkpointing
-
-    model = deepseek_model(tp)
-    optimizer = _optimizer(model)
-    generator = torch.Generator().manual_seed(11)
-    for _ in range(steps):
-        for param in model.parameters():
-            param.grad = torch.randn(param.shape, generator=generator)
-        for inner in _inner(optimizer):
-            inner.step()
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    torch.distributed.barrier()
-    args = deepseek_megatron_args(tp, iteration)
-    args.consumed_train_samples = iteration * 4
-    model_state = model.sharded_state_dict()
-    dist_checkpointing.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model_state,
-                             "optimizer": optimizer.sharded_state_dict(model_state)}, directory)
-    _stop_writer_helper()
-    if torch.distributed.get_rank() == 0:
-        Path(directory).parent.joinpath("latest_checkpointed_iteration.txt").write_text(str(iteration))
-    torch.distributed.barrier()
+    save_trained(deepseek_model(tp), deepseek_megatron_args(tp, iteration), directory, iteration, steps,
+                 torch.Generator().manual_seed(11))
 
 
 def load_deepseek(tp: int, directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:

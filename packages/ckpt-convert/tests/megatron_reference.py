@@ -405,11 +405,19 @@ def save_with_optimizer(family: str, tp: int, directory: str, iteration: int = 9
     """A model trained ``steps`` Adam steps by megatron-core's optimizer (gradients drawn at random,
     its step() without the CUDA-only grad norm), saved as Megatron-LM's save_checkpoint does with
     --ckpt-format torch_dist: ``model`` and ``optimizer`` sharded state dicts, args, iteration."""
+    args = megatron_args(family, tp, 1, iteration, "torch_dist")
+    args.expert_model_parallel_size = ep
+    save_trained(_model(family, tp, seed=5, ep=ep), args, directory, iteration, steps,
+                 torch.Generator().manual_seed(11 + torch.distributed.get_rank()))
+
+
+def save_trained(model, args, directory: str, iteration: int, steps: int, generator: torch.Generator) -> None:
+    """``model`` after ``steps`` Adam steps of megatron-core's optimizer on gradients drawn from
+    ``generator``, saved with the optimizer's state as Megatron-LM's save_checkpoint does with
+    --ckpt-format torch_dist (``args``, the iteration, the tracker file)."""
     from megatron.core import dist_checkpointing
 
-    model = _model(family, tp, seed=5, ep=ep)
     optimizer = _optimizer(model)
-    generator = torch.Generator().manual_seed(11 + torch.distributed.get_rank())
     for _ in range(steps):
         for param in model.parameters():
             param.grad = torch.randn(param.shape, generator=generator)
@@ -417,8 +425,7 @@ def save_with_optimizer(family: str, tp: int, directory: str, iteration: int = 9
             inner.step()
     Path(directory).mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
-    args = megatron_args(family, tp, 1, iteration, "torch_dist")
-    args.consumed_train_samples, args.expert_model_parallel_size = iteration * 4, ep
+    args.consumed_train_samples = iteration * 4
     model_state = model.sharded_state_dict()
     state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model_state,
              "optimizer": optimizer.sharded_state_dict(model_state)}
