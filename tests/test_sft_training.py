@@ -98,7 +98,7 @@ def test_context_parallel_with_packing_is_refused(chat_data):
     assert np.isfinite(train_losses(flags(chat_data, 2))[0])  # unpacked, mean per micro-batch
 
 
-def test_lora_starts_from_a_base_checkpoint_and_resumes(chat_data, tmp_path):
+def test_lora_starts_from_a_base_checkpoint_and_resumes(chat_data, tmp_path, worlds):
     import torch
 
     from mega.core.checkpoint.model_io import read_tensors, tensor_shapes
@@ -139,6 +139,30 @@ def test_lora_starts_from_a_base_checkpoint_and_resumes(chat_data, tmp_path):
         for name in names:
             torch.testing.assert_close(folded[name], merged_weights[name], rtol=1e-5, atol=1e-6)
     check_adapter_at_load(tmp_path, base, lora, peft_dir)
+    # At tp2 every rank's shards of the base with the adapters merged at load are the merged checkpoint's.
+    for rank in worlds.run(2, tensor_parallel_shards, str(base), str(lora), str(tmp_path / "merged")):
+        assert rank["adapted"].keys() == rank["merged"].keys() and len(rank["merged"]) > 10
+        for name, shard in rank["merged"].items():
+            torch.testing.assert_close(rank["adapted"][name], shard, rtol=0, atol=1e-6, msg=name)
+
+
+def tensor_parallel_shards(base, lora, merged):
+    """This rank's parameter shards (CPU, tp = the world) of ``base`` + ``lora`` merged at load and of
+    the ``merged`` checkpoint."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.inference.loader import load_from_args
+
+    groups = ParallelGroups(ParallelConfig(tp=torch.distributed.get_world_size()))
+    result = {}
+    for key, load, adapter in (("adapted", base, lora), ("merged", merged, None)):
+        args = SimpleNamespace(load=load, adapter=adapter, tokenizer_type=None, device="cpu", dtype="float32")
+        model = load_from_args(args, groups).model
+        result[key] = {name: param.detach().clone() for name, param in model.named_parameters()}
+    return result
 
 
 def check_adapter_at_load(tmp_path, base, lora, peft_dir):
