@@ -34,7 +34,10 @@ def merge_adapter_at_load(model: nn.Module, path: str | Path, family_name: str, 
     if (Path(path) / "adapter_config.json").is_file():
         raise LoRAError(f"{flag} {path} is a PEFT adapter directory: fold it into a mega checkpoint first "
                         f"(mega convert --from hf-peft --input {path} --base BASE --output DIR) and load that")
-    directory, metadata = checkpoint_and_metadata(path)
+    try:
+        directory, metadata = checkpoint_and_metadata(path)
+    except CheckpointError as error:
+        raise LoRAError(f"{flag}: {error}") from None
     if metadata.model_family != family_name:
         raise LoRAError(f"{flag} {path}: its adapters were trained on a {metadata.model_family} model, this base "
                         f"is {family_name}")
