@@ -74,7 +74,7 @@ def demo(session: nox.Session) -> None:
     # with the adapters merged at load.
     session.run("mega", "train", "--sft", "--dataset", "pydoc-chat", "--packed-sequences", "--split", "100,0,0",
                 *DEMO_MODEL, "--load", "checkpoints/pydoc-gpt", "--finetune", "--lora-rank", "16",
-                "--lora-alpha", "32", "--micro-batch-size", "16", "--train-iters", "60", "--lr", "3e-3",
+                "--lora-alpha", "32", "--micro-batch-size", "16", "--train-iters", "40", "--lr", "3e-3",
                 "--lr-warmup-iters", "5", "--lr-decay-style", "cosine", "--calculate-per-token-loss",
                 "--eval-iters", "0", "--log-interval", "10", "--seed", "1234", "--save", "checkpoints/pydoc-gpt-lora")
     session.run("mega", "generate", "--load", "checkpoints/pydoc-gpt", "--adapter", "checkpoints/pydoc-gpt-lora",

@@ -70,3 +70,27 @@ def test_tokenizer_vocabulary_sets_the_model(tmp_path, monkeypatch):
     assert len(sample["tokens"]) == 32 and max(sample["tokens"]) < VOCAB_SIZE
     text = data.tokenizer.detokenize(list(sample["tokens"]))
     assert text.isprintable() or "\n" in text
+
+
+def test_the_demo_session_runs_the_declared_lora_step():
+    """noxfile's demo spells mega.core.training.default_run.LORA_ARGV (and MODEL_FLAGS) out."""
+    import ast
+    from pathlib import Path
+
+    from mega.core.training.default_run import MODEL_FLAGS
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "noxfile.py").read_text())
+    constants = {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body
+                 if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                 and node.targets[0].id.startswith("DEMO_")}
+    assert constants["DEMO_MODEL"] == MODEL_FLAGS
+    from mega.data.embedded_chat import prompt
+
+    assert constants["DEMO_QUESTION"] == prompt('Tell me about The "for" statement.')  # a question of the chat set
+    runs = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "run"]
+    lora = [run for run in runs if any(isinstance(a, ast.Constant) and a.value == "pydoc-chat" for a in run.args)]
+    (run,) = lora
+    argv = []
+    for arg in run.args[2:]:  # after "mega", "train"
+        argv += constants[arg.value.id] if isinstance(arg, ast.Starred) else [ast.literal_eval(arg)]
+    assert argv == LORA_ARGV

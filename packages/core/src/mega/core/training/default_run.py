@@ -41,7 +41,7 @@ DEFAULT_ARGV = [
 LORA_ARGV = [
     "--sft", "--dataset", "pydoc-chat", "--packed-sequences", "--split", "100,0,0", *MODEL_FLAGS,
     "--load", DEFAULT_SAVE_DIR, "--finetune", "--lora-rank", "16", "--lora-alpha", "32",
-    "--micro-batch-size", "16", "--train-iters", "60", "--lr", "3e-3", "--lr-warmup-iters", "5",
+    "--micro-batch-size", "16", "--train-iters", "40", "--lr", "3e-3", "--lr-warmup-iters", "5",
     "--lr-decay-style", "cosine", "--calculate-per-token-loss", "--eval-iters", "0", "--log-interval", "10",
     "--seed", "1234", "--save", DEFAULT_LORA_DIR,
 ]
