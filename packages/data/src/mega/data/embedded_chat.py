@@ -11,7 +11,6 @@ end-of-document token, is the only part in the loss) and preprocessed as ``mega 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -20,10 +19,9 @@ import tempfile
 from pathlib import Path
 
 from mega.core.datasets import DatasetRequest, TrainingData
-from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
+from mega.core.tokenizer import TokenizerOptions
 from mega.data.chat_encoder import chat_output_prefixes
-from mega.data.distributed import current_rank_context
-from mega.data.embedded_corpus import END_OF_DOCUMENT, cache_directory, prepare
+from mega.data.embedded_corpus import END_OF_DOCUMENT, corpus_datasets, prepare
 from mega.data.preprocess import PreprocessConfig, preprocess
 from mega.data.sft_dataset import sft_datasets
 
@@ -66,14 +64,15 @@ def chat_directory(directory: Path, seq_length: int) -> Path:
 
 
 def prepare_chat(directory: Path, seq_length: int) -> str:
-    """Make (once) the chat set's dataset in ``directory/chat``; return its prefix."""
-    # start-up cost: pydoc's topics load only when the chat set is first built
-    from pydoc_data.topics import topics
-
+    """Make (once) the corpus and the chat set's dataset beside it; return the chat set's prefix."""
+    prepare(directory)
     chat = chat_directory(directory, seq_length)
     prefix = chat_output_prefixes(str(chat / "pydoc_chat"), "messages")["tokens"]
     if Path(prefix + ".idx").is_file():
         return prefix
+    # start-up cost: pydoc's topics load only when the chat set is first built
+    from pydoc_data.topics import topics
+
     staging = Path(tempfile.mkdtemp(prefix="chat.", dir=directory))
     try:
         print(f" preparing the embedded chat set (pydoc topics) in {chat} ...", flush=True)
@@ -96,19 +95,4 @@ def prepare_chat(directory: Path, seq_length: int) -> str:
 
 def pydoc_chat_datasets(request: DatasetRequest) -> TrainingData:
     """The registered ``pydoc-chat`` dataset: SFT samples of the chat set, with the corpus's tokenizer."""
-    # start-up cost: tokenizers load only when the dataset is used
-    from mega.data.tokenizers.huggingface import HuggingFaceTokenizer
-
-    directory = cache_directory()
-    context = current_rank_context()
-    if context.rank == 0:
-        prepare(directory)
-        prepare_chat(directory, request.seq_length)
-    context.barrier()
-    spec = TokenizerSpec("HuggingFaceTokenizer", TokenizerOptions(tokenizer_model=str(directory / "tokenizer.json")))
-    tokenizer = HuggingFaceTokenizer(spec.options.tokenizer_model)
-    prefix = chat_output_prefixes(str(chat_directory(directory, request.seq_length) / "pydoc_chat"),
-                                  "messages")["tokens"]
-    data = sft_datasets(dataclasses.replace(request, data_path=[prefix], tokenizer=tokenizer))
-    data.tokenizer, data.tokenizer_spec = tokenizer, spec
-    return data
+    return corpus_datasets(request, lambda directory: prepare_chat(directory, request.seq_length), sft_datasets)
