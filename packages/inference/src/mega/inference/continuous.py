@@ -41,6 +41,7 @@ import torch
 
 from mega.inference.batching import EngineWorker, Job
 from mega.inference.decode_step import DecodeStep, DecodingSequence, record_logprobs
+from mega.inference.host_copy import to_device
 from mega.inference.engine import FinishReason, GenerationEngine, GenerationError, GenerationRequest
 from mega.inference.metrics import ServerMetrics
 from mega.inference.paged_kv_cache import BlockAllocator, PagedKVCache
@@ -141,7 +142,7 @@ class ContinuousBatchingWorker(EngineWorker):
                 self._step(admitted)
             except Exception as error:  # the server lives on; the sequences of this step get the error
                 log.exception("generation failed in a step of %d sequences", len(self._running) + len(admitted))
-                for sequence in [*self._running, *self._prefilling]:
+                for sequence in [*self._decode_step.in_flight, *self._prefilling]:
                     self.allocator.free(sequence.blocks)
                     sequence.job.failed(error)
                 self._decode_step.reset()
@@ -262,7 +263,7 @@ class ContinuousBatchingWorker(EngineWorker):
 
     @torch.inference_mode()  # no autograd graph: across steps it would keep every activation alive
     def _step(self, admitted: list[_Sequence]) -> None:
-        decoding = [s for s in self._running if s.logits is None]
+        decoding = list(self._running)  # each chose its last token in the previous step
         if decoding:
             self._decode(decoding, greedy=self._greedy_step(admitted))
         if self.max_num_batched_tokens is None:
@@ -294,9 +295,10 @@ class ContinuousBatchingWorker(EngineWorker):
         """One new token's fp32 logits ``[vocab]`` for each of ``decoding`` (``sequence.logits``),
         or with ``greedy`` the token itself (``sequence.choice``)."""
         device = self.engine.device
+        # The rows' last tokens, still on the device (the host reads them a few steps later).
+        fed = self._decode_step.next_tokens
         if self._decode_steps is None:
-            tokens = torch.tensor([[s.tokens[-1]] for s in decoding], device=device)
-            for sequence, logits in zip(decoding, self._forward(decoding, tokens, 1)[0], strict=True):
+            for sequence, logits in zip(decoding, self._forward(decoding, fed[:, None], 1)[0], strict=True):
                 sequence.logits = logits
             return
         # The static cache: one step over the window of the first slots, up to a bucket (see
@@ -306,21 +308,23 @@ class ContinuousBatchingWorker(EngineWorker):
         # next chunk overwrites.
         slots = [s.blocks[0] for s in decoding]
         window = min(bucket_for(max(slots) + 1), self.cache.slots)
-        tokens = torch.zeros(window, 1, dtype=torch.long)
-        cached = torch.zeros(window, dtype=torch.long)
+        cached = [0] * window
         for sequence in self._prefilling:
             if sequence.blocks[0] < window:
                 cached[sequence.blocks[0]] = sequence.cached
         for slot, sequence in zip(slots, decoding, strict=True):
-            tokens[slot, 0], cached[slot] = sequence.tokens[-1], sequence.cached
+            cached[slot] = sequence.cached
             sequence.cached += 1
+        tokens = torch.zeros(window, 1, dtype=torch.long, device=device)
+        tokens[to_device(slots, device), 0] = fed
+        cached = to_device(cached, device)
         if greedy:  # views of the step's output, read before the next step rewrites it
-            picked = self._decode_steps.greedy(tokens.to(device), cached.to(device))
+            picked = self._decode_steps.greedy(tokens, cached)
             for slot, sequence in zip(slots, decoding, strict=True):
                 sequence.choice = picked[slot]
             return
-        logits = self._decode_steps(tokens.to(device), cached.to(device))
-        for sequence, row in zip(decoding, logits[torch.tensor(slots, device=device)], strict=True):
+        logits = self._decode_steps(tokens, cached)
+        for sequence, row in zip(decoding, logits[to_device(slots, device)], strict=True):
             sequence.logits = row
 
     def _choose(self) -> None:
