@@ -169,6 +169,14 @@ def test_every_path_decodes_alike(engine):
                        [[t for t, _ in top] for top in want.top_logprobs[len(want.top_logprobs) - count:]]
 
 
+def counting(engine: GenerationEngine, lag: int) -> tuple[GenerationEngine, list[int]]:
+    """An engine on ``engine``'s model reading tokens ``lag`` steps late, and its forwards' count."""
+    lagged = GenerationEngine(engine.model, vocab_size=engine.vocab_size, max_positions=POSITIONS, read_lag=lag)
+    forwards, forward = [], lagged.forward
+    lagged.forward = lambda *args, **kwargs: forwards.append(1) or forward(*args, **kwargs)
+    return lagged, forwards
+
+
 def test_tokens_read_late_end_where_read_at_once(engine):
     """CPU. The host reads each step's tokens ``read_lag`` steps after the device chose them: a
     stop found at step t is learnt late, the row keeps decoding meanwhile, and nothing after t is
@@ -177,33 +185,28 @@ def test_tokens_read_late_end_where_read_at_once(engine):
     greedy = engine.generate([GenerationRequest([5, 17, 42, 8, 99, 3, 1], 10)])[0].generated
     stop = StopRules(stop_ids=frozenset({greedy[2]}))
 
-    def run(lag: int, path: str):
-        lagged = GenerationEngine(engine.model, vocab_size=engine.vocab_size, max_positions=POSITIONS, read_lag=lag)
-        forwards, streamed = [], [[], []]
-        forward = lagged.forward
-        lagged.forward = lambda *args, **kwargs: forwards.append(1) or forward(*args, **kwargs)
-        batch = [GenerationRequest([5, 17, 42, 8, 99, 3, 1], 10, stop=stop, logprobs=True),
-                 GenerationRequest([7, 9], 12, SamplingParams(temperature=0.8, seed=5), logprobs=True)]
+    def run(lag: int, path: str, sampled: bool):
+        lagged, forwards = counting(engine, lag)
+        batch = [GenerationRequest([5, 17, 42, 8, 99, 3, 1], 10, stop=stop, logprobs=True)]
+        if sampled:
+            batch.append(GenerationRequest([7, 9], 12, SamplingParams(temperature=0.8, seed=5), logprobs=True))
+        streamed = [[] for _ in batch]
         on_token = lambda index, token, *_: streamed[index].append(token)  # noqa: E731
         generate = lagged.generate if path == "lock-step" else StaticDecoder(lagged).generate
         return generate(batch, on_token=on_token), len(forwards), streamed
 
     for path in ("lock-step", "static"):
-        (at_once, forwards_at_once, streamed_at_once), (late, forwards_late, streamed_late) = run(0, path), run(3, path)
+        (at_once, forwards_at_once, streamed_at_once), (late, forwards_late, streamed_late) = (
+            run(0, path, sampled=True), run(3, path, sampled=True))
         assert [r.finish_reason for r in late] == ["stop", "length"], path
         assert late[0].generated == greedy[:3] and streamed_late == streamed_at_once == [greedy[:3], late[1].generated]
         assert [r.tokens for r in late] == [r.tokens for r in at_once], path
         for want, have in zip(at_once, late, strict=True):  # batches of other sizes: last bits may differ
             torch.testing.assert_close(torch.tensor(have.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
-        assert forwards_late == forwards_at_once, path  # the row after its stop rode along with its batch-mate
-        # Alone, the stopped row decodes past its stop (3 steps) before the host learns of it.
-        alone = [GenerationRequest([5, 17, 42, 8, 99, 3, 1], 10, stop=stop)]
-        for lag, extra in ((0, 0), (3, 3)):
-            lagged = GenerationEngine(engine.model, vocab_size=engine.vocab_size, max_positions=POSITIONS, read_lag=lag)
-            forwards = []
-            forward = lagged.forward
-            lagged.forward = lambda *args, f=forward, **kwargs: forwards.append(1) or f(*args, **kwargs)
-            generate = lagged.generate if path == "lock-step" else StaticDecoder(lagged).generate
-            [result] = generate(alone)
-            assert result.generated == greedy[:3] and result.finish_reason == "stop"
-            assert len(forwards) == 3 + extra, (path, lag)  # prefill + 2 decode steps, + the overshoot
+        assert forwards_late == forwards_at_once, path  # the row past its stop rode along with its batch-mate
+        # Alone, the stopped row decodes 3 steps past its stop before the host learns of it.
+        (at_once, forwards_at_once, _), (late, forwards_late, streamed_late) = (
+            run(0, path, sampled=False), run(3, path, sampled=False))
+        assert late[0].generated == at_once[0].generated == streamed_late[0] == greedy[:3], path
+        assert late[0].finish_reason == "stop" and late[0].logprobs == at_once[0].logprobs, path
+        assert (forwards_at_once, forwards_late) == (3, 6), path  # prefill + 2 decode steps, + the overshoot

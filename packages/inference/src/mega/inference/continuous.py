@@ -41,8 +41,8 @@ import torch
 
 from mega.inference.batching import EngineWorker, Job
 from mega.inference.decode_step import DecodeStep, DecodingSequence, record_logprobs
-from mega.inference.host_copy import to_device
 from mega.inference.engine import FinishReason, GenerationEngine, GenerationError, GenerationRequest
+from mega.inference.host_copy import to_device
 from mega.inference.metrics import ServerMetrics
 from mega.inference.paged_kv_cache import BlockAllocator, PagedKVCache
 from mega.inference.prefix_cache import PrefixCachingAllocator, prefix_keys
