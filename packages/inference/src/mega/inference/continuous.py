@@ -47,6 +47,7 @@ from mega.inference.metrics import ServerMetrics
 from mega.inference.paged_kv_cache import BlockAllocator, PagedKVCache
 from mega.inference.prefix_cache import PrefixCachingAllocator, prefix_keys
 from mega.inference.sampling import Sampler
+from mega.inference.slot_prefix_cache import PrefixCachingSlotAllocator
 from mega.inference.static_decode import DecodeSteps, SlotAllocator, SlotKVCache, bucket_for
 
 log = logging.getLogger(__name__)
@@ -76,12 +77,11 @@ class ContinuousBatchingWorker(EngineWorker):
                  max_num_batched_tokens: int | None = None):
         if engine.tp_group is not None and engine.tp_group.size > 1:
             raise ValueError("continuous batching runs in one process; tensor-parallel serving batches in lock-step")
-        if prefix_caching and static_cache:
-            raise ValueError("prefix caching shares paged cache blocks; the static KV cache has none to share")
         if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch_size:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_batch_size "
                              f"({max_batch_size}): every running sequence decodes a token per step")
         super().__init__(engine, max_batch_size, metrics)
+        self.block_size = block_size  # of the paged cache, and of prompt prefixes cached
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefilled_tokens = 0  # prompt tokens computed (not taken from the prefix cache)
         self.max_num_tokens = max_num_tokens or max_batch_size * engine.max_positions
@@ -93,8 +93,9 @@ class ContinuousBatchingWorker(EngineWorker):
             if slots < 1:
                 raise ValueError(f"the static KV cache gives each sequence the model's {engine.max_positions} "
                                  f"positions; max_num_tokens {self.max_num_tokens} holds none")
-            self.allocator = SlotAllocator(slots, engine.max_positions)
             self.cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype)
+            self.allocator = (PrefixCachingSlotAllocator(self.cache, block_size) if prefix_caching
+                              else SlotAllocator(slots, engine.max_positions))
             graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
             self._decode_steps = DecodeSteps(engine, self.cache, graphs)
         else:
@@ -113,7 +114,7 @@ class ContinuousBatchingWorker(EngineWorker):
 
     @property
     def prefix_caching(self) -> bool:
-        return isinstance(self.allocator, PrefixCachingAllocator)
+        return isinstance(self.allocator, (PrefixCachingAllocator, PrefixCachingSlotAllocator))
 
     def check(self, request: GenerationRequest) -> None:
         """A sequence longer than the whole cache could never be admitted."""
@@ -178,7 +179,7 @@ class ContinuousBatchingWorker(EngineWorker):
                 return False
             sequence.blocks = self.allocator.allocate(tokens)
             return True
-        sequence.prefix_keys = prefix_keys(request.prompt, self.allocator.block_size)
+        sequence.prefix_keys = prefix_keys(request.prompt, self.block_size)
         keys = [] if request.logprobs else sequence.prefix_keys
         allocated = self.allocator.allocate_with_prefix(keys, len(request.prompt), tokens)
         if allocated is None:
@@ -302,13 +303,13 @@ class ContinuousBatchingWorker(EngineWorker):
                 sequence.logits = logits
             return
         # The static cache: one step over the window of the first slots, up to a bucket (see
-        # static_decode); slots in it that no sequence decodes compute a row nobody reads. Those
-        # just admitted are prefilled after this step, over what it wrote at their position 0; one
-        # whose prompt is part prefilled (in chunks) has it write at its next position, which its
-        # next chunk overwrites.
+        # static_decode); slots in it that no sequence decodes compute a row nobody reads, at the
+        # slot's last position (a free slot's cached prefix, slot_prefix_cache, stays intact).
+        # Those admitted (their prompts part cached or not) have it write at their next
+        # position, which their prefill overwrites after this step.
         slots = [s.blocks[0] for s in decoding]
         window = min(bucket_for(max(slots) + 1), self.cache.slots)
-        cached = [0] * window
+        cached = [self.cache.max_length - 1] * window
         for sequence in self._prefilling:
             if sequence.blocks[0] < window:
                 cached[sequence.blocks[0]] = sequence.cached

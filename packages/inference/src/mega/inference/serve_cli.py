@@ -51,10 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "times the model's positions); with the static KV cache, a slot of the model's "
                             "positions per sequence")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                       help="continuous batching on the paged KV cache: keep the cache blocks of prompts' full "
-                            "16-token blocks, keyed by the hash of their prefix, and share them with later prompts "
-                            "that start the same (those prefill only the rest; least recently used blocks are "
-                            "evicted when room is needed). Default: on wherever the paged cache runs")
+                       help="continuous batching: keep the KV cache of prompts' full 16-token blocks, keyed by "
+                            "the hash of their prefix, for later prompts that start the same (those prefill only "
+                            "the rest): the paged cache shares the blocks (least recently used evicted when room "
+                            "is needed), the static cache copies them from the slot that holds them (kept until "
+                            "the slot is taken). Default: on")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                        help="continuous batching: tokens one engine step computes at most (one per decoding "
                             "sequence, the rest prompt tokens), so long prompts are prefilled in chunks between "
@@ -103,8 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.max_batch_size:
         parser.error(f"--max-num-batched-tokens {args.max_num_batched_tokens} must be at least --max-batch-size "
                      f"{args.max_batch_size} (every running sequence decodes a token per step)")
-    if args.enable_prefix_caching and args.static_kv_cache:
-        parser.error("--enable-prefix-caching shares paged KV cache blocks: not with --static-kv-cache")
     if is_encoder_checkpoint(args.load):  # an encoder serves POST /v1/embeddings instead
         return serve_embeddings(args)
     # start-up cost, as above
@@ -140,13 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("mega serve: error: --enable-prefix-caching and --max-num-batched-tokens run with continuous "
                          "batching (one process, a decoder-only model), not lock-step batches")
     if not lockstep:
-        if args.enable_prefix_caching and static:
-            lead(None, setup.tp_group)
-            raise SystemExit("mega serve: error: --enable-prefix-caching shares paged KV cache blocks; the static KV "
-                             "cache (on by default on CUDA) has none: add --no-static-kv-cache")
         worker = ContinuousBatchingWorker(setup.engine, args.max_batch_size, args.max_num_tokens, static_cache=static,
                                           use_cuda_graphs=args.cuda_graphs and setup.engine.device.type == "cuda",
-                                          prefix_caching=not static and args.enable_prefix_caching is not False,
+                                          prefix_caching=args.enable_prefix_caching is not False,
                                           max_num_batched_tokens=args.max_num_batched_tokens)
     else:
         worker = BatchingWorker(setup.engine, args.max_batch_size,
