@@ -11,8 +11,13 @@ logits chooses its token, and those that finish leave the batch and free their b
 
 Sequences are independent: each sits at its own position with its own cache blocks, so a
 sequence computes what it would alone (the same tokens as :class:`GenerationEngine` gives it;
-sampling streams are per sequence, as there). One process only: tensor-parallel serving keeps
-the lock-step :class:`~mega.inference.batching.BatchingWorker`.
+sampling streams are per sequence, as there).
+
+Under tensor parallelism (``torchrun``) the worker runs on the leader (rank 0 of the tensor
+group), which before each step hands the sequences it admitted to the followers; each follower
+runs the same steps over its own caches (:meth:`ContinuousBatchingWorker.follow`), and the
+shared :class:`~mega.inference.decode_step.DecodeStep` gives every rank the leader's tokens
+and endings, so the ranks' batches never part.
 
 ``static_cache`` (``mega serve --static-kv-cache``, the default on CUDA) swaps the paged cache
 for a :class:`~mega.inference.static_decode.SlotKVCache`: each sequence owns a slot of the
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mega.core.parallel import Group
 from mega.inference.batching import EngineWorker, Job
 from mega.inference.decode_step import DecodeStep, DecodingSequence, record_logprobs
 from mega.inference.engine import FinishReason, GenerationEngine, GenerationError, GenerationRequest
@@ -49,6 +55,7 @@ from mega.inference.prefix_cache import PrefixCachingAllocator, prefix_keys
 from mega.inference.sampling import Sampler
 from mega.inference.slot_prefix_cache import PrefixCachingSlotAllocator
 from mega.inference.static_decode import DecodeSteps, SlotAllocator, SlotKVCache, bucket_for
+from mega.inference.tp_serving import lead, receive
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +65,7 @@ PREFILL_TOKENS = 4096  # padded prompt tokens in one prefill forward (bounds its
 
 @dataclass(eq=False, kw_only=True)
 class _Sequence(DecodingSequence):
-    job: Job
+    job: Job | None  # None on a follower rank of a tensor group
     index: int  # within its job
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose keys are in the cache
@@ -75,8 +82,6 @@ class ContinuousBatchingWorker(EngineWorker):
                  block_size: int = BLOCK_SIZE, metrics: ServerMetrics | None = None, static_cache: bool = False,
                  use_cuda_graphs: bool | None = None, prefix_caching: bool = False,
                  max_num_batched_tokens: int | None = None):
-        if engine.tp_group is not None and engine.tp_group.size > 1:
-            raise ValueError("continuous batching runs in one process; tensor-parallel serving batches in lock-step")
         if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch_size:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_batch_size "
                              f"({max_batch_size}): every running sequence decodes a token per step")
@@ -130,6 +135,26 @@ class ContinuousBatchingWorker(EngineWorker):
                 self._pending.append(_Sequence(request, job=job, index=index, number=self._numbered))
             self._condition.notify()
 
+    @property
+    def _tp_group(self) -> Group | None:
+        group = self.engine.tp_group
+        return group if group is not None and group.size > 1 else None
+
+    def follow(self) -> None:
+        """On a follower rank of the tensor group: run every step the leader runs, admitting the
+        sequences it admitted to it (the same allocations: the caches' histories are the same),
+        until the leader stops. Tokens and endings come from the leader (see DecodeStep)."""
+        while (requests := receive(self._tp_group)) is not None:
+            admitted = []
+            for request in requests:
+                self._numbered += 1
+                sequence = _Sequence(request, job=None, index=0, number=self._numbered)
+                if not self._allocate(sequence):
+                    raise RuntimeError("a follower's KV cache cannot hold what the leader's admitted: the ranks disagree")
+                self._prefilling.append(sequence)
+                admitted.append(sequence)
+            self._step(admitted)
+
     # The worker thread.
     def _run(self) -> None:
         while True:
@@ -139,6 +164,8 @@ class ContinuousBatchingWorker(EngineWorker):
                 if self._stopping:
                     return
                 admitted = self._admit()
+            if self._tp_group is not None:  # the followers step with the same sequences admitted
+                lead([s.request for s in admitted], self._tp_group)
             try:
                 self._step(admitted)
             except Exception as error:  # the server lives on; the sequences of this step get the error
@@ -347,6 +374,8 @@ class ContinuousBatchingWorker(EngineWorker):
         sequence.job.token(sequence.index, token, logprob, top)
 
     def _finish(self, sequence: _Sequence) -> None:
+        """On every rank (a follower frees the same blocks); the leader answers the job."""
         self.allocator.free(sequence.blocks)
         sequence.blocks = []
-        sequence.job.finished(sequence.index, sequence.result())
+        if sequence.job is not None:
+            sequence.job.finished(sequence.index, sequence.result())

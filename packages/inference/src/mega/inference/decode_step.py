@@ -121,8 +121,9 @@ FinishHook = Callable[[DecodingSequence], None]
 
 class DecodeStep:
     """The rows being decoded and their sampler. ``on_token`` runs for each generated token
-    before the endings are decided (a client may cancel there); ``on_finish`` for each sequence
-    that ends, on the first rank of ``tp_group`` only.
+    before the endings are decided (a client may cancel there), on the first rank of
+    ``tp_group`` only; ``on_finish`` for each sequence that ends, on every rank (a follower
+    frees its caches as the leader does).
 
     The tokens a step chooses stay on the device, where the next step reads them; the host reads
     them ``lag`` steps later (:class:`~mega.inference.host_copy.HostCopy`), so no step waits for
@@ -337,5 +338,5 @@ class DecodeStep:
 
     def _finish(self, sequence: DecodingSequence, code: int) -> None:
         sequence.finish_reason = _REASONS[code]
-        if self.on_finish is not None and self.is_leader:
+        if self.on_finish is not None:
             self.on_finish(sequence)

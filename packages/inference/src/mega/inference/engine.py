@@ -48,10 +48,19 @@ class EngineBase:
         self.read_lag = read_lag  # steps between choosing tokens on the device and reading them
         self.vocab_size = vocab_size
         self.max_positions = max_positions
+        self.length_limit = f"the model's {max_positions} positions"  # what max_positions is, in errors
         self.tokenizer = tokenizer
         self.tp_group = tp_group
         self.stop_checker = StopChecker(tokenizer)
         self.device = next(model.parameters()).device
+
+    def cap_length(self, max_model_len: int) -> None:
+        """``--max-model-len``: no sequence (prompt and generated tokens) longer, and caches sized
+        for that (they take ``max_positions``)."""
+        if not 0 < max_model_len <= self.max_positions:
+            raise GenerationError(f"--max-model-len must be in [1, {self.max_positions}] (the model's positions), "
+                                  f"got {max_model_len}")
+        self.max_positions, self.length_limit = max_model_len, f"--max-model-len {max_model_len}"
 
     @property
     def is_leader(self) -> bool:
@@ -113,7 +122,7 @@ class GenerationEngine(EngineBase):
         if total > self.max_positions:
             raise GenerationError(
                 f"{len(request.prompt)} prompt tokens + {request.max_new_tokens} tokens to generate = "
-                f"{total} exceeds the model's {self.max_positions} positions"
+                f"{total} exceeds {self.length_limit}"
             )
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
