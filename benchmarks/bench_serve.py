@@ -18,6 +18,18 @@ machine load.
 then a second prompt with the same prefix and another suffix, and times the second one's first
 token (streamed, ``max_tokens`` 1). The table gives each server's median and the ratio.
 
+Offline machines (a GPU box without an index): the server and this client need, beside torch
+and the mega packages, these wheels (fastapi 0.165 imports ``opentelemetry`` in
+``fastapi.applications`` and ``fastapi.routing``, so ``opentelemetry-api`` is a hard requirement
+of the server, not an option; without it ``mega serve`` stops at once naming the package):
+fastapi, starlette, pydantic, pydantic-core, annotated-types, typing-extensions,
+typing-inspection, annotated-doc, anyio, idna, opentelemetry-api, uvicorn, h11, click, jinja2,
+markupsafe (the server); httpx, httpcore, certifi, sniffio (this client). Build the wheelhouse
+with pip's resolver rather than by hand, on a machine of the same Python and platform:
+
+    pip download -d wheels -c constraints.txt fastapi uvicorn jinja2 httpx
+    pip install --no-index --find-links wheels fastapi uvicorn jinja2 httpx   # on the GPU machine
+
     python benchmarks/bench_serve.py
     python benchmarks/bench_serve.py --clients 64 --requests 128 --json
     python benchmarks/bench_serve.py --prefix-ttft 1024 --layers 4 --hidden 256 --vocab 8000

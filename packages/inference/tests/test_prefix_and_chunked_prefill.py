@@ -144,7 +144,7 @@ def test_chunked_prefill_equals_whole_prefill(engine, prefix_caching):
     assert max(chunks) <= 6 and len(chunks) > len(requests)  # prompts went in several chunks
 
 
-def test_serve_refuses_flags_that_cannot_work_together(tmp_path, capsys):
+def test_serve_refuses_flags_that_cannot_work_together(tmp_path, capsys, monkeypatch):
     from mega.inference.serve_cli import build_parser, main
 
     for argv, words in [(["--max-num-batched-tokens", "4", "--max-batch-size", "8"], "at least --max-batch-size"),
@@ -153,5 +153,9 @@ def test_serve_refuses_flags_that_cannot_work_together(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(["--load", str(tmp_path), *argv])
         assert words in capsys.readouterr().err + str(exit_info.value.code), argv
+    # A web stack that cannot import (fastapi 0.165 without opentelemetry-api) ends it before any loading.
+    monkeypatch.setitem(sys.modules, "mega.inference.server", None)
+    with pytest.raises(SystemExit, match="needs the Python package 'mega.inference.server'.*opentelemetry-api"):
+        main(["--load", str(tmp_path)])
     args = build_parser().parse_args(["--load", str(tmp_path)])
     assert args.enable_prefix_caching is None and args.max_request_bytes == 4 << 20 and args.host == "127.0.0.1"

@@ -134,6 +134,20 @@ def follow_serving(args: argparse.Namespace, engine) -> None:
     follow(engine, engine.tp_group, generate)
 
 
+def check_web_stack() -> None:
+    """Import the server's web stack before the model loads, so a missing package ends ``mega
+    serve`` at once with what to install (fastapi 0.165 imports ``opentelemetry`` in
+    ``fastapi.applications`` and ``fastapi.routing``: it needs ``opentelemetry-api`` however it
+    is used, which a hand-made set of wheels easily lacks)."""
+    try:
+        # start-up cost, as above
+        import mega.inference.server  # noqa: F401
+    except ModuleNotFoundError as error:
+        raise SystemExit(f"mega serve: error: the server needs the Python package '{error.name}' ({error}); "
+                         "install mega-inference with pip (which resolves fastapi's own dependencies, "
+                         "opentelemetry-api included) or add it") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -145,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.max_batch_size:
         parser.error(f"--max-num-batched-tokens {args.max_num_batched_tokens} must be at least --max-batch-size "
                      f"{args.max_batch_size} (every running sequence decodes a token per step)")
+    check_web_stack()
     if is_encoder_checkpoint(args.load):  # an encoder serves POST /v1/embeddings instead
         return serve_embeddings(args)
     # start-up cost, as above
