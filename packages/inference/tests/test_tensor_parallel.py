@@ -58,25 +58,28 @@ def generate(weights, family_name: str, tp: int, static: bool = False):
 
 
 def serve_continuously(weights, family_name: str, tp: int):
-    """The leader's results (None on the follower) of continuous batching on the static KV cache
-    (with prefix caching, steps eager: the code CUDA graphs capture on a GPU), the requests
-    joining one at a time, the leader's client cancelling the last after 3 tokens."""
+    """The leader's results (None on the follower) of ``mega serve``'s continuous batching on the
+    static KV cache (with prefix caching, steps eager: the code CUDA graphs capture on a GPU), the
+    requests joining one at a time, the leader's client cancelling the last after 3 tokens."""
     import asyncio
 
     from mega.core.parallel import ParallelConfig, ParallelGroups
     from mega.inference.batching import Job
     from mega.inference.continuous import ContinuousBatchingWorker
     from mega.inference.engine import GenerationEngine
+    from mega.inference.serve_cli import build_parser, continuous_worker, follow_serving
     from mega.inference.tp_serving import lead
 
     groups = ParallelGroups(ParallelConfig(tp=tp))
     model, config = mega_from_hf_weights(*weights, family_name, groups)
     engine = GenerationEngine(model, vocab_size=VOCAB, max_positions=POSITIONS, tp_group=groups.tp)
-    worker = ContinuousBatchingWorker(engine, max_batch_size=4, static_cache=True, use_cuda_graphs=False,
-                                      prefix_caching=True)
+    # As `torchrun ... mega serve --static-kv-cache --no-cuda-graphs` builds it on every rank.
+    args = build_parser().parse_args(["--load", ".", "--max-batch-size", "4", "--static-kv-cache", "--no-cuda-graphs"])
     if groups.tp.rank != 0:
-        worker.follow()
+        follow_serving(args, engine)
         return None
+    worker = continuous_worker(args, engine, static=True)
+    assert isinstance(worker, ContinuousBatchingWorker) and worker.prefix_caching and worker._decode_steps is not None
     batch = requests()
 
     class CancellingJob(Job):
