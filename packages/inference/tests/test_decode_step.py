@@ -24,6 +24,7 @@ from mega.inference.batching import Job  # noqa: E402
 from mega.inference.continuous import ContinuousBatchingWorker  # noqa: E402
 from mega.inference.encoder_decoder import EncoderDecoderEngine  # noqa: E402
 from mega.inference.engine import FinishReason, GenerationEngine, GenerationRequest  # noqa: E402
+from mega.inference.host_copy import HostCopy, to_device  # noqa: E402
 from mega.inference.sampling import SamplingParams  # noqa: E402
 from mega.inference.static_decode import StaticDecoder  # noqa: E402
 from mega.inference.stopping import StopRules  # noqa: E402
@@ -210,3 +211,15 @@ def test_tokens_read_late_end_where_read_at_once(engine):
         assert late[0].generated == at_once[0].generated == streamed_late[0] == greedy[:3], path
         assert late[0].finish_reason == "stop" and late[0].logprobs == at_once[0].logprobs, path
         assert (forwards_at_once, forwards_late) == (3, 6), path  # prefill + 2 decode steps, + the overshoot
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA: pinned buffers, non-blocking copies and an event"))])
+def test_host_copy_reads_what_the_device_held_then(device):
+    """CPU, and CUDA where there is one (the copy a decode step leaves behind runs in the
+    stream's order: a later write on the device does not reach it)."""
+    tensor = torch.arange(5, device=device) * 3
+    copy = HostCopy({"ids": tensor, "halves": tensor.float() / 2})
+    tensor.add_(100)
+    assert copy.read() == {"ids": [0, 3, 6, 9, 12], "halves": [0.0, 1.5, 3.0, 4.5, 6.0]}
+    assert to_device([1, 2], torch.device(device)).tolist() == [1, 2]
