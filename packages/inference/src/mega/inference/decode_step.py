@@ -13,7 +13,10 @@ one text-generation controller serves its static and dynamic engines). It
   length, then a cancellation: a sequence that ended by itself reports so even when its client
   has just gone;
 - retires the finished rows: the last row takes a finished row's place, so the callers' caches
-  move as few rows as possible, and ``kept`` says which old row each new row is.
+  move as few rows as possible, and ``kept`` says which old row each new row is;
+- keeps the chosen tokens on the device (the next step's input) and reads them on the host a
+  few steps later (``lag``, :mod:`~mega.inference.host_copy`), so no step waits for the device:
+  endings are learnt that late and what a row decoded past its end is dropped.
 
 Under tensor parallelism the first rank of the group decides (cancellations, unseeded draws and
 stop strings happen there only) and broadcasts the tokens and endings, so ranks never disagree.
@@ -42,8 +45,9 @@ _REASONS = {code: reason for reason, code in _CODES.items()}
 
 @dataclass(eq=False)
 class DecodingSequence:
-    """One sequence's decoding state. ``known``: tokens (prompt, then generated) fixed so far;
-    the logits a step gets for this row are those of token ``known``."""
+    """One sequence's decoding state. ``known``: tokens (prompt, then generated) fixed so far,
+    on the device (``generated`` holds those the host has read, a few steps behind); the logits
+    a step gets for this row are those of token ``known``."""
 
     request: GenerationRequest
     known: int = -1  # -1: the whole prompt (set in __post_init__)
