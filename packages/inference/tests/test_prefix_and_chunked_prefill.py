@@ -125,8 +125,9 @@ def test_prefix_caching_and_eviction_change_no_output(engine, static):
     assert worker.prefilled_tokens < without.prefilled_tokens  # the cached prefixes were not prefilled again
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True], ids=["paged", "prefix-caching"])
-def test_chunked_prefill_equals_whole_prefill(engine, prefix_caching):
+@pytest.mark.parametrize("prefix_caching,static", [(False, False), (True, False), (True, True)],
+                         ids=["paged", "prefix-caching", "static-prefix-caching"])
+def test_chunked_prefill_equals_whole_prefill(engine, prefix_caching, static):
     """A budget of 6 tokens a step: the long prompts are prefilled in chunks while the short
     request decodes; tokens and prompt log-probabilities are those of whole prefills."""
     requests = [GenerationRequest([7, 9], 20),
@@ -135,7 +136,7 @@ def test_chunked_prefill_equals_whole_prefill(engine, prefix_caching):
                 GenerationRequest(list(range(100, 120)), 0, logprobs=True)]
     expected = [engine.generate([request])[0] for request in requests]
     worker = ContinuousBatchingWorker(engine, max_batch_size=4, max_num_tokens=512, block_size=8,
-                                      prefix_caching=prefix_caching, max_num_batched_tokens=6)
+                                      prefix_caching=prefix_caching, max_num_batched_tokens=6, static_cache=static)
     chunks = []
     prefill = worker._prefill
     worker._prefill = lambda sequence, count: (chunks.append(count), prefill(sequence, count))
