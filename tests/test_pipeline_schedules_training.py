@@ -74,7 +74,8 @@ def test_uneven_layouts_and_zero_bubble_schedules_match_one_process(worlds, tmp_
     (["--model-family", "llama", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|t|t|t,L",
       "--num-virtual-stages-per-pipeline-rank", "3"], "4 stages = 2 per pipeline rank, but the virtual stages per rank are 3"),
     (["--model-family", "llama", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
-      "--data-parallel-sharding-strategy", "optim_grads_params"], "use --pipeline-schedule 1f1b with FSDP"),
+      "--data-parallel-sharding-strategy", "optim_grads_params"], "--pipeline-schedule zb-h1 leaves .* but --data-parallel-sharding-strategy optim_grads_params \\(FSDP\\) "
+     "reduces them at its end: use --pipeline-schedule 1f1b with FSDP"),
     (["--model-family", "llama", "--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "3",
       "--decoder-last-pipeline-num-layers", "2"], "the 1 layers left after .* do not split evenly over the 2 middle"),
 ])

@@ -32,13 +32,15 @@ FP8 = {"gpt": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
 @pytest.mark.parametrize("fp8_format", ["hybrid", "e4m3"])
 def test_parallel_layers_compute_torchaos_float8_linear_at_tp1(recipe, fp8_format):
     """CPU. At tp1 mega's FP8 column- and row-parallel layers give torchao's Float8Linear's
-    output and gradients exactly (the same casts, scales and _scaled_mm calls)."""
+    output and gradients exactly (the same casts, scales and _scaled_mm calls), also with the
+    weight gradient deferred to a zero-bubble schedule's W step."""
     from mega_torchao.fp8 import float8_config
     from mega_torchao.layers import Float8ColumnParallelLinear, Float8RowParallelLinear
     from torchao.float8.float8_linear import Float8Linear
 
     from mega.core.parallel.groups import Group
     from mega.core.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from mega.core.parallel.weight_grad_split import deferring_weight_grads, run_weight_grads
 
     config = float8_config(fp8_format, recipe)
     torch.manual_seed(0)
@@ -58,6 +60,14 @@ def test_parallel_layers_compute_torchaos_float8_linear_at_tp1(recipe, fp8_forma
         assert torch.equal(out, expected), fp8_class.__name__
         assert torch.equal(mine_x.grad, their_x.grad) and torch.equal(layer.weight.grad, theirs.weight.grad)
         assert not torch.equal(out, reference(x))  # really FP8
+        layer.weight.grad = layer.bias.grad = None
+        pending = []
+        with deferring_weight_grads(pending):
+            split = layer(x.clone().requires_grad_())
+        split.backward(grad)
+        assert layer.weight.grad is None and len(pending) == 1  # B: the input gradient (and the bias's)
+        run_weight_grads(pending)
+        assert torch.equal(layer.weight.grad, theirs.weight.grad) and torch.equal(layer.bias.grad, theirs.bias.grad)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
