@@ -6,13 +6,13 @@ One 4-rank world runs, 6 layers each:
 * GPT, pp4, ``--pipeline-schedule zb-h1``, ``--decoder-first/last-pipeline-num-layers 1`` (1, 2, 2, 1),
   full recompute (a recomputed layer's weight gradients come in B);
 * LLaMA, pp2 x dp2, ``zbv`` (two chunks per rank in a V) with a ``--pipeline-model-parallel-layout``
-  string (1, 2, 1, 2 layers), saving at iteration 1; then tp2 x pp2 with sequence parallelism under
+  string (1, 2, 1, 2 layers), saving at iteration 5; then tp2 x pp2 with sequence parallelism under
   interleaved zero bubble (``zb-h1``, 2 chunks per rank), the embedding and the loss each counted as
   a layer (1, 2, 2, 1), resumes from that checkpoint;
 * Mixtral, pp2 x ep2 with the distributed optimizer, ``dualpipev`` with a layout whose last stage
   holds only the output layer and loss (1, 2, 3, 0).
 
-Losses must match the single-process run's to 1e-5 at every step.
+Losses must match the single-process run's to 1e-5 at every one of 10 steps.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from mega.core.training.run_parser import parse_run
 COMMON = [
     "--mock-data", "--model-preset", "tiny", "--num-layers", "6", "--hidden-size", "32", "--seq-length", "16",
     "--vocab-size", "90", "--make-vocab-size-divisible-by", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--train-iters", "2", "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-iters", "0", "--log-interval", "100",
+    "--train-iters", "10", "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-iters", "0", "--log-interval", "100",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
 ]
 FAMILIES = {
@@ -53,8 +53,8 @@ def test_uneven_layouts_and_zero_bubble_schedules_match_one_process(worlds, tmp_
     saved = str(tmp_path / "zbv")
     runs = [
         COMMON + FAMILIES["gpt"] + PP4_ZB_H1_FIRST_LAST,
-        COMMON + FAMILIES["llama"] + PP2_ZBV_LAYOUT + ["--save", saved, "--save-interval", "1"],
-        COMMON + FAMILIES["llama"] + TP2_PP2_INTERLEAVED_ZB + ["--load", f"{saved}/iter_0000001"],
+        COMMON + FAMILIES["llama"] + PP2_ZBV_LAYOUT + ["--save", saved, "--save-interval", "5"],
+        COMMON + FAMILIES["llama"] + TP2_PP2_INTERLEAVED_ZB + ["--load", f"{saved}/iter_0000005"],
         COMMON + FAMILIES["mixtral"] + PP2_EP2_DUALPIPEV,
     ]
     results = worlds.run(4, train_each, runs)
@@ -62,7 +62,7 @@ def test_uneven_layouts_and_zero_bubble_schedules_match_one_process(worlds, tmp_
     gpt, llama, resumed, mixtral = results[0]
     assert_losses_close(gpt, references["gpt"], "gpt pp4 zb-h1, 1 layer on the first and the last stage")
     assert_losses_close(llama, references["llama"], "llama pp2 zbv with a layout string")
-    assert_losses_close(resumed, references["llama"][1:], "llama tp2 x pp2 interleaved zero bubble, resumed from zbv")
+    assert_losses_close(resumed, references["llama"][5:], "llama tp2 x pp2 interleaved zero bubble, resumed from zbv")
     assert_losses_close(mixtral, references["mixtral"], "mixtral pp2 x ep2 dualpipev, distributed optimizer")
 
 

@@ -35,7 +35,7 @@ def test_parallel_layers_compute_torchaos_float8_linear_at_tp1(recipe, fp8_forma
     output and gradients exactly (the same casts, scales and _scaled_mm calls), also with the
     weight gradient deferred to a zero-bubble schedule's W step."""
     from mega_torchao.fp8 import float8_config
-    from mega_torchao.layers import Float8ColumnParallelLinear, Float8RowParallelLinear
+    from mega_torchao.layers import Float8ColumnParallelLinear, Float8DeferringLinear, Float8RowParallelLinear
     from torchao.float8.float8_linear import Float8Linear
 
     from mega.core.parallel.groups import Group
@@ -47,8 +47,13 @@ def test_parallel_layers_compute_torchaos_float8_linear_at_tp1(recipe, fp8_forma
     reference = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
     one = Group("tp", (0,), 0, None)
     for parallel, fp8_class in ((ColumnParallelLinear, Float8ColumnParallelLinear),
-                                (RowParallelLinear, Float8RowParallelLinear)):
-        layer = fp8_class.from_parallel(parallel.from_linear(reference, one), config)
+                                (RowParallelLinear, Float8RowParallelLinear), (None, Float8DeferringLinear)):
+        if parallel is None:  # one process's nn.Linear under a zero-bubble schedule
+            layer = fp8_class.from_linear(torch.nn.Linear(64, 48, dtype=torch.bfloat16), config)
+            with torch.no_grad():
+                layer.weight.copy_(reference.weight), layer.bias.copy_(reference.bias)
+        else:
+            layer = fp8_class.from_parallel(parallel.from_linear(reference, one), config)
         theirs = Float8Linear.from_float(torch.nn.Linear(64, 48, dtype=torch.bfloat16), config)
         with torch.no_grad():
             theirs.weight.copy_(reference.weight), theirs.bias.copy_(reference.bias)
@@ -145,6 +150,10 @@ def test_the_pass_keeps_the_output_layer_and_outer_layers_and_refuses_by_name():
                                    "decoder.layers.3.self_attention.linear_qkv", "output_layer"]
     assert len(report.fp8) == 8 and all(".layers.1." in n or ".layers.2." in n for n in report.fp8)
     assert type(stage.get_submodule("decoder.layers.1.mlp.linear_fc1")).__name__ == "Float8Linear"
+    # Under a zero-bubble schedule mega's own FP8 linear, whose weight gradient waits for W.
+    stage = build_stage(family, run.model, device="cpu")
+    apply_fp8(stage, float8_config("hybrid", "tensorwise"), num_layers=4, defer_weight_grads=True)
+    assert type(stage.get_submodule("decoder.layers.1.mlp.linear_fc1")).__name__ == "Float8DeferringLinear"
 
     def check(flags):
         derive(parse_run(TINY + FAMILIES["gpt"] + flags)[0], world_size=1)

@@ -131,6 +131,27 @@ class _Float8LocalProduct:
         return y if bias is None else y + bias.to(y.dtype)
 
 
+class Float8DeferringLinear(torch.nn.Linear):
+    """A linear layer of one process with torchao's ``Float8Linear``'s products (bit for bit), for
+    the zero-bubble schedules: it runs them through :func:`float8_matmul`, whose weight gradient
+    waits for the W step (``Float8Linear``'s autograd function is torchao's and computes it in
+    B). Eager under ``--compile``, as the tensor-parallel FP8 layers."""
+
+    fp8: Float8Products
+
+    @classmethod
+    def from_linear(cls, layer: torch.nn.Linear, config: Float8LinearConfig) -> Float8DeferringLinear:
+        new = cls(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta",
+                  dtype=layer.weight.dtype)
+        new.fp8 = Float8Products(config, mm_config(config))
+        return _holding_parameters_of(layer, new)
+
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """``add_bias=False`` leaves the bias to the caller, as mega's ``Linear``."""
+        y = float8_matmul(x, self.weight, self.fp8)
+        return y + self.bias.to(y.dtype) if add_bias and self.bias is not None else y
+
+
 class Float8ColumnParallelLinear(_Float8LocalProduct, ColumnParallelLinear):
     """:class:`ColumnParallelLinear` with its product in FP8. Its weight is split along the output
     features: the weight's and the output gradient's amaxes are reduced over the tensor group."""

@@ -14,9 +14,8 @@ nothing into them (and runs none of their hooks) until W. The context is a ``Con
 by the ``with``, as ``torch.no_grad`` is: nothing to reset. Layers that defer: mega's linears (the torch ``linear`` component
 and the tensor-parallel linears, all through :func:`~mega.core.parallel.grad_accumulation_fusion.linear`)
 the grouped MoE experts (the loop over experts and the ``torch._grouped_mm`` path) and the torchao
-plugin's FP8 column/row-parallel linears (each calls :func:`defer` from its backward); other weights
-(norms, embeddings, a kernel backend's own linears: Transformer Engine's, torchao's ``Float8Linear``)
-get their gradients in B as before, which changes only when. Activation recompute reruns a region with the deferral its forward had
+plugin's FP8 linears (each calls :func:`defer` from its backward); other weights (norms, embeddings,
+Transformer Engine's linears) get their gradients in B as before, which changes only when. Activation recompute reruns a region with the deferral its forward had
 (:func:`replaying_weight_grad_deferral`).
 
 W hands each summed gradient to autograd as the gradient of the parameter itself, so it lands
