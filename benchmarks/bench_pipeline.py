@@ -135,6 +135,15 @@ class FixedCost:
         self._end("W", microbatch, chunk, 1)
 
 
+def set_realtime(on: bool) -> None:
+    """Every thread of this rank (gloo's too) under SCHED_FIFO, or back to the default policy: a
+    rank that wakes (a sleep ends, a message arrives) then runs at once, whatever else the machine
+    runs. The ranks of a fixed-cost run sleep almost all the time. Needs root (CAP_SYS_NICE)."""
+    policy, priority = (os.SCHED_FIFO, 1) if on else (os.SCHED_OTHER, 0)
+    for thread in os.listdir("/proc/self/task"):
+        os.sched_setscheduler(int(thread), policy, os.sched_param(priority))
+
+
 def peak_allocated_bytes(step) -> int:
     """The most CPU memory held at once during ``step()`` above what was held when it began
     (torch's profiler reports the allocator's running total with every allocation and free)."""
@@ -207,6 +216,8 @@ def time_pipeline(args, pp: int, vpp: int | None, schedule: str, trace_path: str
                          tensor_shape=[args.seq, args.micro_batch, args.hidden], events=events, schedule=schedule)
         optimizer.step()
 
+    if args.realtime:
+        set_realtime(True)
     times = []
     for step in range(1 + args.steps):
         events.hook.on_step_start(run=None, iteration=step)
@@ -218,6 +229,8 @@ def time_pipeline(args, pp: int, vpp: int | None, schedule: str, trace_path: str
             dist.barrier()
         if step > 0:
             times.append(time.perf_counter() - start)
+    if args.realtime:
+        set_realtime(False)
     if trace_path:
         timeline.write()
     result = {"times": times, "spans": [s for s in timeline.spans if s["args"]["iteration"] > 0]}
@@ -301,6 +314,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layer-ms", type=float, default=None,
                         help="a fixed cost per layer of each F, B and W (ms, a sleep after the compute): measure "
                              "the bubble against the table's")
+    parser.add_argument("--realtime", action="store_true",
+                        help="time the steps with every rank's threads under SCHED_FIFO (root): with --layer-ms on a "
+                             "busy machine, so that other jobs do not delay the ranks' wake-ups")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
