@@ -27,13 +27,14 @@ cost of C ms in each of F, B and W, so that the schedule, not the machine, sets 
 each F, B and W of a model chunk computes (a small model: pass ``--hidden 32``) and then sleeps
 until ``layers x C`` has passed; a schedule without W runs B and W as one backward of ``2 C`` per
 layer. Equal F, B and W costs are a linear layer's: three products of the same size (``x W^T``,
-``g W``, ``g^T x``). A sleep, not a busy loop, so that ranks sharing cores do not slow each other.
+``g W``, ``g^T x``). A sleep, not a busy loop, so that ranks sharing cores do not slow each other;
+on a busy machine ``--realtime`` keeps other jobs from delaying the ranks' wake-ups.
 It prints each rank's bubble per step (the step's schedule, from the first span on any rank to
 the last end, less the rank's F, B and W time) next to the table's (its idle unit slots, or
 ``(pp-1)(F + B + W)`` for 1F1B and interleaved 1F1B), the bubble share of the step, and the peak
 memory a rank allocated during one more (profiled) step:
 
-    python benchmarks/bench_pipeline.py --layer-ms 10 --hidden 32 --seq 128 \
+    python benchmarks/bench_pipeline.py --layer-ms 100 --hidden 32 --seq 128 --realtime \
         --layouts 4 4/zb-h1 4x2 4x2/zb-h1 4x2/zbv 4x2/dualpipev
 """
 
