@@ -10,7 +10,9 @@ One 4-rank world runs, 6 layers each:
   interleaved zero bubble (``zb-h1``, 2 chunks per rank), the embedding and the loss each counted as
   a layer (1, 2, 2, 1), resumes from that checkpoint;
 * Mixtral, pp2 x ep2 with the distributed optimizer, ``dualpipev`` with a layout whose last stage
-  holds only the output layer and loss (1, 2, 3, 0).
+  holds only the output layer and loss (1, 2, 3, 0);
+* at pp4 with 8 virtual stages (the embedding and the loss alone on the first and the last): GPT
+  under interleaved zero bubble, Mixtral under ``zbv``.
 
 Losses must match the single-process run's to 1e-5 at every one of 10 steps.
 """
@@ -43,6 +45,8 @@ PP2_ZBV_LAYOUT = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", 
 TP2_PP2_INTERLEAVED_ZB = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size",
                           "2", "--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "zb-h1",
                           "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+# pp4 with two chunks per rank: 8 virtual stages, the embedding and the loss each alone on one.
+EIGHT_STAGES = ["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-layout", "E|t|t|t|t|t|t|L"]
 PP2_EP2_DUALPIPEV = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                      "--use-distributed-optimizer", "--pipeline-schedule", "dualpipev",
                      "--pipeline-model-parallel-layout", "Et|tt|ttt|L"]
@@ -56,10 +60,14 @@ def test_uneven_layouts_and_zero_bubble_schedules_match_one_process(worlds, tmp_
         COMMON + FAMILIES["llama"] + PP2_ZBV_LAYOUT + ["--save", saved, "--save-interval", "5"],
         COMMON + FAMILIES["llama"] + TP2_PP2_INTERLEAVED_ZB + ["--load", f"{saved}/iter_0000005"],
         COMMON + FAMILIES["mixtral"] + PP2_EP2_DUALPIPEV,
+        COMMON + FAMILIES["gpt"] + EIGHT_STAGES + ["--pipeline-schedule", "zb-h1"],
+        COMMON + FAMILIES["mixtral"] + EIGHT_STAGES + ["--pipeline-schedule", "zbv"],
     ]
     results = worlds.run(4, train_each, runs)
     assert all(result == results[0] for result in results)  # every rank reports the last stage's losses
-    gpt, llama, resumed, mixtral = results[0]
+    gpt, llama, resumed, mixtral, gpt_interleaved, mixtral_zbv = results[0]
+    assert_losses_close(gpt_interleaved, references["gpt"], "gpt pp4 x 2 chunks, interleaved zero bubble")
+    assert_losses_close(mixtral_zbv, references["mixtral"], "mixtral pp4 zbv")
     assert_losses_close(gpt, references["gpt"], "gpt pp4 zb-h1, 1 layer on the first and the last stage")
     assert_losses_close(llama, references["llama"], "llama pp2 zbv with a layout string")
     assert_losses_close(resumed, references["llama"][5:], "llama tp2 x pp2 interleaved zero bubble, resumed from zbv")
