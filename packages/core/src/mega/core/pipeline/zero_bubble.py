@@ -5,8 +5,9 @@ others: the bubble of ``(pp - 1) / (m + pp - 1)``. B is all the previous stage w
 W (:mod:`mega.core.parallel.weight_grad_split`) waits for nothing and can fill those gaps
 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023).
 
-The schedules are list schedules over unit costs (F = B = W = 1 per model chunk), built the way
-that paper builds its automatic ones: in every time slot each rank runs
+ZB-H1 with one chunk per rank is the paper's own order, placed in unit-cost slots (below). The
+others are list schedules over unit costs (F = B = W = 1 per model chunk), built the way that
+paper builds its automatic ones: in every time slot each rank runs
 
 1. its oldest W if ``max_deferred`` are pending (each holds a layer's input and output gradient), else
 2. a B whose gradient has arrived (B is on the critical path), the oldest, else
