@@ -15,7 +15,6 @@ What each rank holds, as `mega train` allocates it:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -166,6 +165,7 @@ class _StageUsage:
     has_output: bool
     activations: int
     in_flight: int
+    layer_parameters: int  # elements of one transformer layer (an FSDP unit)
 
 
 def plan_memory(family: ModelFamily, config, layout: Layout, *, dtype_bytes: int, optimizer: str = "adam",
@@ -181,9 +181,9 @@ def plan_memory(family: ModelFamily, config, layout: Layout, *, dtype_bytes: int
         raise PlanError(f"--optimizer {optimizer!r}: the planner knows {', '.join(OPTIMIZER_STATE_BYTES)}")
     if layout.recompute != config.recompute_granularity:
         raise PlanError("the layout's recompute must be the config's recompute_granularity")
-    unsharded = dataclasses.replace(layout, sharding="no_shard", replicas=1, reshard_after_forward="default",
-                                    cpu_offload=False)
-    key = (id(family), id(config), unsharded, dtype_bytes, num_microbatches, device_type)
+    key = (id(family), id(config), layout.tp, layout.pp, layout.cp, layout.vpp, layout.sequence_parallel,
+           layout.recompute, layout.micro_batch_size, layout.layers_per_stage, layout.schedule, dtype_bytes,
+           num_microbatches, device_type)  # what activations depend on: not dp, not the sharding
     usage = cache.get(key) if cache is not None else None
     if usage is None:
         usage = _stage_usage(family, config, layout, dtype_bytes, num_microbatches, device_type)
@@ -195,7 +195,7 @@ def plan_memory(family: ModelFamily, config, layout: Layout, *, dtype_bytes: int
         layers = sum(len(c) for c in use.chunks)
         if layout.fully_sharded:
             held = fully_sharded_bytes(
-                _sharded_stage(family, config, layout, use, dtype_bytes, device_type), layout,
+                _sharded_stage(config, layout, use, family.compile_units is not None), layout,
                 dtype_bytes=dtype_bytes, reduce_dtype_bytes=grad_dtype_bytes,
                 state_bytes_per_param=OPTIMIZER_STATE_BYTES[optimizer], accumulating=num_microbatches > 1)
             ranks.append(RankMemory(stage, layers, parameters, held.weights, held.gradients, held.optimizer,
@@ -220,6 +220,9 @@ def _stage_usage(family: ModelFamily, config, layout: Layout, dtype_bytes: int, 
     tied = not getattr(config, "untie_embeddings_and_output_weights", True)
     table = schedule_of(layout.pp, num_microbatches, layout.vpp, layout.schedule)
     schedule = table.actions  # (built anew at each read)
+    layer = family.memory_model(config, layers=1, pre_process=False, post_process=False, parallel=parallel,
+                                micro_batch_size=layout.micro_batch_size, dtype_bytes=dtype_bytes,
+                                device_type=device_type).parameters
     usage = []
     split = layer_split(config.num_layers, layout.pp, layout.vpp, layout.layers_per_stage, table.placement)
     for stage, chunks in enumerate(split):
@@ -242,20 +245,16 @@ def _stage_usage(family: ModelFamily, config, layout: Layout, dtype_bytes: int, 
             if held > peak:
                 peak, peak_chunks = held, chunks_held
         activations = peak + max(f.recompute_bytes for f in footprints)
-        usage.append(_StageUsage(chunks, footprints, tied_elements, has_output, activations, peak_chunks))
+        usage.append(_StageUsage(chunks, footprints, tied_elements, has_output, activations, peak_chunks, layer))
     return usage
 
 
-def _sharded_stage(family: ModelFamily, config, layout: Layout, use: _StageUsage, dtype_bytes: int,
-                   device_type: str) -> ShardedStage:
-    """A rank's chunks as FSDP units: one layer's parameters (a middle stage of one layer), the
-    root unit of a chunk as what its layers leave, the output layer where the rank has it."""
-    footprints, chunks = use.footprints, use.chunks
-    layer = family.memory_model(config, layers=1, pre_process=False, post_process=False, parallel=layout.parallel,
-                                micro_batch_size=layout.micro_batch_size, dtype_bytes=dtype_bytes,
-                                device_type=device_type).parameters
-    roots = [f.parameters - len(layers) * layer for f, layers in zip(footprints, chunks, strict=True)]
+def _sharded_stage(config, layout: Layout, use: _StageUsage, units: bool) -> ShardedStage:
+    """A rank's chunks as FSDP units (``units``: its layers are, else each chunk is one): the root
+    unit of a chunk as what its layers leave, the output layer where the rank has it."""
+    layer = use.layer_parameters
+    roots = [f.parameters - len(layers) * layer for f, layers in zip(use.footprints, use.chunks, strict=True)]
     vocabulary = getattr(config, "padded_vocab_size", None)
     output = vocabulary(layout.tp) * config.hidden_size // layout.tp if vocabulary and use.has_output else 0
-    return ShardedStage(parameters=sum(f.parameters for f in footprints), root=max(0, *roots), output_layer=output,
-                        layer=layer, layers=sum(len(c) for c in chunks), units=family.compile_units is not None)
+    return ShardedStage(parameters=sum(f.parameters for f in use.footprints), root=max(0, *roots),
+                        output_layer=output, layer=layer, layers=sum(len(c) for c in use.chunks), units=units)

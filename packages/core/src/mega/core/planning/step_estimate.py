@@ -68,7 +68,10 @@ def with_recompute(config, recompute: str | None):
 
 def estimate(family: ModelFamily, config, layout: Layout, *, global_batch_size: int, dtype_bytes: int,
              optimizer: str = "adam", peak_tflops: float | None = None, mfu: float = 0.45,
-             device_type: str = "cuda", grad_dtype_bytes: int | None = None, cache: dict | None = None) -> Estimate:
+             device_type: str = "cuda", grad_dtype_bytes: int | None = None, cache: dict | None = None,
+             like: Estimate | None = None) -> Estimate:
+    """``like``: the estimate of the same layout under another sharding (its FLOPs and time
+    hold: communication is not modelled); ``cache``: see :func:`plan_memory`."""
     per_step = layout.micro_batch_size * layout.dp
     if global_batch_size % per_step:
         raise PlanError(f"--global-batch-size {global_batch_size} is not divisible by micro-batch "
@@ -82,6 +85,8 @@ def estimate(family: ModelFamily, config, layout: Layout, *, global_batch_size: 
     ranks = plan_memory(family, config, layout, dtype_bytes=dtype_bytes, optimizer=optimizer,
                         num_microbatches=walked, device_type=device_type, grad_dtype_bytes=grad_dtype_bytes,
                         cache=cache)
+    if like is not None:
+        return dataclasses.replace(like, layout=layout, ranks=ranks)
     flops = family.num_floating_point_operations(config, global_batch_size)
     bubble = pipeline_bubble(layout, microbatches)
     step_time = None
@@ -181,12 +186,14 @@ SHARDING_ORDER = ("no_shard", *SHARDED_STRATEGIES)
 def _least_sharded_fit(family: ModelFamily, config, layout: Layout, shardings: list[str], options: dict,
                        budget: float, *, fsdp_grad_dtype_bytes: int | None, **common) -> Estimate | None:
     """``layout`` with the first of ``shardings`` whose peak fits in ``budget`` bytes, or None."""
+    result = None
     for sharding in shardings:
         fsdp = _fsdp_fields(sharding, options)
         if fsdp and fsdp_grad_dtype_bytes:
             common = {**common, "grad_dtype_bytes": fsdp_grad_dtype_bytes}
         try:
-            result = estimate(family, config, dataclasses.replace(layout, sharding=sharding, **fsdp), **common)
+            result = estimate(family, config, dataclasses.replace(layout, sharding=sharding, **fsdp), like=result,
+                              **common)
         except PlanError:
             return None  # the layout cannot split, whatever it shards
         if result.peak_bytes <= budget:
