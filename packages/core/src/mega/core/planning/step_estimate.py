@@ -198,6 +198,8 @@ def _least_sharded_fit(family: ModelFamily, config, layout: Layout, shardings: l
             return None  # the layout cannot split, whatever it shards
         if result.peak_bytes <= budget:
             return result
+        if max(rank.activations for rank in result.ranks) > budget:
+            return None  # no sharding shrinks the activations
     return None
 
 
