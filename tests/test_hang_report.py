@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 ARGV = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "64", "--micro-batch-size", "2", "--train-iters", "5",
-        "--eval-iters", "0", "--log-interval", "1", "--distributed-timeout-minutes", "0.2"]
+        "--seq-length", "64", "--vocab-size", "64", "--micro-batch-size", "2", "--train-iters", "5",
+        "--eval-iters", "0", "--log-interval", "1", "--distributed-timeout-minutes", "0.1"]
 # Rank 1 skips the loss all-reduce of iteration 3 and then waits forever elsewhere.
 RANK = """
 import os, sys, time
@@ -35,7 +35,7 @@ def test_a_deadlock_is_reported_by_every_rank_and_the_rank_behind_is_named(tmp_p
     job = subprocess.run([sys.executable, "-c", LAUNCHER, *ARGV, "--save", str(save)],
                          capture_output=True, text=True, timeout=240)
     assert job.returncode == 3, job.stderr[-3000:]
-    assert "all_reduce did not complete within --distributed-timeout-minutes 0.2" in job.stderr
+    assert "all_reduce did not complete within --distributed-timeout-minutes 0.1" in job.stderr
     waiting = re.search(r"in collective: #(\d+) +all_reduce +group (\S+) ranks \[0, 1\] sizes \[(\S*)\] "
                         r"float32 FAILED after", (save / "debug" / "rank_0.txt").read_text())
     assert waiting, (save / "debug" / "rank_0.txt").read_text()

@@ -14,7 +14,7 @@ from mega.core.checkpoint.directory import find_checkpoint, read_tracker
 from mega.core.testing.training_runs import train_losses
 
 ARGV = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--seq-length", "64", "--vocab-size", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--hidden-dropout", "0.1", "--train-iters", "8", "--lr", "1e-3", "--eval-iters", "0",
         "--log-interval", "1", "--seed", "7"]
 # A rank whose checkpoint writes announce themselves and, when MEGA_TEST_SLOW_SAVE is set, take long

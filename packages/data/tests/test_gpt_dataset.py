@@ -191,6 +191,22 @@ def test_mock_data_equals_megatron(tmp_path):
         assert_same_samples(our_split, their_split)
 
 
+def test_mock_indices_are_remembered_only_where_they_are_the_same(tmp_path):
+    """A process keeps mock indices: other sample counts within one epoch reuse them (and still
+    equal megatron-core's samples), a count that needs another epoch does not."""
+    config = GPTDatasetConfig(sequence_length=128, split="1,1,1", eod=EOD)
+    first = build_mock_gpt_datasets([300, 30, 10], config, vocab_size=EOD + 1)
+    same_epoch = build_mock_gpt_datasets([250, 20, 5], config, vocab_size=EOD + 1)
+    assert all(a.shuffle_index is b.shuffle_index for a, b in zip(first, same_epoch, strict=True))
+    assert not same_epoch[0].shuffle_index.flags.writeable
+    theirs = megatron_datasets(None, [250, 20, 5], tmp_path, mock=True, sequence_length=128, split="1,1,1")
+    for our_split, their_split in zip(same_epoch, theirs, strict=True):
+        assert_same_samples(our_split, their_split)
+    two_epochs = len(first[2]) + 1
+    other = build_mock_gpt_datasets([300, 30, two_epochs], config, vocab_size=EOD + 1)
+    assert other[2].shuffle_index is not first[2].shuffle_index and len(other[2]) > len(first[2])
+
+
 def test_sample_index_equals_megatron_helper_with_empty_documents():
     rng = np.random.default_rng(0)
     lengths = rng.integers(0, 50, 3000).astype(np.int32)

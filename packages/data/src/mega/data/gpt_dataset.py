@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,13 +22,35 @@ import numpy as np
 from mega.data.blending import MID_LEVEL_SURPLUS
 from mega.data.index_cache import IndexCache, description_hash, files_fingerprint
 from mega.data.packing import document_ids_after_eod
-from mega.data.sample_index import build_gpt_indices
+from mega.data.sample_index import build_gpt_indices, epoch_plan
 
 logger = logging.getLogger(__name__)
 
 # Megatron's pad id when the tokenizer has none; never a real token id.
 NO_PAD = -1
 _INDEX_NAMES = ["document_index", "sample_index", "shuffle_index"]
+
+# Mock data is never cached on disk (as in Megatron), yet its 100,000 documents make each split's
+# indices up to a second of shuffling; a process that trains several times (tests, a notebook, the
+# ranks of a test world) keeps the most recent ones, read-only, up to this size.
+_MOCK_INDEX_MEMO_BYTES = 384 * 2**20
+_mock_index_memo: OrderedDict[str, tuple[np.ndarray, ...]] = OrderedDict()
+
+
+def _remembered_mock_indices(key: str, build) -> tuple[np.ndarray, ...]:
+    if key in _mock_index_memo:
+        _mock_index_memo.move_to_end(key)
+        return _mock_index_memo[key]
+    indices = build()
+    for array in indices:
+        array.flags.writeable = False
+    size = sum(array.nbytes for array in indices)
+    held = sum(array.nbytes for kept in _mock_index_memo.values() for array in kept)
+    while _mock_index_memo and held + size > _MOCK_INDEX_MEMO_BYTES:
+        held -= sum(array.nbytes for array in _mock_index_memo.popitem(last=False)[1])
+    if size <= _MOCK_INDEX_MEMO_BYTES:
+        _mock_index_memo[key] = indices
+    return indices
 
 
 @dataclass(frozen=True)
@@ -89,11 +112,24 @@ class GPTDataset:
             indent=2,
         )
         self.stem = f"{description_hash(self.description)}-GPTDataset-{split}"
-        self.document_index, self.sample_index, self.shuffle_index = self._indices(cache)
+        if path is None and cache is None:
+            indices = _remembered_mock_indices(self._mock_index_key(), lambda: self._indices(None))
+        else:
+            indices = self._indices(cache)
+        self.document_index, self.sample_index, self.shuffle_index = indices
 
     @property
     def _drop_last_partial_sequence(self) -> bool:
         return self.config.drop_last_partial_validation_sequence if self.split == "valid" else True
+
+    def _mock_index_key(self) -> str:
+        """The description with the sample count replaced by all it changes (the epochs): runs of
+        other lengths share one epoch's indices."""
+        key = json.loads(self.description)
+        tokens = int(np.sum(self.source.sequence_lengths[self.documents], dtype=np.int64))
+        key["num_samples"] = epoch_plan(tokens, self.num_samples, self.config.sequence_length,
+                                        int(self.config.add_extra_token_to_sequence)) if tokens else None
+        return json.dumps(key)
 
     def _indices(self, cache: IndexCache | None):
         if cache is not None:

@@ -115,6 +115,16 @@ def build_shuffle_index(num_samples: int, total_size: int, random_state: np.rand
     return np.concatenate((first, last))
 
 
+def epoch_plan(tokens_per_epoch: int, num_samples: int | None, sequence_length: int,
+               extra_token: int) -> tuple[int, bool, int]:
+    """(epochs, whether the last is shuffled apart, samples before it): all that the sample count
+    changes in the indices."""
+    num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, sequence_length, extra_token)
+    if num_samples is None:
+        return num_epochs, False, 0
+    return (num_epochs, *separate_final_epoch(num_epochs, tokens_per_epoch, num_samples, sequence_length, extra_token))
+
+
 def build_gpt_indices(
     sequence_lengths: np.ndarray,
     documents: np.ndarray,
@@ -127,12 +137,7 @@ def build_gpt_indices(
     """(document index, sample index, shuffle index) for one split, as megatron-core's GPTDataset."""
     extra = int(add_extra_token)
     tokens_per_epoch = int(np.sum(np.asarray(sequence_lengths)[documents], dtype=np.int64))
-    num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, sequence_length, extra)
-    separate, samples_before_final = (
-        separate_final_epoch(num_epochs, tokens_per_epoch, num_samples, sequence_length, extra)
-        if num_samples is not None
-        else (False, 0)
-    )
+    num_epochs, separate, samples_before_final = epoch_plan(tokens_per_epoch, num_samples, sequence_length, extra)
     random_state = np.random.RandomState(seed)
     document_index = build_document_index(documents, num_epochs, random_state, separate)
     sample_index = build_sample_index(
