@@ -20,6 +20,11 @@ PLUGINS = [str(Path(p).parent) for p in PLUGINS]
 nox.options.sessions = ["tests", "lint"]
 # Openings in the style of the pydoc topics the demo model is trained on.
 DEMO_PROMPTS = ["The \"for\" statement is used to", "A class definition"]
+# The demo GPT's flags (mega.core.training.default_run.MODEL_FLAGS) and the question its LoRA step
+# answers, in the chat set's turns (mega.data.embedded_chat.prompt).
+DEMO_MODEL = ["--model-family", "gpt", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+              "--seq-length", "128", "--hidden-dropout", "0", "--attention-dropout", "0"]
+DEMO_QUESTION = "<|user|>Tell me about The \"for\" statement.\n<|assistant|>"
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
 
@@ -55,7 +60,8 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job on the embedded default: train a small GPT on the CPU (`mega train`, no
-    arguments; it saves to checkpoints/pydoc-gpt), then generate from it (`mega generate`)."""
+    arguments; it saves to checkpoints/pydoc-gpt), then generate from it (`mega generate`); then
+    fine-tune it with LoRA on a chat set of the same corpus and answer a question with the adapter."""
     install_mega(session)
     session.run("mega", "plugins")
     session.run("mega", "train")
@@ -63,6 +69,16 @@ def demo(session: nox.Session) -> None:
     for prompt in DEMO_PROMPTS:
         session.run("mega", "generate", "--load", "checkpoints/pydoc-gpt", "--prompt", prompt,
                     "--max-tokens", "60", "--temperature", "0.7", "--top-k", "40", "--seed", "1234", "--echo")
+    # Second step: LoRA adapters fine-tuned on questions about the same topics (packed chat rows, the
+    # answers alone in the loss; mega.core.training.default_run.LORA_ARGV), then one question answered
+    # with the adapters merged at load.
+    session.run("mega", "train", "--sft", "--dataset", "pydoc-chat", "--packed-sequences", "--split", "100,0,0",
+                *DEMO_MODEL, "--load", "checkpoints/pydoc-gpt", "--finetune", "--lora-rank", "16",
+                "--lora-alpha", "32", "--micro-batch-size", "16", "--train-iters", "40", "--lr", "3e-3",
+                "--lr-warmup-iters", "5", "--lr-decay-style", "cosine", "--calculate-per-token-loss",
+                "--eval-iters", "0", "--log-interval", "10", "--seed", "1234", "--save", "checkpoints/pydoc-gpt-lora")
+    session.run("mega", "generate", "--load", "checkpoints/pydoc-gpt", "--adapter", "checkpoints/pydoc-gpt-lora",
+                "--prompt", DEMO_QUESTION, "--greedy", "--max-tokens", "40", "--echo")
 
 
 @nox.session

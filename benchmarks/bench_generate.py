@@ -22,6 +22,11 @@ prefix-cache hit rate (from ``/metrics``).
     # the LLaMA 1.2B shape on a GPU (#23's decode table):
     python benchmarks/bench_generate.py --family llama --device cuda --dtype bfloat16 --layers 16 \
         --hidden 2048 --heads 16 --vocab 128256 --prompt 128 --new-tokens 128 --batches 1 16 --no-server
+    # the same, reading each step's tokens at once (a host synchronisation per token), to compare:
+    python benchmarks/bench_generate.py ... --read-lag 0
+
+The per-token callback runs when the host reads a token, ``--read-lag`` steps after the device
+chose it: the time to first token includes those steps; inter-token gaps are the steps' own.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import transformers  # noqa: E402
 
 from mega.core.build import build_stage  # noqa: E402
 from mega.core.plugins import get_plugins  # noqa: E402
+from mega.inference.decode_step import READ_LAG  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
 from mega.inference.static_decode import StaticDecoder  # noqa: E402
 from mega.models.hf_mapping import hf_to_mega  # noqa: E402
@@ -79,7 +85,7 @@ def mega_engine(family: str, model, args) -> GenerationEngine:
     mega_model = build_stage(get_plugins().models.get(family), config, init=False)
     mega_model.load_state_dict(weights)
     return GenerationEngine(placed(mega_model.eval(), args), vocab_size=config.vocab_size,
-                            max_positions=config.max_position_embeddings)
+                            max_positions=config.max_position_embeddings, read_lag=getattr(args, "read_lag", READ_LAG))
 
 
 def measure_bandwidth(device: str) -> float:
@@ -317,6 +323,9 @@ def main() -> None:
     parser.add_argument("--server-requests", type=int, default=64, help="requests per concurrency level")
     parser.add_argument("--server-tokens", type=int, default=32, help="tokens generated per server request")
     parser.add_argument("--no-server", action="store_true", help="only the engine part")
+    parser.add_argument("--read-lag", type=int, default=READ_LAG,
+                        help=f"steps between choosing tokens on the device and reading them on the host (default "
+                             f"{READ_LAG}; 0 reads every step at once, a host synchronisation per token)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 

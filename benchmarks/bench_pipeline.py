@@ -21,6 +21,21 @@ of processes, so that load from other jobs drifts over all of them alike.
 A layout is ``PP``, ``PPxVPP`` (interleaved) and ``/SCHEDULE`` (``--pipeline-schedule``). The
 V schedules (zbv, dualpipev) put the embedding and the output layer on the first rank: their
 model unties them (same numbers).
+
+The bubble against theory: ``--layer-ms C`` gives every layer (a block, the output layer) a fixed
+cost of C ms in each of F, B and W, so that the schedule, not the machine, sets the timeline:
+each F, B and W of a model chunk computes (a small model: pass ``--hidden 32``) and then sleeps
+until ``layers x C`` has passed; a schedule without W runs B and W as one backward of ``2 C`` per
+layer. Equal F, B and W costs are a linear layer's: three products of the same size (``x W^T``,
+``g W``, ``g^T x``). A sleep, not a busy loop, so that ranks sharing cores do not slow each other;
+on a busy machine ``--realtime`` keeps other jobs from delaying the ranks' wake-ups.
+It prints each rank's bubble per step (the step's schedule, from the first span on any rank to
+the last end, less the rank's F, B and W time) next to the table's (its idle unit slots, or
+``(pp-1)(F + B + W)`` for 1F1B and interleaved 1F1B), the bubble share of the step, and the peak
+memory a rank allocated during one more (profiled) step:
+
+    python benchmarks/bench_pipeline.py --layer-ms 100 --hidden 32 --seq 128 --realtime \
+        --layouts 4 4/zb-h1 4x2 4x2/zb-h1 4x2/zbv 4x2/dualpipev
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ from torch import nn
 
 from mega.core.parallel.grad_accumulation_fusion import Linear
 from mega.core.pipeline import ScheduleError, schedule_table
+from mega.core.plugins import hookimpl
 
 
 class Embedding(nn.Module):
@@ -73,6 +89,78 @@ def build_layers(args, tied: bool = True) -> list[nn.Module]:
     return [embedding, *[Block(args.hidden) for _ in range(args.blocks)], output_layer]
 
 
+class FixedCost:
+    """Schedule listener: each F, B and W of a model chunk lasts ``layers x layer_s`` (a backward
+    that includes W, ``2 x``): after the chunk's compute it sleeps for what is left. Registered
+    after the timeline, so pluggy calls it first and the timeline's spans include the sleep."""
+
+    def __init__(self, layers_per_chunk: list[int], layer_s: float, splits_backward: bool):
+        self.layers, self.layer_s = layers_per_chunk, layer_s
+        self.backward_layers = 1 if splits_backward else 2
+        self.starts: dict[tuple, float] = {}
+        self.overruns = 0  # actions whose compute alone took longer than their cost
+
+    def _start(self, kind, microbatch, chunk):
+        self.starts[(kind, microbatch, chunk)] = time.perf_counter()
+
+    def _end(self, kind, microbatch, chunk, per_layer):
+        left = self.starts.pop((kind, microbatch, chunk)) + self.layers[chunk] * per_layer * self.layer_s \
+            - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        else:
+            self.overruns += 1
+
+    @hookimpl
+    def on_forward_start(self, microbatch, chunk):
+        self._start("F", microbatch, chunk)
+
+    @hookimpl
+    def on_forward_end(self, microbatch, chunk):
+        self._end("F", microbatch, chunk, 1)
+
+    @hookimpl
+    def on_backward_start(self, microbatch, chunk):
+        self._start("B", microbatch, chunk)
+
+    @hookimpl
+    def on_backward_end(self, microbatch, chunk):
+        self._end("B", microbatch, chunk, self.backward_layers)
+
+    @hookimpl
+    def on_weight_grad_start(self, microbatch, chunk):
+        self._start("W", microbatch, chunk)
+
+    @hookimpl
+    def on_weight_grad_end(self, microbatch, chunk):
+        self._end("W", microbatch, chunk, 1)
+
+
+def set_realtime(on: bool) -> None:
+    """Every thread of this rank (gloo's too) under SCHED_FIFO, or back to the default policy: a
+    rank that wakes (a sleep ends, a message arrives) then runs at once, whatever else the machine
+    runs. The ranks of a fixed-cost run sleep almost all the time. Needs root (CAP_SYS_NICE)."""
+    policy, priority = (os.SCHED_FIFO, 1) if on else (os.SCHED_OTHER, 0)
+    for thread in os.listdir("/proc/self/task"):
+        os.sched_setscheduler(int(thread), policy, os.sched_param(priority))
+
+
+def peak_allocated_bytes(step) -> int:
+    """The most CPU memory held at once during ``step()`` above what was held when it began
+    (torch's profiler reports the allocator's running total with every allocation and free)."""
+    from torch.profiler import ProfilerActivity, profile  # start-up cost: only the fixed-cost runs profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        step()
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "trace.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as file:
+            events = json.load(file)["traceEvents"]
+    totals = [event["args"]["Total Allocated"] for event in events if event.get("name") == "[memory]"]
+    return max(totals, default=0)
+
+
 def balanced_layers_per_stage(args, stages: int) -> list[int]:
     units = args.blocks + 1  # blocks and the output layer
     if units % stages:
@@ -98,17 +186,22 @@ def time_pipeline(args, pp: int, vpp: int | None, schedule: str, trace_path: str
     from mega.core.plugins import Events
 
     groups = ParallelGroups(ParallelConfig(pp=pp, vpp=vpp))
-    placement = schedule_table(pp, args.microbatches, vpp or 1, schedule=schedule).placement
-    tied = placement == "interleaved"
+    table = schedule_table(pp, args.microbatches, vpp or 1, schedule=schedule)
+    # Fixed costs: untied, so that no rank waits in the tied embedding's all-reduce.
+    tied = table.placement == "interleaved" and not args.layer_ms
     layers = build_layers(args, tied)
     if tied:
         tie_across_stages(layers[0].word_embeddings.weight)
-    chunks = pipeline_chunks(layers, groups, balanced_layers_per_stage(args, pp * (vpp or 1)), placement)
+    chunks = pipeline_chunks(layers, groups, balanced_layers_per_stage(args, pp * (vpp or 1)), table.placement)
     setup_tied_weights(chunks, groups)
     params = [p for chunk in chunks for p in chunk.parameters()]
     optimizer = torch.optim.SGD(params, lr=1e-3)
     timeline = PipelineTimeline(trace_path)
-    events = Events([timeline])
+    listeners = [timeline]
+    if args.layer_ms:
+        costed = [sum(not isinstance(layer, Embedding) for layer in chunk) for chunk in chunks]
+        listeners.append(FixedCost(costed, args.layer_ms / 1000, table.splits_backward))
+    events = Events(listeners)
     vocab = 8 * args.hidden
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, vocab, (args.micro_batch, args.seq + 1), generator=generator)
@@ -118,23 +211,75 @@ def time_pipeline(args, pp: int, vpp: int | None, schedule: str, trace_path: str
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.reshape(-1, vocab), labels.t().reshape(-1))
 
+    def train_step():
+        optimizer.zero_grad()
+        forward_backward(chunks, data, args.microbatches, loss_fn, groups,
+                         tensor_shape=[args.seq, args.micro_batch, args.hidden], events=events, schedule=schedule)
+        optimizer.step()
+
+    if args.realtime:
+        set_realtime(True)
     times = []
     for step in range(1 + args.steps):
         events.hook.on_step_start(run=None, iteration=step)
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
-        optimizer.zero_grad()
-        forward_backward(chunks, data, args.microbatches, loss_fn, groups,
-                         tensor_shape=[args.seq, args.micro_batch, args.hidden], events=events, schedule=schedule)
-        optimizer.step()
+        train_step()
         if dist.is_initialized():
             dist.barrier()
         if step > 0:
             times.append(time.perf_counter() - start)
+    if args.realtime:
+        set_realtime(False)
     if trace_path:
         timeline.write()
-    return {"times": times, "spans": [s for s in timeline.spans if s["args"]["iteration"] > 0]}
+    result = {"times": times, "spans": [s for s in timeline.spans if s["args"]["iteration"] > 0]}
+    if args.layer_ms:
+        result["overruns"] = listeners[1].overruns
+        optimizer.zero_grad()
+        events.hook.on_step_start(run=None, iteration=None)  # out of the timed iterations
+        result["peak_bytes"] = peak_allocated_bytes(train_step)
+    return result
+
+
+def bubble_per_rank(spans_per_rank: list[list[dict]]) -> tuple[float, float]:
+    """The median over steps of a rank's bubble (s: the step's schedule, from the first span on
+    any rank to the last end, less the rank's F, B and W time), averaged over the ranks, and its
+    share of the step's schedule."""
+    bubbles, shares = [], []
+    for iteration in {s["args"]["iteration"] for spans in spans_per_rank for s in spans}:
+        mine = [[s for s in spans if s["args"]["iteration"] == iteration] for spans in spans_per_rank]
+        every = [s for spans in mine for s in spans]
+        window = max(s["ts"] + s["dur"] for s in every) - min(s["ts"] for s in every)
+        idle = [window - sum(s["dur"] for s in spans if s["cat"] in ("forward", "backward", "weight_grad"))
+                for spans in mine]
+        bubbles.append(statistics.mean(idle) / 1e6)
+        shares.append(statistics.mean(idle) / window)
+    return statistics.median(bubbles), statistics.median(shares)
+
+
+def held_to_w(spans_per_rank: list[list[dict]], splits_backward: bool) -> list[int]:
+    """Each rank's most micro-batch chunks held at once, from forward to W (to the backward where
+    there is no W), read from the timeline: the paper's memory accounting."""
+    freed_by = "weight_grad" if splits_backward else "backward"
+    peaks = []
+    for spans in spans_per_rank:
+        held = peak = 0
+        for span in sorted(spans, key=lambda span: span["ts"]):
+            held += 1 if span["cat"] == "forward" else -1 if span["cat"] == freed_by else 0
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def theoretical_bubble(args, pp: int, vpp: int | None, table) -> tuple[float, float]:
+    """A rank's bubble per step (s) and its share of the step, with F = B = W = ``--layer-ms`` per
+    layer: a slotted table's idle slots; 1F1B's (pp - 1) (F + B + W) of one virtual stage."""
+    chunk_s = (args.blocks + 1) / (pp * (vpp or 1)) * args.layer_ms / 1000
+    work = 3 * args.microbatches * (vpp or 1) * chunk_s
+    idle = (len(table.steps[0]) - 3 * args.microbatches * (vpp or 1) if table.slotted else 3 * (pp - 1)) * chunk_s
+    return idle, idle / (work + idle)
 
 
 def compute_and_waiting(spans_per_rank: list[list[dict]]) -> tuple[float, float]:
@@ -167,6 +312,12 @@ def main(argv=None) -> int:
                              "(4/zb-h1, 4x2/zbv); the first is the baseline")
     parser.add_argument("--trace-dir", default=os.path.join(tempfile.gettempdir(), "mega-bench-pipeline"),
                         help="where the Chrome traces of the last round go")
+    parser.add_argument("--layer-ms", type=float, default=None,
+                        help="a fixed cost per layer of each F, B and W (ms, a sleep after the compute): measure "
+                             "the bubble against the table's")
+    parser.add_argument("--realtime", action="store_true",
+                        help="time the steps with every rank's threads under SCHED_FIFO (root): with --layer-ms on a "
+                             "busy machine, so that other jobs do not delay the ranks' wake-ups")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
@@ -188,6 +339,7 @@ def main(argv=None) -> int:
     worlds = [DistributedWorld(pp, timeout_s=600) for pp, *_ in layouts]
     step_times = [[] for _ in layouts]
     spans = [[[] for _ in range(pp)] for pp, *_ in layouts]
+    fixed = [{"peak_bytes": [], "overruns": 0} for _ in layouts]
     try:
         for round_index in range(args.rounds):
             for i, ((pp, vpp, schedule, _), world) in enumerate(zip(layouts, worlds, strict=True)):
@@ -200,9 +352,14 @@ def main(argv=None) -> int:
                 for rank, result in enumerate(results):
                     spans[i][rank] += [{**s, "args": {"iteration": (round_index, s["args"]["iteration"])}}
                                        for s in result["spans"]]
+                if args.layer_ms:
+                    fixed[i]["peak_bytes"].append([r["peak_bytes"] for r in results])
+                    fixed[i]["overruns"] += sum(r["overruns"] for r in results)
     finally:
         for world in worlds:
             world.close()
+    if args.layer_ms:
+        return print_fixed_cost(args, layouts, step_times, spans, fixed, cores)
 
     rows = []
     baseline = statistics.median(step_times[0])
@@ -234,6 +391,51 @@ def main(argv=None) -> int:
         predicted = f"{row['predicted_ms']:.0f}" if row["predicted_ms"] else f"- (pp > {cores} cores)"
         print(f"| {row['layout']} | {row['step_ms']:.0f} | {row['speedup']:.2f}x | {row['bubble_formula']:.1%} | "
               f"{predicted} | {row['compute_ms_per_rank']:.0f} | {row['not_computing_measured']:.1%} |")
+    return 0
+
+
+def print_fixed_cost(args, layouts, step_times, spans, fixed, cores) -> int:
+    """The ``--layer-ms`` report: each layout's bubble measured and from its table, and how
+    ZB-H1's compares with 1F1B's at the same pp."""
+    rows = []
+    for (pp, vpp, schedule, table), times, rank_spans, extra in zip(layouts, step_times, spans, fixed, strict=True):
+        bubble, share = bubble_per_rank(rank_spans)
+        theory, theory_share = theoretical_bubble(args, pp, vpp, table)
+        rows.append({
+            "layout": f"pp={pp}" + (f" vpp={vpp}" if vpp else "") + f" {schedule}", "pp": pp, "vpp": vpp or 1,
+            "schedule": schedule, "step_ms": 1000 * statistics.median(times),
+            "bubble_ms": 1000 * bubble, "bubble_theory_ms": 1000 * theory, "bubble_vs_theory": bubble / theory if theory else None,
+            "share": share, "share_theory": theory_share,
+            # A rank's peak in each round; the pipeline needs its largest rank's.
+            "peak_mib_per_rank": [max(peaks) / 2**20 for peaks in zip(*extra["peak_bytes"], strict=True)],
+            "held_to_w_per_rank": held_to_w(rank_spans, table.splits_backward),
+            "overruns": extra["overruns"],
+        })
+    if args.json:
+        print(json.dumps({"cores": cores, "load": os.getloadavg(), "args": vars(args), "rows": rows}, indent=2))
+        return 0
+    print(f"{cores} cores (load average {os.getloadavg()[0]:.1f}), one thread per rank; F = B = W = {args.layer_ms} ms "
+          f"per layer, {args.blocks} blocks + output layer of hidden {args.hidden}, seq {args.seq}, micro-batch "
+          f"{args.micro_batch}, {args.microbatches} micro-batches; median of {args.rounds}x{args.steps} steps")
+    print("| layout | step ms | bubble ms/rank | table's | measured/table | bubble share | table's | peak MiB per rank "
+          "| held F to W |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        ratio = f"{row['bubble_vs_theory']:.2f}" if row["bubble_vs_theory"] else "-"
+        peaks = " / ".join(f"{peak:.2f}" for peak in row["peak_mib_per_rank"])
+        print(f"| {row['layout']} | {row['step_ms']:.0f} | {row['bubble_ms']:.0f} | {row['bubble_theory_ms']:.0f} | "
+              f"{ratio} | {row['share']:.1%} | {row['share_theory']:.1%} | {peaks} | "
+              f"{' / '.join(map(str, row['held_to_w_per_rank']))} |")
+    for row in rows:
+        base = next((r for r in rows if (r["pp"], r["vpp"], r["schedule"]) == (row["pp"], 1, "1f1b")), None)
+        if row["schedule"] == "zb-h1" and row["vpp"] == 1 and base:
+            print(f"pp={row['pp']}: ZB-H1's bubble {row['bubble_ms'] / base['bubble_ms']:.0%} of 1F1B's "
+                  f"(table: {row['bubble_theory_ms'] / base['bubble_theory_ms']:.0%}); share "
+                  f"{row['share'] / base['share']:.0%} ({row['share_theory'] / base['share_theory']:.0%}); peak memory "
+                  f"{max(row['peak_mib_per_rank']) / max(base['peak_mib_per_rank']):.0%} of 1F1B's (largest rank)")
+    if any(row["overruns"] for row in rows):
+        print("overruns (compute longer than its fixed cost): "
+              + ", ".join(f"{row['layout']}: {row['overruns']}" for row in rows if row["overruns"]))
     return 0
 
 

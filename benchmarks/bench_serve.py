@@ -18,9 +18,26 @@ machine load.
 then a second prompt with the same prefix and another suffix, and times the second one's first
 token (streamed, ``max_tokens`` 1). The table gives each server's median and the ratio.
 
+Offline machines (a GPU box without an index): the server and this client need, beside torch
+and the mega packages, these wheels (fastapi 0.165 imports ``opentelemetry`` in
+``fastapi.applications`` and ``fastapi.routing``, so ``opentelemetry-api`` is a hard requirement
+of the server, not an option; without it ``mega serve`` stops at once naming the package):
+fastapi, starlette, pydantic, pydantic-core, annotated-types, typing-extensions,
+typing-inspection, annotated-doc, anyio, idna, opentelemetry-api, uvicorn, h11, click, jinja2,
+markupsafe (the server); httpx, httpcore, certifi, sniffio (this client). Build the wheelhouse
+with pip's resolver rather than by hand, on a machine of the same Python and platform:
+
+    pip download -d wheels -c constraints.txt fastapi uvicorn jinja2 httpx
+    pip install --no-index --find-links wheels fastapi uvicorn jinja2 httpx   # on the GPU machine
+
     python benchmarks/bench_serve.py
     python benchmarks/bench_serve.py --clients 64 --requests 128 --json
     python benchmarks/bench_serve.py --prefix-ttft 1024 --layers 4 --hidden 256 --vocab 8000
+    python benchmarks/bench_serve.py --prefix-ttft 1024 --kv-cache static --device cuda   # the static cache's
+    # tp2 on two GPUs (continuous batching on the static KV cache, CUDA-graph steps holding the collectives):
+    python benchmarks/bench_serve.py --device cuda --dtype bfloat16 --layers 16 --hidden 2048 --heads 16 \
+        --vocab 128256 --prompt-range 128 128 --tokens-range 32 32 --clients 1 8 32 --requests 64 \
+        --batching continuous --tp 2
     # on a GPU (the engine's batch-32 rate beside the server's 32 clients):
     python benchmarks/bench_serve.py --device cuda --dtype bfloat16 --layers 16 --hidden 2048 --heads 16 \
         --vocab 128256 --prompt-range 128 128 --tokens-range 32 32 --clients 1 8 32 --requests 64 \
@@ -60,7 +77,9 @@ from bench_generate import (  # noqa: E402
 
 def start_server(args, directory: str, batching: str, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "mega.core.cli.main", "serve", "--load", directory,
+    # --tp N: tensor-parallel serving, one process per rank under torchrun (rank 0 serves HTTP).
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(args.tp)] if args.tp > 1 else []
+    server = subprocess.Popen([sys.executable, *launcher, "-m", "mega.core.cli.main", "serve", "--load", directory,
                                "--port", str(port), "--log-level", "warning", "--device", args.device,
                                "--dtype", args.dtype, "--batching", batching,
                                "--max-batch-size", str(args.max_batch_size), *extra])
@@ -130,7 +149,8 @@ def bench_prefix_ttft(args, directory: str) -> list[dict]:
     servers = {}
     try:
         for name, flag in flags.items():
-            servers[name] = start_server(args, directory, "continuous", flag, "--no-static-kv-cache")
+            kv_cache = "--static-kv-cache" if args.kv_cache == "static" else "--no-static-kv-cache"
+            servers[name] = start_server(args, directory, "continuous", flag, kv_cache)
         for round_ in range(args.prefix_rounds + 1):  # round 0 warms both up
             prefix = torch.randint(0, args.vocab - 1, (args.prefix_ttft,), generator=generator).tolist()
             suffixes = torch.randint(0, args.vocab - 1, (2, 16), generator=generator).tolist()
@@ -169,6 +189,11 @@ def main() -> None:
     parser.add_argument("--prefix-ttft", type=int, default=None, metavar="N",
                         help="measure time to first token after a shared N-token prefix, prefix caching on vs off")
     parser.add_argument("--prefix-rounds", type=int, default=5, help="rounds of --prefix-ttft")
+    parser.add_argument("--kv-cache", choices=["paged", "static"], default="paged",
+                        help="--prefix-ttft: the servers' KV cache (the static cache copies a cached prefix into "
+                             "the new request's slot, the paged cache shares its blocks)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel size of the servers (torchrun, one GPU per rank)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.prompt, args.new_tokens = args.prompt_range[1], args.tokens_range[1]  # the model's positions

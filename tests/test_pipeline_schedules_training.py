@@ -6,13 +6,15 @@ One 4-rank world runs, 6 layers each:
 * GPT, pp4, ``--pipeline-schedule zb-h1``, ``--decoder-first/last-pipeline-num-layers 1`` (1, 2, 2, 1),
   full recompute (a recomputed layer's weight gradients come in B);
 * LLaMA, pp2 x dp2, ``zbv`` (two chunks per rank in a V) with a ``--pipeline-model-parallel-layout``
-  string (1, 2, 1, 2 layers), saving at iteration 1; then tp2 x pp2 with sequence parallelism under
+  string (1, 2, 1, 2 layers), saving at iteration 5; then tp2 x pp2 with sequence parallelism under
   interleaved zero bubble (``zb-h1``, 2 chunks per rank), the embedding and the loss each counted as
   a layer (1, 2, 2, 1), resumes from that checkpoint;
 * Mixtral, pp2 x ep2 with the distributed optimizer, ``dualpipev`` with a layout whose last stage
-  holds only the output layer and loss (1, 2, 3, 0).
+  holds only the output layer and loss (1, 2, 3, 0);
+* at pp4 with 8 virtual stages (the embedding and the loss alone on the first and the last): GPT
+  under interleaved zero bubble, Mixtral under ``zbv``.
 
-Losses must match the single-process run's to 1e-5 at every step.
+Losses must match the single-process run's to 1e-5 at every one of 10 steps.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from mega.core.training.run_parser import parse_run
 COMMON = [
     "--mock-data", "--model-preset", "tiny", "--num-layers", "6", "--hidden-size", "32", "--seq-length", "16",
     "--vocab-size", "90", "--make-vocab-size-divisible-by", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--train-iters", "2", "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-iters", "0", "--log-interval", "100",
+    "--train-iters", "10", "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-iters", "0", "--log-interval", "100",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7",
 ]
 FAMILIES = {
@@ -43,6 +45,8 @@ PP2_ZBV_LAYOUT = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", 
 TP2_PP2_INTERLEAVED_ZB = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size",
                           "2", "--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "zb-h1",
                           "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+# pp4 with two chunks per rank: 8 virtual stages, the embedding and the loss each alone on one.
+EIGHT_STAGES = ["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-layout", "E|t|t|t|t|t|t|L"]
 PP2_EP2_DUALPIPEV = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                      "--use-distributed-optimizer", "--pipeline-schedule", "dualpipev",
                      "--pipeline-model-parallel-layout", "Et|tt|ttt|L"]
@@ -53,16 +57,20 @@ def test_uneven_layouts_and_zero_bubble_schedules_match_one_process(worlds, tmp_
     saved = str(tmp_path / "zbv")
     runs = [
         COMMON + FAMILIES["gpt"] + PP4_ZB_H1_FIRST_LAST,
-        COMMON + FAMILIES["llama"] + PP2_ZBV_LAYOUT + ["--save", saved, "--save-interval", "1"],
-        COMMON + FAMILIES["llama"] + TP2_PP2_INTERLEAVED_ZB + ["--load", f"{saved}/iter_0000001"],
+        COMMON + FAMILIES["llama"] + PP2_ZBV_LAYOUT + ["--save", saved, "--save-interval", "5"],
+        COMMON + FAMILIES["llama"] + TP2_PP2_INTERLEAVED_ZB + ["--load", f"{saved}/iter_0000005"],
         COMMON + FAMILIES["mixtral"] + PP2_EP2_DUALPIPEV,
+        COMMON + FAMILIES["gpt"] + EIGHT_STAGES + ["--pipeline-schedule", "zb-h1"],
+        COMMON + FAMILIES["mixtral"] + EIGHT_STAGES + ["--pipeline-schedule", "zbv"],
     ]
     results = worlds.run(4, train_each, runs)
     assert all(result == results[0] for result in results)  # every rank reports the last stage's losses
-    gpt, llama, resumed, mixtral = results[0]
+    gpt, llama, resumed, mixtral, gpt_interleaved, mixtral_zbv = results[0]
+    assert_losses_close(gpt_interleaved, references["gpt"], "gpt pp4 x 2 chunks, interleaved zero bubble")
+    assert_losses_close(mixtral_zbv, references["mixtral"], "mixtral pp4 zbv")
     assert_losses_close(gpt, references["gpt"], "gpt pp4 zb-h1, 1 layer on the first and the last stage")
     assert_losses_close(llama, references["llama"], "llama pp2 zbv with a layout string")
-    assert_losses_close(resumed, references["llama"][1:], "llama tp2 x pp2 interleaved zero bubble, resumed from zbv")
+    assert_losses_close(resumed, references["llama"][5:], "llama tp2 x pp2 interleaved zero bubble, resumed from zbv")
     assert_losses_close(mixtral, references["mixtral"], "mixtral pp2 x ep2 dualpipev, distributed optimizer")
 
 
@@ -74,7 +82,8 @@ def test_uneven_layouts_and_zero_bubble_schedules_match_one_process(worlds, tmp_
     (["--model-family", "llama", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|t|t|t,L",
       "--num-virtual-stages-per-pipeline-rank", "3"], "4 stages = 2 per pipeline rank, but the virtual stages per rank are 3"),
     (["--model-family", "llama", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
-      "--data-parallel-sharding-strategy", "optim_grads_params"], "use --pipeline-schedule 1f1b with FSDP"),
+      "--data-parallel-sharding-strategy", "optim_grads_params"], "--pipeline-schedule zb-h1 leaves .* but --data-parallel-sharding-strategy optim_grads_params \\(FSDP\\) "
+     "reduces them at its end: use --pipeline-schedule 1f1b with FSDP"),
     (["--model-family", "llama", "--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "3",
       "--decoder-last-pipeline-num-layers", "2"], "the 1 layers left after .* do not split evenly over the 2 middle"),
 ])

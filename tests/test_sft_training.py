@@ -5,6 +5,8 @@ starts from a base checkpoint, saves its adapters alone and resumes from them on
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
 
@@ -96,7 +98,7 @@ def test_context_parallel_with_packing_is_refused(chat_data):
     assert np.isfinite(train_losses(flags(chat_data, 2))[0])  # unpacked, mean per micro-batch
 
 
-def test_lora_starts_from_a_base_checkpoint_and_resumes(chat_data, tmp_path):
+def test_lora_starts_from_a_base_checkpoint_and_resumes(chat_data, tmp_path, worlds):
     import torch
 
     from mega.core.checkpoint.model_io import read_tensors, tensor_shapes
@@ -118,13 +120,104 @@ def test_lora_starts_from_a_base_checkpoint_and_resumes(chat_data, tmp_path):
     # (that merged weights compute the adapted model: packages/ckpt-convert/tests/test_hf_peft.py)
     assert mega(["lora", "merge", "--load", str(base), "--load-adapter", str(lora), "--save", str(tmp_path / "merged")]) == 0
     assert not any(".adapter." in name for name in tensor_shapes(tmp_path / "merged"))
-    assert mega(["lora", "export-peft", "--load", str(lora), "--output", str(tmp_path / "peft")]) == 0
-    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    # `mega lora export-peft` and `mega convert --to hf-peft` spell one export; import likewise.
+    peft_dir = tmp_path / "peft"
+    assert mega(["lora", "export-peft", "--load", str(lora), "--output", str(tmp_path / "peft-lora")]) == 0
+    assert mega(["convert", "--to", "hf-peft", "--input", str(lora), "--output", str(peft_dir)]) == 0
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (peft_dir / file).read_bytes() == (tmp_path / "peft-lora" / file).read_bytes()
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
     # The PEFT adapter folded into the (frozen, unchanged) base is the merged checkpoint.
-    assert mega(["lora", "import-peft", "--load", str(base), "--adapter", str(tmp_path / "peft"),
+    assert mega(["lora", "import-peft", "--load", str(base), "--adapter", str(peft_dir),
                  "--save", str(tmp_path / "imported")]) == 0
+    assert mega(["convert", "--from", "hf-peft", "--to", "mega", "--input", str(peft_dir), "--base", str(base),
+                 "--output", str(tmp_path / "converted")]) == 0
     names = list(tensor_shapes(tmp_path / "merged"))
-    imported, merged_weights = read_tensors(tmp_path / "imported", names), read_tensors(tmp_path / "merged", names)
-    for name in names:
-        torch.testing.assert_close(imported[name], merged_weights[name], rtol=1e-5, atol=1e-6)
+    merged_weights = read_tensors(tmp_path / "merged", names)
+    for folded in (read_tensors(tmp_path / "imported", names), read_tensors(tmp_path / "converted", names)):
+        for name in names:
+            torch.testing.assert_close(folded[name], merged_weights[name], rtol=1e-5, atol=1e-6)
+    check_adapter_at_load(tmp_path, base, lora, peft_dir)
+    # At tp2 every rank's shards of the base with the adapters merged at load are the merged checkpoint's.
+    for rank in worlds.run(2, tensor_parallel_shards, str(base), str(lora), str(tmp_path / "merged")):
+        assert rank["adapted"].keys() == rank["merged"].keys() and len(rank["merged"]) > 10
+        for name, shard in rank["merged"].items():
+            torch.testing.assert_close(rank["adapted"][name], shard, rtol=0, atol=1e-6, msg=name)
+
+
+def tensor_parallel_shards(base, lora, merged):
+    """This rank's parameter shards (CPU, tp = the world) of ``base`` + ``lora`` merged at load and of
+    the ``merged`` checkpoint."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.inference.loader import load_from_args
+
+    groups = ParallelGroups(ParallelConfig(tp=torch.distributed.get_world_size()))
+    result = {}
+    for key, load, adapter in (("adapted", base, lora), ("merged", merged, None)):
+        args = SimpleNamespace(load=load, adapter=adapter, tokenizer_type=None, device="cpu", dtype="float32")
+        model = load_from_args(args, groups).model
+        result[key] = {name: param.detach().clone() for name, param in model.named_parameters()}
+    return result
+
+
+def check_adapter_at_load(tmp_path, base, lora, peft_dir):
+    """`--adapter`: the base with the adapters merged as it loads is the merged checkpoint (same
+    logits, same generated tokens), which PEFT's model of the `--to hf-peft` export computes too;
+    a directory of no adapters, a PEFT directory, adapters of another model are errors naming it."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import peft
+    import torch
+    import transformers
+
+    from mega.core.checkpoint import checkpoint_and_metadata, read_tensors, tensor_shapes, write_checkpoint
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.inference.loader import LoadError, load_from_args
+
+    def load(path, adapter=None):
+        args = SimpleNamespace(load=str(path), adapter=adapter and str(adapter), tokenizer_type=None, device="cpu",
+                               dtype="float32")
+        return load_from_args(args, ParallelGroups(ParallelConfig()))
+
+    ids = torch.tensor([[3, 14, 15, 92 % VOCAB, 65, 35, 89 % VOCAB, 79]])
+    with torch.no_grad():
+        adapted = load(base, lora).model(ids).transpose(0, 1)[..., :VOCAB]
+        merged = load(tmp_path / "merged").model(ids).transpose(0, 1)[..., :VOCAB]
+        plain = load(base).model(ids).transpose(0, 1)[..., :VOCAB]
+    torch.testing.assert_close(adapted, merged, rtol=0, atol=1e-6)
+    assert not torch.allclose(adapted, plain, atol=1e-4), "the trained adapter changes the model"
+
+    assert mega(["convert", "--to", "hf", "--input", str(base), "--output", str(tmp_path / "hf")]) == 0
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    with torch.no_grad():
+        reference = peft.PeftModel.from_pretrained(hf_model, str(peft_dir)).eval()(ids).logits[..., :VOCAB]
+    torch.testing.assert_close(adapted, reference, rtol=1e-4, atol=1e-4)
+
+    prompt = ["--prompt", "<|start|>user 1 2 3<|end|><|start|>assistant", "--max-tokens", "6", "--greedy", "--device", "cpu"]
+    outputs = []
+    for load_flags in (["--load", str(base), "--adapter", str(lora)], ["--load", str(tmp_path / "merged")]):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert mega(["generate", *load_flags, *prompt]) == 0
+        outputs.append(out.getvalue())
+    assert outputs[0] == outputs[1] and outputs[0].strip()
+
+    with pytest.raises(LoadError, match="holds no LoRA adapters"):
+        load(base, base)
+    with pytest.raises(LoadError, match="is a PEFT adapter directory: fold it"):
+        load(base, peft_dir)
+    directory, metadata = checkpoint_and_metadata(lora)
+    adapters = read_tensors(lora, list(tensor_shapes(lora)))
+    other = {name.replace("layers.1.", "layers.7."): tensor for name, tensor in adapters.items()}
+    write_checkpoint(tmp_path / "other-layers", dataclasses.replace(metadata, files={}, checksums={}), other)
+    with pytest.raises(LoadError, match="adapts decoder.layers.7.*which this base model does not have"):
+        load(base, tmp_path / "other-layers")
+    write_checkpoint(tmp_path / "other-family", dataclasses.replace(metadata, model_family="gpt", files={},
+                                                                    checksums={}), adapters)
+    with pytest.raises(LoadError, match="trained on a gpt model, this base is llama"):
+        load(base, tmp_path / "other-family")

@@ -174,9 +174,13 @@ def test_zero_bubble_schedules_keep_their_memory_and_beat_1f1b(schedule, vpp, ve
 
 
 def test_zb_h1_holds_what_1f1b_holds():
+    # Up to B: 1F1B's pp - rank on every rank. Up to W (a pending W still holds its layers'
+    # inputs): at most 1F1B's peak, pp micro-batches on its first rank (the paper's accounting).
     for pp, m in ZERO_BUBBLE:
         table = schedule_table(pp, m, schedule="zb-h1")
         assert [held(table, rank, FORWARD, BACKWARD) for rank in range(pp)] == [min(pp - rank, m) for rank in range(pp)]
+        assert max(in_flight(table, rank) for rank in range(pp)) == max(
+            in_flight(schedule_table(pp, m), rank) for rank in range(pp)) == min(pp, m), (pp, m)
 
 
 @pytest.mark.parametrize(("schedule", "vpp"), SPLIT)

@@ -24,6 +24,7 @@ from mega.inference.batching import Job  # noqa: E402
 from mega.inference.continuous import ContinuousBatchingWorker  # noqa: E402
 from mega.inference.encoder_decoder import EncoderDecoderEngine  # noqa: E402
 from mega.inference.engine import FinishReason, GenerationEngine, GenerationRequest  # noqa: E402
+from mega.inference.host_copy import HostCopy, to_device  # noqa: E402
 from mega.inference.sampling import SamplingParams  # noqa: E402
 from mega.inference.static_decode import StaticDecoder  # noqa: E402
 from mega.inference.stopping import StopRules  # noqa: E402
@@ -167,3 +168,58 @@ def test_every_path_decodes_alike(engine):
             if want.top_logprobs is not None:
                 assert [[t for t, _ in top] for top in have.top_logprobs[len(have.top_logprobs) - count:]] == \
                        [[t for t, _ in top] for top in want.top_logprobs[len(want.top_logprobs) - count:]]
+
+
+def counting(engine: GenerationEngine, lag: int) -> tuple[GenerationEngine, list[int]]:
+    """An engine on ``engine``'s model reading tokens ``lag`` steps late, and its forwards' count."""
+    lagged = GenerationEngine(engine.model, vocab_size=engine.vocab_size, max_positions=POSITIONS, read_lag=lag)
+    forwards, forward = [], lagged.forward
+    lagged.forward = lambda *args, **kwargs: forwards.append(1) or forward(*args, **kwargs)
+    return lagged, forwards
+
+
+def test_tokens_read_late_end_where_read_at_once(engine):
+    """CPU. The host reads each step's tokens ``read_lag`` steps after the device chose them: a
+    stop found at step t is learnt late, the row keeps decoding meanwhile, and nothing after t is
+    returned or streamed. Against reading every step at once (lag 0), on the lock-step and the
+    static paths; a batch-mate that goes on is not disturbed."""
+    greedy = engine.generate([GenerationRequest([5, 17, 42, 8, 99, 3, 1], 10)])[0].generated
+    stop = StopRules(stop_ids=frozenset({greedy[2]}))
+
+    def run(lag: int, path: str, sampled: bool):
+        lagged, forwards = counting(engine, lag)
+        batch = [GenerationRequest([5, 17, 42, 8, 99, 3, 1], 10, stop=stop, logprobs=True)]
+        if sampled:
+            batch.append(GenerationRequest([7, 9], 12, SamplingParams(temperature=0.8, seed=5), logprobs=True))
+        streamed = [[] for _ in batch]
+        on_token = lambda index, token, *_: streamed[index].append(token)  # noqa: E731
+        generate = lagged.generate if path == "lock-step" else StaticDecoder(lagged).generate
+        return generate(batch, on_token=on_token), len(forwards), streamed
+
+    for path in ("lock-step", "static"):
+        (at_once, forwards_at_once, streamed_at_once), (late, forwards_late, streamed_late) = (
+            run(0, path, sampled=True), run(3, path, sampled=True))
+        assert [r.finish_reason for r in late] == ["stop", "length"], path
+        assert late[0].generated == greedy[:3] and streamed_late == streamed_at_once == [greedy[:3], late[1].generated]
+        assert [r.tokens for r in late] == [r.tokens for r in at_once], path
+        for want, have in zip(at_once, late, strict=True):  # batches of other sizes: last bits may differ
+            torch.testing.assert_close(torch.tensor(have.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+        assert forwards_late == forwards_at_once, path  # the row past its stop rode along with its batch-mate
+        # Alone, the stopped row decodes 3 steps past its stop before the host learns of it.
+        (at_once, forwards_at_once, _), (late, forwards_late, streamed_late) = (
+            run(0, path, sampled=False), run(3, path, sampled=False))
+        assert late[0].generated == at_once[0].generated == streamed_late[0] == greedy[:3], path
+        assert late[0].finish_reason == "stop" and late[0].logprobs == at_once[0].logprobs, path
+        assert (forwards_at_once, forwards_late) == (3, 6), path  # prefill + 2 decode steps, + the overshoot
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA: pinned buffers, non-blocking copies and an event"))])
+def test_host_copy_reads_what_the_device_held_then(device):
+    """CPU, and CUDA where there is one (the copy a decode step leaves behind runs in the
+    stream's order: a later write on the device does not reach it)."""
+    tensor = torch.arange(5, device=device) * 3
+    copy = HostCopy({"ids": tensor, "halves": tensor.float() / 2})
+    tensor.add_(100)
+    assert copy.read() == {"ids": [0, 3, 6, 9, 12], "halves": [0.0, 1.5, 3.0, 4.5, 6.0]}
+    assert to_device([1, 2], torch.device(device)).tolist() == [1, 2]

@@ -69,7 +69,10 @@ def assert_same(got, expected):
             torch.testing.assert_close(torch.tensor(have.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
 
 
-def test_a_shared_512_token_prefix_is_prefilled_once(long_engine):
+@pytest.mark.parametrize("static", [False, True], ids=["paged", "static"])
+def test_a_shared_512_token_prefix_is_prefilled_once(long_engine, static):
+    """CPU. On the paged cache the second request shares the first's blocks; on the static KV
+    cache the prefix's keys are copied from the first request's slot into its own."""
     rng = random.Random(0)
     prefix = [rng.randrange(VOCAB) for _ in range(512)]
     first = GenerationRequest(prefix + [rng.randrange(VOCAB) for _ in range(30)], 6)
@@ -77,7 +80,7 @@ def test_a_shared_512_token_prefix_is_prefilled_once(long_engine):
     second = GenerationRequest(prefix + suffix, 8, sampling=SamplingParams(temperature=0.8, top_k=20, seed=2))
     expected = [long_engine.generate([request])[0] for request in (first, second)]
     worker = ContinuousBatchingWorker(long_engine, max_batch_size=2, max_num_tokens=2 * LONG_POSITIONS,
-                                      prefix_caching=True)
+                                      prefix_caching=True, static_cache=static)
     prefilled = []
     finish_first = worker._decode_step.on_finish
 
@@ -93,9 +96,11 @@ def test_a_shared_512_token_prefix_is_prefilled_once(long_engine):
     assert "mega_prefix_cache_hits_total 512" in worker.metrics.render()
 
 
-def test_prefix_caching_and_eviction_change_no_output(engine):
-    """Prompts sharing prefixes (and prompt log-probabilities, which prefill whole) through a
-    cache of 12 eight-token blocks: cached prefixes are shared, evicted and their blocks reused."""
+@pytest.mark.parametrize("static", [False, True], ids=["paged", "static"])
+def test_prefix_caching_and_eviction_change_no_output(engine, static):
+    """CPU. Prompts sharing prefixes (and prompt log-probabilities, which prefill whole) through a
+    cache of 12 eight-token blocks (or two static slots): cached prefixes are shared, evicted
+    and their blocks (slots) reused."""
     rng = random.Random(1)
     prefixes = [[rng.randrange(VOCAB) for _ in range(24)] for _ in range(3)]
     waves = []
@@ -107,15 +112,22 @@ def test_prefix_caching_and_eviction_change_no_output(engine):
             batch.append(GenerationRequest(prompt, rng.randrange(3, 9), sampling=sampling, logprobs=wave == 3 and k == 0))
         waves.append(batch)
     expected = [engine.generate([request])[0] for wave in waves for request in wave]
-    worker = ContinuousBatchingWorker(engine, max_batch_size=2, max_num_tokens=96, block_size=8, prefix_caching=True)
+    worker = ContinuousBatchingWorker(engine, max_batch_size=2, max_num_tokens=2 * POSITIONS if static else 96,
+                                      block_size=8, prefix_caching=True, static_cache=static)
     got = run(worker, waves)
     assert_same(got, expected)
     assert worker.allocator.hit_tokens > 0 and worker.allocator.evicted_blocks > 0
-    assert worker.allocator.free_blocks == worker.allocator.num_blocks  # every block released
+    if not static:
+        assert worker.allocator.free_blocks == worker.allocator.num_blocks  # every block released
+    without = ContinuousBatchingWorker(engine, max_batch_size=2, max_num_tokens=2 * POSITIONS, block_size=8,
+                                       static_cache=static)
+    assert_same(run(without, waves), expected)
+    assert worker.prefilled_tokens < without.prefilled_tokens  # the cached prefixes were not prefilled again
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True], ids=["paged", "prefix-caching"])
-def test_chunked_prefill_equals_whole_prefill(engine, prefix_caching):
+@pytest.mark.parametrize("prefix_caching,static", [(False, False), (True, False), (True, True)],
+                         ids=["paged", "prefix-caching", "static-prefix-caching"])
+def test_chunked_prefill_equals_whole_prefill(engine, prefix_caching, static):
     """A budget of 6 tokens a step: the long prompts are prefilled in chunks while the short
     request decodes; tokens and prompt log-probabilities are those of whole prefills."""
     requests = [GenerationRequest([7, 9], 20),
@@ -124,7 +136,7 @@ def test_chunked_prefill_equals_whole_prefill(engine, prefix_caching):
                 GenerationRequest(list(range(100, 120)), 0, logprobs=True)]
     expected = [engine.generate([request])[0] for request in requests]
     worker = ContinuousBatchingWorker(engine, max_batch_size=4, max_num_tokens=512, block_size=8,
-                                      prefix_caching=prefix_caching, max_num_batched_tokens=6)
+                                      prefix_caching=prefix_caching, max_num_batched_tokens=6, static_cache=static)
     chunks = []
     prefill = worker._prefill
     worker._prefill = lambda sequence, count: (chunks.append(count), prefill(sequence, count))
@@ -133,15 +145,18 @@ def test_chunked_prefill_equals_whole_prefill(engine, prefix_caching):
     assert max(chunks) <= 6 and len(chunks) > len(requests)  # prompts went in several chunks
 
 
-def test_serve_refuses_flags_that_cannot_work_together(tmp_path, capsys):
+def test_serve_refuses_flags_that_cannot_work_together(tmp_path, capsys, monkeypatch):
     from mega.inference.serve_cli import build_parser, main
 
     for argv, words in [(["--max-num-batched-tokens", "4", "--max-batch-size", "8"], "at least --max-batch-size"),
-                        (["--enable-prefix-caching", "--static-kv-cache"], "not with --static-kv-cache"),
                         (["--max-model-len", "0"], "--max-model-len must be positive"),
                         (["--request-timeout", "-1"], "--request-timeout must be positive")]:
         with pytest.raises(SystemExit) as exit_info:
             main(["--load", str(tmp_path), *argv])
         assert words in capsys.readouterr().err + str(exit_info.value.code), argv
+    # A web stack that cannot import (fastapi 0.165 without opentelemetry-api) ends it before any loading.
+    monkeypatch.setitem(sys.modules, "mega.inference.server", None)
+    with pytest.raises(SystemExit, match="needs the Python package 'mega.inference.server'.*opentelemetry-api"):
+        main(["--load", str(tmp_path)])
     args = build_parser().parse_args(["--load", str(tmp_path)])
     assert args.enable_prefix_caching is None and args.max_request_bytes == 4 << 20 and args.host == "127.0.0.1"

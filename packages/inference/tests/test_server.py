@@ -389,3 +389,46 @@ def test_tokenizing_runs_off_the_event_loop(served, monkeypatch):
         release.set()
         sender.join()
     assert health.status_code == 200 and result["reply"].status_code == 200
+
+
+def test_max_model_len_caps_requests_and_sizes_the_cache(served):
+    """CPU. ``--max-model-len 24`` (engine.cap_length, as ``mega serve`` applies it): prompt +
+    max_tokens over it is a 400 naming the prompt and the flag, on both APIs; within it the
+    completion equals the uncapped engine's; a null max_tokens fills up to it; the static cache's
+    slots and the paged cache's default size follow it."""
+    from mega.inference.continuous import ContinuousBatchingWorker
+
+    _, service = served
+    engine = GenerationEngine(service.engine.model, vocab_size=VOCAB, max_positions=POSITIONS,
+                              tokenizer=service.tokenizer)
+    engine.cap_length(24)
+    worker = ContinuousBatchingWorker(engine, max_batch_size=2, static_cache=True)
+    assert worker.cache.max_length == 24
+    assert ContinuousBatchingWorker(engine, max_batch_size=2).max_num_tokens == 2 * 24
+    capped = InferenceService(engine, worker, service.tokenizer, "tiny-gpt2")
+    app = create_app(capped)
+
+    async def calls():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [await client.post("/v1/completions", json={"prompt": "5 17 42", "max_tokens": 22}),
+                    await client.put("/api", json={"prompts": ["5 17 42"], "tokens_to_generate": 22}),
+                    await client.post("/v1/completions", json={"prompt": "5 17 42", "max_tokens": 21,
+                                                               "temperature": 0}),
+                    await client.post("/v1/completions", json={"prompt": "5 17 42", "max_tokens": None,
+                                                               "temperature": 0}),
+                    await client.get("/tokenizer_info")]
+
+    worker.start()
+    try:
+        too_long, megatron_too_long, fits, unbounded, info = asyncio.run(calls())
+    finally:
+        worker.stop()
+    assert too_long.status_code == 400 and megatron_too_long.status_code == 400
+    error = too_long.json()["error"]
+    assert error["param"] == "prompt" and "= 25 exceeds --max-model-len 24" in error["message"], error
+    assert "--max-model-len 24" in megatron_too_long.text
+    assert fits.status_code == 200 and unbounded.status_code == 200
+    expected = service.engine.generate([GenerationRequest([5, 17, 42], 21)])[0].generated
+    assert fits.json()["choices"][0]["text"] == " ".join(map(str, expected))
+    assert unbounded.json()["usage"]["completion_tokens"] <= 21 and info.json()["max_model_len"] == 24

@@ -1,7 +1,7 @@
-"""Tensor-parallel generation (tp=2 on gloo): the leader hands batches to the follower, and the
-results equal one process's, with the lock-step engine and on the static KV cache (its decode
-steps eager here; what CUDA graphs capture on a GPU); a cancellation on the leader alone keeps
-the ranks in step."""
+"""Tensor-parallel generation (tp=2 on gloo, CPU): the leader hands batches to the follower, and
+the results equal one process's, with the lock-step engine, on the static KV cache (its decode
+steps eager here; what CUDA graphs capture on a GPU), and continuous batching on the static KV
+cache (the serving default on a GPU); a cancellation on the leader alone keeps the ranks in step."""
 
 from __future__ import annotations
 
@@ -57,10 +57,61 @@ def generate(weights, family_name: str, tp: int, static: bool = False):
     return results
 
 
+def serve_continuously(weights, family_name: str, tp: int):
+    """The leader's results (None on the follower) of ``mega serve``'s continuous batching on the
+    static KV cache (with prefix caching, steps eager: the code CUDA graphs capture on a GPU), the
+    requests joining one at a time, the leader's client cancelling the last after 3 tokens."""
+    import asyncio
+
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.inference.batching import Job
+    from mega.inference.continuous import ContinuousBatchingWorker
+    from mega.inference.engine import GenerationEngine
+    from mega.inference.serve_cli import build_parser, continuous_worker, follow_serving
+    from mega.inference.tp_serving import lead
+
+    groups = ParallelGroups(ParallelConfig(tp=tp))
+    model, config = mega_from_hf_weights(*weights, family_name, groups)
+    engine = GenerationEngine(model, vocab_size=VOCAB, max_positions=POSITIONS, tp_group=groups.tp)
+    # As `torchrun ... mega serve --static-kv-cache --no-cuda-graphs` builds it on every rank.
+    args = build_parser().parse_args(["--load", ".", "--max-batch-size", "4", "--static-kv-cache", "--no-cuda-graphs"])
+    if groups.tp.rank != 0:
+        follow_serving(args, engine)
+        return None
+    worker = continuous_worker(args, engine, static=True)
+    assert isinstance(worker, ContinuousBatchingWorker) and worker.prefix_caching and worker._decode_steps is not None
+    batch = requests()
+
+    class CancellingJob(Job):
+        def token(self, index, token, logprob, top=None):
+            if self.requests[index] is batch[3] and len(self.tokens_seen) == 2:
+                batch[3].cancelled = True
+            self.tokens_seen.append(token)
+            super().token(index, token, logprob, top)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        jobs = []
+        for request in batch:
+            jobs.append(CancellingJob([request], loop))
+            jobs[-1].tokens_seen = []
+            worker.submit(jobs[-1])
+            await asyncio.sleep(0.01)
+        return [(await job.done)[0] for job in jobs]
+
+    worker.start()
+    try:
+        return asyncio.run(run())
+    finally:
+        worker.stop()
+        lead(None, groups.tp)
+
+
 def generate_all(weights: dict, tp: int):
     results = {kind: generate(weights[kind], family_name, tp) for kind, family_name in FAMILIES}
     if tp > 1:  # tp2 on the static KV cache, LLaMA (grouped-query heads split over the ranks)
         results["llama-static"] = generate(weights["llama"], "llama", tp, static=True)
+        results["llama-continuous-static"] = serve_continuously(weights["llama"], "llama", tp)
     return results
 
 
@@ -70,8 +121,8 @@ def test_tensor_parallel_generation_equals_one_process(worlds):
     expected = generate_all(weights, tp=1)
     leader, follower = worlds.run(2, generate_all, weights, 2)
     assert all(results is None for results in follower.values())
-    expected["llama-static"] = expected["llama"]
-    for kind in [*(kind for kind, _ in FAMILIES), "llama-static"]:
+    expected["llama-static"] = expected["llama-continuous-static"] = expected["llama"]
+    for kind in [*(kind for kind, _ in FAMILIES), "llama-static", "llama-continuous-static"]:
         for got, want in zip(leader[kind], expected[kind], strict=True):
             assert got.tokens == want.tokens, kind
             assert got.finish_reason == want.finish_reason

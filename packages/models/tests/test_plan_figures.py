@@ -44,8 +44,10 @@ SEED_004 = [
 
 @pytest.mark.parametrize(("preset", "gpus", "tp", "pp", "cp", "dp", "batch"), SEED_004)
 def test_seed_004_layouts_are_among_those_search_finds(capsys, preset, gpus, tp, pp, cp, dp, batch):
+    # Seed 004's layouts shard the optimizer state (ZeRO-1): the search is held to it.
     code, layouts = _plan(capsys, "--model-family", "llama", "--model-preset", preset, "--bf16",
-                          "--gpus", str(gpus), "--global-batch-size", str(batch), "--search", "--top", "100000")
+                          "--gpus", str(gpus), "--global-batch-size", str(batch), "--search", "--top", "100000",
+                          "--data-parallel-sharding-strategy", "optim")
     assert code == 0
     found = [entry["layout"] for entry in layouts]
     assert any((f["tp"], f["pp"], f["cp"], f["dp"]) == (tp, pp, cp, dp) for f in found), \
@@ -110,3 +112,32 @@ def test_search_proposes_uneven_layouts(capsys):
     assert code == 0
     uneven = [entry["layout"]["layers_per_stage"] for entry in layouts if entry["layout"]["layers_per_stage"]]
     assert [7, 9, 9, 7] in uneven  # Megatron's embedding + loss accounting at pp4
+
+
+def test_search_shards_with_fsdp_only_where_the_distributed_optimizer_does_not_fit():
+    """LLaMA 3 8B on 8 GPUs of 40 GB: some layouts fit only under FSDP; each layout comes with the
+    least sharding that fits (ZeRO-1, then ZeRO-2, then ZeRO-3), as `mega plan --search` says."""
+    import dataclasses
+
+    from mega.core.planning.step_estimate import (
+        MEMORY_HEADROOM,
+        SHARDING_ORDER,
+        estimate,
+        search,
+        with_recompute,
+    )
+    from mega.core.plugins import get_plugins
+
+    family = get_plugins().models.get("llama")
+    config = family.preset("llama3-8b")
+    budget = 40 * 1024**3
+    common = dict(global_batch_size=64, dtype_bytes=2, grad_dtype_bytes=4)
+    results = search(family, config, world_size=8, gpu_memory_bytes=budget, micro_batch_sizes=(1,), **common)
+    fsdp = [r for r in results if r.layout.fully_sharded]
+    assert fsdp, "no layout needs FSDP"
+    for result in fsdp:
+        model = with_recompute(config, result.layout.recompute)
+        for less in SHARDING_ORDER[1:SHARDING_ORDER.index(result.layout.sharding)]:
+            layout = dataclasses.replace(result.layout, sharding=less)
+            assert estimate(family, model, layout, **common).peak_bytes > budget * (1 - MEMORY_HEADROOM), \
+                f"{layout.describe()} fits: the search should have kept it"

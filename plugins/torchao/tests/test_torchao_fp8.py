@@ -32,21 +32,28 @@ FP8 = {"gpt": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
 @pytest.mark.parametrize("fp8_format", ["hybrid", "e4m3"])
 def test_parallel_layers_compute_torchaos_float8_linear_at_tp1(recipe, fp8_format):
     """CPU. At tp1 mega's FP8 column- and row-parallel layers give torchao's Float8Linear's
-    output and gradients exactly (the same casts, scales and _scaled_mm calls)."""
+    output and gradients exactly (the same casts, scales and _scaled_mm calls), also with the
+    weight gradient deferred to a zero-bubble schedule's W step."""
     from mega_torchao.fp8 import float8_config
-    from mega_torchao.layers import Float8ColumnParallelLinear, Float8RowParallelLinear
+    from mega_torchao.layers import Float8ColumnParallelLinear, Float8DeferringLinear, Float8RowParallelLinear
     from torchao.float8.float8_linear import Float8Linear
 
     from mega.core.parallel.groups import Group
     from mega.core.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from mega.core.parallel.weight_grad_split import deferring_weight_grads, run_weight_grads
 
     config = float8_config(fp8_format, recipe)
     torch.manual_seed(0)
     reference = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
     one = Group("tp", (0,), 0, None)
     for parallel, fp8_class in ((ColumnParallelLinear, Float8ColumnParallelLinear),
-                                (RowParallelLinear, Float8RowParallelLinear)):
-        layer = fp8_class.from_parallel(parallel.from_linear(reference, one), config)
+                                (RowParallelLinear, Float8RowParallelLinear), (None, Float8DeferringLinear)):
+        if parallel is None:  # one process's nn.Linear under a zero-bubble schedule
+            layer = fp8_class.from_linear(torch.nn.Linear(64, 48, dtype=torch.bfloat16), config)
+            with torch.no_grad():
+                layer.weight.copy_(reference.weight), layer.bias.copy_(reference.bias)
+        else:
+            layer = fp8_class.from_parallel(parallel.from_linear(reference, one), config)
         theirs = Float8Linear.from_float(torch.nn.Linear(64, 48, dtype=torch.bfloat16), config)
         with torch.no_grad():
             theirs.weight.copy_(reference.weight), theirs.bias.copy_(reference.bias)
@@ -58,6 +65,14 @@ def test_parallel_layers_compute_torchaos_float8_linear_at_tp1(recipe, fp8_forma
         assert torch.equal(out, expected), fp8_class.__name__
         assert torch.equal(mine_x.grad, their_x.grad) and torch.equal(layer.weight.grad, theirs.weight.grad)
         assert not torch.equal(out, reference(x))  # really FP8
+        layer.weight.grad = layer.bias.grad = None
+        pending = []
+        with deferring_weight_grads(pending):
+            split = layer(x.clone().requires_grad_())
+        split.backward(grad)
+        assert layer.weight.grad is None and len(pending) == 1  # B: the input gradient (and the bias's)
+        run_weight_grads(pending)
+        assert torch.equal(layer.weight.grad, theirs.weight.grad) and torch.equal(layer.bias.grad, theirs.bias.grad)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -73,7 +88,8 @@ def test_tiny_models_train_50_steps_in_fp8_within_2_percent_of_bf16(worlds, fami
 
 LAYOUTS = {
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-    "pp2": ["--pipeline-model-parallel-size", "2"],
+    # Zero bubble: the FP8 weight gradients wait for W (one process's linears: Float8DeferringLinear).
+    "pp2-zb-h1": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
     "dp2-distributed-optimizer": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
     "dp2-fsdp2": ["--use-torch-fsdp2"],
     "tp2-recompute": ["--tensor-model-parallel-size", "2", "--recompute-granularity", "full",
@@ -85,8 +101,9 @@ LAYOUTS = {
 # hybrid: equal) and 8.8e-5 (LLaMA, rowwise e4m3) of the loss; 5e-4 leaves room for other CPUs'
 # summation orders. cp2: each rank's tensorwise scale covers its half of the sequence and
 # attention merges two partial softmaxes (measured 6.6e-5 GPT, 3.7e-5 LLaMA). pp and dp (DDP, the
-# distributed optimizer, FSDP2) compute the same products in the same order (measured 0).
-LAYOUT_TOLERANCE = {"tp2-sp": 5e-4, "tp2-recompute": 5e-4, "pp2": 1e-6, "dp2-distributed-optimizer": 1e-6,
+# distributed optimizer, FSDP2) compute the same products in the same order (measured 0), zero
+# bubble too (the same products, W later).
+LAYOUT_TOLERANCE = {"tp2-sp": 5e-4, "tp2-recompute": 5e-4, "pp2-zb-h1": 1e-6, "dp2-distributed-optimizer": 1e-6,
                     "dp2-fsdp2": 1e-6, "cp2": 5e-4}
 
 
@@ -149,6 +166,10 @@ def test_the_pass_keeps_the_output_layer_and_outer_layers_and_refuses_by_name():
                                    "decoder.layers.3.self_attention.linear_qkv", "output_layer"]
     assert len(report.fp8) == 8 and all(".layers.1." in n or ".layers.2." in n for n in report.fp8)
     assert type(stage.get_submodule("decoder.layers.1.mlp.linear_fc1")).__name__ == "Float8Linear"
+    # Under a zero-bubble schedule mega's own FP8 linear, whose weight gradient waits for W.
+    stage = build_stage(family, run.model, device="cpu")
+    apply_fp8(stage, float8_config("hybrid", "tensorwise"), num_layers=4, defer_weight_grads=True)
+    assert type(stage.get_submodule("decoder.layers.1.mlp.linear_fc1")).__name__ == "Float8DeferringLinear"
 
     def check(flags):
         derive(parse_run(TINY + FAMILIES["gpt"] + flags)[0], world_size=1)

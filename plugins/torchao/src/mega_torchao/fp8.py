@@ -54,14 +54,16 @@ class FP8Report:
 
 
 def apply_fp8(stage: nn.Module, config, *, num_layers: int, layers_at_start: int = 0,
-              layers_at_end: int = 0) -> FP8Report:
+              layers_at_end: int = 0, defer_weight_grads: bool = False) -> FP8Report:
     """Swap ``stage``'s linear layers (``nn.Linear``, mega's column/row-parallel ones) for FP8
     ones under torchao's ``config``, in place, but for the output layer, the router and the
-    first ``layers_at_start`` / last ``layers_at_end`` of ``num_layers`` transformer layers."""
+    first ``layers_at_start`` / last ``layers_at_end`` of ``num_layers`` transformer layers.
+    ``defer_weight_grads`` (a zero-bubble schedule): an ``nn.Linear`` becomes mega's
+    ``Float8DeferringLinear`` (the same numbers, W at the W step) instead of torchao's ``Float8Linear``."""
     # optional dependency, as above
     from torchao.float8.float8_linear import Float8Linear
 
-    from mega_torchao.layers import Float8ColumnParallelLinear, Float8RowParallelLinear
+    from mega_torchao.layers import Float8ColumnParallelLinear, Float8DeferringLinear, Float8RowParallelLinear
 
     report = FP8Report()
     for name, module in list(stage.named_modules()):
@@ -69,8 +71,8 @@ def apply_fp8(stage: nn.Module, config, *, num_layers: int, layers_at_start: int
                  RowParallelLinear: Float8RowParallelLinear.from_parallel}
         if type(module) in kinds:
             convert = kinds[type(module)]
-        elif isinstance(module, nn.Linear) and not isinstance(module, Float8Linear):
-            convert = _from_linear(Float8Linear)
+        elif isinstance(module, nn.Linear) and not isinstance(module, (Float8Linear, Float8DeferringLinear)):
+            convert = Float8DeferringLinear.from_linear if defer_weight_grads else _from_linear(Float8Linear)
         else:
             continue
         number = LAYER_NUMBER.search(name + ".")
@@ -108,8 +110,9 @@ def check_device(device: torch.device, recipe: str) -> None:
 class FP8Pass:
     """The listener: ``on_stage_built`` applies :func:`apply_fp8` to each model chunk."""
 
-    def __init__(self, precision, num_layers: int):
+    def __init__(self, precision, num_layers: int, defer_weight_grads: bool = False):
         self.config = float8_config(precision.fp8, precision.fp8_recipe)
+        self.defer_weight_grads = defer_weight_grads
         self.recipe, self.num_layers = precision.fp8_recipe, num_layers
         outer = precision.first_last_layers_bf16
         self.at_start = precision.num_layers_at_start_in_bf16 if outer else 0
@@ -120,7 +123,8 @@ class FP8Pass:
     def on_stage_built(self, stage, groups):
         check_device(groups.device, self.recipe)
         self.reports.append(apply_fp8(stage, self.config, num_layers=self.num_layers,
-                                      layers_at_start=self.at_start, layers_at_end=self.at_end))
+                                      layers_at_start=self.at_start, layers_at_end=self.at_end,
+                                      defer_weight_grads=self.defer_weight_grads))
 
 
 def fp8_pass_callback(run_config):
@@ -134,4 +138,5 @@ def fp8_pass_callback(run_config):
     available, missing = get_plugins().kernel_backends.get("torchao").is_available()
     if not available:
         raise ConfigError(f"--fp8-recipe {precision.fp8_recipe}: {missing}")
-    return FP8Pass(precision, run_config.model.num_layers)
+    # A zero-bubble schedule (any but 1f1b) leaves weight gradients to its W steps.
+    return FP8Pass(precision, run_config.model.num_layers, run_config.pipeline.pipeline_schedule != "1f1b")

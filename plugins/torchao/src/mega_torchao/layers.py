@@ -23,6 +23,7 @@ from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
 from mega.core.parallel.groups import Group
 from mega.core.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mega.core.parallel.weight_grad_split import defer, deferral_target
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,13 @@ class Float8Products:
 
 class _Float8Matmul(torch.autograd.Function):
     """``x @ weight.T`` with the three products in FP8 (torchao's ``matmul_with_hp_or_float8_args``
-    with the amaxes of split operands reduced)."""
+    with the amaxes of split operands reduced). ``deferred``: ``(pending, weight parameter)``
+    under a zero-bubble schedule, whose W step gets the weight-gradient product (its casts too)."""
 
     @staticmethod
-    def forward(ctx, x, weight, products: Float8Products):
+    def forward(ctx, x, weight, products: Float8Products, deferred=None):
         ctx.save_for_backward(x, weight)
-        ctx.products = products
+        ctx.products, ctx.deferred = products, deferred
         c = products.config
         x_2d = x.reshape(-1, x.shape[-1])
         x_fp8 = products.cast(x_2d, c.cast_config_input, GemmInputRole.INPUT, -1, products.input_split)
@@ -79,20 +81,34 @@ class _Float8Matmul(torch.autograd.Function):
         w_fp8 = products.cast(weight.t(), c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1,
                               products.weight_t_split)
         grad_input = torch.mm(go_fp8, w_fp8.t()).reshape(*grad_output.shape[:-1], weight.shape[1])
-        x_2d = x.reshape(-1, x.shape[-1])
-        go_fp8 = products.cast(go_2d, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0,
-                               products.grad_output_split)
-        x_fp8 = products.cast(x_2d, c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0,
-                              products.input_split)
-        grad_weight = torch.mm(go_fp8.t(), x_fp8)
-        return grad_input, grad_weight, None
+        if ctx.deferred is not None:
+            pending, parameter = ctx.deferred
+            defer(pending, lambda: [(parameter, _float8_weight_grad(x, go_2d, products))])
+            return grad_input, None, None, None
+        return grad_input, _float8_weight_grad(x, go_2d, products), None, None
+
+
+def _float8_weight_grad(x: torch.Tensor, go_2d: torch.Tensor, products: Float8Products) -> torch.Tensor:
+    """The weight-gradient product ``grad_output^T @ x``, its operands cast for it."""
+    c = products.config
+    go_fp8 = products.cast(go_2d, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0,
+                           products.grad_output_split)
+    x_fp8 = products.cast(x.reshape(-1, x.shape[-1]), c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0,
+                          products.input_split)
+    return torch.mm(go_fp8.t(), x_fp8)
 
 
 @torch.compiler.disable
 def float8_matmul(x: torch.Tensor, weight: torch.Tensor, products: Float8Products) -> torch.Tensor:
     """Eager under ``--compile``: the amax all-reduces are process-group calls dynamo does not
     trace. Only tensor-parallel layers take this path; one process's linear layers are
-    torchao's ``Float8Linear``, which compiles."""
+    torchao's ``Float8Linear``, which compiles. Inside ``deferring_weight_grads`` the weight
+    gradient (with its casts and their amax reduces, which every rank of the tensor group runs
+    in the same W) waits for the W step."""
+    pending = deferral_target(weight)
+    if pending is not None and weight.requires_grad:
+        # The weight enters detached: its gradient reaches autograd (and its hooks) at W.
+        return _Float8Matmul.apply(x, weight.detach(), products, (pending, weight))
     return _Float8Matmul.apply(x, weight, products)
 
 
@@ -113,6 +129,27 @@ class _Float8LocalProduct:
     def local_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = float8_matmul(x, self.weight, self.fp8)
         return y if bias is None else y + bias.to(y.dtype)
+
+
+class Float8DeferringLinear(torch.nn.Linear):
+    """A linear layer of one process with torchao's ``Float8Linear``'s products (bit for bit), for
+    the zero-bubble schedules: it runs them through :func:`float8_matmul`, whose weight gradient
+    waits for the W step (``Float8Linear``'s autograd function is torchao's and computes it in
+    B). Eager under ``--compile``, as the tensor-parallel FP8 layers."""
+
+    fp8: Float8Products
+
+    @classmethod
+    def from_linear(cls, layer: torch.nn.Linear, config: Float8LinearConfig) -> Float8DeferringLinear:
+        new = cls(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta",
+                  dtype=layer.weight.dtype)
+        new.fp8 = Float8Products(config, mm_config(config))
+        return _holding_parameters_of(layer, new)
+
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """``add_bias=False`` leaves the bias to the caller, as mega's ``Linear``."""
+        y = float8_matmul(x, self.weight, self.fp8)
+        return y + self.bias.to(y.dtype) if add_bias and self.bias is not None else y
 
 
 class Float8ColumnParallelLinear(_Float8LocalProduct, ColumnParallelLinear):

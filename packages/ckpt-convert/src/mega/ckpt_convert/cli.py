@@ -7,12 +7,14 @@ import ctypes
 import re
 import sys
 import time
+from pathlib import Path
 
 from mega.core.cli.argparser import CommandParser
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
           "fp16": "float16", "float16": "float16"}
 FORMATS = ("hf", "mega", "megatron")
+PEFT = "hf-peft"  # a LoRA adapter directory of Hugging Face PEFT: to and from mega's LoRA checkpoints
 LAYOUT_OUTPUTS = ("mega", "megatron")  # formats whose output has a tp/pp layout
 
 
@@ -56,17 +58,28 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples: mega convert --from hf --to mega --input ./Llama-3.2-1B --output ./ckpt "
                "--target-tensor-parallel-size 2;  mega convert --from megatron --to mega --input ./megatron-save "
                "--output ./ckpt;  mega convert --from mega --to megatron --megatron-format legacy --input ./ckpt "
-               "--output ./megatron-save --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2",
+               "--output ./megatron-save --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2;  "
+               "mega convert --to hf-peft --input ./lora-ckpt --output ./adapter;  "
+               "mega convert --from hf-peft --to mega --input ./adapter --base ./ckpt --output ./merged",
     )
-    parser.add_argument("--from", dest="from_format", choices=FORMATS,
+    parser.add_argument("--from", dest="from_format", choices=(*FORMATS, PEFT),
                         help="format of --input (default: recognised from the directory)")
-    parser.add_argument("--to", dest="to_format", choices=FORMATS, required=True, help="format of --output")
+    parser.add_argument("--to", dest="to_format", choices=(*FORMATS, PEFT), required=True,
+                        help="format of --output. hf-peft: --input is a LoRA run's mega checkpoint (mega train "
+                             "--lora-rank), --output a PEFT adapter directory (adapter_config.json + "
+                             "adapter_model.safetensors) that peft.PeftModel.from_pretrained loads onto the base's "
+                             "transformers model; --from hf-peft --to mega: --input is such a directory, folded into "
+                             "the mega checkpoint --base (the merged model is written)")
     parser.add_argument("--input", required=True, metavar="DIR",
                         help="a Hugging Face model directory, a mega save directory or checkpoint, or a Megatron-LM "
                              "save directory (its latest_checkpointed_iteration.txt) or iter_* directory")
     parser.add_argument("--output", required=True, metavar="DIR", help="a new (or empty) directory")
     parser.add_argument("--model-family", metavar="NAME",
                         help="the registered model family (gpt, llama...) when config.json cannot tell it")
+    parser.add_argument("--base", metavar="DIR",
+                        help="--from hf-peft: the base model's mega checkpoint the adapter is folded into")
+    parser.add_argument("--base-model", metavar="NAME",
+                        help="--to hf-peft: base_model_name_or_path recorded in adapter_config.json")
     _add_layout_flags(parser)
     parser.add_argument("--with-initialised-heads", action="store_true",
                         help="hf output: also write the heads mega initialised when it read a Hugging Face directory "
@@ -115,22 +128,9 @@ def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag, value in (("--target-tensor-parallel-size", args.target_tensor_parallel_size),
-                        ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size),
-                        ("--target-expert-parallel-size", args.target_expert_parallel_size)):
-        if value < 1:
-            parser.error(f"{flag} must be at least 1")
-        if value != 1 and args.to_format not in LAYOUT_OUTPUTS:
-            parser.error(f"{flag} applies to mega and megatron outputs only (--to mega or --to megatron)")
-    if args.with_optimizer and args.to_format not in LAYOUT_OUTPUTS:
-        parser.error("--with-optimizer applies to mega and megatron outputs only (--to mega or --to megatron)")
-    if args.with_initialised_heads and args.to_format != "hf":
-        parser.error("--with-initialised-heads applies to hf outputs only (--to hf)")
-    if args.megatron_format is not None and args.to_format != "megatron":
-        parser.error("--megatron-format applies to megatron outputs only (--to megatron)")
-    if args.megatron_optimizer is not None and (args.to_format != "megatron" or not args.with_optimizer
-                                                or args.megatron_format == "legacy"):
-        parser.error("--megatron-optimizer applies to megatron torch_dist outputs with --with-optimizer")
+    if PEFT in (args.from_format, args.to_format) or _is_peft_adapter(args):
+        return convert_peft(parser, args)
+    _check_output_flags(parser, args)
 
     # start-up cost: `mega convert --help` and argument errors answer without importing torch
     import torch
@@ -170,4 +170,64 @@ def main(argv: list[str]) -> int:
     for warning in warnings:
         print(f"mega convert: warning: {warning}", file=sys.stderr)
     print(f"mega convert: wrote {args.output} ({args.to_format}) in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _check_output_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that apply only to some outputs are refused elsewhere, naming the flag."""
+    for flag, value in (("--target-tensor-parallel-size", args.target_tensor_parallel_size),
+                        ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size),
+                        ("--target-expert-parallel-size", args.target_expert_parallel_size)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1")
+        if value != 1 and args.to_format not in LAYOUT_OUTPUTS:
+            parser.error(f"{flag} applies to mega and megatron outputs only (--to mega or --to megatron)")
+    if args.with_optimizer and args.to_format not in LAYOUT_OUTPUTS:
+        parser.error("--with-optimizer applies to mega and megatron outputs only (--to mega or --to megatron)")
+    if args.with_initialised_heads and args.to_format != "hf":
+        parser.error("--with-initialised-heads applies to hf outputs only (--to hf)")
+    if args.megatron_format is not None and args.to_format != "megatron":
+        parser.error("--megatron-format applies to megatron outputs only (--to megatron)")
+    if args.megatron_optimizer is not None and (args.to_format != "megatron" or not args.with_optimizer
+                                                or args.megatron_format == "legacy"):
+        parser.error("--megatron-optimizer applies to megatron torch_dist outputs with --with-optimizer")
+
+
+def _is_peft_adapter(args: argparse.Namespace) -> bool:
+    """An input with no --from that is a PEFT adapter directory (it says what it is)."""
+    return args.from_format is None and (Path(args.input) / "adapter_config.json").is_file()
+
+
+def convert_peft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--to hf-peft`` and ``--from hf-peft``: ``mega lora export-peft`` and ``import-peft`` by
+    ``mega convert``'s spelling (one implementation, in :mod:`mega.ckpt_convert.lora_cli`)."""
+    exporting = args.to_format == PEFT and not _is_peft_adapter(args)
+    if exporting and args.from_format not in (None, "mega"):
+        parser.error("--to hf-peft takes a mega checkpoint of a LoRA run (--from mega)")
+    if not exporting and args.to_format != "mega":
+        parser.error("--from hf-peft folds the adapter into a mega checkpoint: --to mega")
+    if not exporting and not args.base:
+        parser.error("--from hf-peft needs --base, the base model's mega checkpoint the adapter folds into")
+    unused = [flag for flag, given in (
+        ("--base", exporting and args.base), ("--base-model", not exporting and args.base_model),
+        ("--model-family", args.model_family), ("--dtype", args.dtype), ("--with-optimizer", args.with_optimizer),
+        ("--target-tensor-parallel-size", args.target_tensor_parallel_size != 1),
+        ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size != 1),
+        ("--target-expert-parallel-size", args.target_expert_parallel_size != 1),
+        ("--megatron-format", args.megatron_format), ("--megatron-optimizer", args.megatron_optimizer),
+        ("--with-initialised-heads", args.with_initialised_heads),
+        ("--allow-unused-tensors", args.allow_unused_tensors)) if given]
+    if unused:
+        parser.error(f"{', '.join(unused)} do(es) not apply to hf-peft conversions")
+
+    # start-up cost, as in main: torch and the checkpoint code load only for a conversion
+    from mega.ckpt_convert.lora_cli import LORA_ERRORS, export_peft, import_peft
+
+    try:
+        message = (export_peft(args.input, args.output, args.base_model) if exporting
+                   else import_peft(args.base, args.input, args.output))
+    except LORA_ERRORS as error:
+        print(f"mega convert: error: {error}", file=sys.stderr)
+        return 1
+    print(f"mega convert: {message}")
     return 0

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from mega.models.lora import merged_weight
+
 ADAPTER = ".adapter."
 PEFT_PREFIX = "base_model.model."
 
@@ -98,8 +100,7 @@ def merged_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     layers = adapter_layers(tensors)
     merged = {name: tensor for name, tensor in tensors.items() if ADAPTER not in name}
     for layer, (a, b, scaling) in layers.items():
-        weight = merged[f"{layer}.weight"]
-        merged[f"{layer}.weight"] = (weight.float() + b.float() @ a.float() * scaling).to(weight.dtype)
+        merged[f"{layer}.weight"] = merged_weight(merged[f"{layer}.weight"], a, b, scaling)
     return merged
 
 

@@ -70,42 +70,65 @@ def checkpoint_tensors(path: str) -> dict:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-
     try:
-        directory, metadata = checkpoint_and_metadata(args.load)
-        family = get_plugins().models.get(metadata.model_family)
-        tensors = checkpoint_tensors(args.load)
         if args.action == "import-peft":
-            if family.hf_mapping is None:
-                raise ValueError(f"the {family.name} family has no Hugging Face counterpart to take adapters of")
-            adapter_config, adapter = read_peft_adapter(args.adapter)
-            config = family.config_class(**metadata.model_config)
-            merged = fold_peft_adapter(family.hf_mapping, config, tensors, adapter_config, adapter)
-            write_release(args.save, directory, metadata, merged)
-            print(f"mega lora: folded {len(adapter) // 2} adapted modules of {args.adapter} into {args.save}")
-            return 0
-        source = args.load
-        if args.action == "merge":
-            source = args.load_adapter
-            adapters = {name: t for name, t in checkpoint_tensors(source).items() if ADAPTER in name}
-            tensors = {**{name: t for name, t in tensors.items() if ADAPTER not in name}, **adapters}
-        if not any(ADAPTER in name for name in tensors):
-            raise ValueError(f"{source} holds no LoRA adapters (train with --lora-rank)")
-        if args.action == "export-peft":
-            if family.hf_mapping is None:
-                raise ValueError(f"the {family.name} family has no Hugging Face counterpart to adapt")
-            config = family.config_class(**metadata.model_config)
-            modules = write_peft_adapter(args.output, family.hf_mapping, config, tensors, args.lora_dropout,
-                                         args.base_model)
-            print(f"mega lora: wrote a PEFT adapter of {len(modules)} modules to {args.output}")
-            return 0
-        merged = merged_tensors(tensors)
-        write_release(args.save, directory, metadata, merged)
-        print(f"mega lora: merged the adapters of {source} ({len(tensors) - len(merged)} tensors) into {args.save}")
-        return 0
-    except (CheckpointError, ValueError, KeyError, OSError) as error:
+            message = import_peft(args.load, args.adapter, args.save)
+        elif args.action == "export-peft":
+            message = export_peft(args.load, args.output, args.base_model, args.lora_dropout)
+        else:
+            message = merge(args.load, args.load_adapter, args.save)
+    except LORA_ERRORS as error:
         print(f"mega lora: error: {error}", file=sys.stderr)
         return 1
+    print(f"mega lora: {message}")
+    return 0
+
+
+LORA_ERRORS = (CheckpointError, ValueError, KeyError, OSError)  # what the actions below raise on bad input
+
+
+def _family_and_config(metadata, purpose: str):
+    family = get_plugins().models.get(metadata.model_family)
+    if family.hf_mapping is None:
+        raise ValueError(f"the {family.name} family has no Hugging Face counterpart to {purpose}")
+    return family, family.config_class(**metadata.model_config)
+
+
+def import_peft(load: str, adapter_dir: str, save: str) -> str:
+    """Fold the PEFT adapter ``adapter_dir`` into the mega base checkpoint ``load``, written to ``save``
+    (``mega lora import-peft``, ``mega convert --from hf-peft``)."""
+    directory, metadata = checkpoint_and_metadata(load)
+    family, config = _family_and_config(metadata, "take adapters of")
+    adapter_config, adapter = read_peft_adapter(adapter_dir)
+    merged = fold_peft_adapter(family.hf_mapping, config, checkpoint_tensors(load), adapter_config, adapter)
+    write_release(save, directory, metadata, merged)
+    return f"folded {len(adapter) // 2} adapted modules of {adapter_dir} into {save}"
+
+
+def export_peft(load: str, output: str, base_model: str | None = None, dropout: float = 0.0) -> str:
+    """The adapters of the LoRA checkpoint ``load`` as a PEFT adapter directory ``output``
+    (``mega lora export-peft``, ``mega convert --to hf-peft``)."""
+    _, metadata = checkpoint_and_metadata(load)
+    tensors = _with_adapters(checkpoint_tensors(load), load)
+    family, config = _family_and_config(metadata, "adapt")
+    modules = write_peft_adapter(output, family.hf_mapping, config, tensors, dropout, base_model)
+    return f"wrote a PEFT adapter of {len(modules)} modules to {output}"
+
+
+def merge(load: str, load_adapter: str, save: str) -> str:
+    """The base checkpoint ``load`` with the adapters of the LoRA checkpoint ``load_adapter`` folded in."""
+    directory, metadata = checkpoint_and_metadata(load)
+    adapters = {name: t for name, t in checkpoint_tensors(load_adapter).items() if ADAPTER in name}
+    tensors = {**{name: t for name, t in checkpoint_tensors(load).items() if ADAPTER not in name}, **adapters}
+    merged = merged_tensors(_with_adapters(tensors, load_adapter))
+    write_release(save, directory, metadata, merged)
+    return f"merged the adapters of {load_adapter} ({len(tensors) - len(merged)} tensors) into {save}"
+
+
+def _with_adapters(tensors: dict, source: str) -> dict:
+    if not any(ADAPTER in name for name in tensors):
+        raise ValueError(f"{source} holds no LoRA adapters (train with --lora-rank)")
+    return tensors
 
 
 def write_release(save: str, directory, metadata, tensors: dict) -> None:

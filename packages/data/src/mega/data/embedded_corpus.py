@@ -84,17 +84,24 @@ def prepare(directory: Path) -> Path:
 
 def pydoc_topics_datasets(request: DatasetRequest) -> TrainingData:
     """The registered ``pydoc-topics`` dataset: GPT samples of the corpus, with its tokenizer."""
+    return corpus_datasets(request, prepare, gpt_datasets)
+
+
+def corpus_datasets(request: DatasetRequest, make, builder) -> TrainingData:
+    """``builder``'s splits of the dataset ``make(directory)`` prepares in the corpus's cache
+    directory (made on rank 0 while the others wait; then it only names the prefix), with the
+    corpus's tokenizer."""
     # start-up cost, as above
     from mega.data.tokenizers.huggingface import HuggingFaceTokenizer
 
     directory = cache_directory()
     context = current_rank_context()
     if context.rank == 0:
-        prepare(directory)
+        make(directory)
     context.barrier()
+    prefix = make(directory)
     spec = TokenizerSpec("HuggingFaceTokenizer", TokenizerOptions(tokenizer_model=str(directory / "tokenizer.json")))
     tokenizer = HuggingFaceTokenizer(spec.options.tokenizer_model)
-    prefix = directory / output_prefixes("pydoc", ("text",), False)["text"]
-    data = gpt_datasets(dataclasses.replace(request, data_path=[str(prefix)], tokenizer=tokenizer))
+    data = builder(dataclasses.replace(request, data_path=[str(prefix)], tokenizer=tokenizer))
     data.tokenizer, data.tokenizer_spec = tokenizer, spec
     return data

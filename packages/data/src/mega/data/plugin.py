@@ -31,6 +31,8 @@ def register_datasets(register):
              "--packed-sequences (mega train --sft)")
     register("pydoc-topics", "mega.data.embedded_corpus:pydoc_topics_datasets",
              "the text of Python's pydoc topics with a BPE tokenizer trained on it (the embedded default)")
+    register("pydoc-chat", "mega.data.embedded_chat:pydoc_chat_datasets",
+             "questions on the pydoc topics answered by their opening sentences (the demo's LoRA step, --sft)")
 
 
 @hookimpl

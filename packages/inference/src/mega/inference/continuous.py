@@ -11,8 +11,13 @@ logits chooses its token, and those that finish leave the batch and free their b
 
 Sequences are independent: each sits at its own position with its own cache blocks, so a
 sequence computes what it would alone (the same tokens as :class:`GenerationEngine` gives it;
-sampling streams are per sequence, as there). One process only: tensor-parallel serving keeps
-the lock-step :class:`~mega.inference.batching.BatchingWorker`.
+sampling streams are per sequence, as there).
+
+Under tensor parallelism (``torchrun``) the worker runs on the leader (rank 0 of the tensor
+group), which before each step hands the sequences it admitted to the followers; each follower
+runs the same steps over its own caches (:meth:`ContinuousBatchingWorker.follow`), and the
+shared :class:`~mega.inference.decode_step.DecodeStep` gives every rank the leader's tokens
+and endings, so the ranks' batches never part.
 
 ``static_cache`` (``mega serve --static-kv-cache``, the default on CUDA) swaps the paged cache
 for a :class:`~mega.inference.static_decode.SlotKVCache`: each sequence owns a slot of the
@@ -39,14 +44,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mega.core.parallel import Group
 from mega.inference.batching import EngineWorker, Job
 from mega.inference.decode_step import DecodeStep, DecodingSequence, record_logprobs
 from mega.inference.engine import FinishReason, GenerationEngine, GenerationError, GenerationRequest
+from mega.inference.host_copy import to_device
 from mega.inference.metrics import ServerMetrics
 from mega.inference.paged_kv_cache import BlockAllocator, PagedKVCache
 from mega.inference.prefix_cache import PrefixCachingAllocator, prefix_keys
 from mega.inference.sampling import Sampler
+from mega.inference.slot_prefix_cache import PrefixCachingSlotAllocator
 from mega.inference.static_decode import DecodeSteps, SlotAllocator, SlotKVCache, bucket_for
+from mega.inference.tp_serving import lead, receive
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +65,7 @@ PREFILL_TOKENS = 4096  # padded prompt tokens in one prefill forward (bounds its
 
 @dataclass(eq=False, kw_only=True)
 class _Sequence(DecodingSequence):
-    job: Job
+    job: Job | None  # None on a follower rank of a tensor group
     index: int  # within its job
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose keys are in the cache
@@ -73,14 +82,11 @@ class ContinuousBatchingWorker(EngineWorker):
                  block_size: int = BLOCK_SIZE, metrics: ServerMetrics | None = None, static_cache: bool = False,
                  use_cuda_graphs: bool | None = None, prefix_caching: bool = False,
                  max_num_batched_tokens: int | None = None):
-        if engine.tp_group is not None and engine.tp_group.size > 1:
-            raise ValueError("continuous batching runs in one process; tensor-parallel serving batches in lock-step")
-        if prefix_caching and static_cache:
-            raise ValueError("prefix caching shares paged cache blocks; the static KV cache has none to share")
         if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch_size:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_batch_size "
                              f"({max_batch_size}): every running sequence decodes a token per step")
         super().__init__(engine, max_batch_size, metrics)
+        self.block_size = block_size  # of the paged cache, and of prompt prefixes cached
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefilled_tokens = 0  # prompt tokens computed (not taken from the prefix cache)
         self.max_num_tokens = max_num_tokens or max_batch_size * engine.max_positions
@@ -92,8 +98,9 @@ class ContinuousBatchingWorker(EngineWorker):
             if slots < 1:
                 raise ValueError(f"the static KV cache gives each sequence the model's {engine.max_positions} "
                                  f"positions; max_num_tokens {self.max_num_tokens} holds none")
-            self.allocator = SlotAllocator(slots, engine.max_positions)
             self.cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype)
+            self.allocator = (PrefixCachingSlotAllocator(self.cache, block_size) if prefix_caching
+                              else SlotAllocator(slots, engine.max_positions))
             graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
             self._decode_steps = DecodeSteps(engine, self.cache, graphs)
         else:
@@ -112,7 +119,7 @@ class ContinuousBatchingWorker(EngineWorker):
 
     @property
     def prefix_caching(self) -> bool:
-        return isinstance(self.allocator, PrefixCachingAllocator)
+        return isinstance(self.allocator, (PrefixCachingAllocator, PrefixCachingSlotAllocator))
 
     def check(self, request: GenerationRequest) -> None:
         """A sequence longer than the whole cache could never be admitted."""
@@ -128,6 +135,26 @@ class ContinuousBatchingWorker(EngineWorker):
                 self._pending.append(_Sequence(request, job=job, index=index, number=self._numbered))
             self._condition.notify()
 
+    @property
+    def _tp_group(self) -> Group | None:
+        group = self.engine.tp_group
+        return group if group is not None and group.size > 1 else None
+
+    def follow(self) -> None:
+        """On a follower rank of the tensor group: run every step the leader runs, admitting the
+        sequences it admitted to it (the same allocations: the caches' histories are the same),
+        until the leader stops. Tokens and endings come from the leader (see DecodeStep)."""
+        while (requests := receive(self._tp_group)) is not None:
+            admitted = []
+            for request in requests:
+                self._numbered += 1
+                sequence = _Sequence(request, job=None, index=0, number=self._numbered)
+                if not self._allocate(sequence):
+                    raise RuntimeError("a follower's KV cache cannot hold what the leader's admitted: the ranks disagree")
+                self._prefilling.append(sequence)
+                admitted.append(sequence)
+            self._step(admitted)
+
     # The worker thread.
     def _run(self) -> None:
         while True:
@@ -137,11 +164,13 @@ class ContinuousBatchingWorker(EngineWorker):
                 if self._stopping:
                     return
                 admitted = self._admit()
+            if self._tp_group is not None:  # the followers step with the same sequences admitted
+                lead([s.request for s in admitted], self._tp_group)
             try:
                 self._step(admitted)
             except Exception as error:  # the server lives on; the sequences of this step get the error
                 log.exception("generation failed in a step of %d sequences", len(self._running) + len(admitted))
-                for sequence in [*self._running, *self._prefilling]:
+                for sequence in [*self._decode_step.in_flight, *self._prefilling]:
                     self.allocator.free(sequence.blocks)
                     sequence.job.failed(error)
                 self._decode_step.reset()
@@ -177,7 +206,7 @@ class ContinuousBatchingWorker(EngineWorker):
                 return False
             sequence.blocks = self.allocator.allocate(tokens)
             return True
-        sequence.prefix_keys = prefix_keys(request.prompt, self.allocator.block_size)
+        sequence.prefix_keys = prefix_keys(request.prompt, self.block_size)
         keys = [] if request.logprobs else sequence.prefix_keys
         allocated = self.allocator.allocate_with_prefix(keys, len(request.prompt), tokens)
         if allocated is None:
@@ -262,7 +291,7 @@ class ContinuousBatchingWorker(EngineWorker):
 
     @torch.inference_mode()  # no autograd graph: across steps it would keep every activation alive
     def _step(self, admitted: list[_Sequence]) -> None:
-        decoding = [s for s in self._running if s.logits is None]
+        decoding = list(self._running)  # each chose its last token in the previous step
         if decoding:
             self._decode(decoding, greedy=self._greedy_step(admitted))
         if self.max_num_batched_tokens is None:
@@ -294,33 +323,36 @@ class ContinuousBatchingWorker(EngineWorker):
         """One new token's fp32 logits ``[vocab]`` for each of ``decoding`` (``sequence.logits``),
         or with ``greedy`` the token itself (``sequence.choice``)."""
         device = self.engine.device
+        # The rows' last tokens, still on the device (the host reads them a few steps later).
+        fed = self._decode_step.next_tokens
         if self._decode_steps is None:
-            tokens = torch.tensor([[s.tokens[-1]] for s in decoding], device=device)
-            for sequence, logits in zip(decoding, self._forward(decoding, tokens, 1)[0], strict=True):
+            for sequence, logits in zip(decoding, self._forward(decoding, fed[:, None], 1)[0], strict=True):
                 sequence.logits = logits
             return
         # The static cache: one step over the window of the first slots, up to a bucket (see
-        # static_decode); slots in it that no sequence decodes compute a row nobody reads. Those
-        # just admitted are prefilled after this step, over what it wrote at their position 0; one
-        # whose prompt is part prefilled (in chunks) has it write at its next position, which its
-        # next chunk overwrites.
+        # static_decode); slots in it that no sequence decodes compute a row nobody reads, at the
+        # slot's last position (a free slot's cached prefix, slot_prefix_cache, stays intact).
+        # Those admitted (their prompts part cached or not) have it write at their next
+        # position, which their prefill overwrites after this step.
         slots = [s.blocks[0] for s in decoding]
         window = min(bucket_for(max(slots) + 1), self.cache.slots)
-        tokens = torch.zeros(window, 1, dtype=torch.long)
-        cached = torch.zeros(window, dtype=torch.long)
+        cached = [self.cache.max_length - 1] * window
         for sequence in self._prefilling:
             if sequence.blocks[0] < window:
                 cached[sequence.blocks[0]] = sequence.cached
         for slot, sequence in zip(slots, decoding, strict=True):
-            tokens[slot, 0], cached[slot] = sequence.tokens[-1], sequence.cached
+            cached[slot] = sequence.cached
             sequence.cached += 1
+        tokens = torch.zeros(window, 1, dtype=torch.long, device=device)
+        tokens[to_device(slots, device), 0] = fed
+        cached = to_device(cached, device)
         if greedy:  # views of the step's output, read before the next step rewrites it
-            picked = self._decode_steps.greedy(tokens.to(device), cached.to(device))
+            picked = self._decode_steps.greedy(tokens, cached)
             for slot, sequence in zip(slots, decoding, strict=True):
                 sequence.choice = picked[slot]
             return
-        logits = self._decode_steps(tokens.to(device), cached.to(device))
-        for sequence, row in zip(decoding, logits[torch.tensor(slots, device=device)], strict=True):
+        logits = self._decode_steps(tokens, cached)
+        for sequence, row in zip(decoding, logits[to_device(slots, device)], strict=True):
             sequence.logits = row
 
     def _choose(self) -> None:
@@ -342,6 +374,8 @@ class ContinuousBatchingWorker(EngineWorker):
         sequence.job.token(sequence.index, token, logprob, top)
 
     def _finish(self, sequence: _Sequence) -> None:
+        """On every rank (a follower frees the same blocks); the leader answers the job."""
         self.allocator.free(sequence.blocks)
         sequence.blocks = []
-        sequence.job.finished(sequence.index, sequence.result())
+        if sequence.job is not None:
+            sequence.job.finished(sequence.index, sequence.result())

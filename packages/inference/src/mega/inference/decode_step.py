@@ -13,7 +13,10 @@ one text-generation controller serves its static and dynamic engines). It
   length, then a cancellation: a sequence that ended by itself reports so even when its client
   has just gone;
 - retires the finished rows: the last row takes a finished row's place, so the callers' caches
-  move as few rows as possible, and ``kept`` says which old row each new row is.
+  move as few rows as possible, and ``kept`` says which old row each new row is;
+- keeps the chosen tokens on the device (the next step's input) and reads them on the host a
+  few steps later (``lag``, :mod:`~mega.inference.host_copy`), so no step waits for the device:
+  endings are learnt that late and what a row decoded past its end is dropped.
 
 Under tensor parallelism the first rank of the group decides (cancellations, unseeded draws and
 stop strings happen there only) and broadcasts the tokens and endings, so ranks never disagree.
@@ -21,6 +24,7 @@ stop strings happen there only) and broadcasts the tokens and endings, so ranks 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mega.core.parallel import Group
+from mega.inference.host_copy import HostCopy, to_device
 from mega.inference.requests import FinishReason, GenerationRequest, GenerationResult
 from mega.inference.sampling import Sampler
 from mega.inference.stopping import StopChecker
@@ -40,8 +45,9 @@ _REASONS = {code: reason for reason, code in _CODES.items()}
 
 @dataclass(eq=False)
 class DecodingSequence:
-    """One sequence's decoding state. ``known``: tokens (prompt, then generated) fixed so far;
-    the logits a step gets for this row are those of token ``known``."""
+    """One sequence's decoding state. ``known``: tokens (prompt, then generated) fixed so far,
+    on the device (``generated`` holds those the host has read, a few steps behind); the logits
+    a step gets for this row are those of token ``known``."""
 
     request: GenerationRequest
     known: int = -1  # -1: the whole prompt (set in __post_init__)
@@ -93,13 +99,23 @@ def top_logprobs(log_probs: torch.Tensor, n: int) -> list[list[tuple[int, float]
 @dataclass
 class StepOutcome:
     chosen: torch.Tensor  # [rows before the step] the token each row took
-    kept: list[int]  # the old row of each row left (all rows, in order, when none finished)
-    finished: list[DecodingSequence]
+    kept: list[int]  # the old row of each row left (all rows, in order, when none left)
+    finished: list[DecodingSequence]  # the sequences whose endings were read in this step
+    next_tokens: torch.Tensor  # [rows left] the tokens the rows left feed next
 
-    @property
-    def next_tokens(self) -> torch.Tensor:
-        """``[rows left]``: the tokens the rows left feed next."""
-        return self.chosen if len(self.kept) == len(self.chosen) else self.chosen[self.kept]
+
+@dataclass
+class _Launched:
+    """One step's rows as the host knew them when their tokens were chosen on the device."""
+
+    sequences: list[DecodingSequence]
+    drawing: list[bool]  # the row drew its token (else it took its next prompt token)
+    known: list[int]  # each row's ``known`` after the step
+    wanting: list[int]  # the rows whose log-probabilities were asked for
+    copy: HostCopy  # chosen tokens and those log-probabilities, on their way to the host
+
+
+READ_LAG = 2  # steps between choosing tokens on the device and reading them on the host
 
 
 # (sequence, token, its logprob, the most likely (token, logprob) pairs at its position)
@@ -109,15 +125,30 @@ FinishHook = Callable[[DecodingSequence], None]
 
 class DecodeStep:
     """The rows being decoded and their sampler. ``on_token`` runs for each generated token
-    before the endings are decided (a client may cancel there); ``on_finish`` for each sequence
-    that ends, on the first rank of ``tp_group`` only."""
+    before the endings are decided (a client may cancel there), on the first rank of
+    ``tp_group`` only; ``on_finish`` for each sequence that ends, on every rank (a follower
+    frees its caches as the leader does).
+
+    The tokens a step chooses stay on the device, where the next step reads them; the host reads
+    them ``lag`` steps later (:class:`~mega.inference.host_copy.HostCopy`), so no step waits for
+    the device. So a stop (or a cancellation) is learnt ``lag`` steps late: the row has decoded
+    that many tokens past it, which are dropped (a sequence's tokens, log-probabilities and
+    ending are those of reading every step at once). A row leaves at its length when the step
+    that reaches it is launched (the host counts its tokens), so nobody decodes past its length
+    and the caches sized for it hold every step. Under tensor parallelism the followers must
+    leave the same rows at the same step: there ``lag`` is 0 (the leader reads each step's
+    tokens, decides, and broadcasts them with the endings)."""
 
     def __init__(self, stop_checker: StopChecker, device: torch.device, tp_group: Group | None = None,
-                 on_token: TokenHook | None = None, on_finish: FinishHook | None = None):
+                 on_token: TokenHook | None = None, on_finish: FinishHook | None = None, lag: int = READ_LAG):
         self.stop_checker, self.device, self.tp_group = stop_checker, device, tp_group
         self.on_token, self.on_finish = on_token, on_finish
+        self.lag = lag if tp_group is None or tp_group.size == 1 else 0
         self.sequences: list[DecodingSequence] = []
         self.sampler = Sampler([], device)
+        self._launched: collections.deque[_Launched] = collections.deque()
+        self._leaving: list[DecodingSequence] = []  # left the rows at their length, last tokens not read yet
+        self.next_tokens = torch.zeros(0, dtype=torch.long, device=device)  # [rows] what each row feeds next
 
     @property
     def is_leader(self) -> bool:
@@ -125,6 +156,11 @@ class DecodeStep:
 
     def __len__(self) -> int:
         return len(self.sequences)
+
+    @property
+    def in_flight(self) -> list[DecodingSequence]:
+        """Every sequence not finished yet: the rows and those that left at their length."""
+        return self.sequences + self._leaving
 
     def join(self, sequences: Sequence[DecodingSequence]) -> list[int]:
         """Add ``sequences`` as rows after the running ones, except those that end before any
@@ -150,8 +186,12 @@ class DecodeStep:
         return 0
 
     def reset(self) -> None:
-        """Drop every row (a failed step: the caller answers their requests)."""
+        """Drop every row and every unread step (a failed step: the caller answers the requests
+        of :attr:`in_flight` first)."""
         self.sequences, self.sampler = [], Sampler([], self.device)
+        self.next_tokens = self.next_tokens[:0]
+        self._launched.clear()
+        self._leaving = []
 
     @property
     def chooses_on_device(self) -> bool:
@@ -168,49 +208,81 @@ class DecodeStep:
 
     def __call__(self, logits: torch.Tensor | None, chosen: torch.Tensor | None = None) -> StepOutcome:
         """Fp32 ``logits`` ``[rows, vocab]`` (the real vocabulary, every tensor shard) of each
-        row's next token: choose it, record it, and retire the rows that end. ``chosen``: the
-        tokens already chosen on the device where :attr:`chooses_on_device` allowed it (then
-        ``logits`` may be None)."""
+        row's next token: choose it on the device, read the tokens of ``lag`` steps ago, and
+        retire the rows that ended or reached their length. ``chosen``: the tokens already chosen
+        on the device where :attr:`chooses_on_device` allowed it (then ``logits`` may be None)."""
         sequences = self.sequences
+        drawing = [s.known >= len(s.request.prompt) for s in sequences]
+        for sequence in sequences:
+            sequence.known += 1
+        finished: list[DecodingSequence] = []
         if self.is_leader:
-            chosen, codes = self._decide(logits, chosen)
+            chosen = self._choose(logits, chosen, drawing)
+            self._launched.append(self._launch(logits, chosen, drawing))
+            while len(self._launched) > self.lag:
+                finished += self._read_oldest()
+            codes = [_CODES[s.finish_reason] if s.finish_reason is not None else 0 for s in sequences]
         else:
             chosen, codes = torch.empty(len(sequences), dtype=torch.long, device=self.device), [0] * len(sequences)
         chosen, codes = self._agree(chosen, codes)
         if not self.is_leader:
-            for sequence, token in zip(sequences, chosen.tolist(), strict=True):
-                if sequence.known >= len(sequence.request.prompt):
-                    sequence.generated.append(token)
-                sequence.known += 1
-        return StepOutcome(chosen, *self._retire(codes))
+            finished = self._follow(chosen, codes, drawing)
+        leaving = [row for row, s in enumerate(sequences) if s.finish_reason is None and s.known >= s.limit]
+        self._leaving += [sequences[row] for row in leaving]
+        kept = self._retire([bool(code) for code in codes], leaving)
+        self.next_tokens = chosen if len(kept) == len(chosen) else chosen[to_device(kept, chosen.device)]
+        if not self.sequences:  # nothing decodes any more: read every step still on its way
+            while self._launched:
+                finished += self._read_oldest()
+        return StepOutcome(chosen, kept, finished, self.next_tokens)
 
-    def _decide(self, logits: torch.Tensor | None, chosen: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
+    def _choose(self, logits: torch.Tensor | None, chosen: torch.Tensor | None, drawing: list[bool]) -> torch.Tensor:
+        """Each row's token, on the device: its draw, or its next prompt token."""
         sequences = self.sequences
-        drawing = [s.known >= len(s.request.prompt) for s in sequences]
         if chosen is None:
             chosen = self.sampler.sample(logits, drawing)
         if not all(drawing):  # rows still inside their prompts take its next token
-            forced = torch.tensor([0 if draw else s.request.prompt[s.known] for s, draw in zip(sequences, drawing, strict=True)],
-                                  device=chosen.device)
-            chosen = torch.where(torch.tensor(drawing, device=chosen.device), chosen, forced)
+            # ``known`` has counted this step already: the token fed next is prompt[known - 1].
+            forced = [0 if draw else s.request.prompt[s.known - 1] for s, draw in zip(sequences, drawing, strict=True)]
+            chosen = torch.where(to_device(drawing, chosen.device, torch.bool), chosen, to_device(forced, chosen.device))
         self.sampler.observe(chosen, drawing)
+        return chosen
+
+    def _launch(self, logits: torch.Tensor | None, chosen: torch.Tensor, drawing: list[bool]) -> _Launched:
+        """The step's tokens and asked-for log-probabilities, on their way to the host."""
+        sequences = self.sequences
         wanting = [row for row, s in enumerate(sequences) if s.logprobs is not None]
-        values, log_probs = [], None
+        tensors = {"chosen": chosen}
         if wanting:
-            log_probs = F.log_softmax(logits[wanting], dim=-1)
-            values = log_probs.gather(-1, chosen[wanting, None]).squeeze(-1).tolist()
-        chosen_list = chosen.tolist()
-        for k, row in enumerate(wanting):
-            sequence = sequences[row]
-            sequence.logprobs.append(values[k])
-            if sequence.top_logprobs is not None:
-                sequence.top_logprobs.extend(top_logprobs(log_probs[k: k + 1], sequence.request.top_logprobs))
-        codes = [0] * len(sequences)
-        for row, sequence in enumerate(sequences):
-            token, request = chosen_list[row], sequence.request
-            sequence.known += 1
+            rows = to_device(wanting, chosen.device)
+            log_probs = F.log_softmax(logits[rows], dim=-1)
+            tensors["logprobs"] = log_probs.gather(-1, chosen[rows, None]).squeeze(-1)
+            most = max((s.request.top_logprobs or 0) for s in sequences)
+            if most:
+                tensors["top_values"], tensors["top_ids"] = log_probs.topk(most, dim=-1)
+        return _Launched(list(sequences), drawing, [s.known for s in sequences], wanting, HostCopy(tensors))
+
+    def _read_oldest(self) -> list[DecodingSequence]:
+        """Read the oldest launched step: record its tokens, and end the sequences whose stop
+        rule, length or cancellation (in that order of precedence) says so. A sequence already
+        ended by an earlier step's tokens ignores this one's (decoded past its end)."""
+        launched = self._launched.popleft()
+        host = launched.copy.read()
+        logprob_of = {row: k for k, row in enumerate(launched.wanting)}
+        ended = []
+        for row, sequence in enumerate(launched.sequences):
+            if sequence.finish_reason is not None:
+                continue
+            token, request = host["chosen"][row], sequence.request
+            if row in logprob_of:
+                k = logprob_of[row]
+                sequence.logprobs.append(host["logprobs"][k])
+                if sequence.top_logprobs is not None:
+                    n = request.top_logprobs
+                    sequence.top_logprobs.append(list(zip(host["top_ids"][k][:n], host["top_values"][k][:n],
+                                                          strict=True)))
             reason = None
-            if drawing[row]:
+            if launched.drawing[row]:
                 sequence.generated.append(token)
                 if self.on_token is not None:
                     logprob = sequence.logprobs[-1] if sequence.logprobs is not None else None
@@ -218,12 +290,26 @@ class DecodeStep:
                     self.on_token(sequence, token, logprob, top)
                 if self.stop_checker.should_stop(request.stop, sequence.generated):
                     reason = FinishReason.STOP
-            if reason is None and sequence.known >= sequence.limit:
+            if reason is None and launched.known[row] >= sequence.limit:
                 reason = FinishReason.LENGTH
             if reason is None and request.cancelled:
                 reason = FinishReason.CANCELLED
-            codes[row] = _CODES[reason] if reason is not None else 0
-        return chosen, codes
+            if reason is not None:
+                ended.append(sequence)
+                self._finish(sequence, _CODES[reason])
+        self._leaving = [s for s in self._leaving if s.finish_reason is None]
+        return ended
+
+    def _follow(self, chosen: torch.Tensor, codes: list[int], drawing: list[bool]) -> list[DecodingSequence]:
+        """On a follower (``lag`` 0): the leader's tokens and endings for this step's rows."""
+        finished = []
+        for sequence, token, draw, code in zip(self.sequences, chosen.tolist(), drawing, codes, strict=True):
+            if draw:
+                sequence.generated.append(token)
+            if code:
+                finished.append(sequence)
+                self._finish(sequence, code)
+        return finished
 
     def _agree(self, chosen: torch.Tensor, codes: list[int]) -> tuple[torch.Tensor, list[int]]:
         """The first rank's tokens and endings, on every rank of the tensor group."""
@@ -239,25 +325,22 @@ class DecodeStep:
             return codes
         return self._agree(torch.zeros(len(codes), dtype=torch.long, device=self.device), codes)[1]
 
-    def _retire(self, codes: list[int]) -> tuple[list[int], list[DecodingSequence]]:
-        kept = list(range(len(codes)))
-        if not any(codes):
-            return kept, []
-        finished = []
-        # The last row takes a finished row's place: the others stay where the caches hold them.
-        for row in sorted((row for row, code in enumerate(codes) if code), reverse=True):
-            finished.append(self.sequences[row])
+    def _retire(self, ended: list[bool], leaving: list[int]) -> list[int]:
+        """Drop the rows that ``ended`` or are ``leaving``; returns ``kept``."""
+        gone = sorted({row for row, end in enumerate(ended) if end} | set(leaving), reverse=True)
+        kept = list(range(len(ended)))
+        if not gone:
+            return kept
+        # The last row takes a gone row's place: the others stay where the caches hold them.
+        for row in gone:
             last = kept.pop()
             if last != row:
                 kept[row] = last
-        for row, code in enumerate(codes):
-            if code:
-                self._finish(self.sequences[row], code)
         self.sequences = [self.sequences[row] for row in kept]
         self.sampler.keep(kept)
-        return kept, finished
+        return kept
 
     def _finish(self, sequence: DecodingSequence, code: int) -> None:
         sequence.finish_reason = _REASONS[code]
-        if self.on_finish is not None and self.is_leader:
+        if self.on_finish is not None:
             self.on_finish(sequence)

@@ -64,7 +64,7 @@ class EncoderDecoderEngine(EngineBase):
                                   f"{request.max_new_tokens}")
         for what, count in (("prompt tokens", len(request.prompt)), ("tokens to generate", request.max_new_tokens)):
             if count > self.max_positions:
-                raise GenerationError(f"{count} {what} exceed the model's {self.max_positions} positions")
+                raise GenerationError(f"{count} {what} exceed {self.length_limit}")
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest], on_token: TokenCallback | None = None,

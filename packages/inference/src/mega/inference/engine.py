@@ -24,7 +24,7 @@ import torch
 
 from mega.core.parallel import Group
 from mega.core.parallel.collectives import gather_along
-from mega.inference.decode_step import DecodeStep, DecodingSequence, record_logprobs
+from mega.inference.decode_step import READ_LAG, DecodeStep, DecodingSequence, record_logprobs
 from mega.inference.requests import FinishReason, GenerationError, GenerationRequest, GenerationResult
 from mega.inference.stopping import StopChecker
 from mega.models.kv_cache import KVCache
@@ -43,14 +43,24 @@ class EngineBase:
     the request checks that do not depend on the architecture."""
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int, tokenizer=None,
-                 tp_group: Group | None = None):
+                 tp_group: Group | None = None, read_lag: int = READ_LAG):
         self.model = model
+        self.read_lag = read_lag  # steps between choosing tokens on the device and reading them
         self.vocab_size = vocab_size
         self.max_positions = max_positions
+        self.length_limit = f"the model's {max_positions} positions"  # what max_positions is, in errors
         self.tokenizer = tokenizer
         self.tp_group = tp_group
         self.stop_checker = StopChecker(tokenizer)
         self.device = next(model.parameters()).device
+
+    def cap_length(self, max_model_len: int) -> None:
+        """``--max-model-len``: no sequence (prompt and generated tokens) longer, and caches sized
+        for that (they take ``max_positions``)."""
+        if not 0 < max_model_len <= self.max_positions:
+            raise GenerationError(f"--max-model-len must be in [1, {self.max_positions}] (the model's positions), "
+                                  f"got {max_model_len}")
+        self.max_positions, self.length_limit = max_model_len, f"--max-model-len {max_model_len}"
 
     @property
     def is_leader(self) -> bool:
@@ -62,7 +72,7 @@ class EngineBase:
 
     def decode_step(self, on_token=None, on_finish=None) -> DecodeStep:
         """A :class:`DecodeStep` over this engine's stop rules, device and tensor group."""
-        return DecodeStep(self.stop_checker, self.device, self.tp_group, on_token, on_finish)
+        return DecodeStep(self.stop_checker, self.device, self.tp_group, on_token, on_finish, self.read_lag)
 
     def batch_step(self, sequences: Sequence[DecodingSequence], on_token: TokenCallback | None,
                    on_finish: FinishCallback | None) -> DecodeStep:
@@ -95,13 +105,13 @@ class GenerationEngine(EngineBase):
     and generation) the model takes; ``tokenizer``: for stop strings and end-of-line rules."""
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int, tokenizer=None,
-                 tp_group: Group | None = None):
+                 tp_group: Group | None = None, read_lag: int = READ_LAG):
         missing = {"inference_cache", "logits_to_keep"} - set(inspect.signature(model.forward).parameters)
         if missing:
             raise GenerationError(f"{type(model).__name__}.forward takes no {' or '.join(sorted(missing))}: "
                                   "this model family cannot generate")
         super().__init__(model, vocab_size=vocab_size, max_positions=max_positions, tokenizer=tokenizer,
-                         tp_group=tp_group)
+                         tp_group=tp_group, read_lag=read_lag)
 
     def check(self, request: GenerationRequest) -> None:
         """Raise :class:`GenerationError` for a request that cannot run, naming the numbers."""
@@ -112,11 +122,8 @@ class GenerationEngine(EngineBase):
         if total > self.max_positions:
             raise GenerationError(
                 f"{len(request.prompt)} prompt tokens + {request.max_new_tokens} tokens to generate = "
-                f"{total} exceeds the model's {self.max_positions} positions"
+                f"{total} exceeds {self.length_limit}"
             )
-
-
-
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache,
                 logits_to_keep: int | torch.Tensor | None = None) -> torch.Tensor:

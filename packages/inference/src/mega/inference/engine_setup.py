@@ -37,18 +37,31 @@ def load_on_ranks(args: argparse.Namespace, command: str) -> tuple[LoadedModel, 
         raise SystemExit(f"mega {command}: error: {error}") from None
 
 
-def setup_engine(args: argparse.Namespace, command: str, generate_for=None) -> EngineSetup | None:
+def setup_engine(args: argparse.Namespace, command: str, generate_for=None, follower=None) -> EngineSetup | None:
     """The engine for ``mega <command>`` on the leading rank; None on the other ranks of the
     tensor group, once they have followed the leader's batches to the end. A model or tokenizer
     that cannot be loaded ends the command with one line naming the problem. ``generate_for(engine)``:
-    how the leader generates (the engine's own ``generate`` by default), which the followers run too."""
+    how the leader generates (the engine's own ``generate`` by default), which the followers run
+    too; ``follower(engine)``: a follower's whole loop instead (continuous batching's). A
+    ``--max-model-len`` caps every rank's engine (and so the caches sized from it)."""
     loaded, groups = load_on_ranks(args, command)
     # The one place the model kind picks the engine: encoder-decoder models (T5) have their own.
     engine_class = EncoderDecoderEngine if is_encoder_decoder(loaded.model) else GenerationEngine
     engine = engine_class(loaded.model, vocab_size=loaded.config.vocab_size,
                           max_positions=loaded.max_positions, tokenizer=loaded.tokenizer, tp_group=groups.tp)
+    max_model_len = getattr(args, "max_model_len", None)
+    if max_model_len is not None and max_model_len > engine.max_positions:
+        if engine.is_leader:  # every rank checks the same: the followers return
+            raise SystemExit(f"mega {command}: error: --max-model-len {max_model_len} exceeds the model's "
+                             f"{engine.max_positions} positions")
+        return None
+    if max_model_len is not None:
+        engine.cap_length(max_model_len)
     if not engine.is_leader:
-        follow(engine, groups.tp, generate_for(engine) if generate_for is not None else None)
+        if follower is not None:
+            follower(engine)
+        else:
+            follow(engine, groups.tp, generate_for(engine) if generate_for is not None else None)
         return None
     if loaded.tokenizer is None:
         lead(None, groups.tp)

@@ -63,8 +63,18 @@ def load_from_args(args: argparse.Namespace, groups: ParallelGroups, plugins=Non
             vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
             vocab_size=args.vocab_size))
     device = torch.device(args.device) if args.device else default_device()
-    return load_model(args.load, groups=groups, device=device, dtype=DTYPES[args.dtype],
-                      tokenizer_spec=tokenizer_spec, plugins=plugins)
+    loaded = load_model(args.load, groups=groups, device=device, dtype=DTYPES[args.dtype],
+                        tokenizer_spec=tokenizer_spec, plugins=plugins)
+    if getattr(args, "adapter", None):
+        # start-up cost: the LoRA code is imported only when an adapter is served
+        from mega.models.lora import LoRAError
+        from mega.models.lora_load import merge_adapter_at_load
+
+        try:
+            merge_adapter_at_load(loaded.model, args.adapter, loaded.family_name, groups)
+        except LoRAError as error:
+            raise LoadError(str(error)) from None
+    return loaded
 
 
 def load_model(path: str | Path, *, groups: ParallelGroups, device: torch.device, dtype: torch.dtype = torch.float32,

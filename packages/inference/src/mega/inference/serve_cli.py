@@ -43,25 +43,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences the engine runs together; concurrent requests share batches (default 32)")
     group.add_argument("--batching", choices=["continuous", "lockstep"], default="continuous",
                        help="continuous (default): a new request joins the running batch at the next step, its KV "
-                            "cache in blocks; lockstep: batches run to their end, as Megatron's (always under "
-                            "tensor parallelism)")
+                            "cache in blocks (or static slots); lockstep: batches run to their end, as Megatron's "
+                            "(always for encoder-decoder models)")
     group.add_argument("--max-num-tokens", type=int, default=None, metavar="N",
                        help="continuous batching: tokens the KV cache holds for all running sequences together; a "
                             "request is admitted once its prompt and max tokens fit (default: --max-batch-size "
                             "times the model's positions); with the static KV cache, a slot of the model's "
                             "positions per sequence")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                       help="continuous batching on the paged KV cache: keep the cache blocks of prompts' full "
-                            "16-token blocks, keyed by the hash of their prefix, and share them with later prompts "
-                            "that start the same (those prefill only the rest; least recently used blocks are "
-                            "evicted when room is needed). Default: on wherever the paged cache runs")
+                       help="continuous batching: keep the KV cache of prompts' full 16-token blocks, keyed by "
+                            "the hash of their prefix, for later prompts that start the same (those prefill only "
+                            "the rest): the paged cache shares the blocks (least recently used evicted when room "
+                            "is needed), the static cache copies them from the slot that holds them (kept until "
+                            "the slot is taken). Default: on")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                        help="continuous batching: tokens one engine step computes at most (one per decoding "
                             "sequence, the rest prompt tokens), so long prompts are prefilled in chunks between "
                             "decode steps; at least --max-batch-size (default: each prompt prefilled whole)")
     add_decoding_arguments(group, "with continuous batching (the paged cache's place; by default without "
-                                  "--max-num-tokens) and, when asked, with lock-step batches (tensor-parallel "
-                                  "serving); decoder-only models")
+                                  "--max-num-tokens; tensor-parallel too) and, when asked, with lock-step "
+                                  "batches; decoder-only models")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level")
     return parser
@@ -69,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def static_kv_cache(args: argparse.Namespace, device, lockstep: bool, decoder_only: bool = True) -> bool:
     """Whether the server decodes on the static KV cache: as asked, else on CUDA under continuous
-    batching unless ``--max-num-tokens`` sizes a paged cache. Lock-step batches (tensor-parallel
-    serving) use it only when asked: their captured graphs would hold the collectives."""
+    batching (tensor-parallel too) unless ``--max-num-tokens`` sizes a paged cache. Lock-step
+    batches use it only when asked."""
     # start-up cost: `mega --help` and the parser stay free of torch and the models
     from mega.inference.static_decode import static_kv_cache_wanted
 
@@ -92,6 +93,61 @@ def lockstep_generate(args: argparse.Namespace, engine, lockstep: bool = True):
     return engine.generate
 
 
+def uses_lockstep(args: argparse.Namespace, engine) -> bool:
+    """Lock-step batches where asked, and for encoder-decoder models (T5: their own engine, no
+    paged cache); continuous batching otherwise, tensor-parallel or not."""
+    # start-up cost, as above
+    from mega.inference.encoder_decoder import is_encoder_decoder
+
+    return args.batching == "lockstep" or is_encoder_decoder(engine.model)
+
+
+def continuous_worker(args: argparse.Namespace, engine, static: bool):
+    """The continuous-batching worker, built alike on the leader and on every follower."""
+    # start-up cost, as above
+    from mega.inference.continuous import ContinuousBatchingWorker
+
+    return ContinuousBatchingWorker(engine, args.max_batch_size, args.max_num_tokens, static_cache=static,
+                                    use_cuda_graphs=args.cuda_graphs and engine.device.type == "cuda",
+                                    prefix_caching=args.enable_prefix_caching is not False,
+                                    max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def follow_serving(args: argparse.Namespace, engine) -> None:
+    """A follower rank's whole part in ``mega serve`` under torchrun: the leader's continuous
+    batching steps, or its lock-step batches, until it stops. A setting the leader refuses (it
+    says why) only makes the follower wait for the leader's end."""
+    # start-up cost, as above
+    from mega.inference.encoder_decoder import is_encoder_decoder
+    from mega.inference.engine import GenerationError
+    from mega.inference.tp_serving import follow
+
+    lockstep = uses_lockstep(args, engine)
+    try:
+        static = static_kv_cache(args, engine.device, lockstep, not is_encoder_decoder(engine.model))
+        if not lockstep:
+            continuous_worker(args, engine, static).follow()
+            return
+        generate = lockstep_generate(args, engine)
+    except (GenerationError, ValueError):
+        generate = None
+    follow(engine, engine.tp_group, generate)
+
+
+def check_web_stack() -> None:
+    """Import the server's web stack before the model loads, so a missing package ends ``mega
+    serve`` at once with what to install (fastapi 0.165 imports ``opentelemetry`` in
+    ``fastapi.applications`` and ``fastapi.routing``: it needs ``opentelemetry-api`` however it
+    is used, which a hand-made set of wheels easily lacks)."""
+    try:
+        # start-up cost, as above
+        import mega.inference.server  # noqa: F401
+    except ModuleNotFoundError as error:
+        raise SystemExit(f"mega serve: error: the server needs the Python package '{error.name}' ({error}); "
+                         "install mega-inference with pip (which resolves fastapi's own dependencies, "
+                         "opentelemetry-api included) or add it") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -103,15 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.max_batch_size:
         parser.error(f"--max-num-batched-tokens {args.max_num_batched_tokens} must be at least --max-batch-size "
                      f"{args.max_batch_size} (every running sequence decodes a token per step)")
-    if args.enable_prefix_caching and args.static_kv_cache:
-        parser.error("--enable-prefix-caching shares paged KV cache blocks: not with --static-kv-cache")
+    check_web_stack()
     if is_encoder_checkpoint(args.load):  # an encoder serves POST /v1/embeddings instead
         return serve_embeddings(args)
     # start-up cost, as above
     import uvicorn
 
     from mega.inference.batching import BatchingWorker
-    from mega.inference.continuous import ContinuousBatchingWorker
     from mega.inference.encoder_decoder import is_encoder_decoder
     from mega.inference.engine import GenerationError
     from mega.inference.engine_setup import setup_engine
@@ -119,17 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     from mega.inference.service import InferenceService
     from mega.inference.tp_serving import lead
 
-    setup = setup_engine(args, "serve", generate_for=lambda engine: lockstep_generate(args, engine))
+    setup = setup_engine(args, "serve", follower=lambda engine: follow_serving(args, engine))
     if setup is None:  # a follower: the leader has stopped serving
         return 0
-    if args.max_model_len is not None:
-        if args.max_model_len > setup.engine.max_positions:
-            lead(None, setup.tp_group)
-            raise SystemExit(f"mega serve: error: --max-model-len {args.max_model_len} exceeds the model's "
-                             f"{setup.engine.max_positions} positions")
-        setup.engine.max_positions = args.max_model_len
-    # Encoder-decoder models (T5) run lock-step batches in their own engine (no paged cache).
-    lockstep = args.batching == "lockstep" or setup.tp_group.size > 1 or is_encoder_decoder(setup.engine.model)
+    lockstep = uses_lockstep(args, setup.engine)
     try:
         static = static_kv_cache(args, setup.engine.device, lockstep, not is_encoder_decoder(setup.engine.model))
     except GenerationError as error:
@@ -138,16 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     if lockstep and (args.enable_prefix_caching or args.max_num_batched_tokens is not None):
         lead(None, setup.tp_group)
         raise SystemExit("mega serve: error: --enable-prefix-caching and --max-num-batched-tokens run with continuous "
-                         "batching (one process, a decoder-only model), not lock-step batches")
+                         "batching (a decoder-only model), not lock-step batches")
     if not lockstep:
-        if args.enable_prefix_caching and static:
-            lead(None, setup.tp_group)
-            raise SystemExit("mega serve: error: --enable-prefix-caching shares paged KV cache blocks; the static KV "
-                             "cache (on by default on CUDA) has none: add --no-static-kv-cache")
-        worker = ContinuousBatchingWorker(setup.engine, args.max_batch_size, args.max_num_tokens, static_cache=static,
-                                          use_cuda_graphs=args.cuda_graphs and setup.engine.device.type == "cuda",
-                                          prefix_caching=not static and args.enable_prefix_caching is not False,
-                                          max_num_batched_tokens=args.max_num_batched_tokens)
+        worker = continuous_worker(args, setup.engine, static)
     else:
         worker = BatchingWorker(setup.engine, args.max_batch_size,
                                 before_batch=lambda requests: lead(requests, setup.tp_group),

@@ -11,7 +11,7 @@ padding keys are overwritten by its own later tokens before anything attends to 
 decoded together.
 
 A decode step runs over a *window*, the first ``bucket`` slots, whatever sits in them (a free
-slot computes a throw-away row at position 0): its shapes depend on the bucket only, and the
+slot computes a throw-away row): its shapes depend on the bucket only, and the
 tensors the step reads (the window's positions and mask) are updated in place, so
 :class:`DecodeSteps` captures one CUDA graph per bucket and replays it.
 
@@ -122,6 +122,15 @@ class SlotKVCache:
     @property
     def length(self) -> int:
         return int(self.cached.max())
+
+    @torch.inference_mode()  # the pools are inference tensors (written under the decode loop's inference mode)
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Slot ``target``'s first ``length`` positions become slot ``source``'s (a shared prompt
+        prefix, :mod:`mega.inference.slot_prefix_cache`)."""
+        for layer in self._layers.values():
+            if layer.keys is not None:
+                layer.keys[target, :length] = layer.keys[source, :length]
+                layer.values[target, :length] = layer.values[source, :length]
 
     def layer(self, number: int) -> _SlotLayer:
         layer = self._layers.get(number)

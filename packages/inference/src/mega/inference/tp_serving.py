@@ -31,9 +31,14 @@ def lead(requests: Sequence[GenerationRequest] | None, group: Group) -> None:
         _broadcast(list(requests) if requests is not None else None, group)
 
 
+def receive(group: Group):
+    """On a follower: what the leader hands over next (``lead``'s payload)."""
+    return _broadcast(None, group)
+
+
 def follow(engine: GenerationEngine, group: Group, generate=None) -> None:
     """On a follower: run every batch the leader hands over, until it says the end, with the
     leader's way of generating (``generate``: the engine's, or a static decoder's)."""
     generate = generate or engine.generate
-    while (requests := _broadcast(None, group)) is not None:
+    while (requests := receive(group)) is not None:
         generate(requests)

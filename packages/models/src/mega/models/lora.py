@@ -194,12 +194,19 @@ def merge_lora(stage: nn.Module) -> int:
         if not isinstance(module, LoRALinear):
             continue
         adapter, base = module.adapter, module.base
-        a, b = adapter.linear_in.weight.float(), adapter.linear_out.weight.float()
-        base.weight.add_((b @ a * adapter.scale).to(base.weight.dtype))
+        # The saved alpha / rank (a loaded adapter's), as mega lora merge multiplies by.
+        base.weight.copy_(merged_weight(base.weight, adapter.linear_in.weight, adapter.linear_out.weight,
+                                        float(adapter.scaling)))
         parent_name, _, child = name.rpartition(".")
         stage.get_submodule(parent_name).register_module(child, base)
         merged += 1
     return merged
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``W + B A * scaling`` in fp32, in ``W``'s dtype: the one merge formula (``merge_lora`` on a
+    stage's shards, ``mega lora merge`` on a checkpoint's global tensors)."""
+    return (weight.float() + b.float() @ a.float() * scaling).to(weight.dtype)
 
 
 def adapter_parameters(stage: nn.Module) -> dict[str, nn.Parameter]:

@@ -81,9 +81,35 @@ class DataParallelConfig:
         return self.strategy(use_distributed_optimizer) in FSDP_STRATEGIES
 
 
-def check_sharding(run, dp: int):
+def layout_conflict(strategy: str, named: str, *, replicas: int, cpu_offload: bool, dp: int, cp: int, pp: int,
+                    schedule: str = "1f1b") -> str | None:
+    """What a layout's sizes and schedule conflict with in its sharding flags (both flags named),
+    or None: what ``mega train`` refuses and ``mega plan`` (and its ``--search``) therefore too."""
+    fsdp = strategy in FSDP_STRATEGIES
+    if replicas > 1:
+        if not fsdp:
+            return (f"--num-distributed-optimizer-instances {replicas} (hybrid sharding) needs "
+                    f"--data-parallel-sharding-strategy optim_grads or optim_grads_params, not {strategy} "
+                    "(the distributed optimizer shards over every data-parallel rank)")
+        if (dp * cp) % replicas:
+            return (f"--num-distributed-optimizer-instances {replicas} must divide the "
+                    f"data-parallel x context-parallel size {dp} x {cp}")
+    if cpu_offload and not fsdp:
+        return (f"--cpu-offload needs --data-parallel-sharding-strategy optim_grads or optim_grads_params "
+                f"(or --use-torch-fsdp2), not {strategy}")
+    if cpu_offload and pp > 1:
+        return (f"--cpu-offload with --pipeline-model-parallel-size {pp} is not supported "
+                "(the tied embedding's gradients would cross stages from host memory)")
+    if fsdp and schedule != "1f1b":
+        return (f"--pipeline-schedule {schedule} leaves weight gradients to a step after the backward, "
+                f"but {named} (FSDP) reduces them at its end: use --pipeline-schedule 1f1b with FSDP")
+    return None
+
+
+def check_sharding(run, dp: int, *, launching: bool = True):
     """Fail, naming both flags, for a sharding strategy with a flag it cannot honour; return
-    ``run`` with ``--use-distributed-optimizer`` set when the strategy is ``optim``."""
+    ``run`` with ``--use-distributed-optimizer`` set when the strategy is ``optim``.
+    ``launching=False`` (``mega plan``) leaves out what only the process about to train can tell."""
     config, optimizer, precision, parallel = run.data_parallel, run.optimizer, run.precision, run.parallel
     strategy = config.strategy(optimizer.use_distributed_optimizer)
     named = ("--use-torch-fsdp2" if config.use_torch_fsdp2 else f"--data-parallel-sharding-strategy {strategy}")
@@ -93,25 +119,15 @@ def check_sharding(run, dp: int):
     if strategy == "optim" and not optimizer.use_distributed_optimizer:
         run = dataclasses.replace(run, optimizer=dataclasses.replace(optimizer, use_distributed_optimizer=True))
     fsdp = strategy in FSDP_STRATEGIES
-    if config.replicas > 1:
-        if not fsdp:
-            raise ConfigError(f"--num-distributed-optimizer-instances {config.replicas} (hybrid sharding) needs "
-                              f"--data-parallel-sharding-strategy optim_grads or optim_grads_params, not {strategy} "
-                              "(the distributed optimizer shards over every data-parallel rank)")
-        if (dp * parallel.cp) % config.replicas:
-            raise ConfigError(f"--num-distributed-optimizer-instances {config.replicas} must divide the "
-                              f"data-parallel x context-parallel size {dp} x {parallel.cp}")
-    if config.cpu_offload and not fsdp:
-        raise ConfigError(f"--cpu-offload needs --data-parallel-sharding-strategy optim_grads or optim_grads_params "
-                          f"(or --use-torch-fsdp2), not {strategy}")
+    problem = layout_conflict(strategy, named, replicas=config.replicas, cpu_offload=config.cpu_offload, dp=dp,
+                              cp=parallel.cp, pp=parallel.pp, schedule=run.pipeline.pipeline_schedule)
+    if problem:
+        raise ConfigError(problem)
     if not fsdp:
         return run
-    if dp * parallel.tp * parallel.pp * parallel.cp == 1 and not dist.is_initialized():
+    if launching and dp * parallel.tp * parallel.pp * parallel.cp == 1 and not dist.is_initialized():
         raise ConfigError(f"{named} (FSDP2) needs torch.distributed even on one GPU: launch with "
                           "--nproc-per-node 1 (or torchrun)")
-    if config.cpu_offload and parallel.pp > 1:
-        raise ConfigError(f"--cpu-offload with --pipeline-model-parallel-size {parallel.pp} is not supported "
-                          "(the tied embedding's gradients would cross stages from host memory)")
     if precision.gradient_accumulation_fusion:  # the weight-gradient GEMM would write into DDP's buffers
         raise ConfigError(f"{named} (FSDP2) with --gradient-accumulation-fusion is not supported (FSDP owns the "
                           "gradients)")

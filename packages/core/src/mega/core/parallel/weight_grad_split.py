@@ -13,9 +13,9 @@ autograd runs the backward on; the weights enter the node detached, so autograd 
 nothing into them (and runs none of their hooks) until W. The context is a ``ContextVar`` scoped
 by the ``with``, as ``torch.no_grad`` is: nothing to reset. Layers that defer: mega's linears (the torch ``linear`` component
 and the tensor-parallel linears, all through :func:`~mega.core.parallel.grad_accumulation_fusion.linear`)
-and the grouped MoE experts (each calls :func:`defer` from its backward); other weights (norms,
-embeddings, a kernel backend's own linears) get their gradients in B as before, which changes only
-when. Activation recompute reruns a region with the deferral its forward had
+the grouped MoE experts (the loop over experts and the ``torch._grouped_mm`` path) and the torchao
+plugin's FP8 linears (each calls :func:`defer` from its backward); other weights (norms, embeddings,
+Transformer Engine's linears) get their gradients in B as before, which changes only when. Activation recompute reruns a region with the deferral its forward had
 (:func:`replaying_weight_grad_deferral`).
 
 W hands each summed gradient to autograd as the gradient of the parameter itself, so it lands

@@ -112,8 +112,20 @@ def forward_backward(
     if reads_batch is None:
         last = table.num_stages - 1
         reads_batch = [table.stage(groups.pp.rank, chunk) in (0, last) for chunk in range(len(chunks))]
+    if table.splits_backward and not forward_only:
+        _refuse_fsdp(chunks, schedule)
     run = _ScheduleRun(table, groups, chunks, data, loss_fn, links, grad_sync, events, forward_only, reads_batch)
     return run.execute()
+
+
+def _refuse_fsdp(chunks: Sequence[nn.Module], schedule: str) -> None:
+    """FSDP2 reduce-scatters a module's gradients from its post-backward hook: before W. (Its
+    DTensor parameters exist only where torch.distributed.tensor was imported: no import here.)"""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and any(isinstance(p, dtensor.DTensor) for chunk in chunks for p in chunk.parameters()):
+        raise ValueError(f"--pipeline-schedule {schedule} leaves weight gradients to a W step after the backward, "
+                         f"but FSDP (--data-parallel-sharding-strategy optim_grads or optim_grads_params: DTensor "
+                         f"parameters) reduce-scatters them at its end: use --pipeline-schedule 1f1b with FSDP")
 
 
 class _ScheduleRun:
@@ -146,14 +158,6 @@ class _ScheduleRun:
                 self.final_actions[(id(self.syncers[action.chunk]), action.kind)] = action
         self.deferred: dict[tuple[int, int], list] = {}  # (mb, chunk) -> weight-gradient products for its W
         self.splits_backward = table.splits_backward and not forward_only
-        # FSDP2 reduce-scatters a module's gradients from its post-backward hook: before W. (Its
-        # DTensor parameters exist only where torch.distributed.tensor was imported: no import here.)
-        dtensor = sys.modules.get("torch.distributed.tensor")
-        if self.splits_backward and dtensor is not None and any(
-                isinstance(p, dtensor.DTensor) for chunk in chunks for p in chunk.parameters()):
-            raise ValueError("the zero-bubble schedules leave weight gradients to a W step after the backward; "
-                             "FSDP (DTensor parameters) reduces them at the end of the backward: use "
-                             "--pipeline-schedule 1f1b with FSDP")
         # A rank that holds the first and the last stage (pp = 1) uses a tied word embedding for
         # the lookup and the output layer: its gradient stays whole in B.
         stages = {table.stage(self.rank, chunk) for chunk in range(len(chunks))}

@@ -5,8 +5,9 @@ others: the bubble of ``(pp - 1) / (m + pp - 1)``. B is all the previous stage w
 W (:mod:`mega.core.parallel.weight_grad_split`) waits for nothing and can fill those gaps
 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023).
 
-The schedules are list schedules over unit costs (F = B = W = 1 per model chunk), built the way
-that paper builds its automatic ones: in every time slot each rank runs
+ZB-H1 with one chunk per rank is the paper's own order, placed in unit-cost slots (below). The
+others are list schedules over unit costs (F = B = W = 1 per model chunk), built the way that
+paper builds its automatic ones: in every time slot each rank runs
 
 1. its oldest W if ``max_deferred`` are pending (each holds a layer's input and output gradient), else
 2. a B whose gradient has arrived (B is on the critical path), the oldest, else
@@ -19,8 +20,15 @@ that paper builds its automatic ones: in every time slot each rank runs
 The entries of ``schedule_table(..., schedule=...)``, with what the table tests check (m
 micro-batches, bubbles with T_F = T_B = T_W against 1F1B's with a backward of B + W):
 
-* ``zb-h1``, one chunk per rank: 1F1B's ``pp - rank`` live chunks, at most ``pp`` W pending;
-  bubble ``(pp - 1) / (3 m + pp - 1)`` for ``m >= pp``, a third of 1F1B's slots.
+* ``zb-h1``, one chunk per rank, is not a list schedule but the paper's own order
+  (:func:`zb_h1_orders`): 1F1B's with each backward split, rank ``r`` holding back its first
+  ``r`` W, so every rank holds at most ``pp`` micro-batches from F to W, 1F1B's peak (its first
+  rank's) in the paper's accounting, where a pending W still holds its layers' inputs; 1F1B's
+  ``pp - rank`` live chunks up to B. Bubble ``(pp - 1) / (3 m + pp - 1)`` for ``m >= pp``:
+  ``(pp - 1)`` idle slots per rank, a third of 1F1B's ``3 (pp - 1)`` (the paper's
+  ``(p - 1)(T_F + T_B - T_W)`` against ``(p - 1)(T_F + T_B + T_W)``). The list schedule would
+  reach the same bubble only by holding up to ``pp`` W more (``2 pp - 1`` micro-batches to W on
+  the first rank), and with the F-to-W limit instead its greedy choices leave a larger bubble.
 * ``zb-h1`` with ``vpp`` chunks per rank (interleaved zero bubble, Megatron's placement):
   interleaved 1F1B's ``2 (pp - rank - 1) + (vpp - 1) pp + 1`` live chunks, at most ``pp`` W;
   bubble at most 3/4 of interleaved 1F1B's and no more than ZB-H1's.
@@ -85,8 +93,65 @@ def zero_bubble_table(schedule: str, pp: int, num_microbatches: int, vpp: int = 
     """The table of ``schedule`` (one of :data:`ZERO_BUBBLE_SCHEDULES`)."""
     if schedule in V_SCHEDULES and vpp != 2:
         raise ScheduleError(f"--pipeline-schedule {schedule} runs two model chunks per rank in a V; got vpp = {vpp}")
+    if schedule == "zb-h1" and vpp == 1:
+        return slotted_in_order(pp, num_microbatches, zb_h1_orders(pp, num_microbatches))
     return list_schedule(pp, num_microbatches, vpp, placement_of(schedule), live_limits(schedule, pp, vpp),
                          max_deferred_weight_grads(schedule, pp))
+
+
+def zb_h1_orders(pp: int, num_microbatches: int) -> list[list[Action]]:
+    """Every rank's actions under ZB-H1 (Qi et al.'s Figure 3): 1F1B's warm-up of ``pp - rank - 1``
+    forwards, a steady state of F then B, and W after B once the rank holds back ``rank`` of them
+    (those fill its wait for gradients in the cool-down), then B and W, then the W held back."""
+    orders = []
+    for rank in range(pp):
+        warmup = min(pp - rank - 1, num_microbatches)
+        forwards = [Action(FORWARD, mb, 0) for mb in range(num_microbatches)]
+        order, backwards, weights = forwards[:warmup], 0, 0
+        for k, forward in enumerate(forwards[warmup:]):
+            order += [forward, Action(BACKWARD, backwards, 0)]
+            backwards += 1
+            if k >= rank:
+                order.append(Action(WEIGHT, weights, 0))
+                weights += 1
+        for mb in range(backwards, num_microbatches):
+            order += [Action(BACKWARD, mb, 0), Action(WEIGHT, weights, 0)]
+            weights += 1
+        orders.append(order + [Action(WEIGHT, mb, 0) for mb in range(weights, num_microbatches)])
+    return orders
+
+
+def slotted_in_order(pp: int, num_microbatches: int, orders: list[list[Action]]) -> ScheduleTable:
+    """The slotted table of one chunk per rank running ``orders[rank]`` in order, each action in
+    the first slot after its input arrived (an idle slot while it has not)."""
+    done: set[tuple[str, int, int]] = set()  # (kind, micro-batch, stage) whose result is there
+    position = [0] * pp
+    slots: list[list[tuple[Action, ...]]] = [[] for _ in range(pp)]
+    while any(position[rank] < len(orders[rank]) for rank in range(pp)):
+        ran = []
+        for rank in range(pp):
+            action = orders[rank][position[rank]] if position[rank] < len(orders[rank]) else None
+            needs = None if action is None else _input_of(action, rank, pp)
+            if action is not None and (needs is None or needs in done):
+                ran.append((action.kind, action.microbatch, rank))
+                position[rank] += 1
+                slots[rank].append((action,))
+            else:
+                slots[rank].append(())
+        if not ran:
+            raise ScheduleError(f"the order of pp = {pp}, {num_microbatches} micro-batches cannot make progress")
+        done.update(ran)
+    return ScheduleTable(pp, 1, num_microbatches, tuple(tuple(rank_slots) for rank_slots in slots), INTERLEAVED,
+                         slotted=True)
+
+
+def _input_of(action: Action, stage: int, pp: int) -> tuple[str, int, int] | None:
+    """The result (of another stage) that ``action`` of ``stage`` waits for, one chunk per rank."""
+    if action.kind == FORWARD and stage > 0:
+        return (FORWARD, action.microbatch, stage - 1)
+    if action.kind == BACKWARD and stage < pp - 1:
+        return (BACKWARD, action.microbatch, stage + 1)
+    return None  # the first forward, the last stage's backward (its own loss), W (its own B)
 
 
 def list_schedule(pp: int, num_microbatches: int, vpp: int, placement: str, live: list[int],

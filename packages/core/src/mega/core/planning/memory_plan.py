@@ -23,11 +23,13 @@ from mega.core.distributed.ddp import DDPConfig
 from mega.core.distributed.grad_buffer import SHARD_ALIGNMENT
 from mega.core.model_family import ModelFamily
 from mega.core.parallel import ParallelConfig
+from mega.core.parallel.fsdp_config import FSDP_STRATEGIES
 from mega.core.pipeline.actions import INTERLEAVED
 from mega.core.pipeline.layout import layout_string
 from mega.core.pipeline.partition import even_layer_counts, split_layers
 from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, schedule_table
 from mega.core.planning.footprint import StageFootprint
+from mega.core.planning.fsdp_memory import ShardedStage, fully_sharded_bytes
 
 FP32 = 4
 OPTIMIZER_STATE_BYTES = {"adam": 2 * FP32, "sgd": FP32}  # per parameter, fp32
@@ -47,7 +49,12 @@ class Layout:
     vpp: int = 1
     dp: int = 1
     sequence_parallel: bool = False
-    distributed_optimizer: bool = False
+    # --data-parallel-sharding-strategy; with an FSDP one: HSDP's replica groups
+    # (--num-distributed-optimizer-instances), --fsdp-reshard-after-forward, --cpu-offload
+    sharding: str = "no_shard"
+    replicas: int = 1
+    reshard_after_forward: str = "default"
+    cpu_offload: bool = False
     recompute: str | None = None  # None, "selective" or "full"
     micro_batch_size: int = 1
     # Transformer layers of every virtual stage in pipeline order (None: split evenly); see
@@ -60,6 +67,14 @@ class Layout:
         return self.tp * self.pp * self.cp * self.dp
 
     @property
+    def distributed_optimizer(self) -> bool:
+        return self.sharding == "optim"
+
+    @property
+    def fully_sharded(self) -> bool:
+        return self.sharding in FSDP_STRATEGIES
+
+    @property
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, pp=self.pp, cp=self.cp, vpp=self.vpp if self.vpp > 1 else None,
                               sequence_parallel=self.sequence_parallel)
@@ -69,6 +84,10 @@ class Layout:
         parts += ([f"cp{self.cp}"] if self.cp > 1 else []) + [f"dp{self.dp}"]
         parts += ["sp"] if self.sequence_parallel else []
         parts += ["distopt"] if self.distributed_optimizer else []
+        if self.fully_sharded:
+            parts += [self.sharding] + ([f"hsdp{self.replicas}"] if self.replicas > 1 else [])
+            parts += [f"reshard-{self.reshard_after_forward}"] if self.reshard_after_forward != "default" else []
+            parts += ["cpu-offload"] if self.cpu_offload else []
         parts += [f"recompute-{self.recompute}"] if self.recompute else []
         parts += [f"mb{self.micro_batch_size}"] + ([self.schedule] if self.schedule != "1f1b" else [])
         if self.layers_per_stage is not None:
@@ -88,10 +107,12 @@ class RankMemory:
     optimizer: int
     activations: int
     in_flight: int  # micro-batch chunks whose activations are held at the peak
+    gathered: int = 0  # FSDP's gathered weights and unreduced gradients at the peak
+    host: int = 0  # what --cpu-offload keeps in host memory (not in the total)
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + self.activations + self.gathered
 
 
 def layer_split(num_layers: int, pp: int, vpp: int, layers_per_stage=None, placement=INTERLEAVED) -> list[list[range]]:
@@ -134,11 +155,25 @@ def _gradient_elements(footprints: list[StageFootprint], tied_embedding: list[in
     return total
 
 
+@dataclass(frozen=True)
+class _StageUsage:
+    """What a pipeline rank's chunks hold whatever the data-parallel sharding."""
+
+    chunks: list[range]
+    footprints: list[StageFootprint]
+    tied_elements: list[int]  # of a tied embedding (or output layer) per chunk
+    has_output: bool
+    activations: int
+    in_flight: int
+    layer_parameters: int  # elements of one transformer layer (an FSDP unit)
+
+
 def plan_memory(family: ModelFamily, config, layout: Layout, *, dtype_bytes: int, optimizer: str = "adam",
-                num_microbatches: int = 1, device_type: str = "cuda",
-                grad_dtype_bytes: int | None = None) -> list[RankMemory]:
+                num_microbatches: int = 1, device_type: str = "cuda", grad_dtype_bytes: int | None = None,
+                cache: dict | None = None) -> list[RankMemory]:
     """One :class:`RankMemory` per pipeline stage (every rank of a stage holds the same);
-    ``grad_dtype_bytes``: of the gradient buffers (default: the parameters')."""
+    ``grad_dtype_bytes``: of the gradient buffers (default: the parameters'), under FSDP of its
+    reduction; ``cache``: a dict kept across calls that differ only in the sharding (the search)."""
     grad_dtype_bytes = grad_dtype_bytes or dtype_bytes
     if family.memory_model is None:
         raise PlanError(f"model family {family.name!r} does not describe its memory (no memory_model)")
@@ -146,30 +181,61 @@ def plan_memory(family: ModelFamily, config, layout: Layout, *, dtype_bytes: int
         raise PlanError(f"--optimizer {optimizer!r}: the planner knows {', '.join(OPTIMIZER_STATE_BYTES)}")
     if layout.recompute != config.recompute_granularity:
         raise PlanError("the layout's recompute must be the config's recompute_granularity")
-    parallel = layout.parallel
-    tied = not getattr(config, "untie_embeddings_and_output_weights", True)
-    table = schedule_of(layout.pp, num_microbatches, layout.vpp, layout.schedule)
-    schedule = table.actions
+    key = (id(family), id(config), layout.tp, layout.pp, layout.cp, layout.vpp, layout.sequence_parallel,
+           layout.recompute, layout.micro_batch_size, layout.layers_per_stage, layout.schedule, dtype_bytes,
+           num_microbatches, device_type)  # what activations depend on: not dp, not the sharding
+    usage = cache.get(key) if cache is not None else None
+    if usage is None:
+        usage = _stage_usage(family, config, layout, dtype_bytes, num_microbatches, device_type)
+        if cache is not None:
+            cache[key] = usage
     ranks = []
-    split = layer_split(config.num_layers, layout.pp, layout.vpp, layout.layers_per_stage, table.placement)
-    for stage, chunks in enumerate(split):
-        footprints, tied_elements = [], []
-        for index, layers in enumerate(chunks):
-            pre = table.stage(stage, index) == 0
-            post = table.stage(stage, index) == table.num_stages - 1
-            footprint = family.memory_model(
-                config, layers=len(layers), pre_process=pre, post_process=post, parallel=parallel,
-                micro_batch_size=layout.micro_batch_size, dtype_bytes=dtype_bytes, device_type=device_type)
-            footprints.append(footprint)
-            tied_elements.append(config.padded_vocab_size(layout.tp) * config.hidden_size // layout.tp
-                                 if tied and (pre or post) else 0)
-        parameters = sum(f.parameters for f in footprints)
-        gradient_elements = _gradient_elements(footprints, tied_elements, layout)
+    for stage, use in enumerate(usage):
+        parameters = sum(f.parameters for f in use.footprints)
+        layers = sum(len(c) for c in use.chunks)
+        if layout.fully_sharded:
+            held = fully_sharded_bytes(
+                _sharded_stage(config, layout, use, family.compile_units is not None), layout,
+                dtype_bytes=dtype_bytes, reduce_dtype_bytes=grad_dtype_bytes,
+                state_bytes_per_param=OPTIMIZER_STATE_BYTES[optimizer], accumulating=num_microbatches > 1)
+            ranks.append(RankMemory(stage, layers, parameters, held.weights, held.gradients, held.optimizer,
+                                    use.activations, use.in_flight, held.gathered, held.host))
+            continue
+        gradient_elements = _gradient_elements(use.footprints, use.tied_elements, layout)
         main_copy = 0 if dtype_bytes == FP32 else FP32
         per_element = main_copy + OPTIMIZER_STATE_BYTES[optimizer]
         # Sharded, each rank owns 1/(dp*cp) of every bucket; padding has no optimizer state.
         optimizer_bytes = (parameters // (layout.dp * layout.cp) if layout.distributed_optimizer
                            else parameters) * per_element
+        weights = (gradient_elements if layout.distributed_optimizer else parameters) * dtype_bytes
+        ranks.append(RankMemory(stage, layers, parameters, weights, gradient_elements * grad_dtype_bytes,
+                                optimizer_bytes, use.activations, use.in_flight))
+    return ranks
+
+
+def _stage_usage(family: ModelFamily, config, layout: Layout, dtype_bytes: int, num_microbatches: int,
+                 device_type: str) -> list[_StageUsage]:
+    """Every pipeline rank's chunks, footprints and activations at the schedule's peak."""
+    parallel = layout.parallel
+    tied = not getattr(config, "untie_embeddings_and_output_weights", True)
+    table = schedule_of(layout.pp, num_microbatches, layout.vpp, layout.schedule)
+    schedule = table.actions  # (built anew at each read)
+    layer = family.memory_model(config, layers=1, pre_process=False, post_process=False, parallel=parallel,
+                                micro_batch_size=layout.micro_batch_size, dtype_bytes=dtype_bytes,
+                                device_type=device_type).parameters
+    usage = []
+    split = layer_split(config.num_layers, layout.pp, layout.vpp, layout.layers_per_stage, table.placement)
+    for stage, chunks in enumerate(split):
+        footprints, tied_elements, has_output = [], [], False
+        for index, layers in enumerate(chunks):
+            pre = table.stage(stage, index) == 0
+            post = table.stage(stage, index) == table.num_stages - 1
+            has_output |= post
+            footprints.append(family.memory_model(
+                config, layers=len(layers), pre_process=pre, post_process=post, parallel=parallel,
+                micro_batch_size=layout.micro_batch_size, dtype_bytes=dtype_bytes, device_type=device_type))
+            tied_elements.append(config.padded_vocab_size(layout.tp) * config.hidden_size // layout.tp
+                                 if tied and (pre or post) else 0)
         held = peak = peak_chunks = chunks_held = 0
         for action in schedule[stage]:
             # A backward frees its chunk's activations (a split one mostly: W keeps a few inputs).
@@ -179,7 +245,16 @@ def plan_memory(family: ModelFamily, config, layout: Layout, *, dtype_bytes: int
             if held > peak:
                 peak, peak_chunks = held, chunks_held
         activations = peak + max(f.recompute_bytes for f in footprints)
-        weights = (gradient_elements if layout.distributed_optimizer else parameters) * dtype_bytes
-        ranks.append(RankMemory(stage, sum(len(c) for c in chunks), parameters, weights,
-                                gradient_elements * grad_dtype_bytes, optimizer_bytes, activations, peak_chunks))
-    return ranks
+        usage.append(_StageUsage(chunks, footprints, tied_elements, has_output, activations, peak_chunks, layer))
+    return usage
+
+
+def _sharded_stage(config, layout: Layout, use: _StageUsage, units: bool) -> ShardedStage:
+    """A rank's chunks as FSDP units (``units``: its layers are, else each chunk is one): the root
+    unit of a chunk as what its layers leave, the output layer where the rank has it."""
+    layer = use.layer_parameters
+    roots = [f.parameters - len(layers) * layer for f, layers in zip(use.footprints, use.chunks, strict=True)]
+    vocabulary = getattr(config, "padded_vocab_size", None)
+    output = vocabulary(layout.tp) * config.hidden_size // layout.tp if vocabulary and use.has_output else 0
+    return ShardedStage(parameters=sum(f.parameters for f in use.footprints), root=max(0, *roots),
+                        output_layer=output, layer=layer, layers=sum(len(c) for c in use.chunks), units=units)

@@ -5,9 +5,12 @@
         --use-distributed-optimizer --recompute-activations --bf16 --global-batch-size 1024
     mega plan --model-preset 175b --fp16                  the seeds' 175B example (~2,800 GB)
     mega plan --model-family llama --model-preset llama2-13b --bf16 --gpus 8 --search
+    mega plan --model-family llama --model-preset llama3-70b --bf16 --gpus 64 --use-torch-fsdp2
 
 It takes `mega train`'s flags (the same parser) plus the machine: ``--world-size``/``--gpus``,
-``--gpu-memory`` (GiB), ``--gpu`` (a name for the peak TFLOP/s) and ``--mfu``.
+``--gpu-memory`` (GiB), ``--gpu`` (a name for the peak TFLOP/s) and ``--mfu``. Every
+``--data-parallel-sharding-strategy`` is planned (FSDP's: mega.core.planning.fsdp_memory), and
+refused with ``mega train``'s words where ``mega train`` would refuse it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import asdict
 
 from mega.core.cli.argparser import CommandParser
 from mega.core.config import ConfigError
+from mega.core.parallel.fsdp_config import STRATEGIES, check_sharding
 from mega.core.pipeline.layout import layers_per_stage, layout_stage_count
 from mega.core.pipeline.schedule_table import V_SCHEDULES
 from mega.core.planning.memory_plan import Layout
@@ -36,9 +40,12 @@ DEFAULT_MFU = 0.45  # about what mega reached for GPT 1.3B on one H100 (docs/ben
 def _machine_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="mega plan", add_help=False,
-        description="Memory per GPU (weights, gradients, optimizer state, activations) per pipeline stage, "
-                    "FLOPs and estimated step time of a `mega train` run; --search lists layouts that fit. "
-                    "Takes every `mega train` flag (see `mega train --help`) plus these.")
+        description="Memory per GPU (weights, gradients, optimizer state, activations, and FSDP's gathered "
+                    "units) per pipeline stage, FLOPs and estimated step time of a `mega train` run, under its "
+                    "--data-parallel-sharding-strategy (no_shard, optim, optim_grads, optim_grads_params or "
+                    "--use-torch-fsdp2; HSDP with --num-distributed-optimizer-instances; --cpu-offload); "
+                    "--search lists layouts that fit. Takes every `mega train` flag (see `mega train --help`) "
+                    "plus these.")
     parser.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
     parser.add_argument("--world-size", "--gpus", type=int, dest="world_size",
                         help="GPUs in the run (default: tp x pp x cp, one data-parallel replica)")
@@ -51,7 +58,9 @@ def _machine_parser() -> argparse.ArgumentParser:
                         help="whose kernels' saved tensors to count (default cuda)")
     parser.add_argument("--search", action="store_true",
                         help="list the layouts (tp, pp, vpp, cp, dp, recompute, micro-batch, uneven pipeline "
-                             "layouts) that fit, fastest first")
+                             "layouts) that fit, fastest first, each with the least data-parallel sharding that fits "
+                             "(optim, then FSDP's optim_grads, then optim_grads_params; only the strategy named "
+                             "with --data-parallel-sharding-strategy or --use-torch-fsdp2)")
     parser.add_argument("--top", type=int, default=15, help="layouts --search prints (default 15)")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
     return parser
@@ -75,28 +84,35 @@ def main(argv: list[str]) -> int:
 
 
 def _plan(run, family, machine) -> int:
-    strategy = run.data_parallel.strategy(run.optimizer.use_distributed_optimizer)
-    if run.data_parallel.uses_fsdp(run.optimizer.use_distributed_optimizer):  # (docs/fsdp.md: not yet)
-        raise ConfigError(f"--data-parallel-sharding-strategy {strategy} (FSDP2): mega plan does not model "
-                          "its memory yet; it models no_shard and optim (--use-distributed-optimizer)")
     model = model_with_megatron_shorthands(run)
     parallel = run.parallel
     world = machine.world_size or parallel.tp * parallel.pp * parallel.cp
     dtype_bytes = 2 if (run.precision.bf16 or run.precision.fp16) else 4
     peak = run.logging.peak_tflops or peak_tflops_of(machine.gpu, fp32=dtype_bytes == 4)
     budget = machine.gpu_memory * GIB
+    grad_bytes = 4 if grads_in_fp32(run.precision) else dtype_bytes
+    # FSDP reduces in fp32 unless told not to (the trainer's MixedPrecisionPolicy), fp16 included.
+    fsdp_grad_bytes = dtype_bytes if run.precision.accumulate_allreduce_grads_in_fp32 is False else 4
+    config = run.data_parallel
+    fsdp_options = dict(replicas=config.replicas, reshard_after_forward=config.fsdp_reshard_after_forward,
+                        cpu_offload=config.cpu_offload)
     common = dict(dtype_bytes=dtype_bytes, optimizer=run.optimizer.optimizer, peak_tflops=peak, mfu=machine.mfu,
-                  device_type=machine.device, grad_dtype_bytes=4 if grads_in_fp32(run.precision) else dtype_bytes)
+                  device_type=machine.device)
     if machine.search:
         micro = run.training.micro_batch_size
         global_batch = run.training.global_batch_size or micro * world
-        results = search(family, model, world_size=world, global_batch_size=global_batch,
-                         gpu_memory_bytes=budget, **common)
+        named = config.use_torch_fsdp2 or config.data_parallel_sharding_strategy is not None
+        strategies = (config.strategy(False),) if named else STRATEGIES[1:]
+        results = search(family, model, world_size=world, global_batch_size=global_batch, gpu_memory_bytes=budget,
+                         grad_dtype_bytes=grad_bytes, fsdp_grad_dtype_bytes=fsdp_grad_bytes, strategies=strategies,
+                         fsdp_options=fsdp_options, **common)
         return _print_search(results, machine, world, global_batch)
 
     parallel.validate(world)
     model.validate(parallel.tp)
     dp = world // (parallel.tp * parallel.pp * parallel.cp)
+    run = check_sharding(run, dp, launching=False)  # what mega train refuses, in its words
+    strategy = config.strategy(run.optimizer.use_distributed_optimizer)
     vpp = parallel.vpp or 1
     if run.training.num_layers_per_virtual_pipeline_stage:
         vpp = model.num_layers // parallel.pp // run.training.num_layers_per_virtual_pipeline_stage
@@ -105,13 +121,15 @@ def _plan(run, family, machine) -> int:
     schedule = run.pipeline.pipeline_schedule
     vpp = 2 if schedule in V_SCHEDULES else vpp  # two chunks per rank in a V
     counts = layers_per_stage(run.pipeline, model.num_layers, parallel.pp, vpp)
+    fsdp = run.data_parallel.uses_fsdp(run.optimizer.use_distributed_optimizer)
     layout = Layout(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, vpp=vpp, dp=dp,
-                    sequence_parallel=parallel.sequence_parallel,
-                    distributed_optimizer=strategy == "optim",
+                    sequence_parallel=parallel.sequence_parallel, sharding=strategy,
                     recompute=model.recompute_granularity, micro_batch_size=run.training.micro_batch_size,
-                    layers_per_stage=tuple(counts) if counts else None, schedule=schedule)
+                    layers_per_stage=tuple(counts) if counts else None, schedule=schedule,
+                    **(fsdp_options if fsdp else {}))
     global_batch = run.training.global_batch_size or layout.micro_batch_size * dp
-    result = estimate(family, model, layout, global_batch_size=global_batch, **common)
+    result = estimate(family, model, layout, global_batch_size=global_batch,
+                      grad_dtype_bytes=fsdp_grad_bytes if fsdp else grad_bytes, **common)
     fits = result.peak_bytes <= budget * (1 - MEMORY_HEADROOM)
     if machine.json:
         print(json.dumps(_as_json(result, fits, machine, run.precision.dtype_name), indent=2))
@@ -119,12 +137,19 @@ def _plan(run, family, machine) -> int:
     print(f"mega plan: {family.name} {run.training.model_preset or ''} on {world} GPUs: {layout.describe()}, "
           f"{run.precision.dtype_name}, {run.optimizer.optimizer}, global batch {global_batch}")
     header = ("stage", "layers", "params/rank", "weights GiB", "grads GiB", "optimizer GiB",
-              "activations GiB", "in flight", "total GiB")
+              "activations GiB", "in flight") + (("gathered GiB",) if fsdp else ()) + ("total GiB",)
     rows = [header] + [(str(r.stage), str(r.layers), f"{r.parameters:,}", _gb(r.weights), _gb(r.gradients),
-                        _gb(r.optimizer), _gb(r.activations), str(r.in_flight), _gb(r.total)) for r in result.ranks]
+                        _gb(r.optimizer), _gb(r.activations), str(r.in_flight))
+                       + ((_gb(r.gathered),) if fsdp else ()) + (_gb(r.total),) for r in result.ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+    if fsdp:
+        print("weights, grads and optimizer: this rank's FSDP shard (fp32); gathered: the units FSDP gathers and "
+              "the gradients not yet reduce-scattered, at the peak")
+    if layout.cpu_offload:
+        print(f"--cpu-offload: {_gb(max(r.host for r in result.ranks))} GiB of sharded weights, gradients and "
+              "optimizer state per rank in host memory")
     print(f"FLOPs per step: {result.flops_per_step:.3e}; pipeline bubble {result.bubble:.1%}")
     if result.step_time_s:
         print(f"at {machine.mfu:.0%} MFU of {peak:g} TFLOP/s per GPU: step {result.step_time_s:.3f} s, "

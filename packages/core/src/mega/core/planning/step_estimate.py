@@ -10,6 +10,9 @@ pipeline runs at the pace of its busiest rank: ``imbalance`` is that rank's FLOP
 (the output layer and loss make the last stage the busiest of an even split), which uneven
 layouts (``--pipeline-model-parallel-layout``...) even out; ``--search`` tries Megatron's.
 Communication is not modelled: among equal estimates the search prefers less model parallelism.
+For each layout the search keeps the least data-parallel sharding that fits (no_shard on one
+replica; else optim, the distributed optimizer, then FSDP's optim_grads, then
+optim_grads_params): each step further shards more state but communicates more.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from mega.core.model_family import ModelFamily
+from mega.core.parallel.fsdp_config import FSDP_STRATEGIES, layout_conflict
 from mega.core.pipeline.layout import uneven_candidates
 from mega.core.pipeline.schedule_table import V_SCHEDULES
 from mega.core.planning.memory_plan import (
@@ -30,6 +34,8 @@ from mega.core.planning.memory_plan import (
 )
 
 RECOMPUTE_COST = {None: 1.0, "selective": 1.0, "full": 4.0 / 3.0}
+# What the search tries where there is more than one data-parallel replica, least sharded first.
+SHARDED_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 # Kept free on every GPU for the CUDA context, NCCL buffers and allocator fragmentation.
 MEMORY_HEADROOM = 0.1
 
@@ -62,7 +68,10 @@ def with_recompute(config, recompute: str | None):
 
 def estimate(family: ModelFamily, config, layout: Layout, *, global_batch_size: int, dtype_bytes: int,
              optimizer: str = "adam", peak_tflops: float | None = None, mfu: float = 0.45,
-             device_type: str = "cuda", grad_dtype_bytes: int | None = None) -> Estimate:
+             device_type: str = "cuda", grad_dtype_bytes: int | None = None, cache: dict | None = None,
+             like: Estimate | None = None) -> Estimate:
+    """``like``: the estimate of the same layout under another sharding (its FLOPs and time
+    hold: communication is not modelled); ``cache``: see :func:`plan_memory`."""
     per_step = layout.micro_batch_size * layout.dp
     if global_batch_size % per_step:
         raise PlanError(f"--global-batch-size {global_batch_size} is not divisible by micro-batch "
@@ -74,7 +83,10 @@ def estimate(family: ModelFamily, config, layout: Layout, *, global_batch_size: 
     # micro-batches show it without walking thousands of them.
     walked = min(microbatches, 2 * layout.pp)
     ranks = plan_memory(family, config, layout, dtype_bytes=dtype_bytes, optimizer=optimizer,
-                        num_microbatches=walked, device_type=device_type, grad_dtype_bytes=grad_dtype_bytes)
+                        num_microbatches=walked, device_type=device_type, grad_dtype_bytes=grad_dtype_bytes,
+                        cache=cache)
+    if like is not None:
+        return dataclasses.replace(like, layout=layout, ranks=ranks)
     flops = family.num_floating_point_operations(config, global_batch_size)
     bubble = pipeline_bubble(layout, microbatches)
     step_time = None
@@ -118,9 +130,18 @@ def _powers_of_two(limit: int) -> list[int]:
 def search(family: ModelFamily, config, *, world_size: int, global_batch_size: int, gpu_memory_bytes: int,
            dtype_bytes: int, optimizer: str = "adam", peak_tflops: float | None = None, mfu: float = 0.45,
            gpus_per_node: int = 8, micro_batch_sizes=(1, 2, 4, 8), device_type: str = "cuda",
-           grad_dtype_bytes: int | None = None) -> list[Estimate]:
-    """Every layout that fits in ``gpu_memory_bytes`` (less the headroom), fastest first."""
+           grad_dtype_bytes: int | None = None, fsdp_grad_dtype_bytes: int | None = None,
+           strategies=SHARDED_STRATEGIES, fsdp_options: dict | None = None) -> list[Estimate]:
+    """Every layout that fits in ``gpu_memory_bytes`` (less the headroom), fastest first, each with
+    the first of ``strategies`` that fits; ``fsdp_options``: the FSDP strategies' ``replicas``,
+    ``reshard_after_forward`` and ``cpu_offload`` (Layout fields); ``fsdp_grad_dtype_bytes``: their
+    reduction's dtype (default: ``grad_dtype_bytes``)."""
     budget = gpu_memory_bytes * (1.0 - MEMORY_HEADROOM)
+    options = fsdp_options or {}
+    # The strategies of a layout share its activations: planned once (the search's cost).
+    common = dict(global_batch_size=global_batch_size, dtype_bytes=dtype_bytes, optimizer=optimizer,
+                  peak_tflops=peak_tflops, mfu=mfu, device_type=device_type, grad_dtype_bytes=grad_dtype_bytes,
+                  cache={})
     fitting = []
     for recompute in (None, "selective", "full"):
         model = with_recompute(config, recompute)
@@ -136,28 +157,62 @@ def search(family: ModelFamily, config, *, world_size: int, global_batch_size: i
                     if world_size % (tp * cp * pp):
                         continue
                     dp = world_size // (tp * cp * pp)
+                    shardings = _shardings(strategies, options, dp=dp, cp=cp, pp=pp)
                     vpps = [1] + [v for v in (2, 4) if pp > 1 and config.num_layers % (pp * v) == 0]
                     splits = [(vpp, counts) for vpp in vpps
                               for counts in [None, *uneven_candidates(config.num_layers, pp, vpp)]]
                     for vpp, counts in splits:
                         for micro in micro_batch_sizes:
                             layout = Layout(tp=tp, pp=pp, cp=cp, vpp=vpp, dp=dp, sequence_parallel=tp > 1,
-                                            distributed_optimizer=dp * cp > 1, recompute=recompute,
-                                            micro_batch_size=micro, layers_per_stage=counts)
-                            try:
-                                result = estimate(family, model, layout, global_batch_size=global_batch_size,
-                                                  dtype_bytes=dtype_bytes, optimizer=optimizer,
-                                                  peak_tflops=peak_tflops, mfu=mfu, device_type=device_type,
-                                                  grad_dtype_bytes=grad_dtype_bytes)
-                            except PlanError:
-                                continue
-                            if result.peak_bytes <= budget:
+                                            recompute=recompute, micro_batch_size=micro, layers_per_stage=counts)
+                            result = _least_sharded_fit(family, model, layout, shardings, options, budget,
+                                                        fsdp_grad_dtype_bytes=fsdp_grad_dtype_bytes, **common)
+                            if result is not None:
                                 fitting.append(result)
 
     def speed(result: Estimate):
         layout = result.layout
         time = result.step_time_s if result.step_time_s is not None else (
             RECOMPUTE_COST[layout.recompute] / (1.0 - result.bubble))
-        return (time, layout.tp * layout.cp * layout.pp, -layout.micro_batch_size, result.peak_bytes)
+        return (time, layout.tp * layout.cp * layout.pp, SHARDING_ORDER.index(layout.sharding),
+                -layout.micro_batch_size, result.peak_bytes)
 
     return sorted(fitting, key=speed)
+
+
+SHARDING_ORDER = ("no_shard", *SHARDED_STRATEGIES)
+
+
+def _least_sharded_fit(family: ModelFamily, config, layout: Layout, shardings: list[str], options: dict,
+                       budget: float, *, fsdp_grad_dtype_bytes: int | None, **common) -> Estimate | None:
+    """``layout`` with the first of ``shardings`` whose peak fits in ``budget`` bytes, or None."""
+    result = None
+    for sharding in shardings:
+        fsdp = _fsdp_fields(sharding, options)
+        if fsdp and fsdp_grad_dtype_bytes:
+            common = {**common, "grad_dtype_bytes": fsdp_grad_dtype_bytes}
+        try:
+            result = estimate(family, config, dataclasses.replace(layout, sharding=sharding, **fsdp), like=result,
+                              **common)
+        except PlanError:
+            return None  # the layout cannot split, whatever it shards
+        if result.peak_bytes <= budget:
+            return result
+        if max(rank.activations for rank in result.ranks) > budget:
+            return None  # no sharding shrinks the activations
+    return None
+
+
+def _fsdp_fields(sharding: str, options: dict) -> dict:
+    """The FSDP options of the Layout (none for DDP and the distributed optimizer)."""
+    return dict(options) if sharding in FSDP_STRATEGIES else {}
+
+
+def _shardings(strategies, options: dict, *, dp: int, cp: int, pp: int) -> list[str]:
+    """The strategies to try for a layout, least sharded first: on one replica no_shard (and FSDP
+    only to offload to the CPU), and none that ``mega train`` would refuse."""
+    if dp * cp == 1:
+        strategies = ("no_shard", *(s for s in strategies if s in FSDP_STRATEGIES and options.get("cpu_offload")))
+    return [s for s in strategies if not layout_conflict(
+        s, s, replicas=_fsdp_fields(s, options).get("replicas", 1), dp=dp, cp=cp, pp=pp,
+        cpu_offload=_fsdp_fields(s, options).get("cpu_offload", False))]

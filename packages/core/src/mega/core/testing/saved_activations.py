@@ -13,15 +13,19 @@ from collections.abc import Callable, Iterable
 import torch
 
 
-def saved_activation_bytes(forward: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> tuple[int, object]:
-    """Run ``forward()``; return (bytes of distinct storages saved for backward, its result)."""
+def saved_activation_bytes(forward: Callable[[], object], exclude: Iterable[torch.Tensor] = (),
+                           weights: Callable[[], Iterable[torch.Tensor]] | None = None) -> tuple[int, object]:
+    """Run ``forward()``; return (bytes of distinct storages saved for backward, its result).
+    ``weights()``: tensors to leave out too, asked at each saved tensor (FSDP's gathered weights,
+    which exist only while their unit computes)."""
     excluded = {t.untyped_storage().data_ptr() for t in exclude}
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
-        if pointer not in excluded and not isinstance(tensor, torch.nn.Parameter):
+        gathered = {w.untyped_storage().data_ptr() for w in weights()} if weights is not None else set()
+        if pointer not in excluded | gathered and not isinstance(tensor, torch.nn.Parameter):
             storages[pointer] = storage.nbytes()
         return tensor
 

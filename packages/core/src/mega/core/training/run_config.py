@@ -16,7 +16,7 @@ from mega.core.config import ConfigError
 from mega.core.kernels import KernelBackendError, Kernels, check_linear_loss
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.context_parallel import check_sequence_length
-from mega.core.parallel.fsdp_config import FSDP_STRATEGIES, DataParallelConfig, check_sharding
+from mega.core.parallel.fsdp_config import DataParallelConfig, check_sharding
 from mega.core.pipeline.config import PipelineConfig
 from mega.core.pipeline.layout import layers_per_stage, layout_stage_count
 from mega.core.pipeline.schedule_table import V_SCHEDULES
@@ -149,14 +149,9 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
 
 
 def _vpp_of_schedule(run: RunConfig, parallel: ParallelConfig) -> ParallelConfig:
-    """zbv and dualpipev run two model chunks per rank in a V (vpp 2 unless set otherwise). No
-    zero-bubble schedule runs under FSDP: it reduce-scatters at the end of the backward, before W."""
+    """zbv and dualpipev run two model chunks per rank in a V (vpp 2 unless set otherwise). (No
+    zero-bubble schedule runs under FSDP: check_sharding says so.)"""
     schedule = run.pipeline.pipeline_schedule
-    strategy = run.data_parallel.strategy(run.optimizer.use_distributed_optimizer)
-    if schedule != "1f1b" and strategy in FSDP_STRATEGIES:
-        raise ConfigError(f"--pipeline-schedule {schedule} leaves weight gradients to a step after the backward, "
-                          f"but --data-parallel-sharding-strategy {strategy} (FSDP) reduces them at its end: use "
-                          f"--pipeline-schedule 1f1b with FSDP")
     if schedule not in V_SCHEDULES:
         return parallel
     if parallel.pp < 2:
