@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from mega.core.planning.memory_plan import Layout, plan_memory
+from mega.core.testing.memory_check import ddp_held
 
 COMMON = ["--mock-data", "--train-iters", "1", "--micro-batch-size", "2", "--log-interval", "1000",
           "--eval-iters", "0", "--lr", "1e-3", "--model-preset", "tiny", "--seq-length", "32", "--vocab-size", "500"]
@@ -29,10 +30,6 @@ LAYOUTS = {
     "deepseek-v3 ep2 alltoall fp32": ["--model-family", "deepseek-v3", "--expert-model-parallel-size", "2",
                                       "--moe-token-dispatcher-type", "alltoall", "--global-batch-size", "4"],
 }
-
-
-def _storage_bytes(tensors) -> int:
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def _saved_by_chunk(stage, tokens: torch.Tensor, hidden_size: int, seq: int, dtype, tp_group) -> int:
@@ -74,9 +71,7 @@ def measured_and_planned(argv: list[str]) -> dict:
     run, data = build_datasets(run, derived, plugins)
     trainer = Trainer(run, derived, family, plugins, data, groups)
     trainer.train_step(trainer._microbatches(trainer.train_data, 0))
-    measured = {"weights": _storage_bytes([p for chunk in trainer.chunks for p in chunk.parameters()]),
-                "gradients": sum(b.grad_data.nbytes for chunk in trainer.chunks for b in chunk.grad_buffers),
-                "optimizer": trainer.optimizer.state_bytes()}
+    measured = ddp_held(trainer)
     model, parallel, micro = run.model, run.parallel, run.training.micro_batch_size
     tokens = torch.randint(0, model.vocab_size, (micro, model.seq_length))
     seq = model.seq_length // (parallel.tp if parallel.sequence_parallel else 1)
