@@ -19,9 +19,8 @@ import torch
 from megatron_reference import (
     SEQ,
     VOCAB,
-    _inner,
-    _optimizer,
     _shims,
+    load_trained,
     padded_vocab,
     perturbed,
     save_trained,
@@ -108,16 +107,6 @@ def load_deepseek(tp: int, directory: str) -> tuple[dict[str, torch.Tensor], dic
     """megatron-core's dist_checkpointing.load of ``directory`` into a fresh model and optimizer at
     ``tp`` (strict, as Megatron-LM's load_checkpoint): its state dict (every tensor, the expert
     biases included) and the Adam state of each parameter by name."""
-    from megatron.core import dist_checkpointing
-
     model = deepseek_model(tp, seed=123)
-    optimizer = _optimizer(model)
-    model_state = model.sharded_state_dict()
-    wanted = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True)}
-    loaded = dist_checkpointing.load(wanted, directory)
-    model.load_state_dict(loaded["model"], strict=True)
-    optimizer.load_state_dict(loaded["optimizer"])
-    states = {id(param): state for inner in _inner(optimizer) for param, state in inner.state.items()}
-    adam = {name: {key: value.clone() for key, value in states[id(param)].items()}
-            for name, param in model.named_parameters()}
+    _, adam = load_trained(model, directory)
     return {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}, adam

@@ -440,9 +440,17 @@ def load_optimizer(family: str, tp: int, directory: str, ep: int = 1) -> dict:
     """megatron-core's dist_checkpointing.load of the model and optimizer state in ``directory``
     into a fresh model and optimizer at ``tp`` (as Megatron-LM's load_checkpoint does): this rank's
     Adam state by parameter name ({name: {exp_avg, exp_avg_sq, step}})."""
+    model = _model(family, tp, seed=77, ep=ep)
+    loaded, adam = load_trained(model, directory)
+    return adam | {"iteration": loaded.get("iteration")}
+
+
+def load_trained(model, directory: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """Load ``directory``'s model and optimizer state into ``model`` (strict) and a fresh optimizer
+    of it, as Megatron-LM's load_checkpoint does: (what dist_checkpointing.load gave, this rank's
+    Adam state by parameter name)."""
     from megatron.core import dist_checkpointing
 
-    model = _model(family, tp, seed=77, ep=ep)
     optimizer = _optimizer(model)
     model_state = model.sharded_state_dict()
     wanted = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True)}
@@ -452,8 +460,8 @@ def load_optimizer(family: str, tp: int, directory: str, ep: int = 1) -> dict:
     states = {}
     for inner in _inner(optimizer):
         states.update({id(param): state for param, state in inner.state.items()})
-    return {name: {key: value.clone() for key, value in states[id(param)].items()}
-            for name, param in model.named_parameters()} | {"iteration": loaded.get("iteration")}
+    return loaded, {name: {key: value.clone() for key, value in states[id(param)].items()}
+                    for name, param in model.named_parameters()}
 
 
 def save_interleaved(family: str, legacy_dir: str, pp: int = 2, vpp: int = 2, iteration: int = 7) -> None:
