@@ -141,3 +141,22 @@ def test_search_shards_with_fsdp_only_where_the_distributed_optimizer_does_not_f
             layout = dataclasses.replace(result.layout, sharding=less)
             assert estimate(family, model, layout, **common).peak_bytes > budget * (1 - MEMORY_HEADROOM), \
                 f"{layout.describe()} fits: the search should have kept it"
+
+
+def test_expert_parallelism_splits_the_experts_and_their_optimizer_state(capsys):
+    """CPU, arithmetic only. Mixtral 8x7B on 16 GPUs at pp2 with the distributed optimizer: at ep8
+    a rank holds one expert of eight per layer; its optimizer state is the dense part over dp8 and
+    the experts over their own data-parallel group (dp8 x tp1 / ep8 = 1), the same bytes as ep1's
+    8-way shard of everything. A DeepSeek preset (its per-layer MoE pattern) plans at pp2."""
+    base = ["--model-family", "mixtral", "--model-preset", "8x7b", "--bf16", "--gpus", "16",
+            "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+    _, ep1 = _plan(capsys, *base)
+    _, ep8 = _plan(capsys, *base, "--expert-model-parallel-size", "8")
+    assert ep8["layout"]["ep"] == 8
+    for one, eight in zip(ep1["ranks"], ep8["ranks"], strict=True):
+        experts = 16 * 8 * 3 * 4096 * 14336  # a stage's 16 layers of 8 experts (gated, 4096 -> 14336)
+        assert one["parameters"] - eight["parameters"] == experts * 7 // 8
+        assert abs(one["optimizer"] - eight["optimizer"]) <= 16 * 8  # padding-free: the same elements
+    assert plan_main(["--model-family", "deepseek-v3", "--model-preset", "v2-lite", "--bf16", "--gpus", "16",
+                      "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "8"]) == 0
+    assert "tp1 pp2 dp8 ep8" in capsys.readouterr().out

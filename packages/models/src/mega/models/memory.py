@@ -120,8 +120,9 @@ def layer_activation_bytes(config: TransformerConfig, tokens: int, parallel: Par
 
 def stage_footprint(config: TransformerConfig, *, layers: int, pre_process: bool, post_process: bool,
                     parallel: ParallelConfig, micro_batch_size: int, dtype_bytes: int,
-                    device_type: str = "cuda") -> StageFootprint:
-    """One rank of a stage holding ``layers`` layers, for one micro-batch (``ModelFamily.memory_model``)."""
+                    device_type: str = "cuda", first_layer: int | None = None) -> StageFootprint:
+    """One rank of a stage holding ``layers`` layers, for one micro-batch (``ModelFamily.memory_model``;
+    a dense model's layers are all alike: ``first_layer`` changes nothing)."""
     tp = parallel.tp
     tokens = config.seq_length // parallel.cp * micro_batch_size
     layer, norm_input, hidden, _ = layer_activation_bytes(config, tokens, parallel, dtype_bytes, device_type)

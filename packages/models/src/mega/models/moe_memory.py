@@ -40,10 +40,15 @@ from mega.models.memory import (
 from mega.models.recompute import layer_runs
 
 
+def _routed_parameters(config, parallel: ParallelConfig) -> int:
+    """One MoE layer's routed experts on this rank (whole experts over ep, each split over etp)."""
+    return config.num_experts // parallel.ep * 3 * config.hidden_size * config.moe_ffn_hidden_size // parallel.expert_tp
+
+
 def _experts_parameters(config, parallel: ParallelConfig) -> int:
     """One MoE layer's router, routed experts (this rank's) and shared experts (its shard)."""
     h, tp = config.hidden_size, parallel.tp
-    routed = config.num_experts // parallel.ep * 3 * h * config.moe_ffn_hidden_size // parallel.expert_tp
+    routed = _routed_parameters(config, parallel)
     shared = 3 * h * (config.moe_shared_expert_intermediate_size or 0) // tp
     bias = config.num_experts if getattr(config, "moe_router_enable_expert_bias", False) else 0
     return h * config.num_experts + routed + shared + bias
@@ -165,6 +170,7 @@ def moe_stage_footprint(config, *, layers: int, pre_process: bool, post_process:
         kept += hidden if recomputed else run
         recompute = max(recompute, run) if recomputed else recompute
     parameters = ends.parameters + sum(_layer_parameters(config, moe, parallel) for moe in moe_layers)
+    experts = sum(moe_layers) * _routed_parameters(config, parallel)
     if post_process and getattr(config, "mtp_num_layers", None):
         mtp_layer = _layer_bytes(config, config.is_moe_layer(config.num_layers - 1), tokens, parallel, dtype_bytes,
                                  device_type)
@@ -172,9 +178,10 @@ def moe_stage_footprint(config, *, layers: int, pre_process: bool, post_process:
         head = _mtp_head_bytes(config, micro_batch_size, parallel, dtype_bytes, device_type)
         kept += config.mtp_num_layers * (mtp_layer + head)
         parameters += _mtp_parameters(config, parallel)
+        experts += config.mtp_num_layers * config.is_moe_layer(config.num_layers - 1) * _routed_parameters(config, parallel)
         if not pre_process and config.untie_embeddings_and_output_weights:  # the MTP modules' word embedding
             parameters += config.padded_vocab_size(parallel.tp) * config.hidden_size // parallel.tp
-    return StageFootprint(parameters, kept, recompute)
+    return StageFootprint(parameters, kept, recompute, expert_parameters=experts)
 
 
 def _mtp_head_bytes(config, micro_batch_size: int, parallel: ParallelConfig, dtype_bytes: int,

@@ -1,8 +1,9 @@
 """What a model family tells the planner about one pipeline stage (``ModelFamily.memory_model``).
 
 The family knows its layers; the planner knows parallelism, precision, optimizers and schedules.
-They meet here: ``memory_model(config, layers=..., ...) -> StageFootprint`` for one rank of one
-stage (or virtual chunk), for a single micro-batch.
+They meet here: ``memory_model(config, layers=..., first_layer=..., ...) -> StageFootprint`` for
+one rank of one stage (or virtual chunk) whose layers start at ``first_layer``, for a single
+micro-batch.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ class StageFootprint:
       applied: a recomputed region keeps only its input).
     * ``recompute_bytes``: the largest recomputed region's activations, rebuilt for a moment in
       the backward (0 without recompute).
+    * ``expert_parameters``: of ``parameters``, the routed experts' (the distributed optimizer
+      shards them over the expert-data-parallel group, not over dp x cp).
     """
 
     parameters: int
     activation_bytes: int
     recompute_bytes: int = 0
+    expert_parameters: int = 0

@@ -49,6 +49,8 @@ class Layout:
     vpp: int = 1
     dp: int = 1
     sequence_parallel: bool = False
+    ep: int = 1  # --expert-model-parallel-size
+    etp: int | None = None  # --expert-tensor-parallel-size (None: tp)
     # --data-parallel-sharding-strategy; with an FSDP one: HSDP's replica groups
     # (--num-distributed-optimizer-instances), --fsdp-reshard-after-forward, --cpu-offload
     sharding: str = "no_shard"
@@ -76,12 +78,18 @@ class Layout:
 
     @property
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(tp=self.tp, pp=self.pp, cp=self.cp, vpp=self.vpp if self.vpp > 1 else None,
-                              sequence_parallel=self.sequence_parallel)
+        return ParallelConfig(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp,
+                              vpp=self.vpp if self.vpp > 1 else None, sequence_parallel=self.sequence_parallel)
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Ranks that share one expert shard: the distributed optimizer splits its state over them."""
+        return self.tp * self.dp * self.cp // (self.ep * (self.tp if self.etp is None else self.etp))
 
     def describe(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}"] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
         parts += ([f"cp{self.cp}"] if self.cp > 1 else []) + [f"dp{self.dp}"]
+        parts += ([f"ep{self.ep}"] if self.ep > 1 else []) + ([f"etp{self.etp}"] if self.etp is not None else [])
         parts += ["sp"] if self.sequence_parallel else []
         parts += ["distopt"] if self.distributed_optimizer else []
         if self.fully_sharded:
@@ -204,9 +212,12 @@ def plan_memory(family: ModelFamily, config, layout: Layout, *, dtype_bytes: int
         gradient_elements = _gradient_elements(use.footprints, use.tied_elements, layout)
         main_copy = 0 if dtype_bytes == FP32 else FP32
         per_element = main_copy + OPTIMIZER_STATE_BYTES[optimizer]
-        # Sharded, each rank owns 1/(dp*cp) of every bucket; padding has no optimizer state.
-        optimizer_bytes = (parameters // (layout.dp * layout.cp) if layout.distributed_optimizer
-                           else parameters) * per_element
+        # Sharded, each rank owns 1/(dp*cp) of every dense bucket and 1/(expert dp) of every expert
+        # bucket; padding has no optimizer state.
+        experts = sum(f.expert_parameters for f in use.footprints)
+        owned = ((parameters - experts) // (layout.dp * layout.cp) + experts // layout.expert_data_parallel
+                 if layout.distributed_optimizer else parameters)
+        optimizer_bytes = owned * per_element
         weights = (gradient_elements if layout.distributed_optimizer else parameters) * dtype_bytes
         ranks.append(RankMemory(stage, layers, parameters, weights, gradient_elements * grad_dtype_bytes,
                                 optimizer_bytes, use.activations, use.in_flight))
@@ -220,9 +231,9 @@ def _stage_usage(family: ModelFamily, config, layout: Layout, dtype_bytes: int, 
     tied = not getattr(config, "untie_embeddings_and_output_weights", True)
     table = schedule_of(layout.pp, num_microbatches, layout.vpp, layout.schedule)
     schedule = table.actions  # (built anew at each read)
-    layer = family.memory_model(config, layers=1, pre_process=False, post_process=False, parallel=parallel,
-                                micro_batch_size=layout.micro_batch_size, dtype_bytes=dtype_bytes,
-                                device_type=device_type).parameters
+    layer = family.memory_model(config, layers=1, first_layer=config.num_layers - 1, pre_process=False,
+                                post_process=False, parallel=parallel, micro_batch_size=layout.micro_batch_size,
+                                dtype_bytes=dtype_bytes, device_type=device_type).parameters
     usage = []
     split = layer_split(config.num_layers, layout.pp, layout.vpp, layout.layers_per_stage, table.placement)
     for stage, chunks in enumerate(split):
@@ -232,7 +243,8 @@ def _stage_usage(family: ModelFamily, config, layout: Layout, dtype_bytes: int, 
             post = table.stage(stage, index) == table.num_stages - 1
             has_output |= post
             footprints.append(family.memory_model(
-                config, layers=len(layers), pre_process=pre, post_process=post, parallel=parallel,
+                config, layers=len(layers), first_layer=layers.start, pre_process=pre, post_process=post,
+                parallel=parallel,
                 micro_batch_size=layout.micro_batch_size, dtype_bytes=dtype_bytes, device_type=device_type))
             tied_elements.append(config.padded_vocab_size(layout.tp) * config.hidden_size // layout.tp
                                  if tied and (pre or post) else 0)

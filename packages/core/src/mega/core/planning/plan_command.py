@@ -105,7 +105,7 @@ def _plan(run, family, machine) -> int:
         strategies = (config.strategy(False),) if named else STRATEGIES[1:]
         results = search(family, model, world_size=world, global_batch_size=global_batch, gpu_memory_bytes=budget,
                          grad_dtype_bytes=grad_bytes, fsdp_grad_dtype_bytes=fsdp_grad_bytes, strategies=strategies,
-                         fsdp_options=fsdp_options, **common)
+                         fsdp_options=fsdp_options, ep=parallel.ep, etp=parallel.etp, **common)
         return _print_search(results, machine, world, global_batch)
 
     parallel.validate(world)
@@ -122,8 +122,8 @@ def _plan(run, family, machine) -> int:
     vpp = 2 if schedule in V_SCHEDULES else vpp  # two chunks per rank in a V
     counts = layers_per_stage(run.pipeline, model.num_layers, parallel.pp, vpp)
     fsdp = run.data_parallel.uses_fsdp(run.optimizer.use_distributed_optimizer)
-    layout = Layout(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, vpp=vpp, dp=dp,
-                    sequence_parallel=parallel.sequence_parallel, sharding=strategy,
+    layout = Layout(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, vpp=vpp, dp=dp, ep=parallel.ep,
+                    etp=parallel.etp, sequence_parallel=parallel.sequence_parallel, sharding=strategy,
                     recompute=model.recompute_granularity, micro_batch_size=run.training.micro_batch_size,
                     layers_per_stage=tuple(counts) if counts else None, schedule=schedule,
                     **(fsdp_options if fsdp else {}))

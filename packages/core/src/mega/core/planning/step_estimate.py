@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from mega.core.model_family import ModelFamily
+from mega.core.parallel import ParallelConfig
 from mega.core.parallel.fsdp_config import FSDP_STRATEGIES, layout_conflict
 from mega.core.pipeline.layout import uneven_candidates
 from mega.core.pipeline.schedule_table import V_SCHEDULES
@@ -113,7 +114,10 @@ def stage_imbalance(family: ModelFamily, config, layout: Layout) -> float:
     if layout.pp == 1:
         return 1.0
     total = family.num_floating_point_operations(config, 1)
-    per_layer = total - family.num_floating_point_operations(dataclasses.replace(config, num_layers=config.num_layers - 1), 1)
+    try:
+        per_layer = total - family.num_floating_point_operations(_without_last_layer(config), 1)
+    except ValueError:  # a config that cannot lose a layer alone (a per-layer pattern): layers only
+        per_layer = total / config.num_layers
     head = total - per_layer * config.num_layers
     placement = schedule_of(layout.pp, 1 if layout.vpp == 1 or layout.schedule in V_SCHEDULES else layout.pp,
                             layout.vpp, layout.schedule).placement
@@ -121,6 +125,14 @@ def stage_imbalance(family: ModelFamily, config, layout: Layout) -> float:
     work = [sum(len(chunk) for chunk in chunks) * per_layer for chunks in ranks]
     work[-1] += head
     return max(work) / (total / layout.pp)
+
+
+def _without_last_layer(config):
+    """``config`` one layer shorter; a field listing a value per layer loses its last entry with it."""
+    layers = config.num_layers
+    per_layer = {field.name: getattr(config, field.name)[:-1] for field in dataclasses.fields(config)
+                 if isinstance(getattr(config, field.name), list | tuple) and len(getattr(config, field.name)) == layers}
+    return dataclasses.replace(config, num_layers=layers - 1, **per_layer)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -131,11 +143,13 @@ def search(family: ModelFamily, config, *, world_size: int, global_batch_size: i
            dtype_bytes: int, optimizer: str = "adam", peak_tflops: float | None = None, mfu: float = 0.45,
            gpus_per_node: int = 8, micro_batch_sizes=(1, 2, 4, 8), device_type: str = "cuda",
            grad_dtype_bytes: int | None = None, fsdp_grad_dtype_bytes: int | None = None,
-           strategies=SHARDED_STRATEGIES, fsdp_options: dict | None = None) -> list[Estimate]:
+           strategies=SHARDED_STRATEGIES, fsdp_options: dict | None = None, ep: int = 1,
+           etp: int | None = None) -> list[Estimate]:
     """Every layout that fits in ``gpu_memory_bytes`` (less the headroom), fastest first, each with
     the first of ``strategies`` that fits; ``fsdp_options``: the FSDP strategies' ``replicas``,
     ``reshard_after_forward`` and ``cpu_offload`` (Layout fields); ``fsdp_grad_dtype_bytes``: their
-    reduction's dtype (default: ``grad_dtype_bytes``)."""
+    reduction's dtype (default: ``grad_dtype_bytes``); ``ep``/``etp``: the experts' layout, kept in
+    every candidate (those it does not divide are skipped)."""
     budget = gpu_memory_bytes * (1.0 - MEMORY_HEADROOM)
     options = fsdp_options or {}
     # The strategies of a layout share its activations: planned once (the search's cost).
@@ -157,6 +171,8 @@ def search(family: ModelFamily, config, *, world_size: int, global_batch_size: i
                     if world_size % (tp * cp * pp):
                         continue
                     dp = world_size // (tp * cp * pp)
+                    if not _experts_fit(tp, dp, cp, pp, ep, etp, world_size):
+                        continue
                     shardings = _shardings(strategies, options, dp=dp, cp=cp, pp=pp)
                     vpps = [1] + [v for v in (2, 4) if pp > 1 and config.num_layers % (pp * v) == 0]
                     splits = [(vpp, counts) for vpp in vpps
@@ -164,7 +180,8 @@ def search(family: ModelFamily, config, *, world_size: int, global_batch_size: i
                     for vpp, counts in splits:
                         for micro in micro_batch_sizes:
                             layout = Layout(tp=tp, pp=pp, cp=cp, vpp=vpp, dp=dp, sequence_parallel=tp > 1,
-                                            recompute=recompute, micro_batch_size=micro, layers_per_stage=counts)
+                                            ep=ep, etp=etp, recompute=recompute, micro_batch_size=micro,
+                                            layers_per_stage=counts)
                             result = _least_sharded_fit(family, model, layout, shardings, options, budget,
                                                         fsdp_grad_dtype_bytes=fsdp_grad_dtype_bytes, **common)
                             if result is not None:
@@ -178,6 +195,17 @@ def search(family: ModelFamily, config, *, world_size: int, global_batch_size: i
                 -layout.micro_batch_size, result.peak_bytes)
 
     return sorted(fitting, key=speed)
+
+
+def _experts_fit(tp: int, dp: int, cp: int, pp: int, ep: int, etp: int | None, world_size: int) -> bool:
+    """Whether ``mega train`` takes ep x etp with this dense layout."""
+    if ep == 1 and etp is None:
+        return True
+    try:
+        ParallelConfig(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp).validate(world_size)
+    except ValueError:
+        return False
+    return True
 
 
 SHARDING_ORDER = ("no_shard", *SHARDED_STRATEGIES)
