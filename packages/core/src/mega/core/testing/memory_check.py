@@ -39,8 +39,16 @@ def _storage_bytes(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def measured_and_planned(argv: list[str]) -> dict:
-    """On every rank: (measured, planned) bytes of weights, gradients, optimizer, activations."""
+def language_model_forward(stage, tokens: torch.Tensor, inputs: torch.Tensor, tp_group):
+    """One micro-batch through a language-model stage: its output, or its loss on the last stage."""
+    output = stage(inputs)
+    return stage.loss(output, tokens, tp_group) if stage.post_process else output
+
+
+def measured_and_planned(argv: list[str], forward=language_model_forward) -> dict:
+    """On every rank: (measured, planned) bytes of weights, gradients, optimizer, activations;
+    ``forward(stage, tokens, inputs, tp_group)`` runs one micro-batch through a chunk (a family
+    whose stages take more than the hidden state passes its own)."""
     plugins = get_plugins()
     run, family = parse_run(argv)
     run, derived = derive(run, dist.get_world_size())
@@ -62,23 +70,22 @@ def measured_and_planned(argv: list[str]) -> dict:
         inputs = tokens if stage.pre_process else torch.randn(seq, micro, model.hidden_size, dtype=trainer.dtype,
                                                               requires_grad=True)
 
-        def forward(stage=stage, inputs=inputs):
-            output = stage(inputs)
-            return stage.loss(output, tokens, groups.tp) if stage.post_process else output
-
         units = fsdp_units([stage]) if fsdp else []
-        saved, _ = saved_activation_bytes(forward, exclude=[inputs, *map(local, stage.parameters())],
+        saved, _ = saved_activation_bytes(lambda stage=stage, inputs=inputs: forward(stage, tokens, inputs, groups.tp),
+                                          exclude=[inputs, *map(local, stage.parameters())],
                                           weights=lambda units=units: gathered_weights(units))
         activations += saved
+        layers = stage.decoder.layers  # keyed by global layer number
         planned_activations += family.memory_model(
-            model, layers=len(stage.decoder.layers), pre_process=stage.pre_process,
+            model, layers=len(layers), first_layer=min(map(int, layers), default=0), pre_process=stage.pre_process,
             post_process=stage.post_process, parallel=parallel, micro_batch_size=micro,
             dtype_bytes=trainer.dtype.itemsize, device_type="cpu").activation_bytes
     measured["activations"] = activations
 
     config = run.data_parallel
     layout = Layout(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, vpp=parallel.vpp or 1,
-                    dp=derived.data_parallel_size, sequence_parallel=parallel.sequence_parallel,
+                    dp=derived.data_parallel_size, ep=parallel.ep, etp=parallel.etp,
+                    sequence_parallel=parallel.sequence_parallel,
                     sharding=config.strategy(run.optimizer.use_distributed_optimizer), replicas=config.replicas,
                     recompute=model.recompute_granularity, micro_batch_size=micro)
     # FSDP reduces in fp32 unless told not to (MixedPrecisionPolicy), as mega plan assumes.
