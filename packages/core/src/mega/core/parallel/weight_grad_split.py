@@ -122,15 +122,20 @@ def run_weight_grads(pending: list[Deferred]) -> None:
     for index in range(len(items)):
         product, _ = items[index]
         items[index] = None  # the operands go with the product once it has run
-        with torch.no_grad():  # the products are a backward's: no graph of their own
-            for parameter, grad in product():
-                entry = summed.setdefault(id(parameter), [parameter, None])
-                if grad is not None:
-                    entry[1] = grad if entry[1] is None else entry[1] + grad
+        _add_product(summed, product)
         del product
         ready = [key for key in summed if last_use.get(key, len(items)) <= index]
         _hand_over([summed.pop(key) for key in ready])
     _hand_over(list(summed.values()))
+
+
+def _add_product(summed: dict[int, list], product: WeightGrad) -> None:
+    """Add ``product``'s gradients to ``summed`` (``id(parameter) -> [parameter, sum]``)."""
+    with torch.no_grad():  # the products are a backward's: no graph of their own
+        for parameter, grad in product():
+            entry = summed.setdefault(id(parameter), [parameter, None])
+            if grad is not None:
+                entry[1] = grad if entry[1] is None else entry[1].add_(grad)  # products are fresh tensors
 
 
 def _hand_over(entries: list) -> None:
