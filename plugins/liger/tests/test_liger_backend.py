@@ -98,6 +98,14 @@ def test_rotary_equals_torch_and_leaves_its_input_alone(setup, positions):
     torch.testing.assert_close(out, expected, **tolerance)
     assert torch.equal(x.detach(), before)
     torch.testing.assert_close(_grads(out, [qkv])[0], _grads(expected, [qkv])[0], **tolerance)
+    # the grouped query as attention hands it, [s, b, groups, queries per group, d] (cos/sin of the
+    # same model tensors: Liger's whole-d angles made for the call above serve it)
+    grouped = qkv[..., :32].unflatten(-1, (2, 16))
+    out, expected = (rotate(grouped, cos[:, :, None], sin[:, :, None])
+                     for rotate in (backend.component("rotary"), torch_kernels.apply_rotary))
+    assert out.shape == grouped.shape
+    torch.testing.assert_close(out, expected, **tolerance)
+    torch.testing.assert_close(_grads(out, [qkv])[0], _grads(expected, [qkv])[0], **tolerance)
 
 
 @pytest.mark.parametrize("name", ["swiglu", "geglu", "gelu"])

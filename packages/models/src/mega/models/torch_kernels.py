@@ -182,19 +182,24 @@ TORCH = TorchKernels()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[seq, batch, heads, head_dim]`` by the angles of ``cos``/``sin``
-    (:func:`rotary_cos_sin`); the arithmetic runs in ``x``'s dtype."""
+    """Rotate ``x`` ``[seq, batch, ..., head_dim]`` by the angles of ``cos``/``sin``
+    (:func:`rotary_cos_sin`, broadcasting against ``x`` without its last dimension's halving);
+    the arithmetic runs in ``x``'s dtype. ``x`` may be a strided view (the query heads of the
+    grouped QKV output, ``[seq, batch, groups, queries per group, head_dim]``): the result is a
+    fresh contiguous tensor of ``x``'s shape, so the view costs no copy of its own."""
+    # A no-op where the model handed cos/sin in x's dtype (once per forward, mega.models.rope).
     return _Rotate.apply(x, cos.to(x.dtype), sin.to(x.dtype))
 
 
 class _Rotate(torch.autograd.Function):
-    """``x * cos + rotate_half(x) * sin``, each half computed from the other in one fused
-    multiply-add.
+    """``x * cos + rotate_half(x) * sin`` without ``cat``; saves only ``cos``/``sin``.
 
     The textbook form negates a half and concatenates (and autograd concatenates again in the
-    backward); this saves only ``cos``/``sin`` and its gradient is the inverse rotation of the
-    incoming gradient. Every op is out-of-place, so ``torch.compile`` traces it whole (writing
-    with ``out=`` into the halves of one buffer, as this once did, breaks dynamo's graph).
+    backward). Here one multiply writes both halves times ``cos`` into the output, and two
+    in-place multiply-adds on that fresh output's halves add each half's share of the other: three
+    kernels, no copy. The gradient is the inverse rotation of the incoming gradient, computed the
+    same way. Nothing is written with ``out=`` (dynamo breaks its graph there, as it once did
+    here); the in-place ops touch only a tensor made inside, which ``torch.compile`` traces whole.
     """
 
     @staticmethod
@@ -209,10 +214,13 @@ class _Rotate(torch.autograd.Function):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
+    halves = x.unflatten(-1, (2, -1))  # [..., 2, head_dim / 2], a view of any x
+    first, second = halves.unbind(-2)
+    out = halves * cos.unsqueeze(-2)  # both halves times cos, into a fresh contiguous tensor
     sign = 1.0 if inverse else -1.0
-    return torch.cat((torch.addcmul(first * cos, second, sin, value=sign),  # x1 cos -/+ x2 sin
-                      torch.addcmul(second * cos, first, sin, value=-sign)), dim=-1)  # x2 cos +/- x1 sin
+    out.select(-2, 0).addcmul_(second, sin, value=sign)  # x1 cos -/+ x2 sin
+    out.select(-2, 1).addcmul_(first, sin, value=-sign)  # x2 cos +/- x1 sin
+    return out.flatten(-2)
 
 
 class _SwiGLU(torch.autograd.Function):
