@@ -47,7 +47,7 @@ def test_attention_copies_per_layer_stay_at_the_bound(name, dtype):
     tokens = torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     per_row = torch.stack([torch.arange(SEQ), torch.arange(3, 3 + SEQ)])  # context parallelism's, packed rows'
     for positions in (None, per_row):
-        counts = count_copies(lambda: model(tokens, positions).float().square().mean().backward(), attentions)
+        counts = count_copies(lambda p=positions: model(tokens, p).float().square().mean().backward(), attentions)
         assert dict(counts.scoped) == {key: LAYERS * n for key, n in BOUND[name].items()}, positions
         assert counts.counts["cat", "forward"] == 0  # nowhere in the model's forward
         if name == "llama":  # cos and sin once per forward, not per layer
