@@ -33,7 +33,10 @@ The kinds and what their component is:
   names. Under tensor parallelism it is split whole (:class:`~mega.core.parallel.plan.ColumnThenRow`).
 * ``activation``: ``factory(name) -> fn(x)`` for ``"gelu"``, ``"gelu_tanh"``, ``"swiglu"``
   (``x`` is ``[gate; up]`` stacked on the last dimension), ``"relu"``, ``"geglu"``.
-* ``rotary``: ``fn(x, cos, sin)`` rotating ``x`` ``[seq, batch, heads, head_dim]`` (rotate-half).
+* ``rotary``: ``fn(x, cos, sin)`` rotating ``x`` ``[seq, batch, ..., head_dim]`` (rotate-half) by
+  ``cos``/``sin`` ``[seq, batch or 1, 1..., head_dim / 2]`` of as many dimensions (a grouped query
+  arrives as a strided view ``[seq, batch, groups, queries per group, head_dim]``); returns a new
+  tensor of ``x``'s shape, ``x`` untouched. Models hand ``cos``/``sin`` in ``x``'s dtype.
 * ``loss``: ``fn(logits, labels, tp_group, vocab_size) -> [same shape as labels]`` per-token
   cross-entropy of logits ``[..., vocab (shard over tp_group)]`` over the first ``vocab_size``
   rows: the padded rows take no part (None: every row is real).
