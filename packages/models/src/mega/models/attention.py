@@ -110,13 +110,16 @@ class SelfAttention(nn.Module):
         query, key, value = qkv.split([per_group * d, d, d], dim=-1)  # views of qkv
         query = query.unflatten(-1, (per_group, d))  # [s, b, groups, queries per group, d], a view
         if self.q_layernorm is not None:
-            query, key = self.q_layernorm(query), self.k_layernorm(key)
+            # The one copy QK-norm costs: a norm backend may read rows as [tokens, d], which the
+            # grouped view cannot give (Megatron reshapes here too). The key's rows can.
+            query = self.q_layernorm(query.reshape(seq, batch, -1, d)).unflatten(2, (-1, per_group))
+            key = self.k_layernorm(key)
         if self.config.position_embedding_type == "rope":
             cos, sin = layer_cos_sin(self.config, rotary_cos_sin, rotary_angles, seq, position_ids, qkv.device)
             # The rotated query is a fresh tensor: the grouped heads flatten below without a copy.
             query = self.kernels.rotary(query, cos[:, :, None], sin[:, :, None])
             key = self.kernels.rotary(key, cos, sin)
-        query = query.flatten(2, 3)  # [s, b, heads, d]; a copy only without rope or QK-norm (and groups > 1)
+        query = query.flatten(2, 3)  # [s, b, heads, d]: a view of a fresh tensor (with rope or QK-norm)
         if inference_cache is not None:
             key, value, mask = inference_cache.append(key, value)
             # A cache says causal or not, or (a paged cache, sequences of several lengths) the whole mask.
