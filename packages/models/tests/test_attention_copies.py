@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from mega.core.build import build_stage
 from mega.core.testing.copy_counts import count_copies
-from mega.models import gpt, llama
+from mega.models import deepseek_v3, gpt, llama
 from mega.models.config import TransformerConfig
 from mega.models.rope import rotary_cos_sin
 from mega.models.torch_kernels import apply_rotary
@@ -31,6 +31,11 @@ BOUND = {
     "llama": {("cat", "backward"): 1, ("copy", "forward"): 2},
     "gpt": {("cat", "backward"): 1},
 }
+# DeepSeek-V3's multi-latent attention (fp32), as it stands: cats of the rope channels'
+# de-interleaving (query and key), of the key's and the query's nope and rope parts, and three
+# split gradients; the copy is the attention output (CPU runs MLA's unequal head sizes on the
+# math kernel, which writes [b, h, s, d]). Its cos/sin (YaRN) are made once per forward too.
+MLA_BOUND = {("cat", "forward"): 4, ("cat", "backward"): 3, ("copy", "forward"): 1}
 MODELS = {
     "llama": (llama.FAMILY, llama.llama_config(LAYERS, 64, 128, 4, 2, vocab_size=128, seq_length=SEQ, llama3=True)),
     "gpt": (gpt.FAMILY, gpt.gpt_config(LAYERS, 64, 4, vocab_size=128, seq_length=SEQ, attention_dropout=0.0,
@@ -42,7 +47,7 @@ MODELS = {
 @pytest.mark.parametrize("name", list(MODELS))
 def test_attention_copies_per_layer_stay_at_the_bound(name, dtype):
     family, config = MODELS[name]
-    model = build_stage(family, config, dtype=dtype)
+    model = build_stage(family, config, dtype=dtype, device="cpu")  # CPU on a GPU machine too
     attentions = [layer.self_attention for layer in model.decoder.layers.values()]
     tokens = torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     per_row = torch.stack([torch.arange(SEQ), torch.arange(3, 3 + SEQ)])  # context parallelism's, packed rows'
@@ -93,3 +98,12 @@ def test_the_rotation_of_a_grouped_query_view_equals_transformers(dtype):
     ours_grad, = torch.autograd.grad(ours, qkv, grad)
     theirs_grad, = torch.autograd.grad(theirs, qkv, grad)
     torch.testing.assert_close(ours_grad, theirs_grad, **tolerance)
+
+
+def test_multi_latent_attention_makes_its_angles_once_and_stays_at_its_bound():
+    model = build_stage(deepseek_v3.FAMILY, deepseek_v3.PRESETS["tiny"], device="cpu")
+    attentions = [layer.self_attention for layer in model.decoder.layers.values()]
+    tokens = torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    counts = count_copies(lambda: model(tokens).float().square().mean().backward(), attentions)
+    assert dict(counts.scoped) == {key: len(attentions) * n for key, n in MLA_BOUND.items()}
+    assert counts.ops["cos"] == counts.ops["sin"] == 1
