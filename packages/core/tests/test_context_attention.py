@@ -186,6 +186,6 @@ def test_packed_rows_split_per_document():
     for rank in range(size):
         assert torch.equal(documents.places(rank), document_chunk_index(document_ids, rank, size))
     assert torch.equal(documents.whole_cu_seqlens(), _cu_seqlens(document_ids))
-    with pytest.raises(ValueError, match=r"a document of 4 tokens \(row 1 of the micro-batch, from position 8\) "
+    with pytest.raises(ValueError, match=r"a document of 8 tokens \(row 1 of the micro-batch, from position 0\) "
                                          r"does not cut into 2 x --context-parallel-size = 6 equal chunks"):
         split_batch({"tokens": tokens, "document_ids": _document_ids([[6, 6], [8, 4]])}, group, 12)
