@@ -87,13 +87,48 @@ def test_packed_rows_train_as_one_conversation_per_row(chat_data, worlds):
         assert_losses_close(results[0][index], lora, f"packed, LoRA, {layout}")
 
 
-def test_context_parallel_with_packing_is_refused(chat_data):
+CP_LAYOUTS = {f"cp2-{comm}": ["--micro-batch-size", "1", "--context-parallel-size", "2", "--cp-comm-type", comm]
+              for comm in ("p2p", "all_gather", "a2a")}
+
+
+def test_packed_rows_under_context_parallelism(chat_data, worlds, monkeypatch):
+    """cp2 pads each packed conversation to a multiple of 4 and splits it per document. With
+    --calculate-per-token-loss every comm type trains as one conversation per row in one process
+    (LLaMA; GPT on the ring); with the mean per micro-batch, as one process on the same padded rows."""
+    from mega.core.training import data_setup
+    from mega.data.indexed_dataset import IndexedDataset
+    from mega.data.packing import first_fit_decreasing
+
+    lengths = IndexedDataset(chat_data[0]).sequence_lengths
+    bins = len(first_fit_decreasing(-(-lengths // 4) * 4, SEQ)[1]) - 1
+    assert bins < len(lengths) // 2, "the conversations should pack several to a row"
+    gpt = ["--model-family", "gpt", "--num-query-groups", "4"]
+    per_token = {name: flags(chat_data, bins, "--packed-sequences", *extra) for name, extra in CP_LAYOUTS.items()}
+    per_token["gpt-cp2-p2p"] = flags(chat_data, bins, "--packed-sequences", *gpt, *CP_LAYOUTS["cp2-p2p"])
+    per_micro_batch = {name: [flag for flag in argv if flag != "--calculate-per-token-loss"]
+                       for name, argv in per_token.items() if name != "gpt-cp2-p2p"}
+    results = worlds.run(2, train_each, list(per_token.values()) + list(per_micro_batch.values()))
+
+    unpacked = {"llama": train_losses(flags(chat_data, len(lengths), "--micro-batch-size", "8")),
+                "gpt": train_losses(flags(chat_data, len(lengths), "--micro-batch-size", "8", *gpt))}
+    for index, name in enumerate(per_token):
+        assert_losses_close(results[0][index], unpacked["gpt" if name.startswith("gpt") else "llama"],
+                            f"{name}, per-token loss, vs one conversation per row")
+    monkeypatch.setattr(data_setup, "packed_document_multiple", lambda run: 4)  # cp2's padding, in one process
+    padded = train_losses(per_micro_batch["cp2-p2p"][:-4])
+    for index, name in enumerate(per_micro_batch, start=len(per_token)):
+        assert_losses_close(results[0][index], padded, f"{name}, mean per micro-batch, vs one process")
+
+
+def test_reset_attention_mask_under_context_parallelism_is_refused(chat_data):
     from mega.core.config import ConfigError
     from mega.core.training.run_config import derive
     from mega.core.training.run_parser import parse_run
 
-    run, _ = parse_run(flags(chat_data, 2, "--packed-sequences", "--context-parallel-size", "2"))
-    with pytest.raises(ConfigError, match="--packed-sequences does not run under --context-parallel-size 2"):
+    run, _ = parse_run(["--mock-data", "--reset-attention-mask", "--context-parallel-size", "2",
+                        *flags(chat_data, 2)[1:]])
+    with pytest.raises(ConfigError, match=r"--reset-attention-mask under --context-parallel-size 2: .* --sft "
+                                          r"--packed-sequences \(each conversation padded to a multiple of 4\)"):
         derive(run, 2)
     assert np.isfinite(train_losses(flags(chat_data, 2))[0])  # unpacked, mean per micro-batch
 
