@@ -104,8 +104,9 @@ def check_context_parallel_token_losses(family_name, ranks) -> None:
         alone = losses_alone(model, packed_batch(CP_ROWS), CP_ROWS)
     for rank, results in enumerate(ranks):
         for comm_type, (losses, places) in results[family_name, "packed cp2"].items():
+            where = f"{family_name} cp2 {comm_type} rank {rank}"
             torch.testing.assert_close(losses, torch.take_along_dim(alone, places, dim=1), rtol=1e-5, atol=1e-5,
-                                       msg=lambda text: f"{family_name} cp2 {comm_type} rank {rank}: {text}")
+                                       msg=lambda text, where=where: f"{where}: {text}")
 
 
 def loss_and_grads(family_name, groups=None, parallel=ParallelConfig()):

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 class ContextParallelError(ValueError):
     """A run that context parallelism cannot split (the message names the flags)."""
 
