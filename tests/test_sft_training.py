@@ -102,8 +102,7 @@ CP_LAYOUTS = {f"cp2-{comm}": ["--micro-batch-size", "1", "--context-parallel-siz
 def test_packed_rows_under_context_parallelism(chat_data, worlds, unpacked, monkeypatch):
     """cp2 pads each packed conversation to a multiple of 4 and splits it per document. With
     --calculate-per-token-loss every comm type trains as one conversation per row in one process
-    (LLaMA; GPT on the ring); with the mean per micro-batch (the ring), as one process on the same
-    padded rows. (Each comm type's attention over packed rows, forward and backward:
+    (LLaMA; GPT on the ring); with the mean per micro-batch, as one process on the same padded rows. (Each comm type's attention over packed rows, forward and backward:
     packages/core/tests/test_context_attention.py.)"""
     from mega.core.training import data_setup
     from mega.data.indexed_dataset import IndexedDataset
@@ -115,7 +114,8 @@ def test_packed_rows_under_context_parallelism(chat_data, worlds, unpacked, monk
     gpt = ["--model-family", "gpt", "--num-query-groups", "4"]
     per_token = {name: flags(chat_data, bins, "--packed-sequences", *extra) for name, extra in CP_LAYOUTS.items()}
     per_token["gpt-cp2-p2p"] = flags(chat_data, bins, "--packed-sequences", *gpt, *CP_LAYOUTS["cp2-p2p"])
-    per_micro_batch = {"cp2-p2p": [flag for flag in per_token["cp2-p2p"] if flag != "--calculate-per-token-loss"]}
+    per_micro_batch = {name: [flag for flag in per_token[name] if flag != "--calculate-per-token-loss"]
+                       for name in CP_LAYOUTS}
     results = worlds.run(2, train_each, list(per_token.values()) + list(per_micro_batch.values()))
 
     alone = {"llama": unpacked, "gpt": train_losses(flags(chat_data, len(lengths), "--micro-batch-size", "8", *gpt))}
@@ -138,6 +138,8 @@ def test_reset_attention_mask_under_context_parallelism_is_refused(chat_data):
     with pytest.raises(ConfigError, match=r"--reset-attention-mask under --context-parallel-size 2: .* --sft "
                                           r"--packed-sequences \(each conversation padded to a multiple of 4\)"):
         derive(run, 2)
+    run, _ = parse_run(["--mock-data", "--reset-position-ids", "--context-parallel-size", "2", *flags(chat_data, 2)[1:]])
+    derive(run, 2)  # positions alone travel with the tokens
     assert np.isfinite(train_losses(flags(chat_data, 2))[0])  # unpacked, mean per micro-batch
 
 

@@ -13,9 +13,12 @@ Also: the byte count of the ring's sends (the benchmark's formula) and the chunk
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from mega.core.parallel.context_attention import context_parallel_attention
 from mega.core.parallel.context_parallel import (
     held_chunks,
     split_batch,
@@ -186,6 +189,13 @@ def test_packed_rows_split_per_document():
     for rank in range(size):
         assert torch.equal(documents.places(rank), document_chunk_index(document_ids, rank, size))
     assert torch.equal(documents.whole_cu_seqlens(), _cu_seqlens(document_ids))
+    # The ring and all_gather need a block_attention kernel that takes masks: named where it does not.
+    kernels = SimpleNamespace(get=lambda kind: object(), selection={"block_attention": "flash-attn"})
+    query = torch.zeros(2, 1, 4, 2)
+    with pytest.raises(ValueError, match="--cp-comm-type all_gather need a block_attention kernel that takes "
+                                         "masks; --block-attention-backend flash-attn does not"):
+        context_parallel_attention(query, query, query, group, "all_gather", kernels, causal=True, softmax_scale=1.0,
+                                   documents=documents)
     with pytest.raises(ValueError, match=r"a document of 8 tokens \(row 1 of the micro-batch, from position 0\) "
                                          r"does not cut into 2 x --context-parallel-size = 6 equal chunks"):
         split_batch({"tokens": tokens, "document_ids": _document_ids([[6, 6], [8, 4]])}, group, 12)
