@@ -108,9 +108,9 @@ class AllGatherAttention(torch.autograd.Function):
                 documents: DocumentChunks | None = None):
         key_value = _gathered_keys(torch.stack([key, value]), group, documents is None)
         outs, lses = [], []
-        for rows, keys, masked, mask in _query_chunks(query.shape[2], group, causal, documents):
+        for rows, keys, masked, mask_argument in _query_chunks(query.shape[2], group, causal, documents):
             out, lse = kernel.forward(query[:, :, rows], key_value[0][:, :, keys], key_value[1][:, :, keys],
-                                      causal=masked, softmax_scale=softmax_scale, **mask)
+                                      causal=masked, softmax_scale=softmax_scale, **mask_argument)
             outs.append(out)
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
@@ -128,10 +128,10 @@ class AllGatherAttention(torch.autograd.Function):
         wide = torch.promote_types(key.dtype, torch.float32)
         grad_key_value = torch.zeros(key_value.shape, dtype=wide, device=key.device)
         grad_query = torch.empty_like(query)
-        for rows, keys, masked, mask in _query_chunks(query.shape[2], group, ctx.causal, ctx.documents):
+        for rows, keys, masked, mask_argument in _query_chunks(query.shape[2], group, ctx.causal, ctx.documents):
             dq, dk, dv = ctx.kernel.backward(grad_out[:, :, rows], query[:, :, rows], key_value[0][:, :, keys],
                                              key_value[1][:, :, keys], out[:, :, rows], lse[:, :, rows],
-                                             causal=masked, softmax_scale=ctx.softmax_scale, **mask)
+                                             causal=masked, softmax_scale=ctx.softmax_scale, **mask_argument)
             grad_query[:, :, rows] = dq
             grad_key_value[0][:, :, keys] += dk
             grad_key_value[1][:, :, keys] += dv

@@ -24,7 +24,8 @@ them and comes home after the last step. The blocks' attention comes from the se
 Packed rows (several documents, split per document: :mod:`mega.core.parallel.document_chunks`)
 attend block by block under a mask instead: a query sees the visiting keys of its own document
 that are not after it. The mask comes from the rows' layout, the same on every rank, so the
-keys travel alone; the kernel must take masks (``takes_mask``).
+keys travel alone; the kernel must take masks (``takes_mask``). No block is skipped there: the
+hidden half of each block is scattered over the documents, so it is masked, not cut out.
 """
 
 from __future__ import annotations
