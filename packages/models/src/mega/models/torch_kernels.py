@@ -124,13 +124,17 @@ class BlockAttention:
     backends are compared with, and what context parallelism runs on the CPU.
     """
 
+    takes_mask = True  # packed rows under context parallelism: each document's keys alone
+
     @staticmethod
-    def _scores(query, key, causal: bool, softmax_scale: float) -> torch.Tensor:
+    def _scores(query, key, causal: bool, softmax_scale: float, mask=None) -> torch.Tensor:
         scores = torch.matmul(query, key.transpose(-1, -2)) * softmax_scale
         if causal:
             q_len, k_len = scores.shape[-2:]
             allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
             scores = scores.masked_fill(~allowed, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         return scores
 
     @staticmethod
@@ -138,20 +142,20 @@ class BlockAttention:
         dtype = torch.promote_types(tensors[0].dtype, torch.float32)
         return [t.to(dtype) for t in tensors]
 
-    def forward(self, query, key, value, *, causal: bool, softmax_scale: float):
+    def forward(self, query, key, value, *, causal: bool, softmax_scale: float, mask=None):
         repeats = query.shape[1] // key.shape[1]
         q, k, v = self._widen(query, key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1))
-        scores = self._scores(q, k, causal, softmax_scale)
+        scores = self._scores(q, k, causal, softmax_scale, mask)
         lse = torch.logsumexp(scores, dim=-1)
         # A query that sees no key of this block (causal, keys after it) has lse -inf and output 0.
         probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
         return torch.matmul(probs, v).to(query.dtype), lse
 
-    def backward(self, grad_out, query, key, value, out, lse, *, causal: bool, softmax_scale: float):
+    def backward(self, grad_out, query, key, value, out, lse, *, causal: bool, softmax_scale: float, mask=None):
         repeats = query.shape[1] // key.shape[1]
         q, k, v, dout, o = self._widen(query, key.repeat_interleave(repeats, 1),
                                        value.repeat_interleave(repeats, 1), grad_out, out)
-        scores = self._scores(q, k, causal, softmax_scale)
+        scores = self._scores(q, k, causal, softmax_scale, mask)
         probs = torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1)).nan_to_num_(0.0)
         grad_v = torch.matmul(probs.transpose(-1, -2), dout)
         grad_probs = torch.matmul(dout, v.transpose(-1, -2))
