@@ -61,12 +61,16 @@ def hf_model(family: str, args):
     h, layers, heads, vocab = args.hidden, args.layers, args.heads, args.vocab
     positions = args.prompt + args.new_tokens
     torch.manual_seed(0)
+    # No end-of-text token: Hugging Face would stop at it, or with min_new_tokens forbid it, where
+    # mega's engine (asked for no stop) takes it like any token; a random LLaMA picks its id 2 at times.
     if family == "gpt":
-        config = transformers.GPT2Config(vocab_size=vocab, n_embd=h, n_layer=layers, n_head=heads, n_positions=positions)
+        config = transformers.GPT2Config(vocab_size=vocab, n_embd=h, n_layer=layers, n_head=heads, n_positions=positions,
+                                         eos_token_id=None)
         return transformers.GPT2LMHeadModel(config).eval()
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=int(8 * h / 3) // 64 * 64,
                                       num_hidden_layers=layers, num_attention_heads=heads,
-                                      num_key_value_heads=max(1, heads // 2), max_position_embeddings=positions)
+                                      num_key_value_heads=max(1, heads // 2), max_position_embeddings=positions,
+                                      eos_token_id=None)
     return transformers.LlamaForCausalLM(config).eval()
 
 
@@ -151,7 +155,7 @@ def bench_engine(family: str, batch: int, args) -> dict:
     def hf_generate():
         with torch.inference_mode():
             out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0)
+                                 max_new_tokens=args.new_tokens, pad_token_id=0)
         return out[:, args.prompt:].tolist()
 
     clock = TokenClock()
