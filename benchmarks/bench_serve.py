@@ -68,6 +68,7 @@ from bench_generate import (  # noqa: E402
     mega_engine,
     mega_weights,
     prefix_counters,
+    server_cpu_seconds,
     server_line,
     stream_completion,
     summary,
@@ -95,7 +96,7 @@ def start_server(args, directory: str, batching: str, *extra: str) -> tuple[subp
     raise RuntimeError("mega serve did not start within 300 s")
 
 
-async def load(url: str, clients: int, requests_per_client: int, args) -> dict:
+async def load(url: str, clients: int, requests_per_client: int, args, pid: int | None = None) -> dict:
     generator = torch.Generator().manual_seed(clients)
     replies: list[dict] = []
 
@@ -111,11 +112,13 @@ async def load(url: str, clients: int, requests_per_client: int, args) -> dict:
 
     async with httpx.AsyncClient(base_url=url, timeout=1200, limits=httpx.Limits(max_connections=clients + 1)) as http:
         queried, hits = await prefix_counters(http)
+        cpu = server_cpu_seconds(pid) if pid else (float("nan"),) * 2
         start = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(clients)))
         wall = time.perf_counter() - start
+        cpu = tuple(after - before for before, after in zip(cpu, server_cpu_seconds(pid) if pid else cpu, strict=True))
         queried_after, hits_after = await prefix_counters(http)
-    return summary(clients, replies, wall, queried_after - queried, hits_after - hits)
+    return summary(clients, replies, wall, queried_after - queried, hits_after - hits, cpu)
 
 
 def engine_rate(args, batch: int) -> tuple[float, int]:
@@ -226,8 +229,8 @@ def main() -> None:
                 asyncio.run(load(url, 1, 2, args))  # warm-up
             for clients in args.clients:
                 requests = args.requests if clients > 1 else args.requests_one_client
-                for batching, (_, url) in servers.items():
-                    row = asyncio.run(load(url, clients, max(1, requests // clients), args))
+                for batching, (server, url) in servers.items():
+                    row = asyncio.run(load(url, clients, max(1, requests // clients), args, server.pid))
                     rows.append({"batching": batching, **row})
                     if args.engine_baseline:
                         rate, weights_size = engine_rate(args, clients)

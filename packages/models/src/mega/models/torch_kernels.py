@@ -63,8 +63,10 @@ def _explicit_mask(mask: AttentionMask, query: torch.Tensor, key: torch.Tensor) 
     (queries and keys of one length) or nothing at all is needed."""
     q_len, k_len = query.shape[2], key.shape[2]
     needs_causal = mask.causal and q_len != k_len
-    if mask.padding is None and mask.cu_seqlens is None and mask.bias is None and not needs_causal:
-        return None
+    if mask.padding is None and mask.cu_seqlens is None and not needs_causal:
+        # Nothing to combine: the bias as it is (a decode step's cache mask, every layer: on a GPU
+        # each op here would be one more kernel per layer in the step's graph).
+        return None if mask.bias is None else mask.bias.to(query.dtype)
     device = query.device
     allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)[None, None]
     if mask.causal:
