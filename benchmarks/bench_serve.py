@@ -24,11 +24,17 @@ and the mega packages, these wheels (fastapi 0.165 imports ``opentelemetry`` in
 of the server, not an option; without it ``mega serve`` stops at once naming the package):
 fastapi, starlette, pydantic, pydantic-core, annotated-types, typing-extensions,
 typing-inspection, annotated-doc, anyio, idna, opentelemetry-api, uvicorn, h11, click, jinja2,
-markupsafe (the server); httpx, httpcore, certifi, sniffio (this client). Build the wheelhouse
-with pip's resolver rather than by hand, on a machine of the same Python and platform:
+markupsafe, uvloop, httptools (the server); httpx, httpcore, certifi, sniffio (this client).
+Build the wheelhouse with pip's resolver rather than by hand, on a machine of the same Python
+and platform:
 
-    pip download -d wheels -c constraints.txt fastapi uvicorn jinja2 httpx
-    pip install --no-index --find-links wheels fastapi uvicorn jinja2 httpx   # on the GPU machine
+    pip download -d wheels -c constraints.txt fastapi uvicorn jinja2 uvloop httptools httpx
+    pip install --no-index --find-links wheels fastapi uvicorn jinja2 uvloop httptools httpx   # on the GPU machine
+
+Every table row also gives the server's CPU time per generated token (Linux), split between
+the engine's thread (``mega-engine``: its host work around the device's) and every other thread
+(HTTP, tokenizing, and on a CPU server torch's compute threads): where they add up to the time
+between tokens, serving is bound by the host, not the device.
 
     python benchmarks/bench_serve.py
     python benchmarks/bench_serve.py --clients 64 --requests 128 --json
