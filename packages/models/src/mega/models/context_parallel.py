@@ -23,7 +23,7 @@ from mega.core.kernels import CAUSAL, AttentionMask
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.context_attention import check_heads, context_parallel_attention
 from mega.core.parallel.document_chunks import DocumentChunks
-from mega.models.attention import CoreAttention
+from mega.models.attention import CoreAttention, sequence_major
 from mega.models.config import ModelConfigError, TransformerConfig
 
 
@@ -65,5 +65,5 @@ class ContextParallelAttention(nn.Module):
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = context_parallel_attention(query, key, value, self.group, self.comm_type, self.kernels,
                                          causal=mask.causal, softmax_scale=self.softmax_scale, documents=documents)
-        return out.permute(2, 0, 1, 3).flatten(2)
+        return sequence_major(out)
 
