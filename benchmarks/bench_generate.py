@@ -51,6 +51,7 @@ import transformers  # noqa: E402
 
 from mega.core.build import build_stage  # noqa: E402
 from mega.core.plugins import get_plugins  # noqa: E402
+from mega.inference.batching import ENGINE_THREAD_OS_NAME  # noqa: E402
 from mega.inference.decode_step import READ_LAG  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
 from mega.inference.static_decode import StaticDecoder  # noqa: E402
@@ -61,12 +62,16 @@ def hf_model(family: str, args):
     h, layers, heads, vocab = args.hidden, args.layers, args.heads, args.vocab
     positions = args.prompt + args.new_tokens
     torch.manual_seed(0)
+    # No end-of-text token: Hugging Face would stop at it, or with min_new_tokens forbid it, where
+    # mega's engine (asked for no stop) takes it like any token; a random LLaMA picks its id 2 at times.
     if family == "gpt":
-        config = transformers.GPT2Config(vocab_size=vocab, n_embd=h, n_layer=layers, n_head=heads, n_positions=positions)
+        config = transformers.GPT2Config(vocab_size=vocab, n_embd=h, n_layer=layers, n_head=heads, n_positions=positions,
+                                         eos_token_id=None)
         return transformers.GPT2LMHeadModel(config).eval()
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=int(8 * h / 3) // 64 * 64,
                                       num_hidden_layers=layers, num_attention_heads=heads,
-                                      num_key_value_heads=max(1, heads // 2), max_position_embeddings=positions)
+                                      num_key_value_heads=max(1, heads // 2), max_position_embeddings=positions,
+                                      eos_token_id=None)
     return transformers.LlamaForCausalLM(config).eval()
 
 
@@ -151,7 +156,7 @@ def bench_engine(family: str, batch: int, args) -> dict:
     def hf_generate():
         with torch.inference_mode():
             out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0)
+                                 max_new_tokens=args.new_tokens, pad_token_id=0)
         return out[:, args.prompt:].tolist()
 
     clock = TokenClock()
@@ -248,18 +253,64 @@ async def prefix_counters(http: httpx.AsyncClient) -> tuple[float, float]:
     return values.get("mega_prefix_cache_queries_total", 0.0), values.get("mega_prefix_cache_hits_total", 0.0)
 
 
-def summary(clients: int, replies: list[dict], wall: float, queried: float, hits: float) -> dict:
+def server_cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of the server process ``pid`` and its descendants (torchrun's ranks):
+    those of the engine's thread (named ``mega-engine`` for the OS) and those of every other
+    thread (HTTP, tokenizing, torch's own). Linux (/proc); elsewhere NaN."""
+    if not os.path.isdir(f"/proc/{pid}"):
+        return float("nan"), float("nan")
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue  # ended meanwhile
+    tree, grew = {pid}, True
+    while grew:
+        grew = False
+        for child, parent in parents.items():
+            if parent in tree and child not in tree:
+                tree.add(child)
+                grew = True
+    engine = other = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for process in tree:
+        try:
+            threads = os.listdir(f"/proc/{process}/task")
+        except OSError:
+            continue
+        for thread in threads:
+            try:
+                name = open(f"/proc/{process}/task/{thread}/comm").read().strip()
+                fields = open(f"/proc/{process}/task/{thread}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            if name == ENGINE_THREAD_OS_NAME:
+                engine += seconds
+            else:
+                other += seconds
+    return engine, other
+
+
+def summary(clients: int, replies: list[dict], wall: float, queried: float, hits: float,
+            cpu: tuple[float, float] = (float("nan"), float("nan"))) -> dict:
+    """One concurrency level's row; ``cpu``: the server's CPU seconds during it (engine thread, the rest)."""
     latencies = [r["latency"] for r in replies]
     ttfts = [r["ttft"] for r in replies]
     gaps = [gap for r in replies for gap in r["gaps"]]
-    return {"clients": clients, "requests": len(replies), "tokens_per_s": sum(r["generated"] for r in replies) / wall,
+    generated = sum(r["generated"] for r in replies)
+    return {"clients": clients, "requests": len(replies), "tokens_per_s": generated / wall,
             "p50_s": statistics.median(latencies), "p99_s": percentile(latencies, 0.99),
             "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
             "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99),
-            "prefix_hit_rate": hits / queried if queried else 0.0}
+            "prefix_hit_rate": hits / queried if queried else 0.0,
+            "engine_cpu_us_per_token": 1e6 * cpu[0] / max(generated, 1),
+            "other_cpu_us_per_token": 1e6 * cpu[1] / max(generated, 1)}
 
 
-async def load(url: str, clients: int, requests_per_client: int, args) -> dict:
+async def load(url: str, clients: int, requests_per_client: int, args, pid: int | None = None) -> dict:
     generator = torch.Generator().manual_seed(clients)
     replies: list[dict] = []
 
@@ -271,22 +322,24 @@ async def load(url: str, clients: int, requests_per_client: int, args) -> dict:
 
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=clients + 1)) as http:
         queried, hits = await prefix_counters(http)
+        cpu = server_cpu_seconds(pid) if pid else (float("nan"),) * 2
         start = time.perf_counter()
         await asyncio.gather(*(client(i, http) for i in range(clients)))
         wall = time.perf_counter() - start
+        cpu = tuple(after - before for before, after in zip(cpu, server_cpu_seconds(pid) if pid else cpu, strict=True))
         queried_after, hits_after = await prefix_counters(http)
-    return summary(clients, replies, wall, queried_after - queried, hits_after - hits)
+    return summary(clients, replies, wall, queried_after - queried, hits_after - hits, cpu)
 
 
 SERVER_HEADER = (f"{'clients':>8}{'requests':>10}{'tok/s':>9}{'p50 s':>9}{'p99 s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
-                 f"{'ITL p50':>9}{'ITL p99':>9}{'prefix hits':>13}")
+                 f"{'ITL p50':>9}{'ITL p99':>9}{'prefix hits':>13}{'CPU us/token: engine':>22}{'other':>7}")
 
 
 def server_line(r: dict) -> str:
     """One row of the server table (latencies in seconds, the hit rate in % of prompt tokens)."""
     return (f"{r['clients']:>8}{r['requests']:>10}{r['tokens_per_s']:>9.1f}{r['p50_s']:>9.3f}{r['p99_s']:>9.3f}"
             f"{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}{r['itl_p50_s']:>9.4f}{r['itl_p99_s']:>9.4f}"
-            f"{100 * r['prefix_hit_rate']:>12.1f}%")
+            f"{100 * r['prefix_hit_rate']:>12.1f}%{r['engine_cpu_us_per_token']:>22.0f}{r['other_cpu_us_per_token']:>7.0f}")
 
 
 def bench_server(args) -> list[dict]:
@@ -294,7 +347,7 @@ def bench_server(args) -> list[dict]:
         server, url = start_server(args, directory)
         try:
             asyncio.run(load(url, 1, 2, args))  # warm-up
-            return [asyncio.run(load(url, clients, max(2, args.server_requests // clients), args))
+            return [asyncio.run(load(url, clients, max(2, args.server_requests // clients), args, server.pid))
                     for clients in args.clients]
         finally:
             server.terminate()

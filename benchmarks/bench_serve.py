@@ -24,11 +24,17 @@ and the mega packages, these wheels (fastapi 0.165 imports ``opentelemetry`` in
 of the server, not an option; without it ``mega serve`` stops at once naming the package):
 fastapi, starlette, pydantic, pydantic-core, annotated-types, typing-extensions,
 typing-inspection, annotated-doc, anyio, idna, opentelemetry-api, uvicorn, h11, click, jinja2,
-markupsafe (the server); httpx, httpcore, certifi, sniffio (this client). Build the wheelhouse
-with pip's resolver rather than by hand, on a machine of the same Python and platform:
+markupsafe, uvloop, httptools (the server); httpx, httpcore, certifi, sniffio (this client).
+Build the wheelhouse with pip's resolver rather than by hand, on a machine of the same Python
+and platform:
 
-    pip download -d wheels -c constraints.txt fastapi uvicorn jinja2 httpx
-    pip install --no-index --find-links wheels fastapi uvicorn jinja2 httpx   # on the GPU machine
+    pip download -d wheels -c constraints.txt fastapi uvicorn jinja2 uvloop httptools httpx
+    pip install --no-index --find-links wheels fastapi uvicorn jinja2 uvloop httptools httpx   # on the GPU machine
+
+Every table row also gives the server's CPU time per generated token (Linux), split between
+the engine's thread (``mega-engine``: its host work around the device's) and every other thread
+(HTTP, tokenizing, and on a CPU server torch's compute threads): where they add up to the time
+between tokens, serving is bound by the host, not the device.
 
     python benchmarks/bench_serve.py
     python benchmarks/bench_serve.py --clients 64 --requests 128 --json
@@ -68,6 +74,7 @@ from bench_generate import (  # noqa: E402
     mega_engine,
     mega_weights,
     prefix_counters,
+    server_cpu_seconds,
     server_line,
     stream_completion,
     summary,
@@ -95,7 +102,7 @@ def start_server(args, directory: str, batching: str, *extra: str) -> tuple[subp
     raise RuntimeError("mega serve did not start within 300 s")
 
 
-async def load(url: str, clients: int, requests_per_client: int, args) -> dict:
+async def load(url: str, clients: int, requests_per_client: int, args, pid: int | None = None) -> dict:
     generator = torch.Generator().manual_seed(clients)
     replies: list[dict] = []
 
@@ -111,11 +118,13 @@ async def load(url: str, clients: int, requests_per_client: int, args) -> dict:
 
     async with httpx.AsyncClient(base_url=url, timeout=1200, limits=httpx.Limits(max_connections=clients + 1)) as http:
         queried, hits = await prefix_counters(http)
+        cpu = server_cpu_seconds(pid) if pid else (float("nan"),) * 2
         start = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(clients)))
         wall = time.perf_counter() - start
+        cpu = tuple(after - before for before, after in zip(cpu, server_cpu_seconds(pid) if pid else cpu, strict=True))
         queried_after, hits_after = await prefix_counters(http)
-    return summary(clients, replies, wall, queried_after - queried, hits_after - hits)
+    return summary(clients, replies, wall, queried_after - queried, hits_after - hits, cpu)
 
 
 def engine_rate(args, batch: int) -> tuple[float, int]:
@@ -226,8 +235,8 @@ def main() -> None:
                 asyncio.run(load(url, 1, 2, args))  # warm-up
             for clients in args.clients:
                 requests = args.requests if clients > 1 else args.requests_one_client
-                for batching, (_, url) in servers.items():
-                    row = asyncio.run(load(url, clients, max(1, requests // clients), args))
+                for batching, (server, url) in servers.items():
+                    row = asyncio.run(load(url, clients, max(1, requests // clients), args, server.pid))
                     rows.append({"batching": batching, **row})
                     if args.engine_baseline:
                         rate, weights_size = engine_rate(args, clients)

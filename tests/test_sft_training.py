@@ -49,6 +49,15 @@ def chat_data(tmp_path_factory):
     return str(directory / "chat_messages_document"), str(directory)
 
 
+@pytest.fixture(scope="module")
+def unpacked(chat_data) -> list[float]:
+    """LLaMA's losses with one conversation per row in one process, a step one epoch (per-token loss)."""
+    from mega.data.indexed_dataset import IndexedDataset
+
+    rows = len(IndexedDataset(chat_data[0]).sequence_lengths)
+    return train_losses(flags(chat_data, rows, "--micro-batch-size", "8"))
+
+
 def flags(data, rows, *extra):
     prefix, tokenizer = data
     return ["--sft", "--data-path", prefix, "--split", "100,0,0", "--tokenizer-type", "HuggingFaceTokenizer",
@@ -66,7 +75,7 @@ LAYOUTS = {"tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"
            "dp2-distributed-optimizer": ["--use-distributed-optimizer", "--micro-batch-size", "1"]}
 
 
-def test_packed_rows_train_as_one_conversation_per_row(chat_data, worlds):
+def test_packed_rows_train_as_one_conversation_per_row(chat_data, worlds, unpacked):
     from mega.data.indexed_dataset import IndexedDataset
     from mega.data.packing import first_fit_decreasing
 
@@ -74,7 +83,6 @@ def test_packed_rows_train_as_one_conversation_per_row(chat_data, worlds):
     bins = len(first_fit_decreasing(lengths, SEQ)[1]) - 1
     assert bins < len(lengths) // 2, "the conversations should pack several to a row"
     assert bins % 2 == 0, "a step of whole epochs at dp2 needs an even number of rows"
-    unpacked = train_losses(flags(chat_data, len(lengths), "--micro-batch-size", "8"))  # a step: one epoch
     packed = train_losses(flags(chat_data, bins, "--packed-sequences"))
     assert_losses_close(packed, unpacked, "packed vs one conversation per row")
 
@@ -87,14 +95,51 @@ def test_packed_rows_train_as_one_conversation_per_row(chat_data, worlds):
         assert_losses_close(results[0][index], lora, f"packed, LoRA, {layout}")
 
 
-def test_context_parallel_with_packing_is_refused(chat_data):
+CP_LAYOUTS = {f"cp2-{comm}": ["--micro-batch-size", "1", "--context-parallel-size", "2", "--cp-comm-type", comm]
+              for comm in ("p2p", "all_gather", "a2a")}
+
+
+def test_packed_rows_under_context_parallelism(chat_data, worlds, unpacked, monkeypatch):
+    """cp2 pads each packed conversation to a multiple of 4 and splits it per document. With
+    --calculate-per-token-loss every comm type trains as one conversation per row in one process
+    (LLaMA; GPT on the ring); with the mean per micro-batch, as one process on the same padded rows. (Each comm type's attention over packed rows, forward and backward:
+    packages/core/tests/test_context_attention.py.)"""
+    from mega.core.training import data_setup
+    from mega.data.indexed_dataset import IndexedDataset
+    from mega.data.packing import first_fit_decreasing
+
+    lengths = IndexedDataset(chat_data[0]).sequence_lengths
+    bins = len(first_fit_decreasing(-(-lengths // 4) * 4, SEQ)[1]) - 1
+    assert bins < len(lengths) // 2, "the conversations should pack several to a row"
+    gpt = ["--model-family", "gpt", "--num-query-groups", "4"]
+    per_token = {name: flags(chat_data, bins, "--packed-sequences", *extra) for name, extra in CP_LAYOUTS.items()}
+    per_token["gpt-cp2-p2p"] = flags(chat_data, bins, "--packed-sequences", *gpt, *CP_LAYOUTS["cp2-p2p"])
+    per_micro_batch = {name: [flag for flag in per_token[name] if flag != "--calculate-per-token-loss"]
+                       for name in CP_LAYOUTS}
+    results = worlds.run(2, train_each, list(per_token.values()) + list(per_micro_batch.values()))
+
+    alone = {"llama": unpacked, "gpt": train_losses(flags(chat_data, len(lengths), "--micro-batch-size", "8", *gpt))}
+    for index, name in enumerate(per_token):
+        assert_losses_close(results[0][index], alone["gpt" if name.startswith("gpt") else "llama"],
+                            f"{name}, per-token loss, vs one conversation per row")
+    monkeypatch.setattr(data_setup, "packed_document_multiple", lambda run: 4)  # cp2's padding, in one process
+    padded = train_losses(per_micro_batch["cp2-p2p"][:-4])
+    for index, name in enumerate(per_micro_batch, start=len(per_token)):
+        assert_losses_close(results[0][index], padded, f"{name}, mean per micro-batch, vs one process")
+
+
+def test_reset_attention_mask_under_context_parallelism_is_refused(chat_data):
     from mega.core.config import ConfigError
     from mega.core.training.run_config import derive
     from mega.core.training.run_parser import parse_run
 
-    run, _ = parse_run(flags(chat_data, 2, "--packed-sequences", "--context-parallel-size", "2"))
-    with pytest.raises(ConfigError, match="--packed-sequences does not run under --context-parallel-size 2"):
+    run, _ = parse_run(["--mock-data", "--reset-attention-mask", "--context-parallel-size", "2",
+                        *flags(chat_data, 2)[1:]])
+    with pytest.raises(ConfigError, match=r"--reset-attention-mask under --context-parallel-size 2: .* --sft "
+                                          r"--packed-sequences \(each conversation padded to a multiple of 4\)"):
         derive(run, 2)
+    run, _ = parse_run(["--mock-data", "--reset-position-ids", "--context-parallel-size", "2", *flags(chat_data, 2)[1:]])
+    derive(run, 2)  # positions alone travel with the tokens
     assert np.isfinite(train_losses(flags(chat_data, 2))[0])  # unpacked, mean per micro-batch
 
 

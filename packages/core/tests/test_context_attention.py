@@ -3,17 +3,22 @@
 The reference is torch's own attention (``scaled_dot_product_attention`` with autograd) on the
 whole sequence in fp64; each comm type (ring ``p2p``, ``all_gather``, Ulysses ``a2a``) runs on
 the load-balanced chunks of a 4-rank gloo world split as cp4 and as cp2 (x dp2), with a causal
-and a full mask, grouped-query heads (GQA) included. Outputs and the gradients of queries, keys
-and values must agree within 1e-6 (relative to the largest entry). One world serves every case.
+and a full mask, grouped-query heads (GQA) included, and on packed rows (several documents per
+row, split per document; the reference: torch's attention under the dense per-document causal
+mask). Outputs and the gradients of queries, keys and values must agree within 1e-6 (relative to
+the largest entry). One world serves every case.
 
 Also: the byte count of the ring's sends (the benchmark's formula) and the chunk bookkeeping.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from mega.core.parallel.context_attention import context_parallel_attention
 from mega.core.parallel.context_parallel import (
     held_chunks,
     split_batch,
@@ -21,13 +26,26 @@ from mega.core.parallel.context_parallel import (
     to_rank_order,
     to_sequence_order,
 )
+from mega.core.parallel.document_chunks import DocumentChunks, document_chunk_index
 from mega.core.parallel.groups import Group
 from mega.core.parallel.ring_attention import visible_block
 
 BATCH, HEADS, KV_HEADS, SEQ, DIM = 2, 4, 2, 16, 8
+# Packed rows per context size: documents' lengths, multiples of 2 x cp, the rows' last the padding.
+DOCUMENTS = {4: [[8, 8], [16]], 2: [[4, 8, 4], [12, 4]]}
 
 
-def _whole_sequence_case(causal: bool):
+def _document_ids(rows) -> torch.Tensor:
+    return torch.tensor([[number for number, length in enumerate(row) for _ in range(length)] for row in rows])
+
+
+def _cu_seqlens(document_ids: torch.Tensor) -> torch.Tensor:
+    """The documents of the rows laid end to end (what the model's packed mask carries)."""
+    lengths = [int(n) for row in document_ids for n in torch.unique_consecutive(row, return_counts=True)[1]]
+    return torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+
+
+def _whole_sequence_case(causal: bool, document_ids: torch.Tensor | None = None):
     """Inputs, upstream gradient, and torch's attention output and gradients for the whole sequence."""
     generator = torch.Generator().manual_seed(11)
     def draw(*shape):
@@ -36,9 +54,13 @@ def _whole_sequence_case(causal: bool):
     grad_out = draw(BATCH, HEADS, SEQ, DIM)
     leaves = [t.clone().requires_grad_() for t in (query, key, value)]
     repeats = HEADS // KV_HEADS
+    mask = None
+    if document_ids is not None:  # each query within its own document, causally
+        mask = (document_ids[:, :, None] == document_ids[:, None, :]) & torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+        mask = mask[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
         leaves[0], leaves[1].repeat_interleave(repeats, 1), leaves[2].repeat_interleave(repeats, 1),
-        is_causal=causal, scale=0.3)
+        attn_mask=mask, is_causal=causal and mask is None, scale=0.3)
     out.backward(grad_out)
     return (query, key, value, grad_out), (out.detach(), *(leaf.grad for leaf in leaves))
 
@@ -69,6 +91,32 @@ def attention_errors(cp: int) -> dict:
             errors[(causal, comm_type)] = max(_relative_error(g, w) for g, w in zip(got, want, strict=True))
             if comm_type == "p2p":
                 errors[("sent bytes", causal)] = counts.summary().get("send/cp", {}).get("bytes", 0)
+    errors.update(packed_attention_errors(groups))
+    return errors
+
+
+def packed_attention_errors(groups) -> dict:
+    """Packed rows split per document: each comm type against the whole rows' per-document attention."""
+    from mega.core.kernels import Kernels
+    from mega.core.parallel.context_attention import context_parallel_attention
+
+    document_ids = _document_ids(DOCUMENTS[groups.cp.size])
+    inputs, expected = _whole_sequence_case(True, document_ids)
+    held = document_chunk_index(document_ids, groups.cp.rank, groups.cp.size)
+
+    def mine(tensor):
+        return torch.take_along_dim(tensor, held[:, None, :, None], dim=2)
+
+    local_ids = torch.take_along_dim(document_ids, held, dim=1)
+    documents = DocumentChunks.from_cu_seqlens(_cu_seqlens(local_ids), BATCH, SEQ // groups.cp.size, groups.cp.size)
+    errors = {}
+    for comm_type in ("p2p", "all_gather", "a2a"):
+        local = [mine(t).requires_grad_() for t in inputs[:3]]
+        out = context_parallel_attention(*local, groups.cp, comm_type, Kernels(), causal=True, softmax_scale=0.3,
+                                         documents=documents)
+        out.backward(mine(inputs[3]))
+        got = [out.detach()] + [t.grad for t in local]
+        errors[("packed", comm_type)] = max(_relative_error(g, mine(w)) for g, w in zip(got, expected, strict=True))
     return errors
 
 
@@ -80,7 +128,8 @@ def test_attention_across_ranks_matches_whole_sequence(worlds, cp):
             if case[0] == "sent bytes":
                 continue
             causal, comm_type = case
-            assert error <= 1e-6, f"cp{cp} rank {rank} {comm_type} {'causal' if causal else 'full'}: {error:.3g}"
+            kind = "packed" if causal == "packed" else "causal" if causal else "full"
+            assert error <= 1e-6, f"cp{cp} rank {rank} {comm_type} {kind}: {error:.3g}"
         # Ring sends per rank: (cp - 1) key/value blocks forward, (cp - 1) again and cp gradient
         # blocks backward, each 2 x batch x kv_heads x seq/cp x head_dim fp64 values.
         block = 2 * BATCH * KV_HEADS * (SEQ // cp) * DIM * 8
@@ -121,3 +170,32 @@ def test_chunk_order_and_batch_split():
     assert batch["labels"].tolist()[1] == [15, 16, 21, 22]
     with pytest.raises(ValueError, match="--seq-length 10 must be divisible by 2 x --context-parallel-size = 6"):
         split_batch({"tokens": torch.zeros(1, 10)}, group, 10)
+
+
+def test_packed_rows_split_per_document():
+    """Each rank holds chunks rank and 2cp-1-rank of every document; the layout read back from the
+    local rows' cu_seqlens places every rank's tokens where the split took them from."""
+    size = 3
+    group = Group("cp", (0, 1, 2), 1, None)
+    tokens = torch.arange(24).view(2, 12)
+    document_ids = _document_ids([[6, 6], [12]])
+    positions = torch.tensor([list(range(6)) * 2, list(range(12))])
+    batch = split_batch({"tokens": tokens, "document_ids": document_ids, "position_ids": positions,
+                         "loss_mask": torch.ones(2, 12)}, group, 12)
+    assert batch["tokens"].tolist() == [[1, 4, 7, 10], [14, 15, 20, 21]]
+    assert batch["position_ids"].tolist() == [[1, 4, 1, 4], [2, 3, 8, 9]]  # positions travel with the tokens
+    assert batch["document_ids"].tolist() == [[0, 0, 1, 1], [0, 0, 0, 0]]
+    documents = DocumentChunks.from_cu_seqlens(_cu_seqlens(batch["document_ids"]), 2, 4, size)
+    for rank in range(size):
+        assert torch.equal(documents.places(rank), document_chunk_index(document_ids, rank, size))
+    assert torch.equal(documents.whole_cu_seqlens(), _cu_seqlens(document_ids))
+    # The ring and all_gather need a block_attention kernel that takes masks: named where it does not.
+    kernels = SimpleNamespace(get=lambda kind: object(), selection={"block_attention": "flash-attn"})
+    query = torch.zeros(2, 1, 4, 2)
+    with pytest.raises(ValueError, match="--cp-comm-type all_gather need a block_attention kernel that takes "
+                                         "masks; --block-attention-backend flash-attn does not"):
+        context_parallel_attention(query, query, query, group, "all_gather", kernels, causal=True, softmax_scale=1.0,
+                                   documents=documents)
+    with pytest.raises(ValueError, match=r"a document of 8 tokens \(row 1 of the micro-batch, from position 0\) "
+                                         r"does not cut into 2 x --context-parallel-size = 6 equal chunks"):
+        split_batch({"tokens": tokens, "document_ids": _document_ids([[6, 6], [8, 4]])}, group, 12)

@@ -82,3 +82,26 @@ def test_packed_rows(chat_dataset, tmp_path):
     with pytest.raises(ValueError, match=r"conversation 2 has 6 tokens, more than --seq-length 5"):
         SFTDataset(IndexedDataset(prefix), prefix, np.arange(4), 3, "train",
                    SFTDatasetConfig(sequence_length=5, packed=True), None)
+
+
+def test_packed_rows_padded_for_context_parallelism(chat_dataset, tmp_path):
+    """``pad_to`` (2 x cp): every conversation takes a multiple of it, its padding after it in its
+    document (positions go on, nothing in the loss), so each cuts into 2 x cp equal chunks."""
+    prefix, conversations = chat_dataset
+    config = SFTDatasetConfig(sequence_length=8, packed=True, pad=7, pad_to=4)
+    dataset = SFTDataset(IndexedDataset(prefix), prefix, np.arange(4), None, "train", config, IndexCache(tmp_path))
+    assert len(dataset) == 3  # 8 | 8 | 4+4: 6 and 5 rounded up to 8, 3 and 2 to 4
+    for row in (dataset[i] for i in range(len(dataset))):
+        lengths = np.unique(row["document_ids"], return_counts=True)[1]
+        assert not (lengths % 4).any()
+        for d in np.unique(row["document_ids"]):
+            where = np.flatnonzero(row["document_ids"] == d)
+            assert row["position_ids"][where].tolist() == list(range(len(where)))
+            ids = [c[0] for c in conversations if c[0][0] == row["tokens"][where][0]]
+            if ids:  # a conversation: its tokens, then the padding, out of the loss
+                length = len(ids[0])
+                assert row["tokens"][where][:length].tolist() == ids[0] and (row["tokens"][where][length:] == 7).all()
+                assert not row["loss_mask"][where][length - 1:].any()
+    unpadded = SFTDataset(IndexedDataset(prefix), prefix, np.arange(4), None, "train",
+                          SFTDatasetConfig(sequence_length=8, packed=True, pad=7), IndexCache(tmp_path))
+    assert len(unpadded) == 2 and dataset.description != unpadded.description  # cached apart

@@ -1,7 +1,7 @@
 """LoRA adapters (mega.models.lora): a fresh adapter leaves the logits unchanged, merged adapters
 give the unmerged logits, only adapters train, bad targets name the flag, and at tp2 (with and
 without sequence parallelism) the loss and every adapter gradient equal one process's (fp32); the
-same world checks packed rows at tp2 with sequence parallelism (test_packed_sequences.py)."""
+same world checks packed rows at tp2 with sequence parallelism and at cp2 (test_packed_sequences.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from mega.core.parallel import ParallelConfig
 
 sys.path.insert(0, os.path.dirname(__file__))  # ranks load this file by path
+from test_packed_sequences import check_context_parallel_token_losses, context_parallel_token_losses  # noqa: E402
 from test_packed_sequences import loss_and_grads as packed_loss_and_grads  # noqa: E402
 from whole_gradients import whole_gradients  # noqa: E402
 
@@ -133,6 +134,8 @@ def tensor_parallel_lora():
             results[family_name, sequence_parallel] = loss_and_adapter_grads(family_name, groups, parallel)
             if sequence_parallel:  # packed rows (test_packed_sequences.py), in this world
                 results[family_name, "packed"] = packed_loss_and_grads(family_name, groups, parallel)
+    for family_name in FAMILIES:  # and packed rows at cp2
+        results[family_name, "packed cp2"] = context_parallel_token_losses(family_name)
     return results
 
 
@@ -142,14 +145,16 @@ def test_lora_and_packed_rows_tp2_equal_one_process(worlds, assert_close):
         ref_loss, ref_grads = loss_and_adapter_grads(family_name)
         assert len(ref_grads) == 16
         packed_loss, packed_grads = packed_loss_and_grads(family_name)
+        check_context_parallel_token_losses(family_name, ranks)
         for rank, results in enumerate(ranks):
             loss, grads = results[family_name, "packed"]
             assert_close(loss, packed_loss, what=f"{family_name} packed rank {rank} loss")
             for name, grad in packed_grads.items():
                 assert_close(grads[name], grad, what=f"{family_name} packed rank {rank} grad {name}")
-        for (name, sequence_parallel), (loss, grads) in ranks[0].items():
-            if name != family_name or sequence_parallel == "packed":
+        for (name, sequence_parallel), result in ranks[0].items():
+            if name != family_name or sequence_parallel in ("packed", "packed cp2"):
                 continue
+            loss, grads = result
             where = f"{family_name} sp={sequence_parallel}"
             assert_close(loss, ref_loss, what=f"{where} loss")
             for grad_name, grad in ref_grads.items():

@@ -1,7 +1,8 @@
 """Packed rows (``document_ids``, positions restarting per document): every token of a packed
 conversation gets the logits and loss it gets when its conversation runs alone (GPT and LLaMA,
 the torch backend, fp32); at tp2 with sequence parallelism (in test_lora.py's world) the loss and
-every gradient are one process's."""
+every gradient are one process's; at cp2 (same world, each --cp-comm-type, rows split per
+document) every rank's tokens get the loss they get alone."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ FAMILIES = ("gpt", "llama")
 SEQ, SEED = 16, 5
 # Two rows of documents (lengths), the second ending in padding (its own document).
 ROWS = [[7, 5, 4], [9, 3, 4]]
+CP_ROWS = [[4, 8, 4], [12, 4]]  # at cp2 every document a multiple of 2 x cp long
 
 
 def tiny_config(family):
@@ -26,14 +28,26 @@ def tiny_config(family):
                          num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64)
 
 
-def packed_batch():
+def packed_batch(rows=ROWS):
     generator = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, 256, (len(ROWS), SEQ), generator=generator)
-    labels = torch.randint(0, 256, (len(ROWS), SEQ), generator=generator)
-    document_ids = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in ROWS])
-    positions = torch.tensor([[p for n in row for p in range(n)] for row in ROWS])
+    tokens = torch.randint(0, 256, (len(rows), SEQ), generator=generator)
+    labels = torch.randint(0, 256, (len(rows), SEQ), generator=generator)
+    document_ids = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in rows])
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in rows])
     return {"tokens": tokens, "labels": labels, "position_ids": positions, "document_ids": document_ids,
-            "loss_mask": torch.ones(len(ROWS), SEQ)}
+            "loss_mask": torch.ones(len(rows), SEQ)}
+
+
+def losses_alone(model, batch, rows) -> torch.Tensor:
+    """``[rows, SEQ]``: each token's loss when its document runs alone (positions from 0)."""
+    losses = torch.zeros(len(rows), SEQ)
+    for row, lengths in enumerate(rows):
+        start = 0
+        for length in lengths:
+            alone = model(batch["tokens"][row:row + 1, start:start + length])
+            losses[row, start:start + length] = model.loss(alone, batch["labels"][row:row + 1, start:start + length])[0]
+            start += length
+    return losses
 
 
 def build(family_name, groups=None, parallel=ParallelConfig()):
@@ -62,6 +76,37 @@ def test_packed_documents_equal_each_alone():
             # The mask matters: without it the later documents' logits change.
             unmasked = model({key: value for key, value in batch.items() if key != "document_ids"})["logits"]
             assert not torch.allclose(unmasked[7:], packed[7:], atol=1e-3), family_name
+
+
+def context_parallel_token_losses(family_name) -> dict:
+    """On a 2-rank world at cp2, per --cp-comm-type: this rank's tokens of the packed rows (split
+    per document, as the trainer splits them), their loss and their places in the rows."""
+    from mega.core.parallel import ParallelGroups
+    from mega.core.parallel.context_parallel import split_batch
+
+    results = {}
+    for comm_type in ("p2p", "all_gather", "a2a"):
+        parallel = ParallelConfig(cp=2, cp_comm_type=comm_type)
+        groups = ParallelGroups(parallel)
+        _, model = build(family_name, groups, parallel)
+        batch = packed_batch(CP_ROWS)
+        batch["places"] = torch.arange(SEQ).expand(len(CP_ROWS), SEQ)
+        local = split_batch(batch, groups.cp, SEQ)
+        with torch.no_grad():
+            results[comm_type] = model.loss(model(local)["logits"], local["labels"]), local["places"]
+    return results
+
+
+def check_context_parallel_token_losses(family_name, ranks) -> None:
+    """Every rank's tokens (``context_parallel_token_losses``) have the loss they have alone."""
+    _, model = build(family_name)
+    with torch.no_grad():
+        alone = losses_alone(model, packed_batch(CP_ROWS), CP_ROWS)
+    for rank, results in enumerate(ranks):
+        for comm_type, (losses, places) in results[family_name, "packed cp2"].items():
+            where = f"{family_name} cp2 {comm_type} rank {rank}"
+            torch.testing.assert_close(losses, torch.take_along_dim(alone, places, dim=1), rtol=1e-5, atol=1e-5,
+                                       msg=lambda text, where=where: f"{where}: {text}")
 
 
 def loss_and_grads(family_name, groups=None, parallel=ParallelConfig()):

@@ -98,6 +98,31 @@ def test_rotary_equals_torch_and_leaves_its_input_alone(setup, positions):
     torch.testing.assert_close(out, expected, **tolerance)
     assert torch.equal(x.detach(), before)
     torch.testing.assert_close(_grads(out, [qkv])[0], _grads(expected, [qkv])[0], **tolerance)
+    # the grouped query as attention hands it, [s, b, groups, queries per group, d] (cos/sin of the
+    # same model tensors: Liger's whole-d angles made for the call above serve it)
+    grouped = qkv[..., :32].unflatten(-1, (2, 16))
+    out, expected = (rotate(grouped, cos[:, :, None], sin[:, :, None])
+                     for rotate in (backend.component("rotary"), torch_kernels.apply_rotary))
+    assert out.shape == grouped.shape
+    torch.testing.assert_close(out, expected, **tolerance)
+    torch.testing.assert_close(_grads(out, [qkv])[0], _grads(expected, [qkv])[0], **tolerance)
+
+
+def test_liger_angles_are_made_once_per_model_tensors():
+    """CPU. Liger's whole-d cos/sin serve every view of the model's two tensors (each layer's,
+    the query's extra dimension), and are made again for new tensors (the next forward)."""
+    from mega_liger.kernels import LigerAngles
+
+    angles = LigerAngles()
+    cos, sin = torch.randn(8, 1, 1, 4), torch.randn(8, 1, 1, 4)
+    first = angles.of(cos, sin, torch.bfloat16)
+    assert first[0].shape == (1, 8, 8) and first[0].dtype == torch.bfloat16
+    torch.testing.assert_close(first[0].float(), torch.cat([cos, cos], -1)[:, :, 0].transpose(0, 1).bfloat16().float())
+    assert angles.of(cos[:, :, None], sin[:, :, None], torch.bfloat16) is first
+    assert angles.of(cos[:8], sin[:8], torch.bfloat16) is first
+    assert angles.of(cos[:4], sin[:4], torch.bfloat16) is not first  # other rows
+    again = cos.clone(), sin.clone()
+    assert angles.of(*again, torch.bfloat16) is not first  # a new forward's tensors, equal or not
 
 
 @pytest.mark.parametrize("name", ["swiglu", "geglu", "gelu"])

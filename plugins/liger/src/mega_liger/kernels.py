@@ -5,7 +5,9 @@
   do not depend on the backend.
 * ``rotary``: Liger's RoPE (rotate-half, Hugging Face's layout ``[batch, heads, seq, d]`` with
   ``cos``/``sin`` ``[1 or batch, seq, d]``). Liger rotates a query and a key in one call, in
-  place; mega's contract rotates one tensor, so it gets a private copy and a one-head key.
+  place; mega's contract rotates one tensor, so it gets a private copy (which also lays out a
+  grouped query's heads) and a one-head key. Liger's whole-``d`` cos/sin are made once per model
+  forward (:class:`LigerAngles`), not per call.
 * ``activation``: SwiGLU and GeGLU (Liger's GeGLU uses the tanh approximation of GELU: within
   1e-3 of the exact one torch's ``geglu`` uses); the others are torch's.
 * ``linear_loss``: the fused linear cross-entropy: logits are made a chunk of tokens at a time
@@ -25,6 +27,7 @@ kernel is already one fused kernel; the torch code around it is compiled.
 from __future__ import annotations
 
 import importlib
+import weakref
 
 import torch
 from torch import nn
@@ -73,13 +76,54 @@ class LigerNorm(nn.Module):
 
 @out_of_graph
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[seq, batch, heads, d]`` by ``cos``/``sin`` ``[seq, batch or 1, 1, d / 2]``."""
-    # [b, s, h, d]: always our own copy (never a view of x), which Liger rotates in place.
-    query = x.transpose(0, 1).clone(memory_format=torch.contiguous_format)
-    key = query.new_zeros(*query.shape[:2], 1, query.shape[3])  # Liger's kernel rotates a key too
-    cos, sin = (torch.cat([t, t], dim=-1)[:, :, 0].transpose(0, 1).to(x.dtype) for t in (cos, sin))  # [B, s, d]
+    """Rotate ``x`` ``[seq, batch, ..., d]`` (the grouped query's ``[s, b, groups, per group, d]``
+    too) by ``cos``/``sin`` ``[seq, batch or 1, 1..., d / 2]``."""
+    seq, batch, dim = x.shape[0], x.shape[1], x.shape[-1]
+    # [b, s, heads, d]: always our own copy (never a view of x), which Liger rotates in place; the
+    # one copy also lays out the grouped query's heads.
+    query = x.transpose(0, 1).clone(memory_format=torch.contiguous_format).view(batch, seq, -1, dim)
+    key = query.new_zeros(batch, seq, 1, dim)  # Liger's kernel rotates a key too
+    cos, sin = LIGER_ANGLES.of(cos, sin, x.dtype)
     rotated, _ = functional().liger_rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-    return rotated.transpose(1, 2).transpose(0, 1)  # [b, h, s, d] -> [s, b, h, d]
+    return rotated.transpose(1, 2).reshape(batch, seq, *x.shape[2:]).transpose(0, 1)  # [s, b, ..., d]
+
+
+class LigerAngles:
+    """Liger's ``cos``/``sin`` ``[batch or 1, seq, d]`` (both halves) from mega's ``[seq, batch or
+    1, 1..., d / 2]``, made once per model forward: the model hands every layer views of the same
+    two tensors (mega.models.rope), so the last ones made serve until those tensors change. Held
+    by a weak reference to the model's tensors: a new forward's angles are new tensors."""
+
+    def __init__(self):
+        self._key = None
+        self._angles = None
+
+    def of(self, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (_view_key(cos), _view_key(sin), dtype)
+        if self._key is None or not _same_views(self._key, key):
+            self._angles = tuple(_full_angles(t, dtype) for t in (cos, sin))
+            self._key = tuple((weakref.ref(root), where) for root, where in key[:2]) + (dtype,)
+        return self._angles
+
+
+def _view_key(t: torch.Tensor):
+    """The tensor ``t`` views (the model's) and where in it, ``t``'s middle ones-dimensions aside."""
+    root = t._base if t._base is not None else t
+    flat = t.reshape(t.shape[0], t.shape[1], t.shape[-1])  # a view: the middle dimensions are ones
+    return root, (root._version, flat.storage_offset(), tuple(flat.shape), flat.stride())
+
+
+def _same_views(cached, key) -> bool:
+    return cached[2] == key[2] and all(ref() is root and where == was for (ref, was), (root, where)
+                                       in zip(cached[:2], key[:2], strict=True))
+
+
+def _full_angles(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    half = t.reshape(t.shape[0], t.shape[1], t.shape[-1])  # [s, B, d / 2]
+    return torch.cat([half, half], dim=-1).transpose(0, 1).to(dtype).contiguous()  # [B, s, d]
+
+
+LIGER_ANGLES = LigerAngles()
 
 
 def _glu(function_name: str):

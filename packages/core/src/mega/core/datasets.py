@@ -38,6 +38,9 @@ class DatasetRequest:
     mask_prob: float = 0.15  # masked-LM / span-corruption share of tokens (--mask-prob)
     short_seq_prob: float = 0.1  # chance of a shorter target length (--short-seq-prob)
     packed_sequences: bool = False  # sft: several conversations per row (--packed-sequences)
+    # Packed rows: each document's length rounded up to a multiple of this (2 x --context-parallel-size,
+    # so that context parallelism cuts every document into equal chunks); 1: as it is.
+    pad_documents_to: int = 1
     reset_position_ids: bool = False  # GPT data: Megatron's --reset-position-ids
     reset_attention_mask: bool = False  # GPT data: documents kept apart (samples carry document_ids)
     eod_mask_loss: bool = False  # GPT data: end-of-document tokens out of the loss

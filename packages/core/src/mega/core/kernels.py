@@ -33,7 +33,10 @@ The kinds and what their component is:
   names. Under tensor parallelism it is split whole (:class:`~mega.core.parallel.plan.ColumnThenRow`).
 * ``activation``: ``factory(name) -> fn(x)`` for ``"gelu"``, ``"gelu_tanh"``, ``"swiglu"``
   (``x`` is ``[gate; up]`` stacked on the last dimension), ``"relu"``, ``"geglu"``.
-* ``rotary``: ``fn(x, cos, sin)`` rotating ``x`` ``[seq, batch, heads, head_dim]`` (rotate-half).
+* ``rotary``: ``fn(x, cos, sin)`` rotating ``x`` ``[seq, batch, ..., head_dim]`` (rotate-half) by
+  ``cos``/``sin`` ``[seq, batch or 1, 1..., head_dim / 2]`` of as many dimensions (a grouped query
+  arrives as a strided view ``[seq, batch, groups, queries per group, head_dim]``); returns a new
+  tensor of ``x``'s shape, ``x`` untouched. Models hand ``cos``/``sin`` in ``x``'s dtype.
 * ``loss``: ``fn(logits, labels, tp_group, vocab_size) -> [same shape as labels]`` per-token
   cross-entropy of logits ``[..., vocab (shard over tp_group)]`` over the first ``vocab_size``
   rows: the padded rows take no part (None: every row is real).
@@ -54,6 +57,9 @@ The kinds and what their component is:
   (or wider) log-sum-exp of the scaled scores; ``causal`` aligns at the end as ``AttentionMask.causal``.
   ``backward`` is given the *final* ``out`` and ``lse`` of each query (merged over every key
   block) and returns this block's share of the gradients, as flash-attention's backward does.
+  A component whose ``takes_mask`` attribute is True also takes ``mask``, a bool ``[batch, 1,
+  queries, keys]`` (True: the query sees the key) applied with ``causal``: packed rows under
+  context parallelism (:mod:`mega.core.parallel.document_chunks`) need it.
 
 A backend may also have ``features`` (a set of capabilities such as ``"fp8"`` or
 ``"tp_comm_overlap"``) that flags like ``--fp8-hybrid`` ask for. Modules a backend builds may

@@ -6,7 +6,10 @@ Each conversation is one document of the token dataset, with its assistant mask 
 the next and the rest padded. Within a conversation token ``t`` predicts token ``t + 1``; the
 loss counts it where token ``t + 1`` is the assistant's, never across two conversations or into
 the padding. A packed row also carries ``document_ids``, and its positions restart at every
-conversation, so a packed conversation computes what it computes alone.
+conversation, so a packed conversation computes what it computes alone. Under context
+parallelism every packed conversation is padded to a multiple of ``2 x cp`` tokens (``pad_to``:
+context parallelism cuts each into ``2 x cp`` equal chunks); the padding follows the
+conversation within its document, out of the loss, and no token of the conversation sees it.
 
 The bins (one epoch) and the order rows are read in (each further epoch shuffled anew from the
 seed) are cached beside the data like GPT's indices (:class:`IndexCache`).
@@ -40,6 +43,7 @@ class SFTDatasetConfig:
     split: str = "969,30,1"
     packed: bool = False
     pad: int = 0  # the id padding positions hold (they are out of the loss)
+    pad_to: int = 1  # packed: each conversation's length rounded up to a multiple of this
     path_to_cache: str | None = None
 
 
@@ -54,6 +58,7 @@ class SFTDataset:
             "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
             "num_samples": num_samples, "split": split, "random_seed": config.random_seed,
             "sequence_length": config.sequence_length, "packed": config.packed, "packing": "first-fit-decreasing",
+            **({"pad_to": config.pad_to} if config.packed and config.pad_to > 1 else {}),
         }, indent=2)
         stem = f"{description_hash(self.description)}-SFTDataset-{split}"
         cached = cache.load(stem, _INDEX_NAMES) if cache is not None else None
@@ -79,7 +84,7 @@ class SFTDataset:
         if not len(lengths):
             raise ValueError(f"the {self.split} split of {self.path} has no conversations; change --split")
         if self.config.packed:
-            items, offsets = first_fit_decreasing(lengths, limit)
+            items, offsets = first_fit_decreasing(self._padded(lengths), limit)
         else:
             items, offsets = np.arange(len(lengths), dtype=np.int64), np.arange(len(lengths) + 1, dtype=np.int64)
         bins = len(offsets) - 1
@@ -89,6 +94,12 @@ class SFTDataset:
         if num_samples is not None:
             order = order[:num_samples]
         return self.documents[items].astype(np.int64), offsets, order.astype(np.int64)
+
+    def _padded(self, lengths):
+        """Packed conversations' lengths rounded up to a multiple of ``pad_to`` (--seq-length is one:
+        a conversation that fits still fits)."""
+        pad_to = self.config.pad_to if self.config.packed else 1
+        return -(-lengths // pad_to) * pad_to
 
     def __len__(self) -> int:
         return len(self.sample_bins)
@@ -110,6 +121,7 @@ class SFTDataset:
             tokens[start:end] = ids
             labels[start:end - 1] = ids[1:]
             loss_mask[start:end - 1] = mask[1:]  # a label counts where the assistant wrote it
+            end = start + int(self._padded(len(ids)))  # the padding after it, its document's, out of the loss
             document_ids[start:end] = number
             start = end
         if index is None:
@@ -149,6 +161,7 @@ def sft_datasets(request):
     pad = getattr(tokenizer, "pad", None) if tokenizer is not None else None
     config = SFTDatasetConfig(sequence_length=request.seq_length, random_seed=request.seed, split=request.split,
                               packed=request.packed_sequences, pad=pad if pad is not None else 0,
+                              pad_to=request.pad_documents_to,
                               path_to_cache=request.cache_path)
 
     def cache_for_prefix(prefix: str) -> IndexCache:

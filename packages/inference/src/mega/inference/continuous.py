@@ -71,7 +71,6 @@ class _Sequence(DecodingSequence):
     cached: int = 0  # tokens whose keys are in the cache
     prefix_keys: list[bytes] = field(default_factory=list)  # of the prompt's full blocks (prefix caching)
     logits: torch.Tensor | None = None  # [vocab] the next token's, once computed
-    choice: torch.Tensor | None = None  # or the next token itself, chosen in the decode step (greedy)
     number: int = 0  # unique among the worker's sequences
 
 
@@ -110,6 +109,7 @@ class ContinuousBatchingWorker(EngineWorker):
         self._pending: collections.deque[_Sequence] = collections.deque()
         self._prefilling: list[_Sequence] = []  # admitted, their prompts not all cached yet
         self._numbered = 0
+        self._chosen: torch.Tensor | None = None  # [decoding rows] tokens a greedy decode step chose
         # The running sequences are the decode step's rows, in its order.
         self._decode_step = engine.decode_step(on_token=self._on_token, on_finish=self._finish)
 
@@ -174,7 +174,7 @@ class ContinuousBatchingWorker(EngineWorker):
                     self.allocator.free(sequence.blocks)
                     sequence.job.failed(error)
                 self._decode_step.reset()
-                self._prefilling = []
+                self._prefilling, self._chosen = [], None
 
     def _admit(self) -> list[_Sequence]:
         """Queued sequences that fit now, in order; cancelled ones are dropped."""
@@ -321,7 +321,7 @@ class ContinuousBatchingWorker(EngineWorker):
 
     def _decode(self, decoding: list[_Sequence], greedy: bool) -> None:
         """One new token's fp32 logits ``[vocab]`` for each of ``decoding`` (``sequence.logits``),
-        or with ``greedy`` the token itself (``sequence.choice``)."""
+        or with ``greedy`` the tokens themselves, in the rows' order (``self._chosen``)."""
         device = self.engine.device
         # The rows' last tokens, still on the device (the host reads them a few steps later).
         fed = self._decode_step.next_tokens
@@ -346,10 +346,8 @@ class ContinuousBatchingWorker(EngineWorker):
         tokens = torch.zeros(window, 1, dtype=torch.long, device=device)
         tokens[to_device(slots, device), 0] = fed
         cached = to_device(cached, device)
-        if greedy:  # views of the step's output, read before the next step rewrites it
-            picked = self._decode_steps.greedy(tokens, cached)
-            for slot, sequence in zip(slots, decoding, strict=True):
-                sequence.choice = picked[slot]
+        if greedy:  # gathered from the step's output before the next step rewrites it
+            self._chosen = self._decode_steps.greedy(tokens, cached)[to_device(slots, device)]
             return
         logits = self._decode_steps(tokens, cached)
         for sequence, row in zip(decoding, logits[to_device(slots, device)], strict=True):
@@ -360,14 +358,15 @@ class ContinuousBatchingWorker(EngineWorker):
         takes a finished row's place, so the others stay where the cache's decode views hold them).
         Where the decode step chose its rows' tokens, the rows just prefilled take their greedy
         choice of their logits too."""
-        running = self._running
-        if any(s.choice is not None for s in running):
-            self._decode_step(None, torch.stack([s.choice if s.choice is not None else Sampler.greedy_choice(s.logits)
-                                                 for s in running]))
+        running, chosen = self._running, self._chosen
+        if chosen is not None:  # the decoding rows come first; those that joined after them have logits
+            joined = [Sampler.greedy_choice(s.logits) for s in running[len(chosen):]]
+            self._decode_step(None, torch.cat([chosen, torch.stack(joined)]) if joined else chosen)
         else:
             self._decode_step(torch.stack([s.logits for s in running]))
+        self._chosen = None
         for sequence in running:
-            sequence.logits = sequence.choice = None
+            sequence.logits = None
 
     @staticmethod
     def _on_token(sequence: _Sequence, token: int, logprob: float | None, top) -> None:

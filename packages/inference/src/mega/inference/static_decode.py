@@ -77,10 +77,11 @@ class SlotKVCache:
     def __init__(self, slots: int, max_length: int, device: torch.device, dtype: torch.dtype):
         self.slots, self.max_length, self.device, self.dtype = slots, max_length, device, dtype
         self._layers: dict[int, _SlotLayer] = {}
-        self._windows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._windows: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # cached, mask, positions
         self.rows: torch.Tensor | None = None  # the bound rows' slots; None: the window of the first rows
         self.cached = torch.zeros(0, dtype=torch.long, device=device)
         self.mask_bias: torch.Tensor | None = None
+        self.positions = torch.zeros(0, 0, dtype=torch.long, device=device)
 
     def bind_window(self, cached: torch.Tensor, new_tokens: int) -> None:
         """Slot ``r < len(cached)`` has ``cached[r]`` tokens and brings ``new_tokens``. The
@@ -88,18 +89,18 @@ class SlotKVCache:
         rows = len(cached)
         if rows > self.slots:
             raise ValueError(f"a window of {rows} rows exceeds the cache's {self.slots} slots")
-        bias = self._mask(cached, new_tokens)
+        fresh = (cached, self._mask(cached, new_tokens), self._positions(cached, new_tokens))
         buffers = self._windows.get((rows, new_tokens))
         if buffers is None:
-            buffers = self._windows[(rows, new_tokens)] = (cached.clone(), bias)
+            buffers = self._windows[(rows, new_tokens)] = tuple(t.clone() for t in fresh)
         else:
-            buffers[0].copy_(cached)
-            buffers[1].copy_(bias)
-        self.rows, (self.cached, self.mask_bias) = None, buffers
+            for buffer, tensor in zip(buffers, fresh, strict=True):
+                buffer.copy_(tensor)
+        self.rows, (self.cached, self.mask_bias, self.positions) = None, buffers
 
     def use_window(self, rows: int, new_tokens: int) -> None:
         """Point at the window buffers a captured step last wrote (a replay writes them itself)."""
-        self.rows, (self.cached, self.mask_bias) = None, self._windows[(rows, new_tokens)]
+        self.rows, (self.cached, self.mask_bias, self.positions) = None, self._windows[(rows, new_tokens)]
 
     def bind(self, tables: Sequence[Sequence[int]], cached: Sequence[int], new_tokens: int,
              device: torch.device | None = None, ids: Sequence[int] | None = None,
@@ -110,6 +111,14 @@ class SlotKVCache:
         self.rows = torch.tensor([table[0] for table in tables], dtype=torch.long, device=self.device)
         self.cached = torch.tensor(list(cached), dtype=torch.long, device=self.device)
         self.mask_bias = self._mask(self.cached, new_tokens)
+        self.positions = self._positions(self.cached, new_tokens)
+
+    def _positions(self, cached: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """``[rows, new]``: where each row's new keys go. Made once per forward, not per layer (on
+        a GPU every small op of a decode step is a kernel of its graph). Padding past the end of
+        a slot (a long prompt's neighbours) lands on its last position."""
+        positions = cached[:, None] + torch.arange(new_tokens, device=self.device)[None, :]
+        return positions.clamp_(max=self.max_length - 1)
 
     def _mask(self, cached: torch.Tensor, new_tokens: int) -> torch.Tensor:
         """``[rows, 1 (heads), new, max_length]``: 0 where key ``k <= cached + q``, else -inf-like."""
@@ -153,9 +162,7 @@ class _SlotLayer:
         if self.keys is None:
             shape = (cache.slots, cache.max_length, heads, dim)
             self.keys, self.values = key.new_zeros(shape), value.new_zeros(shape)
-        # Padding past the end of a slot (a long prompt's neighbours) lands on its last position.
-        positions = (cache.cached[:, None] + torch.arange(new, device=key.device)[None, :]).clamp_(
-            max=cache.max_length - 1)
+        positions = cache.positions
         held = []
         for pool, tensor in ((self.keys, key), (self.values, value)):
             if cache.rows is None:  # the window: a slice, so a captured graph writes the same memory

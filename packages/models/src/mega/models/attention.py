@@ -24,7 +24,7 @@ from mega.models.config import TransformerConfig
 from mega.models.kv_cache import LayerKVCache
 from mega.models.norms import input_linear
 from mega.models.recompute import is_recomputing_allowed, recomputed
-from mega.models.rope import rotary_cos_sin
+from mega.models.rope import RotaryAngles, layer_cos_sin, rotary_cos_sin
 
 
 def head_norm(config: TransformerConfig, kernels: Kernels) -> nn.Module:
@@ -36,7 +36,8 @@ class CoreAttention(nn.Module):
     """softmax(q k^T * scale + mask) v with dropout; no parameters.
 
     Takes and returns ``[seq, batch, heads, head_dim]`` / ``[seq, batch, heads * head_dim]``; the
-    kernel sees ``[batch, heads, seq, head_dim]``. This is the region selective recompute
+    kernel sees ``[batch, heads, seq, head_dim]`` views of the inputs (see :func:`sequence_major`
+    for the output). This is the region selective recompute
     recomputes: cheap to redo, quadratic in the sequence to store.
     """
 
@@ -50,6 +51,7 @@ class CoreAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 mask: AttentionMask = CAUSAL) -> torch.Tensor:
+        # Views, no copies: the fused kernels read any layout whose head dimension is contiguous.
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
         tracker = self.dropout_rng_tracker
@@ -57,7 +59,20 @@ class CoreAttention(nn.Module):
         with fork:
             out = self.kernels.attention(query, key, value, mask=mask, dropout_p=dropout_p,
                                          softmax_scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).flatten(2)
+        return sequence_major(out)
+
+
+def sequence_major(out: torch.Tensor) -> torch.Tensor:
+    """The kernel's ``[batch, heads, seq, head_dim]`` output as ``[seq, batch, heads * head_dim]``,
+    contiguous, for the output projection.
+
+    A view where the kernel laid its output out like the query it was given (sequence-major:
+    torch's CPU flash kernel, cuDNN); one copy where it wrote ``[batch, seq, heads, head_dim]``
+    (flash and memory-efficient on CUDA). That copy is the one the layers' ``[s, b, h]`` layout
+    cannot avoid. Made here, once: left to the projection's reshape, the fused weight-gradient
+    path (``--gradient-accumulation-fusion``) would make it again in the backward."""
+    seq, batch = out.shape[2], out.shape[0]
+    return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 
 class SelfAttention(nn.Module):
@@ -81,21 +96,30 @@ class SelfAttention(nn.Module):
         self.recompute_rng_tracker = None
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                inference_cache: LayerKVCache | None = None, mask: AttentionMask = CAUSAL) -> torch.Tensor:
+                inference_cache: LayerKVCache | None = None, mask: AttentionMask = CAUSAL,
+                rotary_angles: RotaryAngles | None = None) -> torch.Tensor:
         """``inference_cache``: this layer's keys and values so far, when generating (see
         :mod:`mega.models.kv_cache`); the new ones are appended and attended to. ``mask``: which
-        keys each query sees (an encoder's padding mask; causal by default)."""
+        keys each query sees (an encoder's padding mask; causal by default). ``rotary_angles``:
+        RoPE's cos and sin, made once per forward by the model (:mod:`mega.models.rope`); None:
+        made here."""
         qkv = self.linear_qkv(hidden)
         seq, batch, _ = qkv.shape
         d, per_group = self.head_dim, self.queries_per_group
         qkv = qkv.view(seq, batch, -1, (per_group + 2) * d)  # [s, b, local groups, ...]
-        query, key, value = qkv.split([per_group * d, d, d], dim=-1)
-        query = query.reshape(seq, batch, -1, d)
+        query, key, value = qkv.split([per_group * d, d, d], dim=-1)  # views of qkv
+        query = query.unflatten(-1, (per_group, d))  # [s, b, groups, queries per group, d], a view
         if self.q_layernorm is not None:
-            query, key = self.q_layernorm(query), self.k_layernorm(key)
+            # The one copy QK-norm costs: a norm backend may read rows as [tokens, d], which the
+            # grouped view cannot give (Megatron reshapes here too). The key's rows can.
+            query = self.q_layernorm(query.reshape(seq, batch, -1, d)).unflatten(2, (-1, per_group))
+            key = self.k_layernorm(key)
         if self.config.position_embedding_type == "rope":
-            cos, sin = rotary_cos_sin(self.config, seq, position_ids, qkv.device)
-            query, key = self.kernels.rotary(query, cos, sin), self.kernels.rotary(key, cos, sin)
+            cos, sin = layer_cos_sin(self.config, rotary_cos_sin, rotary_angles, seq, position_ids, qkv.device)
+            # The rotated query is a fresh tensor: the grouped heads flatten below without a copy.
+            query = self.kernels.rotary(query, cos[:, :, None], sin[:, :, None])
+            key = self.kernels.rotary(key, cos, sin)
+        query = query.flatten(2, 3)  # [s, b, heads, d]: a view of a fresh tensor (with rope or QK-norm)
         if inference_cache is not None:
             key, value, mask = inference_cache.append(key, value)
             # A cache says causal or not, or (a paged cache, sequences of several lengths) the whole mask.

@@ -7,6 +7,11 @@ group (``--cp-comm-type``, see :mod:`mega.core.parallel.context_attention`). Not
 model changes: the trainer hands each rank its chunks of the micro-batch with their
 ``position_ids`` (so learned positions and RoPE follow the chunks), norms and MLPs are per
 token, and the loss sums over the whole sequence (:func:`mega.core.parallel.context_parallel.sequence_mean`).
+
+Packed rows (``document_ids``) arrive split per document; the mask the model builds from the
+local ``document_ids`` (``cu_seqlens``) tells every rank the documents' layout
+(:class:`~mega.core.parallel.document_chunks.DocumentChunks`), and the attention keeps each
+query to its own document.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from torch import nn
 from mega.core.kernels import CAUSAL, AttentionMask
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.context_attention import check_heads, context_parallel_attention
-from mega.models.attention import CoreAttention
+from mega.core.parallel.document_chunks import DocumentChunks
+from mega.models.attention import CoreAttention, sequence_major
 from mega.models.config import ModelConfigError, TransformerConfig
 
 
@@ -39,7 +45,8 @@ def check_context_parallel(config: TransformerConfig, parallel: ParallelConfig) 
 
 class ContextParallelAttention(nn.Module):
     """``CoreAttention``'s interface (``[seq, batch, heads, head_dim]`` in, ``[seq, batch,
-    heads * head_dim]`` out) over the context group; causal or full masks only."""
+    heads * head_dim]`` out) over the context group; causal or full masks, and packed rows'
+    ``cu_seqlens``."""
 
     def __init__(self, core: CoreAttention, groups: ParallelGroups, comm_type: str):
         super().__init__()
@@ -48,10 +55,15 @@ class ContextParallelAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 mask: AttentionMask = CAUSAL) -> torch.Tensor:
-        if mask.padding is not None or mask.cu_seqlens is not None or mask.bias is not None:
-            raise ValueError("context parallelism takes causal or full attention masks only")
+        if mask.padding is not None or mask.bias is not None:
+            raise ValueError("context parallelism takes causal or full attention masks, or packed rows' "
+                             "cu_seqlens, only")
+        documents = None
+        if mask.cu_seqlens is not None:  # packed rows, split per document
+            seq, batch = query.shape[:2]
+            documents = DocumentChunks.from_cu_seqlens(mask.cu_seqlens, batch, seq, self.group.size)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = context_parallel_attention(query, key, value, self.group, self.comm_type, self.kernels,
-                                         causal=mask.causal, softmax_scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).flatten(2)
+                                         causal=mask.causal, softmax_scale=self.softmax_scale, documents=documents)
+        return sequence_major(out)
 

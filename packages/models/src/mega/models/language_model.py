@@ -34,7 +34,9 @@ from mega.models.config import TransformerConfig
 from mega.models.embedding import Embedding
 from mega.models.kv_cache import KVCache
 from mega.models.layer_stack import check_layers
+from mega.models.mla import mla_cos_sin
 from mega.models.packed_sequences import document_attention_mask
+from mega.models.rope import model_rotary_angles, rotary_cos_sin
 from mega.models.tied_embedding import stage_embedding, tie_output_layer
 
 
@@ -113,15 +115,27 @@ class LanguageModel(nn.Module):
                       inference_cache: KVCache | None = None, mask: AttentionMask = CAUSAL) -> torch.Tensor:
         """The decoder's output ``[s, b, h]`` (after the final norm on the last stage)."""
         hidden = self.embedding(inputs, position_ids) if self.pre_process else inputs
-        if mask is CAUSAL:  # the layers' default: the call (and a compiled graph) stays as it was
-            return self.decoder(hidden, position_ids, cache=inference_cache)
-        return self.decoder(hidden, position_ids, cache=inference_cache, mask=mask)
+        layer_kwargs = {} if mask is CAUSAL else {"mask": mask}  # causal: the layers' default
+        cos_sin = rotary_cos_sin_of(self.config)
+        if cos_sin is not None:  # RoPE's angles, the same in every layer: made once per forward
+            seq = inputs.shape[1] if self.pre_process else inputs.shape[0]
+            layer_kwargs["rotary_angles"] = model_rotary_angles(self.config, cos_sin, seq, position_ids,
+                                                                hidden.device, hidden.dtype)
+        return self.decoder(hidden, position_ids, cache=inference_cache, **layer_kwargs)
 
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
         """Per-token cross-entropy ``[b, s]`` (fp32) of logits ``[s, b, vocab (shard)]``; the
         padded vocabulary rows take no part."""
         return per_token_cross_entropy(self.kernels, logits, labels, tp_group, self.config.vocab_size)
+
+
+def rotary_cos_sin_of(config: TransformerConfig):
+    """The function that makes the layers' RoPE angles (multi-latent attention's, with YaRN where
+    configured, or the plain one), or None for a model without rotary positions."""
+    if getattr(config, "multi_latent_attention", False):
+        return mla_cos_sin
+    return rotary_cos_sin if config.position_embedding_type == "rope" else None
 
 
 def per_token_cross_entropy(kernels: Kernels, logits: torch.Tensor, labels: torch.Tensor, tp_group=None,

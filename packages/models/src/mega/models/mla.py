@@ -43,6 +43,7 @@ from mega.core.parallel.collectives import (
 from mega.models.attention import CoreAttention
 from mega.models.kv_cache import LayerKVCache
 from mega.models.recompute import is_recomputing_allowed, recomputed
+from mega.models.rope import RotaryAngles, layer_cos_sin
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -122,7 +123,10 @@ class MultiLatentAttention(nn.Module):
         self.recompute_rng_tracker = None
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                inference_cache: LayerKVCache | None = None, mask: AttentionMask = CAUSAL) -> torch.Tensor:
+                inference_cache: LayerKVCache | None = None, mask: AttentionMask = CAUSAL,
+                rotary_angles: RotaryAngles | None = None) -> torch.Tensor:
+        """``rotary_angles``: :func:`mla_cos_sin` of the whole forward, made once by the model
+        (:mod:`mega.models.rope`); None: made here."""
         config = self.config
         nope, rope, rank = config.qk_head_dim, config.qk_pos_emb_head_dim, config.kv_lora_rank
         if config.q_lora_rank is None:
@@ -135,7 +139,7 @@ class MultiLatentAttention(nn.Module):
         latent, k_rope = self.linear_kv_down_proj(hidden).split([rank, rope], dim=-1)
         latent = self.kv_layernorm(latent)
         k_rope = self._whole_rope_key(k_rope)[:, :, None, :]
-        cos, sin = mla_cos_sin(config, seq, position_ids, hidden.device)
+        cos, sin = layer_cos_sin(config, mla_cos_sin, rotary_angles, seq, position_ids, hidden.device)
         q_rope = self.kernels.rotary(deinterleave(q_rope), cos, sin)
         k_rope = self.kernels.rotary(deinterleave(k_rope), cos, sin)
         if inference_cache is not None:

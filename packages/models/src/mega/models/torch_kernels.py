@@ -63,8 +63,10 @@ def _explicit_mask(mask: AttentionMask, query: torch.Tensor, key: torch.Tensor) 
     (queries and keys of one length) or nothing at all is needed."""
     q_len, k_len = query.shape[2], key.shape[2]
     needs_causal = mask.causal and q_len != k_len
-    if mask.padding is None and mask.cu_seqlens is None and mask.bias is None and not needs_causal:
-        return None
+    if mask.padding is None and mask.cu_seqlens is None and not needs_causal:
+        # Nothing to combine: the bias as it is (a decode step's cache mask, every layer: on a GPU
+        # each op here would be one more kernel per layer in the step's graph).
+        return None if mask.bias is None else mask.bias.to(query.dtype)
     device = query.device
     allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)[None, None]
     if mask.causal:
@@ -124,13 +126,17 @@ class BlockAttention:
     backends are compared with, and what context parallelism runs on the CPU.
     """
 
+    takes_mask = True  # packed rows under context parallelism: each document's keys alone
+
     @staticmethod
-    def _scores(query, key, causal: bool, softmax_scale: float) -> torch.Tensor:
+    def _scores(query, key, causal: bool, softmax_scale: float, mask=None) -> torch.Tensor:
         scores = torch.matmul(query, key.transpose(-1, -2)) * softmax_scale
         if causal:
             q_len, k_len = scores.shape[-2:]
             allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
             scores = scores.masked_fill(~allowed, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         return scores
 
     @staticmethod
@@ -138,20 +144,20 @@ class BlockAttention:
         dtype = torch.promote_types(tensors[0].dtype, torch.float32)
         return [t.to(dtype) for t in tensors]
 
-    def forward(self, query, key, value, *, causal: bool, softmax_scale: float):
+    def forward(self, query, key, value, *, causal: bool, softmax_scale: float, mask=None):
         repeats = query.shape[1] // key.shape[1]
         q, k, v = self._widen(query, key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1))
-        scores = self._scores(q, k, causal, softmax_scale)
+        scores = self._scores(q, k, causal, softmax_scale, mask)
         lse = torch.logsumexp(scores, dim=-1)
         # A query that sees no key of this block (causal, keys after it) has lse -inf and output 0.
         probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
         return torch.matmul(probs, v).to(query.dtype), lse
 
-    def backward(self, grad_out, query, key, value, out, lse, *, causal: bool, softmax_scale: float):
+    def backward(self, grad_out, query, key, value, out, lse, *, causal: bool, softmax_scale: float, mask=None):
         repeats = query.shape[1] // key.shape[1]
         q, k, v, dout, o = self._widen(query, key.repeat_interleave(repeats, 1),
                                        value.repeat_interleave(repeats, 1), grad_out, out)
-        scores = self._scores(q, k, causal, softmax_scale)
+        scores = self._scores(q, k, causal, softmax_scale, mask)
         probs = torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1)).nan_to_num_(0.0)
         grad_v = torch.matmul(probs.transpose(-1, -2), dout)
         grad_probs = torch.matmul(dout, v.transpose(-1, -2))
@@ -182,19 +188,24 @@ TORCH = TorchKernels()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[seq, batch, heads, head_dim]`` by the angles of ``cos``/``sin``
-    (:func:`rotary_cos_sin`); the arithmetic runs in ``x``'s dtype."""
+    """Rotate ``x`` ``[seq, batch, ..., head_dim]`` by the angles of ``cos``/``sin``
+    (:func:`rotary_cos_sin`, broadcasting against ``x`` without its last dimension's halving);
+    the arithmetic runs in ``x``'s dtype. ``x`` may be a strided view (the query heads of the
+    grouped QKV output, ``[seq, batch, groups, queries per group, head_dim]``): the result is a
+    fresh contiguous tensor of ``x``'s shape, so the view costs no copy of its own."""
+    # A no-op where the model handed cos/sin in x's dtype (once per forward, mega.models.rope).
     return _Rotate.apply(x, cos.to(x.dtype), sin.to(x.dtype))
 
 
 class _Rotate(torch.autograd.Function):
-    """``x * cos + rotate_half(x) * sin``, each half computed from the other in one fused
-    multiply-add.
+    """``x * cos + rotate_half(x) * sin`` without ``cat``; saves only ``cos``/``sin``.
 
     The textbook form negates a half and concatenates (and autograd concatenates again in the
-    backward); this saves only ``cos``/``sin`` and its gradient is the inverse rotation of the
-    incoming gradient. Every op is out-of-place, so ``torch.compile`` traces it whole (writing
-    with ``out=`` into the halves of one buffer, as this once did, breaks dynamo's graph).
+    backward). Here one multiply writes both halves times ``cos`` into the output, and two
+    in-place multiply-adds on that fresh output's halves add each half's share of the other: three
+    kernels, no copy. The gradient is the inverse rotation of the incoming gradient, computed the
+    same way. Nothing is written with ``out=`` (dynamo breaks its graph there, as it once did
+    here); the in-place ops touch only a tensor made inside, which ``torch.compile`` traces whole.
     """
 
     @staticmethod
@@ -209,10 +220,13 @@ class _Rotate(torch.autograd.Function):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
+    halves = x.unflatten(-1, (2, -1))  # [..., 2, head_dim / 2], a view of any x
+    first, second = halves.unbind(-2)
+    out = halves * cos.unsqueeze(-2)  # both halves times cos, into a fresh contiguous tensor
     sign = 1.0 if inverse else -1.0
-    return torch.cat((torch.addcmul(first * cos, second, sin, value=sign),  # x1 cos -/+ x2 sin
-                      torch.addcmul(second * cos, first, sin, value=-sign)), dim=-1)  # x2 cos +/- x1 sin
+    out.select(-2, 0).addcmul_(second, sin, value=sign)  # x1 cos -/+ x2 sin
+    out.select(-2, 1).addcmul_(first, sin, value=-sign)  # x2 cos +/- x1 sin
+    return out.flatten(-2)
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -19,11 +19,8 @@ from collections.abc import Mapping
 import torch
 
 from mega.core.parallel.collectives import all_reduce
+from mega.core.parallel.document_chunks import ContextParallelError, document_chunk_index
 from mega.core.parallel.groups import Group
-
-
-class ContextParallelError(ValueError):
-    """A run that context parallelism cannot split (the message names the flags)."""
 
 
 def held_chunks(rank: int, size: int) -> tuple[int, int]:
@@ -52,7 +49,9 @@ def split_sequence(tensor: torch.Tensor, group: Group, dim: int = 1) -> torch.Te
 def split_batch(batch: Mapping[str, torch.Tensor], group: Group, seq_length: int) -> dict[str, torch.Tensor]:
     """This context rank's part of a micro-batch: every ``[batch, seq, ...]`` field split into
     its two chunks. A batch without ``position_ids`` gets the whole sequence's positions first,
-    so the chunks keep their place in the sequence (position embeddings, RoPE)."""
+    so the chunks keep their place in the sequence (position embeddings, RoPE). Rows of several
+    documents (``document_ids``) are split per document instead: the rank's two chunks of every
+    document (:mod:`mega.core.parallel.document_chunks`)."""
     if group.size <= 1:
         return dict(batch)
     check_sequence_length(seq_length, group.size)
@@ -60,8 +59,19 @@ def split_batch(batch: Mapping[str, torch.Tensor], group: Group, seq_length: int
     tokens = batch.get("tokens")
     if "position_ids" not in batch and tokens is not None and tokens.dim() == 2:
         batch["position_ids"] = torch.arange(seq_length, device=tokens.device).expand(tokens.shape[0], -1)
+    document_ids = batch.get("document_ids")
+    if document_ids is not None:
+        held = document_chunk_index(document_ids, group.rank, group.size)
+        return {key: _take_places(value, held) if value.dim() >= 2 and value.shape[1] == seq_length else value
+                for key, value in batch.items()}
     return {key: split_sequence(value, group) if value.dim() >= 2 and value.shape[1] == seq_length else value
             for key, value in batch.items()}
+
+
+def _take_places(tensor: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
+    """``tensor[b, places[b, j], ...]`` for a ``[batch, seq, ...]`` tensor and ``[batch, n]`` places."""
+    index = places.to(tensor.device).view(places.shape + (1,) * (tensor.dim() - 2))
+    return torch.take_along_dim(tensor, index, dim=1)
 
 
 def to_sequence_order(tensor: torch.Tensor, size: int, dim: int) -> torch.Tensor:

@@ -20,6 +20,12 @@ The backward runs the ring again with the forward's final output and log-sum-exp
 the gradient of the keys and values it is visiting to an accumulator that travels one step behind
 them and comes home after the last step. The blocks' attention comes from the selected
 ``block_attention`` kernel, so any backend that fills that contract runs here.
+
+Packed rows (several documents, split per document: :mod:`mega.core.parallel.document_chunks`)
+attend block by block under a mask instead: a query sees the visiting keys of its own document
+that are not after it. The mask comes from the rows' layout, the same on every rank, so the
+keys travel alone; the kernel must take masks (``takes_mask``). No block is skipped there: the
+hidden half of each block is scattered over the documents, so it is masked, not cut out.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mega.core.parallel.collectives import active_counter
+from mega.core.parallel.document_chunks import DocumentChunks
 from mega.core.parallel.groups import Group
 
 
@@ -78,6 +85,20 @@ def visible_block(step: int, rank: int, size: int, causal: bool, num_queries: in
     return slice(num_queries // 2, None), everything, False
 
 
+def _block(step: int, rank: int, size: int, causal: bool, num_queries: int, num_keys: int,
+           documents: DocumentChunks | None) -> tuple[slice, slice, bool, torch.Tensor | None]:
+    """:func:`visible_block`, or for packed rows every query and key under the documents' mask."""
+    if documents is None:
+        return *visible_block(step, rank, size, causal, num_queries, num_keys), None
+    everything = slice(None)
+    return everything, everything, False, documents.mask(rank, (rank - step) % size, causal)
+
+
+def _masked(mask: torch.Tensor | None) -> dict:
+    """The kernel's ``mask`` argument where there is one (kernels without masks are not given it)."""
+    return {} if mask is None else {"mask": mask}
+
+
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """Merge and accumulate in fp32, or wider when the inputs are (fp64 in tests)."""
     return torch.promote_types(dtype, torch.float32)
@@ -96,7 +117,8 @@ class RingAttention(torch.autograd.Function):
     chunks against every rank's keys and values; the output of this rank's queries."""
 
     @staticmethod
-    def forward(ctx, query, key, value, group: Group, kernel, causal: bool, softmax_scale: float):
+    def forward(ctx, query, key, value, group: Group, kernel, causal: bool, softmax_scale: float,
+                documents: DocumentChunks | None = None):
         size, rank = group.size, group.rank
         num_queries, num_keys = query.shape[2], key.shape[2]
         ring = RingExchange(group)
@@ -104,10 +126,10 @@ class RingAttention(torch.autograd.Function):
         out = lse = None
         for step in range(size):
             pending = ring.start(key_value) if step < size - 1 else None
-            rows, columns, masked = visible_block(step, rank, size, causal, num_queries, num_keys)
+            rows, columns, masked, mask = _block(step, rank, size, causal, num_queries, num_keys, documents)
             block_out, block_lse = kernel.forward(query[:, :, rows], key_value[0][:, :, columns],
                                                   key_value[1][:, :, columns], causal=masked,
-                                                  softmax_scale=softmax_scale)
+                                                  softmax_scale=softmax_scale, **_masked(mask))
             if out is None:  # step 0 covers every query
                 out = block_out.to(_wide(query.dtype)).clone()
                 lse = block_lse.to(_wide(block_lse.dtype)).clone()
@@ -118,6 +140,7 @@ class RingAttention(torch.autograd.Function):
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.group, ctx.kernel, ctx.causal, ctx.softmax_scale = group, kernel, causal, softmax_scale
+        ctx.documents = documents
         return out
 
     @staticmethod
@@ -132,11 +155,11 @@ class RingAttention(torch.autograd.Function):
         grad_pending = None
         for step in range(size):
             pending = key_values.start(key_value) if step < size - 1 else None
-            rows, columns, masked = visible_block(step, rank, size, causal=ctx.causal,
-                                                  num_queries=num_queries, num_keys=num_keys)
+            rows, columns, masked, mask = _block(step, rank, size, ctx.causal, num_queries, num_keys,
+                                                 ctx.documents)
             dq, dk, dv = kernel.backward(grad_out[:, :, rows], query[:, :, rows], key_value[0][:, :, columns],
                                          key_value[1][:, :, columns], out[:, :, rows], lse[:, :, rows],
-                                         causal=masked, softmax_scale=ctx.softmax_scale)
+                                         causal=masked, softmax_scale=ctx.softmax_scale, **_masked(mask))
             grad_query[:, :, rows] += dq
             # The gradient of the keys and values being visited: what the ranks before added, plus ours.
             if grad_pending is None:
@@ -150,10 +173,11 @@ class RingAttention(torch.autograd.Function):
                 key_value = pending.wait()
         grad_key_value = grad_pending.wait()  # our own keys' and values', back from their tour
         return (grad_query.to(query.dtype), grad_key_value[0].to(key.dtype), grad_key_value[1].to(value.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group, kernel, *,
-                   causal: bool, softmax_scale: float) -> torch.Tensor:
-    """Attention of this rank's queries over the whole sequence's keys (see the module docstring)."""
-    return RingAttention.apply(query, key, value, group, kernel, causal, softmax_scale)
+                   causal: bool, softmax_scale: float, documents: DocumentChunks | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence's keys (see the module docstring);
+    ``documents``: packed rows, each query within its own document."""
+    return RingAttention.apply(query, key, value, group, kernel, causal, softmax_scale, documents)

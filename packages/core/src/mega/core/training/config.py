@@ -51,8 +51,8 @@ class TrainingConfig:
     recompute_activations: bool = option(False, "Megatron's shorthand for --recompute-granularity selective")
     group_query_attention: bool = option(False, "accepted for Megatron compatibility; --num-query-groups sets the groups")
     calculate_per_token_loss: bool = option(
-        False, "average the loss over every loss token of the global batch (all micro-batches and data-parallel "
-        "ranks), not per micro-batch: packed and unpacked rows then train alike")
+        False, "average the loss over every loss token of the global batch (all micro-batches, data- and "
+        "context-parallel ranks), not per micro-batch: packed and unpacked rows then train alike")
     skip_failed_plugins: bool = option(False, "train although a plugin failed to load or a callback does not import "
                                        "(they take no part); without it mega train stops before training, naming them")
 
@@ -142,9 +142,11 @@ class DataConfig:
     sft: bool = option(False, "supervised fine-tuning on `mega preprocess --chat` data (--data-path): one "
                        "conversation per row, only the assistant's tokens in the loss (the sft dataset)")
     packed_sequences: bool = option(False, "with --sft: pack conversations into each --seq-length row (first-fit "
-                                    "decreasing); positions restart and attention stays within each conversation")
+                                    "decreasing); positions restart and attention stays within each conversation "
+                                    "(under --context-parallel-size N each is padded to a multiple of 2N)")
     reset_position_ids: bool = option(False, "GPT data: positions restart after every end-of-document token")
-    reset_attention_mask: bool = option(False, "GPT data: no token attends across an end-of-document token")
+    reset_attention_mask: bool = option(False, "GPT data: no token attends across an end-of-document token (not "
+                                        "with --context-parallel-size > 1: use --sft --packed-sequences)")
     eod_mask_loss: bool = option(False, "GPT data: end-of-document tokens are out of the loss")
 
     def __post_init__(self) -> None:

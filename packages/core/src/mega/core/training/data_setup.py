@@ -55,7 +55,8 @@ def build_datasets(run: RunConfig, derived: Derived, plugins: Plugins) -> tuple[
         seed=run.training.seed, num_samples=sample_counts(run, derived), cache_path=run.data.data_cache_path,
         tokenizer=tokenizer, vocab_size=run.model.vocab_size, model=run.model,
         mask_prob=run.data.mask_prob, short_seq_prob=run.data.short_seq_prob,
-        packed_sequences=run.data.packed_sequences, reset_position_ids=run.data.reset_position_ids,
+        packed_sequences=run.data.packed_sequences, pad_documents_to=packed_document_multiple(run),
+        reset_position_ids=run.data.reset_position_ids,
         reset_attention_mask=run.data.reset_attention_mask, eod_mask_loss=run.data.eod_mask_loss,
     ))
     if data.tokenizer is not None and tokenizer is None:
@@ -63,6 +64,13 @@ def build_datasets(run: RunConfig, derived: Derived, plugins: Plugins) -> tuple[
     elif tokenizer is not None:
         data.tokenizer, data.tokenizer_spec = tokenizer, spec
     return run, data
+
+
+def packed_document_multiple(run: RunConfig) -> int:
+    """What each packed document's length is rounded up to: under context parallelism, which cuts
+    every document into ``2 x cp`` equal chunks, ``2 x cp`` (as Megatron pads packed SFT data)."""
+    cp = run.parallel.cp
+    return 2 * cp if run.data.packed_sequences and cp > 1 else 1
 
 
 def _with_vocab_size(run: RunConfig, vocab_size: int) -> RunConfig:

@@ -107,11 +107,12 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
         raise ConfigError(str(error)) from None
     run = check_sharding(run, dp)
     run.model.validate(parallel.tp)
-    if parallel.cp > 1 and (run.data.per_document or run.training.calculate_per_token_loss):
-        flag = "--calculate-per-token-loss" if not run.data.per_document else (
-            "--packed-sequences" if run.data.packed_sequences else "--reset-attention-mask/--reset-position-ids")
-        raise ConfigError(f"{flag} does not run under --context-parallel-size {parallel.cp} yet (context "
-                          f"parallelism does not chunk per document); use tensor or data parallelism")
+    if parallel.cp > 1 and run.data.reset_attention_mask and not run.data.sft:
+        raise ConfigError(
+            f"--reset-attention-mask under --context-parallel-size {parallel.cp}: context parallelism cuts every "
+            f"document of a row into 2 x cp = {2 * parallel.cp} equal chunks, and GPT data's documents end at "
+            f"end-of-document tokens, any length; pack chat data with --sft --packed-sequences (each conversation "
+            f"padded to a multiple of {2 * parallel.cp}), or drop --reset-attention-mask (--reset-position-ids runs)")
     try:
         check_sequence_length(run.model.seq_length, parallel.cp)
     except ValueError as error:

@@ -36,7 +36,7 @@ from mega.core.plugins import Events, Plugins
 from mega.core.training.batches import MicroBatches
 from mega.core.training.compile import compile_stage
 from mega.core.training.lr_schedule import LearningRateSchedule
-from mega.core.training.per_token_loss import read_step, token_weight
+from mega.core.training.per_token_loss import micro_batch_tokens, read_step, token_weight
 from mega.core.training.precision import (
     grad_scaler_for,
     gradient_accumulation_fusion,
@@ -170,7 +170,7 @@ class Trainer:
     def _loss_fn(self, outputs, batch: dict) -> torch.Tensor:
         loss, metrics = self.family.loss(outputs, batch, self.loss_context)
         if self._token_weight is not None:  # --calculate-per-token-loss (see per_token_loss)
-            weight = batch["loss_mask"].sum() * self._token_weight
+            weight = micro_batch_tokens(batch["loss_mask"], self.groups.cp) * self._token_weight
             loss = loss * weight
             metrics = {**metrics, "lm loss": metrics["lm loss"] * weight} if "lm loss" in metrics else metrics
         self._metrics.append(metrics)
@@ -199,7 +199,8 @@ class Trainer:
         self._token_weight = None
         if self.run.training.calculate_per_token_loss and self.groups.is_pipeline_last:
             step = read_step(data, self.derived.num_microbatches)
-            self._token_weight = token_weight(step, self.derived.num_microbatches, self.groups.dp)
+            self._token_weight = token_weight(step, self.derived.num_microbatches, self.groups.dp, self.groups.cp,
+                                              self.groups.dp_cp)
             data = iter(step)
         losses = forward_backward(
             self.chunks, data, self.derived.num_microbatches, loss_fn, self.groups,
