@@ -148,7 +148,7 @@ def bench_engine(family: str, batch: int, args) -> dict:
     model = hf_model(family, args)
     engine = mega_engine(family, model, args)
     model = placed(model, args)
-    static = StaticDecoder(engine)  # CUDA graphs on CUDA
+    static = StaticDecoder(engine, compile_backend="inductor" if args.compile else None)  # CUDA graphs on CUDA
     prompts = torch.randint(0, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
     requests = [GenerationRequest(p, args.new_tokens) for p in prompts.tolist()]
     prompts = prompts.to(args.device)
@@ -379,6 +379,9 @@ def main() -> None:
     parser.add_argument("--read-lag", type=int, default=READ_LAG,
                         help=f"steps between choosing tokens on the device and reading them on the host (default "
                              f"{READ_LAG}; 0 reads every step at once, a host synchronisation per token)")
+    parser.add_argument("--compile", action="store_true",
+                        help="the static path's decode step through torch.compile (inductor), as mega generate "
+                             "--compile; the warm-up call compiles it")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 

@@ -89,7 +89,8 @@ def start_server(args, directory: str, batching: str, *extra: str) -> tuple[subp
     server = subprocess.Popen([sys.executable, *launcher, "-m", "mega.core.cli.main", "serve", "--load", directory,
                                "--port", str(port), "--log-level", "warning", "--device", args.device,
                                "--dtype", args.dtype, "--batching", batching,
-                               "--max-batch-size", str(args.max_batch_size), *extra])
+                               "--max-batch-size", str(args.max_batch_size), *(["--compile"] if args.compile else []),
+                               *extra])
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -203,6 +204,8 @@ def main() -> None:
                              "the new request's slot, the paged cache shares its blocks)")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel size of the servers (torchrun, one GPU per rank)")
+    parser.add_argument("--compile", action="store_true",
+                        help="the servers decode with --compile (the static KV cache's step through torch.compile)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.prompt, args.new_tokens = args.prompt_range[1], args.tokens_range[1]  # the model's positions

@@ -66,7 +66,7 @@ def hf_continuation(hf_model, tokenizer, prompt: str) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:])
 
 
-@pytest.mark.parametrize("which", ["hugging-face", "mega", "static-kv-cache", "temperature 0"])
+@pytest.mark.parametrize("which", ["hugging-face", "mega", "static-kv-cache", "compiled", "temperature 0"])
 def test_generate_prints_hugging_face_greedy_text(checkpoints, which, capsys):
     hf_dir, mega_dir, hf_model, tokenizer = checkpoints
     path = mega_dir if which == "mega" else hf_dir
@@ -75,10 +75,16 @@ def test_generate_prints_hugging_face_greedy_text(checkpoints, which, capsys):
     args = ["--load", str(path), "--max-tokens", str(NEW_TOKENS), *decoding]
     if which == "static-kv-cache":
         args.append("--static-kv-cache")
+    if which == "compiled":  # the layers traced by torch.compile (aot_eager: no code generated, fast)
+        args += ["--compile", "--compile-backend", "aot_eager"]  # implies --static-kv-cache
+    torch._dynamo.reset()
     assert generate_main(args + [arg for prompt in PROMPTS for arg in ("--prompt", prompt)]) == 0
     lines = capsys.readouterr().out.splitlines()
     expected = [hf_continuation(hf_model, tokenizer, prompt) for prompt in PROMPTS]
     assert "\n".join(lines) == "\n".join(expected)
+    if which == "compiled":  # the layers did run as traced graphs, whole (no graph breaks)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+        assert not torch._dynamo.utils.counters["graph_break"]
 
 
 def test_generate_reads_stdin_and_writes_json(checkpoints, capsys, monkeypatch):

@@ -117,6 +117,38 @@ def test_greedy_requests_on_the_static_cache_choose_in_the_step(tiny_pair, monke
     assert len(greedy_steps) >= 10
 
 
+@pytest.mark.parametrize("tiny_pair", [("llama", "llama")], indirect=True)
+def test_a_compiled_decode_step_on_the_static_cache_gets_what_each_gets_alone(tiny_pair):
+    """CPU. ``mega serve --compile``: the static cache's decode step traced by torch.compile
+    (aot_eager: the traced graph runs without generated code) gives the eager tokens, compiled
+    twice (the first bucket's step, then one with a dynamic batch dimension), not once per step."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    _, model, config = tiny_pair
+    engine = engine_for(model, config)
+    batch = [GenerationRequest(PROMPTS[0], 12), GenerationRequest(PROMPTS[1], 15, sampling=SamplingParams(top_k=5, seed=2)),
+             GenerationRequest(PROMPTS[4], 6)]
+    alone = [engine.generate([request])[0] for request in batch]
+    compiled = []
+    aot_eager = aot_autograd(fw_compiler=boxed_nop)
+
+    def counting_backend(graph, example_inputs):
+        compiled.append(graph)
+        return aot_eager(graph, example_inputs)
+
+    torch._dynamo.reset()
+    worker = ContinuousBatchingWorker(engine, max_batch_size=3, max_num_tokens=3 * POSITIONS, static_cache=True,
+                                      compile_backend=counting_backend)
+    worker.start()
+    try:
+        together = asyncio.run(run_staggered(worker, batch))
+    finally:
+        worker.stop()
+    assert [(r.tokens, r.finish_reason) for r in together] == [(r.tokens, r.finish_reason) for r in alone]
+    assert len(compiled) == 2
+
+
 @pytest.mark.parametrize(("budget", "static"), [(4096, False), (40, False), (4096, True)],
                          ids=["one-prefill", "budget", "static"])
 def test_prompts_admitted_together_are_prefilled_together_and_get_what_each_gets_alone(tiny_pair, monkeypatch, budget,

@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,7 +81,7 @@ class ContinuousBatchingWorker(EngineWorker):
     def __init__(self, engine: GenerationEngine, max_batch_size: int = 32, max_num_tokens: int | None = None,
                  block_size: int = BLOCK_SIZE, metrics: ServerMetrics | None = None, static_cache: bool = False,
                  use_cuda_graphs: bool | None = None, prefix_caching: bool = False,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, compile_backend: str | Callable | None = None):
         if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch_size:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_batch_size "
                              f"({max_batch_size}): every running sequence decodes a token per step")
@@ -101,7 +102,7 @@ class ContinuousBatchingWorker(EngineWorker):
             self.allocator = (PrefixCachingSlotAllocator(self.cache, block_size) if prefix_caching
                               else SlotAllocator(slots, engine.max_positions))
             graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-            self._decode_steps = DecodeSteps(engine, self.cache, graphs)
+            self._decode_steps = DecodeSteps(engine, self.cache, graphs, compile_backend)
         else:
             allocator_class = PrefixCachingAllocator if prefix_caching else BlockAllocator
             self.allocator = allocator_class(max(1, self.max_num_tokens // block_size), block_size)

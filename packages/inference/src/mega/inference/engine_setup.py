@@ -44,6 +44,12 @@ def setup_engine(args: argparse.Namespace, command: str, generate_for=None, foll
     how the leader generates (the engine's own ``generate`` by default), which the followers run
     too; ``follower(engine)``: a follower's whole loop instead (continuous batching's). A
     ``--max-model-len`` caps every rank's engine (and so the caches sized from it)."""
+    if getattr(args, "compile", False):
+        # What compiles is the static cache's decode step, whose shapes are fixed per batch bucket.
+        if args.static_kv_cache is False:
+            raise SystemExit(f"mega {command}: error: --compile decodes on the static KV cache; drop "
+                             "--no-static-kv-cache")
+        args.static_kv_cache = True
     loaded, groups = load_on_ranks(args, command)
     # The one place the model kind picks the engine: encoder-decoder models (T5) have their own.
     engine_class = EncoderDecoderEngine if is_encoder_decoder(loaded.model) else GenerationEngine
@@ -69,3 +75,4 @@ def setup_engine(args: argparse.Namespace, command: str, generate_for=None, foll
               file=sys.stderr)
         raise SystemExit(2)
     return EngineSetup(engine, loaded, groups.tp)
+

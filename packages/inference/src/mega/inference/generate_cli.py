@@ -13,7 +13,7 @@ import sys
 
 from mega.core.cli.argparser import CommandParser
 from mega.inference.completion_text import completion_text
-from mega.inference.load_arguments import add_decoding_arguments, add_load_arguments
+from mega.inference.load_arguments import add_decoding_arguments, add_load_arguments, compile_backend
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,7 +122,8 @@ def generate_for(args: argparse.Namespace, engine):
     requested = False if args.static_kv_cache is None and tensor_parallel else args.static_kv_cache
     if static_kv_cache_wanted(requested, engine.device, not is_encoder_decoder(engine.model),
                               "for decoder-only models"):
-        return StaticDecoder(engine, use_cuda_graphs=engine.device.type == "cuda" and args.cuda_graphs).generate
+        return StaticDecoder(engine, use_cuda_graphs=engine.device.type == "cuda" and args.cuda_graphs,
+                             compile_backend=compile_backend(args)).generate
     return engine.generate
 
 

@@ -44,3 +44,15 @@ def add_decoding_arguments(group: argparse._ArgumentGroup, applies: str) -> None
     group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                        help="with the static KV cache on CUDA, run each decode step eagerly instead of replaying "
                             "a captured CUDA graph")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile the static KV cache's decode step (implies --static-kv-cache; "
+                            "decoder-only models): fused kernels, fewer per step, which its CUDA graphs then "
+                            "capture; the first steps of the first two batch sizes wait for it to compile")
+    group.add_argument("--compile-backend", default="inductor",
+                       help="torch.compile backend for --compile (inductor; on CPU it needs a C++ compiler; "
+                            "aot_eager traces without generating code)")
+
+
+def compile_backend(args: argparse.Namespace) -> str | None:
+    """The torch.compile backend of the decode step under ``--compile``, else None (eager)."""
+    return args.compile_backend if getattr(args, "compile", False) else None

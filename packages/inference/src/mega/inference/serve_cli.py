@@ -11,7 +11,7 @@ import os
 
 from mega.core.cli.argparser import CommandParser
 from mega.inference.embed_cli import add_embedding_arguments, is_encoder_checkpoint, serve_embeddings
-from mega.inference.load_arguments import add_decoding_arguments, add_load_arguments
+from mega.inference.load_arguments import add_decoding_arguments, add_load_arguments, compile_backend
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,7 +89,8 @@ def lockstep_generate(args: argparse.Namespace, engine, lockstep: bool = True):
     from mega.inference.static_decode import StaticDecoder
 
     if static_kv_cache(args, engine.device, lockstep, not is_encoder_decoder(engine.model)):
-        return StaticDecoder(engine, use_cuda_graphs=args.cuda_graphs and engine.device.type == "cuda").generate
+        return StaticDecoder(engine, use_cuda_graphs=args.cuda_graphs and engine.device.type == "cuda",
+                             compile_backend=compile_backend(args)).generate
     return engine.generate
 
 
@@ -110,7 +111,8 @@ def continuous_worker(args: argparse.Namespace, engine, static: bool):
     return ContinuousBatchingWorker(engine, args.max_batch_size, args.max_num_tokens, static_cache=static,
                                     use_cuda_graphs=args.cuda_graphs and engine.device.type == "cuda",
                                     prefix_caching=args.enable_prefix_caching is not False,
-                                    max_num_batched_tokens=args.max_num_batched_tokens)
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    compile_backend=compile_backend(args) if static else None)
 
 
 def follow_serving(args: argparse.Namespace, engine) -> None:

@@ -24,7 +24,7 @@ capture follows PyTorch's documented ``torch.cuda.graph`` API and has run on an 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -183,14 +183,21 @@ class DecodeSteps:
     ``use_cuda_graphs`` each kind of step is captured once per ``n``, the window's positions and
     mask included, and replayed after: a replay is two copies and one launch."""
 
-    def __init__(self, engine: GenerationEngine, cache: SlotKVCache, use_cuda_graphs: bool):
+    def __init__(self, engine: GenerationEngine, cache: SlotKVCache, use_cuda_graphs: bool,
+                 compile_backend: str | Callable | None = None):
         self.engine, self.cache, self.use_cuda_graphs = engine, cache, use_cuda_graphs
         self._graphs: dict[tuple[int, bool], tuple] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None  # graphs share memory
+        # --compile: the step's forward through torch.compile (fused kernels, which a captured
+        # graph then replays). Only the decode step: its shapes change with the bucket alone (the
+        # batch dimension turns dynamic at the second bucket), where prefills of every prompt
+        # length would recompile without end.
+        self._forward = engine.forward if compile_backend is None else torch.compile(engine.forward,
+                                                                                     backend=compile_backend)
 
     def _eager(self, tokens: torch.Tensor, cached: torch.Tensor, greedy: bool) -> torch.Tensor:
         self.cache.bind_window(cached, 1)
-        logits = self.engine.forward(tokens, cached[:, None], self.cache, 1)[-1]
+        logits = self._forward(tokens, cached[:, None], self.cache, 1)[-1]
         return Sampler.greedy_choice(logits) if greedy else logits
 
     def __call__(self, tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
@@ -235,8 +242,9 @@ class StaticDecoder:
     step per bucket. Tokens, endings and generated log-probabilities come from the shared
     :class:`~mega.inference.decode_step.DecodeStep`."""
 
-    def __init__(self, engine: GenerationEngine, use_cuda_graphs: bool | None = None):
-        self.engine = engine
+    def __init__(self, engine: GenerationEngine, use_cuda_graphs: bool | None = None,
+                 compile_backend: str | Callable | None = None):
+        self.engine, self.compile_backend = engine, compile_backend
         self.use_cuda_graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._steps: DecodeSteps | None = None
 
@@ -244,7 +252,7 @@ class StaticDecoder:
         """One cache and its captured graphs per bucket size, kept across batches."""
         if self._steps is None or self._steps.cache.slots != slots:
             cache = SlotKVCache(slots, self.engine.max_positions, self.engine.device, self.engine.dtype)
-            self._steps = DecodeSteps(self.engine, cache, self.use_cuda_graphs)
+            self._steps = DecodeSteps(self.engine, cache, self.use_cuda_graphs, self.compile_backend)
         return self._steps
 
     @torch.inference_mode()
