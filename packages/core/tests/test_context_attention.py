@@ -26,7 +26,12 @@ from mega.core.parallel.context_parallel import (
     to_rank_order,
     to_sequence_order,
 )
-from mega.core.parallel.document_chunks import DocumentChunks, SequenceChunks, chunk_layout, document_chunk_index
+from mega.core.parallel.document_chunks import (
+    DocumentChunks,
+    SequenceChunks,
+    chunk_layout,
+    document_chunk_index,
+)
 from mega.core.parallel.groups import Group
 from mega.core.parallel.ring_attention import visible_block
 
