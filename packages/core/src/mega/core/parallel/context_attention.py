@@ -66,7 +66,8 @@ def _block_kernel(kernels: Kernels, comm_type: str, documents: ChunkLayout | Non
     kernel = kernels.get("block_attention")
     if documents is not None and not getattr(kernel, "takes_mask", False):
         raise ContextParallelError(
-            f"packed rows (per-document attention) under --cp-comm-type {comm_type} need a block_attention "
+            f"rows of several documents (--packed-sequences, --reset-attention-mask: per-document attention) under "
+            f"--cp-comm-type {comm_type} need a block_attention "
             f"kernel that takes masks; --block-attention-backend {kernels.selection.get('block_attention')} "
             f"does not: choose torch, or --cp-comm-type a2a (which runs the attention kernel's packed masks)")
     return kernel
