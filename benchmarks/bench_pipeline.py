@@ -36,6 +36,9 @@ memory a rank allocated during one more (profiled) step:
 
     python benchmarks/bench_pipeline.py --layer-ms 100 --hidden 32 --seq 128 --realtime \
         --layouts 4 4/zb-h1 4x2 4x2/zb-h1 4x2/zbv 4x2/dualpipev
+
+The peak memory does not depend on the costs (mega.core.testing.peak_memory: the allocator's
+record of one step), so ``--layer-ms 1 --rounds 1 --steps 1`` gives the same figures in seconds.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from torch import nn
 from mega.core.parallel.grad_accumulation_fusion import Linear
 from mega.core.pipeline import ScheduleError, schedule_table
 from mega.core.plugins import hookimpl
+from mega.core.testing.peak_memory import peak_allocated_bytes
 
 
 class Embedding(nn.Module):
@@ -143,22 +147,6 @@ def set_realtime(on: bool) -> None:
     policy, priority = (os.SCHED_FIFO, 1) if on else (os.SCHED_OTHER, 0)
     for thread in os.listdir("/proc/self/task"):
         os.sched_setscheduler(int(thread), policy, os.sched_param(priority))
-
-
-def peak_allocated_bytes(step) -> int:
-    """The most CPU memory held at once during ``step()`` above what was held when it began
-    (torch's profiler reports the allocator's running total with every allocation and free)."""
-    from torch.profiler import ProfilerActivity, profile  # start-up cost: only the fixed-cost runs profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        step()
-    with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, "trace.json")
-        profiler.export_chrome_trace(path)
-        with open(path) as file:
-            events = json.load(file)["traceEvents"]
-    totals = [event["args"]["Total Allocated"] for event in events if event.get("name") == "[memory]"]
-    return max(totals, default=0)
 
 
 def balanced_layers_per_stage(args, stages: int) -> list[int]:

@@ -16,7 +16,9 @@ import torch
 
 from mega.core.distributed.ddp import DDPConfig, DistributedDataParallel
 from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.parallel.grad_accumulation_fusion import Linear
 from mega.core.parallel.weight_grad_split import deferring_weight_grads, run_weight_grads
+from mega.core.testing.peak_memory import peak_allocated_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))  # the model of the fusion test, beside this file
 from test_grad_accumulation_fusion import Tiny  # noqa: E402
@@ -65,3 +67,45 @@ def test_split_backward_gives_the_unsplit_gradients_and_reduces_buckets_after_th
     # bias (added after the layer's sum, by autograd) arrive in B.
     assert split_launched["after B"] == {"embedding.weight", "row.bias"}
     assert split_launched["after W"] == everything
+
+
+def test_w_hands_each_gradient_over_once_after_its_last_product_and_frees_as_it_goes():
+    """CPU. Four linears, one of them applied twice: each weight's hook fires once with the sum of
+    its products (the unsplit gradient), and W, whose hooks move each gradient into a buffer as
+    data parallelism does, holds at most a weight's running sum and its next product at once."""
+    torch.manual_seed(0)
+    layers = [Linear(256, 256, bias=False) for _ in range(4)]
+    buffers = {id(layer.weight): torch.zeros(256, 256) for layer in layers}
+    fired = []
+
+    def move_to_buffer(param):
+        fired.append(id(param))
+        buffers[id(param)] += param.grad
+        param.grad = None
+
+    for layer in layers:
+        layer.weight.register_post_accumulate_grad_hook(move_to_buffer)
+
+    def forward(x):
+        x = layers[1](layers[0](x))
+        return layers[3](layers[2](layers[1](x)))  # layers[1] twice
+
+    x = torch.randn(8, 256, requires_grad=True)  # as a stage's input: B's graph runs through it
+    forward(x).square().sum().backward()
+    whole = {key: buffer.clone() for key, buffer in buffers.items()}
+    for buffer in buffers.values():
+        buffer.zero_()
+    fired.clear()
+    pending = []
+    with deferring_weight_grads(pending):
+        y = forward(x)
+    y.square().sum().backward()
+    del y
+    assert buffers[id(layers[0].weight)].count_nonzero() == 0  # all in W
+    peak = peak_allocated_bytes(lambda: run_weight_grads(pending))
+    assert sorted(fired) == sorted(buffers)  # once each
+    for key, grad in whole.items():
+        torch.testing.assert_close(buffers[key], grad, rtol=1e-6, atol=1e-6)
+    weight_bytes = 256 * 256 * 4
+    # layers[1]'s running sum and its next product: two; all of W's products at once: five
+    assert peak < 3 * weight_bytes, f"W held {peak / weight_bytes:.1f} weight gradients at once"

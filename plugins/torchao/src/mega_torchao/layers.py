@@ -83,7 +83,7 @@ class _Float8Matmul(torch.autograd.Function):
         grad_input = torch.mm(go_fp8, w_fp8.t()).reshape(*grad_output.shape[:-1], weight.shape[1])
         if ctx.deferred is not None:
             pending, parameter = ctx.deferred
-            defer(pending, lambda: [(parameter, _float8_weight_grad(x, go_2d, products))])
+            defer(pending, lambda: [(parameter, _float8_weight_grad(x, go_2d, products))], (parameter,))
             return grad_input, None, None, None
         return grad_input, _float8_weight_grad(x, go_2d, products), None, None
 

@@ -78,7 +78,9 @@ class _LinearAccumulatingWeightGrad(torch.autograd.Function):
 
 def linear_weight_grad(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
                        grad_output: torch.Tensor) -> WeightGrad:
-    """The deferred weight (and bias) gradient of ``y = x @ weight.T + bias``: a W-step product."""
+    """The deferred weight (and bias) gradient of ``y = x @ weight.T + bias``: a W-step product.
+    It keeps ``x`` detached: a stage's input (a leaf) would keep its gradient, sent in B, alive too."""
+    x = x.detach()
 
     def product():
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
@@ -114,7 +116,7 @@ class _LinearDeferringWeightGrad(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
-        defer(ctx.pending, linear_weight_grad(*ctx.params, x, grad_output))
+        defer(ctx.pending, linear_weight_grad(*ctx.params, x, grad_output), ctx.params)
         return grad_input, None, None, None, None
 
 

@@ -25,12 +25,18 @@ bucket's last gradient (its last W) is in. Under gradient-accumulation fusion th
 accumulated straight into ``main_grad`` (``weight.grad_added_to_main_grad``), as the fused
 backward does. The gradients equal the unsplit backward's: the same products of the same
 tensors, only later.
+
+Memory: a pending W holds each deferred layer's input and output gradient (in a transformer
+layer about as much as its forward saved for backward: a GPT layer 16 h floats per token against
+15 h, a LLaMA layer about 4/5 of it, without dropout), and W frees them product by product, handing each parameter's gradient over as
+soon as the last product naming it (:func:`defer`'s ``parameters``) has run: it never holds all of
+a stage's weight gradients at once.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 
 import torch
@@ -38,14 +44,16 @@ import torch
 # A deferred product: called at W, returns (parameter, gradient) pairs; gradient None means it
 # was accumulated into the parameter's main_grad already (gradient-accumulation fusion).
 WeightGrad = Callable[[], list[tuple[torch.Tensor, torch.Tensor | None]]]
+# What ``pending`` holds: each product with the parameters it names (None: not named).
+Deferred = tuple[WeightGrad, tuple[torch.Tensor, ...] | None]
 
-_pending: ContextVar[tuple[list[WeightGrad], frozenset[int]] | None] = ContextVar(
+_pending: ContextVar[tuple[list[Deferred], frozenset[int]] | None] = ContextVar(
     "mega_deferred_weight_grads", default=None)
 
 
 @contextlib.contextmanager
-def deferring_weight_grads(pending: list[WeightGrad], keep_in_b: Iterable[torch.Tensor] = ()
-                           ) -> Iterator[list[WeightGrad]]:
+def deferring_weight_grads(pending: list[Deferred], keep_in_b: Iterable[torch.Tensor] = ()
+                           ) -> Iterator[list[Deferred]]:
     """Layers whose forward runs inside leave their weight gradients to ``pending``, except for
     the weights ``keep_in_b``: a weight that also gets an ordinary gradient in B (a word
     embedding tied to the output layer of the same rank) must get all of it there, or the
@@ -57,7 +65,7 @@ def deferring_weight_grads(pending: list[WeightGrad], keep_in_b: Iterable[torch.
         _pending.reset(token)
 
 
-def deferral_target(*weights: torch.Tensor) -> list[WeightGrad] | None:
+def deferral_target(*weights: torch.Tensor) -> list[Deferred] | None:
     """Where a layer run now puts the weight-gradient products of ``weights`` (None: compute
     them in B)."""
     if torch.compiler.is_compiling():  # first: dynamo cannot trace a ContextVar's get
@@ -88,26 +96,54 @@ def replaying_weight_grad_deferral() -> contextlib.AbstractContextManager:
     return replaying()
 
 
-def defer(pending: list[WeightGrad], product: WeightGrad) -> None:
-    """Called by a layer's backward: run ``product`` at the W step."""
-    pending.append(product)
+def defer(pending: list[Deferred], product: WeightGrad,
+          parameters: Sequence[torch.Tensor | None] | None = None) -> None:
+    """Called by a layer's backward: run ``product`` at the W step. ``parameters``: those it gives
+    gradients to, so that W hands each one over (and frees its operands) as soon as its last product
+    has run; a product that does not name them keeps every gradient of its W until the end."""
+    named = None if parameters is None else tuple(p for p in parameters if p is not None)
+    pending.append((product, named))
 
 
-def run_weight_grads(pending: list[WeightGrad]) -> None:
-    """The W step: every deferred product, summed per parameter, handed to autograd at once (so
-    each parameter's hooks fire once)."""
-    summed: dict[int, list] = {}
-    with torch.no_grad():  # the products are a backward's: no graph of their own
-        for product in pending:
-            for parameter, grad in product():
-                entry = summed.setdefault(id(parameter), [parameter, None])
-                if grad is not None:
-                    entry[1] = grad if entry[1] is None else entry[1] + grad
+def run_weight_grads(pending: list[Deferred]) -> None:
+    """The W step: every deferred product, summed per parameter, handed to autograd once per
+    parameter (so its hooks fire once), as soon as the last product naming it has run: a layer's
+    operands (its input and output gradient) and its gradient go as soon as they are used, so W
+    never holds more than the weight gradients of the parameters still being summed."""
+    items = list(pending)
     pending.clear()
-    if not summed:
+    named = all(parameters is not None for _, parameters in items)
+    last_use: dict[int, int] = {}
+    if named:
+        for index, (_, parameters) in enumerate(items):
+            for parameter in parameters:
+                last_use[id(parameter)] = index
+    summed: dict[int, list] = {}
+    for index in range(len(items)):
+        product, _ = items[index]
+        items[index] = None  # the operands go with the product once it has run
+        _add_product(summed, product)
+        del product
+        ready = [key for key in summed if last_use.get(key, len(items)) <= index]
+        _hand_over([summed.pop(key) for key in ready])
+    _hand_over(list(summed.values()))
+
+
+def _add_product(summed: dict[int, list], product: WeightGrad) -> None:
+    """Add ``product``'s gradients to ``summed`` (``id(parameter) -> [parameter, sum]``)."""
+    with torch.no_grad():  # the products are a backward's: no graph of their own
+        for parameter, grad in product():
+            entry = summed.setdefault(id(parameter), [parameter, None])
+            if grad is not None:
+                entry[1] = grad if entry[1] is None else entry[1].add_(grad)  # products are fresh tensors
+
+
+def _hand_over(entries: list) -> None:
+    """Give autograd each ``[parameter, summed gradient]``: it accumulates them and fires the hooks."""
+    if not entries:
         return
     parameters, grads = [], []
-    for parameter, grad in summed.values():
+    for parameter, grad in entries:
         if grad is None:  # fused into main_grad: an uninitialised placeholder fires the hooks
             parameter.grad_added_to_main_grad = True
             grad = torch.empty_like(parameter)

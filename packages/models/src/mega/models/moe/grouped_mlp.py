@@ -67,7 +67,8 @@ class _GroupedSwiGLUMLP(torch.autograd.Function):
         if ctx.deferred is not None:  # B now, the weight gradients at W
             pending, fc1_param, fc2_param = ctx.deferred
             grad_projected = _grad_projected(grad_out, fc2, gate, up, silu_gate, counts)
-            defer(pending, partial(_weight_grads, rows, fc1_param, fc2_param, grad_out, grad_projected, gate, up, counts))
+            defer(pending, partial(_weight_grads, rows, fc1_param, fc2_param, grad_out, grad_projected, gate, up, counts),
+                  (fc1_param, fc2_param))
             return (_grad_rows(grad_projected, fc1, rows, counts) if want_rows else None), None, None, None, None
         if want_fc2:
             grad_fc2 = _grad_fc2(grad_out, silu_gate * up, fc2, counts)

@@ -36,5 +36,6 @@ class _GroupedMMDeferringWeightGrad(torch.autograd.Function):
         tokens, weight, offsets = ctx.saved_tensors
         grad_tokens = torch._grouped_mm(grad_output, weight, offs=offsets) if ctx.needs_input_grad[0] else None
         parameter = ctx.parameter
-        defer(ctx.pending, lambda: [(parameter, torch._grouped_mm(grad_output.t(), tokens, offs=offsets))])
+        defer(ctx.pending, lambda: [(parameter, torch._grouped_mm(grad_output.t(), tokens, offs=offsets))],
+              (parameter,))
         return grad_tokens, None, None, None, None
