@@ -10,7 +10,6 @@ import io
 import json
 import random
 
-import numpy as np
 import pytest
 
 from mega.core.cli.main import main as mega
@@ -128,19 +127,30 @@ def test_packed_rows_under_context_parallelism(chat_data, worlds, unpacked, monk
         assert_losses_close(results[0][index], padded, f"{name}, mean per micro-batch, vs one process")
 
 
-def test_reset_attention_mask_under_context_parallelism_is_refused(chat_data):
-    from mega.core.config import ConfigError
-    from mega.core.training.run_config import derive
-    from mega.core.training.run_parser import parse_run
+EOD_DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
 
-    run, _ = parse_run(["--mock-data", "--reset-attention-mask", "--context-parallel-size", "2",
-                        *flags(chat_data, 2)[1:]])
-    with pytest.raises(ConfigError, match=r"--reset-attention-mask under --context-parallel-size 2: .* --sft "
-                                          r"--packed-sequences \(each conversation padded to a multiple of 4\)"):
-        derive(run, 2)
-    run, _ = parse_run(["--mock-data", "--reset-position-ids", "--context-parallel-size", "2", *flags(chat_data, 2)[1:]])
-    derive(run, 2)  # positions alone travel with the tokens
-    assert np.isfinite(train_losses(flags(chat_data, 2))[0])  # unpacked, mean per micro-batch
+
+def test_gpt_data_documents_under_context_parallelism(chat_data, worlds):
+    """Megatron's --reset-attention-mask on GPT data (the chat corpus read as plain token data: every
+    message ends at an end-of-document token, documents of any length, several per row, crossing the
+    chunks): at cp2 the rows split the ordinary way and each comm type masks by document, training
+    as one process does (GPT with --calculate-per-token-loss on every comm type and with the mean per
+    micro-batch on the ring; LLaMA on the ring)."""
+    gpt = ["--model-family", "gpt", "--num-query-groups", "4"]
+
+    def run_flags(*extra):
+        return flags(chat_data, 4, *EOD_DOCUMENTS, *extra)[1:]  # no --sft: GPT data
+
+    alone = {"gpt": run_flags(*gpt), "llama": run_flags(),
+             "gpt-mean": [flag for flag in run_flags(*gpt, "--micro-batch-size", "1")  # cp2's micro-batches
+                          if flag != "--calculate-per-token-loss"]}
+    cp2 = {f"gpt-{name}": alone["gpt"] + extra for name, extra in CP_LAYOUTS.items()}
+    cp2["llama-cp2-p2p"] = alone["llama"] + CP_LAYOUTS["cp2-p2p"]
+    cp2["gpt-mean-cp2-p2p"] = alone["gpt-mean"] + CP_LAYOUTS["cp2-p2p"][2:]
+    results = worlds.run(2, train_each, list(cp2.values()))
+    references = {name: train_losses(run) for name, run in alone.items()}
+    for index, name in enumerate(cp2):
+        assert_losses_close(results[0][index], references[name.rsplit("-cp2-", 1)[0]], f"{name} vs one process")
 
 
 def test_lora_starts_from_a_base_checkpoint_and_resumes(chat_data, tmp_path, worlds):

@@ -26,13 +26,20 @@ from mega.core.parallel.context_parallel import (
     to_rank_order,
     to_sequence_order,
 )
-from mega.core.parallel.document_chunks import DocumentChunks, document_chunk_index
+from mega.core.parallel.document_chunks import (
+    DocumentChunks,
+    SequenceChunks,
+    chunk_layout,
+    document_chunk_index,
+)
 from mega.core.parallel.groups import Group
 from mega.core.parallel.ring_attention import visible_block
 
 BATCH, HEADS, KV_HEADS, SEQ, DIM = 2, 4, 2, 16, 8
 # Packed rows per context size: documents' lengths, multiples of 2 x cp, the rows' last the padding.
 DOCUMENTS = {4: [[8, 8], [16]], 2: [[4, 8, 4], [12, 4]]}
+# Documents of any length (GPT data's --reset-attention-mask), one crossing every chunk boundary.
+ANY_LENGTH = [[3, 5, 1, 7], [10, 1, 5]]
 
 
 def _document_ids(rows) -> torch.Tensor:
@@ -96,27 +103,34 @@ def attention_errors(cp: int) -> dict:
 
 
 def packed_attention_errors(groups) -> dict:
-    """Packed rows split per document: each comm type against the whole rows' per-document attention."""
+    """Rows of several documents, each comm type against the whole rows' per-document attention:
+    packed rows split per document, and documents of any length (GPT data's --reset-attention-mask)
+    split the ordinary way, the whole rows' document ids on every rank."""
     from mega.core.kernels import Kernels
     from mega.core.parallel.context_attention import context_parallel_attention
 
-    document_ids = _document_ids(DOCUMENTS[groups.cp.size])
-    inputs, expected = _whole_sequence_case(True, document_ids)
-    held = document_chunk_index(document_ids, groups.cp.rank, groups.cp.size)
-
-    def mine(tensor):
-        return torch.take_along_dim(tensor, held[:, None, :, None], dim=2)
-
-    local_ids = torch.take_along_dim(document_ids, held, dim=1)
-    documents = DocumentChunks.from_cu_seqlens(_cu_seqlens(local_ids), BATCH, SEQ // groups.cp.size, groups.cp.size)
+    size = groups.cp.size
+    per_document = _document_ids(DOCUMENTS[size])
+    held = document_chunk_index(per_document, groups.cp.rank, size)
+    any_length = _document_ids(ANY_LENGTH)
+    ordinary = split_sequence(torch.arange(SEQ).expand(BATCH, SEQ), groups.cp, dim=1)
+    cases = {"packed": (per_document, held, chunk_layout(_cu_seqlens(torch.take_along_dim(per_document, held, 1)),
+                                                         BATCH, SEQ // size, size)),
+             "any length": (any_length, ordinary, chunk_layout(_cu_seqlens(any_length), BATCH, SEQ // size, size))}
     errors = {}
-    for comm_type in ("p2p", "all_gather", "a2a"):
-        local = [mine(t).requires_grad_() for t in inputs[:3]]
-        out = context_parallel_attention(*local, groups.cp, comm_type, Kernels(), causal=True, softmax_scale=0.3,
-                                         documents=documents)
-        out.backward(mine(inputs[3]))
-        got = [out.detach()] + [t.grad for t in local]
-        errors[("packed", comm_type)] = max(_relative_error(g, mine(w)) for g, w in zip(got, expected, strict=True))
+    for name, (document_ids, places, documents) in cases.items():
+        inputs, expected = _whole_sequence_case(True, document_ids)
+
+        def mine(tensor, places=places):
+            return torch.take_along_dim(tensor, places[:, None, :, None], dim=2)
+
+        for comm_type in ("p2p", "all_gather", "a2a"):
+            local = [mine(t).requires_grad_() for t in inputs[:3]]
+            out = context_parallel_attention(*local, groups.cp, comm_type, Kernels(), causal=True, softmax_scale=0.3,
+                                             documents=documents)
+            out.backward(mine(inputs[3]))
+            got = [out.detach()] + [t.grad for t in local]
+            errors[(name, comm_type)] = max(_relative_error(g, mine(w)) for g, w in zip(got, expected, strict=True))
     return errors
 
 
@@ -128,7 +142,7 @@ def test_attention_across_ranks_matches_whole_sequence(worlds, cp):
             if case[0] == "sent bytes":
                 continue
             causal, comm_type = case
-            kind = "packed" if causal == "packed" else "causal" if causal else "full"
+            kind = causal if isinstance(causal, str) else "causal" if causal else "full"
             assert error <= 1e-6, f"cp{cp} rank {rank} {comm_type} {kind}: {error:.3g}"
         # Ring sends per rank: (cp - 1) key/value blocks forward, (cp - 1) again and cp gradient
         # blocks backward, each 2 x batch x kv_heads x seq/cp x head_dim fp64 values.
@@ -181,7 +195,7 @@ def test_packed_rows_split_per_document():
     document_ids = _document_ids([[6, 6], [12]])
     positions = torch.tensor([list(range(6)) * 2, list(range(12))])
     batch = split_batch({"tokens": tokens, "document_ids": document_ids, "position_ids": positions,
-                         "loss_mask": torch.ones(2, 12)}, group, 12)
+                         "loss_mask": torch.ones(2, 12)}, group, 12, per_document=True)
     assert batch["tokens"].tolist() == [[1, 4, 7, 10], [14, 15, 20, 21]]
     assert batch["position_ids"].tolist() == [[1, 4, 1, 4], [2, 3, 8, 9]]  # positions travel with the tokens
     assert batch["document_ids"].tolist() == [[0, 0, 1, 1], [0, 0, 0, 0]]
@@ -198,4 +212,53 @@ def test_packed_rows_split_per_document():
                                    documents=documents)
     with pytest.raises(ValueError, match=r"a document of 8 tokens \(row 1 of the micro-batch, from position 0\) "
                                          r"does not cut into 2 x --context-parallel-size = 6 equal chunks"):
-        split_batch({"tokens": tokens, "document_ids": _document_ids([[6, 6], [8, 4]])}, group, 12)
+        split_batch({"tokens": tokens, "document_ids": _document_ids([[6, 6], [8, 4]])}, group, 12, per_document=True)
+
+
+def _dense_document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq, seq]``: each query sees its own document's keys up to itself."""
+    seq = document_ids.shape[1]
+    return (document_ids[:, :, None] == document_ids[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
+
+
+def test_rows_of_any_documents_split_the_ordinary_way():
+    """GPT data's --reset-attention-mask rows: the ordinary chunks (positions with them), the whole
+    rows' document ids on every rank; the layout read from the whole rows' cu_seqlens gives every
+    pair of ranks the dense per-document causal mask's block, as does the per-document split's."""
+    size = 3
+    tokens = torch.arange(24).view(2, 12)
+    document_ids = _document_ids([[5, 1, 6], [2, 10]])
+    positions = torch.tensor([list(range(5)) + [0] + list(range(6)), [0, 1] + list(range(10))])
+    batches = [split_batch({"tokens": tokens, "document_ids": document_ids, "position_ids": positions}, Group(
+        "cp", (0, 1, 2), rank, None), 12) for rank in range(size)]
+    assert batches[1]["tokens"].tolist() == [[2, 3, 8, 9], [14, 15, 20, 21]]
+    assert batches[1]["position_ids"].tolist() == [[2, 3, 2, 3], [0, 1, 6, 7]]
+    assert all(torch.equal(batch["document_ids"], document_ids) for batch in batches)  # whole rows
+    layout = chunk_layout(_cu_seqlens(document_ids), 2, 4, size)
+    assert isinstance(layout, SequenceChunks) and torch.equal(layout.whole_cu_seqlens(), _cu_seqlens(document_ids))
+    dense = _dense_document_mask(document_ids)
+    for query_rank in range(size):
+        query_places = layout.places(query_rank)
+        assert torch.equal(torch.take_along_dim(tokens, query_places, 1), batches[query_rank]["tokens"])
+        for key_rank in range(size):
+            key_places = layout.places(key_rank)
+            want = torch.stack([dense[row][query_places[row]][:, key_places[row]] for row in range(2)])
+            assert torch.equal(layout.mask(query_rank, key_rank)[:, 0], want), (query_rank, key_rank)
+            full = torch.stack([(document_ids[row, query_places[row], None] == document_ids[row, None, key_places[row]])
+                                for row in range(2)])
+            assert torch.equal(layout.mask(query_rank, key_rank, causal=False)[:, 0], full)
+    assert torch.equal(torch.sort(layout.gathered_places(), dim=1).values, torch.arange(12).expand(2, 12))
+
+    packed = _document_ids([[6, 6], [12]])
+    local = split_batch({"document_ids": packed}, Group("cp", (0, 1, 2), 0, None), 12, per_document=True)
+    per_document = chunk_layout(_cu_seqlens(local["document_ids"]), 2, 4, size)
+    assert isinstance(per_document, DocumentChunks)
+    dense = _dense_document_mask(packed)
+    for query_rank in range(size):
+        for key_rank in range(size):
+            query_places, key_places = per_document.places(query_rank), per_document.places(key_rank)
+            want = torch.stack([dense[row][query_places[row]][:, key_places[row]] for row in range(2)])
+            assert torch.equal(per_document.mask(query_rank, key_rank)[:, 0], want)
+    with pytest.raises(ValueError, match=r"the packed mask's cu_seqlens span 12 tokens, neither this context rank's "
+                                         r"2 x 4 nor the whole rows' 2 x 12"):
+        chunk_layout(torch.tensor([0, 12], dtype=torch.int32), 2, 4, size)

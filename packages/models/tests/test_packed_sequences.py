@@ -2,7 +2,7 @@
 conversation gets the logits and loss it gets when its conversation runs alone (GPT and LLaMA,
 the torch backend, fp32); at tp2 with sequence parallelism (in test_lora.py's world) the loss and
 every gradient are one process's; at cp2 (same world, each --cp-comm-type, rows split per
-document) every rank's tokens get the loss they get alone."""
+document and the ordinary way) every rank's tokens get the loss they get alone."""
 
 from __future__ import annotations
 
@@ -79,8 +79,9 @@ def test_packed_documents_equal_each_alone():
 
 
 def context_parallel_token_losses(family_name) -> dict:
-    """On a 2-rank world at cp2, per --cp-comm-type: this rank's tokens of the packed rows (split
-    per document, as the trainer splits them), their loss and their places in the rows."""
+    """On a 2-rank world at cp2, per --cp-comm-type and split (per document, as the trainer splits
+    packed conversations, and the ordinary way with the whole rows' document ids, as it splits GPT
+    data's --reset-attention-mask rows): this rank's tokens, their loss and their places in the rows."""
     from mega.core.parallel import ParallelGroups
     from mega.core.parallel.context_parallel import split_batch
 
@@ -91,9 +92,11 @@ def context_parallel_token_losses(family_name) -> dict:
         _, model = build(family_name, groups, parallel)
         batch = packed_batch(CP_ROWS)
         batch["places"] = torch.arange(SEQ).expand(len(CP_ROWS), SEQ)
-        local = split_batch(batch, groups.cp, SEQ)
-        with torch.no_grad():
-            results[comm_type] = model.loss(model(local)["logits"], local["labels"]), local["places"]
+        for per_document in (True, False):
+            local = split_batch(batch, groups.cp, SEQ, per_document=per_document)
+            with torch.no_grad():
+                losses = model.loss(model(local)["logits"], local["labels"])
+            results[f"{comm_type} {'per document' if per_document else 'ordinary split'}"] = losses, local["places"]
     return results
 
 
@@ -103,8 +106,8 @@ def check_context_parallel_token_losses(family_name, ranks) -> None:
     with torch.no_grad():
         alone = losses_alone(model, packed_batch(CP_ROWS), CP_ROWS)
     for rank, results in enumerate(ranks):
-        for comm_type, (losses, places) in results[family_name, "packed cp2"].items():
-            where = f"{family_name} cp2 {comm_type} rank {rank}"
+        for case, (losses, places) in results[family_name, "packed cp2"].items():
+            where = f"{family_name} cp2 {case} rank {rank}"
             torch.testing.assert_close(losses, torch.take_along_dim(alone, places, dim=1), rtol=1e-5, atol=1e-5,
                                        msg=lambda text, where=where: f"{where}: {text}")
 

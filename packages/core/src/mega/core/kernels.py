@@ -58,8 +58,8 @@ The kinds and what their component is:
   ``backward`` is given the *final* ``out`` and ``lse`` of each query (merged over every key
   block) and returns this block's share of the gradients, as flash-attention's backward does.
   A component whose ``takes_mask`` attribute is True also takes ``mask``, a bool ``[batch, 1,
-  queries, keys]`` (True: the query sees the key) applied with ``causal``: packed rows under
-  context parallelism (:mod:`mega.core.parallel.document_chunks`) need it.
+  queries, keys]`` (True: the query sees the key) applied with ``causal``: rows of several
+  documents under context parallelism (:mod:`mega.core.parallel.document_chunks`) need it.
 
 A backend may also have ``features`` (a set of capabilities such as ``"fp8"`` or
 ``"tp_comm_overlap"``) that flags like ``--fp8-hybrid`` ask for. Modules a backend builds may

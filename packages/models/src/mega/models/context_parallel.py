@@ -8,10 +8,11 @@ model changes: the trainer hands each rank its chunks of the micro-batch with th
 ``position_ids`` (so learned positions and RoPE follow the chunks), norms and MLPs are per
 token, and the loss sums over the whole sequence (:func:`mega.core.parallel.context_parallel.sequence_mean`).
 
-Packed rows (``document_ids``) arrive split per document; the mask the model builds from the
-local ``document_ids`` (``cu_seqlens``) tells every rank the documents' layout
-(:class:`~mega.core.parallel.document_chunks.DocumentChunks`), and the attention keeps each
-query to its own document.
+Rows of several documents (``document_ids``) arrive split per document (packed rows, with their
+local ``document_ids``) or the ordinary way (GPT data's ``--reset-attention-mask``, with the whole
+rows' ``document_ids``); the mask the model builds from them (``cu_seqlens``) tells every rank the
+documents' layout (:func:`~mega.core.parallel.document_chunks.chunk_layout`), and the attention
+keeps each query to its own document.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from mega.core.kernels import CAUSAL, AttentionMask
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.context_attention import check_heads, context_parallel_attention
-from mega.core.parallel.document_chunks import DocumentChunks
+from mega.core.parallel.document_chunks import chunk_layout
 from mega.models.attention import CoreAttention, sequence_major
 from mega.models.config import ModelConfigError, TransformerConfig
 
@@ -59,9 +60,9 @@ class ContextParallelAttention(nn.Module):
             raise ValueError("context parallelism takes causal or full attention masks, or packed rows' "
                              "cu_seqlens, only")
         documents = None
-        if mask.cu_seqlens is not None:  # packed rows, split per document
+        if mask.cu_seqlens is not None:  # rows of several documents: the local rows' or the whole rows' mask
             seq, batch = query.shape[:2]
-            documents = DocumentChunks.from_cu_seqlens(mask.cu_seqlens, batch, seq, self.group.size)
+            documents = chunk_layout(mask.cu_seqlens, batch, seq, self.group.size)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = context_parallel_attention(query, key, value, self.group, self.comm_type, self.kernels,
                                          causal=mask.causal, softmax_scale=self.softmax_scale, documents=documents)

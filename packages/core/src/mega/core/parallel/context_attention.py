@@ -18,7 +18,8 @@ own queries over the whole sequence's keys:
 ``p2p`` and ``all_gather`` run the ``block_attention`` kernel (which returns the log-sum-exp);
 ``a2a`` runs the ``attention`` kernel. Each backward is exact.
 
-Packed rows (``documents``: rows of several documents split per document, see
+Rows of several documents (``documents``: packed rows split per document, or GPT data's
+``--reset-attention-mask`` rows split the ordinary way, see
 :mod:`mega.core.parallel.document_chunks`) keep every query to its own document's keys, causally
 by place in the row: ``p2p`` and ``all_gather`` give the ``block_attention`` kernel a mask per
 block of keys (a kernel that takes masks: ``takes_mask``), ``a2a`` puts the gathered tokens back
@@ -38,14 +39,14 @@ from mega.core.parallel.context_parallel import (
     to_rank_order,
     to_sequence_order,
 )
-from mega.core.parallel.document_chunks import DocumentChunks
+from mega.core.parallel.document_chunks import ChunkLayout
 from mega.core.parallel.groups import Group
 from mega.core.parallel.ring_attention import ring_attention
 
 
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group,
                                comm_type: str, kernels: Kernels, *, causal: bool, softmax_scale: float,
-                               documents: DocumentChunks | None = None) -> torch.Tensor:
+                               documents: ChunkLayout | None = None) -> torch.Tensor:
     """This rank's queries' attention over the whole sequence (``documents``: packed rows, each
     query within its own document); see the module docstring."""
     if comm_type == "p2p":
@@ -60,12 +61,13 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     raise ContextParallelError(f"--cp-comm-type {comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}")
 
 
-def _block_kernel(kernels: Kernels, comm_type: str, documents: DocumentChunks | None):
+def _block_kernel(kernels: Kernels, comm_type: str, documents: ChunkLayout | None):
     """The ``block_attention`` kernel, checked to take masks where packed rows need them."""
     kernel = kernels.get("block_attention")
     if documents is not None and not getattr(kernel, "takes_mask", False):
         raise ContextParallelError(
-            f"packed rows (per-document attention) under --cp-comm-type {comm_type} need a block_attention "
+            f"rows of several documents (--packed-sequences, --reset-attention-mask: per-document attention) under "
+            f"--cp-comm-type {comm_type} need a block_attention "
             f"kernel that takes masks; --block-attention-backend {kernels.selection.get('block_attention')} "
             f"does not: choose torch, or --cp-comm-type a2a (which runs the attention kernel's packed masks)")
     return kernel
@@ -88,7 +90,7 @@ def _gathered_keys(key_value: torch.Tensor, group: Group, in_sequence_order: boo
 
 
 def _query_chunks(num_queries: int, group: Group, causal: bool,
-                  documents: DocumentChunks | None) -> list[tuple[slice, slice, bool, dict]]:
+                  documents: ChunkLayout | None) -> list[tuple[slice, slice, bool, dict]]:
     """Each run of local queries, the keys it sees, whether the causal mask applies, and the
     kernel's mask argument (packed rows: every key of every rank, masked per document)."""
     everything = slice(None)
@@ -105,7 +107,7 @@ def _query_chunks(num_queries: int, group: Group, causal: bool,
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, group: Group, kernel, causal: bool, softmax_scale: float,
-                documents: DocumentChunks | None = None):
+                documents: ChunkLayout | None = None):
         key_value = _gathered_keys(torch.stack([key, value]), group, documents is None)
         outs, lses = [], []
         for rows, keys, masked, mask_argument in _query_chunks(query.shape[2], group, causal, documents):
@@ -152,7 +154,7 @@ class AllGatherAttention(torch.autograd.Function):
 def _sequence_to_heads(x: torch.Tensor, group: Group, places: torch.Tensor | None) -> torch.Tensor:
     """``[b, heads, s/cp, d]`` (this rank's chunks) -> ``[b, heads/cp, s, d]`` (its heads, whole
     sequence). ``places``: packed rows, the place in the row of each gathered token
-    (:meth:`DocumentChunks.gathered_places`); None: the load-balanced chunks."""
+    (:meth:`ChunkLayout.gathered_places`); None: the load-balanced chunks."""
     size = group.size
     batch, heads, seq, dim = x.shape
     sending = x.reshape(batch, size, heads // size, seq, dim).transpose(0, 1).contiguous()
@@ -211,7 +213,7 @@ def check_heads(num_heads: int, group_size: int) -> None:
 
 
 def ulysses_attention(query, key, value, group: Group, kernels: Kernels, *, causal: bool,
-                      softmax_scale: float, documents: DocumentChunks | None = None) -> torch.Tensor:
+                      softmax_scale: float, documents: ChunkLayout | None = None) -> torch.Tensor:
     heads, kv_heads = query.shape[1], key.shape[1]
     check_heads(heads, group.size)
     if kv_heads % group.size:  # too few key/value heads to split: give every query head its own

@@ -46,12 +46,17 @@ def split_sequence(tensor: torch.Tensor, group: Group, dim: int = 1) -> torch.Te
     return torch.cat([chunks[first], chunks[second]], dim=dim)
 
 
-def split_batch(batch: Mapping[str, torch.Tensor], group: Group, seq_length: int) -> dict[str, torch.Tensor]:
+def split_batch(batch: Mapping[str, torch.Tensor], group: Group, seq_length: int, *,
+                per_document: bool = False) -> dict[str, torch.Tensor]:
     """This context rank's part of a micro-batch: every ``[batch, seq, ...]`` field split into
     its two chunks. A batch without ``position_ids`` gets the whole sequence's positions first,
-    so the chunks keep their place in the sequence (position embeddings, RoPE). Rows of several
-    documents (``document_ids``) are split per document instead: the rank's two chunks of every
-    document (:mod:`mega.core.parallel.document_chunks`)."""
+    so the chunks keep their place in the sequence (position embeddings, RoPE).
+
+    Rows of several documents (``document_ids``): ``per_document`` (packed rows whose documents
+    are each a multiple of ``2 * cp`` long) splits them per document, the rank's two chunks of
+    every document, ``document_ids`` included; otherwise (GPT data's ``--reset-attention-mask``)
+    they are split the ordinary way and ``document_ids`` stay whole rows, so that every rank knows
+    the document of every key (:mod:`mega.core.parallel.document_chunks`)."""
     if group.size <= 1:
         return dict(batch)
     check_sequence_length(seq_length, group.size)
@@ -60,12 +65,13 @@ def split_batch(batch: Mapping[str, torch.Tensor], group: Group, seq_length: int
     if "position_ids" not in batch and tokens is not None and tokens.dim() == 2:
         batch["position_ids"] = torch.arange(seq_length, device=tokens.device).expand(tokens.shape[0], -1)
     document_ids = batch.get("document_ids")
-    if document_ids is not None:
+    if document_ids is not None and per_document:
         held = document_chunk_index(document_ids, group.rank, group.size)
         return {key: _take_places(value, held) if value.dim() >= 2 and value.shape[1] == seq_length else value
                 for key, value in batch.items()}
+    whole = {} if document_ids is None else {"document_ids": document_ids}
     return {key: split_sequence(value, group) if value.dim() >= 2 and value.shape[1] == seq_length else value
-            for key, value in batch.items()}
+            for key, value in batch.items()} | whole
 
 
 def _take_places(tensor: torch.Tensor, places: torch.Tensor) -> torch.Tensor:

@@ -21,11 +21,13 @@ the gradient of the keys and values it is visiting to an accumulator that travel
 them and comes home after the last step. The blocks' attention comes from the selected
 ``block_attention`` kernel, so any backend that fills that contract runs here.
 
-Packed rows (several documents, split per document: :mod:`mega.core.parallel.document_chunks`)
-attend block by block under a mask instead: a query sees the visiting keys of its own document
-that are not after it. The mask comes from the rows' layout, the same on every rank, so the
-keys travel alone; the kernel must take masks (``takes_mask``). No block is skipped there: the
-hidden half of each block is scattered over the documents, so it is masked, not cut out.
+Rows of several documents (:mod:`mega.core.parallel.document_chunks`) attend block by block
+under a mask instead: a query sees the visiting keys of its own document that are not after it.
+The mask comes from the rows' layout, known on every rank, so the keys travel alone; the kernel
+must take masks (``takes_mask``). Rows split per document (packed rows) skip no block: the hidden
+half of each block is scattered over the documents, so it is masked, not cut out. Rows split the
+ordinary way (GPT data's ``--reset-attention-mask``) skip the hidden halves as above and mask the
+rest by document.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from mega.core.parallel.collectives import active_counter
-from mega.core.parallel.document_chunks import DocumentChunks
+from mega.core.parallel.document_chunks import ChunkLayout
 from mega.core.parallel.groups import Group
 
 
@@ -86,12 +88,16 @@ def visible_block(step: int, rank: int, size: int, causal: bool, num_queries: in
 
 
 def _block(step: int, rank: int, size: int, causal: bool, num_queries: int, num_keys: int,
-           documents: DocumentChunks | None) -> tuple[slice, slice, bool, torch.Tensor | None]:
-    """:func:`visible_block`, or for packed rows every query and key under the documents' mask."""
+           documents: ChunkLayout | None) -> tuple[slice, slice, bool, torch.Tensor | None]:
+    """:func:`visible_block`, or for rows of several documents the documents' mask over every
+    query and key (rows split per document) or over the causally visible part (the ordinary split)."""
     if documents is None:
         return *visible_block(step, rank, size, causal, num_queries, num_keys), None
     everything = slice(None)
-    return everything, everything, False, documents.mask(rank, (rank - step) % size, causal)
+    rows, columns = everything, everything
+    if documents.sequence_chunks:
+        rows, columns, _ = visible_block(step, rank, size, causal, num_queries, num_keys)
+    return rows, columns, False, documents.mask(rank, (rank - step) % size, causal)[:, :, rows, columns]
 
 
 def _masked(mask: torch.Tensor | None) -> dict:
@@ -118,7 +124,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, group: Group, kernel, causal: bool, softmax_scale: float,
-                documents: DocumentChunks | None = None):
+                documents: ChunkLayout | None = None):
         size, rank = group.size, group.rank
         num_queries, num_keys = query.shape[2], key.shape[2]
         ring = RingExchange(group)
@@ -177,7 +183,7 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group, kernel, *,
-                   causal: bool, softmax_scale: float, documents: DocumentChunks | None = None) -> torch.Tensor:
+                   causal: bool, softmax_scale: float, documents: ChunkLayout | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys (see the module docstring);
     ``documents``: packed rows, each query within its own document."""
     return RingAttention.apply(query, key, value, group, kernel, causal, softmax_scale, documents)

@@ -145,8 +145,8 @@ class DataConfig:
                                     "decreasing); positions restart and attention stays within each conversation "
                                     "(under --context-parallel-size N each is padded to a multiple of 2N)")
     reset_position_ids: bool = option(False, "GPT data: positions restart after every end-of-document token")
-    reset_attention_mask: bool = option(False, "GPT data: no token attends across an end-of-document token (not "
-                                        "with --context-parallel-size > 1: use --sft --packed-sequences)")
+    reset_attention_mask: bool = option(False, "GPT data: no token attends across an end-of-document token (under "
+                                        "--context-parallel-size too: the rows split as usual, masked by document)")
     eod_mask_loss: bool = option(False, "GPT data: end-of-document tokens are out of the loss")
 
     def __post_init__(self) -> None:

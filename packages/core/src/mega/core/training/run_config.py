@@ -107,12 +107,6 @@ def derive(run: RunConfig, world_size: int) -> tuple[RunConfig, Derived]:
         raise ConfigError(str(error)) from None
     run = check_sharding(run, dp)
     run.model.validate(parallel.tp)
-    if parallel.cp > 1 and run.data.reset_attention_mask and not run.data.sft:
-        raise ConfigError(
-            f"--reset-attention-mask under --context-parallel-size {parallel.cp}: context parallelism cuts every "
-            f"document of a row into 2 x cp = {2 * parallel.cp} equal chunks, and GPT data's documents end at "
-            f"end-of-document tokens, any length; pack chat data with --sft --packed-sequences (each conversation "
-            f"padded to a multiple of {2 * parallel.cp}), or drop --reset-attention-mask (--reset-position-ids runs)")
     try:
         check_sequence_length(run.model.seq_length, parallel.cp)
     except ValueError as error:

@@ -185,7 +185,9 @@ class Trainer:
         batches = MicroBatches(dataset, self.run, self.groups, consumed_samples, self.groups.device,
                                self.family.batch_keys, stage_keys)
         if self.groups.cp.size > 1:  # each context rank keeps its two chunks of every sequence
-            batches = (split_batch(batch, self.groups.cp, self.run.model.seq_length) for batch in batches)
+            per_document = self.run.data.packed_sequences  # packed conversations: split per document
+            batches = (split_batch(batch, self.groups.cp, self.run.model.seq_length, per_document=per_document)
+                       for batch in batches)
         return ((batch, batch) for batch in batches)
 
     def _run_schedule(self, data: Iterator, forward_only: bool) -> float:
