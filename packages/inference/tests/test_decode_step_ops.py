@@ -9,43 +9,21 @@ forward, a lone bias mask reaches the kernel as it is; these bounds keep it so.
 
 from __future__ import annotations
 
-import collections
 import os
 import sys
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import POSITIONS  # noqa: E402
 
+from mega.core.testing.copy_counts import CopyCounts  # noqa: E402
 from mega.inference.engine import GenerationEngine  # noqa: E402
 from mega.inference.static_decode import DecodeSteps, SlotKVCache  # noqa: E402
 
-
-class DeviceOps(TorchDispatchMode):
-    """Ops that are not views (each a kernel on a GPU), those inside the model's layers apart."""
-
-    def __init__(self, layers):
-        super().__init__()
-        self.inside, self.outside = collections.Counter(), collections.Counter()
-        self._depth = 0
-        self._hooks = [hook for layer in layers for hook in (
-            layer.register_forward_pre_hook(lambda *_: self._enter(1)),
-            layer.register_forward_hook(lambda *_: self._enter(-1)))]
-
-    def _enter(self, step: int) -> None:
-        self._depth += step
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
-            (self.inside if self._depth else self.outside)[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
-# Per layer (19, in fp32 and bf16 alike; 39 at c14b0b4, before the cache's positions and mask, the angles and
-# the rotation's halves were made once): 2 norms, 4 linears (QKV, projection, gate+up, down),
+# Per layer (19, in fp32 and bf16 alike; 39 at c14b0b4, before the cache's positions and mask,
+# the angles and the rotation's halves were made once): 2 norms, 4 linears (QKV, projection, gate+up, down),
 # SwiGLU's silu and product, 2 residual adds, the rotation of the query and of the key (3 each),
 # the keys' and values' writes into the cache, the attention. Outside the layers (26): the
 # embedding, final norm, output layer, argmax, the window's positions and mask, the angles.
@@ -65,8 +43,9 @@ def test_a_greedy_static_decode_step_stays_within_its_kernel_count(tiny_pair, dt
     layers = list(model.decoder.layers.values())
     with torch.inference_mode():
         steps.greedy(tokens, cached)  # the first step allocates the cache
-        with DeviceOps(layers) as ops:
+        with CopyCounts(within=layers) as ops:
             steps.greedy(tokens, cached)
-    per_layer = sum(ops.inside.values()) / len(layers)
-    assert per_layer <= LAYER_BOUND, f"{per_layer} ops per layer: {dict(ops.inside)}"
-    assert sum(ops.outside.values()) <= OUTSIDE_BOUND, dict(ops.outside)
+    inside, outside = ops.scoped_device_ops, ops.device_ops - ops.scoped_device_ops
+    per_layer = sum(inside.values()) / len(layers)
+    assert per_layer <= LAYER_BOUND, f"{per_layer} ops per layer: {dict(inside)}"
+    assert sum(outside.values()) <= OUTSIDE_BOUND, dict(outside)

@@ -26,13 +26,17 @@ KINDS = {"clone": "copy", "copy_": "copy", "cat": "cat", "_to_copy": "convert"}
 class CopyCounts(TorchDispatchMode):
     """``counts[(kind, phase)]`` over the whole run and ``scoped[(kind, phase)]`` within the modules
     ``within`` (kind: copy, cat, convert; phase: forward, backward); ``ops[name]``: every ATen op
-    by name (``"cos"``, ``"mm"``), counted or not."""
+    by name (``"cos"``, ``"mm"``), counted or not; ``device_ops[name]`` and
+    ``scoped_device_ops[name]``: the forward's ops that are not views (each a kernel on a GPU: what
+    a captured decode step replays), overall and within ``within``."""
 
     def __init__(self, within: Iterable[nn.Module] = ()):
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
         self.scoped: collections.Counter = collections.Counter()
         self.ops: collections.Counter = collections.Counter()
+        self.device_ops: collections.Counter = collections.Counter()
+        self.scoped_device_ops: collections.Counter = collections.Counter()
         self._depth = 0
         self._nodes: set = set()
         self._handles = []
@@ -51,9 +55,13 @@ class CopyCounts(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         self.ops[name] += 1
+        node = torch._C._current_autograd_node()
+        if node is None and not _is_view(func):
+            self.device_ops[name] += 1
+            if self._depth > 0:
+                self.scoped_device_ops[name] += 1
         kind = KINDS.get(name)
         if kind is not None:
-            node = torch._C._current_autograd_node()
             phase = "forward" if node is None else "backward"
             self.counts[kind, phase] += 1
             if (node is None and self._depth > 0) or (node is not None and node in self._nodes):
@@ -64,6 +72,11 @@ class CopyCounts(TorchDispatchMode):
         for handle in self._handles:
             handle.remove()
         return super().__exit__(*exc)
+
+
+def _is_view(func) -> bool:
+    """An op whose output aliases its input without writing it (a view: no kernel runs)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
 
 def _nodes_between(output: torch.Tensor, inputs: list[torch.Tensor]) -> set:
