@@ -9,6 +9,7 @@ forward, a lone bias mask reaches the kernel as it is; these bounds keep it so.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -36,7 +37,7 @@ OUTSIDE_BOUND = 26
 def test_a_greedy_static_decode_step_stays_within_its_kernel_count(tiny_pair, dtype):
     """CPU."""
     _, model, config = tiny_pair
-    model = model.to(dtype)
+    model = copy.deepcopy(model).to(dtype)  # the fixture's model is shared by the session's tests
     engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
     steps = DecodeSteps(engine, SlotKVCache(4, POSITIONS, engine.device, dtype), use_cuda_graphs=False)
     tokens, cached = torch.tensor([[5], [6], [7], [8]]), torch.tensor([3, 9, 0, 12])
