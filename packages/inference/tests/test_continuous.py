@@ -121,7 +121,8 @@ def test_greedy_requests_on_the_static_cache_choose_in_the_step(tiny_pair, monke
 def test_a_compiled_decode_step_on_the_static_cache_gets_what_each_gets_alone(tiny_pair):
     """CPU. ``mega serve --compile``: the static cache's decode step traced by torch.compile
     (aot_eager: the traced graph runs without generated code) gives the eager tokens, compiled
-    twice (the first bucket's step, then one with a dynamic batch dimension), not once per step."""
+    twice (the first bucket's step, then one with a dynamic batch dimension), both when the
+    worker is made (every window size run once), not once per step nor while requests wait."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
@@ -140,6 +141,7 @@ def test_a_compiled_decode_step_on_the_static_cache_gets_what_each_gets_alone(ti
     torch._dynamo.reset()
     worker = ContinuousBatchingWorker(engine, max_batch_size=3, max_num_tokens=3 * POSITIONS, static_cache=True,
                                       compile_backend=counting_backend)
+    assert len(compiled) == 2
     worker.start()
     try:
         together = asyncio.run(run_staggered(worker, batch))

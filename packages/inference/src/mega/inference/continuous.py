@@ -103,6 +103,8 @@ class ContinuousBatchingWorker(EngineWorker):
                               else SlotAllocator(slots, engine.max_positions))
             graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
             self._decode_steps = DecodeSteps(engine, self.cache, graphs, compile_backend)
+            if compile_backend is not None:  # compiled now, not while the first requests wait
+                self._decode_steps.warm_up()
         else:
             allocator_class = PrefixCachingAllocator if prefix_caching else BlockAllocator
             self.allocator = allocator_class(max(1, self.max_num_tokens // block_size), block_size)

@@ -195,6 +195,22 @@ class DecodeSteps:
         self._forward = engine.forward if compile_backend is None else torch.compile(engine.forward,
                                                                                      backend=compile_backend)
 
+    @torch.inference_mode()  # the pools are inference tensors, as under the decode loops
+    def warm_up(self) -> None:
+        """Run every window size the cache can decode, greedy and not, before the first request,
+        so each compiles (``--compile``) and, on CUDA, is captured now: compiling takes seconds
+        that would otherwise stall the first requests of each size. Every row is a free slot at
+        its last position, what a step computes for a free slot anyway."""
+        device = self.engine.device
+        for number, rows in enumerate(sorted({min(bucket, self.cache.slots) for bucket in BUCKETS})):
+            tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+            cached = torch.full((rows,), self.cache.max_length - 1, dtype=torch.long, device=device)
+            if number == 0:  # an eager step first allocates the pools, outside what compiles
+                self.cache.bind_window(cached, 1)
+                self.engine.forward(tokens, cached[:, None], self.cache, 1)
+            self.greedy(tokens, cached)
+            self(tokens, cached)
+
     def _eager(self, tokens: torch.Tensor, cached: torch.Tensor, greedy: bool) -> torch.Tensor:
         self.cache.bind_window(cached, 1)
         logits = self._forward(tokens, cached[:, None], self.cache, 1)[-1]
