@@ -234,8 +234,12 @@ def test_rows_of_any_documents_split_the_ordinary_way():
     assert batches[1]["tokens"].tolist() == [[2, 3, 8, 9], [14, 15, 20, 21]]
     assert batches[1]["position_ids"].tolist() == [[2, 3, 2, 3], [0, 1, 6, 7]]
     assert all(torch.equal(batch["document_ids"], document_ids) for batch in batches)  # whole rows
-    layout = chunk_layout(_cu_seqlens(document_ids), 2, 4, size)
+    cu_seqlens = _cu_seqlens(document_ids)
+    layout = chunk_layout(cu_seqlens, 2, 4, size)
     assert isinstance(layout, SequenceChunks) and torch.equal(layout.whole_cu_seqlens(), _cu_seqlens(document_ids))
+    # Every layer of a forward gets the same mask: its layout is made once; another mask's anew.
+    assert chunk_layout(cu_seqlens, 2, 4, size) is layout
+    assert chunk_layout(cu_seqlens.clone(), 2, 4, size) is not layout
     dense = _dense_document_mask(document_ids)
     for query_rank in range(size):
         query_places = layout.places(query_rank)

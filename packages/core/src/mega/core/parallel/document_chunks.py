@@ -171,7 +171,22 @@ class SequenceChunks(ChunkLayout):
 def chunk_layout(cu_seqlens: torch.Tensor, batch: int, local_seq: int, size: int) -> ChunkLayout:
     """The layout of a context rank's ``[batch, local_seq]`` rows from the model's packed mask:
     ``cu_seqlens`` over the local rows (split per document, :class:`DocumentChunks`) or over the
-    whole rows (split the ordinary way, their ``document_ids`` kept whole: :class:`SequenceChunks`)."""
+    whole rows (split the ordinary way, their ``document_ids`` kept whole: :class:`SequenceChunks`).
+
+    Every layer of a forward passes the same mask: its layout is made once (reading its length
+    is a host synchronisation on a GPU; once per forward, not once per layer)."""
+    key = (batch, local_seq, size)
+    if _last_layout and _last_layout[0] is cu_seqlens and _last_layout[1] == key:
+        return _last_layout[2]
+    layout = _chunk_layout(cu_seqlens, batch, local_seq, size)
+    _last_layout[:] = [cu_seqlens, key, layout]  # holds the tensor: its id cannot be reused meanwhile
+    return layout
+
+
+_last_layout: list = []  # [cu_seqlens, (batch, local_seq, size), layout] of the last call
+
+
+def _chunk_layout(cu_seqlens: torch.Tensor, batch: int, local_seq: int, size: int) -> ChunkLayout:
     tokens = int(cu_seqlens[-1])
     if tokens == batch * local_seq:
         return DocumentChunks.from_cu_seqlens(cu_seqlens, batch, local_seq, size)
