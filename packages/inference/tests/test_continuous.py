@@ -63,6 +63,15 @@ async def run_staggered(worker: ContinuousBatchingWorker, batch: list[Generation
     return [(await job.done)[0] for job in jobs]
 
 
+def staggered_on(worker: ContinuousBatchingWorker, batch: list[GenerationRequest]):
+    """:func:`run_staggered` on ``worker``, started for it and stopped after."""
+    worker.start()
+    try:
+        return asyncio.run(run_staggered(worker, batch))
+    finally:
+        worker.stop()
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["paged", "static"])
 def test_joining_sequences_get_what_each_gets_alone(tiny_pair, static):
     """Paged, or the static cache (a slot per sequence, decode steps over a bucket of slots as
@@ -73,11 +82,7 @@ def test_joining_sequences_get_what_each_gets_alone(tiny_pair, static):
     worker = ContinuousBatchingWorker(engine, max_batch_size=3, max_num_tokens=3 * POSITIONS if static else 96,
                                       block_size=8, static_cache=static)
     assert static == (worker._decode_steps is not None) and (not static or not worker._decode_steps.use_cuda_graphs)
-    worker.start()
-    try:
-        together = asyncio.run(run_staggered(worker, requests()))
-    finally:
-        worker.stop()
+    together = staggered_on(worker, requests())
     for expected, got in zip(alone, together, strict=True):
         assert got.tokens == expected.tokens and got.finish_reason == expected.finish_reason
         if expected.logprobs is not None:
@@ -108,11 +113,7 @@ def test_greedy_requests_on_the_static_cache_choose_in_the_step(tiny_pair, monke
     original = DecodeSteps.greedy
     monkeypatch.setattr(DecodeSteps, "greedy", lambda self, *a: greedy_steps.append(1) or original(self, *a))
     worker = ContinuousBatchingWorker(engine, max_batch_size=3, max_num_tokens=3 * POSITIONS, static_cache=True)
-    worker.start()
-    try:
-        together = asyncio.run(run_staggered(worker, batch))
-    finally:
-        worker.stop()
+    together = staggered_on(worker, batch)
     assert [(r.tokens, r.finish_reason) for r in together] == [(r.tokens, r.finish_reason) for r in alone]
     assert len(greedy_steps) >= 10
 
@@ -142,11 +143,7 @@ def test_a_compiled_decode_step_on_the_static_cache_gets_what_each_gets_alone(ti
     worker = ContinuousBatchingWorker(engine, max_batch_size=3, max_num_tokens=3 * POSITIONS, static_cache=True,
                                       compile_backend=counting_backend)
     assert len(compiled) == 2
-    worker.start()
-    try:
-        together = asyncio.run(run_staggered(worker, batch))
-    finally:
-        worker.stop()
+    together = staggered_on(worker, batch)
     assert [(r.tokens, r.finish_reason) for r in together] == [(r.tokens, r.finish_reason) for r in alone]
     assert len(compiled) == 2
 
