@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from mega.inference.engine import GenerationEngine, GenerationRequest, GenerationResult
-from mega.inference.loop_mailbox import post
+from mega.inference.loop_mailbox import mailbox_for
 from mega.inference.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class Job:
     def __init__(self, requests: Sequence[GenerationRequest], loop: asyncio.AbstractEventLoop, stream: bool = False):
         self.requests = list(requests)
         self.loop = loop
+        self._mailbox = mailbox_for(loop)
         self.submitted_at = time.monotonic()
         self.results: list[GenerationResult | None] = [None] * len(self.requests)
         self.done: asyncio.Future = loop.create_future()
@@ -87,7 +88,7 @@ class Job:
         self._on_loop(self.done.cancel)
 
     def _on_loop(self, callback, *args) -> None:
-        post(self.loop, callback, *args)  # a step's calls wake the loop once, not once each
+        self._mailbox.post(callback, *args)  # a step's calls wake the loop once, not once each
 
     # Called on the event loop.
     def _finished(self, index: int, result: GenerationResult) -> None:

@@ -16,48 +16,57 @@ import weakref
 from collections.abc import Callable
 
 
-class _Mailbox:
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.calls: list[tuple[Callable, tuple]] = []
-        self.wake_pending = False  # the loop has been woken and has not emptied the mailbox yet
+class Mailbox:
+    """The calls posted for one event loop (:func:`mailbox_for`), run there in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)  # a mailbox must not keep its loop (its key) alive
+        self._lock = threading.Lock()
+        self._calls: list[tuple[Callable, tuple]] = []
+        self._wake_pending = False  # the loop has been woken and has not emptied the mailbox yet
+
+    def post(self, callback: Callable, *args) -> None:
+        """Run ``callback(*args)`` on the loop soon, after every call posted before it. A closed
+        (or gone) loop drops it: the server is shutting down."""
+        with self._lock:
+            self._calls.append((callback, args))
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        loop = self._loop()
+        try:
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self._deliver, loop)
+        except RuntimeError:  # the loop is closed
+            with self._lock:
+                self._calls.clear()
+                self._wake_pending = False
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+            self._wake_pending = False
+        for callback, args in calls:
+            try:
+                callback(*args)
+            except Exception as error:  # as the loop treats a failing callback: reported, the others still run
+                loop.call_exception_handler({"message": f"exception in {callback!r}", "exception": error})
 
 
-_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
 _mailboxes_lock = threading.Lock()
 
 
-def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+def mailbox_for(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """``loop``'s one mailbox (a job keeps it: no lookup per token)."""
     with _mailboxes_lock:
         box = _mailboxes.get(loop)
         if box is None:
-            box = _mailboxes[loop] = _Mailbox()
+            box = _mailboxes[loop] = Mailbox(loop)
         return box
 
 
 def post(loop: asyncio.AbstractEventLoop, callback: Callable, *args) -> None:
-    """Run ``callback(*args)`` on ``loop`` soon, after every call posted before it. A closed
-    loop (the server is shutting down) drops it."""
-    box = _mailbox(loop)
-    with box.lock:
-        box.calls.append((callback, args))
-        if box.wake_pending:
-            return
-        box.wake_pending = True
-    try:
-        loop.call_soon_threadsafe(_deliver, loop, box)
-    except RuntimeError:  # the loop is closed
-        with box.lock:
-            box.calls.clear()
-            box.wake_pending = False
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, box: _Mailbox) -> None:
-    with box.lock:
-        calls, box.calls = box.calls, []
-        box.wake_pending = False
-    for callback, args in calls:
-        try:
-            callback(*args)
-        except Exception as error:  # as the loop treats a failing callback: reported, the others still run
-            loop.call_exception_handler({"message": f"exception in {callback!r}", "exception": error})
+    """``mailbox_for(loop).post(callback, *args)``."""
+    mailbox_for(loop).post(callback, *args)
