@@ -72,7 +72,7 @@ def test_generate_prints_hugging_face_greedy_text(checkpoints, which, capsys):
     path = mega_dir if which == "mega" else hf_dir
     # --temperature 0 is greedy, as for the server, OpenAI, vLLM and transformers.
     decoding = ["--temperature", "0"] if which == "temperature 0" else ["--greedy"]
-    args = ["--load", str(path), "--max-tokens", str(NEW_TOKENS), *decoding]
+    args = ["--load", str(path), "--max-tokens", str(NEW_TOKENS), "--device", "cpu", *decoding]  # CPU, as HF's
     if which == "static-kv-cache":
         args.append("--static-kv-cache")
     if which == "compiled":  # the layers traced by torch.compile (aot_eager: no code generated, fast)

@@ -24,6 +24,7 @@ to its own place), what the cross-rank attention needs.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +63,7 @@ def document_chunk_index(document_ids: torch.Tensor, rank: int, size: int) -> to
 
 
 @dataclass(frozen=True)
-class ChunkLayout:
+class ChunkLayout(abc.ABC):
     """Where a context rank's local tokens sit in the whole rows, and so which keys of any rank a
     query may see: what the cross-rank attention (:mod:`mega.core.parallel.context_attention`)
     reads. Every tensor is ``[batch, local_seq]``, one entry per local token: ``offset`` its place
@@ -86,10 +87,10 @@ class ChunkLayout:
         return self.start + torch.where(first, rank * self.half + self.offset,
                                         (2 * self.size - 1 - rank) * self.half + self.offset - self.half)
 
+    @abc.abstractmethod
     def documents(self, rank: int) -> torch.Tensor:
         """``[batch, local_seq]``: the document of each token of context rank ``rank`` (numbered
         along the batch)."""
-        raise NotImplementedError
 
     def mask(self, query_rank: int, key_rank: int, causal: bool = True) -> torch.Tensor:
         """``[batch, 1, queries, keys]`` bool, True where a query of ``query_rank`` sees a key of
@@ -99,9 +100,9 @@ class ChunkLayout:
             allowed = allowed & (self.places(key_rank)[:, None, :] <= self.places(query_rank)[:, :, None])
         return allowed[:, None]
 
+    @abc.abstractmethod
     def whole_cu_seqlens(self) -> torch.Tensor:
         """The ``cu_seqlens`` of the whole rows."""
-        raise NotImplementedError
 
     def gathered_places(self) -> torch.Tensor:
         """``[batch, seq]``: the place in the row of each token of every rank's rows laid end to end
