@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mega.core.parallel.grad_accumulation_fusion import Linear
+from mega.core.parallel.output_layer_loss import output_layer_cross_entropy, output_layer_defers
 from mega.core.pipeline import ScheduleError, schedule_table
 from mega.core.plugins import hookimpl
 from mega.core.testing.peak_memory import peak_allocated_bytes
@@ -81,11 +82,31 @@ class Block(nn.Module):
         return x + self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
+class OutputLayer(Linear):
+    """mega's linear; where a zero-bubble schedule defers its weight gradient it hands the loss its
+    input and weight instead of logits, as the language models' last stage does, so that the
+    loss's W rebuilds the logits' gradient (mega.core.parallel.output_layer_loss)."""
+
+    def forward(self, x):
+        if output_layer_defers(self.weight):
+            return {"output_hidden": x, "output_weight": self.weight}
+        return super().forward(x)
+
+
+def loss_of(outputs, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the output layer's logits, or of its input and weight."""
+    if isinstance(outputs, dict):
+        hidden = outputs["output_hidden"]
+        return output_layer_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), outputs["output_weight"],
+                                          labels.t().reshape(-1), None).mean()
+    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), labels.t().reshape(-1))
+
+
 def build_layers(args, tied: bool = True) -> list[nn.Module]:
     torch.manual_seed(0)
     # Vocabulary 8h: the output layer's 2*h*V flops per token equal one block's 2*2*h*4h.
     embedding = Embedding(8 * args.hidden, args.hidden)
-    output_layer = Linear(args.hidden, 8 * args.hidden, bias=False)
+    output_layer = OutputLayer(args.hidden, 8 * args.hidden, bias=False)
     if tied:
         output_layer.weight = embedding.word_embeddings.weight
     else:
@@ -196,12 +217,9 @@ def time_pipeline(args, pp: int, vpp: int | None, schedule: str, trace_path: str
                for _ in range(args.microbatches)]
     data = [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in batches]
 
-    def loss_fn(logits, labels):
-        return F.cross_entropy(logits.reshape(-1, vocab), labels.t().reshape(-1))
-
     def train_step():
         optimizer.zero_grad()
-        forward_backward(chunks, data, args.microbatches, loss_fn, groups,
+        forward_backward(chunks, data, args.microbatches, loss_of, groups,
                          tensor_shape=[args.seq, args.micro_batch, args.hidden], events=events, schedule=schedule)
         optimizer.step()
 

@@ -12,9 +12,10 @@ about 4/5 of what its forward saved). So:
 * the first rank holds exactly 1F1B's bytes (its B computes the weight gradients, as W would
   run right after it: mega.core.pipeline.schedules);
 * the middle ranks hold no more than 1F1B's largest rank (the first);
-* the last rank holds back ``pp - 1`` W, each with the output layer's ``[tokens, vocabulary]``
-  output gradient: it may exceed 1F1B's largest rank by those, and no more. (Keeping the output
-  layer's W in B would save them but lengthen every B on the critical path: docs/pipeline.md.)
+* the last rank holds back ``pp - 1`` W, but not the output layer's ``[tokens, vocabulary]``
+  output gradient: the loss's W rebuilds it (mega.core.parallel.output_layer_loss), so it too
+  stays under 1F1B's largest rank (4.15 MiB against 4.45). Holding those gradients, as W did
+  before, put it at 5.14: above by about their size.
 
 Before W handed each weight's gradient over as soon as its product ran, every rank that runs W
 held all its weight gradients at once on top, and the first rank failed the first check.
@@ -24,9 +25,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from mega.core.build import build_stage
+from mega.core.model_family import LossContext
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.pipeline import forward_backward, setup_tied_weights
 from mega.core.testing.peak_memory import peak_allocated_bytes
@@ -52,8 +53,9 @@ def peaks_per_schedule(family_name: str, layers_per_stage: tuple[int, ...] = (2,
         tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=generator)
         data.append(({"tokens": tokens[:, :-1].contiguous()}, tokens[:, 1:].contiguous()))
 
-    def loss_fn(outputs, labels):  # logits [s, b, vocab]
-        return F.cross_entropy(outputs["logits"].flatten(0, 1), labels.t().flatten())
+    def loss_fn(outputs, labels):  # the family's: its W rebuilds the output layer's gradient
+        batch = {"labels": labels, "loss_mask": torch.ones(labels.shape)}
+        return family.loss(outputs, batch, LossContext(config, kernels=kernels))[0]
 
     def boundary(index):
         return family.boundary(config, stages[index], MICRO_BATCH, groups.config, torch.float32)
@@ -61,6 +63,7 @@ def peaks_per_schedule(family_name: str, layers_per_stage: tuple[int, ...] = (2,
     result = {}
     for schedule in ("1f1b", "zb-h1"):
         chunk = build_stage(family, config, stages[groups.pp.rank], groups=groups, seed=5)
+        kernels = chunk.kernels
         setup_tied_weights([chunk], groups)
         losses = []
 
@@ -75,15 +78,15 @@ def peaks_per_schedule(family_name: str, layers_per_stage: tuple[int, ...] = (2,
     return result
 
 
-def test_zb_h1_holds_1f1b_peak_memory_but_for_the_last_ranks_output_gradients(worlds):
+def test_zb_h1_holds_no_more_than_1f1b_on_any_rank(worlds):
     results = worlds.run(PP, peaks_per_schedule, "llama")
     one_f_one_b = [rank["1f1b"] for rank in results]
     zb_h1 = [rank["zb-h1"] for rank in results]
     shown = (f"peak MiB per rank: 1f1b {[round(b / 2**20, 3) for b in one_f_one_b]}, "
              f"zb-h1 {[round(b / 2**20, 3) for b in zb_h1]}")
-    assert results[-1]["zb-h1 losses"] == results[-1]["1f1b losses"], shown  # the same step, split otherwise
+    # The same step, split otherwise (the last stage's loss computed by another function under ZB-H1).
+    torch.testing.assert_close(results[-1]["zb-h1 losses"], results[-1]["1f1b losses"], rtol=1e-6, atol=0)
     assert zb_h1[0] <= one_f_one_b[0], shown
-    assert max(zb_h1[1:-1]) <= max(one_f_one_b), shown
-    output_gradients = (PP - 1) * MICRO_BATCH * SEQ * VOCAB * 4
-    assert zb_h1[-1] <= max(one_f_one_b) + output_gradients, shown
-    assert zb_h1[-1] > one_f_one_b[-1], shown  # the measure sees what held-back W keep
+    assert max(zb_h1) <= max(one_f_one_b), shown
+    # The measure sees what held-back W keep: 1F1B's last rank holds one micro-batch, ZB-H1's pp.
+    assert zb_h1[-1] > one_f_one_b[-1] + (PP - 2) * (one_f_one_b[-2] - one_f_one_b[-1]), shown

@@ -27,6 +27,11 @@ from torch import nn
 from mega.core.kernels import CAUSAL, AttentionMask, Kernels, check_linear_loss
 from mega.core.model_family import Stage
 from mega.core.parallel import ParallelConfig
+from mega.core.parallel.output_layer_loss import (
+    output_layer_cross_entropy,
+    output_layer_defers,
+    rebuildable_input,
+)
 from mega.core.parallel.param_attrs import mark_padded_vocab
 from mega.models import fusions
 from mega.models.block import transformer_block
@@ -79,7 +84,9 @@ class LanguageModel(nn.Module):
         reads ``tokens`` (and ``position_ids``), later ones ``hidden``; the result is
         ``{"hidden": ...}`` or, on the last stage, ``{"logits": ...}``; with a fused
         ``linear_loss`` kernel the last stage returns ``{"output_hidden": [s, b, h], "output_weight":
-        the output layer's weight}`` instead, and the loss applies both (no logits tensor).
+        the output layer's weight}`` instead, and the loss applies both (no logits tensor); so it
+        does where a zero-bubble schedule defers the output layer's weight gradient to W (the
+        hidden after the layer's input collective: the loss's W rebuilds the logits' gradient).
 
         ``inference_cache`` (generation, :mod:`mega.models.kv_cache`): the inputs continue the
         cached positions; ``position_ids`` then default to those that follow the cache.
@@ -96,6 +103,14 @@ class LanguageModel(nn.Module):
             if self.fused_loss:
                 hidden = self._final_hidden(hidden, inputs.get("position_ids"), mask=mask)
                 return {"output_hidden": hidden, "output_weight": self.output_layer.weight}
+            if self.post_process and output_layer_defers(self.output_layer.weight):
+                # A zero-bubble schedule's forward: the loss applies the output layer so that its
+                # W can rebuild the logits' gradient (mega.core.parallel.output_layer_loss).
+                hidden = self._final_hidden(hidden, inputs.get("position_ids"), mask=mask)
+                rebuildable = rebuildable_input(self.output_layer, hidden)
+                if rebuildable is not None:
+                    return {"output_hidden": rebuildable, "output_weight": self.output_layer.weight}
+                return {"logits": self.output_layer(hidden)}
             output = self.forward(hidden, inputs.get("position_ids"), mask=mask)
             return {"logits" if self.post_process else "hidden": output}
         if inference_cache is not None and position_ids is None:
@@ -153,8 +168,13 @@ def per_token_cross_entropy(kernels: Kernels, logits: torch.Tensor, labels: torc
 def fused_linear_cross_entropy(kernels: Kernels, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                loss_mask: torch.Tensor, tp_group=None, vocab_size: int | None = None) -> torch.Tensor:
     """The fp32 sum of ``loss_mask`` x cross-entropy of hidden ``[s, b, h]`` through the output
-    ``weight`` against labels ``[b, s]``, from the selected ``linear_loss`` kernel (no logits)."""
+    ``weight`` against labels ``[b, s]``, from the selected ``linear_loss`` kernel (no logits), or
+    without one (a zero-bubble schedule's last stage) from the output layer and cross-entropy whose
+    W rebuilds the logits' gradient."""
     tokens = hidden.reshape(-1, hidden.shape[-1])  # [s * b, h], s-major like the labels below
-    return kernels.get("linear_loss")(tokens, weight, labels.t().reshape(-1), loss_mask.t().reshape(-1),
-                                      tp_group, vocab_size)
+    labels, loss_mask = labels.t().reshape(-1), loss_mask.t().reshape(-1)
+    component = kernels.get("linear_loss")
+    if component is not None:
+        return component(tokens, weight, labels, loss_mask, tp_group, vocab_size)
+    return (output_layer_cross_entropy(tokens, weight, labels, tp_group, vocab_size) * loss_mask).sum()
 

@@ -18,6 +18,8 @@ Label smoothing follows ``torch.nn.functional.cross_entropy``: the target distri
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -26,59 +28,102 @@ from mega.core.parallel.collectives import all_reduce
 from mega.core.parallel.groups import Group
 
 
+class SoftmaxStatistics(NamedTuple):
+    """What a vocabulary-sharded cross-entropy's forward knows per token: enough to rebuild any
+    slice of the logits' gradient from those logits (:func:`softmax_of` then :func:`loss_grad_`)."""
+
+    local_target: torch.Tensor  # the target's row in this shard (0 where it is elsewhere)
+    outside: torch.Tensor  # [...] bool: the target is not in this shard
+    max: torch.Tensor  # [...] float32: the largest logit over the whole vocabulary
+    sum_exp: torch.Tensor  # [...] float32: sum of exp(logit - max) over the whole vocabulary
+    real: int  # this shard's real rows (the rest is vocabulary padding)
+
+
+def softmax_statistics(logits: torch.Tensor, target: torch.Tensor, group: Group, label_smoothing: float,
+                       vocab_size: int) -> tuple[torch.Tensor, SoftmaxStatistics, torch.Tensor]:
+    """The per-token loss (float32) and statistics of vocabulary-sharded ``logits``, and this
+    shard's softmax (float32, in a buffer of its own: the logits are not written)."""
+    shard = logits.float()
+    partition = shard.shape[-1]
+    vocab_start = group.rank * partition
+    real = min(max(vocab_size - vocab_start, 0), partition)  # this shard's real rows
+
+    if real > 0:
+        global_max = shard[..., :real].max(dim=-1).values
+    else:  # a shard of padding only: the other ranks hold the maximum
+        global_max = shard.new_full(shard.shape[:-1], float("-inf"))
+    all_reduce(global_max, group, op=dist.ReduceOp.MAX)
+    shifted = _shifted(shard, global_max, real, copy=shard is logits)
+
+    outside = (target < vocab_start) | (target >= vocab_start + real)
+    local_target = (target - vocab_start).masked_fill(outside, 0)
+    target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    sums = [target_logit, None]
+    if label_smoothing > 0:
+        sums.append(shifted[..., :real].sum(dim=-1))
+    exp = shifted.exp_()  # shifted is no longer needed as logits: reuse its memory
+    sums[1] = exp.sum(dim=-1)
+    # One all-reduce for every per-token sum (target logit, sum of exp[, sum of logits]).
+    stacked = torch.stack(sums)
+    all_reduce(stacked, group)
+    target_logit, sum_exp = stacked[0], stacked[1]
+
+    log_sum_exp = sum_exp.log()
+    loss = log_sum_exp - target_logit
+    if label_smoothing > 0:
+        mean_neg_log_prob = log_sum_exp - stacked[2] / vocab_size
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * mean_neg_log_prob
+    softmax = exp.div_(sum_exp.unsqueeze(-1))
+    return loss, SoftmaxStatistics(local_target, outside, global_max, sum_exp, real), softmax
+
+
+def _shifted(shard: torch.Tensor, global_max: torch.Tensor, real: int, copy: bool) -> torch.Tensor:
+    """``shard - max`` with the padded rows at -inf (probability 0): in a new buffer where ``copy``
+    (the float32 shard is the caller's logits), else in ``shard``'s own."""
+    shifted = shard - global_max.unsqueeze(-1) if copy else shard.sub_(global_max.unsqueeze(-1))
+    shifted[..., real:] = float("-inf")
+    return shifted
+
+
+def softmax_of(logits: torch.Tensor, stats: SoftmaxStatistics, rows: slice) -> torch.Tensor:
+    """The softmax of the shard's vocabulary ``rows`` from their ``logits`` ``[..., rows]`` (made
+    for this: float32 logits are overwritten) and the forward's statistics: the same operations,
+    in the same order, as the forward's."""
+    real_here = min(max(stats.real - rows.start, 0), logits.shape[-1])
+    shifted = _shifted(logits.float(), stats.max, real_here, copy=False)
+    return shifted.exp_().div_(stats.sum_exp.unsqueeze(-1))
+
+
+def loss_grad_(softmax: torch.Tensor, stats: SoftmaxStatistics, grad_loss: torch.Tensor, label_smoothing: float,
+               vocab_size: int, rows: slice | None = None) -> torch.Tensor:
+    """The logits' gradient, made in ``softmax``'s buffer, of the shard's vocabulary ``rows``
+    (default: all): ``d loss / d logit_j = softmax_j - (1 - eps) [j == target] - eps / V`` for a
+    real row ``j``, times ``grad_loss``; a padded row has softmax 0 and gets no gradient."""
+    start = 0 if rows is None else rows.start
+    width = softmax.shape[-1]
+    flat = softmax.view(-1, width)
+    target = stats.local_target.reshape(-1) - start
+    hit = ~stats.outside.reshape(-1) & (target >= 0) & (target < width)
+    tokens = torch.arange(flat.shape[0], device=flat.device)
+    flat[tokens, target.clamp(0, width - 1)] -= hit.to(flat.dtype) * (1.0 - label_smoothing)
+    if label_smoothing > 0:
+        real_here = min(max(stats.real - start, 0), width)
+        softmax[..., :real_here].sub_(label_smoothing / vocab_size)
+    return softmax.mul_(grad_loss.unsqueeze(-1))
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, label_smoothing, vocab_size):
-        shard = logits.float()
-        partition = shard.shape[-1]
-        vocab_start = group.rank * partition
-        real = min(max(vocab_size - vocab_start, 0), partition)  # this shard's real rows
-
-        if real > 0:
-            global_max = shard[..., :real].max(dim=-1).values
-        else:  # a shard of padding only: the other ranks hold the maximum
-            global_max = shard.new_full(shard.shape[:-1], float("-inf"))
-        all_reduce(global_max, group, op=dist.ReduceOp.MAX)
-        shifted = shard - global_max.unsqueeze(-1)
-        shifted[..., real:] = float("-inf")  # padded rows: probability 0
-
-        outside = (target < vocab_start) | (target >= vocab_start + real)
-        local_target = (target - vocab_start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        sums = [target_logit, None]
-        if label_smoothing > 0:
-            sums.append(shifted[..., :real].sum(dim=-1))
-        exp = shifted.exp_()  # shifted is no longer needed as logits: reuse its memory
-        sums[1] = exp.sum(dim=-1)
-        # One all-reduce for every per-token sum (target logit, sum of exp[, sum of logits]).
-        stacked = torch.stack(sums)
-        all_reduce(stacked, group)
-        target_logit, sum_exp = stacked[0], stacked[1]
-
-        log_sum_exp = sum_exp.log()
-        loss = log_sum_exp - target_logit
-        if label_smoothing > 0:
-            mean_neg_log_prob = log_sum_exp - stacked[2] / vocab_size
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * mean_neg_log_prob
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside)
-        ctx.label_smoothing, ctx.vocab, ctx.real, ctx.logits_dtype = label_smoothing, vocab_size, real, logits.dtype
+        loss, stats, softmax = softmax_statistics(logits, target, group, label_smoothing, vocab_size)
+        ctx.save_for_backward(softmax)
+        ctx.stats, ctx.label_smoothing, ctx.vocab, ctx.logits_dtype = stats, label_smoothing, vocab_size, logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside = ctx.saved_tensors
-        eps = ctx.label_smoothing
-        # d loss / d logit_j = softmax_j - (1 - eps) * [j == target] - eps / V for a real row j;
-        # a padded row has softmax 0 and gets no gradient.
-        grad = softmax
-        rows = grad.view(-1, grad.shape[-1])
-        hit = (~outside).reshape(-1).to(grad.dtype) * (1.0 - eps)
-        rows[torch.arange(rows.shape[0], device=rows.device), local_target.reshape(-1)] -= hit
-        if eps > 0:
-            grad[..., : ctx.real].sub_(eps / ctx.vocab)
-        grad.mul_(grad_loss.unsqueeze(-1))
+        (softmax,) = ctx.saved_tensors
+        grad = loss_grad_(softmax, ctx.stats, grad_loss, ctx.label_smoothing, ctx.vocab)
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 

@@ -158,12 +158,15 @@ class ColumnParallelLinear(_ShardedLinear):
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """``add_bias=False`` leaves the bias to the caller (a fused bias + activation)."""
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.group)
-        y = self.local_linear(x, self.bias if add_bias else None)
+        y = self.local_linear(self.local_input(x), self.bias if add_bias else None)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+
+    def local_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What this rank's product takes: ``x`` gathered along the sequence under sequence
+        parallelism, else ``x`` itself (its gradient all-reduced over the group in backward)."""
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(x, self.group)
+        return copy_to_tensor_parallel_region(x, self.group)
 
 
 class RowParallelLinear(_ShardedLinear):

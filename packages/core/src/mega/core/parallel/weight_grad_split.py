@@ -30,7 +30,9 @@ Memory: a pending W holds each deferred layer's input and output gradient (in a 
 layer about as much as its forward saved for backward: a GPT layer 16 h floats per token against
 15 h, a LLaMA layer about 4/5 of it, without dropout), and W frees them product by product, handing each parameter's gradient over as
 soon as the last product naming it (:func:`defer`'s ``parameters``) has run: it never holds all of
-a stage's weight gradients at once.
+a stage's weight gradients at once. The output layer's W holds less than that: it rebuilds the
+logits' gradient from the hidden and the loss's per-token statistics
+(:mod:`mega.core.parallel.output_layer_loss`).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ micro-batches, bubbles with T_F = T_B = T_W against 1F1B's with a backward of B 
   ``r`` W, so every rank holds at most ``pp`` micro-batches from F to W, 1F1B's peak (its first
   rank's) in the paper's accounting, where a pending W still holds its layers' inputs; 1F1B's
   ``pp - rank`` live chunks up to B. In bytes (docs/pipeline.md): the first rank 1F1B's, the
-  others about as much where a W holds as much as its forward saved, the last rank also its
-  held-back output-layer gradients. Bubble ``(pp - 1) / (3 m + pp - 1)`` for ``m >= pp``:
+  others about as much where a W holds as much as its forward saved (the output layer's W
+  rebuilds its logits' gradient rather than hold it: :mod:`mega.core.parallel.output_layer_loss`). Bubble ``(pp - 1) / (3 m + pp - 1)`` for ``m >= pp``:
   ``(pp - 1)`` idle slots per rank, a third of 1F1B's ``3 (pp - 1)`` (the paper's
   ``(p - 1)(T_F + T_B - T_W)`` against ``(p - 1)(T_F + T_B + T_W)``). The list schedule would
   reach the same bubble only by holding up to ``pp`` W more (``2 pp - 1`` micro-batches to W on
