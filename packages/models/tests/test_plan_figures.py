@@ -80,6 +80,15 @@ def test_pipeline_stages_hold_the_micro_batches_1f1b_keeps_in_flight():
     assert ranks[1].activations == 3 * per_microbatch.activation_bytes
     interleaved = plan_memory(family, config, Layout(pp=4, vpp=2, dp=2), dtype_bytes=2, num_microbatches=8)
     assert interleaved[0].in_flight == 2 * 3 + 4 + 1  # Megatron's warm-up (pp-1)*2 + (vpp-1)*pp, plus one
+    # ZB-H1: every stage keeps pp micro-batches from F to W, stage i pp - i of them whole and,
+    # from B on, i of them as their W's operands only (the first stage's B takes its W: 1F1B's).
+    zb_h1 = plan_memory(family, config, Layout(pp=4, dp=2, schedule="zb-h1"), dtype_bytes=2, num_microbatches=8)
+    assert [rank.in_flight for rank in zb_h1] == [4, 4, 4, 4]
+    assert zb_h1[0].activations == ranks[0].activations
+    assert 0 < per_microbatch.weight_grad_bytes < per_microbatch.activation_bytes
+    for stage in (1, 2):
+        assert zb_h1[stage].activations == ((4 - stage) * per_microbatch.activation_bytes
+                                            + stage * per_microbatch.weight_grad_bytes)
 
 
 def test_plan_prints_a_table_per_stage(capsys):
@@ -101,7 +110,7 @@ def test_plan_takes_uneven_layouts_and_zero_bubble_schedules(capsys):
     assert layout["step_time_s"] < even["step_time_s"]  # the last rank no longer also carries the loss
     code, zb = _plan(capsys, *base, "--pipeline-schedule", "zb-h1")
     assert code == 0 and zb["bubble"] == pytest.approx(3 / (3 * 16 + 3)) and even["bubble"] == pytest.approx(3 / 19)
-    assert [rank["in_flight"] for rank in zb["ranks"]] == [4, 3, 2, 1]
+    assert [rank["in_flight"] for rank in zb["ranks"]] == [4, 4, 4, 4]  # from F to W
     assert plan_main([*base, "--pipeline-model-parallel-layout", "Et*7|t*7|t*7|t*2,L"]) == 2
     assert "places 23 transformer layers, but the model has 24" in capsys.readouterr().err
 

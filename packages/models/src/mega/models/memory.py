@@ -12,6 +12,9 @@ to a layer belongs here too; tests compare these figures with what a real forwar
     dropout      its mask (bool on GPUs; the CPU kernel keeps it in the activation dtype)
     loss         fp32 softmax of the vocabulary shard, int64 targets
 
+Under a zero-bubble schedule a micro-batch holds something else from its B to its W: its linears'
+inputs and output gradients (:func:`layer_weight_grad_bytes`).
+
 Regions outside tensor parallelism (norms, dropout, residuals) hold the whole hidden state on
 every tensor-parallel rank, or 1/tp of its sequence under sequence parallelism. Context
 parallelism gives each rank 1/cp of the sequence. Selective recompute drops what the attention
@@ -118,6 +121,34 @@ def layer_activation_bytes(config: TransformerConfig, tokens: int, parallel: Par
     return layer, norm_input, outside, {"attention": attention + rope_tables, "mlp": mlp}
 
 
+def layer_weight_grad_bytes(config: TransformerConfig, tokens: int, parallel: ParallelConfig,
+                            dtype_bytes: int) -> dict[str, int]:
+    """What one layer's deferred weight-gradient products hold from its B to its W under a
+    zero-bubble schedule (mega.core.parallel.weight_grad_split), by part (``attention``, ``mlp``):
+    each linear's input and output gradient, of the whole sequence (a column-parallel input
+    all-gathered under sequence parallelism, a row-parallel output before its reduce-scatter).
+    Norms, and biases outside a linear, get their gradients in B and keep nothing."""
+    tp, h = parallel.tp, config.hidden_size
+    q, kv = config.query_projection_size // tp, config.kv_projection_size // tp
+    ffn = config.ffn_hidden_size // tp
+    fc1 = ffn * (2 if config.swiglu else 1)
+    attention = tokens * ((h + q + 2 * kv) + (q + h)) * dtype_bytes  # qkv's input and output, the projection's
+    mlp = tokens * ((h + fc1) + (ffn + h)) * dtype_bytes  # fc1's, fc2's
+    return {"attention": attention, "mlp": mlp}
+
+
+def output_layer_weight_grad_bytes(config: TransformerConfig, tokens: int, parallel: ParallelConfig,
+                                   dtype_bytes: int, rebuilt: bool = True) -> int:
+    """What the output layer's deferred weight gradient holds: its input and the loss's per-token
+    statistics where W rebuilds the logits' gradient (mega.core.parallel.output_layer_loss: the
+    target, whether this shard has it, the logits' maximum and sum of exponentials, the loss's
+    gradient), else its input and the logits' gradient."""
+    hidden = tokens * config.hidden_size * dtype_bytes
+    if rebuilt:
+        return hidden + tokens * (INT64 + 1 + 3 * FP32)
+    return hidden + tokens * config.padded_vocab_size(parallel.tp) // parallel.tp * dtype_bytes
+
+
 def stage_footprint(config: TransformerConfig, *, layers: int, pre_process: bool, post_process: bool,
                     parallel: ParallelConfig, micro_batch_size: int, dtype_bytes: int,
                     device_type: str = "cuda", first_layer: int | None = None) -> StageFootprint:
@@ -146,4 +177,7 @@ def stage_footprint(config: TransformerConfig, *, layers: int, pre_process: bool
         kept += tokens * config.padded_vocab_size(tp) // tp * FP32 + tokens * INT64  # softmax, targets
     parameters = stage_parameters(config, layers, pre_process=pre_process, post_process=post_process,
                                   tensor_parallel_size=tp)
-    return StageFootprint(parameters, kept, recompute)
+    weight_grads = layers * sum(layer_weight_grad_bytes(config, tokens, parallel, dtype_bytes).values())
+    if post_process:
+        weight_grads += output_layer_weight_grad_bytes(config, tokens, parallel, dtype_bytes)
+    return StageFootprint(parameters, kept, recompute, weight_grad_bytes=weight_grads)

@@ -33,7 +33,9 @@ from mega.models.memory import (
     FP32,
     INT64,
     layer_activation_bytes,
+    layer_weight_grad_bytes,
     norm_elements,
+    output_layer_weight_grad_bytes,
     stage_footprint,
     stage_parameters,
 )
@@ -145,6 +147,49 @@ def _layer_bytes(config, moe: bool, tokens: int, parallel: ParallelConfig, dtype
     return layer
 
 
+def _layer_weight_grad_bytes(config, moe: bool, tokens: int, parallel: ParallelConfig, dtype_bytes: int,
+                             device_type: str) -> int:
+    """What one layer's deferred weight gradients hold from B to W (zero-bubble schedules): its
+    linears' inputs and output gradients, as :func:`mega.models.memory.layer_weight_grad_bytes`
+    counts them, with multi-latent attention's projections and the experts where the layer has them."""
+    parts = layer_weight_grad_bytes(config, tokens, parallel, dtype_bytes)
+    attention, mlp = parts["attention"], parts["mlp"]
+    if getattr(config, "multi_latent_attention", False):
+        attention = _mla_weight_grad_bytes(config, tokens, parallel, dtype_bytes)
+    if moe:
+        mlp = _moe_weight_grad_bytes(config, tokens, parallel, dtype_bytes, device_type)
+    return attention + mlp
+
+
+def _mla_weight_grad_bytes(config, tokens: int, parallel: ParallelConfig, dtype_bytes: int) -> int:
+    """Multi-latent attention's projections, each its input and output: the down projections
+    (whole on every rank), the up projections and the output projection (split over tp)."""
+    h, tp = config.hidden_size, parallel.tp
+    heads = config.num_attention_heads // tp
+    nope, rope, v, rank = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim, config.kv_lora_rank
+    query = heads * (nope + rope)
+    if config.q_lora_rank is None:
+        widths = h + query
+    else:
+        widths = (h + config.q_lora_rank) + (config.q_lora_rank + query)
+    widths += (h + rank + rope) + (rank + heads * (nope + v)) + (heads * v + h)
+    return tokens * widths * dtype_bytes
+
+
+def _moe_weight_grad_bytes(config, tokens: int, parallel: ParallelConfig, dtype_bytes: int, device_type: str) -> int:
+    """The experts' deferred weight gradients (the router's is B's: a plain ``nn.Linear``): per
+    routed slot its input row and output gradient, and fc1's output gradient with, for fc2, the
+    activation (one grouped GEMM each: CUDA bf16 with --moe-grouped-gemm) or fc1's output it is
+    rebuilt from (the loop over experts); the shared experts as a dense SwiGLU MLP."""
+    h, b = config.hidden_size, dtype_bytes
+    ffn = config.moe_ffn_hidden_size // parallel.expert_tp
+    grouped = config.moe_grouped_gemm and device_type == "cuda" and dtype_bytes == 2
+    per_slot = 2 * h + 2 * ffn + (ffn if grouped else 2 * ffn)
+    shared = (config.moe_shared_expert_intermediate_size or 0) // parallel.tp
+    shared_bytes = tokens * (2 * h + 3 * shared) * b if shared else 0
+    return tokens * config.moe_router_topk * per_slot * b + shared_bytes
+
+
 def _stage_layers(config, layers: int, pre_process: bool, post_process: bool, first_layer: int | None) -> list[bool]:
     """Whether each of the stage's layers is MoE (see the module's note on middle stages)."""
     if first_layer is None and not pre_process and not post_process:
@@ -171,17 +216,25 @@ def moe_stage_footprint(config, *, layers: int, pre_process: bool, post_process:
         recompute = max(recompute, run) if recomputed else recompute
     parameters = ends.parameters + sum(_layer_parameters(config, moe, parallel) for moe in moe_layers)
     experts = sum(moe_layers) * _routed_parameters(config, parallel)
+    weight_grads = ends.weight_grad_bytes + sum(
+        _layer_weight_grad_bytes(config, moe, tokens, parallel, dtype_bytes, device_type) for moe in moe_layers)
     if post_process and getattr(config, "mtp_num_layers", None):
-        mtp_layer = _layer_bytes(config, config.is_moe_layer(config.num_layers - 1), tokens, parallel, dtype_bytes,
-                                 device_type)
+        last_moe = config.is_moe_layer(config.num_layers - 1)
+        mtp_layer = _layer_bytes(config, last_moe, tokens, parallel, dtype_bytes, device_type)
         # each module: its layer, the joined norms' inputs and eh_proj's, its final norm, output layer and loss
         head = _mtp_head_bytes(config, micro_batch_size, parallel, dtype_bytes, device_type)
         kept += config.mtp_num_layers * (mtp_layer + head)
+        # With MTP heads the output layer (theirs too) makes logits: its W holds their gradient.
+        output = output_layer_weight_grad_bytes(config, tokens, parallel, dtype_bytes, rebuilt=False)
+        weight_grads += output - output_layer_weight_grad_bytes(config, tokens, parallel, dtype_bytes)
+        eh_proj = tokens * 3 * config.hidden_size * dtype_bytes  # its input (two joined) and output
+        weight_grads += config.mtp_num_layers * (
+            _layer_weight_grad_bytes(config, last_moe, tokens, parallel, dtype_bytes, device_type) + eh_proj + output)
         parameters += _mtp_parameters(config, parallel)
         experts += config.mtp_num_layers * config.is_moe_layer(config.num_layers - 1) * _routed_parameters(config, parallel)
         if not pre_process and config.untie_embeddings_and_output_weights:  # the MTP modules' word embedding
             parameters += config.padded_vocab_size(parallel.tp) * config.hidden_size // parallel.tp
-    return StageFootprint(parameters, kept, recompute, expert_parameters=experts)
+    return StageFootprint(parameters, kept, recompute, expert_parameters=experts, weight_grad_bytes=weight_grads)
 
 
 def _mtp_head_bytes(config, micro_batch_size: int, parallel: ParallelConfig, dtype_bytes: int,

@@ -37,7 +37,7 @@ from mega.core.pipeline.interleaved_order import interleaved_forward
 from mega.core.pipeline.zero_bubble import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, zero_bubble_table
 
 __all__ = ["BACKWARD", "FORWARD", "SCHEDULES", "V_SCHEDULES", "WEIGHT", "Action", "ScheduleError", "ScheduleTable",
-           "schedule_table"]
+           "schedule_table", "whole_backwards"]
 
 SCHEDULES = ("1f1b", *ZERO_BUBBLE_SCHEDULES)
 
@@ -99,3 +99,14 @@ def _microbatch_and_chunk(k: int, pp: int, vpp: int, forward: bool) -> tuple[int
     groups of ``pp``; backwards visit the chunks in reverse."""
     microbatch, chunk = interleaved_forward(k, pp, vpp)
     return microbatch, chunk if forward else vpp - 1 - chunk
+
+
+def whole_backwards(table: ScheduleTable, rank: int) -> set[tuple[int, int]]:
+    """The (micro-batch, chunk) of the first stage whose W directly follows its B on this rank:
+    their B computes the weight gradients too (their W has nothing left), as 1F1B's backward does.
+    The first stage's B sends nothing, so W's work done in B's place delays nobody, and the
+    micro-batch does not hold its layers' inputs and output gradients through the rest of B: the
+    first rank's memory stays 1F1B's (under ZB-H1 every W of the first rank follows its B)."""
+    actions = table.actions[rank]
+    return {(b.microbatch, b.chunk) for b, w in zip(actions, actions[1:], strict=False)
+            if b.kind == BACKWARD and w == Action(WEIGHT, b.microbatch, b.chunk) and table.stage(rank, b.chunk) == 0}

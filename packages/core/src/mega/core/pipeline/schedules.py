@@ -9,7 +9,7 @@ the step's forward and backward passes. Where the table splits backwards into B 
 forward runs inside :func:`~mega.core.parallel.weight_grad_split.deferring_weight_grads`, so its
 B leaves the layers' weight-gradient products to its W; but where the first stage runs a
 micro-batch's W right after its B (always under ZB-H1), that B computes the weight gradients
-itself, as 1F1B's backward does, so the first rank holds 1F1B's memory (see ``_whole_backwards``).
+itself, as 1F1B's backward does, so the first rank holds 1F1B's memory (see :func:`~mega.core.pipeline.schedule_table.whole_backwards`).
 
 As in Megatron, each micro-batch's loss is divided by the number of micro-batches before its
 backward, so the accumulated gradients are those of the mean loss over the global batch; and
@@ -31,7 +31,14 @@ from mega.core.parallel import ParallelGroups
 from mega.core.parallel.weight_grad_split import deferring_weight_grads, run_weight_grads
 from mega.core.pipeline.messages import consumed, crossing, exchanges, produced
 from mega.core.pipeline.p2p import PipelineLinks
-from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, WEIGHT, Action, ScheduleTable, schedule_table
+from mega.core.pipeline.schedule_table import (
+    FORWARD,
+    WEIGHT,
+    Action,
+    ScheduleTable,
+    schedule_table,
+    whole_backwards,
+)
 from mega.core.pipeline.tensor_spec import TensorSpec
 from mega.core.pipeline.tied import sum_tied_grads, tied_parameters
 from mega.core.plugins import Events
@@ -160,7 +167,7 @@ class _ScheduleRun:
                 self.final_actions[(id(self.syncers[action.chunk]), action.kind)] = action
         self.deferred: dict[tuple[int, int], list] = {}  # (mb, chunk) -> weight-gradient products for its W
         self.splits_backward = table.splits_backward and not forward_only
-        self.whole_backward = _whole_backwards(table, self.rank) if self.splits_backward else set()
+        self.whole_backward = whole_backwards(table, self.rank) if self.splits_backward else set()
         # A rank that holds the first and the last stage (pp = 1) uses a tied word embedding for
         # the lookup and the output layer: its gradient stays whole in B.
         stages = {table.stage(self.rank, chunk) for chunk in range(len(chunks))}
@@ -290,17 +297,6 @@ class _ScheduleRun:
             syncer.finish_grad_sync()
         sum_tied_grads(self.chunks, self.groups)
         self.events.hook.on_grad_sync_end()
-
-
-def _whole_backwards(table: ScheduleTable, rank: int) -> set[tuple[int, int]]:
-    """The (micro-batch, chunk) of the first stage whose W directly follows its B on this rank:
-    their B computes the weight gradients too (their W has nothing left), as 1F1B's backward does.
-    The first stage's B sends nothing, so W's work done in B's place delays nobody, and the
-    micro-batch does not hold its layers' inputs and output gradients through the rest of B: the
-    first rank's memory stays 1F1B's (under ZB-H1 every W of the first rank follows its B)."""
-    actions = table.actions[rank]
-    return {(b.microbatch, b.chunk) for b, w in zip(actions, actions[1:], strict=False)
-            if b.kind == BACKWARD and w == Action(WEIGHT, b.microbatch, b.chunk) and table.stage(rank, b.chunk) == 0}
 
 
 def _per_chunk(grad_sync, num_chunks: int) -> list:

@@ -23,9 +23,14 @@ class StageFootprint:
       the backward (0 without recompute).
     * ``expert_parameters``: of ``parameters``, the routed experts' (the distributed optimizer
       shards them over the expert-data-parallel group, not over dp x cp).
+    * ``weight_grad_bytes``: what one micro-batch holds from its B to its W under a zero-bubble
+      schedule (its deferred weight-gradient products' operands: the linears' inputs and output
+      gradients); None where the family does not say, and the planner then keeps the whole
+      ``activation_bytes`` until W.
     """
 
     parameters: int
     activation_bytes: int
     recompute_bytes: int = 0
     expert_parameters: int = 0
+    weight_grad_bytes: int | None = None

@@ -10,7 +10,9 @@ What each rank holds, as `mega train` allocates it:
                  two fp32 moments; SGD: one momentum), over dp*cp ranks with the distributed
                  optimizer
     activations  what the micro-batches in flight keep for backward at the worst point of the
-                 pipeline schedule, plus the largest recomputed region rebuilt during backward
+                 pipeline schedule, plus the largest recomputed region rebuilt during backward;
+                 under a zero-bubble schedule a micro-batch is in flight from F to W, holding
+                 from its B on only what its W needs (``StageFootprint.weight_grad_bytes``)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from mega.core.parallel.fsdp_config import FSDP_STRATEGIES
 from mega.core.pipeline.actions import INTERLEAVED
 from mega.core.pipeline.layout import layout_string
 from mega.core.pipeline.partition import even_layer_counts, split_layers
-from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, schedule_table
+from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, schedule_table, whole_backwards
 from mega.core.planning.footprint import StageFootprint
 from mega.core.planning.fsdp_memory import ShardedStage, fully_sharded_bytes
 
@@ -230,7 +232,7 @@ def _stage_usage(family: ModelFamily, config, layout: Layout, dtype_bytes: int, 
     parallel = layout.parallel
     tied = not getattr(config, "untie_embeddings_and_output_weights", True)
     table = schedule_of(layout.pp, num_microbatches, layout.vpp, layout.schedule)
-    schedule = table.actions  # (built anew at each read)
+    schedule, splits_backward = table.actions, table.splits_backward  # (each built anew at each read)
     layer = family.memory_model(config, layers=1, first_layer=config.num_layers - 1, pre_process=False,
                                 post_process=False, parallel=parallel, micro_batch_size=layout.micro_batch_size,
                                 dtype_bytes=dtype_bytes, device_type=device_type).parameters
@@ -249,16 +251,32 @@ def _stage_usage(family: ModelFamily, config, layout: Layout, dtype_bytes: int, 
             tied_elements.append(config.padded_vocab_size(layout.tp) * config.hidden_size // layout.tp
                                  if tied and (pre or post) else 0)
         held = peak = peak_chunks = chunks_held = 0
+        whole = whole_backwards(table, stage) if splits_backward else set()
         for action in schedule[stage]:
-            # A backward frees its chunk's activations (a split one mostly: W keeps a few inputs).
-            sign = 1 if action.kind == FORWARD else -1 if action.kind == BACKWARD else 0
-            held += sign * footprints[action.chunk].activation_bytes
-            chunks_held += sign
+            footprint, item = footprints[action.chunk], (action.microbatch, action.chunk)
+            split = splits_backward and item not in whole
+            if action.kind == FORWARD:
+                held += footprint.activation_bytes
+                chunks_held += 1
+            elif action.kind == BACKWARD:  # frees the forward's tensors; a split one keeps W's operands
+                held += (_held_for_w(footprint) if split else 0) - footprint.activation_bytes
+                chunks_held -= 0 if split else 1
+            elif split:  # W
+                held -= _held_for_w(footprint)
+                chunks_held -= 1
             if held > peak:
                 peak, peak_chunks = held, chunks_held
         activations = peak + max(f.recompute_bytes for f in footprints)
         usage.append(_StageUsage(chunks, footprints, tied_elements, has_output, activations, peak_chunks, layer))
     return usage
+
+
+def _held_for_w(footprint: StageFootprint) -> int:
+    """What a micro-batch holds from its B to its W: the operands of its deferred weight
+    gradients, or, where the family does not say, everything its forward kept."""
+    if footprint.weight_grad_bytes is None:
+        return footprint.activation_bytes
+    return footprint.weight_grad_bytes
 
 
 def _sharded_stage(config, layout: Layout, use: _StageUsage, units: bool) -> ShardedStage:
