@@ -147,8 +147,7 @@ def _layer_bytes(config, moe: bool, tokens: int, parallel: ParallelConfig, dtype
     return layer
 
 
-def _layer_weight_grad_bytes(config, moe: bool, tokens: int, parallel: ParallelConfig, dtype_bytes: int,
-                             device_type: str) -> int:
+def _layer_weight_grad_bytes(config, moe: bool, tokens: int, parallel: ParallelConfig, dtype_bytes: int) -> int:
     """What one layer's deferred weight gradients hold from B to W (zero-bubble schedules): its
     linears' inputs and output gradients, as :func:`mega.models.memory.layer_weight_grad_bytes`
     counts them, with multi-latent attention's projections and the experts where the layer has them."""
@@ -157,7 +156,7 @@ def _layer_weight_grad_bytes(config, moe: bool, tokens: int, parallel: ParallelC
     if getattr(config, "multi_latent_attention", False):
         attention = _mla_weight_grad_bytes(config, tokens, parallel, dtype_bytes)
     if moe:
-        mlp = _moe_weight_grad_bytes(config, tokens, parallel, dtype_bytes, device_type)
+        mlp = _moe_weight_grad_bytes(config, tokens, parallel, dtype_bytes)
     return attention + mlp
 
 
@@ -176,15 +175,14 @@ def _mla_weight_grad_bytes(config, tokens: int, parallel: ParallelConfig, dtype_
     return tokens * widths * dtype_bytes
 
 
-def _moe_weight_grad_bytes(config, tokens: int, parallel: ParallelConfig, dtype_bytes: int, device_type: str) -> int:
+def _moe_weight_grad_bytes(config, tokens: int, parallel: ParallelConfig, dtype_bytes: int) -> int:
     """The experts' deferred weight gradients (the router's is B's: a plain ``nn.Linear``): per
-    routed slot its input row and output gradient, and fc1's output gradient with, for fc2, the
-    activation (one grouped GEMM each: CUDA bf16 with --moe-grouped-gemm) or fc1's output it is
-    rebuilt from (the loop over experts); the shared experts as a dense SwiGLU MLP."""
+    routed slot its input row, its output gradient, fc1's output gradient and fc2's input (the
+    activation), whether one grouped GEMM each or the loop over experts; the shared experts as a
+    dense SwiGLU MLP."""
     h, b = config.hidden_size, dtype_bytes
     ffn = config.moe_ffn_hidden_size // parallel.expert_tp
-    grouped = config.moe_grouped_gemm and device_type == "cuda" and dtype_bytes == 2
-    per_slot = 2 * h + 2 * ffn + (ffn if grouped else 2 * ffn)
+    per_slot = 2 * h + 3 * ffn
     shared = (config.moe_shared_expert_intermediate_size or 0) // parallel.tp
     shared_bytes = tokens * (2 * h + 3 * shared) * b if shared else 0
     return tokens * config.moe_router_topk * per_slot * b + shared_bytes
@@ -217,7 +215,7 @@ def moe_stage_footprint(config, *, layers: int, pre_process: bool, post_process:
     parameters = ends.parameters + sum(_layer_parameters(config, moe, parallel) for moe in moe_layers)
     experts = sum(moe_layers) * _routed_parameters(config, parallel)
     weight_grads = ends.weight_grad_bytes + sum(
-        _layer_weight_grad_bytes(config, moe, tokens, parallel, dtype_bytes, device_type) for moe in moe_layers)
+        _layer_weight_grad_bytes(config, moe, tokens, parallel, dtype_bytes) for moe in moe_layers)
     if post_process and getattr(config, "mtp_num_layers", None):
         last_moe = config.is_moe_layer(config.num_layers - 1)
         mtp_layer = _layer_bytes(config, last_moe, tokens, parallel, dtype_bytes, device_type)
@@ -229,7 +227,7 @@ def moe_stage_footprint(config, *, layers: int, pre_process: bool, post_process:
         weight_grads += output - output_layer_weight_grad_bytes(config, tokens, parallel, dtype_bytes)
         eh_proj = tokens * 3 * config.hidden_size * dtype_bytes  # its input (two joined) and output
         weight_grads += config.mtp_num_layers * (
-            _layer_weight_grad_bytes(config, last_moe, tokens, parallel, dtype_bytes, device_type) + eh_proj + output)
+            _layer_weight_grad_bytes(config, last_moe, tokens, parallel, dtype_bytes) + eh_proj + output)
         parameters += _mtp_parameters(config, parallel)
         experts += config.mtp_num_layers * config.is_moe_layer(config.num_layers - 1) * _routed_parameters(config, parallel)
         if not pre_process and config.untie_embeddings_and_output_weights:  # the MTP modules' word embedding

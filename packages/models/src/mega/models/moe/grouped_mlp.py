@@ -67,8 +67,10 @@ class _GroupedSwiGLUMLP(torch.autograd.Function):
         if ctx.deferred is not None:  # B now, the weight gradients at W
             pending, fc1_param, fc2_param = ctx.deferred
             grad_projected = _grad_projected(grad_out, fc2, gate, up, silu_gate, counts)
-            defer(pending, partial(_weight_grads, rows, fc1_param, fc2_param, grad_out, grad_projected, gate, up, counts),
-                  (fc1_param, fc2_param))
+            # W keeps fc2's input, the activation (ffn wide), not fc1's output it is made from (2 ffn)
+            activation = silu_gate.mul_(up)
+            defer(pending, partial(_weight_grads, rows, fc1_param, fc2_param, grad_out, grad_projected, activation,
+                                   counts), (fc1_param, fc2_param))
             return (_grad_rows(grad_projected, fc1, rows, counts) if want_rows else None), None, None, None, None
         if want_fc2:
             grad_fc2 = _grad_fc2(grad_out, silu_gate * up, fc2, counts)
@@ -117,11 +119,11 @@ def _grad_fc2(grad_out, activation, fc2, counts):
     return grad_fc2
 
 
-def _weight_grads(rows, fc1, fc2, grad_out, grad_projected, gate, up, counts):
+def _weight_grads(rows, fc1, fc2, grad_out, grad_projected, activation, counts):
     """The W step's products: both weight gradients (a frozen weight gets none)."""
     pairs = []
     if fc1.requires_grad:
         pairs.append((fc1, _grad_fc1(grad_projected, rows, fc1, counts)))
     if fc2.requires_grad:
-        pairs.append((fc2, _grad_fc2(grad_out, F.silu(gate) * up, fc2, counts)))
+        pairs.append((fc2, _grad_fc2(grad_out, activation, fc2, counts)))
     return pairs
