@@ -17,7 +17,8 @@ it saves, forward and backward:
 The numbers are those of the unfused ops (the same products in the same order, the SwiGLU of
 :mod:`mega.models.torch_kernels`: ``silu(gate) * up``, gradients ``silu_backward(grad * up,
 gate)`` and ``grad * silu(gate)``). Saved for backward: the input rows and fc1's output; each
-expert's activation is recomputed from the latter.
+expert's activation is recomputed from the latter. Under a zero-bubble schedule B makes the
+activation once more for W, which then holds it (``ffn`` wide) rather than fc1's output (``2 ffn``).
 """
 
 from __future__ import annotations
