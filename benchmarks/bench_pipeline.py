@@ -39,6 +39,12 @@ memory a rank allocated during one more (profiled) step:
 
 The peak memory does not depend on the costs (mega.core.testing.peak_memory: the allocator's
 record of one step), so ``--layer-ms 1 --rounds 1 --steps 1`` gives the same figures in seconds.
+
+``--model gpt`` or ``--model llama`` runs a real model of that family instead of the MLP blocks
+(``--blocks`` transformer layers of ``--hidden``, 4 heads, vocabulary 8 x hidden, untied, its own
+loss), split the same way: what a micro-batch holds for its W depends on the layers (an MLP
+block's W keeps 10h floats per token against the 9h its forward saved, a LLaMA layer's about
+4/5 of what it saved), and so does how ZB-H1's memory compares with 1F1B's in bytes.
 """
 
 from __future__ import annotations
@@ -112,6 +118,38 @@ def build_layers(args, tied: bool = True) -> list[nn.Module]:
     else:
         output_layer.weight = nn.Parameter(embedding.word_embeddings.weight.detach().clone())
     return [embedding, *[Block(args.hidden) for _ in range(args.blocks)], output_layer]
+
+
+def family_chunks(args, groups, table):
+    """This rank's chunks of a real model of ``args.model``'s family (``--blocks`` transformer layers of
+    hidden ``--hidden``, vocabulary 8 x hidden, untied, no dropout) split as the MLP model is (the
+    output layer counted as a layer, the embedding free): the chunks, their costed layers, the
+    family's loss and the stage boundaries for ``forward_backward``."""
+    from mega.core.build import build_stage
+    from mega.core.model_family import LossContext
+    from mega.core.pipeline.actions import stage_of
+    from mega.core.plugins import get_plugins
+
+    family = get_plugins().models.get(args.model)
+    config = family.preset("tiny", num_layers=args.blocks, hidden_size=args.hidden, num_attention_heads=4,
+                           seq_length=args.seq, max_position_embeddings=args.seq, vocab_size=8 * args.hidden,
+                           hidden_dropout=0.0, attention_dropout=0.0, untie_embeddings_and_output_weights=True)
+    pp, vpp = table.pp, table.vpp
+    decoder = balanced_layers_per_stage(args, pp * vpp)
+    decoder[0], decoder[-1] = decoder[0] - 1, decoder[-1] - 1  # the embedding, the output layer
+    stages = family.stages(config, pp, vpp, decoder)
+    mine = [stages[stage_of(groups.pp.rank, chunk, pp, table.placement)] for chunk in range(vpp)]
+    chunks = [build_stage(family, config, stage, groups=groups, seed=0) for stage in mine]
+    costed = [len(stage.layers["decoder"]) + stage.is_last for stage in mine]
+    context = LossContext(config, kernels=chunks[0].kernels)
+
+    def loss_fn(outputs, labels):
+        return family.loss(outputs, {"labels": labels, "loss_mask": torch.ones(labels.shape)}, context)[0]
+
+    def boundary(index):
+        return family.boundary(config, stages[index], args.micro_batch, groups.config, torch.float32)
+
+    return chunks, costed, loss_fn, {"boundary": boundary}
 
 
 class FixedCost:
@@ -196,31 +234,36 @@ def time_pipeline(args, pp: int, vpp: int | None, schedule: str, trace_path: str
 
     groups = ParallelGroups(ParallelConfig(pp=pp, vpp=vpp))
     table = schedule_table(pp, args.microbatches, vpp or 1, schedule=schedule)
-    # Fixed costs: untied, so that no rank waits in the tied embedding's all-reduce.
-    tied = table.placement == "interleaved" and not args.layer_ms
-    layers = build_layers(args, tied)
-    if tied:
-        tie_across_stages(layers[0].word_embeddings.weight)
-    chunks = pipeline_chunks(layers, groups, balanced_layers_per_stage(args, pp * (vpp or 1)), table.placement)
+    vocab = 8 * args.hidden
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, vocab, (args.micro_batch, args.seq + 1), generator=generator)
+               for _ in range(args.microbatches)]
+    if args.model == "mlp":
+        # Fixed costs: untied, so that no rank waits in the tied embedding's all-reduce.
+        tied = table.placement == "interleaved" and not args.layer_ms
+        layers = build_layers(args, tied)
+        if tied:
+            tie_across_stages(layers[0].word_embeddings.weight)
+        chunks = pipeline_chunks(layers, groups, balanced_layers_per_stage(args, pp * (vpp or 1)), table.placement)
+        costed = [sum(not isinstance(layer, Embedding) for layer in chunk) for chunk in chunks]
+        data = [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in batches]
+        loss_fn, shapes = loss_of, {"tensor_shape": [args.seq, args.micro_batch, args.hidden]}
+    else:
+        chunks, costed, loss_fn, shapes = family_chunks(args, groups, table)
+        data = [({"tokens": b[:, :-1].contiguous()}, b[:, 1:].contiguous()) for b in batches]
     setup_tied_weights(chunks, groups)
     params = [p for chunk in chunks for p in chunk.parameters()]
     optimizer = torch.optim.SGD(params, lr=1e-3)
     timeline = PipelineTimeline(trace_path)
     listeners = [timeline]
     if args.layer_ms:
-        costed = [sum(not isinstance(layer, Embedding) for layer in chunk) for chunk in chunks]
         listeners.append(FixedCost(costed, args.layer_ms / 1000, table.splits_backward))
     events = Events(listeners)
-    vocab = 8 * args.hidden
-    generator = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, vocab, (args.micro_batch, args.seq + 1), generator=generator)
-               for _ in range(args.microbatches)]
-    data = [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in batches]
 
     def train_step():
         optimizer.zero_grad()
-        forward_backward(chunks, data, args.microbatches, loss_of, groups,
-                         tensor_shape=[args.seq, args.micro_batch, args.hidden], events=events, schedule=schedule)
+        forward_backward(chunks, data, args.microbatches, loss_fn, groups, events=events, schedule=schedule,
+                         **shapes)
         optimizer.step()
 
     if args.realtime:
@@ -305,7 +348,10 @@ def compute_and_waiting(spans_per_rank: list[list[dict]]) -> tuple[float, float]
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=7, help="MLP blocks (blocks + 1 must divide by pp*vpp)")
+    parser.add_argument("--blocks", type=int, default=7, help="MLP blocks or transformer layers (blocks + 1 must "
+                                                                "divide by pp*vpp)")
+    parser.add_argument("--model", choices=("mlp", "gpt", "llama"), default="mlp",
+                        help="residual MLP blocks, or a real GPT or LLaMA (transformer layers, its loss)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=2)
