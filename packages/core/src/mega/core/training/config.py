@@ -199,8 +199,11 @@ class KernelConfig:
         None, "blockwise attention returning the log-sum-exp (context parallelism's ring) kernel backend")
     linear_loss_backend: str | None = option(
         None, "output layer fused with the cross-entropy, no full logits (e.g. liger; torch: unfused)")
-    compile: bool = option(False, "torch.compile each transformer layer (each unit the model family names), "
-                                  "fusing its elementwise chains (bias+GELU/SwiGLU, dropout+residual, RoPE)")
+    compile: bool | None = option(
+        None, "torch.compile each transformer layer (each unit the model family names), fusing its elementwise "
+        "chains (bias+GELU/SwiGLU, dropout+residual, RoPE, FP8's casts) (default: on with --fp8-format on a GPU, "
+        "where torchao's FP8 is slower than bf16 eager; --no-compile keeps it eager)",
+        action=argparse.BooleanOptionalAction)
     compile_backend: str = option("inductor", "torch.compile backend for --compile (inductor; aot_eager to "
                                   "check tracing without generating code)")
 

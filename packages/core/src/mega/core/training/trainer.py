@@ -34,7 +34,7 @@ from mega.core.pipeline.tied import setup_tied_weights
 from mega.core.pipeline.zero_bubble import placement_of
 from mega.core.plugins import Events, Plugins
 from mega.core.training.batches import MicroBatches
-from mega.core.training.compile import compile_stage
+from mega.core.training.compile import compile_stage, compiles
 from mega.core.training.lr_schedule import LearningRateSchedule
 from mega.core.training.per_token_loss import micro_batch_tokens, read_step, token_weight
 from mega.core.training.precision import (
@@ -145,7 +145,7 @@ class Trainer:
                                  rng_tracker=self.rng_tracker, seed=run.training.seed,
                                  dtype=torch.float32 if fsdp else self.dtype)  # FSDP's shards are the fp32 main weights
             self.events.hook.on_stage_built(stage=module, groups=groups)  # passes of plugins (FP8)
-            if run.kernels.compile:
+            if compiles(run, groups.device):
                 compile_stage(self.family, module, run.kernels.compile_backend)
             chunks.append(module)
         setup_tied_weights(chunks, groups)
