@@ -100,16 +100,13 @@ class LanguageModel(nn.Module):
         if isinstance(inputs, Mapping):
             hidden = inputs["tokens"] if self.pre_process else inputs["hidden"]
             mask = document_attention_mask(inputs.get("document_ids"))  # packed rows: each document alone
-            if self.fused_loss:
+            if self.post_process and (self.fused_loss or output_layer_defers(self.output_layer.weight)):
+                # The loss applies the output layer: a linear_loss kernel's, or (a zero-bubble
+                # schedule's forward) one whose W rebuilds the logits' gradient (output_layer_loss).
                 hidden = self._final_hidden(hidden, inputs.get("position_ids"), mask=mask)
-                return {"output_hidden": hidden, "output_weight": self.output_layer.weight}
-            if self.post_process and output_layer_defers(self.output_layer.weight):
-                # A zero-bubble schedule's forward: the loss applies the output layer so that its
-                # W can rebuild the logits' gradient (mega.core.parallel.output_layer_loss).
-                hidden = self._final_hidden(hidden, inputs.get("position_ids"), mask=mask)
-                rebuildable = rebuildable_input(self.output_layer, hidden)
-                if rebuildable is not None:
-                    return {"output_hidden": rebuildable, "output_weight": self.output_layer.weight}
+                given = hidden if self.fused_loss else rebuildable_input(self.output_layer, hidden)
+                if given is not None:
+                    return {"output_hidden": given, "output_weight": self.output_layer.weight}
                 return {"logits": self.output_layer(hidden)}
             output = self.forward(hidden, inputs.get("position_ids"), mask=mask)
             return {"logits" if self.post_process else "hidden": output}
