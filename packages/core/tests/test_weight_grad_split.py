@@ -109,3 +109,29 @@ def test_w_hands_each_gradient_over_once_after_its_last_product_and_frees_as_it_
     weight_bytes = 256 * 256 * 4
     # layers[1]'s running sum and its next product: two; all of W's products at once: five
     assert peak < 3 * weight_bytes, f"W held {peak / weight_bytes:.1f} weight gradients at once"
+
+
+def test_a_compiled_module_defers_its_linears_weight_gradients_too():  # device: cpu
+    """Under ``torch.compile`` (aot_eager: dynamo's tracing, no code generation) mega's linears
+    run eagerly between the compiled pieces while a deferring region is open, so W still gets
+    their products (before, a compiled layer computed them in B and left W empty); outside a
+    region the same compiled module takes its other graph and computes them in B."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Linear(8, 16), torch.nn.GELU(), Linear(16, 8))
+    compiled = torch.nn.Sequential(Linear(8, 16), torch.nn.GELU(), Linear(16, 8))
+    compiled.load_state_dict(model.state_dict())
+    compiled.compile(backend="aot_eager")
+    x = torch.randn(4, 8, requires_grad=True)  # as a stage's input (the weights enter the deferring products detached)
+    model(x).square().sum().backward()
+    pending = []
+    with deferring_weight_grads(pending):
+        loss = compiled(x).square().sum()
+    loss.backward()  # B
+    assert len(pending) == 2 and all(p.grad is None for p in compiled.parameters())
+    run_weight_grads(pending)  # W
+    for expected, got in zip(model.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-6, atol=1e-6)
+    compiled.zero_grad(set_to_none=True)
+    compiled(x).square().sum().backward()  # no region open: the weight gradients come in B
+    for expected, got in zip(model.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-6, atol=1e-6)

@@ -9,7 +9,8 @@ A layer whose forward runs inside ``with deferring_weight_grads(pending):`` comp
 input gradient in its backward and appends the weight-gradient product (a closure over the saved
 input and the incoming gradient) to ``pending``; :func:`run_weight_grads` (the W step) runs them.
 The choice is made at forward time and kept on the autograd node, so it holds whatever thread
-autograd runs the backward on; the weights enter the node detached, so autograd accumulates
+autograd runs the backward on (under ``--compile`` the deferring layers run eagerly between the
+compiled pieces of a layer while a region is open: :func:`deferring_anywhere`); the weights enter the node detached, so autograd accumulates
 nothing into them (and runs none of their hooks) until W. The context is a ``ContextVar`` scoped
 by the ``with``, as ``torch.no_grad`` is: nothing to reset. Layers that defer: mega's linears (the torch ``linear`` component
 and the tensor-parallel linears, all through :func:`~mega.core.parallel.grad_accumulation_fusion.linear`)
@@ -38,6 +39,7 @@ logits' gradient from the hidden and the loss's per-token statistics
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 
@@ -51,6 +53,24 @@ Deferred = tuple[WeightGrad, tuple[torch.Tensor, ...] | None]
 
 _pending: ContextVar[tuple[list[Deferred], frozenset[int]] | None] = ContextVar(
     "mega_deferred_weight_grads", default=None)
+# How many deferring regions are open in this process (any thread): a plain global, which
+# compiled code can read (it guards on its value), where the ContextVar it cannot.
+_open_regions = 0
+_open_regions_lock = threading.Lock()
+
+
+def deferring_anywhere() -> bool:
+    """Whether a deferring region is open in this process: a compiled layer then runs its
+    deferring products eagerly (``torch.compiler.disable``), where :func:`deferral_target` can
+    read the region. Dynamo guards on the count, so a compiled layer keeps one graph for
+    forwards inside such regions and one for the others."""
+    return _open_regions > 0
+
+
+def _count_region(change: int) -> None:
+    global _open_regions
+    with _open_regions_lock:
+        _open_regions += change
 
 
 @contextlib.contextmanager
@@ -61,16 +81,18 @@ def deferring_weight_grads(pending: list[Deferred], keep_in_b: Iterable[torch.Te
     embedding tied to the output layer of the same rank) must get all of it there, or the
     data-parallel wrapper would reduce its bucket before W adds the rest."""
     token = _pending.set((pending, frozenset(id(weight) for weight in keep_in_b)))
+    _count_region(1)
     try:
         yield pending
     finally:
+        _count_region(-1)
         _pending.reset(token)
 
 
 def deferral_target(*weights: torch.Tensor) -> list[Deferred] | None:
     """Where a layer run now puts the weight-gradient products of ``weights`` (None: compute
     them in B)."""
-    if torch.compiler.is_compiling():  # first: dynamo cannot trace a ContextVar's get
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace a ContextVar's get (see deferring_anywhere)
         return None
     context = _pending.get()
     if context is None or not torch.is_grad_enabled():
@@ -90,9 +112,12 @@ def replaying_weight_grad_deferral() -> contextlib.AbstractContextManager:
     @contextlib.contextmanager
     def replaying():
         token = _pending.set(captured)
+        counted = 1 if captured is not None else 0  # compiled layers rerun take the deferring graph
+        _count_region(counted)
         try:
             yield
         finally:
+            _count_region(-counted)
             _pending.reset(token)
 
     return replaying()

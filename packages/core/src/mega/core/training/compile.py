@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from mega.core.model_family import ModelFamily
-from mega.core.pipeline.zero_bubble import ZERO_BUBBLE_SCHEDULES
 
 
 def compiles(run, device: torch.device) -> bool:
@@ -21,13 +20,11 @@ def compiles(run, device: torch.device) -> bool:
     with FP8 (``--fp8-format``) on a GPU. Eager, torchao's FP8 casts and amax reductions are
     kernels of their own: one H200 measured GPT 1.3B in FP8 at 0.38x of bf16's tokens/s eager and
     1.04x compiled (docs/benchmarks.md). Not by default under selective recompute, which
-    ``--compile`` refuses, nor under a zero-bubble schedule, whose W a compiled layer leaves empty
-    (its weight gradients come in B: mega.core.parallel.weight_grad_split)."""
+    ``--compile`` refuses."""
     if run.kernels.compile is not None:
         return run.kernels.compile
     return (device.type == "cuda" and run.precision.fp8 is not None
-            and getattr(run.model, "recompute_granularity", None) != "selective"
-            and run.pipeline.pipeline_schedule not in ZERO_BUBBLE_SCHEDULES)
+            and getattr(run.model, "recompute_granularity", None) != "selective")
 
 
 def compile_stage(family: ModelFamily, module: nn.Module, backend: str = "inductor") -> nn.Module:

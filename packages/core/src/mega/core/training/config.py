@@ -202,8 +202,8 @@ class KernelConfig:
     compile: bool | None = option(
         None, "torch.compile each transformer layer (each unit the model family names), fusing its elementwise "
         "chains (bias+GELU/SwiGLU, dropout+residual, RoPE, FP8's casts) (default: on with --fp8-format on a GPU, "
-        "where torchao's FP8 is slower than bf16 eager, unless a zero-bubble schedule or selective recompute "
-        "runs; --no-compile keeps it eager)",
+        "where torchao's FP8 is slower than bf16 eager, unless selective recompute runs; --no-compile keeps it "
+        "eager)",
         action=argparse.BooleanOptionalAction)
     compile_backend: str = option("inductor", "torch.compile backend for --compile (inductor; aot_eager to "
                                   "check tracing without generating code)")
