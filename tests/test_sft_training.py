@@ -71,6 +71,8 @@ def flags(data, rows, *extra):
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2"]
 LAYOUTS = {"tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
            "pp2": ["--pipeline-model-parallel-size", "2"],
+           # the frozen base's weights have no W: the adapters' alone are deferred
+           "pp2-zb-h1": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
            "dp2-distributed-optimizer": ["--use-distributed-optimizer", "--micro-batch-size", "1"]}
 
 

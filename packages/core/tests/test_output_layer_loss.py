@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mega.core.parallel.output_layer_loss import output_layer_cross_entropy
+from mega.core.parallel.output_layer_loss import output_layer_cross_entropy, output_layer_defers
 from mega.core.parallel.weight_grad_split import deferring_weight_grads, run_weight_grads
 
 TOKENS, HIDDEN, ROWS, VOCAB = 12, 8, 20, 18  # rows 18 and 19: vocabulary padding
@@ -78,7 +78,11 @@ def test_bf16_matches_the_separate_layer_and_loss():  # device: cpu
     torch.testing.assert_close(weight.grad, expected_weight, rtol=2e-2, atol=2e-2)
 
 
-def test_refused_outside_a_deferring_forward():  # device: cpu
+def test_refused_outside_a_deferring_forward_and_not_used_for_a_frozen_weight():  # device: cpu
     hidden, weight, target, _ = inputs()
     with pytest.raises(RuntimeError, match="W-deferring forward"):
         output_layer_cross_entropy(hidden, weight, target, None, VOCAB)
+    with deferring_weight_grads([]):
+        assert output_layer_defers(weight)
+        weight.requires_grad_(False)  # LoRA's frozen output layer: nothing for W
+        assert not output_layer_defers(weight)

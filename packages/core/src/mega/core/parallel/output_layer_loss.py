@@ -35,8 +35,9 @@ _WHOLE_VOCABULARY = Group("tensor", (0,), 0, None)
 
 
 def output_layer_defers(weight: torch.Tensor) -> bool:
-    """Whether the output layer run now leaves ``weight``'s gradient to a W step."""
-    return deferral_target(weight) is not None
+    """Whether the output layer run now leaves ``weight``'s gradient to a W step (a frozen
+    weight, LoRA's, has none to leave)."""
+    return weight.requires_grad and deferral_target(weight) is not None
 
 
 def output_layer_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
