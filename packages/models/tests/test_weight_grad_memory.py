@@ -39,7 +39,7 @@ def test_planned_weight_grad_bytes_are_what_the_deferred_products_hold(name):  #
                            attention_dropout=0.0, **OVERRIDES.get(name, {}))
     stage = family.stages(config, 2, 1, None)[1]
     groups = ParallelGroups(ParallelConfig())
-    model = build_stage(family, config, stage, groups=groups, seed=0)
+    model = build_stage(family, config, stage, groups=groups, seed=0, device="cpu")  # the CPU on a GPU machine too
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (MICRO_BATCH, SEQ + 1), generator=generator)
     hidden = torch.randn(SEQ, MICRO_BATCH, config.hidden_size, generator=generator, requires_grad=True)
