@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mega.core.parallel.weight_grad_split import WeightGrad, defer, deferral_target, deferring_anywhere
+from mega.core.parallel.weight_grad_split import WeightGrad, defer, deferral_target, eager_while_deferring
 
 
 def can_fuse(main_grad: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -120,12 +120,11 @@ class _LinearDeferringWeightGrad(torch.autograd.Function):
         return grad_input, None, None, None, None
 
 
+@eager_while_deferring
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, with the weight gradient accumulated into ``weight.main_grad`` where it is
     fused (:func:`fuses`), and deferred to the W step inside ``deferring_weight_grads`` (from a
     compiled layer too: the product then runs eagerly, between the layer's compiled pieces)."""
-    if torch.compiler.is_compiling() and deferring_anywhere():
-        return _linear_eagerly(x, weight, bias)
     pending = deferral_target(weight)
     if pending is not None and (weight.requires_grad or (bias is not None and bias.requires_grad)):
         return _LinearDeferringWeightGrad.apply(x, weight.detach(), None if bias is None else bias.detach(),
@@ -133,9 +132,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if fuses(weight):
         return _LinearAccumulatingWeightGrad.apply(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-_linear_eagerly = torch.compiler.disable(linear)
 
 
 class Linear(nn.Linear):

@@ -10,7 +10,7 @@ input gradient in its backward and appends the weight-gradient product (a closur
 input and the incoming gradient) to ``pending``; :func:`run_weight_grads` (the W step) runs them.
 The choice is made at forward time and kept on the autograd node, so it holds whatever thread
 autograd runs the backward on (under ``--compile`` the deferring layers run eagerly between the
-compiled pieces of a layer while a region is open: :func:`deferring_anywhere`); the weights enter the node detached, so autograd accumulates
+compiled pieces of a layer while a region is open: :func:`eager_while_deferring`); the weights enter the node detached, so autograd accumulates
 nothing into them (and runs none of their hooks) until W. The context is a ``ContextVar`` scoped
 by the ``with``, as ``torch.no_grad`` is: nothing to reset. Layers that defer: mega's linears (the torch ``linear`` component
 and the tensor-parallel linears, all through :func:`~mega.core.parallel.grad_accumulation_fusion.linear`)
@@ -39,6 +39,7 @@ logits' gradient from the hidden and the loss's per-token statistics
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
@@ -60,17 +61,41 @@ _open_regions_lock = threading.Lock()
 
 
 def deferring_anywhere() -> bool:
-    """Whether a deferring region is open in this process: a compiled layer then runs its
-    deferring products eagerly (``torch.compiler.disable``), where :func:`deferral_target` can
-    read the region. Dynamo guards on the count, so a compiled layer keeps one graph for
-    forwards inside such regions and one for the others."""
+    """Whether a deferring region is open in this process. Dynamo guards on the count, so a
+    compiled layer keeps one graph for forwards inside such regions and one for the others."""
     return _open_regions > 0
 
 
-def _count_region(change: int) -> None:
+def eager_while_deferring(function: Callable) -> Callable:
+    """``function`` (a layer's product that may defer its weight gradients), run eagerly
+    (``torch.compiler.disable``) when called from compiled code while a deferring region is open:
+    there :func:`deferral_target` can read the region, so W gets the products of compiled layers
+    too; the rest of the layer stays compiled around it."""
+    eager = torch.compiler.disable(function)
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling() and deferring_anywhere():
+            return eager(*args, **kwargs)
+        return function(*args, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def _region(context: tuple[list[Deferred], frozenset[int]] | None) -> Iterator[None]:
+    """``context`` set for the layers run inside, and counted while open if it defers."""
     global _open_regions
+    token = _pending.set(context)
+    counted = int(context is not None)
     with _open_regions_lock:
-        _open_regions += change
+        _open_regions += counted
+    try:
+        yield
+    finally:
+        with _open_regions_lock:
+            _open_regions -= counted
+        _pending.reset(token)
 
 
 @contextlib.contextmanager
@@ -80,19 +105,14 @@ def deferring_weight_grads(pending: list[Deferred], keep_in_b: Iterable[torch.Te
     the weights ``keep_in_b``: a weight that also gets an ordinary gradient in B (a word
     embedding tied to the output layer of the same rank) must get all of it there, or the
     data-parallel wrapper would reduce its bucket before W adds the rest."""
-    token = _pending.set((pending, frozenset(id(weight) for weight in keep_in_b)))
-    _count_region(1)
-    try:
+    with _region((pending, frozenset(id(weight) for weight in keep_in_b))):
         yield pending
-    finally:
-        _count_region(-1)
-        _pending.reset(token)
 
 
 def deferral_target(*weights: torch.Tensor) -> list[Deferred] | None:
     """Where a layer run now puts the weight-gradient products of ``weights`` (None: compute
     them in B)."""
-    if torch.compiler.is_compiling():  # first: dynamo cannot trace a ContextVar's get (see deferring_anywhere)
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace a ContextVar's get (eager_while_deferring)
         return None
     context = _pending.get()
     if context is None or not torch.is_grad_enabled():
@@ -107,20 +127,7 @@ def replaying_weight_grad_deferral() -> contextlib.AbstractContextManager:
     so the recomputed operations save the same tensors as the first run."""
     if torch.compiler.is_compiling():  # a compiled region defers nothing (see deferral_target)
         return contextlib.nullcontext()
-    captured = _pending.get()
-
-    @contextlib.contextmanager
-    def replaying():
-        token = _pending.set(captured)
-        counted = 1 if captured is not None else 0  # compiled layers rerun take the deferring graph
-        _count_region(counted)
-        try:
-            yield
-        finally:
-            _count_region(-counted)
-            _pending.reset(token)
-
-    return replaying()
+    return _region(_pending.get())  # (a compiled layer rerun inside then takes its deferring graph)
 
 
 def defer(pending: list[Deferred], product: WeightGrad,

@@ -28,22 +28,18 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from mega.core.parallel.weight_grad_split import defer, deferral_target, deferring_anywhere
+from mega.core.parallel.weight_grad_split import defer, deferral_target, eager_while_deferring
 
 
+@eager_while_deferring
 def grouped_swiglu_mlp(rows: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """``rows`` [N, hidden] in consecutive groups of ``counts[e]`` rows; group ``e`` goes through
     expert ``e``: ``fc1`` [experts, 2 * ffn, hidden] (``[gate; up]``), ``fc2`` [experts, hidden, ffn]."""
-    if torch.compiler.is_compiling() and deferring_anywhere():  # the W-deferring function runs eagerly
-        return _grouped_swiglu_mlp_eagerly(rows, fc1, fc2, counts)
     pending = deferral_target(fc1, fc2)
     if pending is not None and (fc1.requires_grad or fc2.requires_grad):
         # The weights enter detached: their gradients reach autograd (and its hooks) at the W step.
         return _GroupedSwiGLUMLP.apply(rows, fc1.detach(), fc2.detach(), counts, (pending, fc1, fc2))
     return _GroupedSwiGLUMLP.apply(rows, fc1, fc2, counts, None)
-
-
-_grouped_swiglu_mlp_eagerly = torch.compiler.disable(grouped_swiglu_mlp)
 
 
 class _GroupedSwiGLUMLP(torch.autograd.Function):

@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from mega.core.parallel.weight_grad_split import defer, deferral_target, deferring_anywhere
+from mega.core.parallel.weight_grad_split import defer, deferral_target, eager_while_deferring
 
 
+@eager_while_deferring
 def grouped_mm(tokens: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(tokens, weight^T, offs=offsets)``; ``weight`` [experts, out, in]."""
-    if torch.compiler.is_compiling() and deferring_anywhere():  # the W-deferring function runs eagerly
-        return _grouped_mm_eagerly(tokens, weight, offsets)
     pending = deferral_target(weight)
     if pending is None or not weight.requires_grad:
         return torch._grouped_mm(tokens, weight.transpose(-2, -1), offs=offsets)
     # The weight enters detached: its gradient reaches autograd (and its hooks) at the W step.
     return _GroupedMMDeferringWeightGrad.apply(tokens, weight.detach(), offsets, weight, pending)
-
-
-_grouped_mm_eagerly = torch.compiler.disable(grouped_mm)
 
 
 class _GroupedMMDeferringWeightGrad(torch.autograd.Function):
