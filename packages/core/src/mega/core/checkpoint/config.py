@@ -19,6 +19,9 @@ class CheckpointConfig:
     load_optim: bool = option(True, "do not load the optimizer state", flag="--no-load-optim")
     load_rng: bool = option(True, "do not load the RNG states", flag="--no-load-rng")
     finetune: bool = option(False, "load weights only and start at iteration 0")
+    use_checkpoint_args: bool = option(False, "Megatron's flag, accepted: a run that loads a mega checkpoint always "
+                                       "takes its model family, model config and tokenizer from it (flags given "
+                                       "may change only what keeps its function: see docs/finetuning.md)")
     load_adapter: str | None = option(None, "LoRA: the adapters, with the optimizer and the run's progress, from "
                                       "this checkpoint of a LoRA run (which holds the adapters alone); the base "
                                       "weights from --load")
