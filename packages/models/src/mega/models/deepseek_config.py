@@ -1,9 +1,11 @@
-"""``DeepSeekV3Config``: a mixture-of-experts decoder with multi-latent attention, YaRN RoPE and
+"""``MLATransformerConfig``: a mixture-of-experts decoder with multi-latent attention, YaRN RoPE and
 multi-token prediction; Megatron-LM's flags (its ``MLATransformerConfig`` fields).
 
 Hugging Face's names for the same sizes: ``qk_nope_head_dim`` is ``--qk-head-dim``,
 ``qk_rope_head_dim`` is ``--qk-pos-emb-head-dim``; the first ``first_k_dense_replace`` dense
-layers are ``--moe-layer-freq '[0]*k+[1]*(L-k)'``.
+layers are ``--moe-layer-freq '[0]*k+[1]*(L-k)'``. The deepseek-v3 family's class,
+``DeepSeekV3Config``, is this one with DeepSeek-V3's architecture as its defaults
+(:mod:`mega.models.family_configs`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from mega.models.moe.config import MoETransformerConfig
 
 
 @dataclass(frozen=True)
-class DeepSeekV3Config(MoETransformerConfig):
+class MLATransformerConfig(MoETransformerConfig):
     multi_latent_attention: bool = option(True, "multi-latent attention (low-rank compressed queries and keys/values)")
     q_lora_rank: int | None = option(None, "rank of the query bottleneck (none: one query projection)")
     kv_lora_rank: int = option(512, "rank of the key/value bottleneck (the latent a generation cache keeps)")

@@ -19,8 +19,8 @@ from mega.core.kernels import CAUSAL, Kernels
 from mega.core.model_family import LossContext, Stage, stack_stages
 from mega.core.parallel import ParallelConfig
 from mega.core.pipeline.tied import tie_across_stages
-from mega.models.deepseek_config import DeepSeekV3Config
 from mega.models.embedding import Embedding
+from mega.models.family_configs import DeepSeekV3Config
 from mega.models.language_model import per_token_cross_entropy
 from mega.models.moe.layer import MoELayer
 from mega.models.moe_model import MOE_STATS, MoELanguageModel, moe_loss

@@ -28,8 +28,8 @@ from __future__ import annotations
 from mega.core.model_family import ModelFamily, Stage
 from mega.core.parallel import ParallelGroups
 from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
-from mega.models.deepseek_config import DeepSeekV3Config
 from mega.models.deepseek_model import build_deepseek_model, deepseek_loss, deepseek_stages
+from mega.models.family_configs import DeepSeekV3Config
 from mega.models.hf_deepseek_v3 import DEEPSEEK_V3
 from mega.models.initialization import init_parameter
 from mega.models.mla import MultiLatentAttention

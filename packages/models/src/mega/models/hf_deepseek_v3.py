@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mega.core.model_family import TensorMap
-from mega.models.deepseek_config import DeepSeekV3Config
+from mega.models.family_configs import DeepSeekV3Config
 from mega.models.hf_llama import _fuse_gate_up, _rope, _split_gate_up
 from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless, same
 from mega.models.hf_qwen3_moe import routed_expert_maps

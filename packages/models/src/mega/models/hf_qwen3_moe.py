@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mega.core.model_family import TensorMap
+from mega.models.family_configs import Qwen3MoEConfig
 from mega.models.hf_llama import llama_tensor_maps
 from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless
 from mega.models.hf_mixtral import expert_maps, plain_routing_differences, with_expert_maps
@@ -57,7 +58,7 @@ def qwen3_moe_config(hf_config: Mapping[str, Any], **overrides) -> MoETransforme
     settings.update(num_experts=experts, moe_router_topk=get("num_experts_per_tok"),
                     moe_ffn_hidden_size=get("moe_intermediate_size"), moe_router_pre_softmax=not get("norm_topk_prob"),
                     moe_aux_loss_coeff=get("router_aux_loss_coef"))
-    return MoETransformerConfig(**{**settings, **overrides})
+    return Qwen3MoEConfig(**{**settings, **overrides})
 
 
 def qwen3_moe_hf_config(config: MoETransformerConfig) -> dict:
