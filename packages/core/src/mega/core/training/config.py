@@ -175,7 +175,8 @@ class LoggingConfig:
     wandb_project: str | None = option(None, "log the run to this Weights & Biases project (needs wandb; "
                                        "WANDB_MODE=offline writes it locally)")
     wandb_exp_name: str | None = option(None, "the W&B run's name")
-    wandb_save_dir: str | None = option(None, "where W&B writes its files (default: --save/wandb, else ./wandb)")
+    wandb_save_dir: str | None = option(None, "W&B's directory: its files go to DIR/wandb, as wandb.init(dir=DIR) "
+                                        "puts them (default: --save, so --save/wandb; else ./wandb)")
     log_straggler: bool = option(False, "every --log-interval, name the ranks whose step is slowest, with their "
                                  "ratio to the median")
     straggler_minmax_count: int = option(1, "how many of the slowest (and fastest) ranks --log-straggler names")
