@@ -19,7 +19,7 @@ from mega.core.optim.config import OptimizerConfig  # noqa: F401  (a section of 
 
 @dataclass
 class TrainingConfig:
-    model_family: str = option("gpt", "registered model family (see `mega plugins`)")
+    model_family: str = option("gpt", "registered model family (see `mega plugins`); with --load, the checkpoint's")
     model_preset: str | None = option(None, "start from a preset of the family (e.g. tiny, 1.3b, llama3-8b); flags override it, and the sizes it derives (kv channels, ffn, query groups) follow the flags")
     micro_batch_size: int = option(1, "samples per micro-batch on each data-parallel rank")
     global_batch_size: int | None = option(
