@@ -35,13 +35,16 @@ def saved(tmp_path_factory):
 
 def test_the_checkpoint_gives_family_config_and_tokenizer(saved):
     trained, _ = parse_run([*RUN, *LLAMA])
-    run, family = parse_run(["--mock-data", "--load", saved["llama"], "--finetune"])
+    # Data files (parsing does not open them) are read with the checkpoint's tokenizer.
+    run, family = parse_run(["--data-path", "corpus_text_document", "--load", saved["llama"], "--finetune"])
     assert family.name == "llama" and run.training.model_family == "llama"
-    # The tokenizer's vocabulary (91 ids: 90 and the end of document) was saved.
-    assert dataclasses.replace(run.model, vocab_size=90) == trained.model
+    # The NullTokenizer is rebuilt from its own size (90); it gives the model its 91 ids again.
+    assert run.model == trained.model
     assert run.data.tokenizer_type == "NullTokenizer"
+    assert parse_run(["--mock-data", "--load", saved["llama"]])[0].data.tokenizer_type is None  # nothing to tokenize
     # Megatron's --use-checkpoint-args is accepted, and the TOML [checkpoint] table names --load too.
-    assert parse_run(["--mock-data", "--load", saved["llama"], "--use-checkpoint-args"])[0].model == run.model
+    assert parse_run(["--mock-data", "--load", saved["llama"], "--use-checkpoint-args"])[0].model == \
+        dataclasses.replace(run.model, vocab_size=91)
 
 
 def test_a_toml_load_gives_the_model(saved, tmp_path):

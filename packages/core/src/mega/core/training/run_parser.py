@@ -113,10 +113,11 @@ def _saved_model(load: str | None, plugins) -> SavedModel | None:
 
 
 def _with_saved_model(run: RunConfig, saved: SavedModel) -> RunConfig:
-    """The run checked against the checkpoint it loads, with the checkpoint's tokenizer where it
-    names none (the vocabulary the weights were trained with)."""
+    """The run checked against the checkpoint it loads, with the checkpoint's tokenizer (the
+    vocabulary the weights were trained with) where it reads data and names no tokenizer (mock
+    data tokenizes nothing)."""
     check_run_model(saved, run.model)
-    if run.data.tokenizer_type is not None or saved.tokenizer is None:
+    if run.data.tokenizer_type is not None or saved.tokenizer is None or run.data.mock_data:
         return run
     options = saved.tokenizer.options
     run = dataclasses.replace(run, data=dataclasses.replace(
