@@ -42,7 +42,7 @@ REFERENCE = object()  # stands for TRL's reference model: its log-probabilities 
 AGGREGATION = {"grpo": "seq-mean-token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
 
 
-def _tiny_trainer(tmp_path, loss_type, beta, eps_low, eps_high, entropy_coef, weights):
+def _tiny_trainer(tmp_path, loss_type, beta, eps_low, eps_high, entropy_coef, weights, scale_rewards="group"):
     from datasets import Dataset
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -60,7 +60,7 @@ def _tiny_trainer(tmp_path, loss_type, beta, eps_low, eps_high, entropy_coef, we
         per_device_train_batch_size=GROUP * PROMPTS, per_device_eval_batch_size=GROUP * PROMPTS,
         num_generations=GROUP, num_generations_eval=GROUP, max_completion_length=MAX_NEW_TOKENS,
         loss_type=loss_type, beta=0.0, epsilon=eps_low, epsilon_high=eps_high, entropy_coef=entropy_coef,
-        scale_rewards="group", reward_weights=weights,
+        scale_rewards=scale_rewards, reward_weights=weights,
         # Megatron's (and GRPO's) k3 term as it is; TRL's default multiplies it by the ratio (DeepSeek-V3.2)
         use_bias_correction_kl=False)
 
@@ -140,24 +140,25 @@ def _drive_trl(trainer, rollouts, *, probe_mask=None):
     return batch, float(loss), {k: v[-1] for k, v in trainer._metrics["eval"].items()}
 
 
-CASES = [  # loss_type, beta, eps_low, eps_high, entropy_coef
-    ("grpo", 0.04, 0.2, 0.2, 0.0),
-    ("dapo", 0.0, 0.2, 0.28, 0.0),      # DAPO: clip-higher, no KL
-    ("dapo", 0.1, 0.1, 0.3, 0.01),      # with the KL and the entropy bonus (both token means here)
-    ("dr_grpo", 0.02, 0.2, 0.2, 0.0),
+CASES = [  # loss_type, beta, eps_low, eps_high, entropy_coef, advantages divided by the group's std
+    ("grpo", 0.04, 0.2, 0.2, 0.0, True),
+    ("dapo", 0.0, 0.2, 0.28, 0.0, True),      # DAPO: clip-higher, no KL
+    ("dapo", 0.1, 0.1, 0.3, 0.01, True),      # with the KL and the entropy bonus (both token means here)
+    ("dr_grpo", 0.02, 0.2, 0.2, 0.0, False),  # Dr. GRPO: centred rewards, not divided by the std
 ]
 
 
-@pytest.mark.parametrize("loss_type,beta,eps_low,eps_high,entropy_coef", CASES)
-def test_grpo_loss_equals_trl(tmp_path, rollouts, loss_type, beta, eps_low, eps_high, entropy_coef):
+@pytest.mark.parametrize("loss_type,beta,eps_low,eps_high,entropy_coef,scale", CASES)
+def test_grpo_loss_equals_trl(tmp_path, rollouts, loss_type, beta, eps_low, eps_high, entropy_coef, scale):
     weights = [1.0, 0.5]
-    trainer = _tiny_trainer(tmp_path, loss_type, beta, eps_low, eps_high, entropy_coef, weights)
+    trainer = _tiny_trainer(tmp_path, loss_type, beta, eps_low, eps_high, entropy_coef, weights,
+                            scale_rewards="group" if scale else "none")
     batch, trl_loss, trl_metrics = _drive_trl(trainer, rollouts)
     mask = rollouts["mask"]
 
     # Advantages: the weighted reward sum, centred and scaled per group of GROUP completions.
     rewards = torch.tensor(rollouts["correct"]) * weights[0] + torch.tensor(rollouts["styled"]) * weights[1]
-    advantages = group_advantages(rewards, GROUP, scale_by_std=True)
+    advantages = group_advantages(rewards, GROUP, scale_by_std=scale)
     torch.testing.assert_close(advantages, batch["advantages"], rtol=0, atol=1e-6)
 
     terms = grpo_token_losses(
