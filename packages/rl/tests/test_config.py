@@ -60,3 +60,14 @@ def test_the_flag_reference_names_the_papers():
 def test_bad_values_name_the_flag(argv, message):
     with pytest.raises(ConfigError, match=message):
         parse_rl(argv)
+
+
+def test_docs_rl_names_every_flag():
+    from dataclasses import fields
+    from pathlib import Path
+
+    from mega.core.config import flag_of
+
+    page = (Path(__file__).resolve().parents[3] / "docs" / "rl.md").read_text(encoding="utf-8")
+    missing = [flag_of(f) for f in fields(RLConfig) if f"`{flag_of(f)}`" not in page]
+    assert missing == [], f"docs/rl.md does not name {missing}"
