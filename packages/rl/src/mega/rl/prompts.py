@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from mega.data.chat_template import ChatTemplateError, find_chat_template, load_chat_template
+
 
 class PromptDataError(ValueError):
     """A prompt file or line that cannot be used; the message names the file and line."""
@@ -42,8 +44,6 @@ def _conversation_error(messages: Any) -> str | None:
 def prompt_chat_template(chat_template: str | None, tokenizer_path: str | None):
     """The template ``messages`` lines are rendered with: ``--chat-template FILE`` (a Jinja file or
     a ``tokenizer_config.json``), else the one beside the tokenizer's files, else None."""
-    from mega.data.chat_template import ChatTemplateError, find_chat_template, load_chat_template
-
     try:
         return load_chat_template(chat_template) if chat_template else find_chat_template(tokenizer_path)
     except ChatTemplateError as error:
@@ -53,8 +53,6 @@ def prompt_chat_template(chat_template: str | None, tokenizer_path: str | None):
 def read_prompt_data(path: str | Path, chat_template=None) -> list[Prompt]:
     """Every prompt of a JSON Lines file (blank lines skipped). ``chat_template``: a
     :class:`mega.data.chat_template.ChatTemplate`, needed when a line has ``messages``."""
-    from mega.data.chat_template import ChatTemplateError
-
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()

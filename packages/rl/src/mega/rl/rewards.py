@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
+from mega.core.plugins import get_plugins
 from mega.core.plugins.registry import resolve
 
 
@@ -74,8 +75,6 @@ def load_reward(spec: str, registry=None) -> Reward:
             raise RewardSpecError(f"--reward {spec}: cannot import {target}: {error}") from None
     else:
         if registry is None:
-            from mega.core.plugins import get_plugins
-
             registry = get_plugins().rewards
         try:
             function = registry.get(target)
