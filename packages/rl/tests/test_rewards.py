@@ -40,6 +40,10 @@ USER_REWARDS = textwrap.dedent('''
     def not_a_number(prompt, completion, **fields):
         return {"nan": math.nan, "inf": math.inf, "none": None, "text": "high"}.get(completion, 0.5)
 
+    def exits(prompt, completion, **fields):
+        import os
+        os._exit(3)
+
     def batched_length(prompts, completions, answer, **kwargs):
         # TRL's kind: every column a list, one value per completion
         return [float(len(c)) + (0.5 if a == c else 0.0) for c, a in zip(completions, answer)]
@@ -156,3 +160,10 @@ def test_failing_rewards_score_zero_are_counted_and_the_run_goes_on(pool, user_r
     # The pool still works after its workers were killed and replaced.
     again = score(load_rewards(["user_rewards:exact"]), pool, ["p"], ["4"], [{"answer": "4"}])
     assert again.total == [1.0]
+
+
+def test_a_reward_that_kills_its_worker_scores_zero(pool, user_rewards):
+    scores = score(load_rewards(["user_rewards:exits", "user_rewards:exact"]), pool, ["p"], ["4"], [{"answer": "4"}])
+    assert scores.counts["user_rewards:exits"].errors == 1
+    assert "worker process died" in scores.counts["user_rewards:exits"].first_error
+    assert scores.total == [1.0]
