@@ -1,7 +1,8 @@
-"""Preemption (issue 36, item 2; issue 47, item 2 under --max-restarts), on the CPU (gloo): under --exit-signal-handler a SIGTERM ends the job after a
-checkpoint of the current iteration, with exit 0; --load continues with the losses of the
-uninterrupted run; a second SIGTERM during that save leaves the previous checkpoint loadable.
---exit-duration-in-mins does the same when the time runs out."""
+"""Preemption (issue 36, item 2; issue 47, item 2 under --max-restarts), on the CPU (gloo): under
+--exit-signal-handler a SIGTERM ends the job after a checkpoint of the current iteration, with exit
+0; --load continues with the losses of the uninterrupted run; a second SIGTERM during that save
+leaves the previous checkpoint loadable. --exit-duration-in-mins does the same when the time runs
+out."""
 
 from __future__ import annotations
 
