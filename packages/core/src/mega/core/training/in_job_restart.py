@@ -115,7 +115,7 @@ def stopped_job_exit(signum: int, handled_signal: int | None, exit_codes: list[i
     """The exit code of a job whose agent received ``signum`` (its ranks were passed it and have
     ended with ``exit_codes``), with the line that says so."""
     name = signal.Signals(signum).name
-    if signum != handled_signal:
+    if signum != handled_signal or not exit_codes:  # not the ranks' signal, or no rank had started
         print(f"mega: stopped by {name}; the ranks were stopped too", file=sys.stderr, flush=True)
         return 128 + signum
     # The ranks saved (or failed to): the job ends as they did, as mega.core.launch.launch_local does.
@@ -152,7 +152,9 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
         # Ranks share the cores, as torchrun arranges (and launch_local does).
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         handled_name = signal.Signals(handled_signal).name if handled_signal else None
-        os.environ.setdefault(SIGNALS_TO_HANDLE_ENV, ",".join(dict.fromkeys([*AGENT_SIGNALS, *filter(None, [handled_name])])))
+        user_signals = os.environ.get(SIGNALS_TO_HANDLE_ENV)  # torch's knob: a user's setting stands
+        if user_signals is None:
+            os.environ[SIGNALS_TO_HANDLE_ENV] = ",".join(dict.fromkeys([*AGENT_SIGNALS, *filter(None, [handled_name])]))
         exit_codes: list[int | None] = []
 
         class ReportingAgent(LocalElasticAgent):
@@ -205,6 +207,8 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
         finally:
             spec.rdzv_handler.shutdown()
             os.environ.pop(PROGRESS_FILE_ENV, None)
+            if user_signals is None:
+                os.environ.pop(SIGNALS_TO_HANDLE_ENV, None)
     if not result.is_failed():
         return 0
     listed = "; ".join(f"{number}) {failure}" for number, failure in enumerate(failures, 1))
