@@ -134,3 +134,12 @@ def test_a_preempted_job_under_max_restarts_saves_and_exits_as_documented(tmp_pa
     assert "Traceback" not in err, err[-3000:]
     assert "was killed by SIGTERM after SIGTERM (--exit-signal-handler)" in err
     assert find_checkpoint(str(save), checksums=True)[1].iteration == stopped  # the previous one, whole
+
+
+def test_ctrl_c_ends_a_run_with_one_line_and_130():
+    run, seen = start(ARGV + ["--train-iters", "1000"]), []
+    read_until(run, "iteration        2/", seen)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert err.strip().splitlines()[-1] == "mega: interrupted by SIGINT" and "Traceback" not in err, err[-3000:]
