@@ -55,10 +55,11 @@ class GuardedListener:
     """``listener``'s hook implementations, each raising :class:`CallbackError` for what it raises;
     ``on_error(guard)`` is called first (the events then drop this listener)."""
 
-    def __init__(self, listener: Any, origin: CallbackOrigin, implementations: dict[str, Any], on_error):
+    def __init__(self, listener: Any, origin: CallbackOrigin, implementations: dict[str, Any], on_error,
+                 unguarded: set[str] = frozenset()):
         self.listener = listener
         for hook, method in implementations.items():
-            setattr(self, hook, self._guard(hook, method, origin, on_error))
+            setattr(self, hook, method if hook in unguarded else self._guard(hook, method, origin, on_error))
 
     def _guard(self, hook: str, method, origin: CallbackOrigin, on_error):
         names = list(inspect.signature(method).parameters)  # pluggy passes them by position

@@ -49,9 +49,11 @@ class Events:
         if origin is None or origin.plugin == CORE_PLUGIN:
             self._manager.register(listener)
             return
-        implementations = {name: getattr(listener, name) for name in dir(listener)
-                           if self._manager.parse_hookimpl_opts(listener, name) is not None}
-        self._manager.register(GuardedListener(listener, origin, implementations, self._manager.unregister))
+        options = {name: self._manager.parse_hookimpl_opts(listener, name) for name in dir(listener)}
+        implementations = {name: getattr(listener, name) for name, opts in options.items() if opts is not None}
+        # A wrapper (a generator around the others) is left as it is: guarding it would unmake it.
+        wrappers = {name for name, opts in options.items() if opts and (opts.get("wrapper") or opts.get("hookwrapper"))}
+        self._manager.register(GuardedListener(listener, origin, implementations, self._manager.unregister, wrappers))
 
     def listeners(self) -> list[Any]:
         return [getattr(plugin, "listener", plugin) if isinstance(plugin, GuardedListener) else plugin
