@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from mega.core.parallel import ParallelConfig, ParallelGroups  # noqa: E402
 from mega.inference.embeddings import Embedder  # noqa: E402
-from mega.inference.embeddings_api import create_embeddings_app  # noqa: E402
+from mega.inference.http.embeddings_api import create_embeddings_app  # noqa: E402
 from mega.inference.loader import load_model  # noqa: E402
 
 SENTENCES = ["A man is eating food.", "The new movie is awesome, and everyone who saw it says so loudly.",
