@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fastapi import APIRouter, FastAPI
+from starlette.routing import Match
 
 from mega.core.version import __version__
 from mega.inference.http.errors import install_error_handlers
@@ -34,7 +35,10 @@ def create_base_app(title: str, description: str, model_name: str, routers: Sequ
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key is not None:
-        app.add_middleware(ApiKeyGuard, api_key=api_key)
+        def is_route(scope) -> bool:  # the schema pages included
+            return any(route.matches(scope)[0] is not Match.NONE for route in app.routes)
+
+        app.add_middleware(ApiKeyGuard, api_key=api_key, is_route=is_route)
     if metrics is not None:
         paths = {route.path for router in routers for route in router.routes} | OPEN_PATHS
         app.add_middleware(RequestMetrics, metrics=metrics, routes=paths)

@@ -65,7 +65,7 @@ def embeddings_router(embedder: Embedder, model_name: str) -> APIRouter:
         def token_ids() -> list[list[int]]:  # on a worker thread: tokenizing megabytes takes seconds
             for index, item in enumerate(inputs):
                 if isinstance(item, str):
-                    limit.check(item, f"input[{index}]", "the model's positions")
+                    limit.check(item, "input", f"input[{index}]", f"the model's {embedder.max_positions} positions")
             try:
                 return embedder.token_ids(inputs)
             except EmbeddingInputError as error:

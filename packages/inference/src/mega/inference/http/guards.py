@@ -56,15 +56,16 @@ def bearer_token(scope) -> bytes | None:
 class ApiKeyGuard:
     """Every route but :data:`OPEN_PATHS` wants ``Authorization: Bearer KEY``: compared in
     constant time (``hmac.compare_digest``), so the time taken says nothing of how much matched;
-    else 401 with OpenAI's error object, before the body is read."""
+    else 401 with OpenAI's error object, before the body is read. ``is_route(scope)`` tells a
+    path some route serves (in any method) from one none does, which is a plain 404."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, is_route):
         if not api_key:
             raise ValueError("the API key must not be empty")
-        self.app, self.expected = app, api_key.encode()
+        self.app, self.expected, self.is_route = app, api_key.encode(), is_route
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or not self.is_route(scope):
             return await self.app(scope, receive, send)
         given = bearer_token(scope)
         if given is not None and hmac.compare_digest(given, self.expected):

@@ -34,12 +34,15 @@ class PromptCharLimit:
         self.token_chars: int | None = None
         self._lock = threading.Lock()
 
-    def check(self, text: str, param: str, what: str = "--max-model-len") -> None:
+    def check(self, text: str, param: str, where: str | None = None, what: str | None = None) -> None:
+        """400 naming ``param`` (the message says ``where``, e.g. ``prompt[3]``) for a text that
+        cannot fit ``what`` (by default the tokens of ``--max-model-len``)."""
         if len(text) <= self.positions:  # short enough that only its tokens can tell
             return
         with self._lock:
             if self.token_chars is None:
                 self.token_chars = longest_token_chars(self.tokenizer)
         if len(text) > self.positions * self.token_chars:
-            raise RequestError(f"{param}: {len(text)} characters cannot fit the {self.positions} tokens of {what} "
-                               f"(a token stands for at most {self.token_chars} characters)", param)
+            what = what or f"the {self.positions} tokens of --max-model-len"
+            raise RequestError(f"{where or param}: {len(text)} characters cannot fit {what} (a token stands for at "
+                               f"most {self.token_chars} characters)", param)
