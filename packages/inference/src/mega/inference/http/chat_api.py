@@ -22,15 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mega.inference.chat_template import ChatTemplateError
 from mega.inference.completion_text import TextStream, completion_text
 from mega.inference.engine import GenerationRequest, GenerationResult
+from mega.inference.http import openai_fields
 from mega.inference.http.errors import RequestError
-from mega.inference.http.openai_fields import (
-    MAX_TOP_LOGPROBS,
-    Flag,
-    Integer,
-    SamplingFields,
-    Usage,
-    check_model,
-)
+from mega.inference.http.openai_fields import MAX_TOP_LOGPROBS, Flag, Integer, SamplingFields
 from mega.inference.http.service import InferenceService
 from mega.inference.http.sse import StreamWriter, data_line, stream_events
 from mega.inference.stopping import StopRules
@@ -85,7 +79,7 @@ def chat_router(service: InferenceService) -> APIRouter:
                  responses={200: {"content": {"text/event-stream": {}}, "description": "a chat.completion; with "
                                   "stream: server-sent events of chat.completion.chunk, then [DONE]"}})
     async def chat(body: ChatRequest, request: Request):
-        check_model(service.model_name, body.model)
+        openai_fields.check_model(service.model_name, body.model)
         template = service.chat_template
         if template is None:
             raise RequestError("messages: the tokenizer of this model has no chat template (chat_template in "
@@ -149,8 +143,8 @@ def _response(service: InferenceService, body: ChatRequest, results: list[Genera
                         "finish_reason": "length" if result.finish_reason == "length" else "stop"})
     prompt_tokens = results[0].prompt_length
     completion_tokens = sum(len(r.generated) for r in results)
-    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                  total_tokens=prompt_tokens + completion_tokens)
+    usage = openai_fields.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                total_tokens=prompt_tokens + completion_tokens)
     return {**header, "object": "chat.completion", "choices": choices, "usage": usage.model_dump()}
 
 
@@ -193,5 +187,6 @@ class _ChatWriter(StreamWriter):
 
     def usage(self, completion_tokens: int) -> list[str]:
         prompt_tokens = len(self.requests[0].prompt)
-        return [self.event([], Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                     total_tokens=prompt_tokens + completion_tokens).model_dump())]
+        usage = openai_fields.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                    total_tokens=prompt_tokens + completion_tokens)
+        return [self.event([], usage.model_dump())]

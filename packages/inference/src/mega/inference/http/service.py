@@ -129,12 +129,19 @@ class InferenceService:
                 return await job.done
             await asyncio.wait({job.done, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not job.done.done():
+                job.done.add_done_callback(_nobody_waits)
                 raise RequestError("the client closed the connection", status=CLIENT_GONE)
             return job.done.result()
         finally:
             if gone is not None:
                 gone.cancel()
             job.cancel()  # a no-op once finished; frees the batch if the handler is cancelled
+
+
+def _nobody_waits(done: asyncio.Future) -> None:
+    """Its client has gone: the outcome is read only so asyncio does not report it unread."""
+    if not done.cancelled():
+        done.exception()
 
 
 async def _disconnect(receive) -> None:
