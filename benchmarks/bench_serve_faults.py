@@ -9,8 +9,9 @@ Retry-After), a ~4 MB prompt (under the 4 MiB body limit; refused with 400), a d
 connection (a request sent, then the socket closed before the answer, streaming or not), or a
 bad field (a ``logit_bias`` key "²", an unknown field, 129 prompts, ``[]``, ``[[]]``, a seed of
 2**64, malformed JSON, a wrong model). A separate process probes ``GET /health`` every 20 ms
-throughout. Reported: the answers by status (target: none 5xx), ``/health`` p50/p99/max (target
-p99 < 100 ms), the server's resident memory after the load (once idle) over before it (target
+throughout, and for ``--idle-seconds`` before the load (the server idle: what the machine
+itself adds). Reported: the answers by status (target: none 5xx), ``/health`` p50/p99/max (target
+p99 < 100 ms) under the load and idle, the server's resident memory after the load (once idle) over before it (target
 within 10%), and the good requests whose text differs from their text alone (target 0).
 
     python benchmarks/bench_serve_faults.py                   # 64 clients, 60 s
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -59,6 +61,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--idle-seconds", type=float, default=10.0, help="/health probed on the idle server first")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
@@ -120,6 +123,26 @@ def probe_health(url: str, stop, results) -> None:
             latencies.append(time.perf_counter() - start)
             time.sleep(0.02)
     results.put(latencies)
+
+
+@contextlib.contextmanager
+def probing(url: str):
+    """``/health`` probed from another process while the block runs; the list fills at its end."""
+    latencies: list[float] = []
+    stop, results = multiprocessing.Event(), multiprocessing.Queue()
+    prober = multiprocessing.Process(target=probe_health, args=(url, stop, results))
+    prober.start()
+    try:
+        yield latencies
+    finally:
+        stop.set()
+        latencies.extend(sorted(results.get()))
+        prober.join()
+
+
+def latencies(name: str, values: list[float]) -> dict:
+    return {f"{name}_probes": len(values), f"{name}_p50_ms": 1000 * statistics.median(values),
+            f"{name}_p99_ms": 1000 * values[int(0.99 * (len(values) - 1))], f"{name}_max_ms": 1000 * values[-1]}
 
 
 def good_requests(args) -> list[dict]:
@@ -219,13 +242,10 @@ def main() -> None:
             expected = asyncio.run(alone())
             time.sleep(1.0)
             before = resident_bytes(server.pid)
-            stop, results = multiprocessing.Event(), multiprocessing.Queue()
-            prober = multiprocessing.Process(target=probe_health, args=(url, stop, results))
-            prober.start()
-            outcome = asyncio.run(load(url, port, args, expected))
-            stop.set()
-            health = sorted(results.get())
-            prober.join()
+            with probing(url) as idle_health:
+                time.sleep(args.idle_seconds)
+            with probing(url) as health:
+                outcome = asyncio.run(load(url, port, args, expected))
             deadline = time.monotonic() + 60
             while any(gauges(url).values()) and time.monotonic() < deadline:
                 time.sleep(0.5)
@@ -237,8 +257,7 @@ def main() -> None:
             server.wait(timeout=60)
     errors = sum(count for status, count in outcome["statuses"].items() if status >= 500)
     report = {"clients": args.clients, "seconds": args.seconds, **outcome, "responses_5xx": errors,
-              "health_probes": len(health), "health_p50_ms": 1000 * statistics.median(health),
-              "health_p99_ms": 1000 * health[int(0.99 * (len(health) - 1))], "health_max_ms": 1000 * health[-1],
+              **latencies("health", health), **latencies("idle_health", idle_health),
               "rss_before_mb": before / 2**20, "rss_after_mb": after / 2**20, "rss_ratio": after / before,
               "idle_gauges": idle}
     if args.json:
@@ -246,8 +265,9 @@ def main() -> None:
         return
     print(f"{args.clients} clients for {args.seconds:g} s: requests by kind {outcome['kinds']}")
     print(f"answers by status {outcome['statuses']}; 5xx: {errors} (target 0)")
-    print(f"/health over {len(health)} probes: p50 {report['health_p50_ms']:.1f} ms, p99 "
-          f"{report['health_p99_ms']:.1f} ms (target < 100), max {report['health_max_ms']:.1f} ms")
+    for name, when in (("health", "under the load"), ("idle_health", "idle, before it")):
+        print(f"/health {when} over {report[name + '_probes']} probes: p50 {report[name + '_p50_ms']:.1f} ms, p99 "
+              f"{report[name + '_p99_ms']:.1f} ms (target < 100), max {report[name + '_max_ms']:.1f} ms")
     print(f"resident memory: {report['rss_before_mb']:.0f} MB before, {report['rss_after_mb']:.0f} MB after "
           f"(x{report['rss_ratio']:.3f}; target within 10%)")
     print(f"good requests whose greedy text differs from their text alone: {outcome['wrong_text']} (target 0)")
