@@ -180,6 +180,7 @@ async def dropped(port: int, body: dict, stream: bool, after_s: float) -> None:
 async def load(url: str, port: int, args, expected: list[str]) -> dict:
     statuses: Counter = Counter()
     kinds: Counter = Counter()
+    transport_errors: Counter = Counter()
     wrong: list[int] = []
     goods = good_requests(args)
     huge = json.dumps({"prompt": "5 " * (HUGE_PROMPT_BYTES // 2 - 16), "max_tokens": 4}).encode()
@@ -190,34 +191,41 @@ async def load(url: str, port: int, args, expected: list[str]) -> dict:
         while time.monotonic() < end:
             kind = draw.choices(["good", "huge", "dropped", "bad"], weights=[50, 10, 15, 25])[0]
             kinds[kind] += 1
-            if kind == "good":
-                index = draw.randrange(len(goods))
-                while True:
-                    status, text = await text_of(http, goods[index], stream=draw.random() < 0.5)
-                    statuses[status] += 1
-                    if status != 429:
-                        break
-                    await asyncio.sleep(1.0)
-                if status == 200 and text != expected[index]:
-                    wrong.append(index)
-            elif kind == "huge":
-                reply = await http.post("/v1/completions", content=huge, headers={"content-type": "application/json"})
-                statuses[reply.status_code] += 1
-            elif kind == "dropped":
-                body = {"prompt": goods[draw.randrange(len(goods))]["prompt"], "max_tokens": 64, "temperature": 0}
-                await dropped(port, body, stream=draw.random() < 0.5, after_s=draw.uniform(0.05, 0.5))
+            try:
+                await one(kind, draw, http)
+            except httpx.TransportError as error:  # e.g. a keep-alive connection the server closed as it was reused
+                transport_errors[f"{kind}: {type(error).__name__}"] += 1
+
+    async def one(kind: str, draw: random.Random, http: httpx.AsyncClient) -> None:
+        if kind == "good":
+            index = draw.randrange(len(goods))
+            while True:
+                status, text = await text_of(http, goods[index], stream=draw.random() < 0.5)
+                statuses[status] += 1
+                if status != 429:
+                    break
+                await asyncio.sleep(1.0)
+            if status == 200 and text != expected[index]:
+                wrong.append(index)
+        elif kind == "huge":
+            reply = await http.post("/v1/completions", content=huge, headers={"content-type": "application/json"})
+            statuses[reply.status_code] += 1
+        elif kind == "dropped":
+            body = {"prompt": goods[draw.randrange(len(goods))]["prompt"], "max_tokens": 64, "temperature": 0}
+            await dropped(port, body, stream=draw.random() < 0.5, after_s=draw.uniform(0.05, 0.5))
+        else:
+            if draw.random() < 0.15:
+                reply = await http.post("/v1/completions", content=b'{"prompt": "5 6",',
+                                        headers={"content-type": "application/json"})
             else:
-                if draw.random() < 0.15:
-                    reply = await http.post("/v1/completions", content=b'{"prompt": "5 6",',
-                                            headers={"content-type": "application/json"})
-                else:
-                    reply = await http.post("/v1/completions", json=draw.choice(BAD_BODIES))
-                statuses[reply.status_code] += 1
+                reply = await http.post("/v1/completions", json=draw.choice(BAD_BODIES))
+            statuses[reply.status_code] += 1
 
     limits = httpx.Limits(max_connections=args.clients + 1)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         await asyncio.gather(*(client(number, http) for number in range(args.clients)))
-    return {"statuses": dict(sorted(statuses.items())), "kinds": dict(kinds), "wrong_text": len(wrong)}
+    return {"statuses": dict(sorted(statuses.items())), "kinds": dict(kinds), "wrong_text": len(wrong),
+            "transport_errors": dict(transport_errors)}
 
 
 def gauges(url: str) -> dict[str, float]:
@@ -264,7 +272,8 @@ def main() -> None:
         print(json.dumps(report))
         return
     print(f"{args.clients} clients for {args.seconds:g} s: requests by kind {outcome['kinds']}")
-    print(f"answers by status {outcome['statuses']}; 5xx: {errors} (target 0)")
+    print(f"answers by status {outcome['statuses']}; 5xx: {errors} (target 0); connections that failed "
+          f"(no answer): {outcome['transport_errors'] or 0}")
     for name, when in (("health", "under the load"), ("idle_health", "idle, before it")):
         print(f"/health {when} over {report[name + '_probes']} probes: p50 {report[name + '_p50_ms']:.1f} ms, p99 "
               f"{report[name + '_p99_ms']:.1f} ms (target < 100), max {report[name + '_max_ms']:.1f} ms")
