@@ -12,6 +12,7 @@ import hmac
 import time
 
 from mega.inference.http.errors import RequestError, send_error
+from mega.inference.http.memory import LARGE_BODY_BYTES, trim_soon
 
 OPEN_PATHS = {"/health", "/v1/health"}  # what a load balancer probes: never behind the API key
 MAX_BODY_BYTES = 4 << 20  # 128 long prompts fit many times over
@@ -97,6 +98,9 @@ class BodySizeLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
+                del chunks
+                if size >= LARGE_BODY_BYTES:
+                    trim_soon()
                 return await self._refuse(scope, send)
             more = message.get("more_body", False)
         body = b"".join(chunks)
@@ -111,7 +115,11 @@ class BodySizeLimit:
             message, body = {"type": "http.request", "body": body, "more_body": False}, b""
             return message
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            if size >= LARGE_BODY_BYTES:
+                trim_soon()
 
     async def _refuse(self, scope, send) -> None:
         await send_error(scope, send, RequestError(
