@@ -16,7 +16,6 @@ import uuid
 from typing import Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mega.inference.chat_template import ChatTemplateError
@@ -26,7 +25,7 @@ from mega.inference.http import openai_fields
 from mega.inference.http.errors import RequestError
 from mega.inference.http.openai_fields import MAX_TOP_LOGPROBS, Flag, Integer, SamplingFields
 from mega.inference.http.service import InferenceService
-from mega.inference.http.sse import StreamWriter, data_line, stream_events
+from mega.inference.http.sse import StreamWriter, data_line, sse_response
 from mega.inference.stopping import StopRules
 
 
@@ -103,8 +102,7 @@ def chat_router(service: InferenceService) -> APIRouter:
         header = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=service.model_name)
         if body.stream:
             job = service.submit(requests, "messages", stream=True)
-            return StreamingResponse(stream_events(job, _ChatWriter(service, body, requests, header)),
-                                     media_type="text/event-stream")
+            return sse_response(job, _ChatWriter(service, body, requests, header))
         results = await service.complete(requests, "messages", request.receive)
         return await service.off_loop(_response, service, body, results, header, stop)
 

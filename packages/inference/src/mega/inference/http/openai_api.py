@@ -18,7 +18,6 @@ import uuid
 from typing import Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from mega.inference.completion_text import TextStream, completion_text, tokens_covering
@@ -33,7 +32,7 @@ from mega.inference.http.openai_fields import (
     check_model,
 )
 from mega.inference.http.service import MAX_PROMPTS, InferenceService
-from mega.inference.http.sse import StreamWriter, data_line, stream_events
+from mega.inference.http.sse import StreamWriter, data_line, sse_response
 from mega.inference.stopping import StopRules
 
 # The limits (how many, none empty) are checked after the shape, so their messages name them.
@@ -138,8 +137,7 @@ def completions_router(service: InferenceService) -> APIRouter:
         if body.stream:
             job = service.submit(requests, "prompt", stream=True)
             prompt_texts = await service.off_loop(lambda: [service.detokenize(ids) for ids in prompts])
-            return StreamingResponse(stream_events(job, _CompletionWriter(service, body, requests, prompt_texts, header)),
-                                     media_type="text/event-stream")
+            return sse_response(job, _CompletionWriter(service, body, requests, prompt_texts, header))
         results = await service.complete(requests, "prompt", request.receive)
         return await service.off_loop(_completion, service, body, prompts, results, header)
 

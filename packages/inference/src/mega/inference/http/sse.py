@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
 DONE = "data: [DONE]\n\n"
 
 
@@ -67,3 +70,10 @@ async def stream_events(job, writer: StreamWriter) -> AsyncIterator[str]:
         yield DONE
     finally:
         job.cancel()  # the client left (or all is done: then it changes nothing)
+
+
+def sse_response(job, writer: StreamWriter) -> StreamingResponse:
+    """The streamed answer; the job is cancelled after it however it ended (also when the client
+    left before the first event, when the generator never ran to its ``finally``)."""
+    return StreamingResponse(stream_events(job, writer), media_type="text/event-stream",
+                             background=BackgroundTask(job.cancel))
