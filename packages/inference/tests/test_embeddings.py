@@ -202,3 +202,17 @@ def embeddings_of_url(url: str, headers: dict) -> int:
     reply = httpx.post(f"{url}/v1/embeddings", json={"input": "A man is eating food."}, headers=headers)
     assert reply.status_code == 200, reply.text
     return len(reply.json()["data"])
+
+
+def test_mega_serve_on_an_encoder_honours_max_request_bytes(monkeypatch):
+    import uvicorn
+
+    from mega.inference.serve_cli import main
+
+    served = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **settings: served.update(app=app, **settings))
+    assert main(["--load", str(minilm_dir()), "--max-request-bytes", "1000"]) == 0
+    client = TestClient(served["app"])
+    assert client.post("/v1/embeddings", json={"input": "Hi"}).status_code == 200
+    refused = client.post("/v1/embeddings", json={"input": "x" * 1000})
+    assert refused.status_code == 413 and "--max-request-bytes" in refused.json()["error"]["message"]
