@@ -20,7 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tiny_models import POSITIONS, VOCAB, hf_tiny, mega_from_hf  # noqa: E402
+from tiny_models import POSITIONS, VOCAB, hf_byte_level_directory, hf_tiny, mega_from_hf  # noqa: E402
 
 pytest.importorskip("transformers")
 uvicorn = pytest.importorskip("uvicorn")
@@ -262,3 +262,25 @@ def test_the_gauges_read_zero_on_an_idle_server(plain):
     values = dict(line.rsplit(" ", 1) for line in httpx.get(f"{url}/metrics").text.splitlines()
                   if line.startswith(("mega_running_sequences", "mega_queued_sequences")))
     assert values == {"mega_running_sequences": "0", "mega_queued_sequences": "0"}
+
+
+def test_a_library_tokenizer_lets_the_event_loop_run_while_it_encodes(tmp_path):
+    """The Hugging Face tokenizer (the byte-level one of test_real_clients): the service encodes
+    through its batch encoder, which releases the GIL, to the same ids as ``encode``; the main
+    thread keeps running meanwhile (with the single ``encode`` it would wait for the whole text)."""
+    from mega.data.tokenizers.huggingface import HuggingFaceTokenizer
+    from mega.inference.http.service import encode
+
+    hf_byte_level_directory(tmp_path, POSITIONS)
+    tokenizer = HuggingFaceTokenizer(str(tmp_path))
+    text = "héllo wörld, " * 200_000  # 2.6 M characters: a ~100 ms encode
+    assert encode(tokenizer, text[:5000]) == tokenizer.tokenize(text[:5000])
+    result, wakeups = {}, 0
+    worker = threading.Thread(target=lambda: result.update(ids=encode(tokenizer, text)))
+    worker.start()
+    while worker.is_alive():
+        time.sleep(0.001)
+        wakeups += 1
+    worker.join()
+    assert len(result["ids"]) == len(text.encode())  # byte-level: a token per byte
+    assert wakeups >= 20, wakeups

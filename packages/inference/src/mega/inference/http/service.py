@@ -65,7 +65,7 @@ class InferenceService:
             raise RequestError(f"{param}: not valid Unicode text ({error.reason} at character {error.start})",
                                param) from None
         try:
-            ids = self.tokenizer.tokenize(text)
+            ids = encode(self.tokenizer, text)
         except ValueError as error:  # text the tokenizer cannot read (NullTokenizer: not ids)
             raise RequestError(f"{param}: {error}", param) from None
         if add_bos:
@@ -136,6 +136,15 @@ class InferenceService:
             if gone is not None:
                 gone.cancel()
             job.cancel()  # a no-op once finished; frees the batch if the handler is cancelled
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """``text``'s token ids, through the tokenizer's batch encoder where it has one: the library
+    tokenizers' batch encoder releases the GIL while it works, their single ``encode`` holds it
+    for the whole text, which would stall the event loop (health checks, every stream) from the
+    worker thread for as long as a long prompt takes."""
+    batch = getattr(tokenizer, "tokenize_batch", None)
+    return list(batch([text])[0]) if batch is not None else tokenizer.tokenize(text)
 
 
 def _nobody_waits(done: asyncio.Future) -> None:
