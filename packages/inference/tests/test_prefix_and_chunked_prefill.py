@@ -155,8 +155,8 @@ def test_serve_refuses_flags_that_cannot_work_together(tmp_path, capsys, monkeyp
             main(["--load", str(tmp_path), *argv])
         assert words in capsys.readouterr().err + str(exit_info.value.code), argv
     # A web stack that cannot import (fastapi 0.165 without opentelemetry-api) ends it before any loading.
-    monkeypatch.setitem(sys.modules, "mega.inference.server", None)
-    with pytest.raises(SystemExit, match="needs the Python package 'mega.inference.server'.*opentelemetry-api"):
+    monkeypatch.setitem(sys.modules, "mega.inference.http.server", None)
+    with pytest.raises(SystemExit, match="needs the Python package 'mega.inference.http.server'.*opentelemetry-api"):
         main(["--load", str(tmp_path)])
     args = build_parser().parse_args(["--load", str(tmp_path)])
     assert args.enable_prefix_caching is None and args.max_request_bytes == 4 << 20 and args.host == "127.0.0.1"

@@ -25,8 +25,8 @@ from mega.core.plugins import get_plugins  # noqa: E402
 from mega.core.tokenizer import TokenizerOptions  # noqa: E402
 from mega.inference.batching import BatchingWorker  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
-from mega.inference.server import MAX_BODY_BYTES, create_app  # noqa: E402
-from mega.inference.service import InferenceService  # noqa: E402
+from mega.inference.http.server import MAX_BODY_BYTES, create_app  # noqa: E402
+from mega.inference.http.service import InferenceService  # noqa: E402
 from mega.inference.stopping import StopRules  # noqa: E402
 
 API_KEY = "secret-key"

@@ -28,15 +28,20 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
     group.add_argument("--port", type=int, default=5000, help="port (default 5000)")
-    group.add_argument("--api-key", default=os.environ.get("MEGA_API_KEY") or None,
-                       help="require 'Authorization: Bearer KEY' on every route but /health and /v1/health "
-                            "(default: the MEGA_API_KEY environment variable, else no key)")
+    group.add_argument("--api-key", default=os.environ.get("MEGA_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (the scheme in any case) on every route but /health "
+                            "and /v1/health, /docs and /openapi.json included, checked before the body is read "
+                            "(default: the MEGA_API_KEY environment variable, else no key; an empty key is refused)")
     group.add_argument("--max-model-len", type=int, default=None, metavar="N",
                        help="the longest sequence (prompt and generated tokens) a request may ask for, at most the "
                             "model's positions (default: the model's positions); also what a static KV cache slot "
                             "holds")
     group.add_argument("--max-request-bytes", type=int, default=4 << 20, metavar="BYTES",
-                       help="a request body larger than this is refused with 413 (default 4 MiB)")
+                       help="a request body larger than this is refused with 413, by the generation and the "
+                            "embeddings server alike (default 4 MiB)")
+    group.add_argument("--max-num-queued-reqs", type=int, default=None, metavar="N",
+                       help="vLLM's flag: sequences (prompts x n or best_of) waiting or running at most; a request "
+                            "that would go past it gets 429 with Retry-After at once (default: no bound)")
     group.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                        help="a request not answered within this is cancelled and gets 408 (default: no limit)")
     group.add_argument("--max-batch-size", type=int, default=32,
@@ -143,7 +148,7 @@ def check_web_stack() -> None:
     is used, which a hand-made set of wheels easily lacks)."""
     try:
         # start-up cost, as above
-        import mega.inference.server  # noqa: F401
+        import mega.inference.http.server  # noqa: F401
     except ModuleNotFoundError as error:
         raise SystemExit(f"mega serve: error: the server needs the Python package '{error.name}' ({error}); "
                          "install mega-inference with pip (which resolves fastapi's own dependencies, "
@@ -153,8 +158,11 @@ def check_web_stack() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.api_key is not None and not args.api_key.strip():
+        raise SystemExit("mega serve: error: the API key (--api-key or MEGA_API_KEY) is empty, which would serve "
+                         "without one: give a key, or leave both out to serve without a key")
     for flag in ("max_batch_size", "max_num_tokens", "max_model_len", "max_request_bytes", "request_timeout",
-                 "max_num_batched_tokens"):
+                 "max_num_batched_tokens", "max_num_queued_reqs"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise SystemExit(f"mega serve: error: --{flag.replace('_', '-')} must be positive, got {value}")
@@ -171,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     from mega.inference.encoder_decoder import is_encoder_decoder
     from mega.inference.engine import GenerationError
     from mega.inference.engine_setup import setup_engine
-    from mega.inference.server import create_app
-    from mega.inference.service import InferenceService
+    from mega.inference.http.server import create_app
+    from mega.inference.http.service import InferenceService
     from mega.inference.tp_serving import lead
 
     setup = setup_engine(args, "serve", follower=lambda engine: follow_serving(args, engine))
@@ -195,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                                 before_batch=lambda requests: lead(requests, setup.tp_group),
                                 generate=lockstep_generate(args, setup.engine) if static else None)
     service = InferenceService(setup.engine, worker, setup.loaded.tokenizer, setup.loaded.name,
-                               chat_template=setup.loaded.chat_template, request_timeout=args.request_timeout)
+                               chat_template=setup.loaded.chat_template, request_timeout=args.request_timeout,
+                               max_queued_sequences=args.max_num_queued_reqs)
     worker.start()
     try:
         uvicorn.run(create_app(service, api_key=args.api_key, max_body_bytes=args.max_request_bytes), host=args.host, port=args.port,

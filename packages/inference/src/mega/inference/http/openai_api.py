@@ -13,28 +13,35 @@ prompt, the ``n`` with the highest mean log-probability per token returned), ``l
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Literal
 
-from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field, model_validator
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from mega.inference.completion_text import TextStream, completion_text, tokens_covering
 from mega.inference.engine import GenerationRequest, GenerationResult
-from mega.inference.openai_fields import MAX_SEQUENCES, MAX_TOP_LOGPROBS, Flag, Integer, SamplingFields
-from mega.inference.service import MAX_PROMPTS, InferenceService, RequestError
+from mega.inference.http.openai_fields import (
+    MAX_SEQUENCES,
+    MAX_TOP_LOGPROBS,
+    Flag,
+    Integer,
+    SamplingFields,
+    Usage,
+    check_model,
+)
+from mega.inference.http.service import MAX_PROMPTS, InferenceService
+from mega.inference.http.sse import StreamWriter, data_line, sse_response
 from mega.inference.stopping import StopRules
 
-TokenIds = Annotated[list[Integer], Field(min_length=1)]
-Prompt = (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
-          | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+# The limits (how many, none empty) are checked after the shape, so their messages name them.
+Prompt = str | list[str] | list[Integer] | list[list[Integer]]
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Prompt = Field(description="a string, a list of strings, a list of token ids, or a list of such lists")
+    prompt: Prompt = Field(description=f"a string, a list of up to {MAX_PROMPTS} strings, a list of token ids, or a "
+                           f"list of up to {MAX_PROMPTS} such lists")
     suffix: str | None = Field(None, description="refused unless empty: the models only continue text")
     max_tokens: Integer | None = Field(16, ge=0, description="tokens to generate per sequence; null: up to the "
                                        "model's positions")
@@ -43,6 +50,19 @@ class CompletionRequest(SamplingFields):
                                      description="log-probabilities, with this many alternatives per token")
     best_of: Integer | None = Field(None, ge=1, le=MAX_SEQUENCES,
                                     description="sequences generated per prompt, the n best returned")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_list(cls, prompt):
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise ValueError("prompt: must not be empty (a string, strings, token ids or lists of token ids)")
+        if not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"prompt: {len(prompt)} prompts, more than the {MAX_PROMPTS} a request may hold")
+        if isinstance(prompt[0], list) and (empty := [i for i, ids in enumerate(prompt) if not ids]):
+            raise ValueError(f"prompt[{empty[0]}]: an empty list of token ids (a prompt needs at least one)")
+        return prompt
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -84,12 +104,6 @@ class Choice(BaseModel):
     finish_reason: Literal["stop", "length"] | None
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
 class Completion(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -99,18 +113,6 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
-def failed_event(error) -> str:
-    """The server-sent event that ends a stream whose generation failed (OpenAI's error object)."""
-    body = {"message": f"generation failed: {error}", "type": "server_error", "param": None, "code": None}
-    return f"data: {json.dumps({'error': body})}\n\n"
-
-
-def check_model(service: InferenceService, name: str | None) -> None:
-    if name is not None and name != service.model_name:
-        raise RequestError(f"model: the model {name!r} does not exist; this server serves {service.model_name!r}",
-                           "model", status=404, kind="model_not_found")
-
-
 def completions_router(service: InferenceService) -> APIRouter:
     router = APIRouter()
 
@@ -118,8 +120,8 @@ def completions_router(service: InferenceService) -> APIRouter:
                  summary="OpenAI-style text completion",
                  responses={200: {"content": {"text/event-stream": {}}, "description": "with stream: "
                                   "server-sent events of Completion chunks, then [DONE]"}})
-    async def complete(body: CompletionRequest):
-        check_model(service, body.model)
+    async def complete(body: CompletionRequest, request: Request):
+        check_model(service.model_name, body.model)
         prompts = await _prompt_ids(service, body)
         stop = StopRules(stop_ids=frozenset({service.tokenizer.eod}), stop_strings=tuple(body.stop))
         requests = []
@@ -135,9 +137,8 @@ def completions_router(service: InferenceService) -> APIRouter:
         if body.stream:
             job = service.submit(requests, "prompt", stream=True)
             prompt_texts = await service.off_loop(lambda: [service.detokenize(ids) for ids in prompts])
-            return StreamingResponse(_events(service, body, requests, prompt_texts, job, header),
-                                     media_type="text/event-stream")
-        results = await service.complete(requests, "prompt")
+            return sse_response(job, _CompletionWriter(service, body, requests, prompt_texts, header))
+        results = await service.complete(requests, "prompt", request.receive)
         return await service.off_loop(_completion, service, body, prompts, results, header)
 
     return router
@@ -260,57 +261,52 @@ class _StreamedChoice:
                         text_offset=offsets)
 
 
-async def _events(service: InferenceService, body: CompletionRequest, requests: list[GenerationRequest],
-                  prompt_texts: list[str], job, header):
+class _CompletionWriter(StreamWriter):
     """Server-sent events: text pieces as they are generated, each choice's finish, the usage
-    (with ``stream_options.include_usage``), [DONE]."""
+    (with ``stream_options.include_usage``)."""
 
-    def event(index: int, text: str, finish_reason=None, logprobs=None) -> str:
+    def __init__(self, service: InferenceService, body: CompletionRequest, requests: list[GenerationRequest],
+                 prompt_texts: list[str], header: dict):
+        self.body, self.requests, self.prompt_texts, self.header = body, requests, prompt_texts, header
+        self.include_usage = body.include_usage
+        self.with_top = bool(body.logprobs)
+        self.choices = [_StreamedChoice(service, request.stop, len(prompt_texts[index // body.copies]))
+                        for index, request in enumerate(requests)]
+
+    def event(self, index: int, text: str, finish_reason=None, logprobs=None) -> str:
         # Completion's fields as a plain dict, as the chat route streams: building and dumping the
         # model per token cost the event loop more than the rest of the token's way out.
         choice = {"text": text, "index": index, "logprobs": None if logprobs is None else logprobs.model_dump(),
                   "finish_reason": finish_reason}
-        chunk = {**header, "object": "text_completion", "choices": [choice]}
-        if body.include_usage:
+        chunk = {**self.header, "object": "text_completion", "choices": [choice]}
+        if self.include_usage:
             chunk["usage"] = None
-        return f"data: {json.dumps(chunk)}\n\n"
+        return data_line(chunk)
 
-    with_top = bool(body.logprobs)
-    choices = [_StreamedChoice(service, request.stop, len(prompt_texts[index // body.copies]))
-               for index, request in enumerate(requests)]
-    completion_tokens = 0
-    try:
-        if body.echo:
-            for index in range(len(requests)):
-                yield event(index, prompt_texts[index // body.copies])
-        unfinished = len(requests)
-        while unfinished:
-            kind, *details = await job.events.get()
-            if kind == "failed":
-                yield failed_event(details[0])
-                return
-            index, choice = details[0], choices[details[0]]
-            if kind == "token":
-                token, logprob, top = details[1:]
-                choice.ids.append(token)
-                choice.pending.append((token, logprob, top))
-                piece = choice.text.push(token)
-                if piece:
-                    logprobs = choice.logprobs(with_top) if body.logprobs is not None else None
-                    yield event(index, piece, logprobs=logprobs)
-            else:
-                unfinished -= 1
-                result = details[1]
-                completion_tokens += len(result.generated)
-                reason = "length" if result.finish_reason == "length" else "stop"
-                piece = choice.text.finish()
-                logprobs = choice.logprobs(with_top, final=True) if body.logprobs is not None else None
-                yield event(index, piece, reason, logprobs)
-        if body.include_usage:
-            prompt_tokens = sum(len(request.prompt) for request in requests)
-            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
-            yield f"data: {json.dumps(Completion(**header, choices=[], usage=usage).model_dump())}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancel()  # the client left (or all is done: then it changes nothing)
+    def start(self) -> list[str]:
+        if not self.body.echo:
+            return []
+        return [self.event(index, self.prompt_texts[index // self.body.copies]) for index in range(len(self.requests))]
+
+    def token(self, index: int, token: int, logprob: float | None, top) -> list[str]:
+        choice = self.choices[index]
+        choice.ids.append(token)
+        choice.pending.append((token, logprob, top))
+        piece = choice.text.push(token)
+        if not piece:
+            return []
+        logprobs = choice.logprobs(self.with_top) if self.body.logprobs is not None else None
+        return [self.event(index, piece, logprobs=logprobs)]
+
+    def finish(self, index: int, result: GenerationResult) -> list[str]:
+        choice = self.choices[index]
+        reason = "length" if result.finish_reason == "length" else "stop"
+        piece = choice.text.finish()
+        logprobs = choice.logprobs(self.with_top, final=True) if self.body.logprobs is not None else None
+        return [self.event(index, piece, reason, logprobs)]
+
+    def usage(self, completion_tokens: int) -> list[str]:
+        prompt_tokens = sum(len(request.prompt) for request in self.requests)
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                      total_tokens=prompt_tokens + completion_tokens)
+        return [data_line(Completion(**self.header, choices=[], usage=usage).model_dump())]

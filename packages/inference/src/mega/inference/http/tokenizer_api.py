@@ -11,8 +11,8 @@ from typing import Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from mega.inference.openai_fields import Flag, Integer
-from mega.inference.service import InferenceService, RequestError
+from mega.inference.http.openai_fields import Flag, Integer, check_model
+from mega.inference.http.service import InferenceService
 
 
 class ModelCard(BaseModel):
@@ -76,9 +76,7 @@ def tokenizer_router(service: InferenceService) -> APIRouter:
 
     @router.get("/v1/models/{model_id:path}", response_model=ModelCard, summary="one model by its id")
     async def model(model_id: str) -> ModelCard:
-        if model_id != service.model_name:
-            raise RequestError(f"the model {model_id!r} does not exist; this server serves {service.model_name!r}",
-                               "model", status=404, kind="model_not_found")
+        check_model(service.model_name, model_id)
         return card()
 
     @router.post("/tokenize", response_model=TokenizeResponse, summary="text to token ids")

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from mega.inference.engine import GenerationRequest
+from mega.inference.http.service import MAX_PROMPTS, InferenceService
 from mega.inference.sampling import SEED_LIMIT, SamplingParams
-from mega.inference.service import MAX_PROMPTS, InferenceService
 from mega.inference.stopping import StopRules
 
 Number = Annotated[float, Strict()]  # an int or a float, never a string or a bool
@@ -81,7 +81,7 @@ def megatron_router(service: InferenceService) -> APIRouter:
     router = APIRouter()
 
     @router.put("/api", response_model=MegatronResponse, summary="Megatron's text generation")
-    async def generate(body: MegatronRequest) -> MegatronResponse:
+    async def generate(body: MegatronRequest, request: Request) -> MegatronResponse:
         stop_id = body.stop_token if body.stop_token is not None else service.tokenizer.eod
         stop = StopRules(stop_ids=frozenset({stop_id}), stop_on_eol=body.stop_on_eol,
                          stop_on_double_eol=body.stop_on_double_eol)
@@ -95,7 +95,7 @@ def megatron_router(service: InferenceService) -> APIRouter:
             )
             for index, ids in enumerate(prompts)
         ]
-        results = await service.complete(requests, "prompts")
+        results = await service.complete(requests, "prompts", request.receive)
 
         def response() -> MegatronResponse:
             return MegatronResponse(

@@ -12,8 +12,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
+from mega.inference.http.errors import RequestError
 from mega.inference.sampling import GREEDY, SEED_LIMIT, SamplingParams
-from mega.inference.service import RequestError
 
 Number = Annotated[float, Strict()]  # an int or a float, never a string or a bool
 Integer = Annotated[int, Strict()]
@@ -23,6 +23,19 @@ MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
 MAX_SEQUENCES = 256  # prompts x best_of in one request
 LOGIT_BIAS_LIMIT = 100.0
+
+
+def check_model(served: str, name: str | None) -> None:
+    """A request's ``model``, if it names one, must be the served model's name (else 404)."""
+    if name is not None and name != served:
+        raise RequestError(f"model: the model {name!r} does not exist; this server serves {served!r}",
+                           "model", status=404, kind="model_not_found")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
 
 
 class StreamOptions(BaseModel):
@@ -69,7 +82,9 @@ class SamplingFields(BaseModel):
     @classmethod
     def _logit_bias(cls, bias):
         for key, value in (bias or {}).items():
-            if not key.isdigit():
+            # ASCII digits only ("²" is a digit to str.isdigit, not to int()), and few of them
+            # (int() refuses more than 4300 digits).
+            if not (key.isascii() and key.isdigit() and len(key) <= 18):
                 raise ValueError(f"keys are token ids, got {key!r}")
             if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
                 raise ValueError(f"values must be in [-100, 100], got {value} for token {key}")

@@ -11,21 +11,21 @@ model's positions), ``logprobs`` and ``top_logprobs``.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Literal
 
-from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mega.inference.chat_template import ChatTemplateError
 from mega.inference.completion_text import TextStream, completion_text
 from mega.inference.engine import GenerationRequest, GenerationResult
-from mega.inference.openai_api import Usage, check_model, failed_event
-from mega.inference.openai_fields import MAX_TOP_LOGPROBS, Flag, Integer, SamplingFields
-from mega.inference.service import InferenceService, RequestError
+from mega.inference.http import openai_fields
+from mega.inference.http.errors import RequestError
+from mega.inference.http.openai_fields import MAX_TOP_LOGPROBS, Flag, Integer, SamplingFields
+from mega.inference.http.service import InferenceService
+from mega.inference.http.sse import StreamWriter, data_line, sse_response
 from mega.inference.stopping import StopRules
 
 
@@ -77,8 +77,8 @@ def chat_router(service: InferenceService) -> APIRouter:
     @router.post("/v1/chat/completions", summary="OpenAI-style chat completion",
                  responses={200: {"content": {"text/event-stream": {}}, "description": "a chat.completion; with "
                                   "stream: server-sent events of chat.completion.chunk, then [DONE]"}})
-    async def chat(body: ChatRequest):
-        check_model(service, body.model)
+    async def chat(body: ChatRequest, request: Request):
+        openai_fields.check_model(service.model_name, body.model)
         template = service.chat_template
         if template is None:
             raise RequestError("messages: the tokenizer of this model has no chat template (chat_template in "
@@ -102,8 +102,8 @@ def chat_router(service: InferenceService) -> APIRouter:
         header = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=service.model_name)
         if body.stream:
             job = service.submit(requests, "messages", stream=True)
-            return StreamingResponse(_events(service, body, requests, job, header), media_type="text/event-stream")
-        results = await service.complete(requests, "messages")
+            return sse_response(job, _ChatWriter(service, body, requests, header))
+        results = await service.complete(requests, "messages", request.receive)
         return await service.off_loop(_response, service, body, results, header, stop)
 
     return router
@@ -141,53 +141,50 @@ def _response(service: InferenceService, body: ChatRequest, results: list[Genera
                         "finish_reason": "length" if result.finish_reason == "length" else "stop"})
     prompt_tokens = results[0].prompt_length
     completion_tokens = sum(len(r.generated) for r in results)
-    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                  total_tokens=prompt_tokens + completion_tokens)
+    usage = openai_fields.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                total_tokens=prompt_tokens + completion_tokens)
     return {**header, "object": "chat.completion", "choices": choices, "usage": usage.model_dump()}
 
 
-async def _events(service: InferenceService, body: ChatRequest, requests: list[GenerationRequest], job, header):
-    def event(choices: list[dict], usage=None) -> str:
-        chunk = {**header, "object": "chat.completion.chunk", "choices": choices}
-        if body.include_usage:
-            chunk["usage"] = usage
-        return f"data: {json.dumps(chunk)}\n\n"
+class _ChatWriter(StreamWriter):
+    """chat.completion.chunk events: the role first, then text pieces (their logprobs with
+    them), each choice's finish, the usage (with ``stream_options.include_usage``)."""
 
-    streams = [TextStream(service.tokenizer, request.stop) for request in requests]
-    pending: list[list[dict]] = [[] for _ in requests]
-    try:
-        for index in range(len(requests)):
-            yield event([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-        unfinished, completion_tokens = len(requests), 0
-        while unfinished:
-            kind, *details = await job.events.get()
-            if kind == "failed":
-                yield failed_event(details[0])
-                return
-            index = details[0]
-            if kind == "token":
-                token, logprob, top = details[1:]
-                if body.logprobs and token not in requests[index].stop.stop_ids:
-                    pending[index].append(_token_logprobs(service, token, logprob, top))
-                piece = streams[index].push(token)
-                if piece:
-                    logprobs = {"content": pending[index]} if body.logprobs else None
-                    pending[index] = []
-                    yield event([{"index": index, "delta": {"content": piece}, "logprobs": logprobs,
-                                  "finish_reason": None}])
-            else:
-                unfinished -= 1
-                result = details[1]
-                completion_tokens += len(result.generated)
-                piece = streams[index].finish()
-                delta = {"content": piece} if piece else {}
-                yield event([{"index": index, "delta": delta, "logprobs": None,
-                              "finish_reason": "length" if result.finish_reason == "length" else "stop"}])
-        if body.include_usage:
-            prompt_tokens = len(requests[0].prompt)
-            yield event([], Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=prompt_tokens + completion_tokens).model_dump())
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancel()
+    def __init__(self, service: InferenceService, body: ChatRequest, requests: list[GenerationRequest], header: dict):
+        self.service, self.body, self.requests, self.header = service, body, requests, header
+        self.include_usage = body.include_usage
+        self.streams = [TextStream(service.tokenizer, request.stop) for request in requests]
+        self.pending: list[list[dict]] = [[] for _ in requests]
+
+    def event(self, choices: list[dict], usage=None) -> str:
+        chunk = {**self.header, "object": "chat.completion.chunk", "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = usage
+        return data_line(chunk)
+
+    def start(self) -> list[str]:
+        return [self.event([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]) for index in range(len(self.requests))]
+
+    def token(self, index: int, token: int, logprob: float | None, top) -> list[str]:
+        if self.body.logprobs and token not in self.requests[index].stop.stop_ids:
+            self.pending[index].append(_token_logprobs(self.service, token, logprob, top))
+        piece = self.streams[index].push(token)
+        if not piece:
+            return []
+        logprobs = {"content": self.pending[index]} if self.body.logprobs else None
+        self.pending[index] = []
+        return [self.event([{"index": index, "delta": {"content": piece}, "logprobs": logprobs,
+                             "finish_reason": None}])]
+
+    def finish(self, index: int, result: GenerationResult) -> list[str]:
+        piece = self.streams[index].finish()
+        delta = {"content": piece} if piece else {}
+        return [self.event([{"index": index, "delta": delta, "logprobs": None,
+                             "finish_reason": "length" if result.finish_reason == "length" else "stop"}])]
+
+    def usage(self, completion_tokens: int) -> list[str]:
+        prompt_tokens = len(self.requests[0].prompt)
+        usage = openai_fields.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                    total_tokens=prompt_tokens + completion_tokens)
+        return [self.event([], usage.model_dump())]

@@ -12,36 +12,48 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hmac
 from typing import Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from fastapi import APIRouter, FastAPI
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from mega.core.version import __version__
 from mega.inference.embeddings import Embedder, EmbeddingInputError
-from mega.inference.server import MAX_BODY_BYTES, BodySizeLimit, error_response
-from mega.inference.service import RequestError
+from mega.inference.http.app import create_base_app
+from mega.inference.http.errors import RequestError
+from mega.inference.http.guards import MAX_BODY_BYTES
+from mega.inference.http.openai_fields import check_model
+from mega.inference.http.prompt_chars import PromptCharLimit
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+INPUT_SHAPES = "input must be a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
 class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it, as on every route
+
     input: str | list[str] | list[int] | list[list[int]] = Field(
         description="a text, texts, token ids, or lists of token ids to embed")
-    model: str | None = Field(None, description="ignored: the server serves one model")
+    model: str | None = Field(None, description="the served model's name; may be left out")
     encoding_format: Literal["float", "base64"] = "float"
-    user: str | None = None
+    user: str | None = Field(None, description="accepted and ignored")
+
+    @field_validator("input", mode="wrap")
+    @classmethod
+    def _input_shape(cls, value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(INPUT_SHAPES) from None
 
 
 def embeddings_router(embedder: Embedder, model_name: str) -> APIRouter:
     router = APIRouter()
     lock = asyncio.Lock()  # one forward at a time; a request's inputs are batched already
+    limit = PromptCharLimit(embedder.tokenizer, embedder.max_positions)
 
     @router.post("/v1/embeddings", summary="embed texts or token ids (OpenAI-style)")
     async def embeddings(request: EmbeddingRequest) -> dict:
+        check_model(model_name, request.model)
         inputs = [request.input] if isinstance(request.input, str) else request.input
         if not inputs:
             raise RequestError("input must not be empty", "input")
@@ -49,10 +61,17 @@ def embeddings_router(embedder: Embedder, model_name: str) -> APIRouter:
             inputs = [inputs]
         if len(inputs) > MAX_INPUTS:
             raise RequestError(f"input has {len(inputs)} items, more than the {MAX_INPUTS} allowed", "input")
-        try:
-            sequences = embedder.token_ids(inputs)
-        except EmbeddingInputError as error:
-            raise RequestError(str(error), "input") from None
+
+        def token_ids() -> list[list[int]]:  # on a worker thread: tokenizing megabytes takes seconds
+            for index, item in enumerate(inputs):
+                if isinstance(item, str):
+                    limit.check(item, "input", f"input[{index}]", f"the model's {embedder.max_positions} positions")
+            try:
+                return embedder.token_ids(inputs)
+            except EmbeddingInputError as error:
+                raise RequestError(str(error), "input") from None
+
+        sequences = await asyncio.to_thread(token_ids)
         async with lock:
             vectors = await asyncio.to_thread(embedder.embed, sequences)
         data = [{"object": "embedding", "index": index, "embedding": _encoded(vector, request.encoding_format)}
@@ -71,41 +90,6 @@ def _encoded(vector, encoding_format: str):
 
 
 def create_embeddings_app(embedder: Embedder, model_name: str, api_key: str | None = None,
-                          max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="mega embeddings", version=__version__,
-                  description=f"Serving {model_name}: OpenAI-style POST /v1/embeddings.")
-    guard = [Depends(_api_key_check(api_key))] if api_key else []
-    app.include_router(embeddings_router(embedder, model_name), dependencies=guard)
-
-    @app.get("/v1/health", summary="liveness")
-    async def health() -> dict:
-        return {"status": "ok", "model": model_name}
-
-    app.add_exception_handler(RequestError, _request_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    return app
-
-
-def _api_key_check(api_key: str):
-    expected = f"Bearer {api_key}".encode()
-
-    def check(request: Request) -> None:
-        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-            raise RequestError("a valid API key is needed: Authorization: Bearer KEY", status=401)
-
-    return check
-
-
-async def _request_error(request: Request, error: RequestError) -> JSONResponse:
-    return error_response(request, error)
-
-
-async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    first = error.errors()[0]
-    if first["type"] == "json_invalid":
-        return error_response(request, RequestError("the body is not valid JSON"))
-    field = ".".join(str(part) for part in first["loc"][1:2]) or None  # loc[0] is "body"
-    message = ("input must be a string, a list of strings, a list of token ids or a list of token-id lists"
-               if field == "input" else f"{field}: {first['msg']}")
-    return error_response(request, RequestError(message, field))
+                          max_body_bytes: int = MAX_BODY_BYTES, metrics=None) -> FastAPI:
+    return create_base_app("mega embeddings", f"Serving {model_name}: OpenAI-style POST /v1/embeddings.", model_name,
+                           [embeddings_router(embedder, model_name)], metrics, api_key, max_body_bytes)
