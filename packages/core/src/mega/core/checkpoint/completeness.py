@@ -21,6 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
+from mega.core.checkpoint.sharded_io import IncompleteSave, read_index
 from mega.core.checkpoint.state import MODEL, OPTIMIZER
 from mega.core.checkpoint.validate import name_examples
 
@@ -89,8 +90,6 @@ def confirm_written(staging: Path, expected: Manifest | None, process_group=None
     """After every rank wrote ``staging``: its first rank checks the index against ``expected``
     (that rank's record of the save) and every rank raises the same error if anything is missing,
     so the save fails before it is published."""
-    from mega.core.checkpoint.sharded_io import read_index
-
     try:
         problems = None if expected is None else incomplete(expected, read_index(staging))
     except Exception as error:  # every rank waits for the verdict: an unreadable index is one too
@@ -100,8 +99,7 @@ def confirm_written(staging: Path, expected: Manifest | None, process_group=None
         dist.broadcast_object_list(verdict, group=process_group, group_src=0)
         problems = verdict[0]
     if problems:
-        raise CheckpointError(f"the save into {staging} missed state, so it was not published (the previous "
-                              f"checkpoint and the tracker are unchanged): it " + "; ".join(problems))
+        raise IncompleteSave(staging, problems)
 
 
 def _covered_elements(chunks, shape: list[int]) -> int:
