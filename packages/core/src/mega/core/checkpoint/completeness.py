@@ -7,7 +7,8 @@ brings its optimizer state), not from the pieces written: a rank that left somet
 leave it out of the record too. The save then checks the index DCP wrote against that record
 before the checkpoint is published; ``mega checkpoint verify`` and every load check it again. A
 checkpoint saved before the record existed is checked against what its index and optimizer
-description imply: every saved parameter has each of the optimizer's state tensors.
+description imply: every saved parameter its model trains has each of the optimizer's state
+tensors.
 
 Checksums say a file is as it was written; this says that what was written is everything.
 """
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from mega.core.checkpoint.metadata import CheckpointError, CheckpointMetadata
 from mega.core.checkpoint.sharded_io import IncompleteSave, read_index
-from mega.core.checkpoint.state import MODEL, OPTIMIZER
+from mega.core.checkpoint.state import MODEL, OPTIMIZER, named_parameters
 from mega.core.checkpoint.validate import name_examples
 
 Manifest = dict[str, list[int]]  # checkpoint key -> global shape
@@ -44,16 +45,37 @@ def union_over_ranks(part: Manifest, process_group=None) -> Manifest | None:
 
 def expected_tensors(metadata: CheckpointMetadata, index: dict) -> Manifest:
     """What ``metadata`` says the checkpoint holds: its record, or for a checkpoint saved before
-    records were kept, every saved model tensor and each of its optimizer state tensors."""
+    records were kept, every saved model tensor and each of the optimizer's state tensors of those
+    the model trains (frozen ones, as DeepSeek's expert bias, told by the family's model)."""
     if metadata.tensors is not None:
         return metadata.tensors
     expected = {key: list(md.size) for key, md in index.items() if not key.startswith(OPTIMIZER)}
-    if metadata.optimizer is not None:
+    frozen = _frozen_parameters(metadata) if metadata.optimizer is not None else None
+    if frozen is not None:
         for key, md in index.items():
-            if key.startswith(MODEL):
+            if key.startswith(MODEL) and key[len(MODEL):] not in frozen:
                 for state_key in metadata.optimizer["state_keys"]:
                     expected[f"{OPTIMIZER}{key[len(MODEL):]}.{state_key}"] = list(md.size)
     return expected
+
+
+def _frozen_parameters(metadata: CheckpointMetadata) -> set[str] | None:
+    """Names of the parameters the saved model does not train, from its family's whole model built
+    on the meta device (nothing allocated); None when its family is not installed here."""
+    import torch
+
+    from mega.core.kernels import Kernels
+    from mega.core.parallel.config import ParallelConfig
+    from mega.core.plugins import get_plugins
+
+    try:
+        family = get_plugins().models.get(metadata.model_family)
+        config = family.config_class(**metadata.model_config)
+        with torch.device("meta"):
+            model = family.build(config, family.whole_model(config), kernels=Kernels(), parallel=ParallelConfig())
+    except Exception:  # a family not installed here, or a config it no longer reads: check the tensors alone
+        return None
+    return {name for name, param in named_parameters([model])[0].items() if not param.requires_grad}
 
 
 def incomplete(expected: Manifest, index: dict) -> list[str]:
