@@ -289,7 +289,7 @@ class Checkpointer:
         loads_main_params = any(key.endswith("." + MAIN_PARAM) for key in wanted.entries)
         index = read_index(path)
         check_adapters_only(path, index, part, flag)
-        check_complete(path, metadata, index, reads=None if with_optimizer else lambda key: not key.startswith(OPTIMIZER))
+        check_complete(path, metadata, index, optimizer=with_optimizer)
         check_model_names(path, *restrict_to_part(wanted, part, full_model_names(saved), index))
         extra_state = prepare_optional(wanted, index)
         check_entries(path, wanted, index)

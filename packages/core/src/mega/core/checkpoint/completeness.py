@@ -16,7 +16,6 @@ Checksums say a file is as it was written; this says that what was written is ev
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -43,14 +42,15 @@ def union_over_ranks(part: Manifest, process_group=None) -> Manifest | None:
     return union
 
 
-def expected_tensors(metadata: CheckpointMetadata, index: dict) -> Manifest:
-    """What ``metadata`` says the checkpoint holds: its record, or for a checkpoint saved before
-    records were kept, every saved model tensor and each of the optimizer's state tensors of those
-    the model trains (frozen ones, as DeepSeek's expert bias, told by the family's model)."""
+def expected_tensors(metadata: CheckpointMetadata, index: dict, optimizer: bool = True) -> Manifest:
+    """What ``metadata`` says the checkpoint holds (its optimizer state only with ``optimizer``):
+    its record, or for a checkpoint saved before records were kept, every saved model tensor and
+    each of the optimizer's state tensors of those the model trains (frozen ones, as DeepSeek's
+    expert bias, told by the family's model)."""
     if metadata.tensors is not None:
-        return metadata.tensors
+        return {key: shape for key, shape in metadata.tensors.items() if optimizer or not key.startswith(OPTIMIZER)}
     expected = {key: list(md.size) for key, md in index.items() if not key.startswith(OPTIMIZER)}
-    frozen = _frozen_parameters(metadata) if metadata.optimizer is not None else None
+    frozen = _frozen_parameters(metadata) if optimizer and metadata.optimizer is not None else None
     if frozen is not None:
         for key, md in index.items():
             if key.startswith(MODEL) and key[len(MODEL):] not in frozen:
@@ -96,13 +96,13 @@ def incomplete(expected: Manifest, index: dict) -> list[str]:
     return problems
 
 
-def check_complete(path: Path, metadata: CheckpointMetadata, index: dict,
-                   reads: Callable[[str], bool] | None = None) -> None:
-    """Raise :class:`CheckpointError` naming what ``path`` lacks of what it records (of the keys
-    ``reads`` accepts, when given: what a load reads)."""
-    expected = expected_tensors(metadata, index)
-    if reads is not None:
-        expected = {key: shape for key, shape in expected.items() if reads(key)}
+def check_complete(path: Path, metadata: CheckpointMetadata, index: dict, *, optimizer: bool = True,
+                   only: set[str] | None = None) -> None:
+    """Raise :class:`CheckpointError` naming what ``path`` lacks of what it records: with
+    ``optimizer`` its optimizer state too (a load that reads it); ``only``: just these keys."""
+    expected = expected_tensors(metadata, index, optimizer)
+    if only is not None:
+        expected = {key: shape for key, shape in expected.items() if key in only}
     problems = incomplete(expected, index)
     if problems:
         raise CheckpointError(f"checkpoint {path} is incomplete: it " + "; ".join(problems))

@@ -58,8 +58,7 @@ def read_tensors(path: str | os.PathLike, names: list[str]) -> dict[str, torch.T
     missing = [name for name in names if MODEL + name not in index]
     if missing:
         raise KeyError(f"{directory} has no model tensor(s) {', '.join(missing)}")
-    keys = {MODEL + name for name in names}
-    check_complete(directory, metadata, index, reads=keys.__contains__)
+    check_complete(directory, metadata, index, optimizer=False, only={MODEL + name for name in names})
     tensors = {name: torch.empty(tuple(index[MODEL + name].size), dtype=index[MODEL + name].properties.dtype)
                for name in names}
     entries = {MODEL + name: ShardedEntry(tuple(t.shape), t.dtype, [Piece(t, (0,) * t.dim())])
@@ -119,7 +118,7 @@ def load_model_weights(source: str | os.PathLike | TensorSource, modules: list[n
     if isinstance(source, (str, os.PathLike)):
         directory, metadata = checkpoint_and_metadata(source, checksums=False)
         index = read_index(directory)
-        check_complete(directory, metadata, index, reads=lambda key: not key.startswith(OPTIMIZER))
+        check_complete(directory, metadata, index, optimizer=False)
         extra_state = prepare_optional(entries, index)
         check_entries(directory, entries, index)
         zero_rows_beyond(entries, index)

@@ -176,7 +176,7 @@ def optimizer_entries(optimizer: MixedPrecisionOptimizer, chunks: list[nn.Module
 
 
 def expected_optimizer_shapes(optimizer: MixedPrecisionOptimizer, chunks: list[nn.Module], tp: Group | None,
-                              state_keys: list[str], main_params: bool) -> dict[str, tuple[int, ...]]:
+                              state_keys: list[str], main_params: bool) -> dict[str, list[int]]:
     """The global shape of every optimizer entry a checkpoint must hold for this rank's trainable
     parameters, whichever data-parallel rank holds (a slice of) their state: what a save is
     checked against, named from the model, not from the optimizer's own bookkeeping."""
@@ -185,7 +185,7 @@ def expected_optimizer_shapes(optimizer: MixedPrecisionOptimizer, chunks: list[n
     for name, param in named.items():
         if not param.requires_grad:
             continue
-        shape = _split(param, tp).global_shape(tuple(param.shape))
+        shape = list(_split(param, tp).global_shape(tuple(param.shape)))
         for key in state_keys:
             shapes[f"{OPTIMIZER}{name}.{key}"] = shape
         if main_params and keeps_main_param(optimizer, param):
