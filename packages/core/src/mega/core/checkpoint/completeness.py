@@ -125,7 +125,8 @@ def confirm_written(staging: Path, expected: Manifest | None, process_group=None
 
 
 def _covered_elements(chunks, shape: list[int]) -> int:
-    """Elements of the distinct in-bounds pieces (DCP writes each distinct piece once)."""
+    """Elements of the distinct in-bounds pieces (DCP writes each distinct piece once, and refuses
+    to save pieces that overlap, so their sizes add up to the whole only if they cover it)."""
     distinct = {(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in chunks}
     total = 0
     for offsets, sizes in distinct:
