@@ -51,10 +51,10 @@ import transformers  # noqa: E402
 
 from mega.core.build import build_stage  # noqa: E402
 from mega.core.plugins import get_plugins  # noqa: E402
-from mega.inference.batching import ENGINE_THREAD_OS_NAME  # noqa: E402
-from mega.inference.decode_step import READ_LAG  # noqa: E402
+from mega.inference.engine.worker import ENGINE_THREAD_OS_NAME  # noqa: E402
+from mega.inference.engine.decode_step import READ_LAG  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
-from mega.inference.static_decode import StaticDecoder  # noqa: E402
+from mega.inference.engine.slot_kv_cache import StaticDecoder  # noqa: E402
 from mega.models.hf_mapping import hf_to_mega  # noqa: E402
 
 

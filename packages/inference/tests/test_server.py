@@ -23,11 +23,11 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from mega.core.plugins import get_plugins  # noqa: E402
 from mega.core.tokenizer import TokenizerOptions  # noqa: E402
-from mega.inference.batching import BatchingWorker  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
+from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
+from mega.inference.engine.stopping import StopRules  # noqa: E402
 from mega.inference.server import MAX_BODY_BYTES, create_app  # noqa: E402
 from mega.inference.service import InferenceService  # noqa: E402
-from mega.inference.stopping import StopRules  # noqa: E402
 
 API_KEY = "secret-key"
 
@@ -45,7 +45,7 @@ def served():
     tokenizer = get_plugins().tokenizers.get("NullTokenizer")(TokenizerOptions(vocab_size=VOCAB - 1))
     assert tokenizer.vocab_size == VOCAB and tokenizer.eod == VOCAB - 1
     engine = GenerationEngine(model, vocab_size=VOCAB, max_positions=POSITIONS, tokenizer=tokenizer)
-    worker = BatchingWorker(engine, max_batch_size=32)
+    worker = ContinuousBatchingWorker(engine, max_batch_size=32)
     service = InferenceService(engine, worker, tokenizer, "tiny-gpt2")
     worker.start()
     port = free_port()
@@ -396,7 +396,7 @@ def test_max_model_len_caps_requests_and_sizes_the_cache(served):
     max_tokens over it is a 400 naming the prompt and the flag, on both APIs; within it the
     completion equals the uncapped engine's; a null max_tokens fills up to it; the static cache's
     slots and the paged cache's default size follow it."""
-    from mega.inference.continuous import ContinuousBatchingWorker
+    from mega.inference.engine.continuous import ContinuousBatchingWorker
 
     _, service = served
     engine = GenerationEngine(service.engine.model, vocab_size=VOCAB, max_positions=POSITIONS,

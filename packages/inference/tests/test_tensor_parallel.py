@@ -20,7 +20,7 @@ FAMILIES = [("gpt2", "gpt"), ("llama", "llama")]
 
 def requests():
     from mega.inference.engine import GenerationRequest
-    from mega.inference.sampling import SamplingParams
+    from mega.inference.engine.sampling import SamplingParams
 
     return [
         GenerationRequest([5, 17, 42, 8, 99], 10, logprobs=True, top_logprobs=2),
@@ -34,15 +34,17 @@ def generate(weights, family_name: str, tp: int, static: bool = False):
     """The leader's results (None on the follower) at tensor-parallel size ``tp``."""
     from mega.core.parallel import ParallelConfig, ParallelGroups
     from mega.inference.engine import GenerationEngine
-    from mega.inference.static_decode import StaticDecoder
-    from mega.inference.tp_serving import follow, lead
+    from mega.inference.tp_serving import lead, receive
 
     groups = ParallelGroups(ParallelConfig(tp=tp))
     model, config = mega_from_hf_weights(*weights, family_name, groups)
     engine = GenerationEngine(model, vocab_size=VOCAB, max_positions=POSITIONS, tp_group=groups.tp)
-    run = StaticDecoder(engine).generate if static else engine.generate
+    def run(batch, on_token=None):  # the one loop, run to completion on every rank alike
+        return engine.generate(batch, on_token=on_token, static_cache=static)
+
     if groups.tp.rank != 0:
-        follow(engine, groups.tp, run)
+        while (batch := receive(groups.tp)) is not None:
+            run(batch)
         return None
     batch, counts = requests(), [0] * 4
 
@@ -64,10 +66,11 @@ def serve_continuously(weights, family_name: str, tp: int):
     import asyncio
 
     from mega.core.parallel import ParallelConfig, ParallelGroups
-    from mega.inference.batching import Job
-    from mega.inference.continuous import ContinuousBatchingWorker
     from mega.inference.engine import GenerationEngine
-    from mega.inference.serve_cli import build_parser, continuous_worker, follow_serving
+    from mega.inference.engine.continuous import ContinuousBatchingWorker
+    from mega.inference.engine.worker import Job
+    from mega.inference.engine_setup import build_worker
+    from mega.inference.serve_cli import build_parser
     from mega.inference.tp_serving import lead
 
     groups = ParallelGroups(ParallelConfig(tp=tp))
@@ -76,9 +79,9 @@ def serve_continuously(weights, family_name: str, tp: int):
     # As `torchrun ... mega serve --static-kv-cache --no-cuda-graphs` builds it on every rank.
     args = build_parser().parse_args(["--load", ".", "--max-batch-size", "4", "--static-kv-cache", "--no-cuda-graphs"])
     if groups.tp.rank != 0:
-        follow_serving(args, engine)
+        build_worker(args, engine).follow()
         return None
-    worker = continuous_worker(args, engine, static=True)
+    worker = build_worker(args, engine)
     assert isinstance(worker, ContinuousBatchingWorker) and worker.prefix_caching and worker._decode_steps is not None
     batch = requests()
 

@@ -23,10 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mega.inference.chat_template import ChatTemplateError
 from mega.inference.completion_text import TextStream, completion_text
 from mega.inference.engine import GenerationRequest, GenerationResult
+from mega.inference.engine.stopping import StopRules
 from mega.inference.openai_api import Usage, check_model, failed_event
 from mega.inference.openai_fields import MAX_TOP_LOGPROBS, Flag, Integer, SamplingFields
 from mega.inference.service import InferenceService, RequestError
-from mega.inference.stopping import StopRules
 
 
 class TextPart(BaseModel):

@@ -24,9 +24,9 @@ from pydantic import BaseModel, Field, model_validator
 
 from mega.inference.completion_text import TextStream, completion_text, tokens_covering
 from mega.inference.engine import GenerationRequest, GenerationResult
+from mega.inference.engine.stopping import StopRules
 from mega.inference.openai_fields import MAX_SEQUENCES, MAX_TOP_LOGPROBS, Flag, Integer, SamplingFields
 from mega.inference.service import MAX_PROMPTS, InferenceService, RequestError
-from mega.inference.stopping import StopRules
 
 TokenIds = Annotated[list[Integer], Field(min_length=1)]
 Prompt = (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds

@@ -12,7 +12,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
-from mega.inference.sampling import GREEDY, SEED_LIMIT, SamplingParams
+from mega.inference.engine.sampling import GREEDY, SEED_LIMIT, SamplingParams
 from mega.inference.service import RequestError
 
 Number = Annotated[float, Strict()]  # an int or a float, never a string or a bool

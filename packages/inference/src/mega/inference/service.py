@@ -2,7 +2,7 @@
 
 Tokenizing (in a worker thread, so a huge prompt never stalls the event loop), checking each
 sequence against the model before it queues (a bad one is the client's 400, never a failed
-batch), and handing the job to the batching worker.
+batch), and handing the job to the engine's worker (its one loop).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from mega.inference.batching import BatchingWorker, Job
 from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest, GenerationResult
+from mega.inference.engine.worker import EngineWorker, Job
 
 # Megatron's limit on prompts per request; the OpenAI API takes the same.
 MAX_PROMPTS = 128
@@ -32,7 +32,7 @@ class RequestError(ValueError):
 @dataclass
 class InferenceService:
     engine: GenerationEngine
-    worker: BatchingWorker
+    worker: EngineWorker
     tokenizer: object  # mega.core.tokenizer.Tokenizer
     model_name: str
     chat_template: object | None = None  # mega.inference.chat_template.ChatTemplate

@@ -18,20 +18,19 @@ encoder_padding, cache, logits_to_keep)`` (see :func:`is_encoder_decoder`).
 
 from __future__ import annotations
 
+import collections
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from mega.core.parallel import Group
-from mega.inference.decode_step import DecodingSequence
-from mega.inference.engine import (
-    EngineBase,
-    FinishCallback,
-    GenerationError,
-    GenerationRequest,
-    GenerationResult,
-    TokenCallback,
-)
+from mega.inference.engine.decode_step import DecodingSequence
+from mega.inference.engine.generation_engine import EngineBase, FinishCallback, TokenCallback
+from mega.inference.engine.requests import GenerationError, GenerationRequest, GenerationResult, ending
+from mega.inference.engine.worker import EngineWorker
+from mega.inference.metrics import ServerMetrics
 from mega.models.t5.model import DecoderCache
 
 # T5's decoder starts from the padding token (Hugging Face's decoder_start_token_id).
@@ -66,43 +65,110 @@ class EncoderDecoderEngine(EngineBase):
             if count > self.max_positions:
                 raise GenerationError(f"{count} {what} exceed {self.length_limit}")
 
-    @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest], on_token: TokenCallback | None = None,
                  on_finish: FinishCallback | None = None) -> list[GenerationResult]:
-        for request in requests:
-            self.check(request)
-        return _encoder_decoder_run(self, list(requests), on_token, on_finish)
+        """Run ``requests`` as one batch to their ends (callbacks name a request by its index)."""
+        return EncoderDecoderWorker(self, max_batch_size=len(requests)).run_to_completion(requests, on_token, on_finish)
 
 
-def _encoder_decoder_run(engine: EncoderDecoderEngine, requests: list[GenerationRequest],
-                         on_token: TokenCallback | None, on_finish: FinishCallback | None) -> list[GenerationResult]:
-    """Encode every prompt once, then decode from the start token; each step's logits go to the
-    shared :class:`~mega.inference.decode_step.DecodeStep`, and finished rows leave the encoder
-    output, its padding and the caches."""
-    device, model = engine.device, engine.model
-    longest = max(len(r.prompt) for r in requests)
-    prompts = torch.full((len(requests), longest), PAD_TOKEN, dtype=torch.long, device=device)
-    padding = torch.zeros(len(requests), longest, dtype=torch.bool, device=device)
-    for row, request in enumerate(requests):
-        prompts[row, : len(request.prompt)] = torch.tensor(request.prompt, device=device)
-        padding[row, : len(request.prompt)] = True
-    # The decoder predicts no prompt token: those positions' log-probabilities are None.
-    sequences = [DecodingSequence(r, logprobs=[None] * (len(r.prompt) - 1) if r.logprobs else None,
-                                  top_logprobs=[None] * (len(r.prompt) - 1) if r.top_logprobs else None)
-                 for r in requests]
-    step = engine.batch_step(sequences, on_token, on_finish)
-    cache = engine.cache_class(max(r.max_new_tokens for r in requests))
-    encoder_output = model.encode(prompts, padding)
-    step.join(sequences)  # every request generates at least one token (checked)
-    tokens = torch.full((len(requests), 1), engine.decoder_start_token, dtype=torch.long, device=device)
-    while step.sequences:
-        logits = engine.real_logits(model.decode(tokens, encoder_output, padding, cache, logits_to_keep=1)[-1])
-        outcome = step(logits)
+@dataclass(eq=False, kw_only=True)
+class _Sequence(DecodingSequence):
+    job: object | None  # a Job or a Collector; None on a follower rank of a tensor group
+    index: int  # within its job
+
+
+class EncoderDecoderWorker(EngineWorker):
+    """Batches of up to ``max_batch_size`` queued sequences, each encoded once, then decoded from
+    the start token one step at a time; the next batch starts when this one has ended."""
+
+    thread_name = "mega-encoder-decoder"
+
+    def __init__(self, engine: EncoderDecoderEngine, max_batch_size: int = 32, metrics: ServerMetrics | None = None):
+        super().__init__(engine, max_batch_size, metrics)
+        self._pending: collections.deque[_Sequence] = collections.deque()
+        self._decode_step = engine.decode_step(on_token=self._on_token, on_finish=self._finish)
+        self._tokens = self._encoder_output = self._padding = self._cache = None
+
+    def _queue(self, request: GenerationRequest, job, index: int, number: int) -> None:
+        sequence = _Sequence(request, job=job, index=index)
+        # The decoder predicts no prompt token: those positions' log-probabilities are None.
+        if request.logprobs:
+            sequence.logprobs = [None] * (len(request.prompt) - 1)
+        if request.top_logprobs:
+            sequence.top_logprobs = [None] * (len(request.prompt) - 1)
+        self._pending.append(sequence)
+
+    def _has_work(self) -> bool:
+        return bool(self._pending or self._decode_step.sequences)
+
+    def _admit(self) -> list[_Sequence]:
+        """The next batch, once the running one has ended; cancelled sequences end here."""
+        admitted: list[_Sequence] = []
+        if self._decode_step.sequences:
+            return admitted
+        now = time.monotonic()
+        while self._pending and len(admitted) < self.max_batch_size:
+            sequence = self._pending.popleft()
+            reason = ending(stopped=False, at_length=False, cancelled=sequence.request.cancelled)
+            if reason is not None:
+                sequence.finish_reason = reason
+                self._finish(sequence)
+                continue
+            self.metrics.admitted(now - sequence.job.submitted_at)
+            admitted.append(sequence)
+        return admitted
+
+    def _adopt(self, request: GenerationRequest, number: int) -> _Sequence:
+        self._queue(request, None, 0, number)
+        return self._pending.pop()
+
+    def _fail(self, error: BaseException) -> None:
+        for sequence in self._decode_step.in_flight:
+            sequence.job.failed(error)
+        self._decode_step.reset()
+
+    @torch.inference_mode()
+    def _step(self, admitted: list[_Sequence]) -> None:
+        if admitted:
+            self._start(admitted)
+        step = self._decode_step
         if not step.sequences:
-            break
-        if len(outcome.kept) != len(outcome.chosen):
+            return
+        engine, device = self.engine, self.engine.device
+        logits = engine.real_logits(engine.model.decode(self._tokens, self._encoder_output, self._padding,
+                                                        self._cache, logits_to_keep=1)[-1])
+        outcome = step(logits)
+        self.batches_run += 1
+        if not step.sequences:
+            return
+        if len(outcome.kept) != len(outcome.chosen):  # finished rows leave the encoder output and the caches
             rows = torch.tensor(outcome.kept, dtype=torch.long, device=device)
-            encoder_output, padding = encoder_output[:, rows], padding[rows]
-            cache.keep(rows)
-        tokens = outcome.next_tokens[:, None]
-    return [s.result() for s in sequences]
+            self._encoder_output, self._padding = self._encoder_output[:, rows], self._padding[rows]
+            self._cache.keep(rows)
+        self._tokens = outcome.next_tokens[:, None]
+
+    def _start(self, batch: list[_Sequence]) -> None:
+        """Encode the batch's prompts (right-padded, the padding masked) and start its decoder."""
+        engine, device = self.engine, self.engine.device
+        longest = max(len(s.request.prompt) for s in batch)
+        prompts = torch.full((len(batch), longest), PAD_TOKEN, dtype=torch.long, device=device)
+        padding = torch.zeros(len(batch), longest, dtype=torch.bool, device=device)
+        for row, sequence in enumerate(batch):
+            prompts[row, : len(sequence.request.prompt)] = torch.tensor(sequence.request.prompt, device=device)
+            padding[row, : len(sequence.request.prompt)] = True
+        self._cache = engine.cache_class(max(s.request.max_new_tokens for s in batch))
+        self._encoder_output, self._padding = engine.model.encode(prompts, padding), padding
+        joined = self._decode_step.join(batch)  # every request generates at least one token (checked)
+        if len(joined) != len(batch):  # those cancelled since admission leave before the first step
+            rows = torch.tensor(joined, dtype=torch.long, device=device)
+            self._encoder_output, self._padding = self._encoder_output[:, rows], self._padding[rows]
+        self._tokens = torch.full((len(joined), 1), engine.decoder_start_token, dtype=torch.long, device=device)
+
+    @staticmethod
+    def _on_token(sequence: _Sequence, token: int, logprob: float | None, top) -> None:
+        sequence.job.token(sequence.index, token, logprob, top)
+
+    def _finish(self, sequence: _Sequence) -> None:
+        if sequence.job is not None:
+            self.metrics.generated(len(sequence.generated))
+            sequence.job.finished(sequence.index, sequence.result())

@@ -1,7 +1,20 @@
-"""What a generation engine takes and gives: requests, results, and why a sequence ended.
+"""What a generation engine takes and gives: requests, results, why a sequence ended, and the
+one rule that orders every ending (:func:`ending`).
 
-Every engine path (lock-step, encoder-decoder, continuous batching, static KV cache) speaks
-these, and :class:`FinishReason` is the one representation of an ending they all report.
+One precedence decides every ending, wherever it is looked at: **stop, then length, then
+cancellation**. A sequence that ended by itself (its stop rule on a generated token, or its
+length reached) reports so even when its client has just gone; a cancellation ends only a
+sequence that nothing else ended. The loop asks at three moments, with what is known then:
+
+- queued, nothing computed: neither stop nor length can hold yet, so a cancelled sequence ends
+  ``cancelled`` without a prefill (it never takes cache room);
+- its prompt computed, before it decodes: ``length`` when there is nothing to generate
+  (``max_new_tokens`` 0: prompt scoring), else ``cancelled`` if its client has gone;
+- each generated token read: ``stop``, else ``length``, else ``cancelled``.
+
+The decoder-only loop (:mod:`.continuous`) and the encoder-decoder one (:mod:`.encoder_decoder`)
+ask at those moments, through :class:`~mega.inference.engine.decode_step.DecodeStep` and their
+queues, so ``mega generate``, ``mega serve``'s routes and T5 all end a sequence alike.
 """
 
 from __future__ import annotations
@@ -9,8 +22,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from mega.inference.sampling import GREEDY, SamplingParams
-from mega.inference.stopping import StopRules
+from mega.inference.engine.sampling import GREEDY, SamplingParams
+from mega.inference.engine.stopping import StopRules
 
 
 class GenerationError(ValueError):
@@ -23,6 +36,17 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # a stop token, stop string or end-of-line rule
     LENGTH = "length"  # max_new_tokens reached
     CANCELLED = "cancelled"  # the client went away
+
+
+def ending(stopped: bool, at_length: bool, cancelled: bool) -> FinishReason | None:
+    """The one rule: why a sequence ends now (stop, then length, then cancellation), or None."""
+    if stopped:
+        return FinishReason.STOP
+    if at_length:
+        return FinishReason.LENGTH
+    if cancelled:
+        return FinishReason.CANCELLED
+    return None
 
 
 @dataclass

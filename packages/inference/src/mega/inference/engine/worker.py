@@ -1,31 +1,40 @@
-"""``BatchingWorker``: the one thread that runs the engine, on batches gathered from the queue.
+"""``EngineWorker``: the engine's one thread, and the loop every entry point runs to the end.
 
-HTTP handlers (asyncio) submit a :class:`Job` (one request's prompts) and await it. While the
-engine runs a batch, new jobs queue up; when it is free, the worker takes every queued job that
-fits in ``max_batch_size`` sequences and runs them as one engine batch. A job never splits
-across batches, and each job's sequences are handed back the moment they finish, so a short
-request batched with a long one does not wait for it.
+A subclass is a scheduler: it queues sequences, admits some each step (:meth:`_admit`) and runs
+one step over the admitted and the running ones (:meth:`_step`). The decoder-only one is
+:class:`~mega.inference.engine.continuous.ContinuousBatchingWorker`, T5's
+:class:`~mega.inference.engine.encoder_decoder.EncoderDecoderWorker`. The same steps run three
+ways:
 
-Results and streamed tokens cross from the worker thread to the event loop through its mailbox
-(:mod:`~mega.inference.loop_mailbox`: one wake-up for many tokens); a job whose client went away is cancelled, and its sequences leave the
-batch at the next step.
+- on the server's thread (:meth:`start`): HTTP handlers (asyncio) :meth:`submit` a :class:`Job`
+  (one request's prompts) and await it; results and streamed tokens cross to the event loop
+  through its mailbox (:mod:`~mega.inference.engine.loop_mailbox`: one wake-up for many tokens);
+  a job whose client went away is cancelled, and its sequences end by the one rule of
+  :func:`~mega.inference.engine.requests.ending`;
+- on the caller's thread (:meth:`run_to_completion`): ``mega generate``, ``mega eval`` and
+  :meth:`GenerationEngine.generate <mega.inference.engine.generation_engine.GenerationEngine.generate>`
+  submit their requests and step until every one has finished;
+- on a follower rank of a tensor group (:meth:`follow`): the steps the leader runs, with the
+  sequences it admitted (it hands them over before each step, :mod:`~mega.inference.tp_serving`).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import collections
 import ctypes
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from mega.inference.engine import GenerationEngine, GenerationRequest, GenerationResult
-from mega.inference.loop_mailbox import mailbox_for
+from mega.core.parallel import Group
+from mega.inference.engine.generation_engine import FinishCallback, TokenCallback
+from mega.inference.engine.loop_mailbox import mailbox_for
+from mega.inference.engine.requests import GenerationRequest, GenerationResult
 from mega.inference.metrics import ServerMetrics
+from mega.inference.tp_serving import lead, receive
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +92,6 @@ class Job:
     def failed(self, error: BaseException) -> None:
         self._on_loop(self._failed, error)
 
-    def dropped(self) -> None:
-        """Never run: every sequence was cancelled while it queued."""
-        self._on_loop(self.done.cancel)
-
     def _on_loop(self, callback, *args) -> None:
         self._mailbox.post(callback, *args)  # a step's calls wake the loop once, not once each
 
@@ -105,14 +110,36 @@ class Job:
             self.done.set_exception(error)
 
 
+class Collector:
+    """A caller's requests run to completion on its own thread: the :class:`Job` interface the
+    worker answers, its callbacks called at once."""
+
+    def __init__(self, requests: Sequence[GenerationRequest], on_token: TokenCallback | None,
+                 on_finish: FinishCallback | None):
+        self.requests = list(requests)
+        self.results: list[GenerationResult | None] = [None] * len(self.requests)
+        self.on_token, self.on_finish = on_token, on_finish
+        self.submitted_at = time.monotonic()
+
+    def token(self, index: int, token: int, logprob: float | None, top=None) -> None:
+        if self.on_token is not None:
+            self.on_token(index, token, logprob, top)
+
+    def finished(self, index: int, result: GenerationResult) -> None:
+        self.results[index] = result
+        if self.on_finish is not None:
+            self.on_finish(index, result)
+
+    def failed(self, error: BaseException) -> None:
+        raise error
+
+
 class EngineWorker(abc.ABC):
-    """The engine's one thread: started and stopped with the server. A subclass queues work in
-    ``submit`` and runs it in ``_run``, which waits on ``_condition`` and returns once
-    ``_stopping`` is set."""
+    """The scheduler of one engine; :meth:`start` runs it on its own thread, stopped with the server."""
 
     thread_name = "mega-engine-worker"
 
-    def __init__(self, engine: GenerationEngine, max_batch_size: int, metrics: ServerMetrics | None):
+    def __init__(self, engine, max_batch_size: int, metrics: ServerMetrics | None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         self.engine, self.max_batch_size = engine, max_batch_size
@@ -120,7 +147,8 @@ class EngineWorker(abc.ABC):
         self._condition = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._named_run, name=self.thread_name, daemon=True)
-        self.batches_run = 0  # engine steps (lock-step: whole batches), for tests and logs
+        self.batches_run = 0  # steps, for tests and logs
+        self._numbered = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -132,92 +160,91 @@ class EngineWorker(abc.ABC):
         self._thread.join()
 
     def check(self, request: GenerationRequest) -> None:
-        """Refuse a request this worker could never run; by default every request the engine
-        takes fits a batch (the continuous worker adds its KV-cache bound)."""
+        """Refuse a request this worker could never run (beyond the engine's own checks)."""
         return None
 
-    @abc.abstractmethod
-    def submit(self, job: Job) -> None:
-        """Queue ``job`` (called on the event loop)."""
+    def submit(self, job) -> None:
+        """Queue ``job``'s sequences (a :class:`Job` on the event loop, or a :class:`Collector`)."""
+        with self._condition:
+            for index, request in enumerate(job.requests):
+                self._numbered += 1
+                self._queue(request, job, index, self._numbered)
+            self._condition.notify()
+
+    @property
+    def tp_group(self) -> Group | None:
+        group = self.engine.tp_group
+        return group if group is not None and group.size > 1 else None
+
+    def run_to_completion(self, requests: Sequence[GenerationRequest], on_token: TokenCallback | None = None,
+                          on_finish: FinishCallback | None = None, lead_followers: bool = False) -> list[GenerationResult]:
+        """Every request's result, stepping on this thread until all have finished (callbacks
+        name a request by its index). ``lead_followers``: hand each step's admissions to the
+        tensor group's followers (running :meth:`follow`); without it every rank runs this same
+        call (every request is admitted at once, so their steps agree)."""
+        for request in requests:
+            self.engine.check(request)
+            self.check(request)
+        collector = Collector(requests, on_token, on_finish)
+        self.submit(collector)
+        while self._has_work():
+            admitted = self._admit()
+            if lead_followers and self.tp_group is not None:
+                lead([s.request for s in admitted], self.tp_group)
+            self._step(admitted)
+        return collector.results
+
+    def follow(self) -> None:
+        """On a follower rank of the tensor group: run every step the leader runs, with the
+        sequences it admitted, until the leader stops."""
+        while (requests := receive(self.tp_group)) is not None:
+            admitted = []
+            for request in requests:
+                self._numbered += 1
+                admitted.append(self._adopt(request, self._numbered))
+            self._step(admitted)
 
     def _named_run(self) -> None:
         name_os_thread(ENGINE_THREAD_OS_NAME)
         self._run()
 
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._has_work() and not self._stopping:
+                    self._condition.wait()
+                if self._stopping:
+                    return
+                admitted = self._admit()
+            if self.tp_group is not None:  # the followers step with the same sequences admitted
+                lead([s.request for s in admitted], self.tp_group)
+            try:
+                self._step(admitted)
+            except Exception as error:  # the server lives on; the sequences of this step get the error
+                log.exception("generation failed in a step")
+                self._fail(error)
+
     @abc.abstractmethod
-    def _run(self) -> None:
-        """The thread's body."""
+    def _queue(self, request: GenerationRequest, job, index: int, number: int) -> None:
+        """Queue one sequence (under the lock)."""
 
+    @abc.abstractmethod
+    def _has_work(self) -> bool:
+        """Whether anything is queued or running."""
 
-class BatchingWorker(EngineWorker):
-    """``before_batch(requests)`` runs on the worker thread before each engine batch (the
-    tensor-parallel leader hands the batch to the other ranks there); ``generate`` runs it (the
-    engine's by default, a :class:`~mega.inference.static_decode.StaticDecoder`'s on the static
-    KV cache)."""
+    @abc.abstractmethod
+    def _admit(self) -> list:
+        """The queued sequences that join at the next step (under the lock); a cancelled one
+        ends here, by the one rule, without taking room."""
 
-    thread_name = "mega-batching-worker"
+    @abc.abstractmethod
+    def _adopt(self, request: GenerationRequest, number: int):
+        """On a follower: the sequence the leader admitted, admitted here alike."""
 
-    def __init__(self, engine: GenerationEngine, max_batch_size: int = 32,
-                 before_batch: Callable[[list[GenerationRequest]], None] | None = None,
-                 metrics: ServerMetrics | None = None, generate: Callable | None = None):
-        super().__init__(engine, max_batch_size, metrics)
-        self.before_batch = before_batch
-        self._generate = generate  # None: the engine's own, looked up at each batch
-        self._pending: collections.deque[Job] = collections.deque()
+    @abc.abstractmethod
+    def _step(self, admitted: list) -> None:
+        """One step: the admitted sequences start, the running ones decode one token."""
 
-    def submit(self, job: Job) -> None:
-        with self._condition:
-            self._pending.append(job)
-            self._condition.notify()
-
-    def _next_batch(self) -> list[Job] | None:
-        with self._condition:
-            while not self._pending and not self._stopping:
-                self._condition.wait()
-            if self._stopping:
-                return None
-            batch, rows = [], 0
-            while self._pending and (not batch or rows + len(self._pending[0].requests) <= self.max_batch_size):
-                job = self._pending.popleft()
-                if job.cancelled:  # its client left while it queued
-                    job.dropped()
-                    continue
-                batch.append(job)
-                rows += len(job.requests)
-            return batch
-
-    def _run(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            if batch:
-                self._run_batch(batch)
-
-    def _run_batch(self, batch: list[Job]) -> None:
-        owners = [(job, index) for job in batch for index in range(len(job.requests))]
-        requests = [request for job in batch for request in job.requests]
-
-        def on_token(row: int, token: int, logprob: float | None, top) -> None:
-            job, index = owners[row]
-            job.token(index, token, logprob, top)
-
-        def on_finish(row: int, result: GenerationResult) -> None:
-            self.metrics.generated(len(result.generated))
-            job, index = owners[row]
-            job.finished(index, result)
-
-        now = time.monotonic()
-        for job in batch:
-            for _ in job.requests:
-                self.metrics.admitted(now - job.submitted_at)
-        with self._condition:
-            queued = sum(len(job.requests) for job in self._pending)
-        self.metrics.step(len(requests), self.max_batch_size, queued, 0)
-        try:
-            if self.before_batch is not None:
-                self.before_batch(requests)
-            generate = self._generate or self.engine.generate
-            generate(requests, on_token=on_token, on_finish=on_finish)
-        except Exception as error:  # the server lives on; these requests get the error
-            log.exception("generation failed for a batch of %d sequences", len(requests))
-            for job in batch:
-                job.failed(error)
-        self.batches_run += 1
+    @abc.abstractmethod
+    def _fail(self, error: BaseException) -> None:
+        """A step failed: every sequence in it gets ``error``, and leaves."""
