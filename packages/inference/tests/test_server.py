@@ -241,19 +241,20 @@ def test_a_client_leaving_mid_stream_does_not_hurt_the_others(served, monkeypatc
     url, service = served
     expected = expected_greedy(service, "3 1 4 1 5", 40)
     finish_reasons = {}
-    generate = service.engine.generate
+    worker = service.worker  # the one loop: its decode step hands out tokens and endings
+    on_token, finish = worker._decode_step.on_token, worker._finish
 
-    def slow_recording_generate(requests, on_token=None, on_finish=None):
-        def slow_on_token(*args):  # 10 ms a token: the client surely leaves before the end
-            time.sleep(0.01)
-            on_token(*args)
+    def slow_on_token(*args):  # 10 ms a token: the client surely leaves before the end
+        time.sleep(0.01)
+        on_token(*args)
 
-        results = generate(requests, slow_on_token, on_finish)
-        for request, result in zip(requests, results, strict=True):
-            finish_reasons[tuple(request.prompt)] = result.finish_reason
-        return results
+    def recording_finish(sequence):
+        finish_reasons[tuple(sequence.request.prompt)] = sequence.finish_reason
+        finish(sequence)
 
-    monkeypatch.setattr(service.engine, "generate", slow_recording_generate)
+    monkeypatch.setattr(worker._decode_step, "on_token", slow_on_token)
+    monkeypatch.setattr(worker._decode_step, "on_finish", recording_finish)
+    monkeypatch.setattr(worker, "_finish", recording_finish)
     other = {}
 
     def other_client():
@@ -336,10 +337,10 @@ def test_chat_without_a_template_is_a_clear_400(served):
 def test_a_failing_engine_is_a_500_error_object_and_the_server_lives_on(served, monkeypatch):
     url, service = served
 
-    def broken(requests, on_token=None, on_finish=None):
+    def broken(*args, **kwargs):  # every forward of the loop's step
         raise RuntimeError("the accelerator caught fire")
 
-    monkeypatch.setattr(service.engine, "generate", broken)
+    monkeypatch.setattr(service.engine, "forward", broken)
     reply = httpx.post(f"{url}/v1/completions", json={"prompt": "5 6", "max_tokens": 2})
     assert reply.status_code == 500
     error = reply.json()["error"]
