@@ -34,7 +34,7 @@ def generate(weights, family_name: str, tp: int, static: bool = False):
     """The leader's results (None on the follower) at tensor-parallel size ``tp``."""
     from mega.core.parallel import ParallelConfig, ParallelGroups
     from mega.inference.engine import GenerationEngine
-    from mega.inference.tp_serving import lead, receive
+    from mega.inference.engine.tp_serving import lead, receive
 
     groups = ParallelGroups(ParallelConfig(tp=tp))
     model, config = mega_from_hf_weights(*weights, family_name, groups)
@@ -68,10 +68,10 @@ def serve_continuously(weights, family_name: str, tp: int):
     from mega.core.parallel import ParallelConfig, ParallelGroups
     from mega.inference.engine import GenerationEngine
     from mega.inference.engine.continuous import ContinuousBatchingWorker
+    from mega.inference.engine.tp_serving import lead
     from mega.inference.engine.worker import Job
     from mega.inference.engine_setup import build_worker
     from mega.inference.serve_cli import build_parser
-    from mega.inference.tp_serving import lead
 
     groups = ParallelGroups(ParallelConfig(tp=tp))
     model, config = mega_from_hf_weights(*weights, family_name, groups)

@@ -21,10 +21,10 @@ from mega.inference.engine.encoder_decoder import (
     is_encoder_decoder,
 )
 from mega.inference.engine.slot_kv_cache import static_kv_cache_wanted
+from mega.inference.engine.tp_serving import lead, receive
 from mega.inference.engine.worker import EngineWorker
 from mega.inference.load_arguments import compile_backend
 from mega.inference.loader import LoadedModel, LoadError, load_from_args
-from mega.inference.tp_serving import lead, receive
 
 
 @dataclass

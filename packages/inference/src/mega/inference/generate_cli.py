@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     from mega.inference.engine import GenerationError, GenerationRequest
     from mega.inference.engine.sampling import GREEDY, SamplingError, SamplingParams
     from mega.inference.engine.stopping import StopRules
+    from mega.inference.engine.tp_serving import lead
     from mega.inference.engine_setup import setup_engine
-    from mega.inference.tp_serving import lead
 
     setup = setup_engine(args, "generate")
     if setup is None:  # a follower: the leader's steps have ended

@@ -96,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     # start-up cost, as above
     import uvicorn
 
+    from mega.inference.engine.tp_serving import lead
     from mega.inference.engine_setup import setup_engine
     from mega.inference.server import create_app
     from mega.inference.service import InferenceService
-    from mega.inference.tp_serving import lead
 
     setup = setup_engine(args, "serve")
     if setup is None:  # a follower: the leader has stopped serving

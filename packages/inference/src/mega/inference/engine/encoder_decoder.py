@@ -27,8 +27,15 @@ import torch
 
 from mega.core.parallel import Group
 from mega.inference.engine.decode_step import DecodingSequence
-from mega.inference.engine.generation_engine import EngineBase, FinishCallback, TokenCallback
-from mega.inference.engine.requests import GenerationError, GenerationRequest, GenerationResult, ending
+from mega.inference.engine.generation_engine import EngineBase
+from mega.inference.engine.requests import (
+    FinishCallback,
+    GenerationError,
+    GenerationRequest,
+    GenerationResult,
+    TokenCallback,
+    ending,
+)
 from mega.inference.engine.worker import EngineWorker
 from mega.inference.metrics import ServerMetrics
 from mega.models.t5.model import DecoderCache

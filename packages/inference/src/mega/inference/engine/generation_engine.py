@@ -16,23 +16,27 @@ sampling and stop strings happen on the first rank only).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from mega.core.parallel import Group
 from mega.core.parallel.collectives import gather_along
 from mega.inference.engine.decode_step import READ_LAG, DecodeStep, DecodingSequence
-from mega.inference.engine.requests import FinishReason, GenerationError, GenerationRequest, GenerationResult
+from mega.inference.engine.requests import (
+    FinishCallback,
+    FinishReason,
+    GenerationError,
+    GenerationRequest,
+    GenerationResult,
+    TokenCallback,
+)
 from mega.inference.engine.stopping import StopChecker
 
 __all__ = ["EngineBase", "FinishReason", "GenerationEngine", "GenerationError", "GenerationRequest",
            "GenerationResult"]
 
 
-# (request index, token, its logprob, the most likely (token, logprob) pairs at its position)
-TokenCallback = Callable[[int, int, "float | None", "list[tuple[int, float]] | None"], None]
-FinishCallback = Callable[[int, GenerationResult], None]  # (request index, result)
 
 
 class EngineBase:

@@ -20,6 +20,7 @@ queues, so ``mega generate``, ``mega serve``'s routes and T5 all end a sequence 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mega.inference.engine.sampling import GREEDY, SamplingParams
@@ -72,3 +73,9 @@ class GenerationResult:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_length:]
+
+
+# How a caller running requests to completion hears of them, each named by its index:
+# (request index, token, its logprob, the most likely (token, logprob) pairs at its position)
+TokenCallback = Callable[[int, int, "float | None", "list[tuple[int, float]] | None"], None]
+FinishCallback = Callable[[int, GenerationResult], None]  # (request index, result)

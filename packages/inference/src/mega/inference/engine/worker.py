@@ -15,7 +15,7 @@ ways:
   :meth:`GenerationEngine.generate <mega.inference.engine.generation_engine.GenerationEngine.generate>`
   submit their requests and step until every one has finished;
 - on a follower rank of a tensor group (:meth:`follow`): the steps the leader runs, with the
-  sequences it admitted (it hands them over before each step, :mod:`~mega.inference.tp_serving`).
+  sequences it admitted (it hands them over before each step, :mod:`~mega.inference.engine.tp_serving`).
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ import time
 from collections.abc import Sequence
 
 from mega.core.parallel import Group
-from mega.inference.engine.generation_engine import FinishCallback, TokenCallback
 from mega.inference.engine.loop_mailbox import mailbox_for
-from mega.inference.engine.requests import GenerationRequest, GenerationResult
+from mega.inference.engine.requests import FinishCallback, GenerationRequest, GenerationResult, TokenCallback
+from mega.inference.engine.tp_serving import lead, receive
 from mega.inference.metrics import ServerMetrics
-from mega.inference.tp_serving import lead, receive
 
 log = logging.getLogger(__name__)
 
