@@ -3,7 +3,7 @@
 - ``mega generate`` on a batch of prompts returns the tokens and log-probabilities ``mega serve``
   gives the same requests (Megatron's ``PUT /api``, whose seeds follow the same rule: prompt i
   draws from seed + i), greedy and seeded sampling; both are the whole commands' ``main`` on one
-  tiny LLaMA directory, the server on a real socket.
+  tiny LLaMA directory.
 - Cancellation goes through the one rule (stop, then length, then cancellation) wherever it
   happens: in the queue, after the prompt, at a token that also stops or reaches the length;
   through :meth:`GenerationEngine.generate` (``mega generate``'s loop), the server's worker and
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -46,42 +45,48 @@ def llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(llama_dir):
-    """The URL of ``mega serve``'s whole ``main`` on ``llama_dir``, in this process."""
+    """A function sending a ``PUT /api`` body to ``mega serve``'s whole ``main`` on ``llama_dir``,
+    running in this process (its app handed to the test instead of a socket: uvicorn.run waits
+    until the test ends, so main's worker keeps running)."""
+    import asyncio
+
+    import httpx
     import uvicorn
 
     from mega.inference import serve_cli
 
-    servers = []
+    apps, done, outcome = [], threading.Event(), []
 
-    def run_stoppable(app, host, port, log_level):  # uvicorn.run, but stoppable from the test
-        servers.append(uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)))
-        servers[-1].run()
+    def hold_the_app(app, **_):
+        apps.append(app)
+        done.wait()
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    argv = ["--load", str(llama_dir), "--device", "cpu", "--port", str(port), "--log-level", "warning", *TOKENIZER]
-    outcome = []
-    original, uvicorn.run = uvicorn.run, run_stoppable
+    argv = ["--load", str(llama_dir), "--device", "cpu", *TOKENIZER]
+    original, uvicorn.run = uvicorn.run, hold_the_app
     try:
         thread = threading.Thread(target=lambda: outcome.append(serve_cli.main(argv)), daemon=True)
         thread.start()
         deadline = time.monotonic() + 120
-        while not (servers and servers[0].started):
+        while not apps:
             assert thread.is_alive() and time.monotonic() < deadline, f"mega serve did not start: {outcome}"
             time.sleep(0.05)
     finally:
         uvicorn.run = original
-    yield f"http://127.0.0.1:{port}"
-    servers[0].should_exit = True
+
+    def put_api(body: dict) -> httpx.Response:
+        async def send():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(apps[0]), base_url="http://mega") as client:
+                return await client.put("/api", json=body, timeout=60)
+        return asyncio.run(send())
+
+    yield put_api
+    done.set()
     thread.join(timeout=30)
     assert outcome == [0]
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_generate_equals_serve(llama_dir, served, sampling, capsys):
-    import httpx
-
     from mega.inference.generate_cli import main as generate_main
 
     flags = ["--greedy"] if sampling == "greedy" else ["--temperature", "0.8", "--top-k", "20", "--seed", "11"]
@@ -91,7 +96,7 @@ def test_generate_equals_serve(llama_dir, served, sampling, capsys):
     generated = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     body = {"prompts": PROMPTS, "tokens_to_generate": NEW_TOKENS, "logprobs": True}
     body.update({"top_k": 1} if sampling == "greedy" else {"temperature": 0.8, "top_k": 20, "random_seed": 11})
-    reply = httpx.put(f"{served}/api", json=body, timeout=60)
+    reply = served(body)
     assert reply.status_code == 200, reply.text
     answer = reply.json()
     assert [g["prompt"] for g in generated] == PROMPTS
@@ -103,7 +108,7 @@ def test_generate_equals_serve(llama_dir, served, sampling, capsys):
         torch.testing.assert_close(torch.tensor(mine["logprobs"]), torch.tensor(logprobs[prompt_length - 1:]),
                                    atol=1e-5, rtol=0)
     if sampling == "seeded":  # the seeds drew something else than the greedy choice somewhere
-        greedy = httpx.put(f"{served}/api", json={**body, "top_k": 1, "temperature": 1.0}, timeout=60).json()
+        greedy = served({**body, "top_k": 1, "temperature": 1.0}).json()
         assert greedy["tokens"] != answer["tokens"]
 
 
