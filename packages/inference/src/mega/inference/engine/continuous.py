@@ -305,14 +305,8 @@ class ContinuousBatchingWorker(EngineWorker):
         for sequence in running:
             sequence.logits = None
 
-    @staticmethod
-    def _on_token(sequence: _Sequence, token: int, logprob: float | None, top) -> None:
-        sequence.job.token(sequence.index, token, logprob, top)
-
     def _finish(self, sequence: _Sequence) -> None:
         """On every rank (a follower frees the same blocks); the leader answers the job."""
         self.allocator.free(sequence.blocks)
         sequence.blocks = []
-        if sequence.job is not None:
-            self.metrics.generated(len(sequence.generated))
-            sequence.job.finished(sequence.index, sequence.result())
+        self._answer(sequence)

@@ -93,7 +93,7 @@ class EncoderDecoderWorker(EngineWorker):
     def __init__(self, engine: EncoderDecoderEngine, max_batch_size: int = 32, metrics: ServerMetrics | None = None):
         super().__init__(engine, max_batch_size, metrics)
         self._pending: collections.deque[_Sequence] = collections.deque()
-        self._decode_step = engine.decode_step(on_token=self._on_token, on_finish=self._finish)
+        self._decode_step = engine.decode_step(on_token=self._on_token, on_finish=self._answer)
         self._tokens = self._encoder_output = self._padding = self._cache = None
 
     def _queue(self, request: GenerationRequest, job, index: int, number: int) -> None:
@@ -119,7 +119,7 @@ class EncoderDecoderWorker(EngineWorker):
             reason = ending(stopped=False, at_length=False, cancelled=sequence.request.cancelled)
             if reason is not None:
                 sequence.finish_reason = reason
-                self._finish(sequence)
+                self._answer(sequence)
                 continue
             self.metrics.admitted(now - sequence.job.submitted_at)
             admitted.append(sequence)
@@ -170,12 +170,3 @@ class EncoderDecoderWorker(EngineWorker):
             rows = torch.tensor(joined, dtype=torch.long, device=device)
             self._encoder_output, self._padding = self._encoder_output[:, rows], self._padding[rows]
         self._tokens = torch.full((len(joined), 1), engine.decoder_start_token, dtype=torch.long, device=device)
-
-    @staticmethod
-    def _on_token(sequence: _Sequence, token: int, logprob: float | None, top) -> None:
-        sequence.job.token(sequence.index, token, logprob, top)
-
-    def _finish(self, sequence: _Sequence) -> None:
-        if sequence.job is not None:
-            self.metrics.generated(len(sequence.generated))
-            sequence.job.finished(sequence.index, sequence.result())

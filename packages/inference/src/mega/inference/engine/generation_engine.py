@@ -22,7 +22,7 @@ import torch
 
 from mega.core.parallel import Group
 from mega.core.parallel.collectives import gather_along
-from mega.inference.engine.decode_step import READ_LAG, DecodeStep, DecodingSequence
+from mega.inference.engine.decode_step import READ_LAG, DecodeStep
 from mega.inference.engine.requests import (
     FinishCallback,
     FinishReason,
@@ -74,15 +74,6 @@ class EngineBase:
     def decode_step(self, on_token=None, on_finish=None) -> DecodeStep:
         """A :class:`DecodeStep` over this engine's stop rules, device and tensor group."""
         return DecodeStep(self.stop_checker, self.device, self.tp_group, on_token, on_finish, self.read_lag)
-
-    def batch_step(self, sequences: Sequence[DecodingSequence], on_token: TokenCallback | None,
-                   on_finish: FinishCallback | None) -> DecodeStep:
-        """A :class:`DecodeStep` for one ``generate`` batch, whose callbacks name each sequence by
-        its index in ``sequences`` (the request's index), as ``generate``'s callers expect."""
-        index = {sequence: i for i, sequence in enumerate(sequences)}
-        return self.decode_step(
-            on_token=None if on_token is None else lambda s, *token: on_token(index[s], *token),
-            on_finish=None if on_finish is None else lambda s: on_finish(index[s], s.result()))
 
     def real_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Fp32 logits over the real vocabulary, every tensor shard gathered."""

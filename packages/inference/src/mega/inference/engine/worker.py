@@ -203,6 +203,16 @@ class EngineWorker(abc.ABC):
                 admitted.append(self._adopt(request, self._numbered))
             self._step(admitted)
 
+    @staticmethod
+    def _on_token(sequence, token: int, logprob: float | None, top) -> None:
+        sequence.job.token(sequence.index, token, logprob, top)
+
+    def _answer(self, sequence) -> None:
+        """A sequence ended: the leader answers its job (a follower has none)."""
+        if sequence.job is not None:
+            self.metrics.generated(len(sequence.generated))
+            sequence.job.finished(sequence.index, sequence.result())
+
     def _named_run(self) -> None:
         name_os_thread(ENGINE_THREAD_OS_NAME)
         self._run()
