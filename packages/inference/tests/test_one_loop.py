@@ -7,7 +7,7 @@
 - Cancellation goes through the one rule (stop, then length, then cancellation) wherever it
   happens: in the queue, after the prompt, at a token that also stops or reaches the length;
   through :meth:`GenerationEngine.generate` (``mega generate``'s loop), the server's worker and
-  T5's loop.
+  T5's loop; a failing T5 batch answers its jobs.
 """
 
 from __future__ import annotations
@@ -211,10 +211,10 @@ def test_serve_cancels_by_the_rule(engine):
     assert stayed.finish_reason == "length" and stayed.generated == expected
 
 
-def test_t5_cancels_by_the_rule():
-    """T5's loop: the same queue rule and decode step (a cancellation at the last token loses to
-    the length; one queued behind a running batch ends with nothing computed)."""
-    from mega.inference.engine.encoder_decoder import EncoderDecoderEngine, EncoderDecoderWorker
+@pytest.fixture(scope="module")
+def seq2seq():
+    """A random tiny T5 (mega's) and its engine."""
+    from mega.inference.engine.encoder_decoder import EncoderDecoderEngine
 
     transformers = pytest.importorskip("transformers")
     from mega.core.build import build_stage
@@ -225,7 +225,14 @@ def test_t5_cancels_by_the_rule():
                                    relative_attention_num_buckets=8, dropout_rate=0.0)
     torch.manual_seed(0)
     model = build_stage(FAMILY, t5_config(config.to_dict(), seq_length=32, decoder_seq_length=16), training=False)
-    seq2seq = EncoderDecoderEngine(model.eval(), vocab_size=64, max_positions=32)
+    return EncoderDecoderEngine(model.eval(), vocab_size=64, max_positions=32)
+
+
+def test_t5_cancels_by_the_rule(seq2seq):
+    """T5's loop: the same queue rule and decode step (a cancellation at the last token loses to
+    the length; one queued behind a running batch ends with nothing computed)."""
+    from mega.inference.engine.encoder_decoder import EncoderDecoderWorker
+
     worker = EncoderDecoderWorker(seq2seq, max_batch_size=1)
     batch = [GenerationRequest([5, 6, 7], 4), GenerationRequest([8, 9], 4)]
     seen = [0, 0]
@@ -247,3 +254,33 @@ def test_sampling_params_reach_the_loop_unchanged(engine):
     alone = engine.generate([request])[0].generated
     beside = engine.generate([GenerationRequest([1, 2], 5), request])[1].generated
     assert alone == beside
+
+
+def test_a_failing_t5_batch_answers_its_requests_and_the_worker_lives_on(seq2seq, monkeypatch):
+    """The server's T5 worker: an encode that fails answers the batch's jobs with the error (none
+    is left waiting); the next batch runs."""
+    import asyncio
+
+    from mega.inference.engine.encoder_decoder import EncoderDecoderWorker
+    from mega.inference.engine.worker import Job
+
+    worker = EncoderDecoderWorker(seq2seq, max_batch_size=4)
+    expected = seq2seq.generate([GenerationRequest([5, 6, 7], 3)])[0].generated
+
+    def broken(*args):
+        raise RuntimeError("the accelerator caught fire")
+
+    async def run(request):
+        job = Job([request], asyncio.get_running_loop())
+        worker.submit(job)
+        return (await asyncio.wait_for(job.done, 60))[0]  # a job left unanswered fails, not hangs
+
+    worker.start()
+    try:
+        monkeypatch.setattr(seq2seq.model, "encode", broken)
+        with pytest.raises(RuntimeError, match="caught fire"):
+            asyncio.run(run(GenerationRequest([5, 6, 7], 3)))
+        monkeypatch.undo()
+        assert asyncio.run(run(GenerationRequest([5, 6, 7], 3))).generated == expected
+    finally:
+        worker.stop()

@@ -95,6 +95,7 @@ class EncoderDecoderWorker(EngineWorker):
         self._pending: collections.deque[_Sequence] = collections.deque()
         self._decode_step = engine.decode_step(on_token=self._on_token, on_finish=self._answer)
         self._tokens = self._encoder_output = self._padding = self._cache = None
+        self._starting: list[_Sequence] = []  # admitted, not joined yet (a failed encode answers them too)
 
     def _queue(self, request: GenerationRequest, job, index: int, number: int) -> None:
         sequence = _Sequence(request, job=job, index=index)
@@ -130,14 +131,17 @@ class EncoderDecoderWorker(EngineWorker):
         return self._pending.pop()
 
     def _fail(self, error: BaseException) -> None:
-        for sequence in self._decode_step.in_flight:
+        for sequence in [*self._decode_step.in_flight, *self._starting]:
             sequence.job.failed(error)
         self._decode_step.reset()
+        self._starting = []
 
     @torch.inference_mode()
     def _step(self, admitted: list[_Sequence]) -> None:
         if admitted:
+            self._starting = admitted
             self._start(admitted)
+            self._starting = []
         step = self._decode_step
         if not step.sequences:
             return
