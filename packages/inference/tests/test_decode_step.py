@@ -1,5 +1,6 @@
-"""One decode step for every engine path: the lock-step engine, the static KV cache, continuous
-batching over the paged cache, and the encoder-decoder engine give the same tokens,
+"""One decode step for every engine path: the one loop run to completion on the paged cache
+(``lock_step`` below: what ``GenerationEngine.generate`` runs) and on the static KV cache, the
+server's worker with its jobs, and the encoder-decoder engine give the same tokens,
 log-probabilities and finish reasons for the same requests, cancels and stops included, with one
 order of precedence (stop, then length, then cancel).
 

@@ -1,5 +1,5 @@
-"""The static-KV-cache decode path (fixed shapes per batch-size bucket, what CUDA graphs
-capture; run eagerly on CPU here) gives the lock-step engine's tokens, greedy and sampled, for
+"""The one loop on the static KV cache (fixed shapes per batch-size bucket, what CUDA graphs
+capture; run eagerly on CPU here) gives the paged cache's tokens, greedy and sampled, for
 prompts of different lengths. The CUDA-graph capture itself needs a GPU and is not run here."""
 
 from __future__ import annotations

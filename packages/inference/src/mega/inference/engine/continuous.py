@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mega.inference.engine.decode_step import DecodeStep, DecodingSequence, record_logprobs
-from mega.inference.engine.kv_caches import DecodeCache, PagedCache, SlotCache
+from mega.inference.engine.kv_caches import PagedSequenceCache, SequenceCache, SlotSequenceCache
 from mega.inference.engine.prefix_cache import prefix_keys
 from mega.inference.engine.requests import GenerationError, GenerationRequest, ending
 from mega.inference.engine.sampling import Sampler
@@ -97,10 +97,10 @@ class ContinuousBatchingWorker(EngineWorker):
             if slots < 1:
                 raise ValueError(f"the static KV cache gives each sequence the model's {engine.max_positions} "
                                  f"positions; max_num_tokens {self.max_num_tokens} holds none")
-            self.kv: DecodeCache = SlotCache(engine, slots, block_size, prefix_caching, use_cuda_graphs,
+            self.kv: SequenceCache = SlotSequenceCache(engine, slots, block_size, prefix_caching, use_cuda_graphs,
                                              compile_backend)
         else:
-            self.kv = PagedCache(engine, max_batch_size, self.max_num_tokens, block_size, prefix_caching)
+            self.kv = PagedSequenceCache(engine, max_batch_size, self.max_num_tokens, block_size, prefix_caching)
         self.cache, self.allocator = self.kv.cache, self.kv.allocator
         self._pending: collections.deque[_Sequence] = collections.deque()
         self._prefilling: list[_Sequence] = []  # admitted, their prompts not all cached yet

@@ -1,15 +1,15 @@
 """The two KV caches the decoder loop runs on, behind one interface.
 
-:class:`PagedCache` (:mod:`.paged_kv_cache`): blocks shared by sequences of any lengths, memory
-following the tokens held. :class:`SlotCache` (:mod:`.slot_kv_cache`): a slot of the model's
+:class:`PagedSequenceCache` (:mod:`.paged_kv_cache`): blocks shared by sequences of any lengths, memory
+following the tokens held. :class:`SlotSequenceCache` (:mod:`.slot_kv_cache`): a slot of the model's
 whole length per sequence, so a decode step has fixed shapes per batch-size bucket and, on CUDA,
 replays a captured graph (``--static-kv-cache``, the default on CUDA).
 
 The loop (:class:`~mega.inference.engine.continuous.ContinuousBatchingWorker`) sees only what
 both give: an ``allocator`` that admits a sequence (blocks, or a slot as a one-block table) and
-frees it, :meth:`DecodeCache.forward` for any new tokens of some sequences (every prefill, whole
-or chunked), and :meth:`DecodeCache.decode` for one new token of every decoding sequence (which
-a slot cache's captured step may choose itself: :attr:`DecodeCache.chooses_on_device`).
+frees it, :meth:`SequenceCache.forward` for any new tokens of some sequences (every prefill, whole
+or chunked), and :meth:`SequenceCache.decode` for one new token of every decoding sequence (which
+a slot cache's captured step may choose itself: :attr:`SequenceCache.chooses_on_device`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from mega.inference.engine.slot_kv_cache import DecodeGraphs, SlotAllocator, Slo
 from mega.inference.engine.slot_prefix_cache import PrefixCachingSlotAllocator
 
 
-class DecodeCache:
-    """A model-facing ``cache`` and the ``allocator`` of its blocks (or slots). A sequence it
-    runs has ``blocks`` (its table) and ``cached`` (tokens whose keys are stored)."""
+class SequenceCache:
+    """The KV cache as the loop's sequences see it: the model-facing ``cache`` (a
+    :class:`PagedKVCache` or a :class:`SlotKVCache`) and the ``allocator`` of its blocks (or
+    slots). A sequence it runs has ``blocks`` (its table) and ``cached`` (tokens whose keys are
+    stored)."""
 
     chooses_on_device = False  # whether decode(greedy=True) may give the tokens instead of logits
     graphs: DecodeGraphs | None = None
@@ -61,14 +63,14 @@ class DecodeCache:
         return self.forward(decoding, fed[:, None], 1)[0]
 
 
-class PagedCache(DecodeCache):
+class PagedSequenceCache(SequenceCache):
     def __init__(self, engine, max_batch_size: int, max_num_tokens: int, block_size: int, prefix_caching: bool):
         allocator_class = PrefixCachingAllocator if prefix_caching else BlockAllocator
         allocator = allocator_class(max(1, max_num_tokens // block_size), block_size)
         super().__init__(engine, PagedKVCache(allocator, max_batch_size, engine.kv_head_repeats), allocator)
 
 
-class SlotCache(DecodeCache):
+class SlotSequenceCache(SequenceCache):
     """``slots`` slots of the engine's positions; decode steps over the window of the first slots
     up to a bucket, through :class:`DecodeGraphs` (captured on CUDA with ``use_cuda_graphs``,
     compiled with ``compile_backend``)."""

@@ -16,7 +16,7 @@ tensors the step reads (the window's positions and mask) are updated in place, s
 :class:`DecodeGraphs` captures one CUDA graph per bucket and replays it.
 
 The decoder loop (:class:`~mega.inference.engine.continuous.ContinuousBatchingWorker`, through
-:class:`~mega.inference.engine.kv_caches.SlotCache`) gives each running sequence one slot. On
+:class:`~mega.inference.engine.kv_caches.SlotSequenceCache`) gives each running sequence one slot. On
 CPU the steps run eagerly, which is how the tests check they give the paged cache's tokens. The CUDA-graph
 capture follows PyTorch's documented ``torch.cuda.graph`` API and has run on an H200 (issue 35).
 """

@@ -180,7 +180,8 @@ class EngineWorker(abc.ABC):
         """Every request's result, stepping on this thread until all have finished (callbacks
         name a request by its index). ``lead_followers``: hand each step's admissions to the
         tensor group's followers (running :meth:`follow`); without it every rank runs this same
-        call (every request is admitted at once, so their steps agree)."""
+        call, which agrees only where every request is admitted at the first step (a batch and
+        cache sized for all of them, as :meth:`GenerationEngine.generate` makes)."""
         for request in requests:
             self.engine.check(request)
             self.check(request)
