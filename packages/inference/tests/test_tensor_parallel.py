@@ -1,7 +1,9 @@
 """Tensor-parallel generation (tp=2 on gloo, CPU): the leader hands batches to the follower, and
-the results equal one process's, with the lock-step engine, on the static KV cache (its decode
-steps eager here; what CUDA graphs capture on a GPU), and continuous batching on the static KV
-cache (the serving default on a GPU); a cancellation on the leader alone keeps the ranks in step."""
+the results equal one process's, with the one loop run to completion on the paged and the static
+KV cache (its decode steps eager here; what CUDA graphs capture on a GPU), continuous batching on
+the static KV cache (the serving default on a GPU), and ``mega generate``'s whole ``main`` (the
+leader handing the follower each step's admissions); a cancellation on the leader alone keeps the
+ranks in step."""
 
 from __future__ import annotations
 
@@ -133,3 +135,31 @@ def test_tensor_parallel_generation_equals_one_process(worlds):
                 assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) < 1e-5
         assert leader[kind][3].finish_reason == "cancelled" and len(leader[kind][3].generated) == 3
         assert [t for t, _ in leader[kind][0].top_logprobs[-1]] == [t for t, _ in expected[kind][0].top_logprobs[-1]]
+
+
+def generate_command(directory: str) -> str:
+    """What ``mega generate``'s whole ``main`` prints on this rank (rank 0 prints; 3 prompts, 2 at
+    a time, so the third joins the running batch on both ranks). Seeded sampling, log-probabilities."""
+    import contextlib
+    import io
+
+    from mega.inference.generate_cli import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["--load", directory, "--device", "cpu", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                     str(VOCAB - 1), "--max-tokens", "6", "--json", "--logprobs", "--temperature", "0.8", "--seed",
+                     "3", "--max-batch-size", "2", "--prompt", "5 17 42", "--prompt", "7 9", "--prompt", "1 2 3 4"]) == 0
+    return printed.getvalue()
+
+
+def test_mega_generate_under_tensor_parallelism_equals_one_process(worlds, tmp_path):
+    import json
+
+    hf_tiny("llama").save_pretrained(tmp_path)
+    expected = [json.loads(line) for line in generate_command(str(tmp_path)).splitlines()]
+    leader, follower = worlds.run(2, generate_command, str(tmp_path))
+    assert follower == "" and len(expected) == 3
+    for got, want in zip((json.loads(line) for line in leader.splitlines()), expected, strict=True):
+        assert got["tokens"] == want["tokens"] and got["finish_reason"] == want["finish_reason"]
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)) < 1e-5
