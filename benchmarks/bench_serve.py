@@ -129,7 +129,7 @@ async def load(url: str, clients: int, requests_per_client: int, args, pid: int 
 
 
 def engine_rate(args, batch: int) -> tuple[float, int]:
-    """The lock-step engine's greedy tokens/s at ``batch`` (prompts and tokens at the ranges'
+    """The engine's greedy tokens/s (its one loop run to completion) at ``batch`` (prompts and tokens at the ranges'
     maxima) on the served model, and its weight bytes."""
     from mega.inference.engine import GenerationRequest
 
