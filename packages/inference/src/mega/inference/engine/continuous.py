@@ -51,13 +51,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mega.inference.engine.decode_step import DecodeStep, DecodingSequence, record_logprobs
+from mega.inference.engine.decode_step import DecodeStep, record_logprobs
 from mega.inference.engine.kv_caches import PagedSequenceCache, SequenceCache, SlotSequenceCache
 from mega.inference.engine.prefix_cache import prefix_keys
 from mega.inference.engine.requests import GenerationError, GenerationRequest, ending
 from mega.inference.engine.sampling import Sampler
 from mega.inference.engine.slot_kv_cache import DecodeGraphs
-from mega.inference.engine.worker import EngineWorker
+from mega.inference.engine.worker import EngineWorker, QueuedSequence
 from mega.inference.metrics import ServerMetrics
 
 BLOCK_SIZE = 16
@@ -65,9 +65,7 @@ PREFILL_TOKENS = 4096  # padded prompt tokens in one prefill forward (bounds its
 
 
 @dataclass(eq=False, kw_only=True)
-class _Sequence(DecodingSequence):
-    job: object | None  # a Job or a Collector; None on a follower rank of a tensor group
-    index: int  # within its job
+class _Sequence(QueuedSequence):
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose keys are in the cache
     prefix_keys: list[bytes] = field(default_factory=list)  # of the prompt's full blocks (prefix caching)

@@ -21,12 +21,10 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from mega.core.parallel import Group
-from mega.inference.engine.decode_step import DecodingSequence
 from mega.inference.engine.generation_engine import EngineBase
 from mega.inference.engine.requests import (
     FinishCallback,
@@ -36,7 +34,7 @@ from mega.inference.engine.requests import (
     TokenCallback,
     ending,
 )
-from mega.inference.engine.worker import EngineWorker
+from mega.inference.engine.worker import EngineWorker, QueuedSequence
 from mega.inference.metrics import ServerMetrics
 from mega.models.t5.model import DecoderCache
 
@@ -78,12 +76,6 @@ class EncoderDecoderEngine(EngineBase):
         return EncoderDecoderWorker(self, max_batch_size=len(requests)).run_to_completion(requests, on_token, on_finish)
 
 
-@dataclass(eq=False, kw_only=True)
-class _Sequence(DecodingSequence):
-    job: object | None  # a Job or a Collector; None on a follower rank of a tensor group
-    index: int  # within its job
-
-
 class EncoderDecoderWorker(EngineWorker):
     """Batches of up to ``max_batch_size`` queued sequences, each encoded once, then decoded from
     the start token one step at a time; the next batch starts when this one has ended."""
@@ -92,13 +84,13 @@ class EncoderDecoderWorker(EngineWorker):
 
     def __init__(self, engine: EncoderDecoderEngine, max_batch_size: int = 32, metrics: ServerMetrics | None = None):
         super().__init__(engine, max_batch_size, metrics)
-        self._pending: collections.deque[_Sequence] = collections.deque()
+        self._pending: collections.deque[QueuedSequence] = collections.deque()
         self._decode_step = engine.decode_step(on_token=self._on_token, on_finish=self._answer)
         self._tokens = self._encoder_output = self._padding = self._cache = None
-        self._starting: list[_Sequence] = []  # admitted, not joined yet (a failed encode answers them too)
+        self._starting: list[QueuedSequence] = []  # admitted, not joined yet (a failed encode answers them too)
 
     def _queue(self, request: GenerationRequest, job, index: int, number: int) -> None:
-        sequence = _Sequence(request, job=job, index=index)
+        sequence = QueuedSequence(request, job=job, index=index)
         # The decoder predicts no prompt token: those positions' log-probabilities are None.
         if request.logprobs:
             sequence.logprobs = [None] * (len(request.prompt) - 1)
@@ -109,9 +101,9 @@ class EncoderDecoderWorker(EngineWorker):
     def _has_work(self) -> bool:
         return bool(self._pending or self._decode_step.sequences)
 
-    def _admit(self) -> list[_Sequence]:
+    def _admit(self) -> list[QueuedSequence]:
         """The next batch, once the running one has ended; cancelled sequences end here."""
-        admitted: list[_Sequence] = []
+        admitted: list[QueuedSequence] = []
         if self._decode_step.sequences:
             return admitted
         now = time.monotonic()
@@ -126,7 +118,7 @@ class EncoderDecoderWorker(EngineWorker):
             admitted.append(sequence)
         return admitted
 
-    def _adopt(self, request: GenerationRequest, number: int) -> _Sequence:
+    def _adopt(self, request: GenerationRequest, number: int) -> QueuedSequence:
         self._queue(request, None, 0, number)
         return self._pending.pop()
 
@@ -137,7 +129,7 @@ class EncoderDecoderWorker(EngineWorker):
         self._starting = []
 
     @torch.inference_mode()
-    def _step(self, admitted: list[_Sequence]) -> None:
+    def _step(self, admitted: list[QueuedSequence]) -> None:
         if admitted:
             self._starting = admitted
             self._start(admitted)
@@ -158,7 +150,7 @@ class EncoderDecoderWorker(EngineWorker):
             self._cache.keep(rows)
         self._tokens = outcome.next_tokens[:, None]
 
-    def _start(self, batch: list[_Sequence]) -> None:
+    def _start(self, batch: list[QueuedSequence]) -> None:
         """Encode the batch's prompts (right-padded, the padding masked) and start its decoder."""
         engine, device = self.engine, self.engine.device
         longest = max(len(s.request.prompt) for s in batch)

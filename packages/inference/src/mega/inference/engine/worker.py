@@ -28,8 +28,10 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from mega.core.parallel import Group
+from mega.inference.engine.decode_step import DecodingSequence
 from mega.inference.engine.loop_mailbox import mailbox_for
 from mega.inference.engine.requests import FinishCallback, GenerationRequest, GenerationResult, TokenCallback
 from mega.inference.engine.tp_serving import lead, receive
@@ -50,6 +52,14 @@ def name_os_thread(name: str) -> None:
 
 
 _PR_SET_NAME = 15  # linux/prctl.h
+
+
+@dataclass(eq=False, kw_only=True)
+class QueuedSequence(DecodingSequence):
+    """A sequence a worker runs: whose job it answers, and which of the job's requests it is."""
+
+    job: Job | Collector | None  # None on a follower rank of a tensor group
+    index: int  # within its job
 
 
 class Job:
