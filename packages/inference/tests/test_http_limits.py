@@ -27,8 +27,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from mega.core.plugins import get_plugins  # noqa: E402
 from mega.core.tokenizer import TokenizerOptions  # noqa: E402
-from mega.inference.batching import BatchingWorker  # noqa: E402
 from mega.inference.engine import GenerationEngine  # noqa: E402
+from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
 from mega.inference.http.app import create_base_app  # noqa: E402
 from mega.inference.http.server import create_app  # noqa: E402
 from mega.inference.http.service import InferenceService  # noqa: E402
@@ -73,7 +73,7 @@ def server(parts, **settings):
     """A whole server (its own worker and service): yields (url, service)."""
     engine, tokenizer = parts
     app_settings = {key: settings.pop(key) for key in ("api_key", "max_body_bytes") if key in settings}
-    worker = BatchingWorker(engine, max_batch_size=8)
+    worker = ContinuousBatchingWorker(engine, max_batch_size=8)
     service = InferenceService(engine, worker, tokenizer, "tiny-gpt2", **settings)
     worker.start()
     try:
@@ -90,15 +90,16 @@ def plain(parts):
 
 
 def held_engine(monkeypatch, engine):
-    """The engine's ``generate`` waits for the returned event before it runs: requests stay in flight."""
+    """The engine's forwards wait for the returned event before they run: the one loop stays on its
+    first step, and requests stay in flight."""
     release = threading.Event()
-    generate = engine.generate
+    forward = engine.forward
 
-    def held(requests, on_token=None, on_finish=None):
+    def held(*args, **kwargs):
         release.wait(timeout=60)
-        return generate(requests, on_token, on_finish)
+        return forward(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "generate", held)
+    monkeypatch.setattr(engine, "forward", held)
     return release
 
 
@@ -226,21 +227,22 @@ def test_the_waiting_queue_is_bounded_with_429_and_retry_after(parts, monkeypatc
 
 
 def test_a_non_streaming_request_is_cancelled_when_its_client_goes(parts, monkeypatch):
-    engine, _ = parts
     finish_reasons = []
-    generate = engine.generate
+    with server(parts) as (url, service):
+        worker = service.worker  # the one loop: its decode step hands out tokens and endings
+        on_token, finish = worker._decode_step.on_token, worker._finish
 
-    def slow(requests, on_token=None, on_finish=None):
         def slow_on_token(*args):  # 20 ms a token: the client leaves long before 50 tokens
             time.sleep(0.02)
             on_token(*args)
 
-        results = generate(requests, slow_on_token, on_finish)
-        finish_reasons.extend(result.finish_reason for result in results)
-        return results
+        def recording_finish(sequence):
+            finish_reasons.append(sequence.finish_reason)
+            finish(sequence)
 
-    monkeypatch.setattr(engine, "generate", slow)
-    with server(parts) as (url, service):
+        monkeypatch.setattr(worker._decode_step, "on_token", slow_on_token)
+        monkeypatch.setattr(worker._decode_step, "on_finish", recording_finish)
+        monkeypatch.setattr(worker, "_finish", recording_finish)
         for route, body in (("/v1/completions", {"prompt": "2 7 1 8", "max_tokens": 50, "temperature": 0}),
                             ("/api", {"prompts": ["2 7 1 8"], "tokens_to_generate": 50, "top_k": 1})):
             method = "PUT" if route == "/api" else "POST"

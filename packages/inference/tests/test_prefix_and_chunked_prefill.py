@@ -16,10 +16,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import POSITIONS, VOCAB, hf_tiny, mega_from_hf  # noqa: E402
 
-from mega.inference.batching import Job  # noqa: E402
-from mega.inference.continuous import ContinuousBatchingWorker  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
-from mega.inference.sampling import SamplingParams  # noqa: E402
+from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
+from mega.inference.engine.sampling import SamplingParams  # noqa: E402
+from mega.inference.engine.worker import Job  # noqa: E402
 
 LONG_POSITIONS = 600
 

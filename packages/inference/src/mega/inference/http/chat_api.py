@@ -21,12 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mega.inference.chat_template import ChatTemplateError
 from mega.inference.completion_text import TextStream, completion_text
 from mega.inference.engine import GenerationRequest, GenerationResult
+from mega.inference.engine.stopping import StopRules
 from mega.inference.http import openai_fields
 from mega.inference.http.errors import RequestError
 from mega.inference.http.openai_fields import MAX_TOP_LOGPROBS, Flag, Integer, SamplingFields
 from mega.inference.http.service import InferenceService
 from mega.inference.http.sse import StreamWriter, data_line, sse_response
-from mega.inference.stopping import StopRules
 
 
 class TextPart(BaseModel):

@@ -18,9 +18,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from mega.inference.engine import GenerationRequest
+from mega.inference.engine.sampling import SEED_LIMIT, SamplingParams
+from mega.inference.engine.stopping import StopRules
 from mega.inference.http.service import MAX_PROMPTS, InferenceService
-from mega.inference.sampling import SEED_LIMIT, SamplingParams
-from mega.inference.stopping import StopRules
 
 Number = Annotated[float, Strict()]  # an int or a float, never a string or a bool
 Integer = Annotated[int, Strict()]

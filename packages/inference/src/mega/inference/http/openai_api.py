@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from mega.inference.completion_text import TextStream, completion_text, tokens_covering
 from mega.inference.engine import GenerationRequest, GenerationResult
+from mega.inference.engine.stopping import StopRules
 from mega.inference.http.openai_fields import (
     MAX_SEQUENCES,
     MAX_TOP_LOGPROBS,
@@ -33,7 +34,6 @@ from mega.inference.http.openai_fields import (
 )
 from mega.inference.http.service import MAX_PROMPTS, InferenceService
 from mega.inference.http.sse import StreamWriter, data_line, sse_response
-from mega.inference.stopping import StopRules
 
 # The limits (how many, none empty) are checked after the shape, so their messages name them.
 Prompt = str | list[str] | list[Integer] | list[list[Integer]]

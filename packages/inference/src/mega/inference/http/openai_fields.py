@@ -12,8 +12,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
+from mega.inference.engine.sampling import GREEDY, SEED_LIMIT, SamplingParams
 from mega.inference.http.errors import RequestError
-from mega.inference.sampling import GREEDY, SEED_LIMIT, SamplingParams
 
 Number = Annotated[float, Strict()]  # an int or a float, never a string or a bool
 Integer = Annotated[int, Strict()]

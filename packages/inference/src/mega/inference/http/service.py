@@ -4,7 +4,7 @@ Tokenizing (in a worker thread, so a huge prompt never stalls the event loop, af
 character pre-check so a prompt that cannot fit ``--max-model-len`` is never tokenized at all),
 checking each sequence against the model before it queues (a bad one is the client's 400, never
 a failed batch), admitting it (:mod:`~mega.inference.http.admission`), handing the job to the
-batching worker, and cancelling it when its client goes.
+engine's worker (its one loop), and cancelling it when its client goes.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from mega.inference.batching import BatchingWorker, Job
 from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest, GenerationResult
+from mega.inference.engine.worker import EngineWorker, Job
 from mega.inference.http.admission import Admission
 from mega.inference.http.errors import RequestError
 from mega.inference.http.prompt_chars import PromptCharLimit
@@ -32,7 +32,7 @@ CLIENT_GONE = 499  # nginx's "client closed request": what the metrics count for
 @dataclass
 class InferenceService:
     engine: GenerationEngine
-    worker: BatchingWorker
+    worker: EngineWorker
     tokenizer: object  # mega.core.tokenizer.Tokenizer
     model_name: str
     chat_template: object | None = None  # mega.inference.chat_template.ChatTemplate

@@ -2,11 +2,11 @@
 sequence ends, and a later prompt that starts with the same tokens has them copied into its own
 slot and prefills only the rest.
 
-The paged cache shares blocks (:mod:`mega.inference.prefix_cache`); a static cache slot is one
+The paged cache shares blocks (:mod:`mega.inference.engine.prefix_cache`); a static cache slot is one
 sequence's whole length and cannot be shared, but copying a prefix's keys and values from one
 slot to another is one device copy per layer, far cheaper than the prefill it replaces. So a
 slot's prompt is indexed by the same keys as the paged cache's (the SHA-256 chain of each full
-``block_size``-token block, :func:`~mega.inference.prefix_cache.prefix_keys`): while its
+``block_size``-token block, :func:`~mega.inference.engine.prefix_cache.prefix_keys`): while its
 sequence runs (its prompt's positions are never written again) and after it ends, until the slot
 is taken by another sequence. Free slots are taken lowest first, so the slot that held a prefix
 the longest is forgotten last among the free ones.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mega.inference.static_decode import SlotAllocator, SlotKVCache
+from mega.inference.engine.slot_kv_cache import SlotAllocator, SlotKVCache
 
 
 class PrefixCachingSlotAllocator(SlotAllocator):

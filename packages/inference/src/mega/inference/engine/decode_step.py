@@ -1,21 +1,20 @@
 """``DecodeStep``: the one place a step's logits become tokens, log-probabilities and endings.
 
-Every engine path (the lock-step :mod:`~mega.inference.engine`, :mod:`~mega.inference.encoder_decoder`,
-:mod:`~mega.inference.continuous` and :mod:`~mega.inference.static_decode`) runs its own forwards
-and its own cache, then hands the logits of its rows to one :class:`DecodeStep` (as Megatron-Core's
-one text-generation controller serves its static and dynamic engines). It
+The decoder loop (:mod:`~mega.inference.engine.continuous`, over the paged or the static KV
+cache) and :mod:`~mega.inference.engine.encoder_decoder` run their forwards and their caches,
+then hand the logits of their rows to one :class:`DecodeStep` (as Megatron-Core's one
+text-generation controller does). It
 
-- chooses each row's token: the next prompt token for a row still inside its prompt (the
-  lock-step engine feeds prompts of different lengths that way), else a draw of the row's
-  :class:`~mega.inference.sampling.Sampler` stream;
+- chooses each row's token: a draw of the row's :class:`~mega.inference.engine.sampling.Sampler`
+  stream;
 - records the log-probabilities the request asked for;
-- decides who ends, in one order of precedence: a stop rule (on a generated token), then the
-  length, then a cancellation: a sequence that ended by itself reports so even when its client
+- decides who ends, by the one rule of :func:`~mega.inference.engine.requests.ending` (stop, then
+  length, then cancellation): a sequence that ended by itself reports so even when its client
   has just gone;
 - retires the finished rows: the last row takes a finished row's place, so the callers' caches
   move as few rows as possible, and ``kept`` says which old row each new row is;
 - keeps the chosen tokens on the device (the next step's input) and reads them on the host a
-  few steps later (``lag``, :mod:`~mega.inference.host_copy`), so no step waits for the device:
+  few steps later (``lag``, :mod:`~mega.inference.engine.host_copy`), so no step waits for the device:
   endings are learnt that late and what a row decoded past its end is dropped.
 
 Under tensor parallelism the first rank of the group decides (cancellations, unseeded draws and
@@ -33,10 +32,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mega.core.parallel import Group
-from mega.inference.host_copy import HostCopy, to_device
-from mega.inference.requests import FinishReason, GenerationRequest, GenerationResult
-from mega.inference.sampling import Sampler
-from mega.inference.stopping import StopChecker
+from mega.inference.engine.host_copy import HostCopy, to_device
+from mega.inference.engine.requests import FinishReason, GenerationRequest, GenerationResult, ending
+from mega.inference.engine.sampling import Sampler
+from mega.inference.engine.stopping import StopChecker
 
 # Endings as small integers, only to broadcast them with the tokens (0: goes on).
 _CODES = {reason: code for code, reason in enumerate(FinishReason, start=1)}
@@ -50,15 +49,14 @@ class DecodingSequence:
     a step gets for this row are those of token ``known``."""
 
     request: GenerationRequest
-    known: int = -1  # -1: the whole prompt (set in __post_init__)
+    known: int = field(init=False, default=0)  # the whole prompt to start with (__post_init__)
     generated: list[int] = field(default_factory=list)
     logprobs: list[float | None] | None = None
     top_logprobs: list | None = None
     finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:
-        if self.known < 0:
-            self.known = len(self.request.prompt)
+        self.known = len(self.request.prompt)
         if self.logprobs is None and self.request.logprobs:
             self.logprobs = []
         if self.top_logprobs is None and self.request.top_logprobs:
@@ -109,7 +107,6 @@ class _Launched:
     """One step's rows as the host knew them when their tokens were chosen on the device."""
 
     sequences: list[DecodingSequence]
-    drawing: list[bool]  # the row drew its token (else it took its next prompt token)
     known: list[int]  # each row's ``known`` after the step
     wanting: list[int]  # the rows whose log-probabilities were asked for
     copy: HostCopy  # chosen tokens and those log-probabilities, on their way to the host
@@ -130,7 +127,7 @@ class DecodeStep:
     frees its caches as the leader does).
 
     The tokens a step chooses stay on the device, where the next step reads them; the host reads
-    them ``lag`` steps later (:class:`~mega.inference.host_copy.HostCopy`), so no step waits for
+    them ``lag`` steps later (:class:`~mega.inference.engine.host_copy.HostCopy`), so no step waits for
     the device. So a stop (or a cancellation) is learnt ``lag`` steps late: the row has decoded
     that many tokens past it, which are dropped (a sequence's tokens, log-probabilities and
     ending are those of reading every step at once). A row leaves at its length when the step
@@ -179,11 +176,8 @@ class DecodeStep:
 
     @staticmethod
     def _code_before_decoding(sequence: DecodingSequence) -> int:
-        if sequence.known >= sequence.limit:
-            return _CODES[FinishReason.LENGTH]
-        if sequence.request.cancelled:
-            return _CODES[FinishReason.CANCELLED]
-        return 0
+        reason = ending(stopped=False, at_length=sequence.known >= sequence.limit, cancelled=sequence.request.cancelled)
+        return 0 if reason is None else _CODES[reason]
 
     def reset(self) -> None:
         """Drop every row and every unread step (a failed step: the caller answers the requests
@@ -204,7 +198,7 @@ class DecodeStep:
     def may_choose_on_device(sequences: Sequence[DecodingSequence]) -> bool:
         """:attr:`chooses_on_device` for ``sequences`` about to join (their settings alone)."""
         return all(s.request.sampling.greedy and not s.request.sampling.adjusts_logits and s.logprobs is None
-                   and s.known >= len(s.request.prompt) for s in sequences)
+                   for s in sequences)
 
     def __call__(self, logits: torch.Tensor | None, chosen: torch.Tensor | None = None) -> StepOutcome:
         """Fp32 ``logits`` ``[rows, vocab]`` (the real vocabulary, every tensor shard) of each
@@ -212,13 +206,12 @@ class DecodeStep:
         retire the rows that ended or reached their length. ``chosen``: the tokens already chosen
         on the device where :attr:`chooses_on_device` allowed it (then ``logits`` may be None)."""
         sequences = self.sequences
-        drawing = [s.known >= len(s.request.prompt) for s in sequences]
         for sequence in sequences:
             sequence.known += 1
         finished: list[DecodingSequence] = []
         if self.is_leader:
-            chosen = self._choose(logits, chosen, drawing)
-            self._launched.append(self._launch(logits, chosen, drawing))
+            chosen = self._choose(logits, chosen)
+            self._launched.append(self._launch(logits, chosen))
             while len(self._launched) > self.lag:
                 finished += self._read_oldest()
             codes = [_CODES[s.finish_reason] if s.finish_reason is not None else 0 for s in sequences]
@@ -226,7 +219,7 @@ class DecodeStep:
             chosen, codes = torch.empty(len(sequences), dtype=torch.long, device=self.device), [0] * len(sequences)
         chosen, codes = self._agree(chosen, codes)
         if not self.is_leader:
-            finished = self._follow(chosen, codes, drawing)
+            finished = self._follow(chosen, codes)
         leaving = [row for row, s in enumerate(sequences) if s.finish_reason is None and s.known >= s.limit]
         self._leaving += [sequences[row] for row in leaving]
         kept = self._retire([bool(code) for code in codes], leaving)
@@ -236,19 +229,16 @@ class DecodeStep:
                 finished += self._read_oldest()
         return StepOutcome(chosen, kept, finished, self.next_tokens)
 
-    def _choose(self, logits: torch.Tensor | None, chosen: torch.Tensor | None, drawing: list[bool]) -> torch.Tensor:
-        """Each row's token, on the device: its draw, or its next prompt token."""
-        sequences = self.sequences
+    def _choose(self, logits: torch.Tensor | None, chosen: torch.Tensor | None) -> torch.Tensor:
+        """Each row's token, on the device: its draw (every row is past its prompt, computed
+        whole before it joined)."""
+        every_row = [True] * len(self.sequences)
         if chosen is None:
-            chosen = self.sampler.sample(logits, drawing)
-        if not all(drawing):  # rows still inside their prompts take its next token
-            # ``known`` has counted this step already: the token fed next is prompt[known - 1].
-            forced = [0 if draw else s.request.prompt[s.known - 1] for s, draw in zip(sequences, drawing, strict=True)]
-            chosen = torch.where(to_device(drawing, chosen.device, torch.bool), chosen, to_device(forced, chosen.device))
-        self.sampler.observe(chosen, drawing)
+            chosen = self.sampler.sample(logits, every_row)
+        self.sampler.observe(chosen, every_row)
         return chosen
 
-    def _launch(self, logits: torch.Tensor | None, chosen: torch.Tensor, drawing: list[bool]) -> _Launched:
+    def _launch(self, logits: torch.Tensor | None, chosen: torch.Tensor) -> _Launched:
         """The step's tokens and asked-for log-probabilities, on their way to the host."""
         sequences = self.sequences
         wanting = [row for row, s in enumerate(sequences) if s.logprobs is not None]
@@ -260,11 +250,11 @@ class DecodeStep:
             most = max((s.request.top_logprobs or 0) for s in sequences)
             if most:
                 tensors["top_values"], tensors["top_ids"] = log_probs.topk(most, dim=-1)
-        return _Launched(list(sequences), drawing, [s.known for s in sequences], wanting, HostCopy(tensors))
+        return _Launched(list(sequences), [s.known for s in sequences], wanting, HostCopy(tensors))
 
     def _read_oldest(self) -> list[DecodingSequence]:
         """Read the oldest launched step: record its tokens, and end the sequences whose stop
-        rule, length or cancellation (in that order of precedence) says so. A sequence already
+        rule, length or cancellation (:func:`ending`'s precedence) says so. A sequence already
         ended by an earlier step's tokens ignores this one's (decoded past its end)."""
         launched = self._launched.popleft()
         host = launched.copy.read()
@@ -281,31 +271,24 @@ class DecodeStep:
                     n = request.top_logprobs
                     sequence.top_logprobs.append(list(zip(host["top_ids"][k][:n], host["top_values"][k][:n],
                                                           strict=True)))
-            reason = None
-            if launched.drawing[row]:
-                sequence.generated.append(token)
-                if self.on_token is not None:
-                    logprob = sequence.logprobs[-1] if sequence.logprobs is not None else None
-                    top = sequence.top_logprobs[-1] if sequence.top_logprobs is not None else None
-                    self.on_token(sequence, token, logprob, top)
-                if self.stop_checker.should_stop(request.stop, sequence.generated):
-                    reason = FinishReason.STOP
-            if reason is None and launched.known[row] >= sequence.limit:
-                reason = FinishReason.LENGTH
-            if reason is None and request.cancelled:
-                reason = FinishReason.CANCELLED
+            sequence.generated.append(token)
+            if self.on_token is not None:
+                logprob = sequence.logprobs[-1] if sequence.logprobs is not None else None
+                top = sequence.top_logprobs[-1] if sequence.top_logprobs is not None else None
+                self.on_token(sequence, token, logprob, top)
+            stopped = self.stop_checker.should_stop(request.stop, sequence.generated)
+            reason = ending(stopped, launched.known[row] >= sequence.limit, request.cancelled)
             if reason is not None:
                 ended.append(sequence)
                 self._finish(sequence, _CODES[reason])
         self._leaving = [s for s in self._leaving if s.finish_reason is None]
         return ended
 
-    def _follow(self, chosen: torch.Tensor, codes: list[int], drawing: list[bool]) -> list[DecodingSequence]:
+    def _follow(self, chosen: torch.Tensor, codes: list[int]) -> list[DecodingSequence]:
         """On a follower (``lag`` 0): the leader's tokens and endings for this step's rows."""
         finished = []
-        for sequence, token, draw, code in zip(self.sequences, chosen.tolist(), drawing, codes, strict=True):
-            if draw:
-                sequence.generated.append(token)
+        for sequence, token, code in zip(self.sequences, chosen.tolist(), codes, strict=True):
+            sequence.generated.append(token)
             if code:
                 finished.append(sequence)
                 self._finish(sequence, code)

@@ -1,9 +1,10 @@
 """Tensor-parallel generation under torchrun: the first rank leads, the others follow.
 
 Only the leader (rank 0 of the tensor group) reads prompts or takes HTTP requests. Before each
-engine batch it broadcasts the batch's requests; every follower runs ``generate`` on them, so all
-ranks make the same forwards (and the engine keeps their tokens in step). ``None`` tells the
-followers to return.
+step of the engine's loop it broadcasts the requests it admitted; every follower admits them
+alike and runs the same step (:meth:`EngineWorker.follow
+<mega.inference.engine.worker.EngineWorker.follow>`), so all ranks make the same forwards (and
+the decode step keeps their tokens in step). ``None`` tells the followers to return.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mega.core.parallel import Group
-from mega.inference.engine import GenerationEngine, GenerationRequest
+from mega.inference.engine.requests import GenerationRequest
 
 
 def _broadcast(payload, group: Group):
@@ -26,7 +27,7 @@ def _broadcast(payload, group: Group):
 
 
 def lead(requests: Sequence[GenerationRequest] | None, group: Group) -> None:
-    """On the leader: hand the next batch (``None``: the end) to the followers."""
+    """On the leader: hand the next step's admitted requests (``None``: the end) to the followers."""
     if group.size > 1:
         _broadcast(list(requests) if requests is not None else None, group)
 
@@ -34,11 +35,3 @@ def lead(requests: Sequence[GenerationRequest] | None, group: Group) -> None:
 def receive(group: Group):
     """On a follower: what the leader hands over next (``lead``'s payload)."""
     return _broadcast(None, group)
-
-
-def follow(engine: GenerationEngine, group: Group, generate=None) -> None:
-    """On a follower: run every batch the leader hands over, until it says the end, with the
-    leader's way of generating (``generate``: the engine's, or a static decoder's)."""
-    generate = generate or engine.generate
-    while (requests := receive(group)) is not None:
-        generate(requests)

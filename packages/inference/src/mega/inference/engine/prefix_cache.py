@@ -2,7 +2,7 @@
 tokens is keyed by the hash of every token up to its end, so a later prompt that starts with
 the same tokens takes the block as it is and prefills only the rest.
 
-:class:`PrefixCachingAllocator` is the paged cache's :class:`~mega.inference.paged_kv_cache.BlockAllocator`
+:class:`PrefixCachingAllocator` is the paged cache's :class:`~mega.inference.engine.paged_kv_cache.BlockAllocator`
 with reference counts: a block is shared by every running sequence whose prompt starts with its
 prefix, and one nobody holds stays cached (its keys intact) until its space is needed, the least
 recently released first. Keys are SHA-256 chains (a block's key hashes its parent's key and its
@@ -22,7 +22,7 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-from mega.inference.paged_kv_cache import BlockAllocator, CacheFullError
+from mega.inference.engine.paged_kv_cache import BlockAllocator, CacheFullError
 
 
 def prefix_keys(prompt: Sequence[int], block_size: int) -> list[bytes]:

@@ -1,41 +1,42 @@
-"""``GenerationEngine``: continues a batch of token-id prompts with any decoder family's model.
+"""``GenerationEngine``: a decoder model and its limits, for the one decoder loop.
 
-The batch runs in lock-step, as Megatron's generation does: the first forward fills the KV cache
-with every prompt's first ``min(prompt lengths)`` tokens, then each step feeds one token per
-sequence. A sequence still inside its prompt is fed its next prompt token (whose log-probability
-is recorded), the others the token just sampled. Each sequence so computes exactly what it
-would alone, with no padding and no attention mask. Finished sequences leave the batch (and the
-cache) at once, and their results are handed out as they finish.
+The engine holds what every path shares: the model, its real vocabulary and positions, the
+tokenizer's stop rules and the tensor group; it checks requests and runs forwards. Generating is
+the decoder loop's (:class:`~mega.inference.engine.continuous.ContinuousBatchingWorker`);
+:meth:`GenerationEngine.generate` runs it to completion over a batch of requests, as ``mega
+generate`` does. Choosing tokens, log-probabilities and endings is
+:class:`~mega.inference.engine.decode_step.DecodeStep`'s job.
 
-Under tensor parallelism every rank of the tensor group runs ``generate`` on the same requests
-(see :mod:`mega.inference.tp_serving`); the logits' vocabulary shards are gathered, the first
-rank of the group samples and decides who stops, and broadcasts both each step, so the ranks
-never disagree (cancellations, unseeded sampling and stop strings happen on the first rank only).
-Choosing tokens, log-probabilities and endings is :class:`~mega.inference.decode_step.DecodeStep`'s
-job, shared with every other engine path.
+Under tensor parallelism every rank of the tensor group runs ``generate`` on the same requests;
+the logits' vocabulary shards are gathered, the first rank of the group samples and decides who
+stops, and broadcasts both each step, so the ranks never disagree (cancellations, unseeded
+sampling and stop strings happen on the first rank only).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from mega.core.parallel import Group
 from mega.core.parallel.collectives import gather_along
-from mega.inference.decode_step import READ_LAG, DecodeStep, DecodingSequence, record_logprobs
-from mega.inference.requests import FinishReason, GenerationError, GenerationRequest, GenerationResult
-from mega.inference.stopping import StopChecker
-from mega.models.kv_cache import KVCache
+from mega.inference.engine.decode_step import READ_LAG, DecodeStep
+from mega.inference.engine.requests import (
+    FinishCallback,
+    FinishReason,
+    GenerationError,
+    GenerationRequest,
+    GenerationResult,
+    TokenCallback,
+)
+from mega.inference.engine.stopping import StopChecker
 
 __all__ = ["EngineBase", "FinishReason", "GenerationEngine", "GenerationError", "GenerationRequest",
            "GenerationResult"]
 
 
-# (request index, token, its logprob, the most likely (token, logprob) pairs at its position)
-TokenCallback = Callable[[int, int, "float | None", "list[tuple[int, float]] | None"], None]
-FinishCallback = Callable[[int, GenerationResult], None]  # (request index, result)
 
 
 class EngineBase:
@@ -73,15 +74,6 @@ class EngineBase:
     def decode_step(self, on_token=None, on_finish=None) -> DecodeStep:
         """A :class:`DecodeStep` over this engine's stop rules, device and tensor group."""
         return DecodeStep(self.stop_checker, self.device, self.tp_group, on_token, on_finish, self.read_lag)
-
-    def batch_step(self, sequences: Sequence[DecodingSequence], on_token: TokenCallback | None,
-                   on_finish: FinishCallback | None) -> DecodeStep:
-        """A :class:`DecodeStep` for one ``generate`` batch, whose callbacks name each sequence by
-        its index in ``sequences`` (the request's index), as ``generate``'s callers expect."""
-        index = {sequence: i for i, sequence in enumerate(sequences)}
-        return self.decode_step(
-            on_token=None if on_token is None else lambda s, *token: on_token(index[s], *token),
-            on_finish=None if on_finish is None else lambda s: on_finish(index[s], s.result()))
 
     def real_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Fp32 logits over the real vocabulary, every tensor shard gathered."""
@@ -143,39 +135,18 @@ class GenerationEngine(EngineBase):
             return 1
         return heads // groups
 
-    @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest], on_token: TokenCallback | None = None,
-                 on_finish: FinishCallback | None = None) -> list[GenerationResult]:
+                 on_finish: FinishCallback | None = None, static_cache: bool = False) -> list[GenerationResult]:
+        """Run ``requests`` together through the decoder loop to their ends, on a cache sized for
+        them (the paged one, or with ``static_cache`` a slot each); callbacks name a request by
+        its index."""
+        # The loop's module imports this one.
+        from mega.inference.engine.continuous import BLOCK_SIZE, ContinuousBatchingWorker
+
         for request in requests:
             self.check(request)
-        return _lock_step(self, list(requests), on_token, on_finish)
-
-
-def _lock_step(engine: GenerationEngine, requests: list[GenerationRequest], on_token: TokenCallback | None,
-               on_finish: FinishCallback | None) -> list[GenerationResult]:
-    """One call of ``generate``: the first forward covers every prompt's first ``min(lengths)``
-    tokens, then each step feeds one token per row (the next prompt token or the one drawn)."""
-    device = engine.device
-    length = min(len(r.prompt) for r in requests)
-    sequences = [DecodingSequence(request, known=length) for request in requests]
-    step = engine.batch_step(sequences, on_token, on_finish)
-    cache = KVCache(max(s.limit for s in sequences))
-    prompts = torch.tensor([r.prompt[:length] for r in requests], device=device)
-    scoring = any(r.logprobs for r in requests)
-    logits = engine.forward(prompts, torch.arange(length, device=device)[None, :], cache, None if scoring else 1)
-    if scoring and engine.is_leader:
-        for row, sequence in enumerate(sequences):
-            record_logprobs(sequence, logits[:-1, row], prompts[row, 1:])
-    joined = step.join(sequences)
-    if len(joined) != len(sequences) and joined:
-        cache.keep(torch.tensor(joined, device=device))
-    last = logits[-1, joined]
-    while step.sequences:
-        outcome = step(last)
-        if not step.sequences:
-            break
-        if len(outcome.kept) != len(outcome.chosen):
-            cache.keep(torch.tensor(outcome.kept, device=device))
-        last = engine.forward(outcome.next_tokens[:, None], torch.tensor([[length]], device=device), cache, 1)[-1]
-        length += 1
-    return [s.result() for s in sequences]
+        blocks = sum(-(-(len(r.prompt) + r.max_new_tokens) // BLOCK_SIZE) for r in requests)
+        tokens = len(requests) * self.max_positions if static_cache else blocks * BLOCK_SIZE
+        worker = ContinuousBatchingWorker(self, max_batch_size=len(requests), max_num_tokens=tokens,
+                                          static_cache=static_cache)
+        return worker.run_to_completion(requests, on_token, on_finish)

@@ -4,7 +4,7 @@ A decode loop that read each step's tokens at once would wait, every token, for 
 finish the step (a host synchronisation per token: on a GPU the time between graph replays).
 Instead the step's tokens (and log-probabilities) are copied into pinned host buffers with
 ``non_blocking`` copies and an event recorded behind them; the host goes on launching the next
-steps and reads a copy only a few steps later (:class:`~mega.inference.decode_step.DecodeStep`),
+steps and reads a copy only a few steps later (:class:`~mega.inference.engine.decode_step.DecodeStep`),
 when the device has long passed it, so waiting on its event costs nothing.
 
 On CPU the same code runs: the copies are plain (synchronous) and there is no event.

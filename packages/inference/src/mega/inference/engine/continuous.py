@@ -1,8 +1,11 @@
-"""``ContinuousBatchingWorker``: the engine's thread, with sequences joining the running batch at
-the next step rather than the next batch.
+"""``ContinuousBatchingWorker``: the one decoder loop. Every entry point for decoder-only models
+submits its requests here: ``mega serve``'s routes (Megatron's ``PUT /api``, the OpenAI ones)
+through the worker's thread, ``mega generate`` and :meth:`GenerationEngine.generate` by running
+it to completion on their own thread (:class:`~mega.inference.engine.worker.EngineWorker`).
+Sequences join the running batch at the next step rather than the next batch.
 
 Each step: queued sequences are admitted (first come, first served) while the batch has fewer
-than ``max_batch_size`` sequences and the paged KV cache (:mod:`mega.inference.paged_kv_cache`)
+than ``max_batch_size`` sequences and the paged KV cache (:mod:`mega.inference.engine.paged_kv_cache`)
 has blocks for the sequence's prompt and all the tokens it may generate (so a running sequence
 never runs out); the admitted prompts are prefilled together, right-padded into as few
 forwards as a token budget allows (one wanting prompt log-probabilities alone); the
@@ -10,64 +13,59 @@ sequences already running decode one token each in one forward; then every seque
 logits chooses its token, and those that finish leave the batch and free their blocks at once.
 
 Sequences are independent: each sits at its own position with its own cache blocks, so a
-sequence computes what it would alone (the same tokens as :class:`GenerationEngine` gives it;
-sampling streams are per sequence, as there).
+sequence computes what it would alone (sampling streams are per sequence).
 
 Under tensor parallelism (``torchrun``) the worker runs on the leader (rank 0 of the tensor
 group), which before each step hands the sequences it admitted to the followers; each follower
-runs the same steps over its own caches (:meth:`ContinuousBatchingWorker.follow`), and the
-shared :class:`~mega.inference.decode_step.DecodeStep` gives every rank the leader's tokens
+runs the same steps over its own caches (:meth:`EngineWorker.follow`), and the
+shared :class:`~mega.inference.engine.decode_step.DecodeStep` gives every rank the leader's tokens
 and endings, so the ranks' batches never part.
 
-``static_cache`` (``mega serve --static-kv-cache``, the default on CUDA) swaps the paged cache
-for a :class:`~mega.inference.static_decode.SlotKVCache`: each sequence owns a slot of the
+The cache sits behind one interface (:mod:`~mega.inference.engine.kv_caches`): the prefill and
+the decode step here are written once for both. ``static_cache`` (``--static-kv-cache``, the
+default on CUDA) swaps the paged cache for a
+:class:`~mega.inference.engine.slot_kv_cache.SlotKVCache`: each sequence owns a slot of the
 model's whole length (a one-block table, so admission and freeing are unchanged), and a decode
 step runs over the first slots up to a batch-size bucket with fixed shapes, which on CUDA is a
-captured graph replayed (:class:`~mega.inference.static_decode.DecodeSteps`).
+captured graph replayed (:class:`~mega.inference.engine.slot_kv_cache.DecodeGraphs`).
+
+Endings follow the one rule of :func:`~mega.inference.engine.requests.ending` (stop, then
+length, then cancellation): in the queue here (:meth:`ContinuousBatchingWorker._admit`), after
+the prefill and after each token in the decode step.
 
 ``prefix_caching`` (``--enable-prefix-caching``, on by default for the paged cache): blocks that
 hold a prompt's full blocks are kept, keyed by their prefix, and shared by later prompts that
-start with it (:mod:`mega.inference.prefix_cache`): those prefill only the rest.
+start with it (:mod:`mega.inference.engine.prefix_cache`): those prefill only the rest.
 
 ``max_num_batched_tokens`` (``--max-num-batched-tokens``): a step computes at most that many
 tokens, one per decoding sequence and the rest prompt tokens: a long prompt is prefilled in
 chunks over several steps while the running sequences go on decoding, instead of stalling them
 all for one long forward. Without it each admitted prompt is prefilled whole in its first step.
 """
-
 from __future__ import annotations
 
 import collections
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from mega.core.parallel import Group
-from mega.inference.batching import EngineWorker, Job
-from mega.inference.decode_step import DecodeStep, DecodingSequence, record_logprobs
-from mega.inference.engine import FinishReason, GenerationEngine, GenerationError, GenerationRequest
-from mega.inference.host_copy import to_device
+from mega.inference.engine.decode_step import DecodeStep, record_logprobs
+from mega.inference.engine.kv_caches import PagedSequenceCache, SequenceCache, SlotSequenceCache
+from mega.inference.engine.prefix_cache import prefix_keys
+from mega.inference.engine.requests import GenerationError, GenerationRequest, ending
+from mega.inference.engine.sampling import Sampler
+from mega.inference.engine.slot_kv_cache import DecodeGraphs
+from mega.inference.engine.worker import EngineWorker, QueuedSequence
 from mega.inference.metrics import ServerMetrics
-from mega.inference.paged_kv_cache import BlockAllocator, PagedKVCache
-from mega.inference.prefix_cache import PrefixCachingAllocator, prefix_keys
-from mega.inference.sampling import Sampler
-from mega.inference.slot_prefix_cache import PrefixCachingSlotAllocator
-from mega.inference.static_decode import DecodeSteps, SlotAllocator, SlotKVCache, bucket_for
-from mega.inference.tp_serving import lead, receive
-
-log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16
 PREFILL_TOKENS = 4096  # padded prompt tokens in one prefill forward (bounds its activations)
 
 
 @dataclass(eq=False, kw_only=True)
-class _Sequence(DecodingSequence):
-    job: Job | None  # None on a follower rank of a tensor group
-    index: int  # within its job
+class _Sequence(QueuedSequence):
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose keys are in the cache
     prefix_keys: list[bytes] = field(default_factory=list)  # of the prompt's full blocks (prefix caching)
@@ -78,7 +76,7 @@ class _Sequence(DecodingSequence):
 class ContinuousBatchingWorker(EngineWorker):
     thread_name = "mega-continuous-batching"
 
-    def __init__(self, engine: GenerationEngine, max_batch_size: int = 32, max_num_tokens: int | None = None,
+    def __init__(self, engine, max_batch_size: int = 32, max_num_tokens: int | None = None,
                  block_size: int = BLOCK_SIZE, metrics: ServerMetrics | None = None, static_cache: bool = False,
                  use_cuda_graphs: bool | None = None, prefix_caching: bool = False,
                  max_num_batched_tokens: int | None = None, compile_backend: str | Callable | None = None):
@@ -92,29 +90,26 @@ class ContinuousBatchingWorker(EngineWorker):
         self.max_num_tokens = max_num_tokens or max_batch_size * engine.max_positions
         if self.max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be positive, got {self.max_num_tokens}")
-        self._decode_steps: DecodeSteps | None = None
         if static_cache:
             slots = min(max_batch_size, self.max_num_tokens // engine.max_positions)
             if slots < 1:
                 raise ValueError(f"the static KV cache gives each sequence the model's {engine.max_positions} "
                                  f"positions; max_num_tokens {self.max_num_tokens} holds none")
-            self.cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype)
-            self.allocator = (PrefixCachingSlotAllocator(self.cache, block_size) if prefix_caching
-                              else SlotAllocator(slots, engine.max_positions))
-            graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-            self._decode_steps = DecodeSteps(engine, self.cache, graphs, compile_backend)
-            if compile_backend is not None:  # compiled now, not while the first requests wait
-                self._decode_steps.warm_up()
+            self.kv: SequenceCache = SlotSequenceCache(engine, slots, block_size, prefix_caching, use_cuda_graphs,
+                                             compile_backend)
         else:
-            allocator_class = PrefixCachingAllocator if prefix_caching else BlockAllocator
-            self.allocator = allocator_class(max(1, self.max_num_tokens // block_size), block_size)
-            self.cache = PagedKVCache(self.allocator, max_batch_size, engine.kv_head_repeats)
+            self.kv = PagedSequenceCache(engine, max_batch_size, self.max_num_tokens, block_size, prefix_caching)
+        self.cache, self.allocator = self.kv.cache, self.kv.allocator
         self._pending: collections.deque[_Sequence] = collections.deque()
         self._prefilling: list[_Sequence] = []  # admitted, their prompts not all cached yet
-        self._numbered = 0
         self._chosen: torch.Tensor | None = None  # [decoding rows] tokens a greedy decode step chose
         # The running sequences are the decode step's rows, in its order.
         self._decode_step = engine.decode_step(on_token=self._on_token, on_finish=self._finish)
+
+    @property
+    def _decode_steps(self) -> DecodeGraphs | None:
+        """The static cache's decode forwards (captured graphs on CUDA); None on the paged cache."""
+        return self.kv.graphs
 
     @property
     def _running(self) -> list[_Sequence]:
@@ -122,7 +117,7 @@ class ContinuousBatchingWorker(EngineWorker):
 
     @property
     def prefix_caching(self) -> bool:
-        return isinstance(self.allocator, (PrefixCachingAllocator, PrefixCachingSlotAllocator))
+        return self.kv.prefix_caching
 
     def check(self, request: GenerationRequest) -> None:
         """A sequence longer than the whole cache could never be admitted."""
@@ -131,63 +126,37 @@ class ContinuousBatchingWorker(EngineWorker):
             raise GenerationError(f"{tokens} tokens exceed the server's KV cache of {self.max_num_tokens} tokens "
                                   "(--max-num-tokens)")
 
-    def submit(self, job: Job) -> None:
-        with self._condition:
-            for index, request in enumerate(job.requests):
-                self._numbered += 1
-                self._pending.append(_Sequence(request, job=job, index=index, number=self._numbered))
-            self._condition.notify()
+    def _queue(self, request: GenerationRequest, job, index: int, number: int) -> None:
+        self._pending.append(_Sequence(request, job=job, index=index, number=number))
 
-    @property
-    def _tp_group(self) -> Group | None:
-        group = self.engine.tp_group
-        return group if group is not None and group.size > 1 else None
+    def _has_work(self) -> bool:
+        return bool(self._pending or self._running or self._prefilling)
 
-    def follow(self) -> None:
-        """On a follower rank of the tensor group: run every step the leader runs, admitting the
-        sequences it admitted to it (the same allocations: the caches' histories are the same),
-        until the leader stops. Tokens and endings come from the leader (see DecodeStep)."""
-        while (requests := receive(self._tp_group)) is not None:
-            admitted = []
-            for request in requests:
-                self._numbered += 1
-                sequence = _Sequence(request, job=None, index=0, number=self._numbered)
-                if not self._allocate(sequence):
-                    raise RuntimeError("a follower's KV cache cannot hold what the leader's admitted: the ranks disagree")
-                self._prefilling.append(sequence)
-                admitted.append(sequence)
-            self._step(admitted)
+    def _adopt(self, request: GenerationRequest, number: int) -> _Sequence:
+        sequence = _Sequence(request, job=None, index=0, number=number)
+        if not self._allocate(sequence):
+            raise RuntimeError("a follower's KV cache cannot hold what the leader's admitted: the ranks disagree")
+        self._prefilling.append(sequence)
+        return sequence
 
-    # The worker thread.
-    def _run(self) -> None:
-        while True:
-            with self._condition:
-                while not self._pending and not self._running and not self._prefilling and not self._stopping:
-                    self._condition.wait()
-                if self._stopping:
-                    return
-                admitted = self._admit()
-            if self._tp_group is not None:  # the followers step with the same sequences admitted
-                lead([s.request for s in admitted], self._tp_group)
-            try:
-                self._step(admitted)
-            except Exception as error:  # the server lives on; the sequences of this step get the error
-                log.exception("generation failed in a step of %d sequences", len(self._running) + len(admitted))
-                for sequence in [*self._decode_step.in_flight, *self._prefilling]:
-                    self.allocator.free(sequence.blocks)
-                    sequence.job.failed(error)
-                self._decode_step.reset()
-                self._prefilling, self._chosen = [], None
+    def _fail(self, error: BaseException) -> None:
+        for sequence in [*self._decode_step.in_flight, *self._prefilling]:
+            self.allocator.free(sequence.blocks)
+            sequence.job.failed(error)
+        self._decode_step.reset()
+        self._prefilling, self._chosen = [], None
 
     def _admit(self) -> list[_Sequence]:
-        """Queued sequences that fit now, in order; cancelled ones are dropped."""
+        """Queued sequences that fit now, in order; a cancelled one ends (nothing computed: by
+        the one rule, only its cancellation can end it) and takes no room."""
         admitted: list[_Sequence] = []
         now = time.monotonic()
         while self._pending and len(self._running) + len(self._prefilling) < self.max_batch_size:
             sequence = self._pending[0]
-            if sequence.request.cancelled:
+            reason = ending(stopped=False, at_length=False, cancelled=sequence.request.cancelled)
+            if reason is not None:
                 self._pending.popleft()
-                sequence.finish_reason = FinishReason.CANCELLED
+                sequence.finish_reason = reason
                 self._finish(sequence)
                 continue
             if not self._allocate(sequence):
@@ -217,20 +186,6 @@ class ContinuousBatchingWorker(EngineWorker):
         sequence.blocks, sequence.cached = allocated
         return True
 
-    def _forward(self, sequences: list[_Sequence], tokens: torch.Tensor, logits_to_keep: int | torch.Tensor | None,
-                 real: list[int] | None = None) -> torch.Tensor:
-        """fp32 logits ``[kept, batch, vocab]`` of ``tokens`` ``[batch, new]`` continuing each sequence
-        (``real``: right-padded prompts, row ``r``'s own tokens; see :meth:`PagedKVCache.bind`)."""
-        device = self.engine.device
-        cached = [s.cached for s in sequences]
-        self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device, [s.number for s in sequences],
-                        real)
-        positions = torch.tensor(cached, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
-        logits = self.engine.forward(tokens, positions, self.cache, logits_to_keep)
-        for row, sequence in enumerate(sequences):
-            sequence.cached += tokens.shape[1] if real is None else real[row]
-        return logits
-
     def _prefill_together(self, sequences: list[_Sequence]) -> None:
         """Prompts (no prompt log-probabilities wanted) right-padded into one forward: one large
         matrix product instead of a small one per prompt, each row's logits taken at its own end."""
@@ -239,7 +194,7 @@ class ContinuousBatchingWorker(EngineWorker):
         for row, sequence in enumerate(sequences):
             tokens[row, : lengths[row]] = torch.tensor(sequence.request.prompt)
         ends = torch.tensor(lengths, device=self.engine.device) - 1
-        logits = self._forward(sequences, tokens.to(self.engine.device), ends, real=lengths)[0]  # [batch, vocab]
+        logits = self.kv.forward(sequences, tokens.to(self.engine.device), ends, real=lengths)[0]  # [batch, vocab]
         for row, sequence in enumerate(sequences):
             sequence.logits = logits[row]
 
@@ -284,7 +239,7 @@ class ContinuousBatchingWorker(EngineWorker):
         prompt, start = sequence.request.prompt, sequence.cached
         end = start + count
         tokens = torch.tensor([prompt[start:end]], device=self.engine.device)
-        logits = self._forward([sequence], tokens, None if sequence.request.logprobs else 1)[:, 0]  # [kept, vocab]
+        logits = self.kv.forward([sequence], tokens, None if sequence.request.logprobs else 1)[:, 0]  # [kept, vocab]
         self.prefilled_tokens += count
         if sequence.request.logprobs:  # of the tokens after each of these: the next chunk's first too
             targets = torch.tensor(prompt[start + 1: end + 1], device=self.engine.device)
@@ -319,42 +274,19 @@ class ContinuousBatchingWorker(EngineWorker):
     def _greedy_step(self, admitted: list[_Sequence]) -> bool:
         """Whether this step's decode may choose the tokens itself (the static cache's step, every
         row greedy, and so every sequence that may join before the tokens are chosen)."""
-        return (self._decode_steps is not None and self._decode_step.chooses_on_device
+        return (self.kv.chooses_on_device and self._decode_step.chooses_on_device
                 and DecodeStep.may_choose_on_device(self._prefilling + admitted))
 
     def _decode(self, decoding: list[_Sequence], greedy: bool) -> None:
         """One new token's fp32 logits ``[vocab]`` for each of ``decoding`` (``sequence.logits``),
         or with ``greedy`` the tokens themselves, in the rows' order (``self._chosen``)."""
-        device = self.engine.device
         # The rows' last tokens, still on the device (the host reads them a few steps later).
-        fed = self._decode_step.next_tokens
-        if self._decode_steps is None:
-            for sequence, logits in zip(decoding, self._forward(decoding, fed[:, None], 1)[0], strict=True):
-                sequence.logits = logits
+        out = self.kv.decode(decoding, self._prefilling, self._decode_step.next_tokens, greedy)
+        if greedy:
+            self._chosen = out
             return
-        # The static cache: one step over the window of the first slots, up to a bucket (see
-        # static_decode); slots in it that no sequence decodes compute a row nobody reads, at the
-        # slot's last position (a free slot's cached prefix, slot_prefix_cache, stays intact).
-        # Those admitted (their prompts part cached or not) have it write at their next
-        # position, which their prefill overwrites after this step.
-        slots = [s.blocks[0] for s in decoding]
-        window = min(bucket_for(max(slots) + 1), self.cache.slots)
-        cached = [self.cache.max_length - 1] * window
-        for sequence in self._prefilling:
-            if sequence.blocks[0] < window:
-                cached[sequence.blocks[0]] = sequence.cached
-        for slot, sequence in zip(slots, decoding, strict=True):
-            cached[slot] = sequence.cached
-            sequence.cached += 1
-        tokens = torch.zeros(window, 1, dtype=torch.long, device=device)
-        tokens[to_device(slots, device), 0] = fed
-        cached = to_device(cached, device)
-        if greedy:  # gathered from the step's output before the next step rewrites it
-            self._chosen = self._decode_steps.greedy(tokens, cached)[to_device(slots, device)]
-            return
-        logits = self._decode_steps(tokens, cached)
-        for sequence, row in zip(decoding, logits[to_device(slots, device)], strict=True):
-            sequence.logits = row
+        for sequence, logits in zip(decoding, out, strict=True):
+            sequence.logits = logits
 
     def _choose(self) -> None:
         """Every running sequence's next token; the finished ones leave the batch (the last row
@@ -371,13 +303,8 @@ class ContinuousBatchingWorker(EngineWorker):
         for sequence in running:
             sequence.logits = None
 
-    @staticmethod
-    def _on_token(sequence: _Sequence, token: int, logprob: float | None, top) -> None:
-        sequence.job.token(sequence.index, token, logprob, top)
-
     def _finish(self, sequence: _Sequence) -> None:
         """On every rank (a follower frees the same blocks); the leader answers the job."""
         self.allocator.free(sequence.blocks)
         sequence.blocks = []
-        if sequence.job is not None:
-            sequence.job.finished(sequence.index, sequence.result())
+        self._answer(sequence)

@@ -13,33 +13,28 @@ decoded together.
 A decode step runs over a *window*, the first ``bucket`` slots, whatever sits in them (a free
 slot computes a throw-away row): its shapes depend on the bucket only, and the
 tensors the step reads (the window's positions and mask) are updated in place, so
-:class:`DecodeSteps` captures one CUDA graph per bucket and replays it.
+:class:`DecodeGraphs` captures one CUDA graph per bucket and replays it.
 
-:class:`StaticDecoder` runs ``mega generate``'s batches on it; ``mega serve``'s continuous
-batching uses the same cache with one slot per running sequence
-(:class:`~mega.inference.continuous.ContinuousBatchingWorker`). On CPU the steps run eagerly,
-which is how the tests check they give the paged and lock-step engines' tokens. The CUDA-graph
+The decoder loop (:class:`~mega.inference.engine.continuous.ContinuousBatchingWorker`, through
+:class:`~mega.inference.engine.kv_caches.SlotSequenceCache`) gives each running sequence one slot. On
+CPU the steps run eagerly, which is how the tests check they give the paged cache's tokens. The CUDA-graph
 capture follows PyTorch's documented ``torch.cuda.graph`` API and has run on an H200 (issue 35).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from mega.core.kernels import AttentionMask
-from mega.inference.decode_step import DecodingSequence, record_logprobs
-from mega.inference.engine import (
-    FinishCallback,
-    GenerationEngine,
-    GenerationError,
-    GenerationRequest,
-    GenerationResult,
-    TokenCallback,
-)
-from mega.inference.paged_kv_cache import BlockAllocator
-from mega.inference.sampling import Sampler
+from mega.inference.engine.paged_kv_cache import BlockAllocator
+from mega.inference.engine.requests import GenerationError
+from mega.inference.engine.sampling import Sampler
+
+if TYPE_CHECKING:
+    from mega.inference.engine.generation_engine import GenerationEngine
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -135,7 +130,7 @@ class SlotKVCache:
     @torch.inference_mode()  # the pools are inference tensors (written under the decode loop's inference mode)
     def copy_prefix(self, source: int, target: int, length: int) -> None:
         """Slot ``target``'s first ``length`` positions become slot ``source``'s (a shared prompt
-        prefix, :mod:`mega.inference.slot_prefix_cache`)."""
+        prefix, :mod:`mega.inference.engine.slot_prefix_cache`)."""
         for layer in self._layers.values():
             if layer.keys is not None:
                 layer.keys[target, :length] = layer.keys[source, :length]
@@ -175,11 +170,11 @@ class _SlotLayer:
         return held[0], held[1], AttentionMask(bias=cache.mask_bias)
 
 
-class DecodeSteps:
+class DecodeGraphs:
     """One decode step over the cache's window of the first ``n`` slots (``n`` a bucket), from
     ``tokens [n, 1]`` and ``cached [n]``: :meth:`__call__` gives fp32 logits ``[n, vocab]``,
     :meth:`greedy` each slot's most likely token ``[n]`` (the sampler's
-    :meth:`~mega.inference.sampling.Sampler.greedy_choice`, computed inside the step). With
+    :meth:`~mega.inference.engine.sampling.Sampler.greedy_choice`, computed inside the step). With
     ``use_cuda_graphs`` each kind of step is captured once per ``n``, the window's positions and
     mask included, and replayed after: a replay is two copies and one launch."""
 
@@ -251,66 +246,3 @@ class DecodeSteps:
         with torch.cuda.graph(graph, pool=self._pool):
             output = self._eager(static_tokens, static_cached, greedy)
         return graph, static_tokens, static_cached, output
-
-
-class StaticDecoder:
-    """Generates a batch with a :class:`SlotKVCache`; ``use_cuda_graphs`` replays a captured decode
-    step per bucket. Tokens, endings and generated log-probabilities come from the shared
-    :class:`~mega.inference.decode_step.DecodeStep`."""
-
-    def __init__(self, engine: GenerationEngine, use_cuda_graphs: bool | None = None,
-                 compile_backend: str | Callable | None = None):
-        self.engine, self.compile_backend = engine, compile_backend
-        self.use_cuda_graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        self._steps: DecodeSteps | None = None
-
-    def _decode_steps(self, slots: int) -> DecodeSteps:
-        """One cache and its captured graphs per bucket size, kept across batches."""
-        if self._steps is None or self._steps.cache.slots != slots:
-            cache = SlotKVCache(slots, self.engine.max_positions, self.engine.device, self.engine.dtype)
-            self._steps = DecodeSteps(self.engine, cache, self.use_cuda_graphs, self.compile_backend)
-        return self._steps
-
-    @torch.inference_mode()
-    def generate(self, requests: Sequence[GenerationRequest], on_token: TokenCallback | None = None,
-                 on_finish: FinishCallback | None = None) -> list[GenerationResult]:
-        engine, device = self.engine, self.engine.device
-        for request in requests:
-            engine.check(request)
-        slots = bucket_for(len(requests))
-        steps = self._decode_steps(slots)
-        lengths = [len(r.prompt) for r in requests]
-        longest = max(lengths)
-        prompts = torch.zeros(slots, longest, dtype=torch.long, device=device)
-        for row, request in enumerate(requests):
-            prompts[row, : len(request.prompt)] = torch.tensor(request.prompt)
-        # Prefill every row at once (right-padded).
-        steps.cache.bind_window(torch.zeros(slots, dtype=torch.long, device=device), longest)
-        positions = torch.arange(longest, device=device)[None, :].expand(slots, longest)
-        logits = engine.forward(prompts, positions, steps.cache)
-        sequences = [DecodingSequence(request) for request in requests]
-        step = engine.batch_step(sequences, on_token, on_finish)
-        for row, sequence in enumerate(sequences):  # the prefill computed every prompt position
-            record_logprobs(sequence, logits[: lengths[row] - 1, row], prompts[row, 1: lengths[row]])
-        slot_of = step.join(sequences)  # the slot of each row: row i of the batch sits in slot i
-        last = logits[torch.tensor(lengths, device=device)[slot_of] - 1, torch.tensor(slot_of, device=device)]
-        cached = torch.tensor(lengths + [0] * (slots - len(requests)), device=device)
-        chosen = picked = None
-        while step.sequences:
-            outcome = step(last, chosen)
-            slot_of = [slot_of[row] for row in outcome.kept]
-            if not step.sequences:
-                break
-            if picked is not None:  # the step chose every slot's token: it feeds them back as they are
-                tokens = picked[:, None]
-            else:
-                tokens = torch.zeros(slots, 1, dtype=torch.long, device=device)
-                tokens[slot_of, 0] = outcome.next_tokens
-            if step.chooses_on_device:  # no logits leave the step: the host reads the tokens only
-                picked, last = steps.greedy(tokens, cached), None
-                chosen = picked[: len(slot_of)] if slot_of == list(range(len(slot_of))) else picked[slot_of]
-            else:
-                picked, chosen, last = None, None, steps(tokens, cached)[slot_of]
-            # A finished row stays in the window; it may not pass the last position.
-            cached = (cached + 1).clamp_(max=engine.max_positions - 1)
-        return [s.result() for s in sequences]
