@@ -17,19 +17,19 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from mega.core.kernels import Kernels
-from mega.core.model_family import LossContext, ModelFamily, Stage, StageRun, stack_stages
+from mega.core.model_family import LossContext, ModelFamily, Stage, stack_stages
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
+from mega.core.setup_passes import ModelSetup
 from mega.models.bert_config import BertConfig
 from mega.models.bert_model import BertModel
 from mega.models.flops import num_floating_point_operations
 from mega.models.hf_bert import BERT
 from mega.models.initialization import init_parameter
 from mega.models.language_model import per_token_cross_entropy
-from mega.models.parallelize import parallelize
+from mega.models.parallelize import transformer_passes
 
 FIRST_STAGE_KEYS = ("text", "types", "padding_mask")
 # Every stage attends with the padding mask, so every stage reads it.
@@ -84,12 +84,13 @@ def tensor_parallel_plan(config: BertConfig, stage: Stage) -> dict[str, PlanStyl
     return plan
 
 
-def parallelize_bert(model: BertModel, groups: ParallelGroups, run: StageRun) -> nn.Module:
-    """The passes of :func:`mega.models.parallelize.parallelize` with BERT's plan, then
-    :func:`keep_heads_whole`."""
-    parallelize(model, groups, run, tensor_parallel_plan(run.config, model.stage))
-    keep_heads_whole(model, groups, run.parallel.sequence_parallel)
-    return model
+def _keep_heads_whole(model: BertModel, setup: ModelSetup) -> None:
+    keep_heads_whole(model, setup.groups, setup.parallel.sequence_parallel)
+
+
+# The dense transformer's passes with BERT's plan, amended by keep_heads_whole.
+BERT_PASSES = transformer_passes(lambda model, setup: tensor_parallel_plan(setup.config, model.stage),
+                                 [_keep_heads_whole])
 
 
 def keep_heads_whole(model: BertModel, groups: ParallelGroups, sequence_parallel: bool) -> None:
@@ -155,7 +156,7 @@ FAMILY = ModelFamily(
     num_parameters=bert_num_parameters,
     num_floating_point_operations=bert_floating_point_operations,
     tensor_parallel_plan=tensor_parallel_plan,
-    parallelize=parallelize_bert,
+    setup_passes=BERT_PASSES,
     pipeline_stages=bert_stages,
     batch_keys=BATCH_KEYS,
     datasets=("bert", "bert-mock"),

@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 from mega.core.kernels import CAUSAL, Kernels
-from mega.core.model_family import LossContext, Stage, StageRun, TensorSpec, hidden_boundary
+from mega.core.model_family import LossContext, Stage, TensorSpec, hidden_boundary
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.param_attrs import mark_expert_shard, mark_expert_tensor_shard, mark_tensor_parallel
+from mega.core.setup_passes import ModelSetup, Phase, per_chunk
 from mega.models.config import ModelConfigError
 from mega.models.family import language_model_loss
 from mega.models.flops import num_floating_point_operations as dense_flops
@@ -43,7 +44,7 @@ from mega.models.language_model import LanguageModel
 from mega.models.moe.config import MoETransformerConfig
 from mega.models.moe.layer import STATS, MoELayer
 from mega.models.parallel_plan import tensor_parallel_plan
-from mega.models.parallelize import modules_of, parallelize
+from mega.models.parallelize import modules_of, transformer_passes
 from mega.models.parameter_count import num_parameters as dense_parameters
 
 MOE_STATS = "moe_stats"
@@ -84,11 +85,15 @@ def moe_tensor_parallel_plan(config: MoETransformerConfig, stage: Stage) -> dict
     return plan
 
 
-def parallelize_moe_model(model: MoELanguageModel, groups: ParallelGroups, run: StageRun) -> nn.Module:
-    """:func:`apply_expert_parallel`, then the passes of :func:`mega.models.parallelize.parallelize`
-    with the plan of the layers' dense parts."""
-    apply_expert_parallel(model, groups, run.parallel.sequence_parallel)
-    return parallelize(model, groups, run, moe_tensor_parallel_plan(run.config, model.stage))
+def _expert_parallel(model: nn.Module, setup: ModelSetup) -> None:
+    apply_expert_parallel(model, setup.groups, setup.parallel.sequence_parallel)
+
+
+EXPERT_PARALLEL_PASS = per_chunk("expert-parallel", Phase.EXPERT_PARALLEL, _expert_parallel,
+                                 "each MoE layer keeps this rank's experts (--expert-model-parallel-size)")
+# The expert pass, then the dense transformer's with the plan of the layers' dense parts.
+MOE_PASSES = (EXPERT_PARALLEL_PASS,
+              *transformer_passes(lambda model, setup: moe_tensor_parallel_plan(setup.config, model.stage)))
 
 
 def apply_expert_parallel(stage: nn.Module, groups: ParallelGroups, sequence_parallel: bool) -> None:
