@@ -59,14 +59,21 @@ def build_model(family: ModelFamily, config, stages: list[Stage], *, groups: Par
     groups = groups if groups is not None else ParallelGroups(ParallelConfig())
     parallel = parallel if parallel is not None else groups.config
     device = torch.device(device) if device is not None else groups.device
+    chunks = build_on_meta(family, config, stages, kernels or Kernels(), parallel)
+    setup = ModelSetup(chunks, family, config, groups, parallel, rng_tracker, training, device, dtype, seed, init, run)
+    return run_setup(setup, [*family.layout_passes(), MATERIALIZE, *passes])
+
+
+def build_on_meta(family: ModelFamily, config, stages: list[Stage], kernels: Kernels,
+                  parallel: ParallelConfig) -> list[nn.Module]:
+    """The family's single-device module of each stage, on the meta device (nothing allocated)."""
     chunks = []
     with torch.device("meta"):
         for stage in stages:
-            module = family.build(config, stage, kernels=kernels or Kernels(), parallel=parallel)
+            module = family.build(config, stage, kernels=kernels, parallel=parallel)
             module.stage = stage
             chunks.append(module)
-    setup = ModelSetup(chunks, family, config, groups, parallel, rng_tracker, training, device, dtype, seed, init, run)
-    return run_setup(setup, [*family.layout_passes(), MATERIALIZE, *passes])
+    return chunks
 
 
 def build_stage(family: ModelFamily, config, stage: Stage | None = None, **options) -> nn.Module:
