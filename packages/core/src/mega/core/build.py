@@ -25,6 +25,7 @@ family with the ``moe`` feature at ep, tp x ep and expert-tensor-parallel layout
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 
 import torch
@@ -59,18 +60,20 @@ def build_model(family: ModelFamily, config, stages: list[Stage], *, groups: Par
     groups = groups if groups is not None else ParallelGroups(ParallelConfig())
     parallel = parallel if parallel is not None else groups.config
     device = torch.device(device) if device is not None else groups.device
-    chunks = build_on_meta(family, config, stages, kernels or Kernels(), parallel)
+    chunks = build_on_meta(family, config, stages, kernels or Kernels(), parallel, groups)
     setup = ModelSetup(chunks, family, config, groups, parallel, rng_tracker, training, device, dtype, seed, init, run)
     return run_setup(setup, [*family.layout_passes(), MATERIALIZE, *passes])
 
 
-def build_on_meta(family: ModelFamily, config, stages: list[Stage], kernels: Kernels,
-                  parallel: ParallelConfig) -> list[nn.Module]:
-    """The family's single-device module of each stage, on the meta device (nothing allocated)."""
+def build_on_meta(family: ModelFamily, config, stages: list[Stage], kernels: Kernels, parallel: ParallelConfig,
+                  groups: ParallelGroups | None = None) -> list[nn.Module]:
+    """The family's module of each stage, on the meta device (nothing allocated); a builder that
+    takes ``groups`` gets them (its modules that communicate take them at construction)."""
+    extra = {"groups": groups} if "groups" in inspect.signature(family.build).parameters else {}
     chunks = []
     with torch.device("meta"):
         for stage in stages:
-            module = family.build(config, stage, kernels=kernels, parallel=parallel)
+            module = family.build(config, stage, kernels=kernels, parallel=parallel, **extra)
             module.stage = stage
             chunks.append(module)
     return chunks

@@ -189,9 +189,12 @@ class ModelFamily:
 
     Building (see the module docstring and :func:`mega.core.build.build_stage`):
 
-    * ``build(config, stage, kernels) -> nn.Module``: the single-device stage module; it keeps
-      ``stage`` as its ``stage`` attribute. ``kernels`` (:class:`mega.core.kernels.Kernels`)
-      gives the components the user selected (attention, norms, linear layers...).
+    * ``build(config, stage, *, kernels, parallel, groups=None) -> nn.Module``: the stage module,
+      written for one device; it keeps ``stage`` as its ``stage`` attribute. ``kernels``
+      (:class:`mega.core.kernels.Kernels`) gives the components the user selected (attention,
+      norms, linear layers...); ``parallel`` the layout shapes are padded for; ``groups`` (only
+      to a builder that declares the argument) the process groups that modules which
+      communicate themselves (experts, multi-latent attention) take at construction.
     * ``init_parameter(config, name) -> fill(tensor, generator)``: fills a block of whole rows
       (dimension 0) of the global parameter ``name``; the core seeds ``generator`` from the seed,
       the name and the block, so every layout starts from the same model.

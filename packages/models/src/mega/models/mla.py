@@ -20,7 +20,7 @@ Generation caches what MLA needs per token: the normalised latent and the rotate
 ``kv_lora_rank + qk_pos_emb_head_dim`` values a layer, handed to the cache as two halves of one
 vector so every KV cache (plain, paged, static) holds them as it holds keys and values.
 
-Tensor parallelism (set from outside by :func:`apply_mla_tensor_parallel` and the family's plan):
+Tensor parallelism (the tensor group at construction, the layers split by the family's plan):
 the up projections are column-parallel (whole heads), ``linear_proj`` row-parallel, the down
 projections and latent norms whole on every rank. Under sequence parallelism the down
 projections run on this rank's slice and the up projections gather the latents; the shared rope
@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import CAUSAL, AttentionMask, Kernels
+from mega.core.parallel import ParallelGroups
 from mega.core.parallel.collectives import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -97,7 +98,7 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MultiLatentAttention(nn.Module):
-    def __init__(self, config, kernels: Kernels):
+    def __init__(self, config, kernels: Kernels, groups: ParallelGroups | None = None, sequence_parallel: bool = False):
         super().__init__()
         self.config, self.kernels = config, kernels
         h, heads = config.hidden_size, config.num_attention_heads
@@ -116,9 +117,10 @@ class MultiLatentAttention(nn.Module):
         self.core_attention.softmax_scale = mla_softmax_scale(config)
         self.linear_proj = kernels.linear(heads * v, h, bias=False)
         kernels.get("rotary")
-        # Set by the passes: the tensor group and whether ``hidden`` is a sequence slice; selective recompute.
-        self.tp_group = None
-        self.sequence_parallel = False
+        # The tensor group (None: one device) and whether ``hidden`` is a sequence slice, from
+        # construction; selective recompute, set by the recompute pass.
+        self.tp_group = groups.tp if groups is not None else None
+        self.sequence_parallel = sequence_parallel
         self.recompute_core = False
         self.recompute_rng_tracker = None
 

@@ -68,13 +68,13 @@ class MoELanguageModel(LanguageModel):
 
 
 def build_moe_model(config: MoETransformerConfig, stage: Stage, *, kernels: Kernels,
-                    parallel: ParallelConfig) -> MoELanguageModel:
+                    parallel: ParallelConfig, groups: ParallelGroups | None = None) -> MoELanguageModel:
     config.validate_parallel(parallel)
     if config.num_moe_layers != config.num_layers or config.moe_shared_expert_intermediate_size:
         raise ModelConfigError("--moe-layer-freq with dense layers and --moe-shared-expert-intermediate-size are "
                                "the deepseek-v3 family's (its plan splits dense layers and shared experts); "
                                "this family has experts in every layer and no shared expert")
-    return MoELanguageModel(config, stage, kernels, parallel)
+    return MoELanguageModel(config, stage, kernels, parallel, groups)
 
 
 def moe_tensor_parallel_plan(config: MoETransformerConfig, stage: Stage) -> dict:
@@ -86,7 +86,7 @@ def moe_tensor_parallel_plan(config: MoETransformerConfig, stage: Stage) -> dict
 
 
 def _expert_parallel(model: nn.Module, setup: ModelSetup) -> None:
-    apply_expert_parallel(model, setup.groups, setup.parallel.sequence_parallel)
+    apply_expert_parallel(model, setup.groups)
 
 
 EXPERT_PARALLEL_PASS = per_chunk("expert-parallel", Phase.EXPERT_PARALLEL, _expert_parallel,
@@ -96,13 +96,11 @@ MOE_PASSES = (EXPERT_PARALLEL_PASS,
               *transformer_passes(lambda model, setup: moe_tensor_parallel_plan(setup.config, model.stage)))
 
 
-def apply_expert_parallel(stage: nn.Module, groups: ParallelGroups, sequence_parallel: bool) -> None:
+def apply_expert_parallel(stage: nn.Module, groups: ParallelGroups) -> None:
     """A pass before tensor parallelism: every mixture-of-experts layer keeps this rank's experts
-    (:func:`shard_experts`) and routes over the tensor, expert-tensor and expert groups."""
+    (:func:`shard_experts`); it routes over the groups it was built with."""
     for moe in modules_of(stage, MoELayer):
         shard_experts(moe.experts, groups)
-        moe.tp_group, moe.etp_group, moe.ep_group = groups.tp, groups.etp, groups.ep
-        moe.sequence_parallel = sequence_parallel
 
 
 def shard_experts(experts: nn.Module, groups: ParallelGroups) -> None:
