@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
-from mega.core.plugins.registry import PluginError
-
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -127,15 +125,5 @@ def registered_passes(plugins, run_config: Any) -> list[SetupPass]:
     its registered name. A pass that cannot be loaded raises naming its plugin, unless the run
     skips failed plugins (``--skip-failed-plugins``; mega train has warned)."""
     skip_failed = bool(getattr(getattr(run_config, "training", None), "skip_failed_plugins", False))
-    passes = []
-    for name in plugins.setup_passes.names():
-        try:
-            factory = plugins.setup_passes.get(name)
-        except PluginError:
-            if skip_failed:
-                continue
-            raise
-        setup_pass = factory(run_config)
-        if setup_pass is not None:
-            passes.append(dataclasses.replace(setup_pass, name=name))
-    return passes
+    return [dataclasses.replace(setup_pass, name=name)
+            for name, setup_pass in plugins.setup_passes.made_for(run_config, skip_failed)]

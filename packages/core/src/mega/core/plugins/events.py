@@ -9,7 +9,6 @@ from typing import Any
 import pluggy
 
 from mega.core.plugins import hookspecs
-from mega.core.plugins.registry import PluginError
 
 
 class Events:
@@ -53,15 +52,4 @@ class Events:
         run was asked to skip failed plugins (``--skip-failed-plugins``; mega train has warned)."""
         training = getattr(run_config, "training", None)
         skip_failed = bool(getattr(training, "skip_failed_plugins", False))
-        listeners = []
-        for name in plugins.callbacks.names():
-            try:
-                factory = plugins.callbacks.get(name)
-            except PluginError:
-                if skip_failed:
-                    continue
-                raise
-            listener = factory(run_config)
-            if listener is not None:
-                listeners.append(listener)
-        return cls(listeners)
+        return cls(listener for _, listener in plugins.callbacks.made_for(run_config, skip_failed))
