@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import Kernels
-from mega.core.model_family import ModelFamily, Stage
+from mega.core.model_family import ModelFamily, ParallelContext, Stage
 from mega.core.parallel.config import ParallelConfig
 from mega.core.parallel.groups import Group, ParallelGroups
 from mega.core.parallel.pieces import Piece, TensorParallelSplit, tensor_pieces
@@ -60,16 +60,17 @@ def build_model(family: ModelFamily, config, stages: list[Stage], *, groups: Par
     groups = groups if groups is not None else ParallelGroups(ParallelConfig())
     parallel = parallel if parallel is not None else groups.config
     device = torch.device(device) if device is not None else groups.device
-    chunks = build_on_meta(family, config, stages, kernels or Kernels(), parallel, groups)
+    context = ParallelContext(groups, parallel.sequence_parallel, rng_tracker)
+    chunks = build_on_meta(family, config, stages, kernels or Kernels(), parallel, context)
     setup = ModelSetup(chunks, family, config, groups, parallel, rng_tracker, training, device, dtype, seed, init, run)
     return run_setup(setup, [*family.layout_passes(), MATERIALIZE, *passes])
 
 
 def build_on_meta(family: ModelFamily, config, stages: list[Stage], kernels: Kernels, parallel: ParallelConfig,
-                  groups: ParallelGroups | None = None) -> list[nn.Module]:
+                  context: ParallelContext | None = None) -> list[nn.Module]:
     """The family's module of each stage, on the meta device (nothing allocated); a builder that
-    takes ``groups`` gets them (its modules that communicate take them at construction)."""
-    extra = {"groups": groups} if "groups" in inspect.signature(family.build).parameters else {}
+    declares ``context`` gets it (its modules take groups and RNG tracker at construction)."""
+    extra = {"context": context} if "context" in inspect.signature(family.build).parameters else {}
     chunks = []
     with torch.device("meta"):
         for stage in stages:

@@ -7,8 +7,10 @@ a rank's part of a model with :func:`mega.core.build.build_stage`, which asks th
 * ``pipeline_stages(config, pp, vpp, layers_per_stage=None)``: the virtual stages of the model, in
   pipeline order, each a :class:`Stage` (which layers of which stack it holds, which micro-batch
   fields it reads); ``layers_per_stage`` an uneven split (:mod:`mega.core.pipeline.layout`);
-* ``build(config, stage, kernels)``: the stage as single-device code (built on the ``meta``
-  device by the core; nothing allocated), asking ``kernels`` for its components;
+* ``build(config, stage, kernels, parallel, context)``: the stage as single-device code (built
+  on the ``meta`` device by the core; nothing allocated), asking ``kernels`` for its components;
+  its modules take the layout they run in (groups, sequence parallelism, RNG tracker) at
+  construction from ``context`` (:class:`ParallelContext`), not as attributes written later;
 * ``setup_passes``: its passes of the model setup (:mod:`mega.core.setup_passes`), each at
   its phase - experts, tensor and sequence parallelism, context parallelism, recompute; a family
   without them has its ``parallelize(module, groups, run)`` run as its one tensor-parallel pass,
@@ -148,6 +150,35 @@ class StageRun:
 
 
 @dataclass(frozen=True)
+class ParallelContext:
+    """What the modules of a stage take at construction about the layout they run in (the one
+    context a family's ``build`` hands down, when it declares a ``context`` argument):
+
+    * ``groups``: the process groups, for modules that communicate themselves (experts over the
+      expert group, multi-latent attention's shared rope key over the tensor group); None: one device;
+    * ``sequence_parallel``: activations between the tensor-parallel regions are sequence shards;
+    * ``rng_tracker``: the tracker whose model-parallel stream a rank's own shards draw dropout
+      from (attention over its heads; every layer of a stack under sequence parallelism); None:
+      the default stream.
+    """
+
+    groups: ParallelGroups | None = None
+    sequence_parallel: bool = False
+    rng_tracker: Any = None
+
+    @property
+    def attention_dropout_tracker(self) -> Any:
+        """The tracker an attention core forks its dropout into: not under sequence parallelism,
+        where the whole stack already runs in its stream (:attr:`stack_dropout_tracker`)."""
+        return None if self.sequence_parallel else self.rng_tracker
+
+    @property
+    def stack_dropout_tracker(self) -> Any:
+        """The tracker a layer stack runs in (sequence parallelism, Megatron's convention)."""
+        return self.rng_tracker if self.sequence_parallel else None
+
+
+@dataclass(frozen=True)
 class LossContext:
     """What a family's loss needs besides outputs and batch: the config, the tensor group over
     which the last stage's vocabulary (or other output) is split, the kernels (the loss
@@ -189,12 +220,12 @@ class ModelFamily:
 
     Building (see the module docstring and :func:`mega.core.build.build_stage`):
 
-    * ``build(config, stage, *, kernels, parallel, groups=None) -> nn.Module``: the stage module,
-      written for one device; it keeps ``stage`` as its ``stage`` attribute. ``kernels``
+    * ``build(config, stage, *, kernels, parallel, context=None) -> nn.Module``: the stage
+      module, written for one device; it keeps ``stage`` as its ``stage`` attribute. ``kernels``
       (:class:`mega.core.kernels.Kernels`) gives the components the user selected (attention,
-      norms, linear layers...); ``parallel`` the layout shapes are padded for; ``groups`` (only
-      to a builder that declares the argument) the process groups that modules which
-      communicate themselves (experts, multi-latent attention) take at construction.
+      norms, linear layers...); ``parallel`` the layout shapes are padded for; ``context`` (a
+      :class:`ParallelContext`, only to a builder that declares the argument) the process groups,
+      sequence parallelism and RNG tracker its modules take at construction.
     * ``init_parameter(config, name) -> fill(tensor, generator)``: fills a block of whole rows
       (dimension 0) of the global parameter ``name``; the core seeds ``generator`` from the seed,
       the name and the block, so every layout starts from the same model.

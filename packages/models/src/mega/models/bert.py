@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from mega.core.kernels import Kernels
-from mega.core.model_family import LossContext, ModelFamily, Stage, stack_stages
-from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.model_family import LossContext, ModelFamily, ParallelContext, Stage, stack_stages
+from mega.core.parallel import ParallelConfig
 from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
-from mega.core.setup_passes import ModelSetup
 from mega.models.bert_config import BertConfig
 from mega.models.bert_model import BertModel
 from mega.models.flops import num_floating_point_operations
@@ -56,8 +55,9 @@ PRESETS = {
 }
 
 
-def build_bert(config: BertConfig, stage: Stage, *, kernels: Kernels, parallel: ParallelConfig) -> BertModel:
-    return BertModel(config, stage, kernels, parallel)
+def build_bert(config: BertConfig, stage: Stage, *, kernels: Kernels, parallel: ParallelConfig,
+               context: ParallelContext | None = None) -> BertModel:
+    return BertModel(config, stage, kernels, parallel, context)
 
 
 def bert_stages(config: BertConfig, pp: int, vpp: int = 1, layers_per_stage=None) -> list[Stage]:
@@ -84,23 +84,17 @@ def tensor_parallel_plan(config: BertConfig, stage: Stage) -> dict[str, PlanStyl
     return plan
 
 
-def _keep_heads_whole(model: BertModel, setup: ModelSetup) -> None:
-    keep_heads_whole(model, setup.groups, setup.parallel.sequence_parallel)
-
-
 # The dense transformer's passes with BERT's plan, amended by keep_heads_whole.
 BERT_PASSES = transformer_passes(lambda model, setup: tensor_parallel_plan(setup.config, model.stage),
-                                 [_keep_heads_whole])
+                                 [lambda model, setup: keep_heads_whole(model)])
 
 
-def keep_heads_whole(model: BertModel, groups: ParallelGroups, sequence_parallel: bool) -> None:
+def keep_heads_whole(model: BertModel) -> None:
     """A pass after tensor parallelism: the pooler and the binary head see the whole (gathered)
     sequence, so their gradients are already whole on every tensor-parallel rank and are not
     summed over it as sequence-parallel parameters are."""
     if not (model.post_process and model.config.bert_binary_head):
         return
-    if sequence_parallel and groups.tp.size > 1:
-        model.pooler.sequence_parallel_group = groups.tp
     for parameter in (*model.pooler.parameters(), *model.binary_head.parameters()):
         parameter.sequence_parallel = False
 

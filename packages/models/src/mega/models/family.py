@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import Kernels
-from mega.core.model_family import HFMapping, LossContext, ModelFamily, Stage
+from mega.core.model_family import HFMapping, LossContext, ModelFamily, ParallelContext, Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.context_parallel import sequence_mean
 from mega.core.setup_passes import ModelSetup
@@ -24,8 +24,8 @@ from mega.models.parameter_count import num_parameters
 
 
 def build_language_model(config: TransformerConfig, stage: Stage, *, kernels: Kernels,
-                         parallel: ParallelConfig) -> LanguageModel:
-    return LanguageModel(config, stage, kernels, parallel)
+                         parallel: ParallelConfig, context: ParallelContext | None = None) -> LanguageModel:
+    return LanguageModel(config, stage, kernels, parallel, context)
 
 
 def language_model_plan(model: LanguageModel, setup: ModelSetup) -> dict:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import CAUSAL, Kernels
-from mega.core.model_family import LossContext, Stage, TensorSpec, hidden_boundary
+from mega.core.model_family import LossContext, ParallelContext, Stage, TensorSpec, hidden_boundary
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.param_attrs import mark_expert_shard, mark_expert_tensor_shard, mark_tensor_parallel
 from mega.core.setup_passes import ModelSetup, Phase, per_chunk
@@ -68,13 +68,13 @@ class MoELanguageModel(LanguageModel):
 
 
 def build_moe_model(config: MoETransformerConfig, stage: Stage, *, kernels: Kernels,
-                    parallel: ParallelConfig, groups: ParallelGroups | None = None) -> MoELanguageModel:
+                    parallel: ParallelConfig, context: ParallelContext | None = None) -> MoELanguageModel:
     config.validate_parallel(parallel)
     if config.num_moe_layers != config.num_layers or config.moe_shared_expert_intermediate_size:
         raise ModelConfigError("--moe-layer-freq with dense layers and --moe-shared-expert-intermediate-size are "
                                "the deepseek-v3 family's (its plan splits dense layers and shared experts); "
                                "this family has experts in every layer and no shared expert")
-    return MoELanguageModel(config, stage, kernels, parallel, groups)
+    return MoELanguageModel(config, stage, kernels, parallel, context)
 
 
 def moe_tensor_parallel_plan(config: MoETransformerConfig, stage: Stage) -> dict:

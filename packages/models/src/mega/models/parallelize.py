@@ -8,20 +8,23 @@ passes (LoRA, FP8, compile, tying, data parallelism) in phase order. Each pass i
 chunk and of exactly what it needs (groups, config, flags), changes modules in place and keeps
 every parameter name (checkpoints depend on them). The dense transformer's (:func:`transformer_passes`):
 
-* ``EXPERT_PARALLEL`` (mixtures of experts only): the experts this rank keeps, with its groups
-  (:func:`mega.models.moe_model.apply_expert_parallel`).
+* ``EXPERT_PARALLEL`` (mixtures of experts only): the experts this rank keeps
+  (:func:`mega.models.moe_model.apply_expert_parallel`; the layers route over the groups they
+  were built with).
 * ``TENSOR_PARALLEL``, one pass in this order: the family's plan
   (:func:`mega.core.parallel.tensor_parallel.apply_tensor_parallel` ``(stage, plan, groups,
-  sequence_parallel=)``); the family's amendments (BERT's heads see the whole sequence, MLA's rope
-  key); :func:`apply_head_norm_grad_sum` (QK-norm weights see only a rank's own heads);
-  :func:`apply_attention_dropout_rng` (dropout over a rank's own heads draws from the RNG
-  tracker's model-parallel stream); :func:`apply_sequence_parallel_rng` (under sequence
-  parallelism every layer stack runs in that stream, Megatron's convention).
+  sequence_parallel=)``); the family's amendments (BERT's heads see the whole sequence); :func:`apply_head_norm_grad_sum` (QK-norm weights see only a rank's own heads).
 * ``CONTEXT_PARALLEL``: :func:`apply_cp`, attention over the context group.
 * ``RECOMPUTE``: :func:`apply_recompute`, full recompute of runs of layers or selective recompute
   of the attention core (after the adapters and FP8 layers, before compile).
 
 T5 names its own tensor-parallel pass (:func:`mega.models.t5.family.parallelize_t5`).
+
+Process groups, sequence parallelism and dropout streams are not set here: the modules take
+them at construction from the :class:`~mega.core.model_family.ParallelContext` the core hands the
+family's ``build`` (experts and multi-latent attention their groups; attention cores, and under
+sequence parallelism whole layer stacks, the RNG tracker's model-parallel stream). What the passes
+still set on modules: the recompute flags (a phase of its own, which a run may leave out).
 
 Adding a pass: write ``apply_<what>(stage, <what it needs>) -> None``, finding the modules it
 changes in ``stage.modules()`` by class (:func:`modules_of`); give it a phase with
@@ -40,7 +43,7 @@ from mega.core.parallel.param_attrs import mark_sequence_parallel
 from mega.core.parallel.plan import PlanStyle
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.core.setup_passes import ModelSetup, Phase, SetupPass, per_chunk
-from mega.models.attention import CoreAttention, SelfAttention
+from mega.models.attention import SelfAttention
 from mega.models.config import TransformerConfig
 from mega.models.context_parallel import ContextParallelAttention, check_context_parallel
 from mega.models.layer_stack import LayerStack
@@ -74,11 +77,9 @@ def tensor_parallel_pass(plan_of: PlanOf, amendments: Iterable[Amendment] = ()) 
         for amend in amendments:
             amend(stage, setup)
         apply_head_norm_grad_sum(stage, setup.groups)
-        apply_attention_dropout_rng(stage, setup.rng_tracker, sequence_parallel)
-        apply_sequence_parallel_rng(stage, setup.rng_tracker, sequence_parallel)
 
     return per_chunk("tensor-parallel", Phase.TENSOR_PARALLEL, apply,
-                     "the family's tensor plan, sequence parallelism, dropout of a rank's heads in its own stream")
+                     "the family's tensor plan and sequence parallelism")
 
 
 def _context_parallel(stage: nn.Module, setup: ModelSetup) -> None:
@@ -104,21 +105,6 @@ def apply_head_norm_grad_sum(stage: nn.Module, groups: ParallelGroups) -> None:
         for norm in (attention.q_layernorm, attention.k_layernorm):
             for param in norm.parameters() if norm is not None else ():
                 mark_sequence_parallel(param)
-
-
-def apply_attention_dropout_rng(stage: nn.Module, rng_tracker, sequence_parallel: bool) -> None:
-    """Each attention core's dropout forks into ``rng_tracker``'s model-parallel stream: the heads
-    are this rank's own, so their masks must differ between tensor-parallel ranks. Not under
-    sequence parallelism, where the whole stack already runs in that stream (pass 4)."""
-    for core in modules_of(stage, CoreAttention):
-        core.dropout_rng_tracker = None if sequence_parallel else rng_tracker
-
-
-def apply_sequence_parallel_rng(stage: nn.Module, rng_tracker, sequence_parallel: bool) -> None:
-    """Under sequence parallelism every activation of a layer stack is this rank's slice of the
-    sequence, so each stack draws all its dropout from ``rng_tracker``'s model-parallel stream."""
-    for stack in modules_of(stage, LayerStack):
-        stack.rng_stream = rng_tracker if sequence_parallel else None
 
 
 def apply_recompute(stage: nn.Module, config: TransformerConfig, rng_tracker, training: bool) -> None:

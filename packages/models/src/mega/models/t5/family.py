@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import Kernels
-from mega.core.model_family import LossContext, ModelFamily, Stage
+from mega.core.model_family import LossContext, ModelFamily, ParallelContext, Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.groups import Group
 from mega.core.parallel.param_attrs import mark_tensor_parallel
@@ -20,7 +20,6 @@ from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.core.setup_passes import ModelSetup, Phase, per_chunk
 from mega.models.family import language_model_loss
 from mega.models.initialization import init_parameter
-from mega.models.parallelize import apply_attention_dropout_rng
 from mega.models.t5.config import T5Config
 from mega.models.t5.hf_t5 import T5_MAPPING
 from mega.models.t5.model import T5Model
@@ -46,8 +45,9 @@ PRESETS = {
 }
 
 
-def build_t5(config: T5Config, stage: Stage, *, kernels: Kernels, parallel: ParallelConfig) -> T5Model:
-    return T5Model(config, stage, kernels, parallel)
+def build_t5(config: T5Config, stage: Stage, *, kernels: Kernels, parallel: ParallelConfig,
+             context: ParallelContext | None = None) -> T5Model:
+    return T5Model(config, stage, kernels, parallel, context)
 
 
 def tensor_parallel_plan(config: T5Config, stage: Stage) -> dict[str, PlanStyle]:
@@ -78,20 +78,16 @@ def tensor_parallel_plan(config: T5Config, stage: Stage) -> dict[str, PlanStyle]
 
 def parallelize_t5(model: T5Model, setup: ModelSetup) -> None:
     """T5's one setup pass (tensor parallel): the relative-position tables split by heads
-    (before the plan, so sequence parallelism does not take them for replicated weights), the
-    plan, and attention dropout forked into the tracker's model-parallel stream (each rank holds
-    its own heads). T5 has no recompute or context-parallel flags. Under sequence parallelism its
-    stacks keep drawing dropout from the default stream (no ``apply_sequence_parallel_rng``),
-    where Megatron-Core forks them into the model-parallel one."""
-    sequence_parallel = setup.parallel.sequence_parallel
+    (before the plan, so sequence parallelism does not take them for replicated weights), then
+    the plan. T5 has no recompute or context-parallel flags; its attention cores take their
+    dropout stream at construction (``context``)."""
     shard_relative_position_tables(model, setup.groups.tp)
     apply_tensor_parallel(model, tensor_parallel_plan(setup.config, model.stage), setup.groups,
-                          sequence_parallel=sequence_parallel)
-    apply_attention_dropout_rng(model, setup.rng_tracker, sequence_parallel)
+                          sequence_parallel=setup.parallel.sequence_parallel)
 
 
 T5_PASSES = (per_chunk("tensor-parallel", Phase.TENSOR_PARALLEL, parallelize_t5,
-                       "T5's relative-position tables by heads, its tensor plan, dropout of a rank's heads"),)
+                       "T5's relative-position tables by heads, its tensor plan"),)
 
 
 def shard_relative_position_tables(model: T5Model, tp: Group) -> None:
