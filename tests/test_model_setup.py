@@ -4,7 +4,7 @@ never changes the model, and a third party's pass runs at the phase it declares.
 CPU and gloo (pinned: every tensor on the CPU, a world of 2 gloo ranks), also on a GPU machine.
 A tiny GPT at dp2 is set up by its family's passes (tensor plan, context parallelism,
 recompute), the core's materialisation and the run's passes from the plugins (LoRA, torchao's
-FP8, --compile with aot_eager, weight tying, FSDP2), plus a probe plugin's pass registered through
+FP8, --compile with the eager backend, weight tying, FSDP2), plus a probe plugin's pass registered through
 ``register_setup_passes`` at phase RECOMPUTE. The passes are given once in the order the plugins
 list them and once reversed: both models must hold the same parameters (by name, whole values
 gathered from FSDP's shards), the same module types at every name (FSDP2 outermost, compiled
@@ -24,7 +24,7 @@ ARGV = ["--mock-data", "--model-family", "gpt", "--model-preset", "tiny", "--num
         "--max-position-embeddings", "16", "--vocab-size", "64", "--make-vocab-size-divisible-by", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--seed", "5", "--lora-rank", "16", "--load", "unused", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
-        "--compile", "--compile-backend", "aot_eager", "--use-torch-fsdp2", "--recompute-granularity", "full",
+        "--compile", "--compile-backend", "eager", "--use-torch-fsdp2", "--recompute-granularity", "full",
         "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 
