@@ -77,6 +77,12 @@ class RegistrationSpecs:
         """
 
     @hookspec
+    def register_rewards(self, register):
+        """Register reward functions under their ``--reward`` names (RL post-training, mega-rl):
+        ``fn(prompt=..., completion=..., **fields) -> float`` per completion, or TRL's batched
+        ``fn(prompts=[...], completions=[...], **fields) -> list[float]`` (see mega.rl.rewards)."""
+
+    @hookspec
     def register_callbacks(self, register):
         """Register per-run callback factories: ``factory(run_config) -> object | None``.
 

@@ -27,6 +27,7 @@ KINDS = {
     "register_kernel_backends": "kernel backend",
     "register_optimizers": "optimizer",
     "register_commands": "command",
+    "register_rewards": "reward",
     "register_callbacks": "callback",
     "register_setup_passes": "setup pass",
 }
@@ -103,6 +104,10 @@ class Plugins:
     @property
     def commands(self) -> Registry:
         return self.registries["command"]
+
+    @property
+    def rewards(self) -> Registry:
+        return self.registries["reward"]
 
     @property
     def callbacks(self) -> Registry:
