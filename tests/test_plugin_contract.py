@@ -37,7 +37,7 @@ def site(tmp_path_factory, install_plugins):
         write_plugin(name, kind, root / name)
         generated[kind] = root / name
     environ = install_plugins(*generated.values(), *(TEST_PLUGINS / f"mega-{d}" for d in
-                                                      ("broken", "lazy-callback", "duplicate-gpt")))
+                                                      ("broken", "lazy-callback", "duplicate-gpt", "raising-callback")))
     environ.pop("MEGA_PLUGIN_TRACEBACKS", None)
     return environ, generated
 
@@ -130,6 +130,8 @@ def cli(site, tmp_path_factory):
     callback and the duplicate `gpt` beside the generated ones."""
     bad_toml = tmp_path_factory.mktemp("toml") / "bad.toml"
     bad_toml.write_text("[loss_csv]\nloss_csv_pth = 'x.csv'\n")
+    broken_table = bad_toml.with_name("broken.toml")
+    broken_table.write_text("[broken]\npath = 'x'\n")
     commands = {
         "family": [[*TRAIN[:2], "gpt-broken"], {}],
         "command": [["broken-hello"], {}],
@@ -140,6 +142,9 @@ def cli(site, tmp_path_factory):
         "train help": [["train", "--help"], {}],
         "gpt-relu help": [["train", "--model-family", "gpt-relu", "--help"], {}],
         "bad toml": [[*TRAIN, "--config", str(bad_toml)], {}],
+        "broken flag": [[*TRAIN, "--broken-path", "x"], {}],
+        "other flag": [[*TRAIN, "--lr-decay-styl", "x"], {}],
+        "broken table": [[*TRAIN, "--config", str(broken_table)], {}],
     }
     import json
 
@@ -147,7 +152,7 @@ def cli(site, tmp_path_factory):
                             env=site[0], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return {label: tuple(value) for label, value in json.loads(result.stdout.splitlines()[-1]).items()} | {
-        "bad toml path": str(bad_toml)}
+        "bad toml path": str(bad_toml), "broken table path": str(broken_table)}
 
 
 def test_the_plugin_options_are_listed_and_validated_like_the_cores(cli):
@@ -198,3 +203,57 @@ def test_a_duplicate_family_marks_the_newcomer_and_the_rest_keeps_working(cli):
     code, help_text, _ = cli["train help"]
     assert code == 0 and "usage: mega train" in help_text and "model 'gpt' is registered twice" in help_text
     assert "--activation" in cli["gpt-relu help"][1]
+
+
+def test_the_flags_and_table_of_a_plugin_that_failed_to_load_name_it_and_help_lists_it(cli):
+    """Issue 47, item 3: what a failed plugin would have added is unknown; its name says which
+    flags (--broken-*) and which table ([broken]) are probably its, and --help says what is missing."""
+    code, _, error = cli["broken flag"]
+    assert code == 2
+    assert ("mega train: error: unknown flag --broken-path; probably a flag of plugin broken (mega-broken), "
+            "which failed to load: ModuleNotFoundError: No module named 'mega_broken_missing_dependency'") in error
+    code, _, error = cli["other flag"]  # not its prefix: the closest flag, and the plugin whose flags are missing
+    assert code == 2 and "unknown flag --lr-decay-styl; did you mean --lr-decay-style, " in error
+    assert f"{BROKEN} (MEGA_PLUGIN_TRACEBACKS=1 shows the traceback) (its flags are missing; --lr-decay-styl may be one)" in error
+    code, _, error = cli["broken table"]
+    assert code == 2 and "did you mean" not in error
+    assert (f"{cli['broken table path']}: unknown section [broken]; the table of plugin broken (mega-broken), "
+            "which failed to load: ModuleNotFoundError") in error
+    help_text = re.sub(r"\s+", " ", cli["gpt-relu help"][1])
+    assert ("plugin broken (mega-broken 0.1.0): FAILED TO LOAD: A test plugin of tests/test_plugin_contract.py. "
+            "Its flags (probably --broken-*) and its [broken] table of --config are missing, because: "
+            "ModuleNotFoundError: No module named 'mega_broken_missing_dependency'.") in help_text
+
+
+def test_a_callback_that_raises_mid_run_names_its_plugin_and_hook_and_keeps_the_checkpoint(site, tmp_path):
+    """Issue 47, item 3: exit 4 (not 2, bad input), the plugin, callback, hook, iteration, exception
+    type and message; the traceback under --save/debug and, with MEGA_PLUGIN_TRACEBACKS=1, on screen;
+    the checkpoint of iteration 1 whole; the listener's own on_train_end not called after it raised."""
+    from mega.core.checkpoint.directory import find_checkpoint
+
+    save = tmp_path / "ckpt"
+    environ = dict(without(site[0], *FAILING), MEGA_TEST_RAISE_AT="2", MEGA_PLUGIN_TRACEBACKS="1")
+    result = mega(environ, *TRAIN, "--save", str(save), "--save-interval", "1", code=4)
+    report = save / "debug" / "callback_error_rank_0.txt"
+    line = ("mega train: error: plugin raising_callback (mega-raising-callback 0.1.0): callback 'raises-at-one-step' "
+            "raised in on_step_end at iteration 2: ZeroDivisionError: the step counter divided by zero at 2; "
+            f"traceback in {report}; the newest checkpoint (iteration 1 in {save}) is kept; "
+            "fix the plugin or disable it (MEGA_DISABLE_PLUGINS=raising_callback)\nTraceback (most recent call last):")
+    assert line in result.stderr
+    assert 'in on_step_end\n    raise ZeroDivisionError(f"the step counter divided by zero at {iteration}")' in result.stderr
+    assert "AssertionError" not in result.stderr and "iteration        1/" in result.stdout
+    assert "Traceback (most recent call last)" in report.read_text() and "mega_raising_callback" in report.read_text()
+    assert find_checkpoint(str(save), checksums=True)[1].iteration == 1
+
+
+def test_the_printed_install_command_works_from_any_directory(site, tmp_path):
+    """`mega plugins new` prints absolute paths: the command works outside the mega checkout
+    (pip --dry-run, from another directory than the one the plugin was written from)."""
+    written_from, elsewhere = tmp_path / "a", tmp_path / "b"
+    written_from.mkdir(), elsewhere.mkdir()
+    out = mega(without(site[0], *FAILING), "plugins", "new", "my-tool", "--kind", "command", cwd=written_from).stdout
+    install = out.split("next: ", 1)[1].split(" && ")[0]
+    assert " -c /" in install and f"-e '{written_from / 'my-tool'}[test]'" in install
+    result = subprocess.run(f"{sys.executable} -m {install} --dry-run --no-deps", shell=True, cwd=elsewhere,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "Would install my-tool-0.1.0" in result.stdout, result.stderr[-3000:]

@@ -1,7 +1,8 @@
-"""Preemption (issue 36, item 2): under --exit-signal-handler a SIGTERM ends the job after a
-checkpoint of the current iteration, with exit 0; --load continues with the losses of the
-uninterrupted run; a second SIGTERM during that save leaves the previous checkpoint loadable.
---exit-duration-in-mins does the same when the time runs out."""
+"""Preemption (issue 36, item 2; issue 47, item 2 under --max-restarts), on the CPU (gloo): under
+--exit-signal-handler a SIGTERM ends the job after a checkpoint of the current iteration, with exit
+0; --load continues with the losses of the uninterrupted run; a second SIGTERM during that save
+leaves the previous checkpoint loadable. --exit-duration-in-mins does the same when the time runs
+out."""
 
 from __future__ import annotations
 
@@ -95,3 +96,50 @@ def test_the_time_limit_saves_and_exits_0(tmp_path, capsys):
     assert read_tracker(save) == "1"
     assert "mega train: exiting at iteration 1 of 8: --exit-duration-in-mins 0.0001 reached; " \
            f"checkpoint of iteration 1 saved in {save}" in capsys.readouterr().out
+
+
+def test_a_preempted_job_under_max_restarts_saves_and_exits_as_documented(tmp_path):
+    """Issue 47, item 2: under mega's launcher with --max-restarts (torch's elastic agent, 2 ranks), a
+    SIGTERM to the launcher is passed on, the ranks save the iteration and the job exits 0 with no
+    traceback; a second SIGTERM during the save ends the ranks at once (143), the previous checkpoint
+    staying the newest."""
+    save = tmp_path / "ckpt"
+    argv = [*ARGV, "--train-iters", "50", "--save", str(save), "--exit-signal-handler"]
+    launcher = ("import sys; from mega.core.training.launch_job import launch_job; "
+                f"sys.exit(launch_job(2, ['train', *sys.argv[1:]], 2, program=(sys.executable, '-c', {SLOW_SAVE!r})))")
+
+    def start_job(*extra: str, **env) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", launcher, *argv, *extra], text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env})
+
+    first, seen = start_job(), []
+    read_until(first, "iteration        2/", seen)
+    first.send_signal(signal.SIGTERM)
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert "mega: SIGTERM passed on to the ranks (--exit-signal-handler)" in err
+    stopped = int(read_tracker(save))
+    assert stopped >= 2 and max(losses_printed(seen + out.splitlines(keepends=True))) == stopped
+    assert f"mega train: exiting at iteration {stopped} of 50: received SIGTERM (--exit-signal-handler); " \
+           f"checkpoint of iteration {stopped} saved in {save}" in out
+
+    second, more = start_job("--load", str(save), MEGA_TEST_SLOW_SAVE="1"), []
+    read_until(second, f"iteration {stopped + 1:8d}/", more)
+    second.send_signal(signal.SIGTERM)
+    read_until(second, "writing a checkpoint", more)
+    second.send_signal(signal.SIGTERM)
+    _, err = second.communicate(timeout=300)
+    assert second.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert "was killed by SIGTERM after SIGTERM (--exit-signal-handler)" in err
+    assert find_checkpoint(str(save), checksums=True)[1].iteration == stopped  # the previous one, whole
+
+
+def test_ctrl_c_ends_a_run_with_one_line_and_130():
+    run, seen = start(ARGV + ["--train-iters", "1000"]), []
+    read_until(run, "iteration        2/", seen)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert err.strip().splitlines()[-1] == "mega: interrupted by SIGINT" and "Traceback" not in err, err[-3000:]

@@ -113,6 +113,17 @@ def register_callbacks(register):
 
 
 @hookimpl
+def register_setup_passes(register):
+    register("compile", "mega.core.training.model_passes:compile_pass",
+             "compile: each transformer layer through torch.compile (--compile, --compile-backend)")
+    register("weight-tying", "mega.core.training.model_passes:weight_tying_pass",
+             "weight tying: the last pipeline stage's LM head starts as the first stage's embedding")
+    register("data-parallel", "mega.core.training.model_passes:data_parallel_pass",
+             "data parallel: DDP (with the distributed optimizer's buffers) or FSDP2 (--use-torch-fsdp2, "
+             "--data-parallel-sharding-strategy)")
+
+
+@hookimpl
 def register_optimizers(register):
     register("adam", "mega.core.optim.torch_optimizers:adam", "AdamW (decoupled weight decay), Megatron's adam")
     register("sgd", "mega.core.optim.torch_optimizers:sgd", "SGD with momentum")

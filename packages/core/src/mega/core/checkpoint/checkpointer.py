@@ -30,6 +30,7 @@ from torch import nn
 
 from mega.core.checkpoint import rng, space
 from mega.core.checkpoint.adapters import check_adapters_only, restrict_to_part
+from mega.core.checkpoint.completeness import check_complete, confirm_written, union_over_ranks
 from mega.core.checkpoint.config import CheckpointConfig
 from mega.core.checkpoint.config_check import check_model_config
 from mega.core.checkpoint.directory import (
@@ -49,13 +50,16 @@ from mega.core.checkpoint.sharded_io import ShardedEntry, load_entries, read_ind
 from mega.core.checkpoint.state import (
     MAIN_PARAM,
     MODEL,
+    OPTIMIZER,
     create_optimizer_state,
+    expected_optimizer_shapes,
     model_entries,
     named_parameters,
     optimizer_entries,
     optimizer_state_description,
     prepare_optional,
     refresh_main_params,
+    settle,
 )
 from mega.core.checkpoint.tokenizer_files import copy_tokenizer_files, tokenizer_entry
 from mega.core.checkpoint.validate import check_entries, check_model_names, zero_rows_beyond
@@ -134,10 +138,10 @@ class Checkpointer:
             copy_tokenizer_files(saved.tokenizer_spec, staging)
         self._barrier()
         rng.write(staging, self.groups.global_rank, saved.rng_tracker)
-        if hasattr(saved.optimizer, "finish_param_sync"):
-            saved.optimizer.finish_param_sync()
+        settle(saved.chunks, saved.optimizer)
         entries, description = self._entries_to_save()
         metadata = self._metadata(description)
+        metadata.tensors = self._expected_tensors(entries, description)
         self._last_saved = state.iteration
         groups = self.groups
         needed = space.expected_bytes(save_dir, entries, groups.tp.size * groups.pp.size * groups.cp.size)
@@ -147,6 +151,7 @@ class Checkpointer:
         def write(entries: dict) -> Path:
             with space.removed_if_failed(staging, needed):  # a full disk: one clear error, nothing left
                 save_entries(staging, entries, self.process_group)
+                confirm_written(staging, metadata.tensors, self.process_group)  # all there, or nothing published
                 if self.is_writer:  # its save returns once every rank's shards are written
                     final = publish(save_dir, name, metadata, str(metadata.iteration))
             if self.is_writer and self.config.keep_last:
@@ -205,6 +210,15 @@ class Checkpointer:
                                              description["state_keys"], description["main_params"]).entries)
         return entries, description
 
+    def _expected_tensors(self, entries: dict, description: dict | None) -> dict | None:
+        """Every tensor this save must write, named from the model on every rank (gathered onto the
+        writer; None elsewhere): the model's entries, and each trainable parameter's optimizer state."""
+        expected = {key: list(entry.global_shape) for key, entry in entries.items() if not key.startswith(OPTIMIZER)}
+        if description is not None:
+            expected.update(expected_optimizer_shapes(self.state.optimizer, self.state.chunks, self.groups.tp,
+                                                      description["state_keys"], description["main_params"]))
+        return union_over_ranks(expected, self.process_group)
+
     def _metadata(self, optimizer: dict | None) -> CheckpointMetadata:
         saved, state, run = self.state, self.state.progress, self.state.run
         scaler = saved.optimizer.grad_scaler
@@ -261,6 +275,7 @@ class Checkpointer:
         check_model_config(path, metadata.model_config, saved.run.model)
         weights_only = finetune or path.name == RELEASE
         with_optimizer = not weights_only and config.load_optim and metadata.optimizer is not None
+        settle(saved.chunks, saved.optimizer)
         wanted = model_entries(saved.chunks, self.groups.tp)
         if with_optimizer:
             create_optimizer_state(saved.optimizer, metadata.optimizer)
@@ -274,6 +289,7 @@ class Checkpointer:
         loads_main_params = any(key.endswith("." + MAIN_PARAM) for key in wanted.entries)
         index = read_index(path)
         check_adapters_only(path, index, part, flag)
+        check_complete(path, metadata, index, optimizer=with_optimizer)
         check_model_names(path, *restrict_to_part(wanted, part, full_model_names(saved), index))
         extra_state = prepare_optional(wanted, index)
         check_entries(path, wanted, index)

@@ -1,7 +1,9 @@
-"""``mega checkpoint verify DIR``: is every checkpoint in DIR intact, byte for byte?
+"""``mega checkpoint verify DIR``: is every checkpoint in DIR intact, byte for byte, and whole?
 
-Each file is compared with the size and checksum recorded when it was saved, and the tensor index
-must parse. DIR is one checkpoint, or a --save directory (then every checkpoint in it is checked:
+Each file is compared with the size and checksum recorded when it was saved, the tensor index
+must parse, and it must hold every tensor the save recorded (every parameter's model tensor and
+optimizer state, by name and global shape, its pieces covering every element;
+:mod:`mega.core.checkpoint.completeness`). DIR is one checkpoint, or a --save directory (then every checkpoint in it is checked:
 a damaged newest one is worth knowing about before an older one is pruned).
 """
 
@@ -22,7 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="mega checkpoint verify",
         description="Check that checkpoints are complete and unchanged since they were saved: every file "
-                    "at its recorded size and checksum, the tensor index readable. DIR is one checkpoint "
+                    "at its recorded size and checksum, the tensor index readable and holding every tensor the "
+                    "save recorded (each parameter's weights and optimizer state, at its shape, every element "
+                    "written). DIR is one checkpoint "
                     "or a --save directory (every checkpoint in it). Exit 0 when all are intact, 1 otherwise.",
     )
     parser.add_argument("directory", metavar="DIR")
@@ -40,10 +44,12 @@ def checkpoints_in(directory: Path) -> list[Path]:
 
 def check(checkpoint: Path) -> None:
     """Raise :class:`CheckpointError` naming what is wrong with ``checkpoint``."""
-    from mega.core.checkpoint.sharded_io import read_index  # start-up cost: torch, only once there is work
+    # start-up cost: torch, only once there is work
+    from mega.core.checkpoint.completeness import check_complete
+    from mega.core.checkpoint.sharded_io import read_index
 
     metadata = verify(checkpoint, checksums=True)
-    read_index(checkpoint)
+    check_complete(checkpoint, metadata, read_index(checkpoint))
     if not metadata.checksums:
         raise CheckpointError(f"{checkpoint} was saved without checksums (an older mega): only its sizes "
                               "could be checked")

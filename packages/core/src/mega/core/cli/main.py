@@ -22,7 +22,8 @@ USAGE = "usage: mega [--version] [--help] <command> [<args>...]"
 
 def main(argv: list[str] | None = None, plugins: Plugins | None = None) -> int:
     """The ``mega`` console script: run the command; a reader that stops reading (``| head``) is
-    not an error of ours, so it ends the command quietly, as SIGPIPE ends a C program.
+    not an error of ours, so it ends the command quietly, as SIGPIPE ends a C program; SIGINT
+    (Ctrl-C) ends it with one line and 130.
 
     Run as a program (``argv`` None) in a rank of a distributed job, it ends the process itself
     (:func:`mega.core.launch.end_rank_process`): a finished run must not fail in shutdown."""
@@ -34,6 +35,11 @@ def main(argv: list[str] | None = None, plugins: Plugins | None = None) -> int:
         # Python would flush stdout again at exit and print "Exception ignored ... BrokenPipeError".
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         exit_code = 128 + signal.SIGPIPE
+    except KeyboardInterrupt:
+        # Ctrl-C, or a launcher passing SIGINT on to its ranks: the user asked to stop; a traceback
+        # of wherever the run happened to be says nothing more. 130, as a shell reports it.
+        print("mega: interrupted by SIGINT", file=sys.stderr, flush=True)
+        exit_code = 128 + signal.SIGINT
     if as_rank:
         end_rank_process(exit_code)
     return exit_code

@@ -8,12 +8,14 @@ with pytest against the installed mega; installed as generated, its test passes
 from __future__ import annotations
 
 import re
+import shlex
 import string
 import sys
 from pathlib import Path
 
 from mega.core.cli.argparser import CommandParser
 from mega.core.cli.scaffold_templates import KINDS, PYPROJECT, README
+from mega.core.plugins.install_hint import install_editable
 from mega.core.plugins.manager import get_plugins
 
 NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
@@ -84,5 +86,5 @@ def main(argv: list[str]) -> int:
         return 2
     for path in written:
         print(path)
-    print(f"\nnext: pip install -c constraints.txt -e \"{directory}[test]\" && pytest {directory / 'tests'}")
+    print(f"\nnext: {install_editable(directory)} && pytest {shlex.quote(str(directory.resolve() / 'tests'))}")
     return 0

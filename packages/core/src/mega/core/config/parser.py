@@ -1,7 +1,8 @@
 """Parse config dataclasses from a TOML file and/or Megatron-style flags.
 
 Precedence: dataclass defaults < TOML file (``--config FILE``, one table per section) < flags.
-An unknown flag or TOML key fails with the closest known names.
+An unknown flag or TOML key fails with the closest known names; an ``explain`` object (see
+mega.core.plugins.failed_options) may add why it is unknown: a plugin that failed to load.
 """
 
 from __future__ import annotations
@@ -83,7 +84,13 @@ def _suggest(word: str, candidates: list[str]) -> str:
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
-def load_toml(path: str | Path, sections: dict[str, type]) -> dict[str, dict[str, Any]]:
+def _unknown(kind: str, word: str, candidates: list[str], explain: Any) -> str:
+    """What follows ``unknown flag --x``: why (a plugin that did not load), or the closest names."""
+    reason, certain = getattr(explain, kind)(word) if explain is not None else ("", False)
+    return reason if certain else _suggest(word, candidates) + reason
+
+
+def load_toml(path: str | Path, sections: dict[str, type], explain: Any = None) -> dict[str, dict[str, Any]]:
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -94,7 +101,7 @@ def load_toml(path: str | Path, sections: dict[str, type]) -> dict[str, dict[str
     values: dict[str, dict[str, Any]] = {}
     for section, table in data.items():
         if section not in sections:
-            raise ConfigError(f"{path}: unknown section [{section}]{_suggest(section, list(sections))}")
+            raise ConfigError(f"{path}: unknown section [{section}]{_unknown('section', section, list(sections), explain)}")
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: [{section}] must be a table of settings")
         hints = typing.get_type_hints(sections[section])
@@ -132,23 +139,25 @@ def _type_name(annotation: Any) -> str:
 
 
 def parse(argv: list[str], sections: dict[str, type], parser: argparse.ArgumentParser,
-          bases: dict[str, Any] | None = None) -> dict[str, Any]:
+          bases: dict[str, Any] | None = None, explain: Any = None) -> dict[str, Any]:
     """Parse ``argv`` (with an optional ``--config FILE``) into one dataclass per section.
 
     ``bases`` gives a section a starting instance (a model preset) instead of the class defaults;
     what the instance only derived is derived again from the values in force (see chosen_values).
     A base given as a dict (a checkpoint's saved config) is taken whole.
+    ``explain.flag(word)`` / ``explain.section(name)`` say why a flag or table is unknown
+    (``(text, certain)``; certain: the closest known names are not suggested).
     """
     bases = bases or {}
     namespace, unknown = parser.parse_known_args(argv)
     for word in unknown:
         if word.startswith("-"):
             flag = word.split("=", 1)[0]
-            parser.error(f"unknown flag {flag}{_suggest(flag, known_flags(sections))}")
+            parser.error(f"unknown flag {flag}{_unknown('flag', flag, known_flags(sections), explain)}")
     if unknown:
         parser.error(f"unexpected argument {unknown[0]!r}")
 
-    values = load_toml(namespace.config, sections) if getattr(namespace, "config", None) else {}
+    values = load_toml(namespace.config, sections, explain) if getattr(namespace, "config", None) else {}
     for dest, value in vars(namespace).items():
         if "." in dest:
             section, name = dest.split(".", 1)

@@ -213,6 +213,17 @@ class FullyShardedDataParallel(nn.Module):
         for param in self.module.parameters():
             param.grad = None
 
+    def reshard(self) -> None:
+        """Free every unit's gathered weights and register its sharded parameters again.
+
+        A forward without backward (an evaluation) leaves the units that do not reshard after
+        forward gathered, with their plain unsharded tensors in place of the sharded parameters
+        the optimizer steps; whatever reads the parameters by module (a checkpoint) must see the
+        sharded ones. The next forward gathers again."""
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
 
 def fully_shard_chunks(chunks: list[nn.Module], layers_of, groups: ParallelGroups, *, strategy: str,
                        replicas: int = 1, compute_dtype: torch.dtype = torch.float32,

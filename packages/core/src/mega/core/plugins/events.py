@@ -9,6 +9,8 @@ from typing import Any
 import pluggy
 
 from mega.core.plugins import hookspecs
+from mega.core.plugins.callback_errors import CallbackError, CallbackOrigin, GuardedListener
+from mega.core.plugins.manager import CORE_PLUGIN
 from mega.core.plugins.registry import PluginError
 
 
@@ -39,11 +41,23 @@ class Events:
                 stack.enter_context(context)
             yield
 
-    def add(self, listener: Any) -> None:
-        self._manager.register(listener)
+    def add(self, listener: Any, origin: CallbackOrigin | None = None) -> None:
+        """Register ``listener``; with the ``origin`` of a plugin's callback, behind a guard whose
+        errors name the plugin and the hook (:mod:`mega.core.plugins.callback_errors`)."""
+        # The core's own callbacks (the console, the exit signal, the hang report) are mega itself:
+        # their errors (a collective timeout, a bad --tensorboard-dir) keep their own reports.
+        if origin is None or origin.plugin == CORE_PLUGIN:
+            self._manager.register(listener)
+            return
+        options = {name: self._manager.parse_hookimpl_opts(listener, name) for name in dir(listener)}
+        implementations = {name: getattr(listener, name) for name, opts in options.items() if opts is not None}
+        # A wrapper (a generator around the others) is left as it is: guarding it would unmake it.
+        wrappers = {name for name, opts in options.items() if opts and (opts.get("wrapper") or opts.get("hookwrapper"))}
+        self._manager.register(GuardedListener(listener, origin, implementations, self._manager.unregister, wrappers))
 
     def listeners(self) -> list[Any]:
-        return list(self._manager.get_plugins())
+        return [getattr(plugin, "listener", plugin) if isinstance(plugin, GuardedListener) else plugin
+                for plugin in self._manager.get_plugins()]
 
     @classmethod
     def from_callbacks(cls, plugins, run_config: Any) -> Events:
@@ -53,7 +67,7 @@ class Events:
         run was asked to skip failed plugins (``--skip-failed-plugins``; mega train has warned)."""
         training = getattr(run_config, "training", None)
         skip_failed = bool(getattr(training, "skip_failed_plugins", False))
-        listeners = []
+        events = cls()
         for name in plugins.callbacks.names():
             try:
                 factory = plugins.callbacks.get(name)
@@ -61,7 +75,13 @@ class Events:
                 if skip_failed:
                     continue
                 raise
-            listener = factory(run_config)
+            origin = CallbackOrigin.of(plugins.callbacks.entry(name))
+            try:
+                listener = factory(run_config)
+            except Exception as error:
+                if origin.plugin == CORE_PLUGIN:
+                    raise
+                raise CallbackError(origin, "its factory", error, None) from error
             if listener is not None:
-                listeners.append(listener)
-        return cls(listeners)
+                events.add(listener, origin)
+        return events

@@ -37,9 +37,10 @@ def tracebacks_wanted(environ=None) -> bool:
     return (os.environ if environ is None else environ).get(TRACEBACKS_VARIABLE, "") not in ("", "0")
 
 
-def failure_line(failed, with_traceback: bool | None = None) -> str:
-    """``plugin X (dist Y) failed to load: <error>``, with the traceback when asked for."""
-    line = f"plugin {failed.name} ({failed.distribution}) failed to load: {failed.error}"
+def failure_line(failed, with_traceback: bool | None = None, which: bool = False) -> str:
+    """``plugin X (dist Y) failed to load: <error>`` (``which``: ``plugin X (dist Y), which failed
+    to load: ...``), with the traceback when asked for."""
+    line = f"plugin {failed.name} ({failed.distribution}){', which' if which else ''} failed to load: {failed.error}"
     if with_traceback is None:
         with_traceback = tracebacks_wanted()
     if with_traceback and failed.traceback:

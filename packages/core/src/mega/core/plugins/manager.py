@@ -27,7 +27,9 @@ KINDS = {
     "register_kernel_backends": "kernel backend",
     "register_optimizers": "optimizer",
     "register_commands": "command",
+    "register_rewards": "reward",
     "register_callbacks": "callback",
+    "register_setup_passes": "setup pass",
 }
 
 
@@ -104,8 +106,16 @@ class Plugins:
         return self.registries["command"]
 
     @property
+    def rewards(self) -> Registry:
+        return self.registries["reward"]
+
+    @property
     def callbacks(self) -> Registry:
         return self.registries["callback"]
+
+    @property
+    def setup_passes(self) -> Registry:
+        return self.registries["setup pass"]
 
     def add(self, plugin: Any, name: str, distribution: str = "(local)", version: str = "") -> PluginInfo:
         """Register one plugin object or module and collect what it registers.

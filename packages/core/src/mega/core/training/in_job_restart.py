@@ -12,11 +12,16 @@ what a person reading the log needs:
   is nothing they could save (the newest complete checkpoint is what the next attempt loads);
 * a restarted rank (``TORCHELASTIC_RESTART_COUNT`` > 0) with ``--save`` and no ``--load`` loads
   ``--save`` (:func:`resume_after_restart`), so the job resumes without any flag changing; with
-  ``--load`` equal to ``--save`` it does anyway. This holds under ``torchrun --max-restarts`` too.
+  ``--load`` equal to ``--save`` it does anyway. This holds under ``torchrun --max-restarts`` too;
+* a stop signal to the agent (a scheduler's preemption) is passed on to the ranks, as without
+  restarts: the signal the ranks handle (``--exit-signal-handler``) lets them save and the job ends
+  as they do (0 when every rank saved and exited), any other ends it with 128 + the signal; either
+  way with one line, not the traceback of torch's ``SignalException``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -32,6 +37,13 @@ from mega.core.plugins import hookimpl
 # Set for the ranks by the agent: rank 0 keeps the last iteration it finished here.
 PROGRESS_FILE_ENV = "MEGA_PROGRESS_FILE"
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+# The signals torch's agent turns into a SignalException (its default), to which the one the ranks
+# handle is added: a --exit-signal SIGUSR1 must reach the ranks, not end the agent as SIGUSR1 does.
+SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# How long ranks saving on the handled signal may take before the agent kills them (torch's 30 s
+# is short for a large checkpoint; the scheduler's own kill comes when it comes).
+PREEMPTION_SAVE_GRACE_S = 600
 
 
 # -- in the ranks ---------------------------------------------------------------------------------
@@ -92,14 +104,41 @@ def describe_failure(failures: dict, progress: int | None) -> str:
     return text
 
 
+def _pass_on(signum: int, handlers) -> None:
+    for handler in handlers:
+        if handler.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it may have ended since
+                os.killpg(handler.proc.pid, signum)  # each rank leads its own session, as torch starts it
+
+
+def stopped_job_exit(signum: int, handled_signal: int | None, exit_codes: list[int | None]) -> int:
+    """The exit code of a job whose agent received ``signum`` (its ranks were passed it and have
+    ended with ``exit_codes``), with the line that says so."""
+    name = signal.Signals(signum).name
+    if signum != handled_signal or not exit_codes:  # not the ranks' signal, or no rank had started
+        print(f"mega: stopped by {name}; the ranks were stopped too", file=sys.stderr, flush=True)
+        return 128 + signum
+    # The ranks saved (or failed to): the job ends as they did, as mega.core.launch.launch_local does.
+    failed = [(rank, code) for rank, code in enumerate(exit_codes) if code]
+    if not failed:
+        return 0
+    rank, code = failed[0]
+    print(f"mega: rank {rank} {describe_exit(code)} after {name} (--exit-signal-handler)", file=sys.stderr, flush=True)
+    return code if code > 0 else 128 - code
+
+
 def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: str | None,
-                      program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main")) -> int:
+                      program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main"),
+                      handled_signal: int | None = None) -> int:
     """Run ``program + command`` on ``nproc`` local ranks under torch's elastic agent, restarting
-    every rank after a failure at most ``max_restarts`` times; the job's exit code."""
+    every rank after a failure at most ``max_restarts`` times; the job's exit code.
+
+    ``handled_signal``: the signal the ranks act on (``--exit-signal-handler``); sent to the agent,
+    it is passed on and the job ends as its ranks do (see :func:`stopped_job_exit`)."""
     # Start-up cost: torch's elastic agent, which only a run with --max-restarts needs.
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rendezvous
 
@@ -112,6 +151,11 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
         os.environ[PROGRESS_FILE_ENV] = str(progress_path)  # the agent's ranks inherit it
         # Ranks share the cores, as torchrun arranges (and launch_local does).
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        handled_name = signal.Signals(handled_signal).name if handled_signal else None
+        user_signals = os.environ.get(SIGNALS_TO_HANDLE_ENV)  # torch's knob: a user's setting stands
+        if user_signals is None:
+            os.environ[SIGNALS_TO_HANDLE_ENV] = ",".join(dict.fromkeys([*AGENT_SIGNALS, *filter(None, [handled_name])]))
+        exit_codes: list[int | None] = []
 
         class ReportingAgent(LocalElasticAgent):
             def _monitor_workers(self, worker_group):
@@ -137,6 +181,18 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
                 # A peer is gone: the others cannot save anything, so they are not asked to.
                 self._shutdown(signal.SIGKILL)
 
+            def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
+                handlers = getattr(self._pcontext, "subprocess_handlers", {})
+                running = any(handler.proc.poll() is None for handler in handlers.values())
+                if death_sig == handled_signal and running:  # the ranks save, then exit
+                    print(f"mega: {handled_name} passed on to the ranks (--exit-signal-handler)",
+                          file=sys.stderr, flush=True)
+                    timeout = max(timeout, PREEMPTION_SAVE_GRACE_S)
+                    # A second one is passed on too, and ends the ranks at once (their handler is spent).
+                    signal.signal(death_sig, lambda signum, frame: _pass_on(signum, handlers.values()))
+                super()._shutdown(death_sig, timeout)
+                exit_codes[:] = [handlers[rank].proc.returncode for rank in sorted(handlers)]
+
         parameters = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{free_port()}",
                                           run_id=uuid.uuid4().hex, min_nodes=1, max_nodes=1, is_host=True)
         spec = WorkerSpec(role="mega", local_world_size=nproc, entrypoint=program[0],
@@ -146,9 +202,13 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
                                start_method="spawn")
         try:
             result = agent.run()
+        except SignalException as stopped:  # the agent has passed it on and its ranks have ended
+            return stopped_job_exit(stopped.sigval, handled_signal, exit_codes)
         finally:
             spec.rdzv_handler.shutdown()
             os.environ.pop(PROGRESS_FILE_ENV, None)
+            if user_signals is None:
+                os.environ.pop(SIGNALS_TO_HANDLE_ENV, None)
     if not result.is_failed():
         return 0
     listed = "; ".join(f"{number}) {failure}" for number, failure in enumerate(failures, 1))

@@ -32,7 +32,8 @@ def launch_job(nproc: int, command: list[str], max_restarts: int | None = None,
     """Start ``nproc`` local ranks of ``command``; with ``max_restarts``, under the elastic agent
     (see in_job_restart). A configuration that does not parse runs once: its ranks say why."""
     run = _run_config(command)
-    if run is not None and max_restarts is not None:
-        return run_with_restarts(nproc, command, max_restarts, run.checkpoint.save, program=program)
     handled = signal.Signals[run.training.exit_signal] if run is not None and run.training.exit_signal_handler else None
+    if run is not None and max_restarts is not None:
+        return run_with_restarts(nproc, command, max_restarts, run.checkpoint.save, program=program,
+                                 handled_signal=handled)
     return launch_local(nproc, command, program=program, handled_signal=handled)

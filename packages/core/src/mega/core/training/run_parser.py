@@ -18,6 +18,7 @@ from mega.core.cli.argparser import CommandParser
 from mega.core.config import ConfigError, add_section, parse
 from mega.core.config.parser import known_flags, tomllib
 from mega.core.plugins import PluginError, get_plugins
+from mega.core.plugins.failed_options import FailedPluginOptions, add_failed_plugins_help
 from mega.core.plugins.install_hint import repository_package
 from mega.core.plugins.options import option_sections
 from mega.core.training.run_config import SECTIONS, RunConfig, run_sections
@@ -61,6 +62,7 @@ def build_parser(model_config_class: type | None, family_name: str, plugins=None
     options = plugin_sections(sections, plugins) if options is None else options
     for name, (cls, title) in options.items():
         add_section(parser, name, cls, title=title)
+    add_failed_plugins_help(parser, plugins or get_plugins())
     return parser
 
 
@@ -97,7 +99,7 @@ def parse_run(argv: list[str], plugins=None):
     plugin_options = plugin_sections(sections, plugins)
     parser = build_parser(family.config_class, family_name, plugins, plugin_options)
     options = {name: cls for name, (cls, _) in plugin_options.items()}
-    configs = parse(argv, {**sections, **options}, parser, bases=bases)
+    configs = parse(argv, {**sections, **options}, parser, bases=bases, explain=FailedPluginOptions(plugins))
     run = RunConfig(**{name: configs[name] for name in sections}, plugins={name: configs[name] for name in options})
     if saved is not None:
         run = _with_saved_model(run, saved)

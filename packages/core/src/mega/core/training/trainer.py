@@ -1,6 +1,7 @@
 """The training loop: build the model for this rank, then step it through the schedule.
 
-    groups -> model chunks from the family (tensor-parallel plan applied) -> DDP -> optimizer
+    groups -> model chunks from the family, set up by the ordered passes (parallel layout, LoRA,
+    FP8, recompute, compile, tying, DDP/FSDP2) -> optimizer
     -> for each iteration: forward_backward (no pipelining / 1F1B / interleaved / ZB-H1) -> step -> hooks
 
 Everything optional (logging, TensorBoard, profiling, the pipeline timeline) is a listener of
@@ -18,9 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mega.core.build import build_stage
+from mega.core.build import build_model, build_stage
 from mega.core.datasets import TrainingData
-from mega.core.distributed.ddp import DDPConfig, DistributedDataParallel
 from mega.core.kernels import Kernels
 from mega.core.model_family import LossContext, ModelFamily
 from mega.core.optim.build import build_optimizer
@@ -30,17 +30,15 @@ from mega.core.parallel.random import seed_parallel_rng
 from mega.core.pipeline.actions import rank_and_chunk_of, stage_of
 from mega.core.pipeline.layout import layers_per_stage
 from mega.core.pipeline.schedules import forward_backward
-from mega.core.pipeline.tied import setup_tied_weights
 from mega.core.pipeline.zero_bubble import placement_of
 from mega.core.plugins import Events, Plugins
+from mega.core.setup_passes import registered_passes
 from mega.core.training.batches import MicroBatches
-from mega.core.training.compile import compile_stage, compiles
 from mega.core.training.lr_schedule import LearningRateSchedule
+from mega.core.training.model_passes import build_dtype
 from mega.core.training.per_token_loss import micro_batch_tokens, read_step, token_weight
 from mega.core.training.precision import (
     grad_scaler_for,
-    gradient_accumulation_fusion,
-    grads_in_fp32,
     model_dtype,
 )
 from mega.core.training.run_config import Derived, RunConfig
@@ -94,7 +92,7 @@ class Trainer:
                             or run.data.per_document for stage in self.stages]
         self._token_weight = None  # --calculate-per-token-loss: set per step by _run_schedule
         self.events = Events.from_callbacks(plugins, run)
-        self.chunks = self._build_model_chunks()
+        self.chunks = self._build_model_chunks(plugins)
         self.optimizer = build_optimizer(self.chunks, self.groups, run.optimizer, grad_scaler_for(run.precision),
                                          plugins)
         train_iters = run.training.train_iters
@@ -127,39 +125,18 @@ class Trainer:
         return build_stage(self.family, run.model, parallel=run.parallel, device="meta")
 
     # -- building ---------------------------------------------------------------------------
-    def _build_model_chunks(self) -> list[nn.Module]:
-        """This rank's model chunks (virtual stages ``rank``, ``rank + pp``, ...), each built by
-        :func:`build_stage` and wrapped for data parallelism (DDP, or FSDP2 by the sharding strategy)."""
-        run, groups = self.run, self.groups
-        ddp_config = DDPConfig(
-            overlap_grad_reduce=run.optimizer.overlap_grad_reduce,
-            use_distributed_optimizer=run.optimizer.use_distributed_optimizer,
-            grad_reduce_in_fp32=grads_in_fp32(run.precision),
-            gradient_accumulation_fusion=gradient_accumulation_fusion(run.precision, groups.device),
-        )
-        strategy = run.data_parallel.strategy(run.optimizer.use_distributed_optimizer)
-        fsdp = run.data_parallel.uses_fsdp(run.optimizer.use_distributed_optimizer)
-        chunks = []
-        for stage in self.stages:
-            module = build_stage(self.family, run.model, stage, groups=groups, kernels=self.kernels,
-                                 rng_tracker=self.rng_tracker, seed=run.training.seed,
-                                 dtype=torch.float32 if fsdp else self.dtype)  # FSDP's shards are the fp32 main weights
-            self.events.hook.on_stage_built(stage=module, groups=groups)  # passes of plugins (FP8)
-            if compiles(run, groups.device):
-                compile_stage(self.family, module, run.kernels.compile_backend)
-            chunks.append(module)
-        setup_tied_weights(chunks, groups)
-        if fsdp:
-            # Start-up cost: torch's FSDP and DTensor take a second to import; only runs that shard pay it.
-            from mega.core.parallel.fsdp import fully_shard_chunks
-
-            layers_of = self.family.compile_units or (lambda chunk: [])
-            return fully_shard_chunks(
-                chunks, layers_of, groups, strategy=strategy, replicas=run.data_parallel.replicas,
-                compute_dtype=self.dtype, reshard_after_forward=run.data_parallel.fsdp_reshard_after_forward,
-                cpu_offload=run.data_parallel.cpu_offload,
-                reduce_in_fp32=run.precision.accumulate_allreduce_grads_in_fp32 is not False)
-        return [DistributedDataParallel(chunk, groups, ddp_config) for chunk in chunks]
+    def _build_model_chunks(self, plugins: Plugins) -> list[nn.Module]:
+        """This rank's model chunks (virtual stages ``rank``, ``rank + pp``, ...), built by
+        :func:`build_model` and set up by one ordered list of passes (:mod:`mega.core.setup_passes`):
+        the family's, then the run's that plugins register (LoRA, FP8, ``--compile``, weight tying,
+        DDP or FSDP2), in phase order. Listeners see each finished chunk (``on_stage_built``)."""
+        run = self.run
+        chunks = build_model(self.family, run.model, self.stages, groups=self.groups, kernels=self.kernels,
+                             rng_tracker=self.rng_tracker, seed=run.training.seed, dtype=build_dtype(run),
+                             passes=registered_passes(plugins, run), run=run)
+        for chunk in chunks:
+            self.events.hook.on_stage_built(stage=chunk, groups=self.groups)
+        return chunks
 
     def _boundary(self, index: int) -> dict:
         """What virtual stage ``index`` sends to the next one (the family says)."""
