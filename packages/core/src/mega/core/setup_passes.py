@@ -111,7 +111,7 @@ def ordered(passes: Iterable[SetupPass]) -> list[SetupPass]:
 
 def run_setup(setup: ModelSetup, passes: Iterable[SetupPass]) -> list[nn.Module]:
     """Run ``passes`` over ``setup.chunks`` in phase order (see the module docstring); returns the chunks."""
-    import torch  # (this module is imported where plugins register, which imports no torch)
+    import torch  # start-up cost: this module is imported where plugins register, which imports no torch
 
     for setup_pass in ordered(passes):
         on_meta = setup_pass.phase < Phase.MATERIALIZE

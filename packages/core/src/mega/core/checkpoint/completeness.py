@@ -62,6 +62,7 @@ def expected_tensors(metadata: CheckpointMetadata, index: dict, optimizer: bool 
 def _frozen_parameters(metadata: CheckpointMetadata) -> set[str] | None:
     """Names of the parameters the saved model does not train, from its family's whole model built
     on the meta device (nothing allocated); None when its family is not installed here."""
+    # Start-up cost: only a checkpoint without a tensor record (saved before it existed) builds a model.
     import torch
 
     from mega.core.kernels import Kernels

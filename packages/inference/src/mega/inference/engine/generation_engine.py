@@ -22,6 +22,7 @@ import torch
 
 from mega.core.parallel import Group
 from mega.core.parallel.collectives import gather_along
+from mega.inference.engine.continuous import BLOCK_SIZE, ContinuousBatchingWorker
 from mega.inference.engine.decode_step import READ_LAG, DecodeStep
 from mega.inference.engine.requests import (
     FinishCallback,
@@ -140,9 +141,6 @@ class GenerationEngine(EngineBase):
         """Run ``requests`` together through the decoder loop to their ends, on a cache sized for
         them (the paged one, or with ``static_cache`` a slot each); callbacks name a request by
         its index."""
-        # The loop's module imports this one.
-        from mega.inference.engine.continuous import BLOCK_SIZE, ContinuousBatchingWorker
-
         for request in requests:
             self.check(request)
         blocks = sum(-(-(len(r.prompt) + r.max_new_tokens) // BLOCK_SIZE) for r in requests)
