@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = {"mega-core", "mega-models", "mega-data", "mega-ckpt-convert", "mega-inference"}
+DISTRIBUTIONS = {"mega-core", "mega-train", "mega-models", "mega-data", "mega-ckpt-convert", "mega-inference"}
 
 
 def plugins_json(env=None, python_args=()):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mega.core.bench import comm
+from mega.train.bench import comm
 
 
 def test_sizes_parse_like_nccl_tests():

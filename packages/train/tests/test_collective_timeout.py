@@ -8,8 +8,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from mega.core.testing.distributed import DistributedWorld
-from mega.core.training.collective_timeout import describe_timeout
+from mega.testing.distributed import DistributedWorld
+from mega.train.collective_timeout import describe_timeout
 
 
 def all_reduce_that_rank_1_skips(minutes: float):

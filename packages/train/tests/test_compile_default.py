@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mega.core.training.compile import compiles
+from mega.train.compile import compiles
 
 
 def run(compile=None, fp8=None, recompute=None):

@@ -8,7 +8,7 @@ import pytest
 
 from mega.core.config import ConfigError, add_section, flag_reference, parse
 from mega.core.parallel import ParallelConfig
-from mega.core.training.config import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
+from mega.train.config import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 
 SECTIONS = {
     "training": TrainingConfig,

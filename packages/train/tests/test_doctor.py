@@ -16,9 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from mega.core.doctor import checks
-from mega.core.doctor.command import main as doctor_main
-from mega.core.doctor.topology import (
+from mega.train.doctor import checks
+from mega.train.doctor.command import main as doctor_main
+from mega.train.doctor.topology import (
     Topology,
     TopologyError,
     advise,

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mega.core.launch import FAILURE_FILE_ENV, _first_recorded, record_failure
+from mega.core.rank_exit import FAILURE_FILE_ENV, record_failure
+from mega.train.launch import _first_recorded
 
 
 def test_the_first_note_of_a_rank_wins(tmp_path, monkeypatch):
@@ -45,7 +46,7 @@ def test_outside_the_launcher_nothing_is_written(tmp_path, monkeypatch):
 # The ranks here are small Python processes that say they are ready and wait: the launcher treats
 # them exactly as it treats training ranks, without the seconds each rank would spend importing torch.
 RANK = "import os, time; os.write(1, b'ready ' + os.environ['RANK'].encode() + b'\\n'); time.sleep(120)"
-LAUNCHER = ("import sys; from mega.core import launch; launch.STOP_GRACE_S = 1.0; "
+LAUNCHER = ("import sys; from mega.train import launch; launch.STOP_GRACE_S = 1.0; "
             f"sys.exit(launch.launch_local(2, [], program=(sys.executable, '-c', {RANK!r})))")
 
 
@@ -150,7 +151,7 @@ def test_a_signal_the_ranks_handle_is_passed_on_and_the_job_ends_as_they_do():
     # --exit-signal-handler: the ranks save and exit 0 on SIGTERM; the launcher must not kill them.
     rank = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.5), sys.exit(0))); "
             "os.write(1, b'ready\\n'); time.sleep(120)")
-    script = ("import signal, sys; from mega.core import launch; launch.STOP_GRACE_S = 0.5; sys.exit(launch.launch_local("
+    script = ("import signal, sys; from mega.train import launch; launch.STOP_GRACE_S = 0.5; sys.exit(launch.launch_local("
               f"2, [], program=(sys.executable, '-c', {rank!r}), handled_signal=signal.SIGTERM))")
     launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert [launcher.stdout.readline() for _ in range(2)] == ["ready\n", "ready\n"]

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from mega.core.training.lr_schedule import LearningRateSchedule
+from mega.train.lr_schedule import LearningRateSchedule
 
 
 def test_warmup_then_cosine_to_min():

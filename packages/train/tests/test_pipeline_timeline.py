@@ -7,8 +7,8 @@ import json
 from mega.core.pipeline import PipelineTimeline, forward_backward, timeline_callback
 from mega.core.pipeline.timeline import chrome_trace
 from mega.core.plugins import Events, load_plugins
-from mega.core.training.config import LoggingConfig
-from mega.core.training.run_config import RunConfig
+from mega.train.config import LoggingConfig
+from mega.train.run_config import RunConfig
 
 
 def span(name, category, ts, dur, iteration=0):

@@ -2,7 +2,7 @@
 
 import itertools
 
-from mega.core.training.sampler import cyclic_indices, single_pass_indices
+from mega.train.sampler import cyclic_indices, single_pass_indices
 
 
 def test_single_pass_cuts_each_window_by_rank():

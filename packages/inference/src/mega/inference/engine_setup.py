@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from mega.core.checkpoint import CheckpointError
-from mega.core.launch import init_distributed
 from mega.core.parallel import Group, ParallelConfig, ParallelGroups
+from mega.core.process_group import init_distributed
 from mega.inference.encoder_decoder import EncoderDecoderEngine, is_encoder_decoder
 from mega.inference.engine import GenerationEngine
 from mega.inference.loader import LoadedModel, LoadError, load_from_args

@@ -2,7 +2,7 @@
 
 A :class:`DistributedWorld` starts its processes once and then runs many functions. Ranks
 fork from a forkserver that has already imported torch, the training stack and the plugins
-(:mod:`mega.core.testing.rank_preload`), so starting a world takes a fraction of a second
+(:mod:`mega.testing.rank_preload`), so starting a world takes a fraction of a second
 instead of seconds of imports per rank. Functions are found by the
 file they are defined in (test modules need not be importable by name), arguments and results
 travel by pickle.
@@ -125,7 +125,7 @@ class DistributedWorld:
     def _start(self) -> None:
         context = multiprocessing.get_context("forkserver")
         # Only takes effect when the forkserver starts (the first world of the session).
-        context.set_forkserver_preload(["mega.core.testing.rank_preload"])
+        context.set_forkserver_preload(["mega.testing.rank_preload"])
         self._tmpdir = tempfile.TemporaryDirectory(prefix="mega-world-")
         init_file = os.path.join(self._tmpdir.name, "rendezvous")
         for rank in range(self.world_size):

@@ -33,7 +33,7 @@ from mega.core.parallel.groups import ParallelGroups
 from mega.core.parallel.layers import gather_shards
 from mega.core.parallel.param_attrs import is_tensor_parallel
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
-from mega.core.testing.tiny_lm import PLAN, TinyConfig, TinyLM, make_batch
+from mega.testing.tiny_lm import PLAN, TinyConfig, TinyLM, make_batch
 
 
 @dataclass

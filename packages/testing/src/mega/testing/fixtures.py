@@ -1,11 +1,11 @@
-"""pytest fixtures; enable with ``pytest_plugins = ["mega.core.testing.fixtures"]`` in a conftest."""
+"""pytest fixtures; enable with ``pytest_plugins = ["mega.testing.fixtures"]`` in a conftest."""
 
 from __future__ import annotations
 
 import pytest
 
-from mega.core.testing.distributed import Worlds
-from mega.core.testing.equivalence import max_relative_error
+from mega.testing.distributed import Worlds
+from mega.testing.equivalence import max_relative_error
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def worlds():
 @pytest.fixture
 def assert_close():
     """``assert_close(actual, expected, tolerance=1e-5, what="")``: same shape, and equal within
-    ``tolerance`` relative (:func:`~mega.core.testing.equivalence.max_relative_error`)."""
+    ``tolerance`` relative (:func:`~mega.testing.equivalence.max_relative_error`)."""
     def check(actual, expected, tolerance=1e-5, what=""):
         assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
         error = max_relative_error(actual, expected)

@@ -9,8 +9,12 @@ from this process is safe.
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
 
-import mega.core.training.command  # noqa: F401
-import mega.core.training.launch_run  # noqa: F401
 from mega.core.plugins import get_plugins
+
+try:  # optional dependency: mega-train, whose loop most test worlds run; worlds without it need torch only
+    import mega.train.command  # noqa: F401
+    import mega.train.launch_run  # noqa: F401
+except ImportError:
+    pass
 
 get_plugins()  # imports every installed plugin's modules

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mega.core.parallel import ParallelGroups
-from mega.core.training.sampler import cyclic_indices, single_pass_indices
+from mega.train.sampler import cyclic_indices, single_pass_indices
 
 
 class MicroBatches:

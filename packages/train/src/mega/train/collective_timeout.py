@@ -3,7 +3,7 @@
 gloo says "Timed out waiting 6000ms for recv operation to complete" and NCCL's watchdog
 "Watchdog caught collective operation timeout"; neither says which collective it was or what to
 do. The operation is the torch.distributed function the error came out of; which peer did not
-arrive this rank cannot know (the local launcher names a stopped rank, see mega.core.launch).
+arrive this rank cannot know (the local launcher names a stopped rank, see mega.train.launch).
 """
 
 from __future__ import annotations

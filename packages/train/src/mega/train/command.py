@@ -6,10 +6,10 @@
     mega train --nproc-per-node 4 ...            starts the 4 local processes itself
 
 The flags are generated from the config dataclasses (the model family's config and the sections
-in mega.core.training.run_config), so `mega train --help` always lists exactly what is accepted.
+in mega.train.run_config), so `mega train --help` always lists exactly what is accepted.
 
-Parsing is mega.core.training.run_parser's; the launcher of `--nproc-per-node` and
-`--max-restarts` is mega.core.training.launch_job's.
+Parsing is mega.train.run_parser's; the launcher of `--nproc-per-node` and
+`--max-restarts` is mega.train.launch_job's.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import sys
 
 from mega.core.config import ConfigError, flag_reference
 from mega.core.plugins import PluginError, get_plugins
-from mega.core.plugins.training_check import check_plugins_for_training
-from mega.core.training import default_run
-from mega.core.training.launch_job import launch_job
-from mega.core.training.run_config import run_sections
+from mega.train import default_run
+from mega.train.launch_job import launch_job
+from mega.train.plugin_check import check_plugins_for_training
+from mega.train.run_config import run_sections
 
 # parse_run and build_parser are imported from here by tools and tests.
-from mega.core.training.run_parser import MODELS_HINT, build_parser, launcher_parser, parse_run  # noqa: F401
+from mega.train.run_parser import MODELS_HINT, build_parser, launcher_parser, parse_run  # noqa: F401
 
 
 def flag_reference_markdown(family_name: str = "gpt", plugins=None) -> str:
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     if skipped and os.environ.get("RANK", "0") == "0":  # one warning per job, not per rank
         print("mega train: warning: --skip-failed-plugins: training without " + "; ".join(skipped), file=sys.stderr)
     # Start-up cost: the training stack, which the launcher of --nproc-per-node does not need.
-    from mega.core.training.launch_run import train
+    from mega.train.launch_run import train
 
     return train(run, family)
 

@@ -10,8 +10,8 @@ import sys
 import time
 
 from mega.core.plugins import hookimpl
-from mega.core.training.interval_metrics import IntervalMetrics
-from mega.core.training.log_line import format_log_line
+from mega.train.interval_metrics import IntervalMetrics
+from mega.train.log_line import format_log_line
 
 
 class ConsoleLogger:

@@ -8,7 +8,7 @@ from mega.core.config import ConfigError
 from mega.core.datasets import DatasetRequest, TrainingData
 from mega.core.plugins import Plugins
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
-from mega.core.training.run_config import Derived, RunConfig
+from mega.train.run_config import Derived, RunConfig
 
 
 def tokenizer_spec(run: RunConfig) -> TokenizerSpec | None:

@@ -20,8 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from mega.core.launch import collective_timeout
 from mega.core.plugins import hookimpl
+from mega.core.process_group import collective_timeout
 
 
 class ExitBeforeTheEnd:

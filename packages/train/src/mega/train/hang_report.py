@@ -5,7 +5,7 @@ collectives with their group, sizes and sequence numbers, the Python stack of ev
 ``--save/debug/rank_R.txt``, or to stderr without ``--save``. Its peers may be stuck anywhere, in a
 collective or not, so each rank also keeps a thread that writes the same report when the local
 launcher asks (it does when a rank exits with a timeout), and the launcher compares the ranks'
-sequence numbers to name the rank that is behind (mega.core.rank_reports).
+sequence numbers to name the rank that is behind (mega.train.rank_reports).
 
 On CUDA, PyTorch's NCCL flight recorder is switched on (its environment variables, unless the user
 set them) and dumps its trace beside the reports when NCCL's watchdog sees a timeout.
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from mega.core.plugins import hookimpl
-from mega.core.rank_reports import DEBUG_DIR_ENV, REQUEST_FILE
-from mega.core.training.collective_history import active_history, start_recording, stop_recording
+from mega.train.collective_history import active_history, start_recording, stop_recording
+from mega.train.rank_reports import DEBUG_DIR_ENV, REQUEST_FILE
 
 POLL_S = 0.2
 

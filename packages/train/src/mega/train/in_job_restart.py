@@ -26,8 +26,8 @@ import uuid
 from pathlib import Path
 
 from mega.core.checkpoint.directory import read_tracker
-from mega.core.launch import describe_exit, free_port
 from mega.core.plugins import hookimpl
+from mega.train.launch import describe_exit, free_port
 
 # Set for the ranks by the agent: rank 0 keeps the last iteration it finished here.
 PROGRESS_FILE_ENV = "MEGA_PROGRESS_FILE"

@@ -2,7 +2,7 @@
 
 Megatron averages the loss and the step time over the interval and reports the rest as of the
 logged iteration. The console line, W&B and the straggler report read the same
-:class:`~mega.core.training.log_line.LogRecord`, so every sink shows the same values.
+:class:`~mega.train.log_line.LogRecord`, so every sink shows the same values.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import resource
 
 import torch
 
-from mega.core.training.device_peaks import peak_tflops
-from mega.core.training.log_line import LogRecord
-from mega.core.training.precision import model_dtype
+from mega.train.device_peaks import peak_tflops
+from mega.train.log_line import LogRecord
+from mega.train.precision import model_dtype
 
 
 class IntervalMetrics:

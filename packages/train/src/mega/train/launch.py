@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import logging
 import os
 import signal
 import socket
@@ -17,16 +16,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
-from mega.core.rank_reports import DEBUG_DIR_ENV, name_the_rank_behind, request_reports
+from mega.core.rank_exit import FAILURE_FILE_ENV
+from mega.train.rank_reports import DEBUG_DIR_ENV, name_the_rank_behind, request_reports
 
-# Each local rank may record its failure here, so the launcher can tell the rank that failed first
-# (say, with a clear configuration error) from the peers whose collectives then broke.
-FAILURE_FILE_ENV = "MEGA_FAILURE_FILE"
 # How long ranks asked to stop (SIGTERM) may take to exit before they are killed.
 STOP_GRACE_S = 10.0
-# A rank whose collective timed out exits with this code (see mega.core.training.launch_run).
+# A rank whose collective timed out exits with this code (see mega.train.launch_run).
 TIMEOUT_EXIT_CODE = 3
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -187,16 +183,6 @@ def describe_exit(returncode: int) -> str:
         return f"was killed by signal {-returncode}"
 
 
-def record_failure(exit_code: int) -> None:
-    """Note, for :func:`launch_local`, that this rank is failing now (the first note wins)."""
-    path = os.environ.get(FAILURE_FILE_ENV)
-    if not path or os.path.exists(path):
-        return
-    with open(path + ".part", "w") as out:
-        json.dump({"time": time.time(), "exit_code": exit_code}, out)
-    os.replace(path + ".part", path)
-
-
 def _first_recorded(paths: list[str]) -> tuple[int, int] | None:
     """(rank, exit code) of the rank that recorded its failure first; None if none did."""
     records = []
@@ -208,91 +194,3 @@ def _first_recorded(paths: list[str]) -> tuple[int, int] | None:
         except (OSError, ValueError, KeyError):
             continue
     return min(records)[1:] if records else None
-
-
-def end_rank_process(exit_code: int) -> None:
-    """End a rank of a distributed job now, with ``exit_code``, skipping interpreter shutdown.
-
-    After the process group is destroyed, the interpreter's shutdown still tears down torch's C++
-    state (gloo/NCCL contexts and their threads, the store's client) in whatever order the
-    garbage falls; now and then a thread is still joinable when its owner is destroyed, and the
-    C++ runtime aborts the finished run ("terminate called without an active exception", exit
-    250 or 134). Everything this process had to do is done and flushed, so it exits without that
-    teardown.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
-            pass
-    logging.shutdown()
-    os._exit(exit_code)
-
-
-def distributed_env() -> dict[str, int] | None:
-    """Rank, world size and local rank from torchrun's or SLURM's environment; None if neither."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return {
-            "rank": int(os.environ["RANK"]),
-            "world_size": int(os.environ["WORLD_SIZE"]),
-            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-        }
-    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
-        return {
-            "rank": int(os.environ["SLURM_PROCID"]),
-            "world_size": int(os.environ["SLURM_NTASKS"]),
-            "local_rank": int(os.environ.get("SLURM_LOCALID", 0)),
-        }
-    return None
-
-
-def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> bool:
-    """Join the process group described by the environment; False when running as one process.
-
-    The backend is NCCL when CUDA is present, gloo otherwise. Under SLURM, MASTER_ADDR and
-    MASTER_PORT must be exported by the job script (as with torchrun on several nodes).
-    """
-    import torch  # start-up cost: the launcher process (`mega train --nproc-per-node`) never needs torch
-    import torch.distributed as dist
-
-    env = distributed_env()
-    if env is None or dist.is_initialized():
-        return dist.is_initialized()
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(env["local_rank"])
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if name not in os.environ:
-            raise RuntimeError(f"{name} is not set: export it (torchrun sets it; under SLURM the job script must)")
-    global _collective_timeout
-    _collective_timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, rank=env["rank"], world_size=env["world_size"], timeout=_collective_timeout,
-                            store=_attempt_store(env["world_size"], _collective_timeout))
-    return True
-
-
-def _attempt_store(world_size: int, timeout: timedelta):
-    """Under torch's elastic agent (torchrun, ``--max-restarts``), the agent's store, with the keys
-    of this attempt under a prefix of their own; None elsewhere (torch makes the store).
-
-    The agent keeps one store for every attempt of a job, so a restarted rank would read the
-    addresses its failed predecessors wrote there (gloo then connects to ports nobody listens on)."""
-    import torch.distributed as dist  # start-up cost: the launcher itself never needs torch
-
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"mega/attempt_{attempt}", store)
-
-
-_collective_timeout: timedelta | None = None
-
-
-def collective_timeout() -> timedelta | None:
-    """The timeout the job was joined with, for the process groups created after it (torch's
-    ``new_group`` does not inherit it: without it a sub-group's collective would wait torch's
-    default of 30 minutes, not --distributed-timeout-minutes); None: torch's default."""
-    return _collective_timeout

@@ -13,9 +13,9 @@ import io
 import signal
 import sys
 
-from mega.core.launch import launch_local
-from mega.core.training.in_job_restart import run_with_restarts
-from mega.core.training.run_parser import parse_run
+from mega.train.in_job_restart import run_with_restarts
+from mega.train.launch import launch_local
+from mega.train.run_parser import parse_run
 
 
 def _run_config(argv: list[str]):

@@ -8,16 +8,18 @@ import torch.distributed as dist
 
 from mega.core.checkpoint import CheckpointError
 from mega.core.config import ConfigError
-from mega.core.launch import TIMEOUT_EXIT_CODE, init_distributed, record_failure
 from mega.core.model_family import ModelFamily
 from mega.core.parallel import ParallelGroups
 from mega.core.plugins import PluginError, get_plugins
-from mega.core.training.collective_timeout import describe_timeout
-from mega.core.training.data_setup import build_datasets
-from mega.core.training.hang_report import flight_recorder_env, write_report
-from mega.core.training.in_job_restart import resume_after_restart
-from mega.core.training.run_config import RunConfig, derive
-from mega.core.training.trainer import RunState, Trainer
+from mega.core.process_group import init_distributed
+from mega.core.rank_exit import record_failure
+from mega.train.collective_timeout import describe_timeout
+from mega.train.data_setup import build_datasets
+from mega.train.hang_report import flight_recorder_env, write_report
+from mega.train.in_job_restart import resume_after_restart
+from mega.train.launch import TIMEOUT_EXIT_CODE
+from mega.train.run_config import RunConfig, derive
+from mega.train.trainer import RunState, Trainer
 
 
 def run_training(run: RunConfig, family: ModelFamily, plugins=None) -> RunState:

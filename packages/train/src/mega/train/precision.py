@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mega.core.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from mega.core.training.config import PrecisionConfig
+from mega.train.config import PrecisionConfig
 
 
 def model_dtype(precision: PrecisionConfig) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""The local launcher's side of the hang reports (see mega.core.training.hang_report): asking the
+"""The local launcher's side of the hang reports (see mega.train.hang_report): asking the
 ranks still running for their reports after a collective timeout, and naming from them the rank
 that is behind (the one that entered fewer collectives on the group where the others wait).
 """

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mega.core.config import ConfigError
+from mega.core.fp8_recipes import DELAYED, check_fp8_flags
 from mega.core.kernels import KernelBackendError, Kernels, check_linear_loss
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.context_parallel import check_sequence_length
@@ -21,7 +22,7 @@ from mega.core.pipeline.config import PipelineConfig
 from mega.core.pipeline.layout import layers_per_stage, layout_stage_count
 from mega.core.pipeline.schedule_table import V_SCHEDULES
 from mega.core.plugins import PluginError, get_plugins
-from mega.core.training.config import (
+from mega.train.config import (
     CheckpointConfig,
     DataConfig,
     KernelConfig,
@@ -31,7 +32,6 @@ from mega.core.training.config import (
     PrecisionConfig,
     TrainingConfig,
 )
-from mega.core.training.fp8_recipes import DELAYED, check_fp8_flags
 
 SECTIONS: dict[str, type] = {
     "training": TrainingConfig,

@@ -17,7 +17,7 @@ from mega.core.config.parser import known_flags, tomllib
 from mega.core.plugins import PluginError, get_plugins
 from mega.core.plugins.install_hint import repository_package
 from mega.core.plugins.options import option_sections
-from mega.core.training.run_config import SECTIONS, RunConfig, run_sections
+from mega.train.run_config import SECTIONS, RunConfig, run_sections
 
 DESCRIPTION = "Pretrain a decoder-only language model at any parallel layout (Megatron's flags)."
 # The model families (GPT, LLaMA) ship in mega-models, which is installed from the repository.

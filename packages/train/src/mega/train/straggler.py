@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from mega.core.config import ConfigError
-from mega.core.launch import collective_timeout
 from mega.core.plugins import hookimpl
-from mega.core.training.collective_history import active_history
+from mega.core.process_group import collective_timeout
+from mega.train.collective_history import active_history
 
 STRAGGLER_RATIO = 1.5  # a rank whose own time per step is this many times the median is named
 

@@ -33,17 +33,17 @@ from mega.core.pipeline.schedules import forward_backward
 from mega.core.pipeline.tied import setup_tied_weights
 from mega.core.pipeline.zero_bubble import placement_of
 from mega.core.plugins import Events, Plugins
-from mega.core.training.batches import MicroBatches
-from mega.core.training.compile import compile_stage, compiles
-from mega.core.training.lr_schedule import LearningRateSchedule
-from mega.core.training.per_token_loss import micro_batch_tokens, read_step, token_weight
-from mega.core.training.precision import (
+from mega.train.batches import MicroBatches
+from mega.train.compile import compile_stage, compiles
+from mega.train.lr_schedule import LearningRateSchedule
+from mega.train.per_token_loss import micro_batch_tokens, read_step, token_weight
+from mega.train.precision import (
     grad_scaler_for,
     gradient_accumulation_fusion,
     grads_in_fp32,
     model_dtype,
 )
-from mega.core.training.run_config import Derived, RunConfig
+from mega.train.run_config import Derived, RunConfig
 
 
 @dataclass
@@ -115,7 +115,7 @@ class Trainer:
     def _checkpointer(self):
         # Start-up cost: torch.distributed.checkpoint takes a second to import; a run that neither
         # saves nor loads does not pay it.
-        from mega.core.checkpoint.checkpointer import Checkpointer, TrainingState
+        from mega.train.checkpoint.checkpointer import Checkpointer, TrainingState
 
         state = TrainingState(self.chunks, self.optimizer, self.rng_tracker, self.state, self.family, self.run,
                               whole_model_on_meta=self._whole_model_on_meta, tokenizer_spec=self.tokenizer_spec,

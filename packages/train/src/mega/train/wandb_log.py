@@ -14,8 +14,8 @@ import os
 
 from mega.core.config import ConfigError
 from mega.core.plugins import hookimpl
-from mega.core.training.interval_metrics import IntervalMetrics
-from mega.core.training.log_line import LogRecord
+from mega.train.interval_metrics import IntervalMetrics
+from mega.train.log_line import LogRecord
 
 
 def record_scalars(record: LogRecord) -> dict[str, float]:

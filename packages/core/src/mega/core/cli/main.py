@@ -11,10 +11,11 @@ import os
 import signal
 import sys
 
-from mega.core.launch import distributed_env, end_rank_process, record_failure
 from mega.core.plugins import PluginError, Plugins, get_plugins
 from mega.core.plugins.failures import FailedPlugin, failure_line
 from mega.core.plugins.registry import resolve
+from mega.core.process_group import distributed_env
+from mega.core.rank_exit import end_rank_process, record_failure
 from mega.core.version import __version__
 
 USAGE = "usage: mega [--version] [--help] <command> [<args>...]"
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None, plugins: Plugins | None = None) -> int:
     not an error of ours, so it ends the command quietly, as SIGPIPE ends a C program.
 
     Run as a program (``argv`` None) in a rank of a distributed job, it ends the process itself
-    (:func:`mega.core.launch.end_rank_process`): a finished run must not fail in shutdown."""
+    (:func:`mega.core.rank_exit.end_rank_process`): a finished run must not fail in shutdown."""
     as_rank = argv is None and distributed_env() is not None
     try:
         exit_code = _run(argv, plugins)

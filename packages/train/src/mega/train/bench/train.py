@@ -26,17 +26,18 @@ import torch.distributed as dist
 
 from mega.core.cli.argparser import CommandParser
 from mega.core.config import ConfigError
-from mega.core.doctor.checks import run_checks
-from mega.core.launch import init_distributed, launch_local
 from mega.core.parallel import ParallelGroups
 from mega.core.plugins import PluginError, get_plugins, hookimpl
-from mega.core.training.data_setup import build_datasets
-from mega.core.training.device_peaks import peak_tflops
-from mega.core.training.interval_metrics import peak_memory_gb
-from mega.core.training.precision import model_dtype
-from mega.core.training.run_config import check_supported, derive
-from mega.core.training.run_parser import parse_run
-from mega.core.training.trainer import Trainer
+from mega.core.process_group import init_distributed
+from mega.train.data_setup import build_datasets
+from mega.train.device_peaks import peak_tflops
+from mega.train.doctor.checks import run_checks
+from mega.train.interval_metrics import peak_memory_gb
+from mega.train.launch import launch_local
+from mega.train.precision import model_dtype
+from mega.train.run_config import check_supported, derive
+from mega.train.run_parser import parse_run
+from mega.train.trainer import Trainer
 
 PRECISION_FLAGS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"], "fp8": ["--bf16", "--fp8-hybrid"]}
 COLUMNS = [("precision", "precision"), ("step_time_s", "step time s"), ("samples_per_s", "samples/s"),

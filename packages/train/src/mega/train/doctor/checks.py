@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mega.core.doctor.topology import TopologyError, advise, largest_fast_group, parse_topology
 from mega.core.plugins import get_plugins
+from mega.train.doctor.topology import TopologyError, advise, largest_fast_group, parse_topology
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 MIN_PYTHON = (3, 10)

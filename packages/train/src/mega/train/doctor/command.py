@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 
 from mega.core.cli.argparser import CommandParser
-from mega.core.doctor.checks import FAIL, run_checks
+from mega.train.doctor.checks import FAIL, run_checks
 
 MARKS = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "skip": "SKIP"}
 

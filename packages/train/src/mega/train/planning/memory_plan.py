@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from mega.core.distributed.ddp import DDPConfig
 from mega.core.distributed.grad_buffer import SHARD_ALIGNMENT
+from mega.core.footprint import StageFootprint
 from mega.core.model_family import ModelFamily
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.fsdp_config import FSDP_STRATEGIES
@@ -30,8 +31,7 @@ from mega.core.pipeline.actions import INTERLEAVED
 from mega.core.pipeline.layout import layout_string
 from mega.core.pipeline.partition import even_layer_counts, split_layers
 from mega.core.pipeline.schedule_table import BACKWARD, FORWARD, schedule_table, whole_backwards
-from mega.core.planning.footprint import StageFootprint
-from mega.core.planning.fsdp_memory import ShardedStage, fully_sharded_bytes
+from mega.train.planning.fsdp_memory import ShardedStage, fully_sharded_bytes
 
 FP32 = 4
 OPTIMIZER_STATE_BYTES = {"adam": 2 * FP32, "sgd": FP32}  # per parameter, fp32

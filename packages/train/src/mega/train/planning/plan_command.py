@@ -9,7 +9,7 @@
 
 It takes `mega train`'s flags (the same parser) plus the machine: ``--world-size``/``--gpus``,
 ``--gpu-memory`` (GiB), ``--gpu`` (a name for the peak TFLOP/s) and ``--mfu``. Every
-``--data-parallel-sharding-strategy`` is planned (FSDP's: mega.core.planning.fsdp_memory), and
+``--data-parallel-sharding-strategy`` is planned (FSDP's: mega.train.planning.fsdp_memory), and
 refused with ``mega train``'s words where ``mega train`` would refuse it.
 """
 
@@ -25,13 +25,13 @@ from mega.core.config import ConfigError
 from mega.core.parallel.fsdp_config import STRATEGIES, check_sharding
 from mega.core.pipeline.layout import layers_per_stage, layout_stage_count
 from mega.core.pipeline.schedule_table import V_SCHEDULES
-from mega.core.planning.memory_plan import Layout
-from mega.core.planning.step_estimate import MEMORY_HEADROOM, estimate, search
 from mega.core.plugins import PluginError
-from mega.core.training.device_peaks import peak_tflops_of
-from mega.core.training.precision import grads_in_fp32
-from mega.core.training.run_config import model_with_megatron_shorthands
-from mega.core.training.run_parser import parse_run
+from mega.train.device_peaks import peak_tflops_of
+from mega.train.planning.memory_plan import Layout
+from mega.train.planning.step_estimate import MEMORY_HEADROOM, estimate, search
+from mega.train.precision import grads_in_fp32
+from mega.train.run_config import model_with_megatron_shorthands
+from mega.train.run_parser import parse_run
 
 GIB = 1024**3
 DEFAULT_MFU = 0.45  # about what mega reached for GPT 1.3B on one H100 (docs/benchmarks.md)

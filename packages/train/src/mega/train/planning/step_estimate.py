@@ -25,7 +25,7 @@ from mega.core.parallel import ParallelConfig
 from mega.core.parallel.fsdp_config import FSDP_STRATEGIES, layout_conflict
 from mega.core.pipeline.layout import uneven_candidates
 from mega.core.pipeline.schedule_table import V_SCHEDULES
-from mega.core.planning.memory_plan import (
+from mega.train.planning.memory_plan import (
     Layout,
     PlanError,
     RankMemory,

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from mega.core.cli.argparser import CommandParser
-from mega.core.cli.scaffold_templates import KINDS, PYPROJECT, README
 from mega.core.plugins.manager import get_plugins
+from mega.train.scaffold.templates import KINDS, PYPROJECT, README
 
 NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 

@@ -150,7 +150,7 @@ import sys
 from types import SimpleNamespace
 
 from mega.core.plugins import Events, get_plugins
-from mega.core.training.run_config import RunConfig
+from mega.train.run_config import RunConfig
 from $module import Options
 
 

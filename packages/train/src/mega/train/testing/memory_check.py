@@ -25,14 +25,14 @@ from torch.distributed.fsdp import FSDPModule
 
 from mega.core.parallel import ParallelGroups
 from mega.core.parallel.local_shard import local
-from mega.core.planning.memory_plan import Layout, plan_memory
 from mega.core.plugins import get_plugins
-from mega.core.testing.saved_activations import saved_activation_bytes
-from mega.core.training.command import parse_run
-from mega.core.training.data_setup import build_datasets
-from mega.core.training.precision import grads_in_fp32
-from mega.core.training.run_config import derive
-from mega.core.training.trainer import Trainer
+from mega.testing.saved_activations import saved_activation_bytes
+from mega.train.command import parse_run
+from mega.train.data_setup import build_datasets
+from mega.train.planning.memory_plan import Layout, plan_memory
+from mega.train.precision import grads_in_fp32
+from mega.train.run_config import derive
+from mega.train.trainer import Trainer
 
 
 def _storage_bytes(tensors) -> int:

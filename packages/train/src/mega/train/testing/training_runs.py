@@ -1,14 +1,14 @@
 """`mega train` in-process for equivalence tests: the losses of one run, of several, and their check.
 
-The functions are module-level so that :class:`~mega.core.testing.distributed.DistributedWorld`
+The functions are module-level so that :class:`~mega.testing.distributed.DistributedWorld`
 ranks can be asked to run them (``worlds.run(2, train_each, [argv, ...])``): a rank runs every
 layout it is given in sequence, sparing a process start per layout.
 """
 
 from __future__ import annotations
 
-from mega.core.training.launch_run import run_training
-from mega.core.training.run_parser import parse_run
+from mega.train.launch_run import run_training
+from mega.train.run_parser import parse_run
 
 
 def train_losses(argv: list[str]) -> list[float]:
