@@ -8,13 +8,12 @@ with pytest against the installed mega; installed as generated, its test passes
 from __future__ import annotations
 
 import re
-import string
 import sys
 from pathlib import Path
 
 from mega.core.cli.argparser import CommandParser
 from mega.core.plugins.manager import get_plugins
-from mega.train.scaffold.templates import KINDS, PYPROJECT, README
+from mega.train.scaffold.templates import KINDS, fill, template_files
 
 NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
@@ -28,10 +27,9 @@ def files_for(name: str, kind: str) -> dict[str, str]:
         "field": f"{module}_path", "flag": f"{name}-path",
         "dependencies": ", ".join(f'"{dependency}"' for dependency in template["dependencies"]),
     }
-    values["usage"] = string.Template(template["usage"]).substitute(values)
-    texts = {"pyproject.toml": PYPROJECT, "README.md": README, **template["files"]}
-    return {string.Template(path).substitute(values): string.Template(text).substitute(values)
-            for path, text in texts.items()}
+    values["summary"] = fill(template["summary"], values)  # "A `mega NAME` command"
+    values["usage"] = fill(template["usage"], values)
+    return {fill(path, values): fill(text, values) for path, text in template_files(kind).items()}
 
 
 def write_plugin(name: str, kind: str, directory: Path) -> list[Path]:
