@@ -13,7 +13,8 @@ import nox
 ROOT = Path(__file__).parent
 CONSTRAINTS = ROOT / "constraints.txt"
 # Order matters only for readability: pip resolves the local siblings together.
-PACKAGES = ["packages/core", "packages/models", "packages/data", "packages/ckpt-convert", "packages/inference"]
+PACKAGES = ["packages/core", "packages/train", "packages/models", "packages/data", "packages/ckpt-convert",
+            "packages/inference", "packages/testing"]
 PLUGINS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "plugins").glob("*/pyproject.toml"))
 PLUGINS = [str(Path(p).parent) for p in PLUGINS]
 

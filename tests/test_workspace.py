@@ -95,3 +95,12 @@ def test_the_table_of_missing_commands_is_what_each_package_registers():
             assert any(name == command or name.startswith(command + " ") for name in names), (distribution, command)
         for name in names:  # and the table misses none of them
             assert any(name == command or name.startswith(command + " ") for command in commands), (distribution, name)
+
+
+def test_each_package_readme_opens_with_what_it_is_for_and_what_it_may_import():
+    readmes = sorted(ROOT.glob("packages/*/README.md")) + sorted(ROOT.glob("plugins/*/README.md"))
+    assert len(readmes) == len(list(ROOT.glob("packages/*/pyproject.toml")) + list(ROOT.glob("plugins/*/pyproject.toml")))
+    for readme in readmes:
+        title, blank, purpose, imports = readme.read_text().splitlines()[:4]
+        assert title.startswith("# mega-") and blank == "", readme
+        assert purpose.startswith("- **For:** ") and imports.startswith("- **May import:** "), readme

@@ -15,7 +15,7 @@ class TensorBoardLogger:
         except ImportError:
             raise ConfigError(
                 "--tensorboard-dir needs the tensorboard package: pip install -c constraints.txt tensorboard "
-                "(or mega-core[tensorboard])"
+                "(or mega-train[tensorboard])"
             ) from None
         self._writer_class = SummaryWriter
         self.directory = directory

@@ -42,10 +42,10 @@ class WandbLogger:
     def __init__(self, project: str, name: str | None, directory: str, log_interval: int,
                  peak_override: float | None):
         try:
-            import wandb  # optional dependency (mega-core[wandb])
+            import wandb  # optional dependency (mega-train[wandb])
         except ImportError:
             raise ConfigError("--wandb-project needs the wandb package: pip install wandb "
-                              "(or mega-core[wandb])") from None
+                              "(or mega-train[wandb])") from None
         self._wandb = wandb
         self.project, self.name, self.directory = project, name, directory
         self.interval = IntervalMetrics(log_interval, peak_override)
