@@ -1,4 +1,4 @@
-"""Sessions: ``tests`` (default), ``lint`` (ruff and the import layering), ``demo`` and ``bench``.
+"""Sessions: ``tests`` (default), ``lint`` (ruff and the import layering), ``demo``, ``bench`` and ``gpu``.
 
 Every session installs into a fresh virtual environment with PIP_CONSTRAINT pointing at
 constraints.txt, so torch is always the pinned CPU build and never an unpinned CUDA download.
@@ -87,3 +87,11 @@ def bench(session: nox.Session) -> None:
     """Run the benchmarks under benchmarks/ (pass names to run only some)."""
     install_mega(session, "[test]")
     session.run("python", "benchmarks/run.py", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """Every GPU row of docs/benchmarks.md (benchmarks/gpu_suite.py), in the current Python: on a lent
+    GPU machine, which has no index, install mega from benchmarks/gpu_wheelhouse.sh's folder first.
+    ``nox -s gpu -- --dry-run`` checks every row's flags on any machine."""
+    session.run("python", "benchmarks/gpu_suite.py", *session.posargs)

@@ -41,7 +41,7 @@ from mega.train.device_peaks import peak_tflops
 from mega.train.launch_run import run_training
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="1.3b")
     parser.add_argument("--seq-length", type=int, default=2048)
@@ -53,8 +53,20 @@ def main() -> int:
     parser.add_argument("--table", action="store_true", help="the tables (the default without mega train flags)")
     parser.add_argument("--models", default="gpt,llama", help="the tables' models: gpt, llama")
     parser.add_argument("--hf", choices=list(MODELS), help="one run of Hugging Face's model of this shape")
+    return parser
+
+
+def check_flags(argv: list[str]) -> None:
+    """Parse ``argv`` as a run would, mega train's flags included, and measure nothing (the GPU
+    suite's dry run, on any machine): a flag either parser refuses exits non-zero."""
+    args, train_flags = build_parser().parse_known_args(argv)
+    if not (args.table or args.hf or not (train_flags or args.json)):
+        parse_run(train_argv(args) + train_flags, load_plugins())
+
+
+def main() -> int:
     # Flags this script does not know go to `mega train` as they are (--kernels, --model-family...).
-    args, train_flags = parser.parse_known_args()
+    args, train_flags = build_parser().parse_known_args()
     if not torch.cuda.is_available():
         print("bench_gpu_mfu: no CUDA device here; this benchmark needs a GPU (nothing measured)")
         return 0

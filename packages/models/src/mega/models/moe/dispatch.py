@@ -30,7 +30,7 @@ from mega.core.parallel.collectives import (
 )
 from mega.core.parallel.groups import Group
 from mega.models.moe.experts import GroupedExperts
-from mega.models.moe.routing import Routing
+from mega.models.moe.routing import Routing, count_per_expert
 
 
 def dispatch(tokens: torch.Tensor, routing: Routing, experts: GroupedExperts, ep: Group | None,
@@ -51,7 +51,7 @@ def _sorted_slots(routing: Routing, first_expert: int = 0, num_experts: int | No
     wanted = routing.kept.reshape(-1) & (flat >= first_expert) & (flat < first_expert + num_experts)
     slots = wanted.nonzero().squeeze(1)
     slots = slots[torch.sort(flat[slots], stable=True).indices]
-    counts = torch.bincount(flat[slots] - first_expert, minlength=num_experts)
+    counts = count_per_expert(flat[slots] - first_expert, num_experts)
     return slots, counts
 
 

@@ -41,7 +41,7 @@ def route(logits: torch.Tensor, config: MoETransformerConfig, sequences: int = 1
     topk, num_experts = config.moe_router_topk, config.num_experts
     weights, experts = choose_experts(logits, config, expert_bias)
     scores = aux_loss_scores(logits, config)
-    load = torch.bincount(experts.reshape(-1), minlength=num_experts)
+    load = _load(experts, num_experts)
     kept, capacity = _apply_capacity(experts, weights, config)
     balancing = config.moe_router_load_balancing_type
     if balancing == "aux_loss":
@@ -113,7 +113,15 @@ def updated_expert_bias(expert_bias: torch.Tensor, load: torch.Tensor, rate: flo
 
 
 def _load(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    return torch.bincount(experts.reshape(-1), minlength=num_experts)
+    """Slots per expert, [num_experts]. Counted by a scatter into a fixed-size vector rather than
+    ``bincount``, whose output shape depends on the data: dynamo traces this, so routing stays
+    inside a compiled layer's graph."""
+    return count_per_expert(experts.reshape(-1), num_experts)
+
+
+def count_per_expert(flat_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of ``flat_experts`` name each of ``num_experts`` experts (int64)."""
+    return flat_experts.new_zeros(num_experts).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
 
 
 def switch_load_balancing_loss(scores: torch.Tensor, load: torch.Tensor, topk: int) -> torch.Tensor:
@@ -141,7 +149,7 @@ def _apply_capacity(experts: torch.Tensor, weights: torch.Tensor,
     flat_experts, flat_weights = experts.reshape(-1), weights.detach().reshape(-1)
     order = torch.sort(-flat_weights, stable=True).indices
     order = order[torch.sort(flat_experts[order], stable=True).indices]  # by expert, then weight
-    counts = torch.bincount(flat_experts, minlength=config.num_experts)
+    counts = count_per_expert(flat_experts, config.num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[flat_experts[order]]
     kept = torch.empty_like(flat_experts, dtype=torch.bool)
