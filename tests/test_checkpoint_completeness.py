@@ -1,7 +1,7 @@
 """A checkpoint holds every tensor it records, or nothing is published; verify and loads name what
 one lacks (issue 47).
 
-Runs on the CPU: one process, and a world of two gloo ranks (:mod:`mega.core.testing.distributed`).
+Runs on the CPU: one process, and a world of two gloo ranks (:mod:`mega.testing.distributed`).
 
 A save is made to miss state the way a broken save would: the entries a rank offers lose some
 keys or some pieces (``Entries.add`` patched). Then:
@@ -29,7 +29,7 @@ from mega.core.checkpoint.directory import STAGING_PREFIX, TRACKER_FILE
 from mega.core.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
 from mega.core.checkpoint.sharded_io import ShardedEntry, read_index
 from mega.core.parallel.pieces import Piece
-from mega.core.testing.training_runs import train_losses
+from mega.train.testing.training_runs import train_losses
 
 TINY = ["--mock-data", "--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
         "--vocab-size", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "0",

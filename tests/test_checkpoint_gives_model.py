@@ -12,8 +12,8 @@ import re
 import pytest
 
 from mega.core.config import ConfigError
-from mega.core.training.command import main as train_main
-from mega.core.training.run_parser import parse_run
+from mega.train.command import main as train_main
+from mega.train.run_parser import parse_run
 
 SIZES = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--ffn-hidden-size", "64", "--seq-length", "16"]

@@ -2,7 +2,7 @@
 sharding strategy (issue 47: ZeRO-2/3 checkpoints lacked the optimizer state of the units an
 evaluation had left gathered, and resuming failed).
 
-Runs on the CPU: every layout is a world of gloo ranks (:mod:`mega.core.testing.distributed`),
+Runs on the CPU: every layout is a world of gloo ranks (:mod:`mega.testing.distributed`),
 one process included, so it computes the same on a GPU machine.
 
 A tiny LLaMA (4 layers, fp32, Adam, no dropout) whose tensors do not divide evenly by the
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import pytest
 
-from mega.core.testing.training_runs import assert_losses_close, train_losses
+from mega.train.testing.training_runs import assert_losses_close, train_losses
 
 STOP, ITERS = 2, 4
 COMMON = [

@@ -7,9 +7,9 @@ from __future__ import annotations
 import contextlib
 import io
 
-from mega.core.checkpoint.info_command import main as info_main
+from mega.train.checkpoint.info_command import main as info_main
 from mega.core.checkpoint.layout_text import layout_text
-from mega.core.training.command import main as train_main
+from mega.train.command import main as train_main
 
 TINY = ["--mock-data", "--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
         "--vocab-size", "64", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1",

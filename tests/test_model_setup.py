@@ -81,7 +81,7 @@ def describe(model) -> dict:
 
 def two_orders() -> dict:
     from mega.core.plugins import load_plugins
-    from mega.core.training.run_parser import parse_run
+    from mega.train.run_parser import parse_run
 
     torch.set_default_device("cpu")
     run, family = parse_run(ARGV)

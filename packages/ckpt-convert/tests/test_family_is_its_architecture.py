@@ -21,7 +21,7 @@ from test_trained_in_mega import mega_logits  # noqa: E402
 pytest.importorskip("transformers")
 
 from mega.ckpt_convert.cli import main as convert_main  # noqa: E402
-from mega.core.training.command import main as train_main  # noqa: E402
+from mega.train.command import main as train_main  # noqa: E402
 
 SIZES = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--vocab-size", str(VOCAB)]

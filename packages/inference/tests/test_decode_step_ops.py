@@ -19,9 +19,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import POSITIONS  # noqa: E402
 
-from mega.core.testing.copy_counts import CopyCounts  # noqa: E402
 from mega.inference.engine import GenerationEngine  # noqa: E402
 from mega.inference.engine.slot_kv_cache import DecodeGraphs, SlotKVCache  # noqa: E402
+from mega.testing.copy_counts import CopyCounts  # noqa: E402
 
 # Per layer (19, in fp32 and bf16 alike; 39 at c14b0b4, before the cache's positions and mask,
 # the angles and the rotation's halves were made once): 2 norms, 4 linears (QKV, projection, gate+up, down),

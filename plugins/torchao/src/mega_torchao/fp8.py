@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from mega.core.config import ConfigError
+from mega.core.fp8_recipes import fp8_backend
 from mega.core.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mega.core.plugins import get_plugins
 from mega.core.setup_passes import ModelSetup, Phase, SetupPass, per_chunk
-from mega.core.training.fp8_recipes import fp8_backend
 from mega_torchao.backend import MIN_CAPABILITY, RECIPES
 
 HIGHER_PRECISION = re.compile(r"(^|\.)(output_layer|router)$")
@@ -131,7 +131,7 @@ class FP8Pass:
 
 def fp8_pass(run_config) -> SetupPass | None:
     """The run's FP8 pass when it trains in FP8 with a recipe of torchao's, and torchao is
-    the backend :func:`~mega.core.training.fp8_recipes.fp8_backend` picks; None otherwise."""
+    the backend :func:`~mega.core.fp8_recipes.fp8_backend` picks; None otherwise."""
     precision = run_config.precision
     if precision.fp8 is None or precision.fp8_recipe not in RECIPES:
         return None

@@ -253,7 +253,7 @@ class ModelFamily:
     ``"context_parallel"``); the core refuses such flags for a family without them.
     * ``memory_model(config, *, layers, first_layer, pre_process, post_process, parallel,
       micro_batch_size, dtype_bytes, device_type="cuda") -> StageFootprint``: parameters and saved
-      activations of one rank of a stage of ``layers`` layers from layer ``first_layer`` on (:mod:`mega.core.planning.footprint`), for
+      activations of one rank of a stage of ``layers`` layers from layer ``first_layer`` on (:mod:`mega.core.footprint`), for
       `mega plan`; None if the family cannot tell.
     * ``compile_units(module) -> modules``: what ``--compile`` compiles one by one in a built
       stage (torchtitan compiles each transformer layer: small graphs, compiled once and reused

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from mega.core.checkpoint import CheckpointError
-from mega.core.launch import init_distributed
 from mega.core.parallel import Group, ParallelConfig, ParallelGroups
+from mega.core.process_group import init_distributed
 from mega.inference.engine import GenerationEngine, GenerationError
 from mega.inference.engine.continuous import ContinuousBatchingWorker
 from mega.inference.engine.encoder_decoder import (

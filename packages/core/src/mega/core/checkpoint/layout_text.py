@@ -17,7 +17,7 @@ def strategy_name(strategy: str, replicas: int = 1) -> str:
 
 
 def layout_text(layout: dict) -> str:
-    """One line for a layout as :func:`mega.core.checkpoint.checkpointer.layout_of` records it."""
+    """One line for a layout as :func:`mega.train.checkpoint.checkpointer.layout_of` records it."""
     sizes = " x ".join(f"{key} {layout.get(key, 1)}" for key in ("tp", "cp", "ep", "dp", "pp"))
     extras = [f"vpp {layout['vpp']}" if layout.get("vpp", 1) > 1 else "",
               "sequence parallel" if layout.get("sequence_parallel") else ""]

@@ -41,13 +41,13 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from mega.core.launch import collective_timeout
 from mega.core.parallel.collectives import all_reduce
 from mega.core.parallel.groups import ParallelGroups
 from mega.core.parallel.layout import rank_groups
 from mega.core.parallel.local_shard import local
 from mega.core.parallel.param_attrs import is_expert_parallel, is_sequence_parallel
 from mega.core.parallel.pieces import Piece, TensorParallelSplit
+from mega.core.process_group import collective_timeout
 
 
 def shard_pieces(tensor: DTensor, split: TensorParallelSplit) -> list[Piece]:
