@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import io
 
-from mega.train.checkpoint.info_command import main as info_main
 from mega.core.checkpoint.layout_text import layout_text
+from mega.train.checkpoint.info_command import main as info_main
 from mega.train.command import main as train_main
 
 TINY = ["--mock-data", "--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",

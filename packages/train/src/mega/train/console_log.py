@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 import time
 
-from mega.train.checkpoint.checkpointer import layout_of
 from mega.core.checkpoint.layout_text import layout_text
 from mega.core.plugins import hookimpl
+from mega.train.checkpoint.checkpointer import layout_of
 from mega.train.interval_metrics import IntervalMetrics
 from mega.train.log_line import format_log_line
 
