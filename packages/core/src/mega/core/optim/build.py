@@ -41,7 +41,21 @@ def build_optimizer(models: list[nn.Module], groups: ParallelGroups, config: Opt
         return factory(groups_, config)
 
     options = {"clip_grad": config.clip_grad, "grad_scaler": grad_scaler}
-    grouped = param_groups(models, config.weight_decay)
+    if config.optimizer == "muon":  # Muon's matrices apart from AdamW's groups (mega.core.optim.muon_layout)
+        from mega.core.optim.muon_layout import muon_param_groups
+
+        grouped = muon_param_groups(models, config)
+    else:
+        grouped = param_groups(models, config.weight_decay)
+    optimizer = _wrap(models, groups, config, make, grouped, options)
+    if hasattr(optimizer.optimizer, "bind_layout"):  # Muon: where each matrix's other shards are
+        from mega.core.optim.muon_layout import MuonLayout
+
+        optimizer.optimizer.bind_layout(MuonLayout.of(models, optimizer, groups, config))
+    return optimizer
+
+
+def _wrap(models, groups, config, make, grouped, options) -> MixedPrecisionOptimizer:
     sharded = [m for m in models if getattr(m, "fully_sharded", False)]  # FSDP2: the shards are the main parameters
     if sharded:
         # Start-up cost: DTensor's import takes a second; only runs that shard pay it.
