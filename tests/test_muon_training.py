@@ -71,3 +71,18 @@ def test_muon_resumes_across_layouts(worlds, tmp_path, one_process):
 
 def _resume_each(cases: list[list]) -> list[list[float]]:
     return [save_then_resume(*case) for case in cases]
+
+
+def test_megatron_export_of_muon_state_is_refused_with_the_reason(tmp_path, capsys):
+    """Megatron-LM has no distributed-optimizer layout for Muon: the export says so, and the
+    weights alone still convert."""
+    from mega.ckpt_convert.cli import main
+
+    train_losses([*LLAMA, "--train-iters", "2", "--save", str(tmp_path / "run"), "--save-interval", "2"])
+    checkpoint = str(tmp_path / "run" / "iter_0000002")
+    args = ["--from", "mega", "--to", "megatron", "--input", checkpoint, "--megatron-format", "torch_dist"]
+    assert main([*args, "--output", str(tmp_path / "with"), "--with-optimizer"]) == 1
+    error = capsys.readouterr().err
+    assert "Muon's state" in error and "no distributed-optimizer layout for Muon" in error, error
+    assert not (tmp_path / "with").exists()
+    assert main([*args, "--output", str(tmp_path / "weights")]) == 0
