@@ -13,7 +13,7 @@ class OptimizerConfig:
     """Megatron's optimizer and learning-rate flags (``adam`` is Adam with decoupled weight decay,
     i.e. AdamW, as in Megatron)."""
 
-    optimizer: str = option("adam", "registered optimizer: adam (AdamW), sgd, or a plugin's (mega plugins lists them)")
+    optimizer: str = option("adam", "registered optimizer: adam (AdamW), sgd, muon (Muon + AdamW), or a plugin's (mega plugins lists them)")
     lr: float = option(3e-4, "peak learning rate")
     min_lr: float = option(0.0, "learning rate at the end of the decay")
     lr_decay_style: Literal["constant", "linear", "cosine"] = option("cosine", "learning-rate decay")
