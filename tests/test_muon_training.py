@@ -86,3 +86,17 @@ def test_megatron_export_of_muon_state_is_refused_with_the_reason(tmp_path, caps
     assert "Muon's state" in error and "no distributed-optimizer layout for Muon" in error, error
     assert not (tmp_path / "with").exists()
     assert main([*args, "--output", str(tmp_path / "weights")]) == 0
+
+
+QK_CLIP = ["--qk-clip", "--qk-clip-threshold", "0.3", "--qk-clip-alpha", "0.5"]
+
+
+def test_qk_clip_layouts_match_one_process(worlds, one_process):
+    """QK-clip at a threshold the tiny model's logits exceed: it changes the run, and every layout
+    clips as one process does (maxima reduced over data-parallel ranks, each tensor rank its heads)."""
+    reference = train_losses([*LLAMA, *QK_CLIP])
+    assert max(abs(a - b) for a, b in zip(reference, one_process["llama"], strict=True)) > 1e-4, "it should clip"
+    layouts = [[*LAYOUTS[name], *QK_CLIP] for name in ("tp2 + sp", "dp2 distributed optimizer", "fsdp2 dp2")]
+    results = worlds.run(2, train_each, layouts)
+    for losses, what in zip(results[0], ("tp2 + sp", "dp2 ZeRO-1", "fsdp2 dp2"), strict=True):
+        assert_losses_close(losses, reference, f"qk-clip {what}")

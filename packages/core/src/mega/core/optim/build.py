@@ -52,6 +52,10 @@ def build_optimizer(models: list[nn.Module], groups: ParallelGroups, config: Opt
         from mega.core.optim.muon_layout import MuonLayout
 
         optimizer.optimizer.bind_layout(MuonLayout.of(models, optimizer, groups, config))
+    if config.qk_clip:  # after the inner step, before the main weights go back to the model
+        from mega.core.optim.qk_clip import QKClip
+
+        optimizer.qk_clip = QKClip(models, optimizer, groups, config.qk_clip_threshold, config.qk_clip_alpha)
     return optimizer
 
 

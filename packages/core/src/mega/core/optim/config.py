@@ -41,6 +41,10 @@ class OptimizerConfig:
                                   flag="--muon-no-split-qkv")
     muon_split_gate_up: bool = option(True, "Muon: orthogonalise fused SwiGLU gate/up as one matrix, not two",
                                       flag="--muon-no-split-gate-up")
+    qk_clip: bool = option(False, "QK-clip (Kimi K2's MuonClip) after each step: scale query/key projections down "
+                           "where a head's attention logit exceeded --qk-clip-threshold")
+    qk_clip_alpha: float = option(0.5, "QK-clip: the query takes eta**alpha of the factor eta, the key eta**(1-alpha)")
+    qk_clip_threshold: float = option(100.0, "QK-clip: the largest attention logit allowed")
     muon_lr: float | None = option(None, "Muon's peak learning rate (default --lr; follows --lr's schedule)")
     muon_weight_decay: float | None = option(None, "Muon's weight decay (default --weight-decay)")
     clip_grad: float = option(1.0, "clip gradients to this global norm (0 disables)")
