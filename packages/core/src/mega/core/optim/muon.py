@@ -17,9 +17,9 @@ rank's part of the result. The momentum is element-wise, so it stays sharded lik
 
 Flag names and defaults follow Megatron-LM (``--muon-momentum``, ``--muon-use-nesterov``,
 ``--muon-num-ns-steps``, ``--muon-scale-mode``, ``--muon-fp32-matmul-prec``,
-``--muon-extra-scale-factor``, ``--muon-split-qkv``) and NVIDIA's emerging_optimizers, which it
-uses (coefficient sets, scale modes; ``medium`` precision iterates in bfloat16, as
-``torch.optim.Muon`` does).
+``--muon-extra-scale-factor``, ``--muon-no-split-qkv``); coefficient sets and scale modes are
+those of NVIDIA's emerging_optimizers, which Megatron-LM calls (``medium`` precision iterates in
+bfloat16, as ``torch.optim.Muon`` does).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import math
 import torch
 
 from mega.core.optim.config import OptimizerConfig
+from mega.core.optim.torch_optimizers import adamw_kernel
 
 # (a, b, c) of each quintic step X <- a X + (b A + c A^2) X, A = X X^T, by coefficient type.
 COEFFICIENTS: dict[str, tuple[tuple[float, float, float], ...]] = {
@@ -116,9 +117,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._bind_adamw()
 
     def _bind_adamw(self) -> None:
-        from mega.core.optim.torch_optimizers import adamw_kernel
-
         adam_groups = [g for g in self.param_groups if not g["muon"]]
+        self._muon_ids = {id(p) for g in self.param_groups if g["muon"] for p in g["params"]}
         devices = {p.device.type for g in adam_groups for p in g["params"]}
         # An AdamW over the same group dicts and the same state: lr set on our groups reaches it.
         self.adamw = None
@@ -135,8 +135,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def state_keys(self, param: torch.Tensor) -> tuple[str, ...]:
         """The per-element state ``param`` keeps (checkpoints create it before loading)."""
-        muon = any(g["muon"] and any(p is param for p in g["params"]) for g in self.param_groups)
-        return ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq")
+        return ("momentum_buffer",) if id(param) in self._muon_ids else ("exp_avg", "exp_avg_sq")
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
