@@ -23,7 +23,8 @@ COPY plugins/ plugins/
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /opt/mega/torch-constraint.txt \
     && PIP_CONSTRAINT=/opt/mega/torch-constraint.txt pip install --no-cache-dir \
-        ./packages/core ./packages/models ./packages/data ./packages/ckpt-convert ./packages/inference \
+        ./packages/core ./packages/train ./packages/models ./packages/data ./packages/ckpt-convert \
+        ./packages/inference ./packages/rl ./packages/testing \
         ./plugins/flash-attn ./plugins/transformer-engine ./plugins/apex ./plugins/liger ./plugins/torchao \
     && mega plugins
 

@@ -3,7 +3,7 @@ import os
 
 import torch
 
-pytest_plugins = ["mega.core.testing.fixtures"]
+pytest_plugins = ["mega.testing.fixtures"]
 
 # One intra-op thread in the test process, as each rank of a test world has: the tests' models
 # are tiny, and on a 2-core machine whose other core runs a world's ranks, a second OpenMP thread

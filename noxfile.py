@@ -13,15 +13,15 @@ import nox
 ROOT = Path(__file__).parent
 CONSTRAINTS = ROOT / "constraints.txt"
 # Order matters only for readability: pip resolves the local siblings together.
-PACKAGES = ["packages/core", "packages/models", "packages/data", "packages/ckpt-convert", "packages/inference",
-            "packages/rl"]
+PACKAGES = ["packages/core", "packages/train", "packages/models", "packages/data", "packages/ckpt-convert",
+            "packages/inference", "packages/rl", "packages/testing"]
 PLUGINS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "plugins").glob("*/pyproject.toml"))
 PLUGINS = [str(Path(p).parent) for p in PLUGINS]
 
 nox.options.sessions = ["tests", "lint"]
 # Openings in the style of the pydoc topics the demo model is trained on.
 DEMO_PROMPTS = ["The \"for\" statement is used to", "A class definition"]
-# The demo GPT's flags (mega.core.training.default_run.MODEL_FLAGS) and the question its LoRA step
+# The demo GPT's flags (mega.train.default_run.MODEL_FLAGS) and the question its LoRA step
 # answers, in the chat set's turns (mega.data.embedded_chat.prompt).
 DEMO_MODEL = ["--model-family", "gpt", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
               "--seq-length", "128", "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -71,7 +71,7 @@ def demo(session: nox.Session) -> None:
         session.run("mega", "generate", "--load", "checkpoints/pydoc-gpt", "--prompt", prompt,
                     "--max-tokens", "60", "--temperature", "0.7", "--top-k", "40", "--seed", "1234", "--echo")
     # Second step: LoRA adapters fine-tuned on questions about the same topics (packed chat rows, the
-    # answers alone in the loss; mega.core.training.default_run.LORA_ARGV), then one question answered
+    # answers alone in the loss; mega.train.default_run.LORA_ARGV), then one question answered
     # with the adapters merged at load.
     session.run("mega", "train", "--sft", "--dataset", "pydoc-chat", "--packed-sequences", "--split", "100,0,0",
                 *DEMO_MODEL, "--load", "checkpoints/pydoc-gpt", "--finetune", "--lora-rank", "16",

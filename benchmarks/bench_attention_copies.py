@@ -4,7 +4,7 @@ device (issue 31, item 4: attention without contiguity copies).
 Builds layers of the LLaMA 1.2B shape (h 2048, ffn 8192, 32/8 heads; ``--num-layers``, 2 by
 default, and a small vocabulary: neither changes what a layer does) in bf16 with the torch
 kernels, runs one micro-batch forward and backward, and counts with
-:mod:`mega.core.testing.copy_counts`: per layer inside the attention, and in the whole model. It
+:mod:`mega.testing.copy_counts`: per layer inside the attention, and in the whole model. It
 also names the SDPA kernel torch chose, which decides whether the attention output costs a copy
 (a kernel that keeps the query's sequence-major layout, CPU's or cuDNN's: none; flash or
 memory-efficient on CUDA: one). The speed this buys is measured by ``bench_gpu_mfu.py``
@@ -22,8 +22,8 @@ import json
 import torch
 
 from mega.core.build import build_stage
-from mega.core.testing.copy_counts import count_copies
 from mega.models import llama
+from mega.testing.copy_counts import count_copies
 
 
 def main() -> None:

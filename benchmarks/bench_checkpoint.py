@@ -25,10 +25,10 @@ from pathlib import Path
 def build_trainer(args, save_dir: Path, load: bool):
     from mega.core.parallel import ParallelGroups
     from mega.core.plugins import get_plugins
-    from mega.core.training.command import parse_run
-    from mega.core.training.data_setup import build_datasets
-    from mega.core.training.run_config import derive
-    from mega.core.training.trainer import Trainer
+    from mega.train.command import parse_run
+    from mega.train.data_setup import build_datasets
+    from mega.train.run_config import derive
+    from mega.train.trainer import Trainer
 
     argv = ["--mock-data", "--model-family", "gpt", "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
             "--num-attention-heads", str(args.hidden // 64), "--seq-length", "128", "--vocab-size", str(args.vocab),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from mega.core.bench.comm import main
+from mega.train.bench.comm import main
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -5,7 +5,7 @@ key/value groups) runs one micro-batch of one long sequence forward and backward
 ranks, each holding its 2 load-balanced chunks. Per rank it reports
 
 * the bytes autograd keeps for the backward (every saved storage counted once,
-  :func:`mega.core.testing.saved_activations.saved_activation_bytes`), which should fall as ~1/cp;
+  :func:`mega.testing.saved_activations.saved_activation_bytes`), which should fall as ~1/cp;
 * the bytes each rank sends over the context group per layer (forward and backward), counted by
   :class:`mega.core.parallel.CommCounter` (ring sends as they are; a collective as the ring
   algorithm moves it, ``(cp - 1) / cp`` of its buffer), against the formula of each comm type,
@@ -33,7 +33,7 @@ def measure(cp: int, comm: str, seq: int, hidden: int, heads: int, groups_kv: in
     from mega.core.parallel import CommCounter, ParallelConfig, ParallelGroups
     from mega.core.parallel.context_parallel import split_batch
     from mega.core.plugins import get_plugins
-    from mega.core.testing.saved_activations import saved_activation_bytes
+    from mega.testing.saved_activations import saved_activation_bytes
 
     family = get_plugins().models.get("llama")
     config = family.preset("tiny", num_layers=layers, hidden_size=hidden, ffn_hidden_size=2 * hidden,
@@ -78,7 +78,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from mega.core.testing import DistributedWorld
+    from mega.testing import DistributedWorld
 
     rows = []
     for cp in args.cp:

@@ -1,6 +1,6 @@
 """Optimizer-state memory per rank: plain mixed-precision optimizer vs the distributed (ZeRO-1) one.
 
-Runs a small GPT-like model (the tiny LM of mega.core.testing, scaled up) for one AdamW step on
+Runs a small GPT-like model (the tiny LM of mega.testing, scaled up) for one AdamW step on
 dp = 1, 2, 4 gloo ranks and reports, per rank, the bytes held by the optimizer: fp32 main
 parameters (copies of bf16 parameters; fp32 parameters are their own) plus Adam's two moments.
 With the distributed optimizer that falls as 1/dp.
@@ -20,7 +20,7 @@ def optimizer_state(distributed: bool, dtype_name: str, hidden: int, layers: int
     from mega.core.distributed import DDPConfig, DistributedDataParallel
     from mega.core.optim import OptimizerConfig, build_optimizer
     from mega.core.parallel import ParallelConfig, ParallelGroups
-    from mega.core.testing.tiny_lm import TinyConfig, TinyLM, make_batch
+    from mega.testing.tiny_lm import TinyConfig, TinyLM, make_batch
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     groups = ParallelGroups(ParallelConfig())
@@ -47,7 +47,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from mega.core.testing import DistributedWorld
+    from mega.testing import DistributedWorld
 
     rows = []
     for dp in args.dp:

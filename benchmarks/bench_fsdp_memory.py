@@ -4,8 +4,8 @@ Builds a GPT (by default 4 layers, hidden 256, untied output layer) with `mega t
 (CPU), takes one step, and measures on every rank what it holds (its parameters' storage, FSDP's
 local shards or DDP's whole parameters; its gradients; its optimizer state), what one
 micro-batch's forward saves for backward, and under FSDP the most it gathers at once (units and
-unreduced gradients), as mega.core.testing.memory_check does for tests/test_plan_vs_training.py;
-then asks the planner (mega.core.planning.memory_plan) for the same run. ZeRO-3
+unreduced gradients), as mega.train.testing.memory_check does for tests/test_plan_vs_training.py;
+then asks the planner (mega.train.planning.memory_plan) for the same run. ZeRO-3
 (optim_grads_params) should hold about 1/dp of no_shard's weights + gradients + optimizer (the
 acceptance of issue 32: within 5% at dp4), and the planner's peak should be within 10% of the
 measured one.
@@ -32,8 +32,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from mega.core.testing import DistributedWorld
-    from mega.core.testing.memory_check import measured_and_planned
+    from mega.testing import DistributedWorld
+    from mega.train.testing.memory_check import measured_and_planned
 
     argv = ["--mock-data", "--model-preset", "tiny", "--num-layers", str(args.layers), "--hidden-size",
             str(args.hidden), "--num-attention-heads", "8", "--seq-length", "64", "--max-position-embeddings", "64",

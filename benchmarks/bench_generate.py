@@ -2,9 +2,9 @@
 
 Part 1, the engine: both hold the same random weights (mapped by the families' ``hf_mapping``)
 and generate greedily, with their KV caches, ``--new-tokens`` tokens after prompts of
-``--prompt`` tokens, at batch 1 and 8. mega runs twice: its lock-step engine, and the static KV
-cache (``StaticDecoder``; on CUDA its decode step is a captured CUDA graph, as ``mega generate``
-and ``mega serve`` decode there by default). Columns: median seconds per generate call, generated
+``--prompt`` tokens, at batch 1 and 8. mega runs its one decoder loop twice: on the paged KV
+cache, and on the static KV cache (on CUDA its decode step is a captured CUDA graph, as ``mega
+generate`` and ``mega serve`` decode there by default). Columns: median seconds per generate call, generated
 tokens per second, mega's speed relative to Hugging Face's (the outputs are checked equal), the
 fraction of the memory-bandwidth limit each reaches (a decode step reads every weight once, so
 at batch ``b`` the limit is ``b x bandwidth / weight bytes`` tokens per second, the bandwidth
@@ -51,10 +51,10 @@ import transformers  # noqa: E402
 
 from mega.core.build import build_stage  # noqa: E402
 from mega.core.plugins import get_plugins  # noqa: E402
-from mega.inference.batching import ENGINE_THREAD_OS_NAME  # noqa: E402
-from mega.inference.decode_step import READ_LAG  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
-from mega.inference.static_decode import StaticDecoder  # noqa: E402
+from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
+from mega.inference.engine.decode_step import READ_LAG  # noqa: E402
+from mega.inference.engine.worker import ENGINE_THREAD_OS_NAME  # noqa: E402
 from mega.models.hf_mapping import hf_to_mega  # noqa: E402
 
 
@@ -148,7 +148,9 @@ def bench_engine(family: str, batch: int, args) -> dict:
     model = hf_model(family, args)
     engine = mega_engine(family, model, args)
     model = placed(model, args)
-    static = StaticDecoder(engine, compile_backend="inductor" if args.compile else None)  # CUDA graphs on CUDA
+    # The loop on the static cache, a slot per request, kept across runs (CUDA graphs on CUDA).
+    static = ContinuousBatchingWorker(engine, max_batch_size=batch, max_num_tokens=batch * engine.max_positions,
+                                      static_cache=True, compile_backend="inductor" if args.compile else None)
     prompts = torch.randint(0, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
     requests = [GenerationRequest(p, args.new_tokens) for p in prompts.tolist()]
     prompts = prompts.to(args.device)
@@ -166,7 +168,7 @@ def bench_engine(family: str, batch: int, args) -> dict:
 
     def static_generate():
         clock.begin()
-        return [r.generated for r in static.generate(requests, on_token=clock)]
+        return [r.generated for r in static.run_to_completion(requests, on_token=clock)]
 
     runs = {"hf": hf_generate, "mega": mega_generate, "static": static_generate}
     times: dict[str, list[float]] = {name: [] for name in runs}

@@ -34,11 +34,11 @@ import time
 
 import torch
 
-from mega.core.launch import distributed_env
 from mega.core.plugins import hookimpl, load_plugins
-from mega.core.training.command import parse_run
-from mega.core.training.device_peaks import peak_tflops
-from mega.core.training.launch_run import run_training
+from mega.core.process_group import distributed_env
+from mega.train.command import parse_run
+from mega.train.device_peaks import peak_tflops
+from mega.train.launch_run import run_training
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -147,7 +147,7 @@ def traffic(tokens_per_rank: int) -> dict:
 
 
 def part_two(tokens_per_rank: int) -> None:
-    from mega.core.testing import DistributedWorld
+    from mega.testing import DistributedWorld
 
     world = DistributedWorld(4, timeout_s=600)
     try:

@@ -23,10 +23,10 @@ import time
 import torch
 
 from mega.core.optim.optimizer import MixedPrecisionOptimizer
-from mega.core.training import trainer as trainer_module
-from mega.core.training.default_run import MODEL_FLAGS
-from mega.core.training.launch_run import run_training
-from mega.core.training.run_parser import parse_run
+from mega.train import trainer as trainer_module
+from mega.train.default_run import MODEL_FLAGS
+from mega.train.launch_run import run_training
+from mega.train.run_parser import parse_run
 
 CPU_FLAGS = ["--dataset", "pydoc-topics", "--split", "95,5,0", *MODEL_FLAGS, "--micro-batch-size", "16",
              "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "10", "--lr-decay-style", "cosine",

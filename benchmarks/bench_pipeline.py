@@ -37,7 +37,7 @@ memory a rank allocated during one more (profiled) step:
     python benchmarks/bench_pipeline.py --layer-ms 100 --hidden 32 --seq 128 --realtime \
         --layouts 4 4/zb-h1 4x2 4x2/zb-h1 4x2/zbv 4x2/dualpipev
 
-The peak memory does not depend on the costs (mega.core.testing.peak_memory: the allocator's
+The peak memory does not depend on the costs (mega.testing.peak_memory: the allocator's
 record of one step), so ``--layer-ms 1 --rounds 1 --steps 1`` gives the same figures in seconds.
 
 ``--model gpt`` or ``--model llama`` runs a real model of that family instead of the MLP blocks
@@ -65,7 +65,7 @@ from mega.core.parallel.grad_accumulation_fusion import Linear
 from mega.core.parallel.output_layer_loss import output_layer_cross_entropy, output_layer_defers
 from mega.core.pipeline import ScheduleError, schedule_table
 from mega.core.plugins import hookimpl
-from mega.core.testing.peak_memory import peak_allocated_bytes
+from mega.testing.peak_memory import peak_allocated_bytes
 
 
 class Embedding(nn.Module):
@@ -373,7 +373,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
-    from mega.core.testing import DistributedWorld
+    from mega.testing import DistributedWorld
 
     layouts = []
     for text in args.layouts:

@@ -1,7 +1,7 @@
-"""``mega serve`` under load, with continuous batching and with lock-step batching (#23).
+"""``mega serve`` under load (#23; lock-step batching, once compared here, was retired in #46).
 
 The LLaMA model of ``bench_generate.py`` (6 layers, hidden 512, vocabulary 32000, random
-weights) written as a mega checkpoint and served by ``mega serve --batching MODE
+weights) written as a mega checkpoint and served by ``mega serve
 --max-batch-size 64`` in its own process. 1, 8, 32 and 64 concurrent clients each send greedy
 ``/v1/completions`` requests one after another; each request draws its prompt length and its
 ``max_tokens`` uniformly from ``--prompt-range`` and ``--tokens-range`` (seeded), as real
@@ -43,11 +43,11 @@ between tokens, serving is bound by the host, not the device.
     # tp2 on two GPUs (continuous batching on the static KV cache, CUDA-graph steps holding the collectives):
     python benchmarks/bench_serve.py --device cuda --dtype bfloat16 --layers 16 --hidden 2048 --heads 16 \
         --vocab 128256 --prompt-range 128 128 --tokens-range 32 32 --clients 1 8 32 --requests 64 \
-        --batching continuous --tp 2
+        --tp 2
     # on a GPU (the engine's batch-32 rate beside the server's 32 clients):
     python benchmarks/bench_serve.py --device cuda --dtype bfloat16 --layers 16 --hidden 2048 --heads 16 \
         --vocab 128256 --prompt-range 128 128 --tokens-range 32 32 --clients 1 8 32 --requests 64 \
-        --batching continuous --engine-baseline
+        --engine-baseline
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def start_server(args, directory: str, batching: str, *extra: str) -> tuple[subp
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(args.tp)] if args.tp > 1 else []
     server = subprocess.Popen([sys.executable, *launcher, "-m", "mega.core.cli.main", "serve", "--load", directory,
                                "--port", str(port), "--log-level", "warning", "--device", args.device,
-                               "--dtype", args.dtype, "--batching", batching,
+                               "--dtype", args.dtype,
                                "--max-batch-size", str(args.max_batch_size), *(["--compile"] if args.compile else []),
                                *extra])
     url = f"http://127.0.0.1:{port}"
@@ -129,7 +129,7 @@ async def load(url: str, clients: int, requests_per_client: int, args, pid: int 
 
 
 def engine_rate(args, batch: int) -> tuple[float, int]:
-    """The lock-step engine's greedy tokens/s at ``batch`` (prompts and tokens at the ranges'
+    """The engine's greedy tokens/s (its one loop run to completion) at ``batch`` (prompts and tokens at the ranges'
     maxima) on the served model, and its weight bytes."""
     from mega.inference.engine import GenerationRequest
 
@@ -190,7 +190,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=128, help="requests per concurrency level")
     parser.add_argument("--requests-one-client", type=int, default=16, help="requests of the one-client level")
     parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--batching", nargs="+", default=["lockstep", "continuous"])
+    parser.add_argument("--batching", nargs="+", default=["continuous"], choices=["continuous"],
+                        help="the server's loop, a column of the tables: continuous batching, the only one")
     parser.add_argument("--device", default="cpu", help="the servers' device: cpu or cuda")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--engine-baseline", action="store_true",

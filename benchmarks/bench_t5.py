@@ -29,8 +29,8 @@ import transformers  # noqa: E402
 
 from mega.core.build import build_stage  # noqa: E402
 from mega.core.checkpoint import load_model_weights  # noqa: E402
-from mega.inference.encoder_decoder import EncoderDecoderEngine  # noqa: E402
 from mega.inference.engine import GenerationRequest  # noqa: E402
+from mega.inference.engine.encoder_decoder import EncoderDecoderEngine  # noqa: E402
 from mega.models.hf_mapping import hf_to_mega  # noqa: E402
 from mega.models.t5.family import FAMILY  # noqa: E402
 from mega.models.t5.hf_t5 import T5_MAPPING, t5_hf_config  # noqa: E402

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from mega.core.bench.train import main
+from mega.train.bench.train import main
 
 DEFAULT = ["--model-preset", "tiny", "--mock-data", "--micro-batch-size", "4", "--train-iters", "8",
            "--eval-iters", "0", "--log-interval", "100", "--hidden-dropout", "0", "--attention-dropout", "0"]

@@ -28,10 +28,10 @@ import transformers  # noqa: E402
 from bench_models import add_shape_arguments, hf_configs  # noqa: E402  (the same shapes as bench_models)
 
 from mega.core.plugins import hookimpl, load_plugins  # noqa: E402
-from mega.core.training.command import parse_run  # noqa: E402
-from mega.core.training.launch_run import run_training  # noqa: E402
 from mega.models.hf_gpt2 import gpt2_config  # noqa: E402
 from mega.models.hf_llama import llama_config  # noqa: E402
+from mega.train.command import parse_run  # noqa: E402
+from mega.train.launch_run import run_training  # noqa: E402
 
 
 class StepTimes:

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from mega.core.bench.train import main as bench_main
+from mega.train.bench.train import main as bench_main
 
 TRAIN = ["--model-preset", "tiny", "--vocab-size", "512", "--seq-length", "64", "--mock-data",
          "--micro-batch-size", "2", "--train-iters", "3", "--eval-iters", "0", "--log-interval", "100"]

@@ -46,8 +46,8 @@ class StepLosses:
 
 def train_losses(argv: list[str]) -> list[dict[str, float]]:
     from mega.core.plugins.manager import load_plugins
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
+    from mega.train.command import parse_run
+    from mega.train.launch_run import run_training
 
     recorder = StepLosses()
     plugins = load_plugins(extra=[("bert-step-losses", recorder)])

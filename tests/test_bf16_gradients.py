@@ -30,8 +30,8 @@ DP2_RUNS = {
 
 
 def train(argv: list[str]) -> list[float]:
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
+    from mega.train.command import parse_run
+    from mega.train.launch_run import run_training
 
     run, family = parse_run(argv)
     return run_training(run, family).losses

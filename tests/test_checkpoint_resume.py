@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mega.core.testing.training_runs import assert_losses_close, train_losses
+from mega.train.testing.training_runs import assert_losses_close, train_losses
 
 COMMON = [
     "--mock-data", "--model-family", "llama", "--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "32",

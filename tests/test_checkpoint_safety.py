@@ -32,10 +32,10 @@ from mega.core.checkpoint import (
     tensor_shapes,
 )
 from mega.core.checkpoint.directory import TRACKER_FILE, read_tracker
-from mega.core.checkpoint.info_command import main as info_main
 from mega.core.checkpoint.lock import LOCK_FILE, SaveDirLock
-from mega.core.checkpoint.verify_command import main as verify_main
-from mega.core.training.command import main as train_main
+from mega.train.checkpoint.info_command import main as info_main
+from mega.train.checkpoint.verify_command import main as verify_main
+from mega.train.command import main as train_main
 
 TINY = ["--mock-data", "--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
         "--vocab-size", "256", "--micro-batch-size", "2", "--eval-iters", "0", "--log-interval", "1000", "--lr", "1e-3"]

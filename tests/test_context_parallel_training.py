@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from mega.core.testing.training_runs import assert_losses_close, train_losses
+from mega.train.testing.training_runs import assert_losses_close, train_losses
 
 COMMON = [
     "--mock-data", "--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "32", "--seq-length", "64",
@@ -76,10 +76,10 @@ def test_context_parallel_layouts_match_one_process(worlds, tmp_path, family):
 def test_bad_context_parallel_input_names_the_flags():
     from mega.core.config import ConfigError
     from mega.core.parallel import ParallelConfig
-    from mega.core.training.command import parse_run
-    from mega.core.training.run_config import derive
     from mega.models.config import ModelConfigError
     from mega.models.context_parallel import check_context_parallel
+    from mega.train.command import parse_run
+    from mega.train.run_config import derive
 
     run, _ = parse_run(COMMON + FAMILIES["llama"] + CP4 + ["--seq-length", "36"])
     with pytest.raises(ConfigError, match=r"--seq-length 36 must be divisible by 2 x --context-parallel-size = 8"):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from mega.core.training.command import main, parse_run
-from mega.core.training.default_run import DEFAULT_ARGV, LORA_ARGV
-from mega.core.training.run_config import derive
+from mega.train.command import main, parse_run
+from mega.train.default_run import DEFAULT_ARGV, LORA_ARGV
+from mega.train.run_config import derive
 
 
 def test_default_argv_is_a_valid_run():
@@ -41,7 +41,7 @@ def test_corpus_prepares_once_and_trains(tmp_path, monkeypatch, capsys):
         "cache", "corpus.jsonl", "pydoc_text_document.bin", "pydoc_text_document.idx", "tokenizer.json"]
 
     # The demo's LoRA step on the saved model (CPU): the chat set is made from the same corpus and
-    # tokenizer, the adapters train, and generation with them answers (mega.core.training.default_run).
+    # tokenizer, the adapters train, and generation with them answers (mega.train.default_run).
     model = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"]
     lora = [*LORA_ARGV, *model, "--train-iters", "3", "--lr-warmup-iters", "0", "--micro-batch-size", "4", "--log-interval", "1",
             "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "lora")]
@@ -73,11 +73,11 @@ def test_tokenizer_vocabulary_sets_the_model(tmp_path, monkeypatch):
 
 
 def test_the_demo_session_runs_the_declared_lora_step():
-    """noxfile's demo spells mega.core.training.default_run.LORA_ARGV (and MODEL_FLAGS) out."""
+    """noxfile's demo spells mega.train.default_run.LORA_ARGV (and MODEL_FLAGS) out."""
     import ast
     from pathlib import Path
 
-    from mega.core.training.default_run import MODEL_FLAGS
+    from mega.train.default_run import MODEL_FLAGS
 
     tree = ast.parse((Path(__file__).resolve().parents[1] / "noxfile.py").read_text())
     constants = {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body

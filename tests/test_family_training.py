@@ -14,7 +14,7 @@ MTP, cp2 (ring attention: values padded to the query/key head size)."""
 
 from __future__ import annotations
 
-from mega.core.testing.training_runs import assert_losses_close, train_losses
+from mega.train.testing.training_runs import assert_losses_close, train_losses
 
 STEPS = ["--mock-data", "--num-layers", "2", "--seq-length", "16", "--vocab-size", "90",
          "--make-vocab-size-divisible-by", "32", "--micro-batch-size", "2", "--global-batch-size", "8",

@@ -30,7 +30,7 @@ import re
 
 import pytest
 
-from mega.core.testing.training_runs import assert_losses_close, train_losses
+from mega.train.testing.training_runs import assert_losses_close, train_losses
 
 COMMON = [
     "--mock-data", "--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "32",
@@ -133,9 +133,9 @@ def test_bf16_follows_one_process_and_resumes_under_ddp(worlds, tmp_path):
 ])
 def test_bad_combinations_name_both_flags(capsys, flags, message):
     from mega.core.config import ConfigError
-    from mega.core.planning.plan_command import main as plan
-    from mega.core.training.command import parse_run
-    from mega.core.training.run_config import derive
+    from mega.train.command import parse_run
+    from mega.train.planning.plan_command import main as plan
+    from mega.train.run_config import derive
 
     with pytest.raises((ConfigError, ValueError), match=message):
         run, _ = parse_run(COMMON + flags)
@@ -148,7 +148,7 @@ def test_bad_combinations_name_both_flags(capsys, flags, message):
 def test_plan_takes_every_layout_trained_here(capsys):
     """What the tests above train, `mega plan` plans (on 4 GPUs); ZeRO-3 at dp4 holds a quarter of
     no_shard's weights, gradients and optimizer state (fp32: its shards are the main weights)."""
-    from mega.core.planning.plan_command import main as plan
+    from mega.train.planning.plan_command import main as plan
 
     def planned(argv):
         code = plan([*argv, "--gpus", "4", "--device", "cpu", "--json"])
@@ -168,8 +168,8 @@ def test_plan_takes_every_layout_trained_here(capsys):
 
 
 def test_megatron_and_torchtitan_spellings():
-    from mega.core.training.command import parse_run
-    from mega.core.training.run_config import derive
+    from mega.train.command import parse_run
+    from mega.train.run_config import derive
 
     run, _ = derive(parse_run(COMMON + ["--data-parallel-sharding-strategy", "optim"])[0], 4)
     assert run.optimizer.use_distributed_optimizer  # optim is ZeRO-1, the distributed optimizer

@@ -15,7 +15,7 @@ ARGV = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attent
 RANK = """
 import os, sys, time
 if os.environ['RANK'] == '1':
-    from mega.core.training import trainer
+    from mega.train import trainer
     mean_over_ranks = trainer.Trainer._mean_over_ranks
     def skip_the_loss_all_reduce(self, losses, metrics):
         if self.state.iteration == 2:
@@ -26,7 +26,7 @@ from mega.core.cli.main import main
 sys.argv = ['mega', *sys.argv[1:]]
 sys.exit(main())
 """
-LAUNCHER = ("import sys; from mega.core.training.launch_job import launch_job; "
+LAUNCHER = ("import sys; from mega.train.launch_job import launch_job; "
             f"sys.exit(launch_job(2, ['train', *sys.argv[1:]], program=(sys.executable, '-c', {RANK!r})))")
 
 

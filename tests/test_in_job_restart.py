@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from mega.core.testing.training_runs import train_losses
+from mega.train.testing.training_runs import train_losses
 
 ARGV = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "64", "--vocab-size", "64", "--micro-batch-size", "1", "--train-iters", "8",
@@ -17,7 +17,7 @@ ARGV = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attent
 # Rank 1 of the first attempt is killed as iteration 6 starts; rank 0 notes each loss exactly.
 RANK = """
 import os, signal, sys
-from mega.core.training import trainer
+from mega.train import trainer
 step = trainer.Trainer.train_step
 def train_step(self, data):
     if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and self.state.iteration == 5:
@@ -37,7 +37,7 @@ DIES = "import os, signal, time; os.environ['RANK'] == '1' and os.kill(os.getpid
 
 
 def launcher(nproc: int, max_restarts: int, rank_program: str) -> str:
-    return ("import sys; from mega.core.training.launch_job import launch_job; "
+    return ("import sys; from mega.train.launch_job import launch_job; "
             f"sys.exit(launch_job({nproc}, ['train', *sys.argv[1:]], {max_restarts}, "
             f"program=(sys.executable, '-c', {rank_program!r})))")
 

@@ -71,8 +71,8 @@ def fused_backend():
 
 
 def train(argv):
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
+    from mega.train.command import parse_run
+    from mega.train.launch_run import run_training
 
     run, family = parse_run(argv)
     return run_training(run, family).losses
@@ -105,7 +105,7 @@ def test_extra_state_comes_back_with_the_same_backend(tmp_path):
     from mega.core.kernels import Kernels
 
     train(TINY + FUSED + ["--train-iters", "2", "--save", str(tmp_path)])
-    from mega.core.training.command import parse_run
+    from mega.train.command import parse_run
 
     run, family = parse_run(TINY + ["--train-iters", "2"])  # the model config exactly as mega train makes it
     config = run.model

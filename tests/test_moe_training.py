@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mega.core.testing.training_runs import assert_losses_close, train_losses
+from mega.train.testing.training_runs import assert_losses_close, train_losses
 
 COMMON = [
     "--mock-data", "--model-family", "mixtral", "--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32",

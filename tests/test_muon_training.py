@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from mega.core.testing.training_runs import assert_losses_close, train_each, train_losses
+from mega.train.testing.training_runs import assert_losses_close, train_each, train_losses
 
 MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest", "--muon-use-nesterov",
         "--muon-lr", "2e-2", "--muon-weight-decay", "0.05", "--clip-grad", "0"]

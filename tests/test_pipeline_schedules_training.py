@@ -23,9 +23,9 @@ from __future__ import annotations
 import pytest
 
 from mega.core.config import ConfigError
-from mega.core.testing.training_runs import assert_losses_close, train_each, train_losses
-from mega.core.training.run_config import derive
-from mega.core.training.run_parser import parse_run
+from mega.train.run_config import derive
+from mega.train.run_parser import parse_run
+from mega.train.testing.training_runs import assert_losses_close, train_each, train_losses
 
 COMMON = [
     "--mock-data", "--model-preset", "tiny", "--num-layers", "6", "--hidden-size", "32", "--seq-length", "16",

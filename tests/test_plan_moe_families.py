@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mega.core.testing.memory_check import language_model_forward, measured_and_planned
+from mega.train.testing.memory_check import language_model_forward, measured_and_planned
 
 COMMON = ["--mock-data", "--train-iters", "1", "--micro-batch-size", "2", "--log-interval", "1000",
           "--eval-iters", "0", "--lr", "1e-3", "--model-preset", "tiny", "--seq-length", "32", "--vocab-size", "500"]

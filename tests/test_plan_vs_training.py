@@ -7,7 +7,7 @@ off: on the CPU torch then falls back to a kernel keeping the [s, s] probabiliti
 fused GPU kernels the plan describes do not.
 
 Under FSDP (optim_grads, optim_grads_params) weights and gradients are the local shards, and
-what FSDP gathers is measured too (mega.core.testing.memory_check says how). The peak the plan
+what FSDP gathers is measured too (mega.train.testing.memory_check says how). The peak the plan
 states (the sum of all of them) must be within 10% of the measured sum.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from mega.core.testing.memory_check import measured_and_planned
+from mega.train.testing.memory_check import measured_and_planned
 
 MODEL = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--vocab-size", "500", "--hidden-dropout", "0.1", "--attention-dropout", "0"]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mega.core.cli.scaffold import write_plugin
-from mega.core.cli.scaffold_templates import KINDS
+from mega.train.scaffold.command import write_plugin
+from mega.train.scaffold.templates import KINDS
 
 TEST_PLUGINS = Path(__file__).parent / "plugins"
 FAILING = ("broken", "lazy_callback", "duplicate_gpt")  # entry-point names of the misbehaving ones

@@ -12,7 +12,7 @@ import pytest
 
 from mega.core.plugins import Plugins, hookspecs
 from mega.core.plugins.registry import Entry, Registry
-from mega.core.training.trainer import RunState
+from mega.train.trainer import RunState
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
 HOOK_ROW = re.compile(r"^\| `((?:register_|on_)\w+|forward_context)\(([^)]*)\)`", re.M)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from mega.core.checkpoint.directory import find_checkpoint, read_tracker
-from mega.core.testing.training_runs import train_losses
+from mega.train.testing.training_runs import train_losses
 
 ARGV = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "64", "--vocab-size", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -88,7 +88,7 @@ def test_a_preempted_run_saves_exits_0_and_resumes_exactly(tmp_path):
 
 
 def test_the_time_limit_saves_and_exits_0(tmp_path, capsys):
-    from mega.core.training.command import main
+    from mega.train.command import main
 
     save = tmp_path / "ckpt"
     # 0.0001 minutes (6 ms) is up after the first iteration
@@ -105,7 +105,7 @@ def test_a_preempted_job_under_max_restarts_saves_and_exits_as_documented(tmp_pa
     staying the newest."""
     save = tmp_path / "ckpt"
     argv = [*ARGV, "--train-iters", "50", "--save", str(save), "--exit-signal-handler"]
-    launcher = ("import sys; from mega.core.training.launch_job import launch_job; "
+    launcher = ("import sys; from mega.train.launch_job import launch_job; "
                 f"sys.exit(launch_job(2, ['train', *sys.argv[1:]], 2, program=(sys.executable, '-c', {SLOW_SAVE!r})))")
 
     def start_job(*extra: str, **env) -> subprocess.Popen:

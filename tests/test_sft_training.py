@@ -13,7 +13,7 @@ import random
 import pytest
 
 from mega.core.cli.main import main as mega
-from mega.core.testing.training_runs import assert_losses_close, train_each, train_losses
+from mega.train.testing.training_runs import assert_losses_close, train_each, train_losses
 
 SEQ = 64
 VOCAB = 90
@@ -105,9 +105,9 @@ def test_packed_rows_under_context_parallelism(chat_data, worlds, unpacked, monk
     --calculate-per-token-loss every comm type trains as one conversation per row in one process
     (LLaMA; GPT on the ring); with the mean per micro-batch, as one process on the same padded rows. (Each comm type's attention over packed rows, forward and backward:
     packages/core/tests/test_context_attention.py.)"""
-    from mega.core.training import data_setup
     from mega.data.indexed_dataset import IndexedDataset
     from mega.data.packing import first_fit_decreasing
+    from mega.train import data_setup
 
     lengths = IndexedDataset(chat_data[0]).sequence_lengths
     bins = len(first_fit_decreasing(-(-lengths // 4) * 4, SEQ)[1]) - 1

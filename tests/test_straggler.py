@@ -9,7 +9,7 @@ import time
 
 import torch.distributed as dist
 
-from mega.core.testing.training_runs import train_losses
+from mega.train.testing.training_runs import train_losses
 
 ARGV = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--vocab-size", "64", "--micro-batch-size", "1", "--train-iters", "10",
@@ -19,7 +19,7 @@ DELAY_S = 0.2
 
 def reports(slow_rank: int | None) -> list[str]:
     """The straggler lines rank 0 prints, with ``slow_rank`` (if any) sleeping 200 ms in each step."""
-    from mega.core.training.trainer import Trainer
+    from mega.train.trainer import Trainer
 
     step = Trainer.train_step
 

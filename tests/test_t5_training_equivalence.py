@@ -13,7 +13,7 @@ untied v1.1 variant is checked at tp2 against transformers in mega-models' tests
 
 from __future__ import annotations
 
-from mega.core.testing.training_runs import assert_losses_close, train_each, train_losses
+from mega.train.testing.training_runs import assert_losses_close, train_each, train_losses
 
 COMMON = [
     "--model-family", "t5", "--mock-data", "--model-preset", "tiny", "--num-layers", "2", "--hidden-size", "32",

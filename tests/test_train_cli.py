@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mega.core.training.command import main
+from mega.train.command import main
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--vocab-size", "64", "--train-iters", "2", "--mock-data"]
@@ -116,8 +116,8 @@ def test_seed_llama_script_flags_train_scaled_down(capsys):
 
 
 def test_recompute_activations_means_selective():
-    from mega.core.training.command import parse_run
-    from mega.core.training.run_config import derive
+    from mega.train.command import parse_run
+    from mega.train.run_config import derive
 
     run, _ = parse_run(["--recompute-activations", "--mock-data"])
     run, _ = derive(run, world_size=1)
@@ -127,7 +127,7 @@ def test_recompute_activations_means_selective():
 def test_flag_reference_page_is_current():
     from pathlib import Path
 
-    from mega.core.training.command import flag_reference_markdown
+    from mega.train.command import flag_reference_markdown
 
     page = Path(__file__).resolve().parents[1] / "docs" / "training-flags.md"
     assert page.read_text(encoding="utf-8") == flag_reference_markdown(), (

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from mega.core.testing.training_runs import assert_losses_close, train_each, train_losses
+from mega.train.testing.training_runs import assert_losses_close, train_each, train_losses
 
 COMMON = [
     "--mock-data", "--model-preset", "tiny", "--num-layers", "4", "--hidden-size", "32", "--seq-length", "16",

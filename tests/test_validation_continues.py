@@ -20,9 +20,9 @@ COMMON = [
 
 def evaluations(argv: list[str], monkeypatch) -> tuple[list[float], int]:
     """The loss of every evaluation of a one-process run, and its consumed validation samples."""
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
-    from mega.core.training.trainer import Trainer
+    from mega.train.command import parse_run
+    from mega.train.launch_run import run_training
+    from mega.train.trainer import Trainer
 
     losses = []
     evaluate = Trainer.evaluate

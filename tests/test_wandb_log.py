@@ -7,7 +7,7 @@ import re
 import struct
 from pathlib import Path
 
-from mega.core.training.command import main
+from mega.train.command import main
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--vocab-size", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",

@@ -28,7 +28,7 @@ def world():
     pytest.importorskip("megatron.core")
     import megatron_reference
 
-    from mega.core.testing import DistributedWorld
+    from mega.testing import DistributedWorld
 
     with DistributedWorld(2, timeout_s=600) as started:
         yield started

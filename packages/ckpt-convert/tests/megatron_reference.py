@@ -1,5 +1,5 @@
 """megatron-core as the reference for the Megatron-LM checkpoint tests: functions that run on the
-ranks of a 2-rank gloo world (``mega.core.testing.DistributedWorld``), build megatron-core's own
+ranks of a 2-rank gloo world (``mega.testing.DistributedWorld``), build megatron-core's own
 ``GPTModel`` on the CPU and write, load and describe checkpoints with megatron-core's code.
 
 Test-only shims let its checkpoint writer run without CUDA (reference/megatron-checkpoints.md).

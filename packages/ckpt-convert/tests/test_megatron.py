@@ -121,8 +121,8 @@ def test_legacy_export_loads_in_megatron_core(family, made, world, tmp_path):
 def test_checkpoint_info_and_hugging_face(made, tmp_path, capsys):
     """`mega checkpoint info` describes a Megatron-LM directory; megatron -> hf -> megatron keeps
     every tensor (the Hugging Face side is checked by the hf tests)."""
-    from mega.core.checkpoint.info_command import main as info_main
-    from mega.core.checkpoint.verify_command import main as verify_main
+    from mega.train.checkpoint.info_command import main as info_main
+    from mega.train.checkpoint.verify_command import main as verify_main
 
     root, truth = made
     assert info_main([str(root / "llama-legacy")]) == 0
@@ -228,7 +228,7 @@ def test_older_megatron_lm_names_import_the_same(made, tmp_path):
 
 
 def test_mega_train_loads_a_megatron_directory(made, capsys):
-    from mega.core.training.command import main as train_main
+    from mega.train.command import main as train_main
 
     root, _ = made
     flags = ["--mock-data", "--model-family", "llama", "--num-layers", "4", "--hidden-size", "64",
@@ -287,7 +287,7 @@ def _distributed_optimizer_export_loads(world, imported: Path, names: list[str],
 def _resumed_state_exports(world, imported: Path, names: list[str], tmp_path: Path, capsys) -> None:
     """mega train resumes the imported state; its state after a step exports to megatron-core."""
     from mega.ckpt_convert.mega_format import MegaSource
-    from mega.core.training.command import main as train_main
+    from mega.train.command import main as train_main
 
     capsys.readouterr()
     m = ref.MODELS["llama"]
@@ -601,7 +601,7 @@ def test_distributed_optimizer_buffers_import_with_expert_and_tensor_parallelism
     """Four ranks, tp 2 x ep 2 (dense data-parallel over 2): each expert-parallel rank's buffers
     hold the tensor-parallel shards of its own experts, saved as the expert tensor-expert-pipeline
     group's ranks number them."""
-    from mega.core.testing import DistributedWorld
+    from mega.testing import DistributedWorld
 
     source = tmp_path / "megatron"
     with DistributedWorld(4, timeout_s=600) as four:
@@ -782,7 +782,7 @@ def _to_mega(source: Path, output: Path, *flags: str) -> int:
 def _train_load_honours_allow_unused_tensors(torch_dist: Path, capsys) -> None:
     """``mega train --load`` converts a Megatron-LM directory on the fly: the same refusal, and the
     same flag to load it without the extra tensor."""
-    from mega.core.training.command import main as train_main
+    from mega.train.command import main as train_main
 
     m = ref.MODELS["gpt"]
     flags = ["--mock-data", "--model-family", "gpt", "--num-layers", str(m["num_layers"]), "--hidden-size", "64",

@@ -96,7 +96,7 @@ def test_bert_conversions_and_loads(made, tmp_path, capsys):
     """mega train --load reads the directory; Hugging Face's post-LN BERT and mega's pre-LN one are
     different models, so neither converts to the other's format; args that contradict the tensors
     are named."""
-    from mega.core.training.command import main as train_main
+    from mega.train.command import main as train_main
 
     root, _ = made
     flags = ["--mock-data", "--model-family", "bert", "--bert-pre-layernorm", "--num-layers", "4",

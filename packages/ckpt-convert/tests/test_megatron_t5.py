@@ -241,7 +241,7 @@ def test_t5_conversions_megatron_cannot_or_hugging_face_cannot_are_refused(made,
 
 def test_mega_train_loads_a_megatron_t5_directory(made, capsys):
     """On the fly, with the model flags of megatron-core's conventions; without them, told, not loaded."""
-    from mega.core.training.command import main as train_main
+    from mega.train.command import main as train_main
 
     root, _ = made
     flags = ["--mock-data", "--model-family", "t5", "--num-layers", "3", "--decoder-num-layers", "2",

@@ -89,7 +89,7 @@ def tensor_parallel_greedy(mega_dir):
     from mega.core.parallel import ParallelConfig, ParallelGroups
     from mega.core.plugins import get_plugins
     from mega.inference.engine import GenerationEngine, GenerationRequest
-    from mega.inference.tp_serving import follow, lead
+    from mega.inference.engine.tp_serving import lead, receive
 
     groups = ParallelGroups(ParallelConfig(tp=2))
     with open_checkpoint(str(mega_dir)) as source:
@@ -98,8 +98,9 @@ def tensor_parallel_greedy(mega_dir):
     load_model_weights(str(mega_dir), [model.eval()], groups)
     engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings,
                               tp_group=groups.tp)
-    if groups.tp.rank != 0:
-        follow(engine, groups.tp)
+    if groups.tp.rank != 0:  # every rank runs the one loop to completion on the leader's batches
+        while (batch := receive(groups.tp)) is not None:
+            engine.generate(batch)
         return None
     requests = [GenerationRequest(prompt, NEW_TOKENS) for prompt in PROMPTS]
     lead(requests, groups.tp)

@@ -19,7 +19,7 @@ from mega.ckpt_convert.cli import main as convert_main  # noqa: E402
 from mega.core.build import build_stage  # noqa: E402
 from mega.core.checkpoint import load_model_weights, load_tokenizer, read_metadata  # noqa: E402
 from mega.core.plugins import get_plugins  # noqa: E402
-from mega.core.training.command import main as train_main  # noqa: E402
+from mega.train.command import main as train_main  # noqa: E402
 
 
 def mega_logits(checkpoint, ids: torch.Tensor) -> torch.Tensor:

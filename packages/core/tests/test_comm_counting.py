@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mega.core.parallel import CommCounter, ParallelConfig, ParallelGroups
-from mega.core.testing.tiny_lm import PLAN, TinyConfig, TinyLM
+from mega.testing.tiny_lm import PLAN, TinyConfig, TinyLM
 
 CONFIG = TinyConfig(layers=3)
 BATCH = 2

@@ -8,7 +8,7 @@ import torch
 from mega.core.distributed import DDPConfig
 from mega.core.optim import OptimizerConfig
 from mega.core.parallel import ParallelConfig
-from mega.core.testing.equivalence import assert_matches, reference_train, train_tiny_lm
+from mega.testing.equivalence import assert_matches, reference_train, train_tiny_lm
 
 STEPS = 3
 OPTIMIZER = OptimizerConfig(lr=1e-3, clip_grad=1.0)
@@ -46,7 +46,7 @@ def overlap_and_no_sync_check():
     from mega.core.parallel import CommCounter, ParallelGroups, apply_tensor_parallel
     from mega.core.plugins.events import Events
     from mega.core.plugins.hookspecs import hookimpl
-    from mega.core.testing.tiny_lm import PLAN, TinyConfig, TinyLM, make_batch
+    from mega.testing.tiny_lm import PLAN, TinyConfig, TinyLM, make_batch
 
     class Listener:
         def __init__(self):

@@ -8,7 +8,7 @@ import torch
 from mega.core.distributed import DDPConfig
 from mega.core.optim import OptimizerConfig
 from mega.core.parallel import ParallelConfig
-from mega.core.testing.equivalence import assert_matches, reference_train, train_tiny_lm
+from mega.testing.equivalence import assert_matches, reference_train, train_tiny_lm
 
 STEPS = 3
 # clip_grad is small enough that every step clips: the norm over shards must be the global one.
@@ -45,7 +45,7 @@ def test_distributed_optimizer_matches_adamw(worlds, reference, case):
 
 
 def optimizer_state_bytes():
-    from mega.core.testing.tiny_lm import TinyConfig
+    from mega.testing.tiny_lm import TinyConfig
 
     config = TinyConfig(hidden=64, ffn=128)
     result = train_tiny_lm(steps=1, ddp=DDPConfig(bucket_size=5000, use_distributed_optimizer=True),
@@ -55,7 +55,7 @@ def optimizer_state_bytes():
 
 def test_optimizer_state_per_rank_falls_as_one_over_dp(worlds):
     single = optimizer_state_bytes()  # this process: dp = 1
-    from mega.core.testing.tiny_lm import TinyConfig, TinyLM
+    from mega.testing.tiny_lm import TinyConfig, TinyLM
 
     params = sum(p.numel() for p in TinyLM(TinyConfig(hidden=64, ffn=128)).parameters())
     assert single == 8 * params  # fp32 params are their own main params: Adam's two moments remain

@@ -10,8 +10,8 @@ import torch
 from mega.core.distributed import DDPConfig
 from mega.core.optim import DynamicGradScaler, OptimizerConfig
 from mega.core.parallel import ParallelConfig
-from mega.core.testing.equivalence import assert_matches, reference_train, train_tiny_lm
-from mega.core.testing.tiny_lm import TinyConfig, TinyLM
+from mega.testing.equivalence import assert_matches, reference_train, train_tiny_lm
+from mega.testing.tiny_lm import TinyConfig, TinyLM
 
 TP2_DP2_SP = ParallelConfig(tp=2, sequence_parallel=True)
 
@@ -117,7 +117,7 @@ def test_clipping_uses_the_single_process_norm_over_tp_dp_and_sequence_shards(wo
 def clip_grad_norm_check():
     from mega.core.optim import clip_grad_norm_
     from mega.core.parallel import ParallelGroups, apply_tensor_parallel
-    from mega.core.testing.tiny_lm import PLAN, make_batch
+    from mega.testing.tiny_lm import PLAN, make_batch
 
     groups = ParallelGroups(TP2_DP2_SP)
     torch.manual_seed(0)
@@ -137,7 +137,7 @@ def test_clip_grad_norm_helper_counts_every_parameter_once(worlds):
     torch.manual_seed(0)
     model = TinyLM(TinyConfig())
     from mega.core.parallel import ParallelGroups
-    from mega.core.testing.tiny_lm import make_batch
+    from mega.testing.tiny_lm import make_batch
 
     tokens, labels = make_batch(TinyConfig(), 4, 0)
     model(tokens, labels, ParallelGroups(ParallelConfig()).tp).backward()

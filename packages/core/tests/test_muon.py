@@ -12,8 +12,8 @@ from mega.core.optim import OptimizerConfig
 from mega.core.optim.muon import coefficient_schedule, newton_schulz
 from mega.core.optim.muon_layout import RowBlocks, takes_muon
 from mega.core.parallel import ParallelConfig, ParallelGroups
-from mega.core.testing.equivalence import max_relative_error, train_tiny_lm
-from mega.core.testing.tiny_lm import TinyConfig, TinyLM, make_batch
+from mega.testing.equivalence import max_relative_error, train_tiny_lm
+from mega.testing.tiny_lm import TinyConfig, TinyLM, make_batch
 
 STEPS = 10
 CONFIG = TinyConfig()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mega.core.parallel import ParallelConfig, rank_groups
-from mega.core.testing import RankFailed, WorldTimeout
+from mega.testing import RankFailed, WorldTimeout
 
 
 def describe_groups(tp, pp):

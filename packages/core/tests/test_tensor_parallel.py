@@ -10,8 +10,8 @@ from torch import nn
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.cross_entropy import cross_entropy, vocab_parallel_cross_entropy
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
-from mega.core.testing.equivalence import max_relative_error
-from mega.core.testing.tiny_lm import MLP_PLAN, PLAN, TinyConfig, TinyLM, TinyMLP, make_batch
+from mega.testing.equivalence import max_relative_error
+from mega.testing.tiny_lm import MLP_PLAN, PLAN, TinyConfig, TinyLM, TinyMLP, make_batch
 
 SEED = 1234
 CONFIG = TinyConfig()
@@ -27,7 +27,7 @@ def full_gradients(model, groups):
     """Every parameter's gradient as one process would see it (shards gathered, partial sums summed)."""
     from mega.core.parallel.collectives import all_reduce
     from mega.core.parallel.param_attrs import is_sequence_parallel
-    from mega.core.testing.equivalence import full_tensor
+    from mega.testing.equivalence import full_tensor
 
     grads = {}
     for name, param in model.named_parameters():

@@ -18,7 +18,7 @@ from mega.core.distributed.ddp import DDPConfig, DistributedDataParallel
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.grad_accumulation_fusion import Linear
 from mega.core.parallel.weight_grad_split import deferring_weight_grads, run_weight_grads
-from mega.core.testing.peak_memory import peak_allocated_bytes
+from mega.testing.peak_memory import peak_allocated_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))  # the model of the fusion test, beside this file
 from test_grad_accumulation_fusion import Tiny  # noqa: E402

@@ -1,6 +1,6 @@
 """The host-side sampler the engine used before sampling moved onto the device (mega at 3925cc7,
 with every row drawing over sorted tokens): one ``.item()`` per sequence per step. Kept as the
-reference the device-side :class:`mega.inference.sampling.Sampler` must equal, token for token."""
+reference the device-side :class:`mega.inference.engine.sampling.Sampler` must equal, token for token."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mega.inference.sampling import SamplingParams
+from mega.inference.engine.sampling import SamplingParams
 
 
 class HostSampler:

@@ -14,11 +14,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import POSITIONS, hf_tiny, mega_from_hf  # noqa: E402
 
-from mega.inference.batching import Job  # noqa: E402
-from mega.inference.continuous import ContinuousBatchingWorker  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest  # noqa: E402
-from mega.inference.sampling import SamplingParams  # noqa: E402
-from mega.inference.stopping import StopRules  # noqa: E402
+from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
+from mega.inference.engine.sampling import SamplingParams  # noqa: E402
+from mega.inference.engine.stopping import StopRules  # noqa: E402
+from mega.inference.engine.worker import Job  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 8, 99, 3, 1], [7], [200, 13, 60], list(range(30, 50)), [11, 12]]
 
@@ -102,7 +102,7 @@ def test_greedy_requests_on_the_static_cache_choose_in_the_step(tiny_pair, monke
     sequence about to join is greedy, the decode step chooses the tokens itself (the captured
     graph's argmax on CUDA) and the rows just prefilled take their argmax; the tokens and endings
     are what each gets alone."""
-    from mega.inference.static_decode import DecodeSteps
+    from mega.inference.engine.slot_kv_cache import DecodeGraphs
 
     _, model, config = tiny_pair
     engine = engine_for(model, config)
@@ -110,8 +110,8 @@ def test_greedy_requests_on_the_static_cache_choose_in_the_step(tiny_pair, monke
              GenerationRequest(PROMPTS[1], 15), GenerationRequest(PROMPTS[4], 6)]
     alone = [engine.generate([request])[0] for request in batch]
     greedy_steps = []
-    original = DecodeSteps.greedy
-    monkeypatch.setattr(DecodeSteps, "greedy", lambda self, *a: greedy_steps.append(1) or original(self, *a))
+    original = DecodeGraphs.greedy
+    monkeypatch.setattr(DecodeGraphs, "greedy", lambda self, *a: greedy_steps.append(1) or original(self, *a))
     worker = ContinuousBatchingWorker(engine, max_batch_size=3, max_num_tokens=3 * POSITIONS, static_cache=True)
     together = staggered_on(worker, batch)
     assert [(r.tokens, r.finish_reason) for r in together] == [(r.tokens, r.finish_reason) for r in alone]
@@ -155,7 +155,7 @@ def test_prompts_admitted_together_are_prefilled_together_and_get_what_each_gets
     """All five requests queue before the worker starts, so one step admits them: the prompts
     without prompt log-probabilities are prefilled right-padded in one forward (or, with a
     40-token budget, three and a lone one), the others alone; the same into static-cache slots."""
-    import mega.inference.continuous as continuous
+    import mega.inference.engine.continuous as continuous
 
     _, model, config = tiny_pair
     engine = engine_for(model, config)

@@ -1,5 +1,6 @@
-"""One decode step for every engine path: the lock-step engine, the static KV cache, continuous
-batching over the paged cache, and the encoder-decoder engine give the same tokens,
+"""One decode step for every engine path: the one loop run to completion on the paged cache
+(``lock_step`` below: what ``GenerationEngine.generate`` runs) and on the static KV cache, the
+server's worker with its jobs, and the encoder-decoder engine give the same tokens,
 log-probabilities and finish reasons for the same requests, cancels and stops included, with one
 order of precedence (stop, then length, then cancel).
 
@@ -20,14 +21,13 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import POSITIONS, hf_tiny, mega_from_hf  # noqa: E402
 
-from mega.inference.batching import Job  # noqa: E402
-from mega.inference.continuous import ContinuousBatchingWorker  # noqa: E402
-from mega.inference.encoder_decoder import EncoderDecoderEngine  # noqa: E402
 from mega.inference.engine import FinishReason, GenerationEngine, GenerationRequest  # noqa: E402
-from mega.inference.host_copy import HostCopy, to_device  # noqa: E402
-from mega.inference.sampling import SamplingParams  # noqa: E402
-from mega.inference.static_decode import StaticDecoder  # noqa: E402
-from mega.inference.stopping import StopRules  # noqa: E402
+from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
+from mega.inference.engine.encoder_decoder import EncoderDecoderEngine  # noqa: E402
+from mega.inference.engine.host_copy import HostCopy, to_device  # noqa: E402
+from mega.inference.engine.sampling import SamplingParams  # noqa: E402
+from mega.inference.engine.stopping import StopRules  # noqa: E402
+from mega.inference.engine.worker import Job  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def lock_step(engine, stop_token):
 
 def static(engine, stop_token):
     batch, cancel_after = requests(stop_token)
-    return StaticDecoder(engine).generate(batch, on_token=canceller(batch, cancel_after))
+    return engine.generate(batch, on_token=canceller(batch, cancel_after), static_cache=True)
 
 
 def encoder_decoder(engine, stop_token):
@@ -193,8 +193,8 @@ def test_tokens_read_late_end_where_read_at_once(engine):
             batch.append(GenerationRequest([7, 9], 12, SamplingParams(temperature=0.8, seed=5), logprobs=True))
         streamed = [[] for _ in batch]
         on_token = lambda index, token, *_: streamed[index].append(token)  # noqa: E731
-        generate = lagged.generate if path == "lock-step" else StaticDecoder(lagged).generate
-        return generate(batch, on_token=on_token), len(forwards), streamed
+        results = lagged.generate(batch, on_token=on_token, static_cache=path == "static")
+        return results, len(forwards), streamed
 
     for path in ("lock-step", "static"):
         (at_once, forwards_at_once, streamed_at_once), (late, forwards_late, streamed_late) = (

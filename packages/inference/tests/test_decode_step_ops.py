@@ -19,9 +19,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import POSITIONS  # noqa: E402
 
-from mega.core.testing.copy_counts import CopyCounts  # noqa: E402
 from mega.inference.engine import GenerationEngine  # noqa: E402
-from mega.inference.static_decode import DecodeSteps, SlotKVCache  # noqa: E402
+from mega.inference.engine.slot_kv_cache import DecodeGraphs, SlotKVCache  # noqa: E402
+from mega.testing.copy_counts import CopyCounts  # noqa: E402
 
 # Per layer (19, in fp32 and bf16 alike; 39 at c14b0b4, before the cache's positions and mask,
 # the angles and the rotation's halves were made once): 2 norms, 4 linears (QKV, projection, gate+up, down),
@@ -39,7 +39,7 @@ def test_a_greedy_static_decode_step_stays_within_its_kernel_count(tiny_pair, dt
     _, model, config = tiny_pair
     model = copy.deepcopy(model).to(dtype)  # the fixture's model is shared by the session's tests
     engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
-    steps = DecodeSteps(engine, SlotKVCache(4, POSITIONS, engine.device, dtype), use_cuda_graphs=False)
+    steps = DecodeGraphs(engine, SlotKVCache(4, POSITIONS, engine.device, dtype), use_cuda_graphs=False)
     tokens, cached = torch.tensor([[5], [6], [7], [8]]), torch.tensor([3, 9, 0, 12])
     layers = list(model.decoder.layers.values())
     with torch.inference_mode():

@@ -14,10 +14,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from reference_sampler import HostSampler  # noqa: E402
 from tiny_models import POSITIONS, VOCAB, hf_tiny, mega_from_hf  # noqa: E402
 
-import mega.inference.decode_step as decode_step  # noqa: E402
-import mega.inference.sampling as sampling  # noqa: E402
+import mega.inference.engine.decode_step as decode_step  # noqa: E402
+import mega.inference.engine.sampling as sampling  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
-from mega.inference.sampling import GREEDY, SamplingParams  # noqa: E402
+from mega.inference.engine.sampling import GREEDY, SamplingParams  # noqa: E402
 
 OPTIONS = [
     GREEDY,

@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from mega.core.parallel import ParallelConfig, ParallelGroups  # noqa: E402
 from mega.inference.embeddings import Embedder  # noqa: E402
-from mega.inference.embeddings_api import create_embeddings_app  # noqa: E402
+from mega.inference.http.embeddings_api import create_embeddings_app  # noqa: E402
 from mega.inference.loader import load_model  # noqa: E402
 
 SENTENCES = ["A man is eating food.", "The new movie is awesome, and everyone who saw it says so loudly.",
@@ -147,3 +147,72 @@ def test_mega_serve_on_an_encoder_serves_embeddings(monkeypatch):
     got = [item["embedding"] for item in response.json()["data"]]
     assert cosine_distance(got, expected).max() < 1e-5
     assert client.post("/v1/completions", json={"prompt": "Hi"}).status_code == 404
+
+
+def test_the_embeddings_server_shares_the_http_layer(loaded):
+    """Over a real socket (CPU): the key before the body on every route, the schema pages
+    included, the scheme in any case; --max-request-bytes; unknown fields, routes and models as
+    OpenAI error objects; a text too long for the positions refused before it is tokenized."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from mega.inference.http.guards import OPEN_PATHS
+
+    embedder = Embedder(loaded.model, loaded.tokenizer, loaded.max_positions, loaded.config.vocab_size)
+    app = create_embeddings_app(embedder, "all-MiniLM-L6-v2", api_key="k", max_body_bytes=1 << 20)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    key = {"Authorization": "bearer k"}
+    try:
+        for path in ("/docs", "/openapi.json", "/redoc"):
+            assert httpx.get(f"{url}{path}").status_code == 401, path
+            assert httpx.get(f"{url}{path}", headers=key).status_code == 200, path
+        bad_json = httpx.post(f"{url}/v1/embeddings", content=b"{nope", headers={"content-type": "application/json"})
+        assert bad_json.status_code == 401 and bad_json.json()["error"]["code"] == "invalid_api_key"
+        assert all(httpx.get(f"{url}{path}").status_code == 200 for path in OPEN_PATHS)
+        cases = [(httpx.post(f"{url}/v1/embeddings", json={"input": "x" * (1 << 20)}, headers=key), 413, None),
+                 (httpx.post(f"{url}/v1/embeddings", json={"input": "Hi", "dimensions": 8}, headers=key), 400,
+                  "dimensions"),
+                 (httpx.post(f"{url}/v1/embeddings", json={"input": "Hi", "model": "other"}, headers=key), 404, "model"),
+                 (httpx.get(f"{url}/v1/nothing", headers=key), 404, None),
+                 (httpx.get(f"{url}/v1/embeddings", headers=key), 405, None),
+                 (httpx.post(f"{url}/v1/embeddings", json={"input": ["fine", "word " * 200_000]}, headers=key), 400,
+                  "input")]
+        for reply, status, param in cases:
+            assert reply.status_code == status, reply.text
+            assert set(reply.json()["error"]) == {"message", "type", "param", "code"} and reply.json()["error"]["param"] == param
+        assert "characters cannot fit the model's 512 positions" in cases[-1][0].json()["error"]["message"]
+        assert embeddings_of_url(url, key) == 1
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def embeddings_of_url(url: str, headers: dict) -> int:
+    import httpx
+
+    reply = httpx.post(f"{url}/v1/embeddings", json={"input": "A man is eating food."}, headers=headers)
+    assert reply.status_code == 200, reply.text
+    return len(reply.json()["data"])
+
+
+def test_mega_serve_on_an_encoder_honours_max_request_bytes(monkeypatch):
+    import uvicorn
+
+    from mega.inference.serve_cli import main
+
+    served = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **settings: served.update(app=app, **settings))
+    assert main(["--load", str(minilm_dir()), "--max-request-bytes", "1000"]) == 0
+    client = TestClient(served["app"])
+    assert client.post("/v1/embeddings", json={"input": "Hi"}).status_code == 200
+    refused = client.post("/v1/embeddings", json={"input": "x" * 1000})
+    assert refused.status_code == 413 and "--max-request-bytes" in refused.json()["error"]["message"]

@@ -12,10 +12,10 @@ transformers = pytest.importorskip("transformers")
 
 from mega.core.build import build_stage  # noqa: E402
 from mega.core.checkpoint import load_model_weights  # noqa: E402
-from mega.inference.encoder_decoder import EncoderDecoderEngine, is_encoder_decoder  # noqa: E402
 from mega.inference.engine import GenerationError, GenerationRequest  # noqa: E402
-from mega.inference.sampling import SamplingParams  # noqa: E402
-from mega.inference.stopping import StopRules  # noqa: E402
+from mega.inference.engine.encoder_decoder import EncoderDecoderEngine, is_encoder_decoder  # noqa: E402
+from mega.inference.engine.sampling import SamplingParams  # noqa: E402
+from mega.inference.engine.stopping import StopRules  # noqa: E402
 from mega.models import hf_mapping  # noqa: E402
 from mega.models.t5.family import FAMILY  # noqa: E402
 from mega.models.t5.hf_t5 import T5_MAPPING, t5_config  # noqa: E402
@@ -112,7 +112,7 @@ def test_megatron_lms_default_t5_generates_what_its_forward_computes():
     """Learned absolute positions (the decoder's cached steps continue at their own positions),
     LayerNorm and biases: greedy tokens of a mixed-length batch equal a cache-free greedy loop over
     the training forward, one prompt at a time."""
-    from mega.inference.encoder_decoder import DECODER_START_TOKEN
+    from mega.inference.engine.encoder_decoder import DECODER_START_TOKEN
 
     config = FAMILY.config_class(num_layers=2, hidden_size=32, num_attention_heads=4, kv_channels=8,
                                  ffn_hidden_size=48, seq_length=32, decoder_seq_length=16, vocab_size=VOCAB,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from mega.inference.loop_mailbox import post
+from mega.inference.engine.loop_mailbox import post
 
 
 def test_calls_from_another_thread_run_on_the_loop_in_order_with_fewer_wake_ups():

@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_continuous import run_staggered  # noqa: E402
 
 from mega.core.build import build_stage  # noqa: E402
-from mega.inference.continuous import ContinuousBatchingWorker  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
+from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
 from mega.models.deepseek_v3 import FAMILY, PRESETS  # noqa: E402
 
 

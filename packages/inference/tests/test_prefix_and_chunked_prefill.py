@@ -16,10 +16,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import POSITIONS, VOCAB, hf_tiny, mega_from_hf  # noqa: E402
 
-from mega.inference.batching import Job  # noqa: E402
-from mega.inference.continuous import ContinuousBatchingWorker  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
-from mega.inference.sampling import SamplingParams  # noqa: E402
+from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
+from mega.inference.engine.sampling import SamplingParams  # noqa: E402
+from mega.inference.engine.worker import Job  # noqa: E402
 
 LONG_POSITIONS = 600
 
@@ -155,8 +155,8 @@ def test_serve_refuses_flags_that_cannot_work_together(tmp_path, capsys, monkeyp
             main(["--load", str(tmp_path), *argv])
         assert words in capsys.readouterr().err + str(exit_info.value.code), argv
     # A web stack that cannot import (fastapi 0.165 without opentelemetry-api) ends it before any loading.
-    monkeypatch.setitem(sys.modules, "mega.inference.server", None)
-    with pytest.raises(SystemExit, match="needs the Python package 'mega.inference.server'.*opentelemetry-api"):
+    monkeypatch.setitem(sys.modules, "mega.inference.http.server", None)
+    with pytest.raises(SystemExit, match="needs the Python package 'mega.inference.http.server'.*opentelemetry-api"):
         main(["--load", str(tmp_path)])
     args = build_parser().parse_args(["--load", str(tmp_path)])
     assert args.enable_prefix_caching is None and args.max_request_bytes == 4 << 20 and args.host == "127.0.0.1"

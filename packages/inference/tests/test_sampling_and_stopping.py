@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mega.inference.completion_text import TextStream, completion_text
-from mega.inference.sampling import Sampler, SamplingError, SamplingParams
-from mega.inference.stopping import StopChecker, StopRules, cut_at_stop_string
+from mega.inference.engine.sampling import Sampler, SamplingError, SamplingParams
+from mega.inference.engine.stopping import StopChecker, StopRules, cut_at_stop_string
 
 
 class ByteTokenizer:

@@ -23,11 +23,11 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from mega.core.plugins import get_plugins  # noqa: E402
 from mega.core.tokenizer import TokenizerOptions  # noqa: E402
-from mega.inference.batching import BatchingWorker  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
-from mega.inference.server import MAX_BODY_BYTES, create_app  # noqa: E402
-from mega.inference.service import InferenceService  # noqa: E402
-from mega.inference.stopping import StopRules  # noqa: E402
+from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
+from mega.inference.engine.stopping import StopRules  # noqa: E402
+from mega.inference.http.server import MAX_BODY_BYTES, create_app  # noqa: E402
+from mega.inference.http.service import InferenceService  # noqa: E402
 
 API_KEY = "secret-key"
 
@@ -45,7 +45,7 @@ def served():
     tokenizer = get_plugins().tokenizers.get("NullTokenizer")(TokenizerOptions(vocab_size=VOCAB - 1))
     assert tokenizer.vocab_size == VOCAB and tokenizer.eod == VOCAB - 1
     engine = GenerationEngine(model, vocab_size=VOCAB, max_positions=POSITIONS, tokenizer=tokenizer)
-    worker = BatchingWorker(engine, max_batch_size=32)
+    worker = ContinuousBatchingWorker(engine, max_batch_size=32)
     service = InferenceService(engine, worker, tokenizer, "tiny-gpt2")
     worker.start()
     port = free_port()
@@ -241,19 +241,20 @@ def test_a_client_leaving_mid_stream_does_not_hurt_the_others(served, monkeypatc
     url, service = served
     expected = expected_greedy(service, "3 1 4 1 5", 40)
     finish_reasons = {}
-    generate = service.engine.generate
+    worker = service.worker  # the one loop: its decode step hands out tokens and endings
+    on_token, finish = worker._decode_step.on_token, worker._finish
 
-    def slow_recording_generate(requests, on_token=None, on_finish=None):
-        def slow_on_token(*args):  # 10 ms a token: the client surely leaves before the end
-            time.sleep(0.01)
-            on_token(*args)
+    def slow_on_token(*args):  # 10 ms a token: the client surely leaves before the end
+        time.sleep(0.01)
+        on_token(*args)
 
-        results = generate(requests, slow_on_token, on_finish)
-        for request, result in zip(requests, results, strict=True):
-            finish_reasons[tuple(request.prompt)] = result.finish_reason
-        return results
+    def recording_finish(sequence):
+        finish_reasons[tuple(sequence.request.prompt)] = sequence.finish_reason
+        finish(sequence)
 
-    monkeypatch.setattr(service.engine, "generate", slow_recording_generate)
+    monkeypatch.setattr(worker._decode_step, "on_token", slow_on_token)
+    monkeypatch.setattr(worker._decode_step, "on_finish", recording_finish)
+    monkeypatch.setattr(worker, "_finish", recording_finish)
     other = {}
 
     def other_client():
@@ -336,10 +337,10 @@ def test_chat_without_a_template_is_a_clear_400(served):
 def test_a_failing_engine_is_a_500_error_object_and_the_server_lives_on(served, monkeypatch):
     url, service = served
 
-    def broken(requests, on_token=None, on_finish=None):
+    def broken(*args, **kwargs):  # every forward of the loop's step
         raise RuntimeError("the accelerator caught fire")
 
-    monkeypatch.setattr(service.engine, "generate", broken)
+    monkeypatch.setattr(service.engine, "forward", broken)
     reply = httpx.post(f"{url}/v1/completions", json={"prompt": "5 6", "max_tokens": 2})
     assert reply.status_code == 500
     error = reply.json()["error"]
@@ -396,7 +397,7 @@ def test_max_model_len_caps_requests_and_sizes_the_cache(served):
     max_tokens over it is a 400 naming the prompt and the flag, on both APIs; within it the
     completion equals the uncapped engine's; a null max_tokens fills up to it; the static cache's
     slots and the paged cache's default size follow it."""
-    from mega.inference.continuous import ContinuousBatchingWorker
+    from mega.inference.engine.continuous import ContinuousBatchingWorker
 
     _, service = served
     engine = GenerationEngine(service.engine.model, vocab_size=VOCAB, max_positions=POSITIONS,

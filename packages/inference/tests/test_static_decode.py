@@ -1,5 +1,5 @@
-"""The static-KV-cache decode path (fixed shapes per batch-size bucket, what CUDA graphs
-capture; run eagerly on CPU here) gives the lock-step engine's tokens, greedy and sampled, for
+"""The one loop on the static KV cache (fixed shapes per batch-size bucket, what CUDA graphs
+capture; run eagerly on CPU here) gives the paged cache's tokens, greedy and sampled, for
 prompts of different lengths. The CUDA-graph capture itself needs a GPU and is not run here."""
 
 from __future__ import annotations
@@ -11,9 +11,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import POSITIONS  # noqa: E402
 
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
-from mega.inference.sampling import SamplingParams  # noqa: E402
-from mega.inference.static_decode import StaticDecoder, bucket_for  # noqa: E402
-from mega.inference.stopping import StopRules  # noqa: E402
+from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
+from mega.inference.engine.sampling import SamplingParams  # noqa: E402
+from mega.inference.engine.slot_kv_cache import bucket_for  # noqa: E402
+from mega.inference.engine.stopping import StopRules  # noqa: E402
+
+
+def static_worker(engine: GenerationEngine, slots: int) -> ContinuousBatchingWorker:
+    """The decoder loop on the static KV cache, a slot per request (``mega generate --static-kv-cache``)."""
+    return ContinuousBatchingWorker(engine, max_batch_size=slots, max_num_tokens=slots * POSITIONS, static_cache=True)
 
 
 def test_static_cache_decoding_equals_the_engine(tiny_pair):
@@ -24,9 +30,9 @@ def test_static_cache_decoding_equals_the_engine(tiny_pair):
                 GenerationRequest(list(range(30, 48)), 9, stop=StopRules(stop_ids=frozenset({1, 2, 3}))),
                 GenerationRequest([11, 12], 0)]
     expected = [engine.generate([request])[0] for request in requests]
-    decoder = StaticDecoder(engine)
-    assert decoder.use_cuda_graphs is False  # off on CPU
-    got = decoder.generate(requests)
+    decoder = static_worker(engine, len(requests))
+    assert decoder._decode_steps.use_cuda_graphs is False  # off on CPU
+    got = decoder.run_to_completion(requests)
     assert [r.tokens for r in got] == [r.tokens for r in expected]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
     assert bucket_for(3) == 4 and bucket_for(64) == 64
@@ -37,8 +43,8 @@ def test_static_kv_cache_is_on_by_default_on_cuda_only(tmp_path):
     import torch
 
     from mega.inference.engine import GenerationError
+    from mega.inference.engine.slot_kv_cache import static_kv_cache_wanted
     from mega.inference.generate_cli import build_parser
-    from mega.inference.static_decode import static_kv_cache_wanted
 
     def wanted(flags: list[str], device: str, tp: int = 1) -> bool:
         args = build_parser().parse_args(["--load", str(tmp_path), *flags])
@@ -58,27 +64,25 @@ def test_serve_runs_the_static_kv_cache_by_default_on_cuda_under_continuous_batc
     import torch
 
     from mega.inference.engine import GenerationError
-    from mega.inference.serve_cli import build_parser, static_kv_cache
+    from mega.inference.engine_setup import static_kv_cache
+    from mega.inference.serve_cli import build_parser
 
-    def static(flags: list[str], device: str, lockstep: bool = False) -> bool:
-        return static_kv_cache(build_parser().parse_args(["--load", str(tmp_path), *flags]), torch.device(device),
-                               lockstep)
+    def static(flags: list[str], device: str) -> bool:
+        return static_kv_cache(build_parser().parse_args(["--load", str(tmp_path), *flags]), torch.device(device))
 
     assert static([], "cuda") and not static([], "cpu") and static(["--static-kv-cache"], "cpu")
     assert not static(["--max-num-tokens", "4096"], "cuda")  # a paged cache of that size, unless asked
     assert static(["--max-num-tokens", "4096", "--static-kv-cache"], "cuda")
-    assert not static([], "cuda", lockstep=True)  # lock-step batches (tensor-parallel serving): when asked
-    assert static(["--static-kv-cache"], "cpu", lockstep=True)
     with pytest.raises(GenerationError, match="--static-kv-cache runs for decoder-only models"):
         static_kv_cache(build_parser().parse_args(["--load", str(tmp_path), "--static-kv-cache"]),
-                        torch.device("cpu"), True, decoder_only=False)
+                        torch.device("cpu"), decoder_only=False)
 
 
 def test_greedy_batches_choose_their_tokens_inside_the_step(tiny_pair, monkeypatch):
     """CPU. An all-greedy batch takes its tokens from the step's own argmax (what the captured graph
     computes on CUDA) once every row is past its prompt: the same tokens and endings as the engine,
     with rows retiring out of order (a stop in the first row, lengths in the others)."""
-    from mega.inference.static_decode import DecodeSteps
+    from mega.inference.engine.slot_kv_cache import DecodeGraphs
 
     _, model, config = tiny_pair
     engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
@@ -88,9 +92,9 @@ def test_greedy_batches_choose_their_tokens_inside_the_step(tiny_pair, monkeypat
                 GenerationRequest([7, 1], 14)]
     expected = [engine.generate([request])[0] for request in requests]
     greedy_steps = []
-    original = DecodeSteps.greedy
-    monkeypatch.setattr(DecodeSteps, "greedy", lambda self, *a: greedy_steps.append(1) or original(self, *a))
-    got = StaticDecoder(engine).generate(requests)
+    original = DecodeGraphs.greedy
+    monkeypatch.setattr(DecodeGraphs, "greedy", lambda self, *a: greedy_steps.append(1) or original(self, *a))
+    got = static_worker(engine, len(requests)).run_to_completion(requests)
     assert [r.tokens for r in got] == [r.tokens for r in expected]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
     assert len(greedy_steps) == 13  # every step after the first (which reads the prefill's logits)
@@ -102,7 +106,7 @@ def test_log_probabilities_keep_the_logits_path(tiny_pair):
     engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
     requests = [GenerationRequest([5, 17, 42], 6, logprobs=True), GenerationRequest([7], 6)]
     expected = [engine.generate([request])[0] for request in requests]
-    got = StaticDecoder(engine).generate(requests)
+    got = static_worker(engine, len(requests)).run_to_completion(requests)
     assert [r.tokens for r in got] == [r.tokens for r in expected]
     for mine, theirs in zip(got[0].logprobs, expected[0].logprobs, strict=True):
         assert abs(mine - theirs) < 1e-5

@@ -1,7 +1,9 @@
 """Tensor-parallel generation (tp=2 on gloo, CPU): the leader hands batches to the follower, and
-the results equal one process's, with the lock-step engine, on the static KV cache (its decode
-steps eager here; what CUDA graphs capture on a GPU), and continuous batching on the static KV
-cache (the serving default on a GPU); a cancellation on the leader alone keeps the ranks in step."""
+the results equal one process's, with the one loop run to completion on the paged and the static
+KV cache (its decode steps eager here; what CUDA graphs capture on a GPU), continuous batching on
+the static KV cache (the serving default on a GPU), and ``mega generate``'s whole ``main`` (the
+leader handing the follower each step's admissions); a cancellation on the leader alone keeps the
+ranks in step."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ FAMILIES = [("gpt2", "gpt"), ("llama", "llama")]
 
 def requests():
     from mega.inference.engine import GenerationRequest
-    from mega.inference.sampling import SamplingParams
+    from mega.inference.engine.sampling import SamplingParams
 
     return [
         GenerationRequest([5, 17, 42, 8, 99], 10, logprobs=True, top_logprobs=2),
@@ -34,15 +36,17 @@ def generate(weights, family_name: str, tp: int, static: bool = False):
     """The leader's results (None on the follower) at tensor-parallel size ``tp``."""
     from mega.core.parallel import ParallelConfig, ParallelGroups
     from mega.inference.engine import GenerationEngine
-    from mega.inference.static_decode import StaticDecoder
-    from mega.inference.tp_serving import follow, lead
+    from mega.inference.engine.tp_serving import lead, receive
 
     groups = ParallelGroups(ParallelConfig(tp=tp))
     model, config = mega_from_hf_weights(*weights, family_name, groups)
     engine = GenerationEngine(model, vocab_size=VOCAB, max_positions=POSITIONS, tp_group=groups.tp)
-    run = StaticDecoder(engine).generate if static else engine.generate
+    def run(batch, on_token=None):  # the one loop, run to completion on every rank alike
+        return engine.generate(batch, on_token=on_token, static_cache=static)
+
     if groups.tp.rank != 0:
-        follow(engine, groups.tp, run)
+        while (batch := receive(groups.tp)) is not None:
+            run(batch)
         return None
     batch, counts = requests(), [0] * 4
 
@@ -64,11 +68,12 @@ def serve_continuously(weights, family_name: str, tp: int):
     import asyncio
 
     from mega.core.parallel import ParallelConfig, ParallelGroups
-    from mega.inference.batching import Job
-    from mega.inference.continuous import ContinuousBatchingWorker
     from mega.inference.engine import GenerationEngine
-    from mega.inference.serve_cli import build_parser, continuous_worker, follow_serving
-    from mega.inference.tp_serving import lead
+    from mega.inference.engine.continuous import ContinuousBatchingWorker
+    from mega.inference.engine.tp_serving import lead
+    from mega.inference.engine.worker import Job
+    from mega.inference.engine_setup import build_worker
+    from mega.inference.serve_cli import build_parser
 
     groups = ParallelGroups(ParallelConfig(tp=tp))
     model, config = mega_from_hf_weights(*weights, family_name, groups)
@@ -76,9 +81,9 @@ def serve_continuously(weights, family_name: str, tp: int):
     # As `torchrun ... mega serve --static-kv-cache --no-cuda-graphs` builds it on every rank.
     args = build_parser().parse_args(["--load", ".", "--max-batch-size", "4", "--static-kv-cache", "--no-cuda-graphs"])
     if groups.tp.rank != 0:
-        follow_serving(args, engine)
+        build_worker(args, engine).follow()
         return None
-    worker = continuous_worker(args, engine, static=True)
+    worker = build_worker(args, engine)
     assert isinstance(worker, ContinuousBatchingWorker) and worker.prefix_caching and worker._decode_steps is not None
     batch = requests()
 
@@ -130,3 +135,31 @@ def test_tensor_parallel_generation_equals_one_process(worlds):
                 assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) < 1e-5
         assert leader[kind][3].finish_reason == "cancelled" and len(leader[kind][3].generated) == 3
         assert [t for t, _ in leader[kind][0].top_logprobs[-1]] == [t for t, _ in expected[kind][0].top_logprobs[-1]]
+
+
+def generate_command(directory: str) -> str:
+    """What ``mega generate``'s whole ``main`` prints on this rank (rank 0 prints; 3 prompts, 2 at
+    a time, so the third joins the running batch on both ranks). Seeded sampling, log-probabilities."""
+    import contextlib
+    import io
+
+    from mega.inference.generate_cli import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["--load", directory, "--device", "cpu", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                     str(VOCAB - 1), "--max-tokens", "6", "--json", "--logprobs", "--temperature", "0.8", "--seed",
+                     "3", "--max-batch-size", "2", "--prompt", "5 17 42", "--prompt", "7 9", "--prompt", "1 2 3 4"]) == 0
+    return printed.getvalue()
+
+
+def test_mega_generate_under_tensor_parallelism_equals_one_process(worlds, tmp_path):
+    import json
+
+    hf_tiny("llama").save_pretrained(tmp_path)
+    expected = [json.loads(line) for line in generate_command(str(tmp_path)).splitlines()]
+    leader, follower = worlds.run(2, generate_command, str(tmp_path))
+    assert follower == "" and len(expected) == 3
+    for got, want in zip((json.loads(line) for line in leader.splitlines()), expected, strict=True):
+        assert got["tokens"] == want["tokens"] and got["finish_reason"] == want["finish_reason"]
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)) < 1e-5

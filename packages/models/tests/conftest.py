@@ -1,4 +1,4 @@
-"""Settings shared by mega-models' tests (``assert_close`` and ``worlds`` come from mega.core.testing)."""
+"""Settings shared by mega-models' tests (``assert_close`` and ``worlds`` come from mega.testing)."""
 
 from __future__ import annotations
 

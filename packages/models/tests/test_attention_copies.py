@@ -1,7 +1,7 @@
 """CPU. Attention runs without the copies it used to make (issue 31, item 4): the grouped query
 is a view of the QKV output until the rotation writes it fresh, RoPE has no ``cat``, cos/sin are
 made once per forward in the run's dtype, and the kernel's inputs are views. The counts come
-from :mod:`mega.core.testing.copy_counts` (a dispatch mode that sees every ATen op, forward and
+from :mod:`mega.testing.copy_counts` (a dispatch mode that sees every ATen op, forward and
 backward); the rotation is compared with transformers' ``apply_rotary_pos_emb``.
 
 Before this change a tiny LLaMA layer made, per layer: 3 copies (the query's reshape, and the
@@ -16,11 +16,11 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from mega.core.build import build_stage
-from mega.core.testing.copy_counts import count_copies
 from mega.models import deepseek_v3, gpt, llama
 from mega.models.config import TransformerConfig
 from mega.models.rope import rotary_cos_sin
 from mega.models.torch_kernels import apply_rotary
+from mega.testing.copy_counts import count_copies
 
 LAYERS, SEQ, BATCH = 2, 16, 2
 # Per layer, within the attention module (forward and backward):

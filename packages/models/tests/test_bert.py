@@ -122,7 +122,7 @@ def test_presets_flags_and_refusals():
     assert family is FAMILY and set(FAMILY.presets) == {"tiny", "base", "large", "minilm-l6"}
     base = FAMILY.preset("base")
     assert bert_num_parameters(dataclasses.replace(base, make_vocab_size_divisible_by=1)) == 110_106_428
-    from mega.core.training.command import parse_run
+    from mega.train.command import parse_run
 
     common = ["--model-family", "bert", "--model-preset", "tiny", "--mock-data"]
     assert parse_run(common)[0].model.bert_binary_head

@@ -19,7 +19,7 @@ TINY = ["--mock-data", "--model-preset", "tiny", "--num-layers", "2", "--hidden-
 
 
 def parse(argv):
-    from mega.core.training.command import parse_run
+    from mega.train.command import parse_run
 
     return parse_run(argv)
 
@@ -55,7 +55,7 @@ def test_layer_traces_as_one_graph_forward_and_backward(family):
 
 
 def test_compiled_training_matches_eager():
-    from mega.core.training.launch_run import run_training
+    from mega.train.launch_run import run_training
 
     argv = TINY + FAMILIES["llama"] + ["--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0"]
     eager = run_training(*parse(argv)).losses
@@ -66,7 +66,7 @@ def test_compiled_training_matches_eager():
 
 def test_compile_units_are_the_layers_and_names_stay():
     from mega.core.build import build_stage
-    from mega.core.training.compile import compile_stage
+    from mega.train.compile import compile_stage
 
     run, family = parse(TINY + FAMILIES["gpt"])
     model = build_stage(family, run.model)
@@ -78,7 +78,7 @@ def test_compile_units_are_the_layers_and_names_stay():
 
 def test_compile_with_selective_recompute_is_refused_before_any_work():
     from mega.core.config import ConfigError
-    from mega.core.training.run_config import derive
+    from mega.train.run_config import derive
 
     run, _ = parse(TINY + FAMILIES["gpt"] + ["--compile", "--recompute-activations"])
     with pytest.raises(ConfigError, match="--compile with --recompute-granularity selective"):

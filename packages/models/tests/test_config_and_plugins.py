@@ -29,7 +29,7 @@ def test_derived_sizes_follow_megatron():
 def test_a_preset_derives_what_it_did_not_choose_from_the_values_in_force():
     """A preset's derived sizes follow the flags that override what they derive from; what the
     preset chose (LLaMA-3 8B's 8 query groups and 14336-wide MLP) stays."""
-    from mega.core.training.command import parse_run
+    from mega.train.command import parse_run
 
     def model(*argv):
         return parse_run([*argv, "--mock-data"])[0].model

@@ -12,12 +12,12 @@ import torch
 
 from mega.core.build import build_stage
 from mega.core.parallel import ParallelConfig
-from mega.core.testing.saved_activations import saved_activation_bytes
 from mega.models.gpt import FAMILY as GPT_FAMILY
 from mega.models.gpt import PRESETS as GPT
 from mega.models.llama import FAMILY as LLAMA_FAMILY
 from mega.models.llama import PRESETS as LLAMA
 from mega.models.memory import stage_footprint, stage_parameters
+from mega.testing.saved_activations import saved_activation_bytes
 
 RECOMPUTE = {
     "none": {},

@@ -84,9 +84,9 @@ def test_presets_size_and_flops():
 
 def test_bad_input_names_the_flags():
     from mega.core.config import ConfigError
-    from mega.core.training.command import parse_run
-    from mega.core.training.run_config import derive
     from mega.models.config import ModelConfigError
+    from mega.train.command import parse_run
+    from mega.train.run_config import derive
 
     base = ["--model-family", "mixtral", "--model-preset", "tiny", "--mock-data"]
     run, _ = parse_run(base + ["--num-experts", "6", "--expert-model-parallel-size", "4"])

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from mega.core.planning.plan_command import main as plan_main
+from mega.train.planning.plan_command import main as plan_main
 
 GB = 1e9
 
@@ -68,8 +68,8 @@ def test_plan_names_a_bad_flag(capsys):
 
 
 def test_pipeline_stages_hold_the_micro_batches_1f1b_keeps_in_flight():
-    from mega.core.planning.memory_plan import Layout, plan_memory
     from mega.core.plugins import get_plugins
+    from mega.train.planning.memory_plan import Layout, plan_memory
 
     family = get_plugins().models.get("gpt")
     config = family.preset("1.3b")
@@ -128,14 +128,14 @@ def test_search_shards_with_fsdp_only_where_the_distributed_optimizer_does_not_f
     least sharding that fits (ZeRO-1, then ZeRO-2, then ZeRO-3), as `mega plan --search` says."""
     import dataclasses
 
-    from mega.core.planning.step_estimate import (
+    from mega.core.plugins import get_plugins
+    from mega.train.planning.step_estimate import (
         MEMORY_HEADROOM,
         SHARDING_ORDER,
         estimate,
         search,
         with_recompute,
     )
-    from mega.core.plugins import get_plugins
 
     family = get_plugins().models.get("llama")
     config = family.preset("llama3-8b")

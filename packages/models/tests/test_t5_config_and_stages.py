@@ -13,7 +13,7 @@ from mega.models.t5.family import FAMILY
 
 
 def test_encoder_seq_length_is_seq_length_and_presets_match_google_sizes():
-    from mega.core.training.command import parse_run
+    from mega.train.command import parse_run
 
     run, _ = parse_run(["--model-family", "t5", "--model-preset", "tiny", "--mock-data", "--encoder-seq-length", "48",
                         "--decoder-seq-length", "12"])

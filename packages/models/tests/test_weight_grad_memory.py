@@ -4,7 +4,7 @@ zero-bubble schedule) against what the deferred products really hold (CPU, one p
 The last stage of a two-stage split (two layers, the final norm, the output layer and the loss)
 runs one micro-batch forward inside ``deferring_weight_grads``, as a zero-bubble schedule's F
 does, and backward (B); the storages the pending products keep, the parameters aside
-(mega.core.testing.held_for_w), are compared with the family's memory model. Dense layers
+(mega.testing.held_for_w), are compared with the family's memory model. Dense layers
 (GPT with biases, LLaMA with grouped queries, Qwen3 with QK-norm), experts (Mixtral: the loop over
 experts) and DeepSeek-V3 (multi-latent attention, a dense first layer, shared experts, the
 multi-token prediction head whose output layer keeps its logits' gradient).
@@ -19,12 +19,12 @@ from mega.core.build import build_stage
 from mega.core.model_family import LossContext
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.weight_grad_split import deferring_weight_grads
-from mega.core.testing.held_for_w import bytes_held_for_w
 from mega.models.deepseek_v3 import FAMILY as DEEPSEEK
 from mega.models.gpt import FAMILY as GPT
 from mega.models.llama import FAMILY as LLAMA
 from mega.models.mixtral import FAMILY as MIXTRAL
 from mega.models.qwen3 import FAMILY as QWEN3
+from mega.testing.held_for_w import bytes_held_for_w
 
 SEQ, MICRO_BATCH = 32, 2
 FAMILIES = {"gpt": GPT, "llama": LLAMA, "qwen3": QWEN3, "mixtral": MIXTRAL, "deepseek-v3": DEEPSEEK}

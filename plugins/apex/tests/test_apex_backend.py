@@ -130,8 +130,8 @@ def test_train_refuses_apex_adam_before_any_work():
     if importlib.util.find_spec("apex") is not None:
         pytest.skip("apex is installed here")
     from mega.core.config import ConfigError
-    from mega.core.training.command import parse_run
-    from mega.core.training.run_config import derive
+    from mega.train.command import parse_run
+    from mega.train.run_config import derive
 
     run, _ = parse_run(["--mock-data", "--model-family", "gpt", "--model-preset", "tiny", "--optimizer", "apex-adam"])
     with pytest.raises(ConfigError, match=r"--optimizer apex-adam is not available: apex is not installed"):
@@ -142,7 +142,7 @@ def test_mega_train_without_the_library_fails_in_one_line_naming_it(capsys):
     """`mega train --kernels apex` where apex is absent: exit status 2 before any work, one line."""
     if importlib.util.find_spec("apex") is not None:
         pytest.skip("apex is installed here")
-    from mega.core.training.command import main
+    from mega.train.command import main
 
     assert main(["--mock-data", "--model-family", "gpt", "--model-preset", "tiny", "--kernels", "apex",
                  "--train-iters", "1"]) == 2
@@ -155,8 +155,8 @@ def test_gpt_trains_with_apex_norms_and_fused_adam_and_torch_resumes_it(monkeypa
     plumbing), and its checkpoint (norms under torch's names, Adam's step per parameter) resumes
     with the torch backend and optimizer, and with apex's."""
     from mega.core.plugins import get_plugins
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
+    from mega.train.command import parse_run
+    from mega.train.launch_run import run_training
 
     calls = standin.install(monkeypatch)
     plugins = get_plugins()

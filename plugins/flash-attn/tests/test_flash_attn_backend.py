@@ -180,7 +180,7 @@ def test_mega_train_without_the_library_fails_in_one_line_naming_it(capsys):
     """`mega train --kernels flash-attn` where flash_attn is absent: exit status 2 before any work, one line."""
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash_attn is installed here")
-    from mega.core.training.command import main
+    from mega.train.command import main
 
     assert main(["--mock-data", "--model-family", "gpt", "--model-preset", "tiny", "--kernels", "flash-attn",
                  "--train-iters", "1"]) == 2
@@ -191,8 +191,8 @@ def test_mega_train_without_the_library_fails_in_one_line_naming_it(capsys):
 def test_llama_trains_with_flash_attn_to_the_torch_backends_losses(monkeypatch):
     """The adapter inside the model (``[s, b, h, d]`` in, GQA, causal): the same losses as sdpa."""
     from mega.core.plugins import get_plugins
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
+    from mega.train.command import parse_run
+    from mega.train.launch_run import run_training
 
     fa2 = standin.install(monkeypatch)
     monkeypatch.setattr(get_plugins().kernel_backends.get("flash-attn"), "gpu", FixedGPU())

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from mega.core.kernel_requirements import FixedGPU
 from mega.core.plugins import get_plugins
-from mega.core.training.command import parse_run
-from mega.core.training.launch_run import run_training
+from mega.train.command import parse_run
+from mega.train.launch_run import run_training
 
 
 def rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True):

@@ -166,10 +166,10 @@ def test_fused_linear_cross_entropy_refusals(monkeypatch):
     from mega.core.model_family import Stage
     from mega.core.parallel import ParallelConfig
     from mega.core.plugins import get_plugins
-    from mega.core.training.command import parse_run
-    from mega.core.training.run_config import derive
     from mega.models.config import TransformerConfig
     from mega.models.language_model import LanguageModel
+    from mega.train.command import parse_run
+    from mega.train.run_config import derive
 
     standin.install(monkeypatch)
     monkeypatch.setattr(get_plugins().kernel_backends.get("liger"), "gpu", FixedGPU())
@@ -222,8 +222,8 @@ GPT = ["--model-family", "gpt", "--model-preset", "tiny"]
 
 
 def _train(argv):
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
+    from mega.train.command import parse_run
+    from mega.train.launch_run import run_training
 
     run, family = parse_run(argv)
     return run_training(run, family).losses
@@ -260,7 +260,7 @@ def test_mega_train_without_the_library_fails_in_one_line_naming_it(capsys):
     """`mega train --kernels liger` where liger_kernel is absent: exit status 2 before any work, one line."""
     if importlib.util.find_spec("liger_kernel") is not None:
         pytest.skip("liger_kernel is installed here")
-    from mega.core.training.command import main
+    from mega.train.command import main
 
     assert main(["--mock-data", "--model-family", "gpt", "--model-preset", "tiny", "--kernels", "liger",
                  "--train-iters", "1"]) == 2
@@ -296,8 +296,8 @@ def test_a_compiled_stage_with_liger_components_traces(liger_here):
     numbers are eager's."""
     from mega.core.build import build_stage
     from mega.core.kernels import Kernels
-    from mega.core.training.command import parse_run
-    from mega.core.training.compile import compile_stage
+    from mega.train.command import parse_run
+    from mega.train.compile import compile_stage
 
     run, family = parse_run(TINY + LLAMA + ["--kernels", "liger"])
     kernels = Kernels(run.kernels.selection())

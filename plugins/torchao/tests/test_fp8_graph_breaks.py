@@ -32,7 +32,7 @@ def breaks_of_layer(family_name: str, fp8: bool) -> list[str]:
     from mega_torchao.fp8 import apply_fp8, float8_config
 
     from mega.core.build import build_stage
-    from mega.core.training.command import parse_run
+    from mega.train.command import parse_run
 
     run, family = parse_run(TINY + FAMILIES[family_name])
     model = build_stage(family, run.model, device=torch.device("cpu"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mega.core.testing.training_runs import assert_losses_close, train_each, train_losses
+from mega.train.testing.training_runs import assert_losses_close, train_each, train_losses
 
 TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -152,8 +152,8 @@ def test_the_pass_keeps_the_output_layer_and_outer_layers_and_refuses_by_name():
 
     from mega.core.build import build_stage
     from mega.core.config import ConfigError
-    from mega.core.training.command import parse_run
-    from mega.core.training.run_config import derive
+    from mega.train.command import parse_run
+    from mega.train.run_config import derive
 
     run, family = parse_run(TINY + FAMILIES["llama"] + ["--num-layers", "4", "--untie-embeddings-and-output-weights"])
     stage = build_stage(family, run.model, device="cpu")

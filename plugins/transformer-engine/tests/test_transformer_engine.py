@@ -63,8 +63,8 @@ def standin():
 
 
 def train(argv):
-    from mega.core.training.command import parse_run
-    from mega.core.training.launch_run import run_training
+    from mega.train.command import parse_run
+    from mega.train.launch_run import run_training
 
     run, family = parse_run(argv)
     return run_training(run, family).losses
@@ -93,7 +93,7 @@ def test_is_available_names_what_is_missing():
 @pytest.mark.parametrize("flags", [["--transformer-impl", "transformer_engine"], ["--kernels", "transformer-engine"],
                                    ["--fp8-format", "hybrid"]])
 def test_train_refuses_before_any_work(flags, capsys, monkeypatch):
-    from mega.core.training.command import main
+    from mega.train.command import main
 
     hide_standin(monkeypatch)
 
@@ -125,7 +125,7 @@ def test_te_modules_compute_what_torch_computes_and_checkpoints_move(standin, fa
     from mega.core.checkpoint.sharded_io import read_index
     from mega.core.kernels import Kernels, select_backends
     from mega.core.plugins import get_plugins
-    from mega.core.training.command import parse_run
+    from mega.train.command import parse_run
 
     base = TINY + FAMILIES[family]
     run, model_family = parse_run(base + ["--train-iters", "4"])
@@ -169,7 +169,7 @@ def test_layer_norm_mlp_outputs_and_gradients_equal_torch(standin):
     from mega.core.checkpoint.state import named_parameters
     from mega.core.kernels import Kernels, select_backends
     from mega.core.plugins import get_plugins
-    from mega.core.training.command import parse_run
+    from mega.train.command import parse_run
 
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
     for family, extra in (("gpt", ["--openai-gelu"]), ("llama", [])):
@@ -260,7 +260,7 @@ def test_fp8_runs_linear_layers_under_autocast_and_keeps_their_state(standin, tm
     from mega.core.checkpoint import load_model_weights
     from mega.core.kernels import Kernels, select_backends
     from mega.core.plugins import get_plugins
-    from mega.core.training.command import parse_run
+    from mega.train.command import parse_run
 
     argv = TINY + FAMILIES["llama"] + WITH_TE + ["--train-iters", "2", "--fp8-hybrid"]  # Megatron's older flag
     standin.events.clear()
@@ -278,8 +278,8 @@ def test_fp8_runs_linear_layers_under_autocast_and_keeps_their_state(standin, tm
 
 def test_fp8_flags_refused_clearly(standin):
     from mega.core.config import ConfigError
-    from mega.core.training.command import parse_run
-    from mega.core.training.run_config import derive
+    from mega.train.command import parse_run
+    from mega.train.run_config import derive
 
     def check(argv):  # what `mega train` does before any work
         derive(parse_run(TINY + FAMILIES["gpt"] + argv)[0], 1)

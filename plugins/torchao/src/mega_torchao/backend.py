@@ -1,5 +1,5 @@
 """The ``torchao`` backend: no component kinds, only the ``fp8`` feature with the current-scaling
-recipes torchao computes. :func:`mega.core.training.fp8_recipes.fp8_backend` picks it for
+recipes torchao computes. :func:`mega.core.fp8_recipes.fp8_backend` picks it for
 ``--fp8-recipe tensorwise|rowwise``; the pass itself is :func:`mega_torchao.fp8.apply_fp8`."""
 
 from __future__ import annotations

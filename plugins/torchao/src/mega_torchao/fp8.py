@@ -1,6 +1,8 @@
 """The FP8 pass: :func:`apply_fp8` puts the linear layers of a built model chunk on torchao's FP8
-products, and :func:`fp8_pass_callback` runs it on every chunk of a run that asks for
-``--fp8-format e4m3|hybrid --fp8-recipe tensorwise|rowwise``.
+products, and :func:`fp8_pass` runs it on every chunk of a run that asks for
+``--fp8-format e4m3|hybrid --fp8-recipe tensorwise|rowwise``: a setup pass of phase ``PRECISION``
+(:mod:`mega.core.setup_passes`), after the adapters (LoRA's are converted too), before recompute,
+compile and data parallelism.
 
 Kept in higher precision, as Megatron keeps them: the output layer (the logits), the MoE router
 (its softmax picks experts), and with ``--first-last-layers-bf16`` the first
@@ -19,9 +21,10 @@ import torch
 from torch import nn
 
 from mega.core.config import ConfigError
+from mega.core.fp8_recipes import fp8_backend
 from mega.core.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from mega.core.plugins import get_plugins, hookimpl
-from mega.core.training.fp8_recipes import fp8_backend
+from mega.core.plugins import get_plugins
+from mega.core.setup_passes import ModelSetup, Phase, SetupPass, per_chunk
 from mega_torchao.backend import MIN_CAPABILITY, RECIPES
 
 HIGHER_PRECISION = re.compile(r"(^|\.)(output_layer|router)$")
@@ -108,7 +111,7 @@ def check_device(device: torch.device, recipe: str) -> None:
 
 
 class FP8Pass:
-    """The listener: ``on_stage_built`` applies :func:`apply_fp8` to each model chunk."""
+    """The pass over one chunk: :func:`apply_fp8` with the run's precision flags; ``reports`` what it did."""
 
     def __init__(self, precision, num_layers: int, defer_weight_grads: bool = False):
         self.config = float8_config(precision.fp8, precision.fp8_recipe)
@@ -119,17 +122,16 @@ class FP8Pass:
         self.at_end = precision.num_layers_at_end_in_bf16 if outer else 0
         self.reports: list[FP8Report] = []
 
-    @hookimpl
-    def on_stage_built(self, stage, groups):
-        check_device(groups.device, self.recipe)
+    def __call__(self, stage: nn.Module, setup: ModelSetup) -> None:
+        check_device(setup.groups.device, self.recipe)
         self.reports.append(apply_fp8(stage, self.config, num_layers=self.num_layers,
                                       layers_at_start=self.at_start, layers_at_end=self.at_end,
                                       defer_weight_grads=self.defer_weight_grads))
 
 
-def fp8_pass_callback(run_config):
-    """The per-run listener when the run trains in FP8 with a recipe of torchao's, and torchao is
-    the backend :func:`~mega.core.training.fp8_recipes.fp8_backend` picks; None otherwise."""
+def fp8_pass(run_config) -> SetupPass | None:
+    """The run's FP8 pass when it trains in FP8 with a recipe of torchao's, and torchao is
+    the backend :func:`~mega.core.fp8_recipes.fp8_backend` picks; None otherwise."""
     precision = run_config.precision
     if precision.fp8 is None or precision.fp8_recipe not in RECIPES:
         return None
@@ -139,4 +141,5 @@ def fp8_pass_callback(run_config):
     if not available:
         raise ConfigError(f"--fp8-recipe {precision.fp8_recipe}: {missing}")
     # A zero-bubble schedule (any but 1f1b) leaves weight gradients to its W steps.
-    return FP8Pass(precision, run_config.model.num_layers, run_config.pipeline.pipeline_schedule != "1f1b")
+    chunk_pass = FP8Pass(precision, run_config.model.num_layers, run_config.pipeline.pipeline_schedule != "1f1b")
+    return per_chunk("fp8-torchao", Phase.PRECISION, chunk_pass)

@@ -10,6 +10,6 @@ def register_kernel_backends(register):
 
 
 @hookimpl
-def register_callbacks(register):
-    register("fp8-torchao", "mega_torchao.fp8:fp8_pass_callback",
-             "the FP8 pass (apply_fp8) over every model chunk when --fp8-recipe is tensorwise or rowwise")
+def register_setup_passes(register):
+    register("fp8-torchao", "mega_torchao.fp8:fp8_pass",
+             "precision: the FP8 layers of apply_fp8 in every model chunk when --fp8-recipe is tensorwise or rowwise")

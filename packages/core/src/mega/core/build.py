@@ -1,8 +1,10 @@
-"""``build_stage``: the one way a rank builds its part of a model (training, inference, loading,
-conversion).
+"""``build_model`` / ``build_stage``: the one way a rank builds its part of a model (training,
+inference, loading, conversion).
 
-    family.build on the meta device -> family.parallelize (tensor plan, RNG forks, recompute)
-    -> cast -> materialise this rank's shards -> initialise them from per-name seeds
+    family.build on the meta device -> the setup passes in phase order (mega.core.setup_passes):
+    the family's (experts, tensor plan, context parallelism) on meta -> MATERIALIZE (cast,
+    this rank's shards on the device, initialised from per-name seeds) -> the family's recompute
+    and the run's passes (LoRA, FP8, compile, tying, data parallelism)
 
 Nothing but this rank's shards is ever allocated: a tp8 x pp8 stage of a 70B model costs its
 own bytes, not a whole layer's. Initialisation is layout-independent: every global parameter is
@@ -23,49 +25,80 @@ family with the ``moe`` feature at ep, tp x ep and expert-tensor-parallel layout
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 
 import torch
 from torch import nn
 
 from mega.core.kernels import Kernels
-from mega.core.model_family import ModelFamily, Stage, StageRun
+from mega.core.model_family import ModelFamily, ParallelContext, Stage
 from mega.core.parallel.config import ParallelConfig
 from mega.core.parallel.groups import Group, ParallelGroups
 from mega.core.parallel.pieces import Piece, TensorParallelSplit, tensor_pieces
 from mega.core.parameter_names import canonical_names
+from mega.core.setup_passes import ModelSetup, Phase, SetupPass, run_setup
 
 DEFAULT_SEED = 1234  # Megatron's --seed default
 # Elements per initialisation block (a fixed number of whole rows, from the global shape alone).
 ROW_BLOCK_ELEMENTS = 1 << 22
 
 
-def build_stage(family: ModelFamily, config, stage: Stage | None = None, *, groups: ParallelGroups | None = None,
+def build_model(family: ModelFamily, config, stages: list[Stage], *, groups: ParallelGroups | None = None,
                 parallel: ParallelConfig | None = None, kernels: Kernels | None = None, rng_tracker=None,
                 seed: int = DEFAULT_SEED, device: torch.device | str | None = None,
-                dtype: torch.dtype = torch.float32, init: bool = True, training: bool = True) -> nn.Module:
-    """This rank's ``stage`` of ``family``'s model (default: the whole model), made parallel over
-    ``groups`` (default: one process) and initialised from ``seed``.
+                dtype: torch.dtype = torch.float32, init: bool = True, training: bool = True,
+                passes: list[SetupPass] = (), run=None) -> list[nn.Module]:
+    """This rank's model chunks, one per stage of ``stages``, set up by the family's passes, the
+    core's materialisation and ``passes`` (a run's), all in phase order (:func:`run_setup`).
 
-    ``parallel`` sets the layout the model is shaped for (the vocabulary padding) when it differs
-    from ``groups.config`` (shapes of a tp2 model on one process). ``device="meta"`` allocates
-    nothing; ``init=False`` leaves the shards uninitialised for weights that are loaded next.
+    ``groups`` default to one process. ``parallel`` sets the layout the model is shaped for (the
+    vocabulary padding) when it differs from ``groups.config`` (shapes of a tp2 model on one
+    process). ``device="meta"`` allocates nothing; ``init=False`` leaves the shards uninitialised
+    for weights that are loaded next. ``run``: the training run's config, which passes may read.
     """
     groups = groups if groups is not None else ParallelGroups(ParallelConfig())
     parallel = parallel if parallel is not None else groups.config
-    stage = stage if stage is not None else family.whole_model(config)
     device = torch.device(device) if device is not None else groups.device
+    context = ParallelContext(groups, parallel.sequence_parallel, rng_tracker)
+    chunks = build_on_meta(family, config, stages, kernels or Kernels(), parallel, context)
+    setup = ModelSetup(chunks, family, config, groups, parallel, rng_tracker, training, device, dtype, seed, init, run)
+    return run_setup(setup, [*family.layout_passes(), MATERIALIZE, *passes])
+
+
+def build_on_meta(family: ModelFamily, config, stages: list[Stage], kernels: Kernels, parallel: ParallelConfig,
+                  context: ParallelContext | None = None) -> list[nn.Module]:
+    """The family's module of each stage, on the meta device (nothing allocated); a builder that
+    declares ``context`` gets it (its modules take groups and RNG tracker at construction)."""
+    extra = {"context": context} if "context" in inspect.signature(family.build).parameters else {}
+    chunks = []
     with torch.device("meta"):
-        module = family.build(config, stage, kernels=kernels or Kernels(), parallel=parallel)
-        module.stage = stage
-        module = family.parallelize_stage(module, groups, StageRun(config, parallel, rng_tracker, training))
-    module.to(dtype)
-    if device.type == "meta":
-        return module
-    materialize(module, device)
-    if init:
-        initialize_parameters(module, family, config, seed, groups.tp)
-    return module
+        for stage in stages:
+            module = family.build(config, stage, kernels=kernels, parallel=parallel, **extra)
+            module.stage = stage
+            chunks.append(module)
+    return chunks
+
+
+def build_stage(family: ModelFamily, config, stage: Stage | None = None, **options) -> nn.Module:
+    """This rank's ``stage`` of ``family``'s model (default: the whole model), made parallel over
+    ``groups`` (default: one process) and initialised from ``seed``: :func:`build_model` of one stage."""
+    stage = stage if stage is not None else family.whole_model(config)
+    return build_model(family, config, [stage], **options)[0]
+
+
+def _materialize_chunks(setup: ModelSetup) -> None:
+    for module in setup.chunks:
+        module.to(setup.dtype)
+        if setup.device.type == "meta":
+            continue
+        materialize(module, setup.device)
+        if setup.init:
+            initialize_parameters(module, setup.family, setup.config, setup.seed, setup.groups.tp)
+
+
+MATERIALIZE = SetupPass("materialize", Phase.MATERIALIZE, _materialize_chunks,
+                        "cast, give this rank's shards storage on the device, initialise them from per-name seeds")
 
 
 def materialize(module: nn.Module, device: torch.device) -> nn.Module:

@@ -7,11 +7,14 @@ a rank's part of a model with :func:`mega.core.build.build_stage`, which asks th
 * ``pipeline_stages(config, pp, vpp, layers_per_stage=None)``: the virtual stages of the model, in
   pipeline order, each a :class:`Stage` (which layers of which stack it holds, which micro-batch
   fields it reads); ``layers_per_stage`` an uneven split (:mod:`mega.core.pipeline.layout`);
-* ``build(config, stage, kernels)``: the stage as single-device code (built on the ``meta``
-  device by the core; nothing allocated), asking ``kernels`` for its components;
-* ``parallelize(module, groups, run)``: make it parallel from the outside - tensor and
-  sequence parallelism, the dropout-RNG fork, recompute - the default applies the family's
-  ``tensor_parallel_plan``;
+* ``build(config, stage, kernels, parallel, context)``: the stage as single-device code (built
+  on the ``meta`` device by the core; nothing allocated), asking ``kernels`` for its components;
+  its modules take the layout they run in (groups, sequence parallelism, RNG tracker) at
+  construction from ``context`` (:class:`ParallelContext`), not as attributes written later;
+* ``setup_passes``: its passes of the model setup (:mod:`mega.core.setup_passes`), each at
+  its phase - experts, tensor and sequence parallelism, context parallelism, recompute; a family
+  without them has its ``parallelize(module, groups, run)`` run as its one tensor-parallel pass,
+  or else its ``tensor_parallel_plan`` applied;
 * ``init_parameter(config, name)``: how the parameter ``name`` (its global name) starts, which
   the core applies per name and seed on whatever shard a rank holds.
 
@@ -43,6 +46,7 @@ from mega.core.parallel.config import ParallelConfig
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.core.pipeline.partition import split_layers
 from mega.core.pipeline.tensor_spec import TensorSpec  # noqa: F401  (part of the family contract: ``boundary``)
+from mega.core.setup_passes import ModelSetup, Phase, SetupPass, per_chunk
 
 if TYPE_CHECKING:
     from torch import nn
@@ -146,6 +150,35 @@ class StageRun:
 
 
 @dataclass(frozen=True)
+class ParallelContext:
+    """What the modules of a stage take at construction about the layout they run in (the one
+    context a family's ``build`` hands down, when it declares a ``context`` argument):
+
+    * ``groups``: the process groups, for modules that communicate themselves (experts over the
+      expert group, multi-latent attention's shared rope key over the tensor group); None: one device;
+    * ``sequence_parallel``: activations between the tensor-parallel regions are sequence shards;
+    * ``rng_tracker``: the tracker whose model-parallel stream a rank's own shards draw dropout
+      from (attention over its heads; every layer of a stack under sequence parallelism); None:
+      the default stream.
+    """
+
+    groups: ParallelGroups | None = None
+    sequence_parallel: bool = False
+    rng_tracker: Any = None
+
+    @property
+    def attention_dropout_tracker(self) -> Any:
+        """The tracker an attention core forks its dropout into: not under sequence parallelism,
+        where the whole stack already runs in its stream (:attr:`stack_dropout_tracker`)."""
+        return None if self.sequence_parallel else self.rng_tracker
+
+    @property
+    def stack_dropout_tracker(self) -> Any:
+        """The tracker a layer stack runs in (sequence parallelism, Megatron's convention)."""
+        return self.rng_tracker if self.sequence_parallel else None
+
+
+@dataclass(frozen=True)
 class LossContext:
     """What a family's loss needs besides outputs and batch: the config, the tensor group over
     which the last stage's vocabulary (or other output) is split, the kernels (the loss
@@ -187,16 +220,21 @@ class ModelFamily:
 
     Building (see the module docstring and :func:`mega.core.build.build_stage`):
 
-    * ``build(config, stage, kernels) -> nn.Module``: the single-device stage module; it keeps
-      ``stage`` as its ``stage`` attribute. ``kernels`` (:class:`mega.core.kernels.Kernels`)
-      gives the components the user selected (attention, norms, linear layers...).
+    * ``build(config, stage, *, kernels, parallel, context=None) -> nn.Module``: the stage
+      module, written for one device; it keeps ``stage`` as its ``stage`` attribute. ``kernels``
+      (:class:`mega.core.kernels.Kernels`) gives the components the user selected (attention,
+      norms, linear layers...); ``parallel`` the layout shapes are padded for; ``context`` (a
+      :class:`ParallelContext`, only to a builder that declares the argument) the process groups,
+      sequence parallelism and RNG tracker its modules take at construction.
     * ``init_parameter(config, name) -> fill(tensor, generator)``: fills a block of whole rows
       (dimension 0) of the global parameter ``name``; the core seeds ``generator`` from the seed,
       the name and the block, so every layout starts from the same model.
-    * ``tensor_parallel_plan(config, stage) -> {module-name pattern: style}`` for
-      :func:`mega.core.parallel.tensor_parallel.apply_tensor_parallel`, and ``parallelize(module,
-      groups, run: StageRun) -> nn.Module`` for families that do more than apply their plan
-      (fork dropout into the tracker's streams, recompute, experts); see :meth:`parallelize_stage`.
+    * ``setup_passes``: the family's passes (:class:`~mega.core.setup_passes.SetupPass`: experts,
+      tensor plan and dropout streams, context parallelism, recompute), each at its phase, which
+      every build runs with the core's and the run's (:meth:`layout_passes`). A family without
+      them may give ``tensor_parallel_plan(config, stage) -> {module-name pattern: style}`` for
+      :func:`mega.core.parallel.tensor_parallel.apply_tensor_parallel`, or ``parallelize(module,
+      groups, run: StageRun) -> nn.Module``, run as its one tensor-parallel pass.
     * ``pipeline_stages(config, pp, vpp, layers_per_stage=None) -> list[Stage]`` (default
       :func:`stack_stages`); a family that lays its stages out itself may leave out
       ``layers_per_stage`` and then refuses uneven layouts (:meth:`stages`).
@@ -215,7 +253,7 @@ class ModelFamily:
     ``"context_parallel"``); the core refuses such flags for a family without them.
     * ``memory_model(config, *, layers, first_layer, pre_process, post_process, parallel,
       micro_batch_size, dtype_bytes, device_type="cuda") -> StageFootprint``: parameters and saved
-      activations of one rank of a stage of ``layers`` layers from layer ``first_layer`` on (:mod:`mega.core.planning.footprint`), for
+      activations of one rank of a stage of ``layers`` layers from layer ``first_layer`` on (:mod:`mega.core.footprint`), for
       `mega plan`; None if the family cannot tell.
     * ``compile_units(module) -> modules``: what ``--compile`` compiles one by one in a built
       stage (torchtitan compiles each transformer layer: small graphs, compiled once and reused
@@ -241,6 +279,7 @@ class ModelFamily:
     hf_mapping: HFMapping | None = None
     memory_model: Callable[..., Any] | None = None
     compile_units: Callable[[nn.Module], Iterable[nn.Module]] | None = None
+    setup_passes: tuple[SetupPass, ...] = ()
 
     def preset(self, name: str, **overrides: Any) -> Any:
         """The config of preset ``name``, with ``overrides`` replacing fields (e.g. seq_length).
@@ -255,6 +294,17 @@ class ModelFamily:
                 f"model family {self.name!r} has no preset {name!r}; presets: {', '.join(self.presets)}"
             ) from None
         return dataclasses.replace(config, **overrides) if overrides else config
+
+    def layout_passes(self) -> list[SetupPass]:
+        """The family's passes of every build: ``setup_passes``, or else one tensor-parallel pass
+        (:meth:`parallelize_stage`)."""
+        if self.setup_passes:
+            return list(self.setup_passes)
+        return [per_chunk("tensor-parallel", Phase.TENSOR_PARALLEL, self._parallelize_chunk)]
+
+    def _parallelize_chunk(self, chunk: nn.Module, setup: ModelSetup) -> nn.Module:
+        run = StageRun(setup.config, setup.parallel, setup.rng_tracker, setup.training)
+        return self.parallelize_stage(chunk, setup.groups, run)
 
     def parallelize_stage(self, module: nn.Module, groups: ParallelGroups, run: StageRun) -> nn.Module:
         """The family's ``parallelize``, or else its tensor-parallel plan applied to ``module``."""

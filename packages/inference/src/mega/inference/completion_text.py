@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mega.inference.stopping import StopRules, cut_at_stop_string
+from mega.inference.engine.stopping import StopRules, cut_at_stop_string
 
 INCOMPLETE_CHARACTER = "\ufffd"
 

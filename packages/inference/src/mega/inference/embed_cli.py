@@ -124,14 +124,14 @@ def serve_embeddings(args: argparse.Namespace) -> int:
     # start-up cost, as above
     import uvicorn
 
-    from mega.inference.embeddings_api import create_embeddings_app
+    from mega.inference.http.embeddings_api import create_embeddings_app
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("mega serve: error: an encoder's embeddings are served by one process; start it "
                          "without torchrun")
     embedder, loaded = load_embedder(args, "serve", args.max_batch_size or DEFAULT_BATCH_SIZE)
-    uvicorn.run(create_embeddings_app(embedder, loaded.name, api_key=args.api_key), host=args.host,
-                port=args.port, log_level=args.log_level)
+    app = create_embeddings_app(embedder, loaded.name, api_key=args.api_key, max_body_bytes=args.max_request_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

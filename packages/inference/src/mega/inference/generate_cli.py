@@ -1,8 +1,10 @@
 """``mega generate``: continue prompts with a checkpoint and print the continuations.
 
 Prompts come from ``--prompt`` (repeatable), ``--prompt-file`` (one per line; ``-`` is stdin),
-or stdin. Under ``torchrun --nproc-per-node N`` the model is tensor-parallel over the N ranks;
-rank 0 reads the prompts and prints.
+or stdin. Every prompt is a request to the engine's one loop (the continuous batching ``mega
+serve`` runs, here on this thread until every request has finished), so a prompt gets the
+tokens and log-probabilities the server would give it. Under ``torchrun --nproc-per-node N`` the
+model is tensor-parallel over the N ranks; rank 0 reads the prompts and prints.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 
 from mega.core.cli.argparser import CommandParser
 from mega.inference.completion_text import completion_text
-from mega.inference.load_arguments import add_decoding_arguments, add_load_arguments, compile_backend
+from mega.inference.load_arguments import add_decoding_arguments, add_load_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop when the continuation holds TEXT, left out of the output (repeatable)")
     group.add_argument("--stop-on-eol", action="store_true", help="stop at the first newline")
     group.add_argument("--stop-on-double-eol", action="store_true", help="stop at a blank line")
-    group.add_argument("--max-batch-size", type=int, default=32, help="prompts generated together (default 32)")
-    add_decoding_arguments(group, "for decoder-only models (under tensor parallelism only when asked)")
+    group.add_argument("--max-batch-size", type=int, default=32,
+                       help="prompts decoded together; the next prompt joins as one finishes (default 32)")
+    add_decoding_arguments(group, "for decoder-only models (tensor-parallel too)")
     group = parser.add_argument_group("output")
     group.add_argument("--echo", action="store_true", help="print the prompt before its continuation")
     group.add_argument("--json", action="store_true",
@@ -72,13 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     # start-up cost: `mega --help` and the parser stay free of torch and the models
     from mega.inference.engine import GenerationError, GenerationRequest
+    from mega.inference.engine.sampling import GREEDY, SamplingError, SamplingParams
+    from mega.inference.engine.stopping import StopRules
+    from mega.inference.engine.tp_serving import lead
     from mega.inference.engine_setup import setup_engine
-    from mega.inference.sampling import GREEDY, SamplingError, SamplingParams
-    from mega.inference.stopping import StopRules
-    from mega.inference.tp_serving import lead
 
-    setup = setup_engine(args, "generate", generate_for=lambda engine: generate_for(args, engine))
-    if setup is None:  # a follower: the leader's batches have ended
+    setup = setup_engine(args, "generate")
+    if setup is None:  # a follower: the leader's steps have ended
         return 0
     try:
         tokenizer = setup.loaded.tokenizer
@@ -95,36 +98,23 @@ def main(argv: list[str] | None = None) -> int:
             seed = None if args.seed is None else args.seed + index
             requests.append(GenerationRequest(ids, args.max_tokens, SamplingParams(
                 sampling.temperature, sampling.top_k, sampling.top_p, seed), stop, logprobs=args.logprobs))
-            setup.engine.check(requests[-1])
-        generate = generate_for(args, setup.engine)
-        for start in range(0, len(requests), args.max_batch_size):
-            batch = requests[start: start + args.max_batch_size]
-            lead(batch, setup.tp_group)
-            for offset, result in enumerate(generate(batch)):
-                print_result(args, tokenizer, prompts[start + offset], result, stop)
+        printed = 0
+        results: list = [None] * len(requests)
+
+        def print_in_order(index: int, result) -> None:  # each as soon as those before it are printed
+            nonlocal printed
+            results[index] = result
+            while printed < len(results) and results[printed] is not None:
+                print_result(args, tokenizer, prompts[printed], results[printed], stop)
+                printed += 1
+
+        setup.worker.run_to_completion(requests, on_finish=print_in_order, lead_followers=True)
     except (GenerationError, SamplingError, OSError) as error:
         print(f"mega generate: {error}", file=sys.stderr)
         return 2
     finally:
         lead(None, setup.tp_group)
     return 0
-
-
-def generate_for(args: argparse.Namespace, engine):
-    """The leader's and the followers' ``generate``: the static KV cache's where wanted (by default
-    on CUDA in one process; under tensor parallelism when asked: its graphs would hold the
-    collectives), else the engine's. Decoder-only models; log-probabilities included."""
-    # start-up cost, as above
-    from mega.inference.encoder_decoder import is_encoder_decoder
-    from mega.inference.static_decode import StaticDecoder, static_kv_cache_wanted
-
-    tensor_parallel = engine.tp_group is not None and engine.tp_group.size > 1
-    requested = False if args.static_kv_cache is None and tensor_parallel else args.static_kv_cache
-    if static_kv_cache_wanted(requested, engine.device, not is_encoder_decoder(engine.model),
-                              "for decoder-only models"):
-        return StaticDecoder(engine, use_cuda_graphs=engine.device.type == "cuda" and args.cuda_graphs,
-                             compile_backend=compile_backend(args)).generate
-    return engine.generate
 
 
 def print_result(args, tokenizer, prompt: str, result, stop) -> None:

@@ -20,9 +20,9 @@ from torch import nn
 from mega.core.build import build_stage
 from mega.core.checkpoint import checkpoint_and_metadata, load_model_weights
 from mega.core.checkpoint import tokenizer_spec as saved_tokenizer
-from mega.core.launch import distributed_env
 from mega.core.parallel import ParallelGroups
 from mega.core.plugins import PluginError, get_plugins
+from mega.core.process_group import distributed_env
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
 from mega.inference.chat_template import find_chat_template
 from mega.inference.load_arguments import DTYPE_NAMES

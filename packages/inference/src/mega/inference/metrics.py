@@ -85,8 +85,15 @@ class ServerMetrics:
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
-    def render(self) -> str:
+    def render(self, in_flight: int | None = None) -> str:
+        """The text of ``/metrics``. ``in_flight``: the sequences the server holds unfinished (its
+        admission count); the running and queued gauges never exceed it, so they read 0 on an
+        idle server whatever the engine's last step saw."""
         with self._lock:
+            running, queued = self.running, self.queued
+            if in_flight is not None:
+                running = min(running, in_flight)
+                queued = min(queued, in_flight - running)
             lines = ["# HELP mega_requests_total HTTP requests by route and status.",
                      "# TYPE mega_requests_total counter"]
             lines += [f'mega_requests_total{{route="{route}",status="{status}"}} {count}'
@@ -104,9 +111,9 @@ class ServerMetrics:
                       "# HELP mega_engine_steps_total Engine steps (forwards of the running batch).",
                       "# TYPE mega_engine_steps_total counter", f"mega_engine_steps_total {self.steps}",
                       "# HELP mega_running_sequences Sequences in the running batch.",
-                      "# TYPE mega_running_sequences gauge", f"mega_running_sequences {self.running}",
+                      "# TYPE mega_running_sequences gauge", f"mega_running_sequences {running}",
                       "# HELP mega_queued_sequences Sequences waiting for the engine.",
-                      "# TYPE mega_queued_sequences gauge", f"mega_queued_sequences {self.queued}",
+                      "# TYPE mega_queued_sequences gauge", f"mega_queued_sequences {queued}",
                       "# HELP mega_prefix_cache_queries_total Prompt tokens looked up in the prefix cache.",
                       "# TYPE mega_prefix_cache_queries_total counter",
                       f"mega_prefix_cache_queries_total {self.prefix_queried_tokens}",

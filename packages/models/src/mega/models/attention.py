@@ -6,10 +6,13 @@ groups, so the local number of groups is read from the activation's width, never
 config: the same code runs on a full or a sharded layer.
 
 The attention kernel, the rotary embedding and the linear layers come from the selected kernels.
-Parallelism reaches this module from outside (the passes of :mod:`mega.models.parallelize`):
-``dropout_rng_tracker`` (the heads are a rank's own shard, so dropout forks into the tracker's
-model-parallel stream), ``recompute_core`` (selective recompute) and ``recompute_rng_tracker``
-(replayed while recomputing).
+The layout reaches it at construction, in a :class:`~mega.core.model_family.ParallelContext`
+(None: one device): the attention core's ``dropout_rng_tracker`` (the heads are a rank's own
+shard, so dropout forks into the tracker's model-parallel stream; not under sequence parallelism,
+where the whole stack runs in it). ``recompute_core`` (selective recompute) and
+``recompute_rng_tracker`` (replayed while recomputing) are set by the recompute setup pass of
+:mod:`mega.models.parallelize` instead: recompute is a phase of the setup of its own (after the
+adapters and FP8 layers it recomputes, before compile), which a run may leave out.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import CAUSAL, AttentionMask, Kernels
+from mega.core.model_family import ParallelContext
 from mega.models.config import TransformerConfig
 from mega.models.kv_cache import LayerKVCache
 from mega.models.norms import input_linear
@@ -41,13 +45,14 @@ class CoreAttention(nn.Module):
     recomputes: cheap to redo, quadratic in the sequence to store.
     """
 
-    def __init__(self, config: TransformerConfig, kernels: Kernels):
+    def __init__(self, config: TransformerConfig, kernels: Kernels, context: ParallelContext | None = None):
         super().__init__()
         self.kernels = kernels
         kernels.get("attention")  # resolve the backend now: a compiled forward must not trace the plugin lookup
         self.dropout_p = config.attention_dropout
         self.softmax_scale = config.attention_softmax_scale
-        self.dropout_rng_tracker = None
+        # The heads are this rank's own: their dropout forks into the tracker's model-parallel stream.
+        self.dropout_rng_tracker = context.attention_dropout_tracker if context is not None else None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 mask: AttentionMask = CAUSAL) -> torch.Tensor:
@@ -76,7 +81,7 @@ def sequence_major(out: torch.Tensor) -> torch.Tensor:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: TransformerConfig, kernels: Kernels):
+    def __init__(self, config: TransformerConfig, kernels: Kernels, context: ParallelContext | None = None):
         super().__init__()
         self.config = config
         self.kernels = kernels
@@ -87,7 +92,7 @@ class SelfAttention(nn.Module):
         # QK-norm: one norm over the head dimension, shared by every query (key) head.
         self.q_layernorm = head_norm(config, kernels) if config.qk_layernorm else None
         self.k_layernorm = head_norm(config, kernels) if config.qk_layernorm else None
-        self.core_attention = CoreAttention(config, kernels)
+        self.core_attention = CoreAttention(config, kernels, context)
         self.linear_proj = kernels.linear(config.query_projection_size, config.hidden_size,
                                           bias=config.add_bias_linear)
         if config.position_embedding_type == "rope":

@@ -17,11 +17,10 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from mega.core.kernels import Kernels
-from mega.core.model_family import LossContext, ModelFamily, Stage, StageRun, stack_stages
-from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.model_family import LossContext, ModelFamily, ParallelContext, Stage, stack_stages
+from mega.core.parallel import ParallelConfig
 from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
 from mega.models.bert_config import BertConfig
 from mega.models.bert_model import BertModel
@@ -29,7 +28,7 @@ from mega.models.flops import num_floating_point_operations
 from mega.models.hf_bert import BERT
 from mega.models.initialization import init_parameter
 from mega.models.language_model import per_token_cross_entropy
-from mega.models.parallelize import parallelize
+from mega.models.parallelize import transformer_passes
 
 FIRST_STAGE_KEYS = ("text", "types", "padding_mask")
 # Every stage attends with the padding mask, so every stage reads it.
@@ -56,8 +55,9 @@ PRESETS = {
 }
 
 
-def build_bert(config: BertConfig, stage: Stage, *, kernels: Kernels, parallel: ParallelConfig) -> BertModel:
-    return BertModel(config, stage, kernels, parallel)
+def build_bert(config: BertConfig, stage: Stage, *, kernels: Kernels, parallel: ParallelConfig,
+               context: ParallelContext | None = None) -> BertModel:
+    return BertModel(config, stage, kernels, parallel, context)
 
 
 def bert_stages(config: BertConfig, pp: int, vpp: int = 1, layers_per_stage=None) -> list[Stage]:
@@ -84,22 +84,17 @@ def tensor_parallel_plan(config: BertConfig, stage: Stage) -> dict[str, PlanStyl
     return plan
 
 
-def parallelize_bert(model: BertModel, groups: ParallelGroups, run: StageRun) -> nn.Module:
-    """The passes of :func:`mega.models.parallelize.parallelize` with BERT's plan, then
-    :func:`keep_heads_whole`."""
-    parallelize(model, groups, run, tensor_parallel_plan(run.config, model.stage))
-    keep_heads_whole(model, groups, run.parallel.sequence_parallel)
-    return model
+# The dense transformer's passes with BERT's plan, amended by keep_heads_whole.
+BERT_PASSES = transformer_passes(lambda model, setup: tensor_parallel_plan(setup.config, model.stage),
+                                 [lambda model, setup: keep_heads_whole(model)])
 
 
-def keep_heads_whole(model: BertModel, groups: ParallelGroups, sequence_parallel: bool) -> None:
+def keep_heads_whole(model: BertModel) -> None:
     """A pass after tensor parallelism: the pooler and the binary head see the whole (gathered)
     sequence, so their gradients are already whole on every tensor-parallel rank and are not
     summed over it as sequence-parallel parameters are."""
     if not (model.post_process and model.config.bert_binary_head):
         return
-    if sequence_parallel and groups.tp.size > 1:
-        model.pooler.sequence_parallel_group = groups.tp
     for parameter in (*model.pooler.parameters(), *model.binary_head.parameters()):
         parameter.sequence_parallel = False
 
@@ -155,7 +150,7 @@ FAMILY = ModelFamily(
     num_parameters=bert_num_parameters,
     num_floating_point_operations=bert_floating_point_operations,
     tensor_parallel_plan=tensor_parallel_plan,
-    parallelize=parallelize_bert,
+    setup_passes=BERT_PASSES,
     pipeline_stages=bert_stages,
     batch_keys=BATCH_KEYS,
     datasets=("bert", "bert-mock"),

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import AttentionMask, Kernels
-from mega.core.model_family import Stage
+from mega.core.model_family import ParallelContext, Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.collectives import gather_from_sequence_parallel_region
 from mega.core.parallel.param_attrs import mark_padded_vocab
@@ -84,9 +84,9 @@ class BertEmbedding(nn.Module):
 class BertLayer(nn.Module):
     """x = norm(x + dropout(attention(x))), then x = norm(x + dropout(mlp(x))): post-LN."""
 
-    def __init__(self, config: BertConfig, kernels: Kernels):
+    def __init__(self, config: BertConfig, kernels: Kernels, context: ParallelContext | None = None):
         super().__init__()
-        self.self_attention = SelfAttention(config, kernels)
+        self.self_attention = SelfAttention(config, kernels, context)
         self.post_self_attn_layernorm = build_norm(config, kernels)
         self.mlp = MLP(config, kernels)
         self.post_mlp_layernorm = build_norm(config, kernels)
@@ -98,14 +98,16 @@ class BertLayer(nn.Module):
         return self.post_mlp_layernorm(hidden + self.hidden_dropout(self.mlp(hidden)))
 
 
-def bert_encoder(config: BertConfig, layer_numbers: range, kernels: Kernels) -> LayerStack:
+def bert_encoder(config: BertConfig, layer_numbers: range, kernels: Kernels,
+                 context: ParallelContext | None = None) -> LayerStack:
     """The layers numbered ``layer_numbers`` (global numbers: ``encoder.layers.N``), called with
     the hidden state and ``mask=``. Post-LN layers each end in a norm; pre-LN ones (megatron-core's
     transformer layer) are followed by ``final_layernorm`` on the stage holding the last layer."""
     layer_class = TransformerLayer if config.bert_pre_layernorm else BertLayer
-    layers = {number: layer_class(config, kernels) for number in layer_numbers}
+    layers = {number: layer_class(config, kernels, context=context) for number in layer_numbers}
     last = config.bert_pre_layernorm and layer_numbers.stop == config.num_layers
-    return LayerStack(layers, build_norm(config, kernels) if last else None)
+    stream = context.stack_dropout_tracker if context is not None else None
+    return LayerStack(layers, build_norm(config, kernels) if last else None, rng_stream=stream)
 
 
 class BertLMHead(nn.Module):
@@ -125,14 +127,15 @@ class Pooler(nn.Module):
     """tanh(dense(hidden of the first token)): the binary head's input.
 
     Under sequence parallelism the first token lives on one rank, so the sequence is gathered
-    first (``sequence_parallel_group``, set by ``parallelize``) and every rank computes the same
+    first (``sequence_parallel_group``, the tensor group from the construction ``context``) and every rank computes the same
     pooler; the gathered tensor's gradient is split back, not summed, for the same reason.
     """
 
-    def __init__(self, config: BertConfig, kernels: Kernels):
+    def __init__(self, config: BertConfig, kernels: Kernels, context: ParallelContext | None = None):
         super().__init__()
         self.dense = kernels.linear(config.hidden_size, config.hidden_size, bias=True)
-        self.sequence_parallel_group = None
+        groups = context.groups if context is not None and context.sequence_parallel else None
+        self.sequence_parallel_group = groups.tp if groups is not None and groups.tp.size > 1 else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel_group is not None:
@@ -146,7 +149,8 @@ class BertModel(nn.Module):
     stage) and the heads (last stage) are held; ``parallel``: the layout the vocabulary is
     padded for; ``kernels``: where the components come from."""
 
-    def __init__(self, config: BertConfig, stage: Stage, kernels: Kernels, parallel: ParallelConfig):
+    def __init__(self, config: BertConfig, stage: Stage, kernels: Kernels, parallel: ParallelConfig,
+                 context: ParallelContext | None = None):
         super().__init__()
         config.validate(parallel.tp)
         if kernels.get("norm_linear") is not None or kernels.get("norm_mlp") is not None:
@@ -162,7 +166,7 @@ class BertModel(nn.Module):
         vocab = config.padded_vocab_size(parallel.tp)
 
         self.embedding = stage_embedding(partial(BertEmbedding, config, vocab, kernels), stage, tied)
-        self.encoder = bert_encoder(config, layers, kernels)
+        self.encoder = bert_encoder(config, layers, kernels, context)
         if not post_process:
             return
         self.lm_head = BertLMHead(config, kernels)
@@ -172,7 +176,7 @@ class BertModel(nn.Module):
         if tied:
             tie_output_layer(self, self.output_layer, "output_layer.weight")
         if config.bert_binary_head:
-            self.pooler = Pooler(config, kernels)
+            self.pooler = Pooler(config, kernels, context)
             self.binary_head = kernels.linear(config.hidden_size, 2, bias=True)
 
     def encode(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

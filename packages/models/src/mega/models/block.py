@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import Kernels
+from mega.core.model_family import ParallelContext
 from mega.models.attention import SelfAttention
 from mega.models.config import TransformerConfig
 from mega.models.fusions import bias_dropout_add
@@ -26,14 +27,15 @@ class TransformerLayer(PreNormLayer):
     checkpoints do not depend on the kernels.
     """
 
-    def __init__(self, config: TransformerConfig, kernels: Kernels, number: int = 0):
+    def __init__(self, config: TransformerConfig, kernels: Kernels, number: int = 0,
+                 context: ParallelContext | None = None):
         fused = kernels.get("norm_linear") is not None
         fused_mlp = None if getattr(config, "num_experts", None) else fused_norm_mlp(config, kernels)
         super().__init__(
             input_layernorm=None if fused else build_norm(config, kernels),
-            self_attention=build_attention(config, kernels),
+            self_attention=build_attention(config, kernels, context),
             pre_mlp_layernorm=None if fused or fused_mlp is not None else build_norm(config, kernels),
-            mlp=fused_mlp if fused_mlp is not None else build_mlp(config, kernels, number),
+            mlp=fused_mlp if fused_mlp is not None else build_mlp(config, kernels, number, context),
             hidden_dropout=config.hidden_dropout,
         )
         self.fused_mlp = fused_mlp is not None  # the plan then splits the MLP module whole
@@ -48,25 +50,29 @@ class TransformerLayer(PreNormLayer):
         return super().dropout_add(x, residual)
 
 
-def build_attention(config: TransformerConfig, kernels: Kernels) -> nn.Module:
-    """Self-attention, or multi-latent attention where the config asks for it (``deepseek-v3``)."""
+def build_attention(config: TransformerConfig, kernels: Kernels, context: ParallelContext | None = None) -> nn.Module:
+    """Self-attention, or multi-latent attention where the config asks for it (``deepseek-v3``),
+    each taking the layout's ``context`` (groups, sequence parallelism, dropout stream)."""
     if getattr(config, "multi_latent_attention", False):
-        return MultiLatentAttention(config, kernels)
-    return SelfAttention(config, kernels)
+        return MultiLatentAttention(config, kernels, context)
+    return SelfAttention(config, kernels, context)
 
 
-def build_mlp(config: TransformerConfig, kernels: Kernels, number: int = 0) -> nn.Module:
+def build_mlp(config: TransformerConfig, kernels: Kernels, number: int = 0,
+              context: ParallelContext | None = None) -> nn.Module:
     """A dense MLP, or a mixture of experts when the config has experts and layer ``number`` is
-    one of its MoE layers (``--moe-layer-freq``; the ``mixtral`` family: every layer)."""
+    one of its MoE layers (``--moe-layer-freq``; the ``mixtral`` family: every layer; it takes
+    the layout's ``context``)."""
     if getattr(config, "num_experts", None) and config.is_moe_layer(number):
-        return MoELayer(config, kernels)
+        return MoELayer(config, kernels, context)
     return MLP(config, kernels)
 
 
 def transformer_block(config: TransformerConfig, layer_numbers: range, final_norm: bool,
-                      kernels: Kernels) -> LayerStack:
+                      kernels: Kernels, context: ParallelContext | None = None) -> LayerStack:
     """The decoder layers numbered ``layer_numbers`` (global numbers, the parameter names'
     ``decoder.layers.N``), and the final norm on the last stage. Called with the hidden state,
     the positions and, when generating, ``cache=`` the model's :class:`KVCache`."""
-    layers = {number: TransformerLayer(config, kernels, number) for number in layer_numbers}
-    return LayerStack(layers, build_norm(config, kernels) if final_norm else None)
+    layers = {number: TransformerLayer(config, kernels, number, context) for number in layer_numbers}
+    stream = context.stack_dropout_tracker if context is not None else None
+    return LayerStack(layers, build_norm(config, kernels) if final_norm else None, rng_stream=stream)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from mega.core.kernels import CAUSAL, Kernels
-from mega.core.model_family import LossContext, Stage, stack_stages
+from mega.core.model_family import LossContext, ParallelContext, Stage, stack_stages
 from mega.core.parallel import ParallelConfig
 from mega.core.pipeline.tied import tie_across_stages
 from mega.models.deepseek_config import DeepSeekV3Config
@@ -28,9 +28,11 @@ from mega.models.mtp import MultiTokenPrediction, mtp_losses, shift_left
 
 
 class DeepSeekModel(MoELanguageModel):
-    def __init__(self, config: DeepSeekV3Config, stage: Stage, kernels: Kernels, parallel: ParallelConfig):
-        super().__init__(config, stage, kernels, parallel)
-        self.mtp = MultiTokenPrediction(config, kernels) if config.mtp_num_layers and stage.is_last else None
+    def __init__(self, config: DeepSeekV3Config, stage: Stage, kernels: Kernels, parallel: ParallelConfig,
+                 context: ParallelContext | None = None):
+        super().__init__(config, stage, kernels, parallel, context)
+        self.mtp = (MultiTokenPrediction(config, kernels, context)
+                    if config.mtp_num_layers and stage.is_last else None)
         if config.mtp_num_layers and not (stage.is_first and stage.is_last) and not self.tied:
             if stage.is_last:  # the MTP modules embed tokens: a copy of the first stage's word embedding
                 self.embedding = Embedding(config, config.padded_vocab_size(parallel.tp), words_only=True)
@@ -57,12 +59,12 @@ class DeepSeekModel(MoELanguageModel):
 
 
 def build_deepseek_model(config: DeepSeekV3Config, stage: Stage, *, kernels: Kernels,
-                         parallel: ParallelConfig) -> DeepSeekModel:
+                         parallel: ParallelConfig, context: ParallelContext | None = None) -> DeepSeekModel:
     config.validate_parallel(parallel)
     if config.mtp_num_layers and parallel.cp > 1:
         raise ValueError("--mtp-num-layers with --context-parallel-size > 1: the MTP modules shift tokens across the "
                          "context-parallel split, which mega does not do yet")
-    return DeepSeekModel(config, stage, kernels, parallel)
+    return DeepSeekModel(config, stage, kernels, parallel, context)
 
 
 def deepseek_stages(config: DeepSeekV3Config, pp: int, vpp: int = 1) -> list[Stage]:

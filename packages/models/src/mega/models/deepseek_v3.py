@@ -26,17 +26,15 @@ weights x2.5, YaRN x40 over 4096, one MTP module) and DeepSeek-V2-Lite's shape w
 from __future__ import annotations
 
 from mega.core.model_family import ModelFamily, Stage
-from mega.core.parallel import ParallelGroups
 from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
 from mega.models.deepseek_config import DeepSeekV3Config
 from mega.models.deepseek_model import build_deepseek_model, deepseek_loss, deepseek_stages
 from mega.models.hf_deepseek_v3 import DEEPSEEK_V3
 from mega.models.initialization import init_parameter
-from mega.models.mla import MultiLatentAttention
 from mega.models.moe_memory import moe_stage_footprint
-from mega.models.moe_model import apply_expert_parallel, moe_boundary
+from mega.models.moe_model import EXPERT_PARALLEL_PASS, moe_boundary
 from mega.models.parallel_plan import tensor_parallel_plan
-from mega.models.parallelize import modules_of, parallelize
+from mega.models.parallelize import transformer_passes
 
 
 def deepseek_config(num_layers: int, dense_layers: int, hidden_size: int, num_attention_heads: int,
@@ -114,16 +112,10 @@ def deepseek_tensor_parallel_plan(config: DeepSeekV3Config, stage: Stage) -> dic
     return plan
 
 
-def apply_mla_tensor_parallel(stage, groups: ParallelGroups, sequence_parallel: bool) -> None:
-    """Each multi-latent attention learns its tensor group (the rope key shared by its heads)."""
-    for attention in modules_of(stage, MultiLatentAttention):
-        attention.tp_group, attention.sequence_parallel = groups.tp, sequence_parallel
-
-
-def parallelize_deepseek(model, groups: ParallelGroups, run):
-    apply_expert_parallel(model, groups, run.parallel.sequence_parallel)
-    apply_mla_tensor_parallel(model, groups, run.parallel.sequence_parallel)
-    return parallelize(model, groups, run, deepseek_tensor_parallel_plan(run.config, model.stage))
+DEEPSEEK_PASSES = (
+    EXPERT_PARALLEL_PASS,
+    *transformer_passes(lambda model, setup: deepseek_tensor_parallel_plan(setup.config, model.stage)),
+)
 
 
 def num_deepseek_parameters(config: DeepSeekV3Config, tensor_parallel_size: int = 1, *, active: bool = False) -> int:
@@ -185,7 +177,7 @@ FAMILY = ModelFamily(
     num_parameters=num_deepseek_parameters,
     num_floating_point_operations=num_deepseek_floating_point_operations,
     tensor_parallel_plan=deepseek_tensor_parallel_plan,
-    parallelize=parallelize_deepseek,
+    setup_passes=DEEPSEEK_PASSES,
     boundary=moe_boundary,
     features=frozenset({"moe", "context_parallel"}),
     memory_model=moe_stage_footprint,

@@ -9,31 +9,35 @@ import torch
 from torch import nn
 
 from mega.core.kernels import Kernels
-from mega.core.model_family import HFMapping, LossContext, ModelFamily, Stage, StageRun
-from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.model_family import HFMapping, LossContext, ModelFamily, ParallelContext, Stage
+from mega.core.parallel import ParallelConfig
 from mega.core.parallel.context_parallel import sequence_mean
+from mega.core.setup_passes import ModelSetup
 from mega.models.config import TransformerConfig
 from mega.models.flops import num_floating_point_operations
 from mega.models.initialization import init_parameter
 from mega.models.language_model import LanguageModel, fused_linear_cross_entropy, per_token_cross_entropy
 from mega.models.memory import stage_footprint
 from mega.models.parallel_plan import tensor_parallel_plan, with_fused_mlps
-from mega.models.parallelize import parallelize
+from mega.models.parallelize import transformer_passes
 from mega.models.parameter_count import num_parameters
 
 
 def build_language_model(config: TransformerConfig, stage: Stage, *, kernels: Kernels,
-                         parallel: ParallelConfig) -> LanguageModel:
-    return LanguageModel(config, stage, kernels, parallel)
+                         parallel: ParallelConfig, context: ParallelContext | None = None) -> LanguageModel:
+    return LanguageModel(config, stage, kernels, parallel, context)
 
 
-def parallelize_language_model(model: LanguageModel, groups: ParallelGroups, run: StageRun) -> nn.Module:
-    """The passes of :func:`mega.models.parallelize.parallelize` with the dense transformer's
-    plan (the MLP split whole where a ``norm_mlp`` kernel made it one module)."""
-    plan = tensor_parallel_plan(run.config, model.stage)
+def language_model_plan(model: LanguageModel, setup: ModelSetup) -> dict:
+    """The dense transformer's tensor plan (the MLP split whole where a ``norm_mlp`` kernel made
+    it one module)."""
+    plan = tensor_parallel_plan(setup.config, model.stage)
     if any(layer.fused_mlp for layer in model.decoder.layers.values()):
         plan = with_fused_mlps(plan)
-    return parallelize(model, groups, run, plan)
+    return plan
+
+
+LANGUAGE_MODEL_PASSES = transformer_passes(language_model_plan)
 
 
 def language_model_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor],
@@ -71,7 +75,7 @@ def transformer_family(name: str, presets: Mapping[str, TransformerConfig], desc
         num_parameters=num_parameters,
         num_floating_point_operations=num_floating_point_operations,
         tensor_parallel_plan=tensor_parallel_plan,
-        parallelize=parallelize_language_model,
+        setup_passes=LANGUAGE_MODEL_PASSES,
         description=description,
         hf_mapping=hf_mapping,
         memory_model=stage_footprint,

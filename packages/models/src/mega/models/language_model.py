@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import CAUSAL, AttentionMask, Kernels, check_linear_loss
-from mega.core.model_family import Stage
+from mega.core.model_family import ParallelContext, Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.output_layer_loss import (
     output_layer_cross_entropy,
@@ -48,9 +48,11 @@ from mega.models.tied_embedding import stage_embedding, tie_output_layer
 class LanguageModel(nn.Module):
     """``stage``: which layers (``stage.layers["decoder"]``) and whether the embeddings (first
     stage) and the output layer (last stage) are held; ``parallel``: the layout the vocabulary
-    is padded for; ``kernels``: where the components come from."""
+    is padded for; ``kernels``: where the components come from; ``context``: the layout its
+    modules take at construction (groups, sequence parallelism, dropout stream; None: one device)."""
 
-    def __init__(self, config: TransformerConfig, stage: Stage, kernels: Kernels, parallel: ParallelConfig):
+    def __init__(self, config: TransformerConfig, stage: Stage, kernels: Kernels, parallel: ParallelConfig,
+                 context: ParallelContext | None = None):
         super().__init__()
         config.validate(parallel.tp)
         layers = stage.layers["decoder"]
@@ -62,7 +64,7 @@ class LanguageModel(nn.Module):
         vocab = config.padded_vocab_size(parallel.tp)
 
         self.embedding = stage_embedding(partial(Embedding, config, vocab), stage, self.tied)
-        self.decoder = transformer_block(config, layers, post_process, kernels)
+        self.decoder = transformer_block(config, layers, post_process, kernels, context)
         # A backend that fuses the output layer into the loss: the last stage then hands the loss
         # its final hidden states and the output weight instead of logits (see forward).
         self.fused_loss = kernels.get("linear_loss") is not None if post_process else False

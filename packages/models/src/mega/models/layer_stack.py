@@ -3,9 +3,12 @@ residual layer, pre-norm) and ``LayerStack`` (the layers one pipeline stage hold
 then its final norm). The decoder-only LMs (``decoder``), BERT (``encoder``) and T5 (``encoder``
 and ``decoder``) build their stacks from them.
 
-A ``LayerStack`` is single-device code: the passes of :mod:`mega.models.parallelize` set from
-outside in which RNG stream it runs (``rng_stream``) and which runs of layers it recomputes
-(``recompute_runs``, replaying ``recompute_rng_tracker``).
+A ``LayerStack`` is single-device code. It takes the RNG stream it runs in at construction
+(``rng_stream``: under sequence parallelism every activation is a rank's slice, so its dropout
+draws from the tracker's model-parallel stream). Which runs of layers it recomputes
+(``recompute_runs``, replaying ``recompute_rng_tracker``) is set by the recompute setup pass of
+:mod:`mega.models.parallelize`: recompute is a phase of the setup of its own (after the adapters
+and FP8 layers it recomputes, before compile), which a run may leave out.
 """
 
 from __future__ import annotations
@@ -63,22 +66,22 @@ class LayerStack(nn.Module):
     after that norm (T5's).
 
     Calling the stack runs every layer with the hidden state and the further arguments given,
-    then the final norm. Set by the passes (:mod:`mega.models.parallelize`):
+    then the final norm. ``rng_stream``: a tracker whose model-parallel stream the layers draw
+    their dropout from (sequence parallelism: every activation is this rank's slice); None: the
+    default stream. Set by the recompute pass (:mod:`mega.models.parallelize`):
 
-    * ``rng_stream``: a tracker whose model-parallel stream the layers draw their dropout from
-      (sequence parallelism: every activation is this rank's slice); None: the default stream;
     * ``recompute_runs``: the layers as consecutive runs ``(start, end, recompute)``
       (:func:`mega.models.recompute.layer_runs`), and ``recompute_rng_tracker``, whose streams a
       recomputed run replays.
     """
 
     def __init__(self, layers: Mapping[int, nn.Module], final_layernorm: nn.Module | None = None,
-                 final_dropout: float | None = None):
+                 final_dropout: float | None = None, rng_stream=None):
         super().__init__()
         self.layers = nn.ModuleDict({str(number): layer for number, layer in layers.items()})
         self.final_layernorm = final_layernorm
         self.final_dropout = nn.Dropout(final_dropout) if final_dropout is not None else None
-        self.rng_stream = None
+        self.rng_stream = rng_stream
         self.recompute_runs = [(0, len(self.layers), False)]
         self.recompute_rng_tracker = None
 

@@ -1,9 +1,10 @@
-"""LoRA in `mega train`: its flags, and the callback that adapts every model chunk as it is built.
+"""LoRA in `mega train`: its flags, and the setup pass that adapts every model chunk.
 
 The flags are this package's plugin options (``run_config.plugins["models"]``): ``--lora-rank``
-(0: no LoRA), ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``. The callback's
-``on_stage_built`` runs :func:`mega.models.lora.apply_lora` on each chunk before data parallelism
-and the optimizer see it, so only the adapters are trained, reduced and kept in the optimizer.
+(0: no LoRA), ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``. The setup pass
+(phase ``ADAPTERS``, :mod:`mega.core.setup_passes`) runs :func:`mega.models.lora.apply_lora` on
+each chunk after the parallel layout and before FP8, compile, data parallelism and the optimizer
+see it, so only the adapters are trained, reduced and kept in the optimizer.
 The adapters are marked ``checkpoint_optional``: ``--load`` of a base model starts fresh adapters on
 it, checkpoints of the run hold the adapters alone, and ``--load BASE --load-adapter DIR`` resumes
 them (mega.core.checkpoint.adapters).
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from mega.core.config import ConfigError
 from mega.core.config.options import option
-from mega.core.plugins import hookimpl
+from mega.core.setup_passes import ModelSetup, Phase, SetupPass, per_chunk
 
 PLUGIN = "models"  # the entry-point name: run_config.plugins[PLUGIN], a [models] table in --config
 
@@ -51,23 +52,23 @@ class LoRAOptions:
         return LoRASettings(self.lora_rank, self.lora_alpha, self.lora_dropout, lora_targets(self.lora_target_modules))
 
 
-class LoRAPass:
-    def __init__(self, options: LoRAOptions, seed: int):
-        self.settings, self.seed = options.settings(), seed
+def lora_setup_pass(settings, seed: int) -> SetupPass:
+    """:func:`~mega.models.lora.apply_lora` of ``settings`` (a ``LoRASettings``) on every chunk."""
 
-    @hookimpl
-    def on_stage_built(self, stage, groups):
+    def adapt(stage, setup: ModelSetup) -> None:
         # start-up cost, as above
         from mega.models.lora import LoRAError, apply_lora
 
         try:
-            apply_lora(stage, self.settings, self.seed)
+            apply_lora(stage, settings, seed)
         except LoRAError as error:
             raise ConfigError(str(error)) from None
 
+    return per_chunk("lora", Phase.ADAPTERS, adapt)
 
-def lora_callback(run_config):
-    """The per-run listener when ``--lora-rank`` is set, None otherwise."""
+
+def lora_pass(run_config) -> SetupPass | None:
+    """The run's LoRA pass when ``--lora-rank`` is set, None otherwise."""
     options = run_config.plugins.get(PLUGIN)
     if options is None or not options.lora_rank:
         return None
@@ -75,4 +76,4 @@ def lora_callback(run_config):
     if checkpoint.save and not checkpoint.load:
         raise ConfigError("--lora-rank with --save but no --load: checkpoints of a LoRA run hold the adapters "
                           "alone, so the base model must come from --load")
-    return LoRAPass(options, run_config.training.seed)
+    return lora_setup_pass(options.settings(), run_config.training.seed)

@@ -23,8 +23,8 @@ kernel keeps for itself; full recompute keeps only the input of each recomputed 
 
 from __future__ import annotations
 
+from mega.core.footprint import StageFootprint
 from mega.core.parallel import ParallelConfig
-from mega.core.planning.footprint import StageFootprint
 from mega.models.config import TransformerConfig
 from mega.models.recompute import layer_runs
 

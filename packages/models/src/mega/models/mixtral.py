@@ -15,13 +15,13 @@ from mega.models.initialization import init_parameter
 from mega.models.moe.config import MoETransformerConfig
 from mega.models.moe_memory import moe_stage_footprint
 from mega.models.moe_model import (
+    MOE_PASSES,
     build_moe_model,
     moe_boundary,
     moe_loss,
     moe_tensor_parallel_plan,
     num_moe_floating_point_operations,
     num_moe_parameters,
-    parallelize_moe_model,
 )
 
 
@@ -56,7 +56,7 @@ FAMILY = ModelFamily(
     num_parameters=num_moe_parameters,
     num_floating_point_operations=num_moe_floating_point_operations,
     tensor_parallel_plan=moe_tensor_parallel_plan,
-    parallelize=parallelize_moe_model,
+    setup_passes=MOE_PASSES,
     boundary=moe_boundary,
     features=frozenset({"moe"}),
     memory_model=moe_stage_footprint,

@@ -20,7 +20,7 @@ Generation caches what MLA needs per token: the normalised latent and the rotate
 ``kv_lora_rank + qk_pos_emb_head_dim`` values a layer, handed to the cache as two halves of one
 vector so every KV cache (plain, paged, static) holds them as it holds keys and values.
 
-Tensor parallelism (set from outside by :func:`apply_mla_tensor_parallel` and the family's plan):
+Tensor parallelism (the tensor group at construction, the layers split by the family's plan):
 the up projections are column-parallel (whole heads), ``linear_proj`` row-parallel, the down
 projections and latent norms whole on every rank. Under sequence parallelism the down
 projections run on this rank's slice and the up projections gather the latents; the shared rope
@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import CAUSAL, AttentionMask, Kernels
+from mega.core.model_family import ParallelContext
 from mega.core.parallel.collectives import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -97,7 +98,7 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MultiLatentAttention(nn.Module):
-    def __init__(self, config, kernels: Kernels):
+    def __init__(self, config, kernels: Kernels, context: ParallelContext | None = None):
         super().__init__()
         self.config, self.kernels = config, kernels
         h, heads = config.hidden_size, config.num_attention_heads
@@ -112,13 +113,15 @@ class MultiLatentAttention(nn.Module):
         self.linear_kv_down_proj = kernels.linear(h, config.kv_lora_rank + rope, bias=False)
         self.kv_layernorm = kernels.norm(config.normalization, config.kv_lora_rank, eps)
         self.linear_kv_up_proj = kernels.linear(config.kv_lora_rank, heads * (nope + v), bias=False)
-        self.core_attention = CoreAttention(config, kernels)
+        self.core_attention = CoreAttention(config, kernels, context)
         self.core_attention.softmax_scale = mla_softmax_scale(config)
         self.linear_proj = kernels.linear(heads * v, h, bias=False)
         kernels.get("rotary")
-        # Set by the passes: the tensor group and whether ``hidden`` is a sequence slice; selective recompute.
-        self.tp_group = None
-        self.sequence_parallel = False
+        # The tensor group (None: one device) and whether ``hidden`` is a sequence slice, from
+        # construction; selective recompute, set by the recompute pass.
+        groups = context.groups if context is not None else None
+        self.tp_group = groups.tp if groups is not None else None
+        self.sequence_parallel = context is not None and context.sequence_parallel
         self.recompute_core = False
         self.recompute_rng_tracker = None
 

@@ -27,8 +27,8 @@ model has any (its dense layers are the first few), unless ``first_layer`` says 
 
 from __future__ import annotations
 
+from mega.core.footprint import StageFootprint
 from mega.core.parallel import ParallelConfig
-from mega.core.planning.footprint import StageFootprint
 from mega.models.memory import (
     FP32,
     INT64,

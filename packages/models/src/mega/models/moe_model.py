@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 from mega.core.kernels import CAUSAL, Kernels
-from mega.core.model_family import LossContext, Stage, StageRun, TensorSpec, hidden_boundary
+from mega.core.model_family import LossContext, ParallelContext, Stage, TensorSpec, hidden_boundary
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.param_attrs import mark_expert_shard, mark_expert_tensor_shard, mark_tensor_parallel
+from mega.core.setup_passes import ModelSetup, Phase, per_chunk
 from mega.models.config import ModelConfigError
 from mega.models.family import language_model_loss
 from mega.models.flops import num_floating_point_operations as dense_flops
@@ -43,7 +44,7 @@ from mega.models.language_model import LanguageModel
 from mega.models.moe.config import MoETransformerConfig
 from mega.models.moe.layer import STATS, MoELayer
 from mega.models.parallel_plan import tensor_parallel_plan
-from mega.models.parallelize import modules_of, parallelize
+from mega.models.parallelize import modules_of, transformer_passes
 from mega.models.parameter_count import num_parameters as dense_parameters
 
 MOE_STATS = "moe_stats"
@@ -67,13 +68,13 @@ class MoELanguageModel(LanguageModel):
 
 
 def build_moe_model(config: MoETransformerConfig, stage: Stage, *, kernels: Kernels,
-                    parallel: ParallelConfig) -> MoELanguageModel:
+                    parallel: ParallelConfig, context: ParallelContext | None = None) -> MoELanguageModel:
     config.validate_parallel(parallel)
     if config.num_moe_layers != config.num_layers or config.moe_shared_expert_intermediate_size:
         raise ModelConfigError("--moe-layer-freq with dense layers and --moe-shared-expert-intermediate-size are "
                                "the deepseek-v3 family's (its plan splits dense layers and shared experts); "
                                "this family has experts in every layer and no shared expert")
-    return MoELanguageModel(config, stage, kernels, parallel)
+    return MoELanguageModel(config, stage, kernels, parallel, context)
 
 
 def moe_tensor_parallel_plan(config: MoETransformerConfig, stage: Stage) -> dict:
@@ -84,20 +85,22 @@ def moe_tensor_parallel_plan(config: MoETransformerConfig, stage: Stage) -> dict
     return plan
 
 
-def parallelize_moe_model(model: MoELanguageModel, groups: ParallelGroups, run: StageRun) -> nn.Module:
-    """:func:`apply_expert_parallel`, then the passes of :func:`mega.models.parallelize.parallelize`
-    with the plan of the layers' dense parts."""
-    apply_expert_parallel(model, groups, run.parallel.sequence_parallel)
-    return parallelize(model, groups, run, moe_tensor_parallel_plan(run.config, model.stage))
+def _expert_parallel(model: nn.Module, setup: ModelSetup) -> None:
+    apply_expert_parallel(model, setup.groups)
 
 
-def apply_expert_parallel(stage: nn.Module, groups: ParallelGroups, sequence_parallel: bool) -> None:
+EXPERT_PARALLEL_PASS = per_chunk("expert-parallel", Phase.EXPERT_PARALLEL, _expert_parallel,
+                                 "each MoE layer keeps this rank's experts (--expert-model-parallel-size)")
+# The expert pass, then the dense transformer's with the plan of the layers' dense parts.
+MOE_PASSES = (EXPERT_PARALLEL_PASS,
+              *transformer_passes(lambda model, setup: moe_tensor_parallel_plan(setup.config, model.stage)))
+
+
+def apply_expert_parallel(stage: nn.Module, groups: ParallelGroups) -> None:
     """A pass before tensor parallelism: every mixture-of-experts layer keeps this rank's experts
-    (:func:`shard_experts`) and routes over the tensor, expert-tensor and expert groups."""
+    (:func:`shard_experts`); it routes over the groups it was built with."""
     for moe in modules_of(stage, MoELayer):
         shard_experts(moe.experts, groups)
-        moe.tp_group, moe.etp_group, moe.ep_group = groups.tp, groups.etp, groups.ep
-        moe.sequence_parallel = sequence_parallel
 
 
 def shard_experts(experts: nn.Module, groups: ParallelGroups) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import Kernels
+from mega.core.model_family import ParallelContext
 from mega.models.block import TransformerLayer
 from mega.models.norms import build_norm
 
@@ -34,12 +35,12 @@ def shift_left(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, config, kernels: Kernels):
+    def __init__(self, config, kernels: Kernels, context: ParallelContext | None = None):
         super().__init__()
         self.enorm = build_norm(config, kernels)
         self.hnorm = build_norm(config, kernels)
         self.eh_proj = kernels.linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.transformer_layer = TransformerLayer(config, kernels, config.num_layers - 1)
+        self.transformer_layer = TransformerLayer(config, kernels, config.num_layers - 1, context)
         self.final_layernorm = build_norm(config, kernels)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
@@ -48,9 +49,9 @@ class MTPLayer(nn.Module):
 
 
 class MultiTokenPrediction(nn.Module):
-    def __init__(self, config, kernels: Kernels):
+    def __init__(self, config, kernels: Kernels, context: ParallelContext | None = None):
         super().__init__()
-        self.layers = nn.ModuleList(MTPLayer(config, kernels) for _ in range(config.mtp_num_layers))
+        self.layers = nn.ModuleList(MTPLayer(config, kernels, context) for _ in range(config.mtp_num_layers))
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor | None,
                 embedding: nn.Module, output_layer: nn.Module) -> torch.Tensor:

@@ -1,49 +1,49 @@
-"""Making a built stage parallel from outside: explicit passes over the stage, in a fixed order.
+"""Making a built stage parallel from outside: the model families' setup passes.
 
-A family builds its stage as single-device code (:func:`mega.core.build.build_stage` builds it
-on the meta device); its ``parallelize`` (the :class:`~mega.core.model_family.ModelFamily` hook,
-``parallelize(stage, groups, run)``) then applies passes to it. Each pass is a function of the
-stage and of exactly what it needs (groups, config, flags), changes modules in place and keeps
-every parameter name (checkpoints depend on them). The order:
+A family builds its stage as single-device code (:func:`mega.core.build.build_model` builds it on
+the meta device) and names its passes of the model setup (``ModelFamily.setup_passes``), each a
+:class:`~mega.core.setup_passes.SetupPass` at its :class:`~mega.core.setup_passes.Phase`; the
+core's one runner (:func:`mega.core.setup_passes.run_setup`) runs them with its own and a run's
+passes (LoRA, FP8, compile, tying, data parallelism) in phase order. Each pass is a function of a
+chunk and of exactly what it needs (groups, config, flags), changes modules in place and keeps
+every parameter name (checkpoints depend on them). The dense transformer's (:func:`transformer_passes`):
 
-1. Family passes that need the whole weights: the experts this rank keeps
-   (:func:`mega.models.moe_model.apply_expert_parallel`), T5's relative-position tables split by
-   heads (:func:`mega.models.t5.family.shard_relative_position_tables`).
-2. Tensor and sequence parallelism by the family's plan:
-   :func:`mega.core.parallel.tensor_parallel.apply_tensor_parallel` ``(stage, plan, groups,
-   sequence_parallel=)``; then family passes that amend it (BERT's heads see the whole sequence:
-   :func:`mega.models.bert.keep_heads_whole`); :func:`apply_head_norm_grad_sum` (QK-norm weights
-   see only a rank's own heads).
-3. :func:`apply_attention_dropout_rng` ``(stage, rng_tracker, sequence_parallel)``: dropout over
-   a rank's own attention heads draws from the RNG tracker's model-parallel stream.
-4. :func:`apply_sequence_parallel_rng` ``(stage, rng_tracker, sequence_parallel)``: under
-   sequence parallelism every layer stack runs in that stream (Megatron's convention).
-5. :func:`apply_recompute` ``(stage, config, rng_tracker, training)``: full recompute of runs of
-   layers, or selective recompute of the attention core.
-6. :func:`apply_cp` ``(stage, groups, config, parallel)``: attention over the context group.
-   Last, since it replaces the attention cores the passes before it set up.
+* ``EXPERT_PARALLEL`` (mixtures of experts only): the experts this rank keeps
+  (:func:`mega.models.moe_model.apply_expert_parallel`; the layers route over the groups they
+  were built with).
+* ``TENSOR_PARALLEL``, one pass in this order: the family's plan
+  (:func:`mega.core.parallel.tensor_parallel.apply_tensor_parallel` ``(stage, plan, groups,
+  sequence_parallel=)``); the family's amendments (BERT's heads see the whole sequence); :func:`apply_head_norm_grad_sum` (QK-norm weights see only a rank's own heads).
+* ``CONTEXT_PARALLEL``: :func:`apply_cp`, attention over the context group.
+* ``RECOMPUTE``: :func:`apply_recompute`, full recompute of runs of layers or selective recompute
+  of the attention core (after the adapters and FP8 layers, before compile).
 
-:func:`parallelize` applies 2-6 (GPT, LLaMA, Mixtral after its expert pass, BERT before its
-heads pass); T5 applies 1-3 (:func:`mega.models.t5.family.parallelize_t5`).
+T5 names its own tensor-parallel pass (:func:`mega.models.t5.family.parallelize_t5`).
 
-Adding a pass (FSDP, FP8, LoRA, ...): write ``apply_<what>(stage, <what it needs>) -> None``,
-finding the modules it changes in ``stage.modules()`` by class (:func:`modules_of`); call it
-from :func:`parallelize` (and from a family's own ``parallelize`` where it applies) at its place
-in the order; and add it to the list above.
+Process groups, sequence parallelism and dropout streams are not set here: the modules take
+them at construction from the :class:`~mega.core.model_family.ParallelContext` the core hands the
+family's ``build`` (experts and multi-latent attention their groups; attention cores, and under
+sequence parallelism whole layer stacks, the RNG tracker's model-parallel stream). What the passes
+still set on modules: the recompute flags (a phase of its own, which a run may leave out).
+
+Adding a pass: write ``apply_<what>(stage, <what it needs>) -> None``, finding the modules it
+changes in ``stage.modules()`` by class (:func:`modules_of`); give it a phase with
+:func:`mega.core.setup_passes.per_chunk` in a family's ``setup_passes`` (or, for every family of a
+run, through the ``register_setup_passes`` hook); and add it to the list above.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from torch import nn
 
-from mega.core.model_family import StageRun
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.param_attrs import mark_sequence_parallel
 from mega.core.parallel.plan import PlanStyle
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
-from mega.models.attention import CoreAttention, SelfAttention
+from mega.core.setup_passes import ModelSetup, Phase, SetupPass, per_chunk
+from mega.models.attention import SelfAttention
 from mega.models.config import TransformerConfig
 from mega.models.context_parallel import ContextParallelAttention, check_context_parallel
 from mega.models.layer_stack import LayerStack
@@ -54,16 +54,40 @@ from mega.models.recompute import layer_runs
 ATTENTIONS = (SelfAttention, MultiLatentAttention)
 
 
-def parallelize(stage: nn.Module, groups: ParallelGroups, run: StageRun, plan: Mapping[str, PlanStyle]) -> nn.Module:
-    """Passes 2-6 of the module docstring, in order; returns ``stage``."""
-    sequence_parallel = run.parallel.sequence_parallel
-    apply_tensor_parallel(stage, plan, groups, sequence_parallel=sequence_parallel)
-    apply_head_norm_grad_sum(stage, groups)
-    apply_attention_dropout_rng(stage, run.rng_tracker, sequence_parallel)
-    apply_sequence_parallel_rng(stage, run.rng_tracker, sequence_parallel)
-    apply_recompute(stage, run.config, run.rng_tracker, run.training)
-    apply_cp(stage, groups, run.config, run.parallel)
-    return stage
+PlanOf = Callable[[nn.Module, ModelSetup], Mapping[str, PlanStyle]]
+Amendment = Callable[[nn.Module, ModelSetup], None]
+
+
+def transformer_passes(plan_of: PlanOf, amendments: Iterable[Amendment] = ()) -> tuple[SetupPass, ...]:
+    """The tensor-parallel, context-parallel and recompute passes of the module docstring, with
+    ``plan_of(chunk, setup)`` the tensor plan and ``amendments`` run right after it."""
+    return (tensor_parallel_pass(plan_of, amendments),
+            per_chunk("context-parallel", Phase.CONTEXT_PARALLEL, _context_parallel,
+                      "self-attention over the context group (--context-parallel-size)"),
+            per_chunk("recompute", Phase.RECOMPUTE, _recompute,
+                      "activation recompute of layer runs or attention cores (--recompute-*)"))
+
+
+def tensor_parallel_pass(plan_of: PlanOf, amendments: Iterable[Amendment] = ()) -> SetupPass:
+    amendments = tuple(amendments)
+
+    def apply(stage: nn.Module, setup: ModelSetup) -> None:
+        sequence_parallel = setup.parallel.sequence_parallel
+        apply_tensor_parallel(stage, plan_of(stage, setup), setup.groups, sequence_parallel=sequence_parallel)
+        for amend in amendments:
+            amend(stage, setup)
+        apply_head_norm_grad_sum(stage, setup.groups)
+
+    return per_chunk("tensor-parallel", Phase.TENSOR_PARALLEL, apply,
+                     "the family's tensor plan and sequence parallelism")
+
+
+def _context_parallel(stage: nn.Module, setup: ModelSetup) -> None:
+    apply_cp(stage, setup.groups, setup.config, setup.parallel)
+
+
+def _recompute(stage: nn.Module, setup: ModelSetup) -> None:
+    apply_recompute(stage, setup.config, setup.rng_tracker, setup.training)
 
 
 def modules_of(stage: nn.Module, kind: type) -> list:
@@ -81,21 +105,6 @@ def apply_head_norm_grad_sum(stage: nn.Module, groups: ParallelGroups) -> None:
         for norm in (attention.q_layernorm, attention.k_layernorm):
             for param in norm.parameters() if norm is not None else ():
                 mark_sequence_parallel(param)
-
-
-def apply_attention_dropout_rng(stage: nn.Module, rng_tracker, sequence_parallel: bool) -> None:
-    """Each attention core's dropout forks into ``rng_tracker``'s model-parallel stream: the heads
-    are this rank's own, so their masks must differ between tensor-parallel ranks. Not under
-    sequence parallelism, where the whole stack already runs in that stream (pass 4)."""
-    for core in modules_of(stage, CoreAttention):
-        core.dropout_rng_tracker = None if sequence_parallel else rng_tracker
-
-
-def apply_sequence_parallel_rng(stage: nn.Module, rng_tracker, sequence_parallel: bool) -> None:
-    """Under sequence parallelism every activation of a layer stack is this rank's slice of the
-    sequence, so each stack draws all its dropout from ``rng_tracker``'s model-parallel stream."""
-    for stack in modules_of(stage, LayerStack):
-        stack.rng_stream = rng_tracker if sequence_parallel else None
 
 
 def apply_recompute(stage: nn.Module, config: TransformerConfig, rng_tracker, training: bool) -> None:

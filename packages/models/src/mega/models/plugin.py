@@ -30,6 +30,10 @@ def register_callbacks(register):
     register("moe-expert-bias", "mega.models.moe.expert_bias:expert_bias_update",
              description="aux-loss-free MoE balancing: each step moves the experts' routing bias towards an even load "
                          "(--moe-router-enable-expert-bias)")
-    register("lora", "mega.models.lora_training:lora_callback",
-             "LoRA adapters beside the linear layers, the base frozen (--lora-rank)",
+
+
+@hookimpl
+def register_setup_passes(register):
+    register("lora", "mega.models.lora_training:lora_pass",
+             "adapters: LoRA beside the linear layers, the base frozen (--lora-rank)",
              options="mega.models.lora_training:LoRAOptions")

@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from mega.core.checkpoint import space
+from mega.core.checkpoint.completeness import check_complete, confirm_written
 from mega.core.checkpoint.directory import (
     RELEASE,
+    checkpoint_and_metadata,
     iteration_name,
     publish,
     remove_leftovers,
@@ -51,11 +53,12 @@ def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], t
 
 def read_tensors(path: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:
     """The global model tensors ``names`` of a checkpoint."""
-    directory = resolve_checkpoint(path)
+    directory, metadata = checkpoint_and_metadata(path, checksums=False)
     index = read_index(directory)
     missing = [name for name in names if MODEL + name not in index]
     if missing:
         raise KeyError(f"{directory} has no model tensor(s) {', '.join(missing)}")
+    check_complete(directory, metadata, index, optimizer=False, only={MODEL + name for name in names})
     tensors = {name: torch.empty(tuple(index[MODEL + name].size), dtype=index[MODEL + name].properties.dtype)
                for name in names}
     entries = {MODEL + name: ShardedEntry(tuple(t.shape), t.dtype, [Piece(t, (0,) * t.dim())])
@@ -98,8 +101,10 @@ def write_checkpoint(save_dir: str | os.PathLike, metadata: CheckpointMetadata,
             piece = Piece(tensor, zeros) if isinstance(tensor, torch.Tensor) else (tensor, zeros)
             entries[OPTIMIZER + key] = ShardedEntry(tuple(tensor.shape), tensor.dtype, [piece])
         # A file per tensor: memory stays at one (lazy) tensor, not the whole model.
+        metadata.tensors = {key: list(entry.global_shape) for key, entry in entries.items()}
         with space.removed_if_failed(staging, space.entries_bytes(entries)):
             save_entries(staging, entries, file_per_tensor=True)
+            confirm_written(staging, metadata.tensors)
         return publish(save_dir, saved_as, metadata, RELEASE if optimizer is None else str(metadata.iteration))
     except BaseException:
         shutil.rmtree(save_dir if created else staging, ignore_errors=True)
@@ -111,8 +116,9 @@ def load_model_weights(source: str | os.PathLike | TensorSource, modules: list[n
     from a checkpoint path or a :class:`TensorSource`. Each rank reads only its own pieces."""
     entries = model_entries(modules, groups.tp if groups is not None else None)
     if isinstance(source, (str, os.PathLike)):
-        directory = resolve_checkpoint(source)
+        directory, metadata = checkpoint_and_metadata(source, checksums=False)
         index = read_index(directory)
+        check_complete(directory, metadata, index, optimizer=False)
         extra_state = prepare_optional(entries, index)
         check_entries(directory, entries, index)
         zero_rows_beyond(entries, index)

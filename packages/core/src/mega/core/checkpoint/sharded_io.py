@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -172,8 +174,41 @@ def save_entries(path: Path, entries: dict[str, ShardedEntry], process_group=Non
     """
     writer = FileSystemWriter(str(path), sync_files=True, single_file_per_rank=not file_per_tensor)
     with _single_process_quietly():
-        dcp.save(entries, storage_writer=writer, planner=_SavePlanner(),
-                 process_group=process_group, no_dist=not torch.distributed.is_initialized())
+        try:
+            dcp.save(entries, storage_writer=writer, planner=_SavePlanner(),
+                     process_group=process_group, no_dist=not torch.distributed.is_initialized())
+        except CheckpointException as error:
+            refused = _refused_plan(error)
+            if refused is None:
+                raise
+            raise IncompleteSave(path, refused) from None
+
+
+# DCP refuses a save whose ranks' pieces leave part of a tensor out ("key:K invalid fill
+# tensor-volume: T chunks-volume: C") or overlap, before it writes anything, on every rank.
+_INVALID_FILL = re.compile(r"key:(\S+) invalid fill tensor-volume: (\d+) chunks-volume: (\d+)")
+
+
+def _refused_plan(error: CheckpointException) -> list[str] | None:
+    """What DCP's check of the ranks' pieces found, said as completeness.py says it (None when
+    ``error`` is another failure)."""
+    for failure in error.failures.values():
+        text = str(failure[0])
+        if "Failed to validate global plan" in text:
+            fills = _INVALID_FILL.findall(text)
+            if not fills:
+                return [text]
+            return [f"{key}: its pieces cover {chunks} of its {total} elements" for key, total, chunks in fills]
+    return None
+
+
+class IncompleteSave(CheckpointError):
+    """A save whose ranks did not write every tensor it records, whole; raised on every rank
+    before the checkpoint is published."""
+
+    def __init__(self, staging: Path, problems: list[str]):
+        super().__init__(f"the save into {staging} missed state, so it was not published (the previous checkpoint "
+                         "and the tracker are unchanged): it " + "; ".join(problems))
 
 
 def load_entries(path: Path, entries: dict[str, ShardedEntry], process_group=None, *, alone: bool = False) -> None:

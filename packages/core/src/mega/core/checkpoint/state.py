@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from mega.core.checkpoint.metadata import CheckpointError
 from mega.core.checkpoint.sharded_io import ShardedEntry
 from mega.core.optim.optimizer import MainParam, MixedPrecisionOptimizer
 from mega.core.parallel.fsdp import shard_pieces
@@ -52,7 +53,7 @@ class Entries:
 
     def add(self, key: str, tensor: torch.Tensor, param: nn.Parameter, tp: Group | None,
             flat_range: tuple[int, int] | None = None) -> None:
-        split = TensorParallelSplit.of(param, tp.rank, tp.size) if tp is not None else TensorParallelSplit.of(param, 0, 1)
+        split = _split(param, tp)
         shape = tuple(param.shape)
         if isinstance(tensor, DTensor):  # an FSDP shard (of the parameter or of its optimizer state)
             pieces = shard_pieces(tensor, split)
@@ -60,6 +61,10 @@ class Entries:
             pieces = tensor_pieces(tensor.detach(), split, shape, flat_range)
         self.entries[key] = ShardedEntry(split.global_shape(shape), tensor.dtype, pieces)
         self.sources[key] = (tensor, is_padded_vocab(param))
+
+
+def _split(param: torch.Tensor, tp: Group | None) -> TensorParallelSplit:
+    return TensorParallelSplit.of(param, tp.rank, tp.size) if tp is not None else TensorParallelSplit.of(param, 0, 1)
 
 
 def named_parameters(chunks: list[nn.Module], buffers: bool = False) -> tuple[dict[str, torch.Tensor], list]:
@@ -143,26 +148,68 @@ def optimizer_state_description(optimizer: MixedPrecisionOptimizer) -> dict | No
     }
 
 
+def keeps_main_param(optimizer: MixedPrecisionOptimizer, param: nn.Parameter) -> bool:
+    """Whether ``param`` has an fp32 main parameter a checkpoint stores (when the optimizer's
+    description says main parameters are saved): a copy beside a bf16/fp16 parameter, or the
+    parameter itself where it is its own (FSDP's shards)."""
+    return param.dtype != torch.float32 or getattr(optimizer, "params_are_main_params", False)
+
+
 def optimizer_entries(optimizer: MixedPrecisionOptimizer, chunks: list[nn.Module], tp: Group | None,
                       state_keys: list[str], main_params: bool) -> Entries:
     """Entries of the inner optimizer's ``state_keys`` (and of the fp32 main parameters when
     ``main_params``) for every main parameter of this rank."""
-    named, _ = named_parameters(chunks)
+    named, duplicates = named_parameters(chunks)
     names = {id(param): name for name, param in named.items()}
+    copies = {id(copy) for _, copy in duplicates}  # a second copy of a tied weight: its state equals the first's
     result = Entries()
     for entry in optimizer.main_params:
         name = names.get(id(entry.model))
-        if name is None:  # a second copy of a tied weight: its state equals the first's
-            continue
+        if name is None:
+            if id(entry.model) in copies:
+                continue
+            raise CheckpointError(f"the optimizer steps a parameter of shape {list(entry.model.shape)} that no model "
+                                  "chunk holds (are FSDP units left gathered? settle() reshards them)")
         state = optimizer.optimizer.state[entry.main]
         for key in (k for k in state_keys if k in state):  # (the keys this parameter keeps)
             result.add(f"{OPTIMIZER}{name}.{key}", state[key], entry.model, tp, entry.flat_range)
-        own_main = entry.model_view is None and getattr(optimizer, "params_are_main_params", False)
-        if main_params and (entry.model_view is not None or own_main):
+        if main_params and keeps_main_param(optimizer, entry.model):
             result.add(f"{OPTIMIZER}{name}.{MAIN_PARAM}", entry.main.data, entry.model, tp, entry.flat_range)
-            if own_main:
+            if getattr(optimizer, "params_are_main_params", False):
                 result.main_param_instead.add(MODEL + name)
     return result
+
+
+def expected_optimizer_shapes(optimizer: MixedPrecisionOptimizer, chunks: list[nn.Module], tp: Group | None,
+                              state_keys: list[str], main_params: bool) -> dict[str, list[int]]:
+    """The global shape of every optimizer entry a checkpoint must hold for this rank's trainable
+    parameters, whichever data-parallel rank holds (a slice of) their state: what a save is
+    checked against, named from the model, not from the optimizer's own bookkeeping."""
+    named, _ = named_parameters(chunks)
+    shapes = {}
+    for name, param in named.items():
+        if not param.requires_grad:
+            continue
+        shape = list(_split(param, tp).global_shape(tuple(param.shape)))
+        keys_of = getattr(optimizer.optimizer, "state_keys", None)  # per parameter (Muon + AdamW)
+        for key in (state_keys if keys_of is None else [k for k in state_keys if k in keys_of(param)]):
+            shapes[f"{OPTIMIZER}{name}.{key}"] = shape
+        if main_params and keeps_main_param(optimizer, param):
+            shapes[f"{OPTIMIZER}{name}.{MAIN_PARAM}"] = shape
+    return shapes
+
+
+def settle(chunks: list[nn.Module], optimizer) -> None:
+    """Bring the model to the state checkpoints read and fill: the distributed optimizer's
+    parameter all-gathers finished, FSDP's units resharded (an evaluation leaves the units that do
+    not reshard after forward gathered, their sharded parameters, which the optimizer steps and
+    whose state a checkpoint names by module, replaced by plain unsharded tensors)."""
+    finish = getattr(optimizer, "finish_param_sync", None)
+    if finish is not None:
+        finish()
+    for chunk in chunks:
+        if getattr(chunk, "fully_sharded", False):
+            chunk.reshard()
 
 
 def create_optimizer_state(optimizer: MixedPrecisionOptimizer, description: dict) -> None:

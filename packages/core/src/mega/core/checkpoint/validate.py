@@ -12,7 +12,8 @@ from mega.core.checkpoint.metadata import CheckpointError
 from mega.core.checkpoint.state import MODEL, OPTIMIZER, Entries
 
 
-def _examples(keys: set[str]) -> str:
+def name_examples(keys: set[str]) -> str:
+    """The first few of ``keys`` (sorted), and how many more."""
     shown = sorted(keys)[:4]
     return ", ".join(shown) + (f" and {len(keys) - len(shown)} more" if len(keys) > len(shown) else "")
 
@@ -24,9 +25,9 @@ def check_model_names(path: Path, expected: set[str], index: dict[str, TensorSto
     if missing or unexpected:
         problems = []
         if missing:
-            problems.append(f"lacks {_examples(missing)}")
+            problems.append(f"lacks {name_examples(missing)}")
         if unexpected:
-            problems.append(f"has {_examples(unexpected)}, which this model does not")
+            problems.append(f"has {name_examples(unexpected)}, which this model does not")
         raise CheckpointError(f"{path} does not match this model: it {'; it '.join(problems)} "
                               "(is the model configuration the one it was saved with?)")
 
@@ -36,7 +37,7 @@ def check_entries(path: Path, wanted: Entries, index: dict[str, TensorStorageMet
     missing = {key for key in wanted.entries if key not in index}
     if missing:
         hint = " (start without it: --no-load-optim)" if all(k.startswith(OPTIMIZER) for k in missing) else ""
-        raise CheckpointError(f"{path} lacks {_examples(missing)}{hint}")
+        raise CheckpointError(f"{path} lacks {name_examples(missing)}{hint}")
     for key, entry in wanted.entries.items():
         saved, wanted_shape = tuple(index[key].size), entry.global_shape
         if saved == wanted_shape:

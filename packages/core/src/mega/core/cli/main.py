@@ -11,10 +11,12 @@ import os
 import signal
 import sys
 
-from mega.core.launch import distributed_env, end_rank_process, record_failure
+from mega.core.cli.elsewhere import absent, missing_command, missing_line
 from mega.core.plugins import PluginError, Plugins, get_plugins
 from mega.core.plugins.failures import FailedPlugin, failure_line
 from mega.core.plugins.registry import resolve
+from mega.core.process_group import distributed_env
+from mega.core.rank_exit import end_rank_process, record_failure
 from mega.core.version import __version__
 
 USAGE = "usage: mega [--version] [--help] <command> [<args>...]"
@@ -26,7 +28,7 @@ def main(argv: list[str] | None = None, plugins: Plugins | None = None) -> int:
     (Ctrl-C) ends it with one line and 130.
 
     Run as a program (``argv`` None) in a rank of a distributed job, it ends the process itself
-    (:func:`mega.core.launch.end_rank_process`): a finished run must not fail in shutdown."""
+    (:func:`mega.core.rank_exit.end_rank_process`): a finished run must not fail in shutdown."""
     as_rank = argv is None and distributed_env() is not None
     try:
         exit_code = _run(argv, plugins)
@@ -57,6 +59,10 @@ def _run(argv: list[str] | None, plugins: Plugins | None) -> int:
         return 0
 
     name, rest = _match_command(plugins, argv)
+    missing = missing_command(argv, set(plugins.commands.names()))
+    if missing is not None and (name is None or len(name) < len(missing[0])):
+        print(f"mega: {missing_line(*missing, plugins.disabled)}", file=sys.stderr)
+        return 2
     if name is None:
         group = [n for n in plugins.commands.names() if n.startswith(argv[0] + " ")]
         if group:
@@ -122,6 +128,10 @@ def format_help(plugins: Plugins, prefix: str | None = None) -> str:
         rows.append((entry.name, entry.description or _command_help(entry)))
     width = max((len(name) for name, _ in rows), default=0)
     lines += [f"  {name.ljust(width)}  {text}" for name, text in rows]
+    missing = absent(set(plugins.commands.names())) if prefix is None else []
+    if missing:
+        lines += ["", "commands of mega's packages that are not installed (or are disabled) here:"]
+        lines += [f"  {line}" for line in missing]
     broken = plugins.failed()
     if broken and prefix is None:
         lines += ["", "plugins that failed to load (their commands are missing):"]

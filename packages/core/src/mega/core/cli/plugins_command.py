@@ -5,18 +5,15 @@ from __future__ import annotations
 import json
 
 from mega.core.cli.argparser import CommandParser
-from mega.core.cli.scaffold import main as new_main
 from mega.core.plugins import get_plugins
 from mega.core.plugins.failures import failure_line
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["new"]:
-        return new_main(argv[1:])
     parser = CommandParser(
         prog="mega plugins",
         description="List installed plugins, their distribution and version, and what they registered. "
-                    "`mega plugins new NAME --kind KIND` writes a new plugin distribution to start from.",
+                    "`mega plugins new NAME --kind KIND` (mega-train) writes a new plugin distribution to start from.",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list for machines")
     parser.add_argument("--traceback", action="store_true",

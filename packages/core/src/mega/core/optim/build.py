@@ -31,7 +31,7 @@ def build_optimizer(models: list[nn.Module], groups: ParallelGroups, config: Opt
     """The optimizer for ``models`` (one per virtual pipeline chunk, DDP-wrapped or not).
 
     ``config.optimizer`` names a registered optimizer (``register_optimizers``: adam, sgd...).
-    ``grad_scaler``: fp16's loss scaling (see mega.core.training.precision), None otherwise.
+    ``grad_scaler``: fp16's loss scaling (see mega.train.precision), None otherwise.
     """
     if plugins is None:
         plugins = get_plugins()

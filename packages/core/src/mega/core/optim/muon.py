@@ -118,7 +118,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _bind_adamw(self) -> None:
         adam_groups = [g for g in self.param_groups if not g["muon"]]
+        # Muon's main parameters, and its model parameters once bound (a checkpoint names state
+        # from the model, also on ranks owning none of a parameter's state).
         self._muon_ids = {id(p) for g in self.param_groups if g["muon"] for p in g["params"]}
+        if self.layout is not None:
+            self._muon_ids |= {id(slot.model) for slot in self.layout.slots}
         devices = {p.device.type for g in adam_groups for p in g["params"]}
         # An AdamW over the same group dicts and the same state: lr set on our groups reaches it.
         self.adamw = None
@@ -132,9 +136,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def bind_layout(self, layout) -> None:
         """``layout``: a :class:`~mega.core.optim.muon_layout.MuonLayout` of this rank's Muon parameters."""
         self.layout = layout
+        self._muon_ids |= {id(slot.model) for slot in layout.slots}
 
     def state_keys(self, param: torch.Tensor) -> tuple[str, ...]:
-        """The per-element state ``param`` keeps (checkpoints create it before loading)."""
+        """The per-element state ``param`` (a main or a model parameter) keeps: what checkpoints
+        create before loading and expect a save to hold."""
         return ("momentum_buffer",) if id(param) in self._muon_ids else ("exp_avg", "exp_avg_sq")
 
     def load_state_dict(self, state_dict: dict) -> None:

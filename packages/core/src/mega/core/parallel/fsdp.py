@@ -41,13 +41,13 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from mega.core.launch import collective_timeout
 from mega.core.parallel.collectives import all_reduce
 from mega.core.parallel.groups import ParallelGroups
 from mega.core.parallel.layout import rank_groups
 from mega.core.parallel.local_shard import local
 from mega.core.parallel.param_attrs import is_expert_parallel, is_sequence_parallel
 from mega.core.parallel.pieces import Piece, TensorParallelSplit
+from mega.core.process_group import collective_timeout
 
 
 def shard_pieces(tensor: DTensor, split: TensorParallelSplit) -> list[Piece]:
@@ -212,6 +212,17 @@ class FullyShardedDataParallel(nn.Module):
     def zero_grad_buffer(self) -> None:
         for param in self.module.parameters():
             param.grad = None
+
+    def reshard(self) -> None:
+        """Free every unit's gathered weights and register its sharded parameters again.
+
+        A forward without backward (an evaluation) leaves the units that do not reshard after
+        forward gathered, with their plain unsharded tensors in place of the sharded parameters
+        the optimizer steps; whatever reads the parameters by module (a checkpoint) must see the
+        sharded ones. The next forward gathers again."""
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def fully_shard_chunks(chunks: list[nn.Module], layers_of, groups: ParallelGroups, *, strategy: str,

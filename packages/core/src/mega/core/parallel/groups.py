@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mega.core.launch import collective_timeout
 from mega.core.parallel.config import ParallelConfig
 from mega.core.parallel.layout import embedding_ranks, rank_groups
+from mega.core.process_group import collective_timeout
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,16 @@ class RegistrationSpecs:
         """
 
     @hookspec
+    def register_setup_passes(self, register):
+        """Register passes of the model setup: ``factory(run_config) -> SetupPass | None``.
+
+        The :class:`mega.core.setup_passes.SetupPass` names its phase; every rank runs the passes
+        of a run with the family's and the core's in phase order (:func:`mega.core.setup_passes.run_setup`),
+        whichever plugin registered them first. ``None``: the pass is not wanted for this run
+        (LoRA without ``--lora-rank``).
+        """
+
+    @hookspec
     def register_rewards(self, register):
         """Register reward functions under their ``--reward`` names (RL post-training, mega-rl):
         ``fn(prompt=..., completion=..., **fields) -> float`` per completion, or TRL's batched
@@ -94,9 +104,8 @@ class EventSpecs:
 
     @hookspec
     def on_stage_built(self, stage, groups):
-        """A pass over this rank's model chunk (``stage``: built, parallel, initialised, on its
-        device) before ``--compile`` and data parallelism wrap it; it changes the stage in place
-        and keeps its parameters (FP8 linear layers, ...)."""
+        """This rank's model chunk (``stage``) once every setup pass ran: a listener looks, it
+        changes nothing (a change is a setup pass, :meth:`RegistrationSpecs.register_setup_passes`)."""
 
     @hookspec
     def on_step_start(self, run, iteration):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+import mega.core
+
 
 def pip_install(*arguments: str) -> str:
     """``pip install -c constraints.txt ARGUMENTS``."""
@@ -20,8 +22,6 @@ def repository_package(distribution: str, path: str) -> str:
 def checkout_constraints() -> Path | None:
     """The constraints.txt of the mega checkout this mega runs from (an editable install), or None
     (mega installed from wheels: then there is no such file, and mega's own pins are what is installed)."""
-    import mega.core  # noqa: PLC0415 - where this mega lives, asked only when a command needs it
-
     for directory in Path(mega.core.__file__).resolve().parents:
         if (directory / "constraints.txt").is_file() and (directory / "packages" / "core").is_dir():
             return directory / "constraints.txt"

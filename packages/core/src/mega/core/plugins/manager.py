@@ -29,6 +29,7 @@ KINDS = {
     "register_commands": "command",
     "register_rewards": "reward",
     "register_callbacks": "callback",
+    "register_setup_passes": "setup pass",
 }
 
 
@@ -111,6 +112,10 @@ class Plugins:
     @property
     def callbacks(self) -> Registry:
         return self.registries["callback"]
+
+    @property
+    def setup_passes(self) -> Registry:
+        return self.registries["setup pass"]
 
     def add(self, plugin: Any, name: str, distribution: str = "(local)", version: str = "") -> PluginInfo:
         """Register one plugin object or module and collect what it registers.

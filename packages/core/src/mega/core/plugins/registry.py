@@ -108,6 +108,23 @@ class Registry:
             failure = FailedPlugin.from_error(entry.plugin, entry.distribution, entry.version, error)
             raise PluginError(f"{self.kind} {name!r}: {failure_line(failure)}") from error
 
+    def made_for(self, run_config: Any, skip_failed: bool = False) -> list[tuple[str, Any]]:
+        """``(name, factory(run_config))`` of every registered factory, by name, but those that
+        return None (not wanted for this run). A factory that cannot be loaded raises
+        :class:`PluginError` naming its plugin, unless ``skip_failed``."""
+        made = []
+        for name in self.names():
+            try:
+                factory = self.get(name)
+            except PluginError:
+                if skip_failed:
+                    continue
+                raise
+            obj = factory(run_config)
+            if obj is not None:
+                made.append((name, obj))
+        return made
+
     def names(self) -> list[str]:
         """Every registered name, contested ones included (:meth:`contested` says which)."""
         return sorted(self._entries)

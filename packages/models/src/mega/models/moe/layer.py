@@ -1,5 +1,7 @@
 """``MoELayer``: the MLP of a mixture-of-experts transformer layer (router -> dispatch -> experts
--> weighted sum), written for one device; ``parallelize`` sets its groups from outside.
+-> weighted sum), written for one device; it takes its process groups at construction (a
+:class:`~mega.core.model_family.ParallelContext`, which the family's build hands down; None: one device), and the expert-parallel setup pass keeps this
+rank's experts.
 
 Tensor parallelism (experts split as dense MLPs are, see :mod:`mega.models.moe.experts`):
 
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import Kernels
+from mega.core.model_family import ParallelContext
 from mega.core.parallel.collectives import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -51,7 +54,7 @@ STATS = ("load_balancing_loss", "z_loss", "expert load min", "expert load max")
 
 
 class MoELayer(nn.Module):
-    def __init__(self, config: MoETransformerConfig, kernels: Kernels):
+    def __init__(self, config: MoETransformerConfig, kernels: Kernels, context: ParallelContext | None = None):
         super().__init__()
         self.config = config
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
@@ -62,12 +65,12 @@ class MoELayer(nn.Module):
         self.shared_experts = SharedExperts(config.hidden_size, shared, kernels) if shared else None
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size, kernels,
                                       grouped_gemm=config.moe_grouped_gemm)
-        # Set by parallelize: the tensor, expert-tensor and expert groups, and whether the input is
-        # a sequence shard.
-        self.tp_group = None
-        self.etp_group = None  # None: the tensor group
-        self.ep_group = None
-        self.sequence_parallel = False
+        # The tensor, expert-tensor and expert groups, and whether the input is a sequence shard.
+        groups = context.groups if context is not None else None
+        self.tp_group = groups.tp if groups is not None else None
+        self.etp_group = groups.etp if groups is not None else None  # None: the tensor group
+        self.ep_group = groups.ep if groups is not None else None
+        self.sequence_parallel = context is not None and context.sequence_parallel
         self.stats: torch.Tensor | None = None
 
     def reset_buffers(self) -> None:

@@ -11,15 +11,15 @@ import torch
 from torch import nn
 
 from mega.core.kernels import Kernels
-from mega.core.model_family import LossContext, ModelFamily, Stage, StageRun
-from mega.core.parallel import ParallelConfig, ParallelGroups
+from mega.core.model_family import LossContext, ModelFamily, ParallelContext, Stage
+from mega.core.parallel import ParallelConfig
 from mega.core.parallel.groups import Group
 from mega.core.parallel.param_attrs import mark_tensor_parallel
 from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
+from mega.core.setup_passes import ModelSetup, Phase, per_chunk
 from mega.models.family import language_model_loss
 from mega.models.initialization import init_parameter
-from mega.models.parallelize import apply_attention_dropout_rng
 from mega.models.t5.config import T5Config
 from mega.models.t5.hf_t5 import T5_MAPPING
 from mega.models.t5.model import T5Model
@@ -45,8 +45,9 @@ PRESETS = {
 }
 
 
-def build_t5(config: T5Config, stage: Stage, *, kernels: Kernels, parallel: ParallelConfig) -> T5Model:
-    return T5Model(config, stage, kernels, parallel)
+def build_t5(config: T5Config, stage: Stage, *, kernels: Kernels, parallel: ParallelConfig,
+             context: ParallelContext | None = None) -> T5Model:
+    return T5Model(config, stage, kernels, parallel, context)
 
 
 def tensor_parallel_plan(config: T5Config, stage: Stage) -> dict[str, PlanStyle]:
@@ -75,19 +76,18 @@ def tensor_parallel_plan(config: T5Config, stage: Stage) -> dict[str, PlanStyle]
     return plan
 
 
-def parallelize_t5(model: T5Model, groups: ParallelGroups, run: StageRun) -> nn.Module:
-    """Passes 1-3 of :mod:`mega.models.parallelize`: the relative-position tables split by heads
-    (before the plan, so sequence parallelism does not take them for replicated weights), the
-    plan, and attention dropout forked into the tracker's model-parallel stream (each rank holds
-    its own heads). T5 has no recompute or context-parallel flags. Under sequence parallelism its
-    stacks keep drawing dropout from the default stream (no ``apply_sequence_parallel_rng``),
-    where Megatron-Core forks them into the model-parallel one."""
-    sequence_parallel = run.parallel.sequence_parallel
-    shard_relative_position_tables(model, groups.tp)
-    apply_tensor_parallel(model, tensor_parallel_plan(run.config, model.stage), groups,
-                          sequence_parallel=sequence_parallel)
-    apply_attention_dropout_rng(model, run.rng_tracker, sequence_parallel)
-    return model
+def parallelize_t5(model: T5Model, setup: ModelSetup) -> None:
+    """T5's one setup pass (tensor parallel): the relative-position tables split by heads
+    (before the plan, so sequence parallelism does not take them for replicated weights), then
+    the plan. T5 has no recompute or context-parallel flags; its attention cores take their
+    dropout stream at construction (``context``)."""
+    shard_relative_position_tables(model, setup.groups.tp)
+    apply_tensor_parallel(model, tensor_parallel_plan(setup.config, model.stage), setup.groups,
+                          sequence_parallel=setup.parallel.sequence_parallel)
+
+
+T5_PASSES = (per_chunk("tensor-parallel", Phase.TENSOR_PARALLEL, parallelize_t5,
+                       "T5's relative-position tables by heads, its tensor plan"),)
 
 
 def shard_relative_position_tables(model: T5Model, tp: Group) -> None:
@@ -146,7 +146,7 @@ FAMILY = ModelFamily(
     num_parameters=num_parameters,
     num_floating_point_operations=num_floating_point_operations,
     tensor_parallel_plan=tensor_parallel_plan,
-    parallelize=parallelize_t5,
+    setup_passes=T5_PASSES,
     pipeline_stages=pipeline_stages,
     boundary=boundary,
     batch_keys=BATCH_KEYS,

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import AttentionMask, Kernels
+from mega.core.model_family import ParallelContext
 from mega.models.attention import CoreAttention
 from mega.models.layer_stack import PreNormLayer
 from mega.models.norms import build_norm
@@ -34,11 +35,11 @@ class SelfAttention(nn.Module):
     """``linear_qkv`` holds, per head, its query, key and value rows (Megatron's layout with one
     query per key/value group)."""
 
-    def __init__(self, config: T5Config, kernels: Kernels):
+    def __init__(self, config: T5Config, kernels: Kernels, context: ParallelContext | None = None):
         super().__init__()
         self.head_dim = config.kv_channels
         self.linear_qkv = kernels.linear(config.hidden_size, 3 * config.query_projection_size, bias=config.add_bias_linear)
-        self.core_attention = CoreAttention(config, kernels)
+        self.core_attention = CoreAttention(config, kernels, context)
         self.linear_proj = kernels.linear(config.query_projection_size, config.hidden_size, bias=config.add_bias_linear)
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask, cache=None) -> torch.Tensor:
@@ -53,12 +54,12 @@ class CrossAttention(nn.Module):
     """Queries from the decoder, keys and values (``linear_kv``: per head, key rows then value
     rows, as Megatron-Core) from the encoder's output."""
 
-    def __init__(self, config: T5Config, kernels: Kernels):
+    def __init__(self, config: T5Config, kernels: Kernels, context: ParallelContext | None = None):
         super().__init__()
         self.head_dim = config.kv_channels
         self.linear_q = kernels.linear(config.hidden_size, config.query_projection_size, bias=config.add_bias_linear)
         self.linear_kv = kernels.linear(config.hidden_size, 2 * config.query_projection_size, bias=config.add_bias_linear)
-        self.core_attention = CoreAttention(config, kernels)
+        self.core_attention = CoreAttention(config, kernels, context)
         self.linear_proj = kernels.linear(config.query_projection_size, config.hidden_size, bias=config.add_bias_linear)
 
     def encoder_keys_values(self, encoder_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,18 +103,18 @@ class MLP(nn.Module):
 class EncoderLayer(PreNormLayer):
     """Called with the hidden state and the attention mask."""
 
-    def __init__(self, config: T5Config, kernels: Kernels):
-        super().__init__(build_norm(config, kernels), SelfAttention(config, kernels), build_norm(config, kernels),
+    def __init__(self, config: T5Config, kernels: Kernels, context: ParallelContext | None = None):
+        super().__init__(build_norm(config, kernels), SelfAttention(config, kernels, context), build_norm(config, kernels),
                          MLP(config, kernels), config.hidden_dropout)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: T5Config, kernels: Kernels):
+    def __init__(self, config: T5Config, kernels: Kernels, context: ParallelContext | None = None):
         super().__init__()
         self.input_layernorm = build_norm(config, kernels)
-        self.self_attention = SelfAttention(config, kernels)
+        self.self_attention = SelfAttention(config, kernels, context)
         self.pre_cross_attn_layernorm = build_norm(config, kernels)
-        self.cross_attention = CrossAttention(config, kernels)
+        self.cross_attention = CrossAttention(config, kernels, context)
         self.pre_mlp_layernorm = build_norm(config, kernels)
         self.mlp = MLP(config, kernels)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from mega.core.kernels import AttentionMask, Kernels
-from mega.core.model_family import Stage
+from mega.core.model_family import ParallelContext, Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.param_attrs import mark_padded_vocab
 from mega.models.embedding import Embedding
@@ -62,16 +62,18 @@ class LMHead(nn.Module):
 
 
 def t5_stack(config: T5Config, layer_class: type[nn.Module], layer_numbers: range, num_layers: int,
-             kernels: Kernels) -> LayerStack:
+             kernels: Kernels, context: ParallelContext | None = None) -> LayerStack:
     """The layers ``layer_numbers`` of one stack (global numbers in the names), and its final norm
-    and dropout when the last layer is among them."""
-    layers = {number: layer_class(config, kernels) for number in layer_numbers}
+    and dropout when the last layer is among them. Under sequence parallelism the stack keeps
+    drawing dropout from the default stream, where Megatron-Core forks it into the model-parallel one."""
+    layers = {number: layer_class(config, kernels, context) for number in layer_numbers}
     final_norm = build_norm(config, kernels) if layer_numbers.stop == num_layers else None
     return LayerStack(layers, final_norm, final_dropout=config.hidden_dropout)
 
 
 class T5Model(nn.Module):
-    def __init__(self, config: T5Config, stage: Stage, kernels: Kernels, parallel: ParallelConfig):
+    def __init__(self, config: T5Config, stage: Stage, kernels: Kernels, parallel: ParallelConfig,
+                 context: ParallelContext | None = None):
         super().__init__()
         config.validate(parallel.tp)
         self.config, self.stage, self.kernels = config, stage, kernels
@@ -89,11 +91,12 @@ class T5Model(nn.Module):
         if config.relative and 0 in self.encoder_layers:
             self.encoder_relative_pos_emb = RelativePositionBias(*buckets, heads, bidirectional=True)
         if self.encoder_layers:
-            self.encoder = t5_stack(config, EncoderLayer, self.encoder_layers, config.num_layers, kernels)
+            self.encoder = t5_stack(config, EncoderLayer, self.encoder_layers, config.num_layers, kernels, context)
         if config.relative and 0 in self.decoder_layers:
             self.decoder_relative_pos_emb = RelativePositionBias(*buckets, heads, bidirectional=False)
         if self.decoder_layers:
-            self.decoder = t5_stack(config, DecoderLayer, self.decoder_layers, config.decoder_num_layers, kernels)
+            self.decoder = t5_stack(config, DecoderLayer, self.decoder_layers, config.decoder_num_layers, kernels,
+                                    context)
         if self.post_process:
             self.lm_head = LMHead(config, kernels, vocab)
             if self.tied:

@@ -1,1 +1,0 @@
-"""The training loop and the `mega train` command (see trainer.py and command.py)."""

@@ -1,0 +1,113 @@
+"""The two KV caches the decoder loop runs on, behind one interface.
+
+:class:`PagedSequenceCache` (:mod:`.paged_kv_cache`): blocks shared by sequences of any lengths, memory
+following the tokens held. :class:`SlotSequenceCache` (:mod:`.slot_kv_cache`): a slot of the model's
+whole length per sequence, so a decode step has fixed shapes per batch-size bucket and, on CUDA,
+replays a captured graph (``--static-kv-cache``, the default on CUDA).
+
+The loop (:class:`~mega.inference.engine.continuous.ContinuousBatchingWorker`) sees only what
+both give: an ``allocator`` that admits a sequence (blocks, or a slot as a one-block table) and
+frees it, :meth:`SequenceCache.forward` for any new tokens of some sequences (every prefill, whole
+or chunked), and :meth:`SequenceCache.decode` for one new token of every decoding sequence (which
+a slot cache's captured step may choose itself: :attr:`SequenceCache.chooses_on_device`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from mega.inference.engine.host_copy import to_device
+from mega.inference.engine.paged_kv_cache import BlockAllocator, PagedKVCache
+from mega.inference.engine.prefix_cache import PrefixCachingAllocator
+from mega.inference.engine.slot_kv_cache import DecodeGraphs, SlotAllocator, SlotKVCache, bucket_for
+from mega.inference.engine.slot_prefix_cache import PrefixCachingSlotAllocator
+
+
+class SequenceCache:
+    """The KV cache as the loop's sequences see it: the model-facing ``cache`` (a
+    :class:`PagedKVCache` or a :class:`SlotKVCache`) and the ``allocator`` of its blocks (or
+    slots). A sequence it runs has ``blocks`` (its table) and ``cached`` (tokens whose keys are
+    stored)."""
+
+    chooses_on_device = False  # whether decode(greedy=True) may give the tokens instead of logits
+    graphs: DecodeGraphs | None = None
+
+    def __init__(self, engine, cache, allocator: BlockAllocator):
+        self.engine, self.cache, self.allocator = engine, cache, allocator
+
+    @property
+    def prefix_caching(self) -> bool:
+        return isinstance(self.allocator, (PrefixCachingAllocator, PrefixCachingSlotAllocator))
+
+    def forward(self, sequences: Sequence, tokens: torch.Tensor, logits_to_keep: int | torch.Tensor | None,
+                real: list[int] | None = None) -> torch.Tensor:
+        """Fp32 logits ``[kept, batch, vocab]`` of ``tokens`` ``[batch, new]`` continuing each
+        sequence (``real``: right-padded prompts, row ``r``'s own tokens; see
+        :meth:`PagedKVCache.bind`); each sequence's ``cached`` moves past them."""
+        device = self.engine.device
+        cached = [s.cached for s in sequences]
+        self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device, [s.number for s in sequences],
+                        real)
+        positions = torch.tensor(cached, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
+        logits = self.engine.forward(tokens, positions, self.cache, logits_to_keep)
+        for row, sequence in enumerate(sequences):
+            sequence.cached += tokens.shape[1] if real is None else real[row]
+        return logits
+
+    def decode(self, decoding: Sequence, prefilling: Sequence, fed: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """One new token for each of ``decoding`` (``fed`` ``[rows]``, still on the device): fp32
+        logits ``[rows, vocab]``, or with ``greedy`` the chosen tokens ``[rows]``. ``prefilling``:
+        the sequences admitted whose prompts are not all cached yet."""
+        return self.forward(decoding, fed[:, None], 1)[0]
+
+
+class PagedSequenceCache(SequenceCache):
+    def __init__(self, engine, max_batch_size: int, max_num_tokens: int, block_size: int, prefix_caching: bool):
+        allocator_class = PrefixCachingAllocator if prefix_caching else BlockAllocator
+        allocator = allocator_class(max(1, max_num_tokens // block_size), block_size)
+        super().__init__(engine, PagedKVCache(allocator, max_batch_size, engine.kv_head_repeats), allocator)
+
+
+class SlotSequenceCache(SequenceCache):
+    """``slots`` slots of the engine's positions; decode steps over the window of the first slots
+    up to a bucket, through :class:`DecodeGraphs` (captured on CUDA with ``use_cuda_graphs``,
+    compiled with ``compile_backend``)."""
+
+    chooses_on_device = True
+
+    def __init__(self, engine, slots: int, block_size: int, prefix_caching: bool, use_cuda_graphs: bool | None = None,
+                 compile_backend: str | Callable | None = None):
+        cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype)
+        allocator = (PrefixCachingSlotAllocator(cache, block_size) if prefix_caching
+                     else SlotAllocator(slots, engine.max_positions))
+        super().__init__(engine, cache, allocator)
+        graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self.graphs = DecodeGraphs(engine, cache, graphs, compile_backend)
+        if compile_backend is not None:  # compiled now, not while the first requests wait
+            self.graphs.warm_up()
+
+    def decode(self, decoding: Sequence, prefilling: Sequence, fed: torch.Tensor, greedy: bool) -> torch.Tensor:
+        # One step over the window of the first slots, up to a bucket (see slot_kv_cache); slots
+        # in it that no sequence decodes compute a row nobody reads, at the slot's last position
+        # (a free slot's cached prefix, slot_prefix_cache, stays intact). Those admitted (their
+        # prompts part cached or not) have it write at their next position, which their prefill
+        # overwrites after this step.
+        device, cache = self.engine.device, self.cache
+        slots = [s.blocks[0] for s in decoding]
+        window = min(bucket_for(max(slots) + 1), cache.slots)
+        cached = [cache.max_length - 1] * window
+        for sequence in prefilling:
+            if sequence.blocks[0] < window:
+                cached[sequence.blocks[0]] = sequence.cached
+        for slot, sequence in zip(slots, decoding, strict=True):
+            cached[slot] = sequence.cached
+            sequence.cached += 1
+        tokens = torch.zeros(window, 1, dtype=torch.long, device=device)
+        rows = to_device(slots, device)
+        tokens[rows, 0] = fed
+        cached = to_device(cached, device)
+        if greedy:  # gathered from the step's output before the next step rewrites it
+            return self.graphs.greedy(tokens, cached)[rows]
+        return self.graphs(tokens, cached)[rows]

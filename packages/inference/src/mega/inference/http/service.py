@@ -1,0 +1,159 @@
+"""``InferenceService``: what the HTTP APIs share between parsing a request and answering it.
+
+Tokenizing (in a worker thread, so a huge prompt never stalls the event loop, after a
+character pre-check so a prompt that cannot fit ``--max-model-len`` is never tokenized at all),
+checking each sequence against the model before it queues (a bad one is the client's 400, never
+a failed batch), admitting it (:mod:`~mega.inference.http.admission`), handing the job to the
+engine's worker (its one loop), and cancelling it when its client goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest, GenerationResult
+from mega.inference.engine.worker import EngineWorker, Job
+from mega.inference.http.admission import Admission
+from mega.inference.http.errors import RequestError
+from mega.inference.http.prompt_chars import PromptCharLimit
+
+# Megatron's limit on prompts per request; the OpenAI API takes the same.
+MAX_PROMPTS = 128
+
+T = TypeVar("T")
+
+
+CLIENT_GONE = 499  # nginx's "client closed request": what the metrics count for a client that left
+
+
+@dataclass
+class InferenceService:
+    engine: GenerationEngine
+    worker: EngineWorker
+    tokenizer: object  # mega.core.tokenizer.Tokenizer
+    model_name: str
+    chat_template: object | None = None  # mega.inference.chat_template.ChatTemplate
+    request_timeout: float | None = None  # seconds a request may take (--request-timeout), else none
+    max_queued_sequences: int | None = None  # --max-num-queued-reqs, else no bound
+    admission: Admission = field(init=False)
+    prompt_chars: PromptCharLimit = field(init=False)
+
+    def __post_init__(self):
+        self.admission = Admission(self.max_queued_sequences)
+        self.prompt_chars = PromptCharLimit(self.tokenizer, self.max_positions)
+
+    @property
+    def metrics(self):
+        """The worker's :class:`~mega.inference.metrics.ServerMetrics`."""
+        return self.worker.metrics
+
+    @property
+    def max_positions(self) -> int:
+        return self.engine.max_positions
+
+    def render_metrics(self) -> str:
+        return self.metrics.render(in_flight=self.admission.in_flight)
+
+    def tokenize(self, text: str, param: str, add_bos: bool = False) -> list[int]:
+        self.prompt_chars.check(text, param)  # a prompt that cannot fit is never tokenized
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # JSON can carry a lone surrogate ("\ud800")
+            raise RequestError(f"{param}: not valid Unicode text ({error.reason} at character {error.start})",
+                               param) from None
+        try:
+            ids = encode(self.tokenizer, text)
+        except ValueError as error:  # text the tokenizer cannot read (NullTokenizer: not ids)
+            raise RequestError(f"{param}: {error}", param) from None
+        if add_bos:
+            # Megatron's add_BOS prepends the end-of-document token where there is no BOS.
+            bos = self.tokenizer.bos if self.tokenizer.bos is not None else self.tokenizer.eod
+            ids = [bos, *ids]
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.detokenize(list(ids))
+
+    def check_ids(self, ids: Sequence[int], param: str) -> list[int]:
+        """Token ids a client gave, each checked against the vocabulary."""
+        vocab = self.engine.vocab_size
+        if bad := [t for t in ids if not 0 <= t < vocab]:
+            raise RequestError(f"{param}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param)
+        return list(ids)
+
+    async def off_loop(self, function: Callable[..., T], *args) -> T:
+        """``function(*args)`` on a worker thread: tokenizing or detokenizing megabytes takes
+        seconds, during which health checks and every stream would otherwise wait."""
+        return await asyncio.to_thread(function, *args)
+
+    async def tokenize_all(self, texts: Sequence[str], param: str, add_bos: bool = False) -> list[list[int]]:
+        many = len(texts) > 1
+
+        def work() -> list[list[int]]:
+            return [self.tokenize(text, f"{param}[{i}]" if many else param, add_bos) for i, text in enumerate(texts)]
+
+        return await self.off_loop(work)
+
+    def submit(self, requests: list[GenerationRequest], param: str, stream: bool = False) -> Job:
+        """Queue ``requests`` (after checking each and admitting them; ``param`` names the
+        prompts' field)."""
+        for index, request in enumerate(requests):
+            try:
+                self.engine.check(request)
+                self.worker.check(request)
+            except GenerationError as error:
+                where = f"{param}[{index}]" if len(requests) > 1 else param
+                raise RequestError(f"{where}: {error}", param) from None
+        self.admission.admit(len(requests), param)
+        loop = asyncio.get_running_loop()
+        job = Job(requests, loop, stream=stream)
+        self.admission.release_when_done(job.done, len(requests))
+        if self.request_timeout is not None:
+            error = RequestError(f"the request took longer than the server's {self.request_timeout:g} s "
+                                 "(--request-timeout)", status=408, kind="timeout")
+            loop.call_later(self.request_timeout, job.expire, error)
+        self.worker.submit(job)
+        return job
+
+    async def complete(self, requests: list[GenerationRequest], param: str, receive=None) -> list[GenerationResult]:
+        """The results of ``requests``, once all have finished. With the request's ASGI
+        ``receive`` (its body already read), a client that leaves first cancels them, as a
+        stream's does: they leave the running batch at the next step."""
+        job = self.submit(requests, param)
+        gone = asyncio.ensure_future(_disconnect(receive)) if receive is not None else None
+        try:
+            if gone is None:
+                return await job.done
+            await asyncio.wait({job.done, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not job.done.done():
+                job.done.add_done_callback(_nobody_waits)
+                raise RequestError("the client closed the connection", status=CLIENT_GONE)
+            return job.done.result()
+        finally:
+            if gone is not None:
+                gone.cancel()
+            job.cancel()  # a no-op once finished; frees the batch if the handler is cancelled
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """``text``'s token ids, through the tokenizer's batch encoder where it has one: the library
+    tokenizers' batch encoder releases the GIL while it works, their single ``encode`` holds it
+    for the whole text, which would stall the event loop (health checks, every stream) from the
+    worker thread for as long as a long prompt takes."""
+    batch = getattr(tokenizer, "tokenize_batch", None)
+    return list(batch([text])[0]) if batch is not None else tokenizer.tokenize(text)
+
+
+def _nobody_waits(done: asyncio.Future) -> None:
+    """Its client has gone: the outcome is read only so asyncio does not report it unread."""
+    if not done.cancelled():
+        done.exception()
+
+
+async def _disconnect(receive) -> None:
+    """Returns once the client has gone (after its body, ``receive`` waits for that)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,39 @@
+"""``mega train --nproc-per-node N``: start the local ranks with what the launcher must know of the run.
+
+The launcher reads the run's configuration (flags and TOML, as a rank does) for the behaviour that
+spans ranks: the signal the ranks save on (``--exit-signal-handler``), the checkpoints a restarted
+job resumes from (``--max-restarts``, ``--save``). A configuration that does not parse is left to
+the ranks, which report it with their usual one-line error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import signal
+import sys
+
+from mega.train.in_job_restart import run_with_restarts
+from mega.train.launch import launch_local
+from mega.train.run_parser import parse_run
+
+
+def _run_config(argv: list[str]):
+    """The run as its ranks will read it, or None when it does not parse."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # the ranks parse it again and say what is wrong
+            return parse_run(argv[1:])[0]
+    except (Exception, SystemExit):  # noqa: BLE001
+        return None
+
+
+def launch_job(nproc: int, command: list[str], max_restarts: int | None = None,
+               program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main")) -> int:
+    """Start ``nproc`` local ranks of ``command``; with ``max_restarts``, under the elastic agent
+    (see in_job_restart). A configuration that does not parse runs once: its ranks say why."""
+    run = _run_config(command)
+    handled = signal.Signals[run.training.exit_signal] if run is not None and run.training.exit_signal_handler else None
+    if run is not None and max_restarts is not None:
+        return run_with_restarts(nproc, command, max_restarts, run.checkpoint.save, program=program,
+                                 handled_signal=handled)
+    return launch_local(nproc, command, program=program, handled_signal=handled)

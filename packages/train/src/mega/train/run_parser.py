@@ -1,0 +1,103 @@
+"""``mega train``'s flags: the parser generated from the run's config sections and the plugins'
+options, and ``parse_run``, which turns flags and a TOML file into a ``RunConfig``.
+
+The model family is chosen first (``--model-family``, or ``model_family`` in the TOML's
+``[training]`` table, with ``--model-preset``), because its config class declares the model's
+flags. The launcher of ``--nproc-per-node`` parses the run too (the signal its ranks act on, the
+directory a restart resumes from).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mega.core.cli.argparser import CommandParser
+from mega.core.config import add_section, parse
+from mega.core.config.parser import known_flags, tomllib
+from mega.core.plugins import PluginError, get_plugins
+from mega.core.plugins.failed_options import FailedPluginOptions, add_failed_plugins_help
+from mega.core.plugins.install_hint import repository_package
+from mega.core.plugins.options import option_sections
+from mega.train.run_config import SECTIONS, RunConfig, run_sections
+
+DESCRIPTION = "Pretrain a decoder-only language model at any parallel layout (Megatron's flags)."
+# The model families (GPT, LLaMA) ship in mega-models, which is installed from the repository.
+MODELS_HINT = repository_package("mega-models", "packages/models")
+
+
+def launcher_parser() -> argparse.ArgumentParser:
+    """Flags that are not config fields: where the config comes from and how many processes."""
+    parser = CommandParser(add_help=False)
+    parser.add_argument("--config", help="TOML file with [training], [model], [parallel]... tables")
+    parser.add_argument("--nproc-per-node", type=int, help="start this many local processes (like torchrun)")
+    parser.add_argument("--max-restarts", type=int, help="restart every rank after a failure up to N times, "
+                        "resuming from the newest checkpoint in --save (torchrun's elastic agent)")
+    return parser
+
+
+def _early_parser() -> argparse.ArgumentParser:
+    """What must be known before the full parser exists: it depends on the model family."""
+    parser = launcher_parser()
+    parser.add_argument("--model-family", default=None)
+    parser.add_argument("--model-preset", default=None)
+    return parser
+
+
+def build_parser(model_config_class: type | None, family_name: str, plugins=None,
+                 options: dict[str, tuple[type, str]] | None = None) -> argparse.ArgumentParser:
+    """The full parser; without a model config class (none installed), every other section; then
+    each plugin's options under the plugin's name (``options``: from :func:`plugin_sections`)."""
+    parser = CommandParser(
+        prog="mega train", description=DESCRIPTION, parents=[launcher_parser()],
+        epilog="With no arguments, trains the embedded default: a small GPT on the text of Python's "
+               "pydoc topics, on the CPU, in about two minutes.",
+    )
+    sections = core_sections(model_config_class)
+    for name, cls in sections.items():
+        add_section(parser, name, cls, title=f"model ({family_name} family)" if name == "model" else None)
+    options = plugin_sections(sections, plugins) if options is None else options
+    for name, (cls, title) in options.items():
+        add_section(parser, name, cls, title=title)
+    add_failed_plugins_help(parser, plugins or get_plugins())
+    return parser
+
+
+def core_sections(model_config_class: type | None) -> dict[str, type]:
+    return run_sections(model_config_class) if model_config_class is not None else SECTIONS
+
+
+def plugin_sections(sections: dict[str, type], plugins=None) -> dict[str, tuple[type, str]]:
+    taken = {"-h", "--help", "--config", "--nproc-per-node", "--max-restarts", *known_flags(sections)}
+    return option_sections(plugins or get_plugins(), taken, set(sections))
+
+
+def parse_run(argv: list[str], plugins=None):
+    """Parse ``argv`` into a RunConfig (the family and preset chosen first)."""
+    plugins = plugins or get_plugins()
+    early, _ = _early_parser().parse_known_args(argv)
+    toml_training = _toml_training_table(early.config) if early.config else {}
+    family_name = early.model_family or toml_training.get("model_family") or "gpt"
+    if family_name not in plugins.models and not plugins.models.names():
+        raise PluginError(f"no model family is installed ({family_name!r} was asked for): {MODELS_HINT}")
+    family = plugins.models.get(family_name)
+    preset = early.model_preset or toml_training.get("model_preset")
+    # A preset is the starting point its flags override; without one the config class derives
+    # its dependent sizes (ffn, query groups...) from the flags given.
+    bases = {"model": family.preset(preset)} if preset else {}
+
+    sections = run_sections(family.config_class)
+    plugin_options = plugin_sections(sections, plugins)
+    parser = build_parser(family.config_class, family_name, plugins, plugin_options)
+    options = {name: cls for name, (cls, _) in plugin_options.items()}
+    configs = parse(argv, {**sections, **options}, parser, bases=bases, explain=FailedPluginOptions(plugins))
+    return RunConfig(**{name: configs[name] for name in sections},
+                     plugins={name: configs[name] for name in options}), family
+
+
+def _toml_training_table(path: str) -> dict:
+    """The [training] table, read early for the model family and preset (errors come later)."""
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle).get("training", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}  # the full parse reports the problem with the file's name

@@ -1,0 +1,2 @@
+"""``mega plugins new``: a plugin distribution to start from, written from the template files
+shipped beside this module."""
