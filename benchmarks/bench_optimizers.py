@@ -94,6 +94,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     flags = GPU_FLAGS if args.gpu else CPU_FLAGS
+    warmup_iters = int(flags[flags.index("--lr-warmup-iters") + 1])
+    if args.iters <= max(warmup_iters, args.warmup):
+        parser.error(f"--iters must exceed the learning-rate warm-up ({warmup_iters}) and --warmup ({args.warmup})")
     results = [run(name, flags, args.iters, args.warmup) for name in OPTIMIZERS]
     if args.json:
         print(json.dumps(results))
