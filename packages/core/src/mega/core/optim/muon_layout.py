@@ -196,6 +196,7 @@ class MuonLayout:
         if slot.tensor_group is not None:
             ortho = shard_of(ortho, slot.tensor_group, model.partition_dim, model.partition_chunks)
         if hasattr(slot.main, "device_mesh"):  # FSDP2: this rank's rows, as a DTensor like the parameter
+            # Start-up cost: DTensor's import takes a second; only FSDP runs, which have it, get here.
             from torch.distributed.tensor import distribute_tensor
 
             return distribute_tensor(ortho, slot.main.device_mesh, slot.main.placements, src_data_rank=None)

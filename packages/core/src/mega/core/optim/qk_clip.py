@@ -123,6 +123,7 @@ class QKClip:
     def _scale(entry, rows: torch.Tensor) -> None:
         main = entry.main
         if hasattr(main, "device_mesh"):  # FSDP2: this rank's rows of the (tensor-parallel) weight
+            # Start-up cost: DTensor's import takes a second; only FSDP runs, which have it, get here.
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
             local = main.to_local()
