@@ -99,7 +99,7 @@ def main() -> None:
         parser.error(f"--iters must exceed the learning-rate warm-up ({warmup_iters}) and --warmup ({args.warmup})")
     results = [run(name, flags, args.iters, args.warmup) for name in OPTIMIZERS]
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps({"optimizers": results}))
         return
     marks = sorted({0, *range(args.iters // 6, args.iters, max(args.iters // 6, 1)), args.iters - 1})
     print("\n| optimizer | step (ms, median) | optimizer step (ms) | share of the step | "
