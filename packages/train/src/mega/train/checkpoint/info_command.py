@@ -23,8 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="mega checkpoint info",
         description="Show a checkpoint's iteration, the layout it was saved at, its model family and "
-                    "config, parameter count, size on disk and completeness. DIR is a --save directory "
-                    "(its latest checkpoint) or one checkpoint in it (e.g. DIR/iter_0000500).",
+                    "config, parameter count, size on disk and completeness; for a LoRA run's checkpoint, the "
+                    "adapters' rank, alpha, targets and trainable parameters, and their base (found and unchanged "
+                    "or not). DIR is a --save directory (its latest checkpoint) or one checkpoint in it (e.g. "
+                    "DIR/iter_0000500).",
     )
     parser.add_argument("directory", metavar="DIR")
     parser.add_argument("--json", action="store_true",
