@@ -124,8 +124,13 @@ def test_a_missing_or_changed_base_is_said_with_the_command_that_works(tmp_path,
     message = str(stop.value)
     assert f"--load {lora} holds LoRA adapters alone" in message and "is not there" in message
     assert f"--load BASE --adapter {lora}" in message
+    capsys.readouterr()
     assert generated(tmp_path / "elsewhere", "--adapter", str(lora))["tokens"]  # what the message says works
+    assert "note:" not in capsys.readouterr().err  # the same weights
     train_base(base, seed=7)  # another model where the base was
     with pytest.raises(SystemExit, match="holds other weights than the adapters were trained on"):
         generated(lora)
+    generated(base, "--adapter", str(lora))
+    assert f"note: --adapter {lora} was trained on {base.resolve()}/iter_0000001; --load {base} has other" \
+        in capsys.readouterr().err
     assert "(found" not in run("checkpoint", "info", str(lora))

@@ -10,6 +10,7 @@ world under torchrun) and the weights are resharded from whatever layout they we
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from torch import nn
 from mega.core.build import build_stage
 from mega.core.checkpoint import CheckpointError, checkpoint_and_metadata, load_model_weights
 from mega.core.checkpoint import tokenizer_spec as saved_tokenizer
-from mega.core.checkpoint.adapter_record import locate_base
+from mega.core.checkpoint.adapter_record import locate_base, weights_fingerprint
 from mega.core.checkpoint.directory import RELEASE
 from mega.core.parallel import ParallelGroups
 from mega.core.plugins import PluginError, get_plugins
@@ -86,8 +87,11 @@ def base_and_adapter(load: str, adapter: str | None) -> tuple[str, str | None]:
     """``--load`` and ``--adapter`` as given, or, for ``--load`` of adapters alone (a LoRA run's
     checkpoint), the base its metadata records and the adapters: an error when that base is
     gone or holds other weights, naming ``--load BASE --adapter DIR``."""
-    if adapter is not None or (Path(load) / "config.json").is_file():
+    if adapter is not None:
+        _note_another_base(load, adapter)
         return load, adapter
+    if (Path(load) / "config.json").is_file():
+        return load, None
     try:
         _, metadata = checkpoint_and_metadata(load, checksums=False)
     except CheckpointError:
@@ -100,6 +104,19 @@ def base_and_adapter(load: str, adapter: str | None) -> tuple[str, str | None]:
         raise LoadError(f"--load {load} holds LoRA adapters alone, and their base cannot be used: {why}; give the "
                         f"base model with --load BASE --adapter {load}")
     return str(base), load
+
+
+def _note_another_base(load: str, adapter: str) -> None:
+    """Say so when ``--load`` is a mega checkpoint whose weights fingerprint is not the one the
+    adapters record of their base (other weights, or the same saved at another layout)."""
+    try:
+        recorded = (checkpoint_and_metadata(adapter, checksums=False)[1].adapter or {}).get("base") or {}
+        _, base = checkpoint_and_metadata(load, checksums=False)
+    except CheckpointError:
+        return  # not mega checkpoints: loading says what they are
+    if recorded.get("fingerprint") and weights_fingerprint(base) != recorded["fingerprint"]:
+        print(f"note: --adapter {adapter} was trained on {recorded.get('path')}; --load {load} has other tensor "
+              "files (other weights, or the same saved at another layout)", file=sys.stderr)
 
 
 def checkpoint_name(path: str | Path) -> str:
