@@ -5,8 +5,10 @@ The template is the ``chat_template`` of the ``tokenizer_config.json`` next to t
 files (a Hugging Face directory, or a mega checkpoint's ``tokenizer/``), or a
 ``chat_template.jinja`` there. It is rendered in a sandboxed Jinja environment with the
 conversation as ``messages``, ``add_generation_prompt=True``, and the tokenizer's special
-token strings (``bos_token``, ``eos_token``...); the text is then tokenized without adding
-special tokens, as ``apply_chat_template(tokenize=True)`` does.
+token strings (``bos_token``, ``eos_token``...), loop controls and ``{% generation %}`` blocks
+(their content) as transformers has them; the text is then tokenized without adding special
+tokens, as ``apply_chat_template(tokenize=True)`` does. ``mega serve``'s chat route and ``mega
+generate --chat`` both render through :class:`ChatTemplate`.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class ChatTemplate:
         def raise_exception(message):
             raise ChatTemplateError(message)
 
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                    extensions=[_generation_tag(), "jinja2.ext.loopcontrols"])
         environment.globals["raise_exception"] = raise_exception
         environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
         environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
@@ -77,6 +80,22 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"the tokenizer's chat template failed: {error}") from None
+
+
+def _generation_tag():
+    """``{% generation %}...{% endgeneration %}`` (training templates mark the assistant's text with
+    it) renders its content, as transformers renders it when no mask is asked for."""
+    # start-up cost, as in ChatTemplate.render
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
 
 
 def find_chat_template(spec) -> ChatTemplate | None:
