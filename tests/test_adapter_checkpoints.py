@@ -103,10 +103,13 @@ def test_serve_names_the_adapter_and_lists_its_base(checkpoints, monkeypatch):
             answers["base"] = client.post("/v1/completions", json={"model": "base", "prompt": PROMPT}).status_code
 
     monkeypatch.setattr(uvicorn, "run", serve_requests)
-    serve = ["serve", "--load", str(base), "--adapter", str(lora), "--device", "cpu", "--no-static-kv-cache"]
-    for extra, name in [([], "my-finetune"), (["--served-model-name", "support-bot"], "support-bot")]:
+    serve = ["serve", "--device", "cpu", "--no-static-kv-cache"]
+    for load, name in [(["--load", str(base), "--adapter", str(lora)], "my-finetune"),
+                       (["--load", str(lora)], "my-finetune"),  # the recorded base: base/iter_0000001
+                       (["--load", str(base), "--adapter", str(lora), "--served-model-name", "support-bot"],
+                        "support-bot")]:
         answers.clear()
-        assert mega(serve + extra) == 0
+        assert mega(serve + load) == 0
         [card] = answers["models"]
         assert (card["id"], card["parent"]) == (name, "base")
         assert answers["completion"]["model"] == name

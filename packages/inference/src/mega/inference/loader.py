@@ -152,7 +152,7 @@ def load_model(path: str | Path, *, groups: ParallelGroups, device: torch.device
         model = build_model(plugins.models.get(family_name), config, groups, device, dtype)
         load_model_weights(checkpoint, [model], groups)
     return LoadedModel(model=model, family_name=family_name, config=config, tokenizer=tokenizer,
-                       name=path.resolve().name, chat_template=find_chat_template(spec))
+                       name=checkpoint_name(path), chat_template=find_chat_template(spec))
 
 
 def _open_hugging_face(path: Path, plugins):
