@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from mega.rl.advantages import group_advantages
-from mega.rl.loss import grpo_token_losses, loss_metrics
+from mega.rl.config import RLConfig
+from mega.rl.loss import aggregate, grpo_token_losses, loss_metrics
 from mega.rl.policy_engine import PolicyEngine
 from mega.rl.rollouts import RolloutEngine, Rollouts, RolloutSampling, completion_logprobs, logprob_gap
 
@@ -33,7 +34,23 @@ class GRPOSettings:
     iterations: int = 1
     clamp_eps_lower: float = 0.2
     clamp_eps_upper: float = 0.2
+    entropy_weight: float = 0.0
+    is_truncation_coef: float | None = None
+    is_correction: bool = False  # weigh tokens by exp(old - inference)
+    aggregation: str = "token-mean"
+    max_tokens: int | None = None  # seq-mean-token-sum-norm's constant
     scale_by_std: bool = True
+
+    @classmethod
+    def from_config(cls, rl: RLConfig, global_batch_size: int) -> GRPOSettings:
+        if rl.grpo_kl_beta:
+            raise ValueError("--grpo-kl-beta needs a reference policy, which mega rl does not keep yet; use 0")
+        return cls(group_size=rl.grpo_group_size, global_batch_size=global_batch_size,
+                   iterations=rl.grpo_iterations, clamp_eps_lower=rl.grpo_clamp_eps_lower,
+                   clamp_eps_upper=rl.grpo_clamp_eps_upper, entropy_weight=rl.grpo_entropy_term_weight,
+                   is_truncation_coef=rl.rl_importance_sampling_truncation_coef,
+                   is_correction=rl.rl_inference_logprobs_is_correction, aggregation=rl.grpo_loss_aggregation,
+                   max_tokens=rl.rl_max_new_tokens, scale_by_std=rl.grpo_std_normalization)
 
 
 def _padded(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,23 +80,36 @@ def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[in
 
     start = time.perf_counter()
     metrics: list[dict] = []
+    losses: list[float] = []
     count = len(sequences)
     for _ in range(settings.iterations):
         for first in range(0, count, settings.global_batch_size):
             part = slice(first, first + settings.global_batch_size)
             batch = {"tokens": sequences[part], "old": old[part], "advantage": list(advantages[part]),
+                     "inference": rollouts.inference_logprobs[part],
                      "prompt_length": [len(p) for p in rollouts.prompts[part]]}
-            total_tokens = max(sum(len(o) for o in old[part]), 1)  # token-mean over the optimizer batch
+            # The optimizer batch's loss is the micro-batches' sum: token-mean divides by the whole
+            # batch's tokens, the per-sequence means weigh each micro-batch by its share of sequences.
+            total_tokens = max(sum(len(o) for o in old[part]), 1)
+            total_sequences = len(batch["tokens"])
 
-            def loss_fn(logprobs, micro, total_tokens=total_tokens):
+            def loss_fn(logprobs, micro, total_tokens=total_tokens, total_sequences=total_sequences):
                 current, mask = _padded([lp[n - 1:] for lp, n in zip(logprobs, micro["prompt_length"], strict=True)])
                 old_values, _ = _padded(micro["old"])
-                terms = grpo_token_losses(current, old_values, torch.stack(micro["advantage"]),
+                inference = _padded(micro["inference"])[0] if settings.is_correction else None
+                terms = grpo_token_losses(current, old_values, torch.stack(micro["advantage"]), inference=inference,
                                           clamp_eps_lower=settings.clamp_eps_lower,
-                                          clamp_eps_upper=settings.clamp_eps_upper)
+                                          clamp_eps_upper=settings.clamp_eps_upper,
+                                          entropy_weight=settings.entropy_weight,
+                                          is_truncation_coef=settings.is_truncation_coef)
                 with torch.no_grad():  # the log line needs no graph
                     metrics.append(loss_metrics(terms, mask))
-                return (terms.loss * mask).sum() / total_tokens
+                losses.append(float(aggregate(terms.loss.detach(), mask, settings.aggregation,
+                                              max_tokens=settings.max_tokens)))
+                if settings.aggregation == "token-mean":
+                    return aggregate(terms.loss, mask, total_tokens=total_tokens)
+                share = len(micro["tokens"]) / total_sequences
+                return aggregate(terms.loss, mask, settings.aggregation, max_tokens=settings.max_tokens) * share
 
             policy.forward_backward(batch, loss_fn)
             policy.optimizer_step()
@@ -91,5 +121,5 @@ def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[in
                if metrics and name in metrics[0] and metrics[0][name] is not None}
     return {**timings, "rollout_tokens_per_s": rollouts.tokens_per_second, "reward_mean": rewards.mean().item(),
             "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
-            "response_length": lengths.mean().item(), **summary,
+            "response_length": lengths.mean().item(), "loss": sum(losses) / max(len(losses), 1), **summary,
             **logprob_gap(rollouts.inference_logprobs, old)}

@@ -31,10 +31,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mega.core.checkpoint.saved_model import saved_model
 from mega.core.datasets import TrainingData
 from mega.core.parallel import ParallelGroups
 from mega.core.pipeline.schedules import forward_backward
 from mega.core.plugins import get_plugins
+from mega.train.data_setup import run_tokenizer
 from mega.train.run_config import derive
 from mega.train.run_parser import parse_run
 from mega.train.trainer import Trainer
@@ -47,10 +49,11 @@ LossFn = Callable[[list[torch.Tensor], dict], torch.Tensor]
 class PolicyEngine:
     """A policy model, its optimizer and its checkpoints, driven by an outside loop."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, tokenizer=None):
         if trainer.groups.pp.size > 1 or len(trainer.chunks) != 1:
             raise ValueError("PolicyEngine runs without pipeline parallelism for now (--pipeline-model-parallel-size 1)")
         self.trainer = trainer
+        self.tokenizer = tokenizer  # the run's (--tokenizer-type), or None
         self.groups = trainer.groups
         self.chunk = trainer.chunks[0]
         self.model = self.chunk.module  # the language model inside its data-parallel wrapper
@@ -59,13 +62,24 @@ class PolicyEngine:
 
     @classmethod
     def from_args(cls, argv: Sequence[str]) -> PolicyEngine:
-        """Build from ``mega train``'s flags (the model, layout, optimizer, precision, --load...).
-        No training data is read: the batches come from the caller."""
+        """Build from ``mega train``'s flags (the model, layout, optimizer, precision, tokenizer,
+        --load...). No training data is read: the batches come from the caller."""
         plugins = get_plugins()
         run, family = parse_run(list(argv))
+        return cls.from_run(run, family, plugins)
+
+    @classmethod
+    def from_run(cls, run, family, plugins=None) -> PolicyEngine:
+        plugins = plugins or get_plugins()
         run, derived = derive(run, dist.get_world_size() if dist.is_initialized() else 1)
+        run, tokenizer, spec = run_tokenizer(run, plugins)
+        saved = saved_model(run.checkpoint.load, plugins)
+        if tokenizer is None and saved is not None and saved.tokenizer is not None:
+            spec = saved.tokenizer  # no tokenizer flags: the one the loaded checkpoint carries
+            tokenizer = spec.build(plugins)
         groups = ParallelGroups(run.parallel)
-        return cls(Trainer(run, derived, family, plugins, TrainingData(train=None), groups))
+        data = TrainingData(train=None, tokenizer=tokenizer, tokenizer_spec=spec)
+        return cls(Trainer(run, derived, family, plugins, data, groups), tokenizer)
 
     @property
     def iteration(self) -> int:
@@ -241,11 +255,21 @@ class PolicyEngine:
 
     def save(self, path: str | Path) -> Path:
         """A mega checkpoint of the policy, optimizer, iteration and RNG under ``path``."""
+        own = self.trainer.checkpointer
+        if own is not None and self.trainer.run.checkpoint.save == str(path):
+            path = own.save()  # the run's --save: its checkpointer holds the directory's lock
+            own.wait()
+            return path
         checkpointer = self._checkpointer(save=str(path))
         try:
             return checkpointer.save()
         finally:
             checkpointer.close()
+
+    def close(self) -> None:
+        """Finish a background save and release the run's --save directory."""
+        if self.trainer.checkpointer is not None:
+            self.trainer.checkpointer.close()
 
     def load(self, path: str | Path) -> None:
         """Restore what :meth:`save` wrote (the newest checkpoint under ``path``)."""
