@@ -1,7 +1,8 @@
 """The orchestrator API (``mega.rl.policy_engine.PolicyEngine``) driven by a loss written here.
 
-CPU, one process (pinned: ``--device cpu`` is not a flag; the engine builds on the CPU when no
-accelerator is asked for, and these tests move nothing to one). The log-probabilities and the
+CPU: one process, and a dp2 gloo world (the rank forkserver of mega.testing) for the
+data-parallel step (pinned: the engine builds on the CPU when no accelerator is asked for, and
+these tests move nothing to one). The log-probabilities and the
 weights are checked against ``transformers``' LlamaForCausalLM loaded from ``named_hf_tensors()``;
 the gradient against autograd on the same loss computed sequence by sequence.
 """
@@ -141,3 +142,38 @@ def test_bad_batch_is_named(engine):
     batch["weights"] = batch["weights"][:2]
     with pytest.raises(ValueError, match="batch\\['weights'\\] has 2 entries for 5 sequences"):
         engine.forward_backward(batch, weighted_loss)
+
+
+def _dp_rank_step(argv: list[str], seed: int) -> dict:
+    """On each rank of a gloo world: this rank's half of the batch, one forward-backward and step."""
+    import torch.distributed as dist
+
+    policy = PolicyEngine.from_args(argv)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    batch = batch_of(seed)
+    share = {key: values[rank::size] for key, values in batch.items()}
+    policy.forward_backward(share, weighted_loss)
+    grads = [(p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).clone()
+             for p in policy.model.parameters()]
+    policy.optimizer_step()
+    return {"grads": grads, "params": [p.detach().clone() for p in policy.model.parameters()]}
+
+
+def test_data_parallel_step_equals_one_process(worlds):
+    """dp2 on gloo (CPU): the gradient is the mean of the ranks' (the documented averaging), so one
+    process running the whole batch with the loss halved takes the same step."""
+    argv = [*ARGV[:ARGV.index("--global-batch-size")], "--global-batch-size", "4",
+            *ARGV[ARGV.index("--global-batch-size") + 2:]]
+    ranks = worlds.run(2, _dp_rank_step, argv, 7)
+    single = PolicyEngine.from_args(argv)
+    single.forward_backward(batch_of(7), lambda lps, b: weighted_loss(lps, b) / 2)
+    grads = [(p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).clone()
+             for p in single.model.parameters()]
+    single.optimizer_step()
+    for result in ranks:
+        for got, want in zip(result["grads"], grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        # Adam divides by sqrt(v): an element whose gradient is near 0 turns summation-order
+        # noise into ~1e-6 of its lr 1e-2 step; 1e-5 is a thousandth of the step.
+        for got, want in zip(result["params"], single.model.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
