@@ -73,3 +73,12 @@ def test_bad_flags_are_named(prompt_file, capsys):
     assert "needs --prompt-data" in capsys.readouterr().err
     assert main([*argv(prompt_file, 2), "--grpo-prompts-per-step", "3"]) == 2
     assert "not a multiple of --global-batch-size 16" in capsys.readouterr().err
+
+
+def test_megatrons_perform_rl_step_spelling_runs_mega_rl(prompt_file, capsys):
+    from mega.core.cli.main import main as mega
+
+    assert mega(["train", "--perform-rl-step", *MODEL, "--reward", "length", "--rl-max-new-tokens", "6"]) == 2
+    assert "mega rl: error: mega rl needs --prompt-data" in capsys.readouterr().err
+    code = mega(["train", "--perform-rl-step", *argv(prompt_file, 2)])
+    assert code == 0 and "rl step 1 | iteration 2" in capsys.readouterr().out
