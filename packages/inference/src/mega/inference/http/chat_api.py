@@ -94,10 +94,11 @@ def chat_router(service: InferenceService) -> APIRouter:
 
         prompt = await service.off_loop(render)
         stop = StopRules(stop_ids=frozenset({service.tokenizer.eod}), stop_strings=tuple(body.stop))
+        grammar = await service.grammar(body.constraint())
         limit = body.token_limit if body.token_limit is not None else max(service.max_positions - len(prompt), 0)
         requests = [GenerationRequest(prompt=prompt, max_new_tokens=limit,
                                       sampling=body.sampling(copy, service.engine.vocab_size), stop=stop,
-                                      logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0)
+                                      logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, grammar=grammar)
                     for copy in range(body.copies)]
         header = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=service.model_name)
         if body.stream:

@@ -124,6 +124,7 @@ def completions_router(service: InferenceService) -> APIRouter:
         check_model(service.model_name, body.model)
         prompts = await _prompt_ids(service, body)
         stop = StopRules(stop_ids=frozenset({service.tokenizer.eod}), stop_strings=tuple(body.stop))
+        grammar = await service.grammar(body.constraint())
         requests = []
         for index, ids in enumerate(prompts):
             for copy in range(body.sequences_per_prompt):
@@ -132,7 +133,7 @@ def completions_router(service: InferenceService) -> APIRouter:
                 requests.append(GenerationRequest(
                     prompt=ids, max_new_tokens=max_tokens, sampling=body.sampling(sequence, service.engine.vocab_size),
                     stop=stop, logprobs=body.logprobs is not None or body.sequences_per_prompt > body.copies,
-                    top_logprobs=body.logprobs or 0))
+                    top_logprobs=body.logprobs or 0, grammar=grammar))
         header = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=service.model_name)
         if body.stream:
             job = service.submit(requests, "prompt", stream=True)
