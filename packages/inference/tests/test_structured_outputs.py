@@ -19,7 +19,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_real_clients import client, free_port, server  # noqa: E402,F401  (the server fixtures)
+import test_real_clients  # noqa: E402
+
+server, client = test_real_clients.server, test_real_clients.client  # its real server and openai client fixtures
 
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")

@@ -19,11 +19,11 @@ itself with a complete text or at its length (``finish_reason`` ``length``).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 
@@ -91,9 +91,10 @@ class GrammarState:
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer and vocabulary (the model's logits' width). The
-    tokenizer must have a Hugging Face ``tokenizers`` object (``reference``: the Hugging Face
-    and GPT-2 BPE tokenizers of mega-data do), from which llguidance reads every token's bytes."""
+    """Compiles constraints for one tokenizer and vocabulary (the model's logits' width), from
+    which llguidance reads every token's bytes: a Hugging Face ``tokenizers`` object
+    (``reference``: mega-data's Hugging Face and GPT-2 BPE tokenizers) or a tiktoken encoding
+    (``encoding``: its TikTokenizer)."""
 
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
@@ -105,11 +106,15 @@ class GrammarCompiler:
             import llguidance
 
             reference = getattr(self.tokenizer, "reference", None)
-            if reference is None or not hasattr(reference, "to_str"):
-                raise GrammarError(f"structured outputs need a byte-level tokenizer with a tokenizer.json; "
-                                   f"{type(self.tokenizer).__name__} has none")
-            self._llg_tokenizer = llguidance.LLTokenizer(reference.to_str(), n_vocab=self.vocab_size,
-                                                         eos_token=self.tokenizer.eod)
+            encoding = getattr(self.tokenizer, "encoding", None)
+            if reference is not None and hasattr(reference, "to_str"):
+                source = reference.to_str()
+            elif encoding is not None and hasattr(encoding, "decode_single_token_bytes"):
+                source = llguidance.TokenizerWrapper(_TiktokenTokens(self.tokenizer, self.vocab_size))
+            else:
+                raise GrammarError(f"structured outputs need the tokens' bytes, which {type(self.tokenizer).__name__} "
+                                   "does not give (a Hugging Face, GPT-2 BPE or tiktoken tokenizer does)")
+            self._llg_tokenizer = llguidance.LLTokenizer(source, n_vocab=self.vocab_size, eos_token=self.tokenizer.eod)
         return self._llg_tokenizer
 
     def compile(self, constraint: Constraint, part: str) -> Grammar:
@@ -127,13 +132,26 @@ class GrammarCompiler:
         return Grammar(grammar, self.llg_tokenizer)
 
 
-def schema_of(value) -> dict:
-    """A JSON schema given as a dict or its JSON text."""
-    if isinstance(value, str):
-        value = json.loads(value)
-    if not isinstance(value, dict):
-        raise GrammarError("a JSON schema is an object")
-    return value
+class _TiktokenTokens:
+    """A tiktoken tokenizer as llguidance's ``TokenizerWrapper`` reads one: each id's bytes (the
+    special tokens' text), the special ids, and an encoder of bytes."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        encoding = tokenizer.encoding
+        special = set(getattr(tokenizer, "special_tokens", {}).values())
+        self.tokens = []
+        for token in range(vocab_size):
+            try:
+                self.tokens.append(encoding.decode_single_token_bytes(token))
+            except KeyError:  # an id the encoding leaves out (padding of the vocabulary)
+                self.tokens.append(b"")
+                special.add(token)
+        self.special_token_ids = sorted(special)
+        self.eos_token_id, self.bos_token_id = tokenizer.eod, getattr(tokenizer, "bos", None)
+        self._encoding = encoding
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self._encoding.encode(text.decode("utf-8", errors="replace"), disallowed_special=())
 
 
 def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
@@ -146,9 +164,15 @@ def mask_logits(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> 
     bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
     for k, row in enumerate(rows):
         states[row].fill(bitmask, k)
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]  # [constrained rows, vocab]
+    if logits.device.type == "cpu":  # bits to booleans in one C loop (little-endian words: token order)
+        allowed = torch.from_numpy(numpy.unpackbits(bitmask.numpy().view(numpy.uint8), axis=1, bitorder="little"))
+        allowed = allowed[:, :vocab].bool()
+    else:
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]  # [constrained rows, vocab]
+    if len(rows) == len(states):
+        return logits.masked_fill(~allowed, float("-inf"))
     index = torch.tensor(rows, device=logits.device)
     masked = logits.clone()
     masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
