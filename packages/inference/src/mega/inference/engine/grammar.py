@@ -39,8 +39,8 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 @dataclass(frozen=True)
 class Constraint:
     """What a request constrains its text to: ``kind`` is ``json_schema`` (``value`` the schema),
-    ``json_object`` (any JSON object), ``regex`` (a pattern the whole text matches) or ``choice``
-    (one of ``value``'s strings)."""
+    ``json_object`` (any JSON object), ``regex`` (a pattern the whole text matches), ``choice``
+    (one of ``value``'s strings) or ``lark`` (llguidance's Lark grammar, ``%json`` included)."""
 
     kind: str
     value: object = None
@@ -52,6 +52,8 @@ class Constraint:
         if self.kind in ("json_schema", "json_object"):
             schema = self.value if self.kind == "json_schema" else {"type": "object"}
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        if self.kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(self.value)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.value)
         if self.kind == "choice":

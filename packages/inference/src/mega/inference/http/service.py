@@ -39,6 +39,7 @@ class InferenceService:
     chat_template: object | None = None  # mega.inference.chat_template.ChatTemplate
     request_timeout: float | None = None  # seconds a request may take (--request-timeout), else none
     max_queued_sequences: int | None = None  # --max-num-queued-reqs, else no bound
+    reasoning_parser: str | None = None  # --reasoning-parser: <think> text to reasoning_content
     admission: Admission = field(init=False)
     grammars: GrammarCompiler = field(init=False)  # structured outputs
     prompt_chars: PromptCharLimit = field(init=False)
