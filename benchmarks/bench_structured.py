@@ -113,6 +113,24 @@ def bench_xgrammar(tokenizer, vocab: int, tokens: list[int]) -> tuple[float, lis
     return compiled, times
 
 
+def bench_step(tokenizer, vocab: int, tokens: list[int], batch: int) -> list[float]:
+    """Seconds per decode step that ``batch`` constrained rows add: each row's mask computed and
+    applied to fp32 logits (:func:`mask_logits`), then its matcher advanced (:func:`advance`),
+    every row walking the answer's tokens (the first step, whose masks build the lexer, included)."""
+    from mega.inference.engine.grammar import Constraint, GrammarCompiler, advance, mask_logits
+
+    grammar = GrammarCompiler(tokenizer, vocab).compile(Constraint("json_schema", SCHEMA), "schema")
+    states = [grammar.start() for _ in range(batch)]
+    logits = torch.randn(batch, vocab)
+    times = []
+    for token in tokens:
+        start = time.perf_counter()
+        mask_logits(logits, states)
+        advance(torch.full((batch,), token), states)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def bench_engine(tokenizer, vocab: int, args) -> list[tuple[int, float, float]]:
     import transformers
 
@@ -161,6 +179,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-engine", action="store_true", help="the grammar's host cost only, no model")
     args = parser.parse_args()
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
 
@@ -180,6 +199,14 @@ def main() -> None:
         compiled, times = measured
         print(f"{name:12} {compiled * 1e3:10.1f} {statistics.median(times) * 1e6:18.1f} "
               f"{percentile(times, 0.99) * 1e6:8.1f}")
+    print(f"\n{'rows':>4} {'host ms/step p50':>17} {'mean':>6} {'first step':>10}  (mask, apply, advance; compact JSON)")
+    compact = tokenizer.tokenize(json.dumps(ANSWER)) + [tokenizer.eod]
+    for batch in args.batches:
+        times = bench_step(tokenizer, vocab, compact, batch)
+        print(f"{batch:4d} {statistics.median(times) * 1e3:17.3f} {statistics.mean(times) * 1e3:6.3f} "
+              f"{times[0] * 1e3:10.3f}")
+    if args.no_engine:
+        return
     print(f"\nengine: LLaMA {args.layers} layers, hidden {args.hidden}, greedy, {args.new_tokens} new tokens")
     print(f"{'batch':>5} {'ms/token free':>14} {'ms/token schema':>16} {'ratio':>6}")
     for batch, free, constrained in bench_engine(tokenizer, vocab, args):
