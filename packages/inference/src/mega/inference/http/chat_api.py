@@ -6,7 +6,11 @@ turn) and tokenized; the reply is generated as a completion of that text and sto
 tokenizer's end of document or a ``stop`` string. Fields: those of completions that apply
 (``temperature``, ``top_p``, ``top_k``, ``n``, ``stop``, ``seed``, ``logit_bias``, penalties,
 ``stream``, ``stream_options``), ``max_tokens`` or ``max_completion_tokens`` (default: up to the
-model's positions), ``logprobs`` and ``top_logprobs``.
+model's positions), ``logprobs`` and ``top_logprobs``, the structured-output fields
+(``response_format``, ``guided_*``), ``tools`` and ``tool_choice`` (calls parsed into
+``tool_calls`` by :mod:`~mega.inference.http.tool_calls`; ``required`` and a named function
+generated under a grammar), and reasoning text split into ``reasoning_content``
+(:mod:`~mega.inference.http.reasoning`).
 """
 
 from __future__ import annotations

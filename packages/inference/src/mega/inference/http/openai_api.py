@@ -8,7 +8,9 @@ completion), ``logprobs`` (null, or how many most likely alternatives to list pe
 20), ``seed`` (sequence i draws from seed + i), ``n`` and ``best_of`` (``best_of`` sequences per
 prompt, the ``n`` with the highest mean log-probability per token returned), ``logit_bias``,
 ``presence_penalty``, ``frequency_penalty``, ``stream``, ``stream_options.include_usage``,
-``user`` (ignored). ``suffix`` is refused unless empty: these models only continue text.
+``user`` (ignored), ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+``guided_json`` / ``guided_regex`` / ``guided_choice`` (structured outputs,
+:mod:`~mega.inference.engine.grammar`). ``suffix`` is refused unless empty: these models only continue text.
 """
 
 from __future__ import annotations
