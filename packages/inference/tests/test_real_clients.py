@@ -35,20 +35,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """(base url, transformers model, transformers tokenizer, model directory)."""
-    directory = tmp_path_factory.mktemp("byte-gpt2")
-    hf_model = hf_byte_level_directory(directory, POSITIONS)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+def serve(directory, *flags: str):
+    """A ``mega serve`` process on the Hugging Face ``directory`` (with ``flags``), on CPU; yields its url."""
     port = free_port()
     log = open(directory / "serve.log", "w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "mega.core.cli.main", "serve", "--load", str(directory), "--device", "cpu",
-         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-         # The path a GPU serves by default (continuous batching over the static KV cache, its decode
-         # steps eager here, replayed as CUDA graphs there); the paged cache is test_server's.
-         "--static-kv-cache"],
+         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *flags],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -65,7 +58,7 @@ def server(tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"mega serve did not answer within {START_TIMEOUT_S} s")
             time.sleep(0.25)
-        yield url, hf_model, tokenizer, directory
+        yield url
     finally:
         process.terminate()
         try:
@@ -73,6 +66,18 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base url, transformers model, transformers tokenizer, model directory)."""
+    directory = tmp_path_factory.mktemp("byte-gpt2")
+    hf_model = hf_byte_level_directory(directory, POSITIONS)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    # The path a GPU serves by default (continuous batching over the static KV cache, its decode
+    # steps eager here, replayed as CUDA graphs there); the paged cache is test_server's.
+    for url in serve(directory, "--static-kv-cache"):
+        yield url, hf_model, tokenizer, directory
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ class ChatTemplate:
     source: str
     special_tokens: dict[str, str] = field(default_factory=dict)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         # start-up cost: jinja2 loads only when a chat template is rendered
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -75,7 +75,8 @@ class ChatTemplate:
         environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
         try:
             template = environment.from_string(self.source)
-            return template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+            extra = {"tools": tools} if tools else {}  # templates test `tools is defined` or `if tools`
+            return template.render(messages=messages, add_generation_prompt=True, **self.special_tokens, **extra)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as error:

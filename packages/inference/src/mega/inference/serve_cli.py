@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-num-queued-reqs", type=int, default=None, metavar="N",
                        help="vLLM's flag: sequences (prompts x n or best_of) waiting or running at most; a request "
                             "that would go past it gets 429 with Retry-After at once (default: no bound)")
+    group.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=None,
+                       help="chat answers' <think>...</think> text goes to reasoning_content (on without the flag "
+                            "where the chat template writes <think> itself)")
     group.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                        help="a request not answered within this is cancelled and gets 408 (default: no limit)")
     group.add_argument("--max-batch-size", type=int, default=32,
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = setup.loaded
     service = InferenceService(setup.engine, worker, loaded.tokenizer, args.served_model_name or loaded.name,
                                base_model_name=loaded.base_name, chat_template=loaded.chat_template,
-                               request_timeout=args.request_timeout, max_queued_sequences=args.max_num_queued_reqs)
+                               request_timeout=args.request_timeout, max_queued_sequences=args.max_num_queued_reqs,
+                               reasoning_parser=args.reasoning_parser)
     worker.start()
     try:
         app = create_app(service, api_key=args.api_key, max_body_bytes=args.max_request_bytes)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mega.core.parallel import Group
+from mega.inference.engine.grammar import GrammarState, advance, mask_logits
 from mega.inference.engine.host_copy import HostCopy, to_device
 from mega.inference.engine.requests import FinishReason, GenerationRequest, GenerationResult, ending
 from mega.inference.engine.sampling import Sampler
@@ -54,9 +55,12 @@ class DecodingSequence:
     logprobs: list[float | None] | None = None
     top_logprobs: list | None = None
     finish_reason: FinishReason | None = None
+    grammar_state: GrammarState | None = field(init=False, default=None)  # structured outputs
 
     def __post_init__(self) -> None:
         self.known = len(self.request.prompt)
+        if self.request.grammar is not None:
+            self.grammar_state = self.request.grammar.start()
         if self.logprobs is None and self.request.logprobs:
             self.logprobs = []
         if self.top_logprobs is None and self.request.top_logprobs:
@@ -198,7 +202,7 @@ class DecodeStep:
     def may_choose_on_device(sequences: Sequence[DecodingSequence]) -> bool:
         """:attr:`chooses_on_device` for ``sequences`` about to join (their settings alone)."""
         return all(s.request.sampling.greedy and not s.request.sampling.adjusts_logits and s.logprobs is None
-                   for s in sequences)
+                   and s.request.grammar is None for s in sequences)
 
     def __call__(self, logits: torch.Tensor | None, chosen: torch.Tensor | None = None) -> StepOutcome:
         """Fp32 ``logits`` ``[rows, vocab]`` (the real vocabulary, every tensor shard) of each
@@ -233,9 +237,11 @@ class DecodeStep:
         """Each row's token, on the device: its draw (every row is past its prompt, computed
         whole before it joined)."""
         every_row = [True] * len(self.sequences)
+        states = [s.grammar_state for s in self.sequences]  # the logits processor of structured outputs
         if chosen is None:
-            chosen = self.sampler.sample(logits, every_row)
+            chosen = self.sampler.sample(mask_logits(logits, states), every_row)
         self.sampler.observe(chosen, every_row)
+        advance(chosen, states)
         return chosen
 
     def _launch(self, logits: torch.Tensor | None, chosen: torch.Tensor) -> _Launched:

@@ -23,6 +23,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mega.inference.engine.grammar import Grammar
 from mega.inference.engine.sampling import GREEDY, SamplingParams
 from mega.inference.engine.stopping import StopRules
 
@@ -58,6 +59,7 @@ class GenerationRequest:
     stop: StopRules = field(default_factory=StopRules)
     logprobs: bool = False  # log-probability of every token after the first, prompt included
     top_logprobs: int = 0  # also the n most likely tokens at each of those positions
+    grammar: Grammar | None = None  # structured outputs: the grammar its text keeps to
     # Set from another thread (a client went away): the sequence ends at the next step.
     cancelled: bool = False
 

@@ -8,7 +8,9 @@ completion), ``logprobs`` (null, or how many most likely alternatives to list pe
 20), ``seed`` (sequence i draws from seed + i), ``n`` and ``best_of`` (``best_of`` sequences per
 prompt, the ``n`` with the highest mean log-probability per token returned), ``logit_bias``,
 ``presence_penalty``, ``frequency_penalty``, ``stream``, ``stream_options.include_usage``,
-``user`` (ignored). ``suffix`` is refused unless empty: these models only continue text.
+``user`` (ignored), ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+``guided_json`` / ``guided_regex`` / ``guided_choice`` (structured outputs,
+:mod:`~mega.inference.engine.grammar`). ``suffix`` is refused unless empty: these models only continue text.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ def completions_router(service: InferenceService) -> APIRouter:
         check_model(service.model_name, body.model)
         prompts = await _prompt_ids(service, body)
         stop = StopRules(stop_ids=frozenset({service.tokenizer.eod}), stop_strings=tuple(body.stop))
+        grammar = await service.grammar(body.constraint())
         requests = []
         for index, ids in enumerate(prompts):
             for copy in range(body.sequences_per_prompt):
@@ -132,7 +135,7 @@ def completions_router(service: InferenceService) -> APIRouter:
                 requests.append(GenerationRequest(
                     prompt=ids, max_new_tokens=max_tokens, sampling=body.sampling(sequence, service.engine.vocab_size),
                     stop=stop, logprobs=body.logprobs is not None or body.sequences_per_prompt > body.copies,
-                    top_logprobs=body.logprobs or 0))
+                    top_logprobs=body.logprobs or 0, grammar=grammar))
         header = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=service.model_name)
         if body.stream:
             job = service.submit(requests, "prompt", stream=True)

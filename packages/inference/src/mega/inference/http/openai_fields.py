@@ -8,10 +8,11 @@ so a misspelled ``temprature`` is never silently ignored. Accepted and ignored, 
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
+from mega.inference.engine.grammar import Constraint
 from mega.inference.engine.sampling import GREEDY, SEED_LIMIT, SamplingParams
 from mega.inference.http.errors import RequestError
 
@@ -44,6 +45,28 @@ class StreamOptions(BaseModel):
     include_usage: Flag = Field(False, description="a last chunk with the usage of the whole request")
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(description="the schema's name")
+    description: str | None = Field(None, description="accepted and ignored")
+    json_schema: dict | None = Field(None, alias="schema", description="the JSON schema the answer follows")
+    strict: Flag | None = Field(None, description="accepted: the answer always follows the schema")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: given exactly when type is 'json_schema'")
+        return self
+
+
 class SamplingFields(BaseModel):
     """The sampling, stopping and streaming fields of both routes."""
 
@@ -67,6 +90,11 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, Number] | None = Field(None, description="token id (as a string) -> value in [-100, 100] "
                                                  "added to its logit")
     user: str | None = Field(None, description="accepted and ignored")
+    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema: the answer is "
+                                                   "JSON (of the schema)")
+    guided_json: dict | str | None = Field(None, description="a JSON schema the answer follows (vLLM's field)")
+    guided_regex: str | None = Field(None, description="a regular expression the whole answer matches (vLLM's)")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="the answer is one of these (vLLM's)")
 
     @field_validator("stop")
     @classmethod
@@ -95,6 +123,30 @@ class SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream=true")
         return self
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = [name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} and {given[1]}: at most one constraint on the answer")
+        return self
+
+    def constraint(self) -> tuple[Constraint, str] | None:
+        """The constraint on the answer's text and the field that asked it, or None."""
+        if self.guided_json is not None:
+            return Constraint("json_schema", self.guided_json), "guided_json"
+        if self.guided_regex is not None:
+            return Constraint("regex", self.guided_regex), "guided_regex"
+        if self.guided_choice is not None:
+            return Constraint("choice", tuple(self.guided_choice)), "guided_choice"
+        if self.response_format is None or self.response_format.type == "text":
+            return None
+        if self.response_format.type == "json_object":
+            return Constraint("json_object"), "response_format"
+        return Constraint("json_schema", self.response_format.json_schema.json_schema or {}), \
+            "response_format.json_schema.schema"
 
     @property
     def copies(self) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest, GenerationResult
+from mega.inference.engine.grammar import Constraint, Grammar, GrammarCompiler, GrammarError
 from mega.inference.engine.worker import EngineWorker, Job
 from mega.inference.http.admission import Admission
 from mega.inference.http.errors import RequestError
@@ -39,12 +40,15 @@ class InferenceService:
     chat_template: object | None = None  # mega.inference.chat_template.ChatTemplate
     request_timeout: float | None = None  # seconds a request may take (--request-timeout), else none
     max_queued_sequences: int | None = None  # --max-num-queued-reqs, else no bound
+    reasoning_parser: str | None = None  # --reasoning-parser: <think> text to reasoning_content
     admission: Admission = field(init=False)
+    grammars: GrammarCompiler = field(init=False)  # structured outputs
     prompt_chars: PromptCharLimit = field(init=False)
 
     def __post_init__(self):
         self.admission = Admission(self.max_queued_sequences)
         self.prompt_chars = PromptCharLimit(self.tokenizer, self.max_positions)
+        self.grammars = GrammarCompiler(self.tokenizer, self.engine.vocab_size)
 
     @property
     def metrics(self):
@@ -74,6 +78,21 @@ class InferenceService:
             bos = self.tokenizer.bos if self.tokenizer.bos is not None else self.tokenizer.eod
             ids = [bos, *ids]
         return ids
+
+    async def grammar(self, asked: tuple[Constraint, str] | None) -> Grammar | None:
+        """A request's constraint (and the field that asked it) compiled, on a worker thread; a
+        constraint the grammar engine cannot compile is the client's 400 naming the field."""
+        if asked is None:
+            return None
+        constraint, param = asked
+
+        def compile_it() -> Grammar:
+            try:
+                return self.grammars.compile(constraint, param)
+            except GrammarError as error:
+                raise RequestError(str(error), param) from None
+
+        return await self.off_loop(compile_it)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.detokenize(list(ids))
