@@ -1,0 +1,168 @@
+"""The generic bridge (Llama-like decoders without a mapping of their own) against transformers, on
+the CPU (gloo for the 2-rank layouts; pinned there, so it passes on a GPU machine too).
+
+Tiny random Mistral (sliding window shorter than every sequence, GQA, head_dim apart from
+hidden/heads), Qwen2 (q/k/v biases, tied, a sliding window on every layer) and OLMo2 (norms after
+each sublayer, QK-norm over the whole projections) saved to disk are converted to mega; the
+one-process model and the tp2 and pp2 layouts (OLMo2: pp2; its QK-norm needs whole projections)
+give transformers' logits and loss (fp32, 1e-5); greedy generation through the engine's one loop,
+several prompts of different lengths at once, equals transformers' ``generate`` over 32 tokens;
+mega -> Hugging Face gives back the files' tensors bit for bit, to their own class. What the
+shared blocks cannot express is refused by config field."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from ckpt_test_models import VOCAB, input_ids, save_hf_model  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+from mega.ckpt_convert import WriteOptions, convert  # noqa: E402
+from mega.ckpt_convert.errors import ConversionError  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("cpu_only")
+
+TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=96, max_position_embeddings=64, initializer_range=0.1)
+WINDOW = 4  # shorter than the test's sequences (16 tokens) and prompts
+MODELS = {  # name -> (class, config class, settings, layouts (tp, pp) on 2 ranks)
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(head_dim=24, sliding_window=WINDOW),
+                {"tp2": (2, 1), "pp2": (1, 2)}),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config",
+              dict(tie_word_embeddings=True, use_sliding_window=True, max_window_layers=0, sliding_window=WINDOW),
+              {"tp2": (2, 1), "pp2": (1, 2)}),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(rms_norm_eps=1e-6), {"pp2": (1, 2)}),
+}
+PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [11, 12, 13, 14, 15, 16, 17, 18, 19], [7, 250]]
+NEW_TOKENS = 32
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+def make_model(name: str):
+    class_name, config_name, settings, _ = MODELS[name]
+    config = getattr(transformers, config_name)(**TINY, **settings)
+    torch.manual_seed(sum(map(ord, name)))
+    model = getattr(transformers, class_name)(config).eval()
+    with torch.no_grad():  # norms start at 1 and biases at 0: make every value count
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def case(request, tmp_path_factory):
+    name = request.param
+    hf_model = make_model(name)
+    root = tmp_path_factory.mktemp(name)
+    hf_dir = save_hf_model(hf_model, root / "hf")
+    mega_dir = root / "mega"
+    tp = 2 if "tp2" in MODELS[name][3] else 1
+    convert(hf_dir, mega_dir, to_format="mega", options=WriteOptions(tensor_parallel_size=tp, pipeline_parallel_size=2))
+    return name, hf_model, hf_dir, mega_dir
+
+
+def layout_logits(mega_dir: str, ids: torch.Tensor, layout: tuple):
+    from test_layout_logits import stage_logits
+
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+
+    tp, pp = layout
+    return stage_logits(mega_dir, ids, ParallelGroups(ParallelConfig(tp=tp, pp=pp)))
+
+
+def test_logits_equal_transformers_at_every_layout(case, worlds, assert_close):
+    name, hf_model, _, mega_dir = case
+    ids = input_ids()
+    with torch.no_grad():
+        out = hf_model(ids, labels=ids)
+    logits, loss = layout_logits(str(mega_dir), ids, (1, 1))
+    assert_close(logits, out.logits, what=f"{name} one process")
+    assert_close(loss, out.loss, what=f"{name} one process loss")
+    for layout_name, layout in MODELS[name][3].items():
+        last = [result for result in worlds.run(2, layout_logits, str(mega_dir), ids, layout) if result is not None]
+        assert len(last) == 2 // layout[1], layout_name
+        for logits, loss in last:
+            assert_close(logits, out.logits, what=f"{name} {layout_name}")
+            assert_close(loss, out.loss, what=f"{name} {layout_name} loss")
+
+
+def test_greedy_generation_equals_transformers(case):
+    """All prompts at once in the engine's loop (continuous batching over sequences of several
+    lengths), each longer than the sliding window before it ends."""
+    from mega.ckpt_convert import open_checkpoint
+    from mega.core.build import build_stage
+    from mega.core.checkpoint import load_model_weights
+    from mega.core.plugins import get_plugins
+    from mega.inference.engine import GenerationEngine, GenerationRequest
+
+    name, hf_model, _, mega_dir = case
+    with open_checkpoint(str(mega_dir)) as source:
+        family, config = get_plugins().models.get(source.family), source.config
+    model = build_stage(family, config, init=False, training=False)
+    load_model_weights(str(mega_dir), [model.eval()])
+    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings)
+    results = engine.generate([GenerationRequest(prompt, NEW_TOKENS) for prompt in PROMPTS])
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)[0].tolist()
+        assert result.tokens == expected, name
+
+
+def test_mega_to_hugging_face_is_bit_exact_to_its_own_class(case, tmp_path):
+    from safetensors.torch import load_file
+
+    name, _, hf_dir, mega_dir = case
+    convert(mega_dir, tmp_path / "back", to_format="hf")
+    original, back = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(original), name
+    for tensor_name, tensor in original.items():
+        assert torch.equal(back[tensor_name], tensor), f"{name} {tensor_name}"
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert written["architectures"] == [MODELS[name][0]]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    assert type(reloaded).__name__ == MODELS[name][0]
+    window = json.loads((hf_dir / "config.json").read_text()).get("sliding_window")
+    assert getattr(reloaded.config, "sliding_window", None) == window
+
+
+@pytest.mark.parametrize("name, settings, field", [
+    ("olmo2", dict(attention_bias=True), "attention_bias"),
+    ("qwen2", dict(use_sliding_window=True, max_window_layers=1, sliding_window=WINDOW), "layer_types"),
+    ("mistral", dict(hidden_act="gelu"), "hidden_act"),
+    ("mistral", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "RoPE type"),
+])
+def test_what_the_blocks_cannot_express_is_refused_by_field(name, settings, field, tmp_path):
+    class_name, config_name, base, _ = MODELS[name]
+    config = getattr(transformers, config_name)(**TINY, **{**base, **settings})
+    getattr(transformers, class_name)(config).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConversionError, match=field):
+        convert(tmp_path / "hf", tmp_path / "mega", to_format="mega")
+    assert not (tmp_path / "mega").exists()
+
+
+def test_whole_projection_qk_norm_is_refused_at_tp2(tmp_path):
+    hf_dir = save_hf_model(make_model("olmo2"), tmp_path / "hf")
+    with pytest.raises(ConversionError, match="qk-layernorm-scope"):
+        convert(hf_dir, tmp_path / "tp2", to_format="mega", options=WriteOptions(tensor_parallel_size=2))
+
+
+def test_list_architectures_names_the_bridged_classes(capsys):
+    from mega.ckpt_convert.cli import main
+
+    assert main(["--list-architectures"]) == 0
+    listed = capsys.readouterr().out
+    for architecture in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Olmo2ForCausalLM"):
+        assert architecture in listed
