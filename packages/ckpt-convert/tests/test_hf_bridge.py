@@ -62,16 +62,19 @@ def make_model(name: str):
     return model
 
 
+def converted(name: str, root):
+    """(the transformers model, its saved directory, its mega checkpoint written at tp2 (where the
+    model allows) x pp2)."""
+    hf_model = make_model(name)
+    hf_dir = save_hf_model(hf_model, root / "hf")
+    tp = 2 if "tp2" in MODELS[name][3] else 1
+    convert(hf_dir, root / "mega", to_format="mega", options=WriteOptions(tensor_parallel_size=tp, pipeline_parallel_size=2))
+    return hf_model, hf_dir, root / "mega"
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
 def case(request, tmp_path_factory):
-    name = request.param
-    hf_model = make_model(name)
-    root = tmp_path_factory.mktemp(name)
-    hf_dir = save_hf_model(hf_model, root / "hf")
-    mega_dir = root / "mega"
-    tp = 2 if "tp2" in MODELS[name][3] else 1
-    convert(hf_dir, mega_dir, to_format="mega", options=WriteOptions(tensor_parallel_size=tp, pipeline_parallel_size=2))
-    return name, hf_model, hf_dir, mega_dir
+    return request.param, *converted(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def layout_logits(mega_dir: str, ids: torch.Tensor, layout: tuple):
@@ -166,3 +169,34 @@ def test_list_architectures_names_the_bridged_classes(capsys):
     listed = capsys.readouterr().out
     for architecture in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Olmo2ForCausalLM"):
         assert architecture in listed
+
+
+def test_bridged_model_trains_at_tp2_pp2_as_one_process_and_exports_to_its_class(worlds, tmp_path, assert_close):
+    """The converted Qwen2 (q/k/v biases, tied, a window shorter than the 16-token samples) trains
+    from its weights at tp2 x pp2 with sequence parallelism on 4 ranks as one process does (fp32,
+    1e-5 each step); the trained checkpoint goes back to Qwen2ForCausalLM, whose logits are the
+    trained mega model's."""
+    from test_layout_logits import stage_logits
+
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.train.testing.training_runs import assert_losses_close, train_losses
+
+    _, _, mega_dir = converted("qwen2", tmp_path)
+    argv = ["--mock-data", "--load", str(mega_dir), "--finetune", "--seq-length", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3", "--lr-warmup-iters", "1",
+            "--eval-iters", "0", "--log-interval", "100", "--seed", "7"]
+    reference = train_losses(argv + ["--save", str(tmp_path / "trained"), "--save-interval", "3"])
+    assert reference[-1] < reference[0], "the model should learn the mock data"
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
+    results = worlds.run(4, train_losses, argv + layout)
+    assert all(losses == results[0] for losses in results)
+    assert_losses_close(results[0], reference, "tp2 x pp2 (sequence parallel)")
+
+    convert(tmp_path / "trained", tmp_path / "back", to_format="hf")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    assert type(exported).__name__ == "Qwen2ForCausalLM"
+    ids = input_ids()
+    with torch.no_grad():
+        expected = exported(ids).logits
+    logits, _ = stage_logits(str(tmp_path / "trained"), ids, ParallelGroups(ParallelConfig()))
+    assert_close(logits, expected, what="trained Qwen2 exported")
