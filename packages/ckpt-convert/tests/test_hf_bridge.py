@@ -12,6 +12,7 @@ shared blocks cannot express is refused by config field."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -122,6 +123,69 @@ def test_greedy_generation_equals_transformers(case):
         expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                      eos_token_id=None, pad_token_id=0)[0].tolist()
         assert result.tokens == expected, name
+
+
+def test_mega_generate_prints_transformers_greedy_text(case, capsys):
+    """``mega generate`` on the converted checkpoint, prompts of several lengths in one run."""
+    from mega.inference.generate_cli import main as generate_main
+
+    name, hf_model, hf_dir, mega_dir = case
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    prompts = ["the quick brown fox jumps over", "pack my box", "sphinx of black quartz, judge my vow and"]
+    args = ["--load", str(mega_dir), "--max-tokens", str(NEW_TOKENS), "--greedy", "--json", "--device", "cpu"]
+    assert generate_main(args + [arg for prompt in prompts for arg in ("--prompt", prompt)]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [record["prompt"] for record in records] == prompts
+    for record in records:
+        ids = torch.tensor([tokenizer.encode(record["prompt"])])
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        assert record["tokens"] == out[0, ids.shape[1]:].tolist(), (name, record["prompt"])
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["paged", "static"])
+def test_serving_engine_joins_sequences_and_decodes_as_transformers(case, static):
+    """``mega serve``'s engine path: requests join a running batch one after the other (the paged
+    cache, or the static one of a slot per sequence), each past the sliding window before it ends."""
+    from mega.ckpt_convert import open_checkpoint
+    from mega.core.build import build_stage
+    from mega.core.checkpoint import load_model_weights
+    from mega.core.plugins import get_plugins
+    from mega.inference.engine import GenerationEngine, GenerationRequest
+    from mega.inference.engine.continuous import ContinuousBatchingWorker
+
+    name, hf_model, _, mega_dir = case
+    with open_checkpoint(str(mega_dir)) as source:
+        family, config = get_plugins().models.get(source.family), source.config
+    model = build_stage(family, config, init=False, training=False)
+    load_model_weights(str(mega_dir), [model.eval()])
+    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings)
+    worker = ContinuousBatchingWorker(engine, max_batch_size=3, max_num_tokens=3 * 64 if static else 96,
+                                      block_size=8, static_cache=static)
+    worker.start()
+    try:
+        results = asyncio.run(staggered(worker, [GenerationRequest(prompt, NEW_TOKENS) for prompt in PROMPTS]))
+    finally:
+        worker.stop()
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert result.tokens[-NEW_TOKENS:] == expected, (name, prompt)
+
+
+async def staggered(worker, requests):
+    """Each request submitted once the one before has streamed a token: they join a running batch."""
+    from mega.inference.engine.worker import Job
+
+    loop = asyncio.get_running_loop()
+    jobs = []
+    for request in requests:
+        job = Job([request], loop, stream=True)
+        worker.submit(job)
+        jobs.append(job)
+        while (await job.events.get())[0] != "token":
+            pass
+    return [(await job.done)[0] for job in jobs]
 
 
 def test_mega_to_hugging_face_is_bit_exact_to_its_own_class(case, tmp_path):
