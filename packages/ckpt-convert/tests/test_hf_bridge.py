@@ -264,3 +264,27 @@ def test_bridged_model_trains_at_tp2_pp2_as_one_process_and_exports_to_its_class
         expected = exported(ids).logits
     logits, _ = stage_logits(str(tmp_path / "trained"), ids, ParallelGroups(ParallelConfig()))
     assert_close(logits, expected, what="trained Qwen2 exported")
+
+
+def test_parameter_count_formula_counts_the_bridged_model(case):
+    """The config-only count (``mega plan``'s) counts post-norms and whole-projection QK-norms."""
+    from mega.ckpt_convert import open_checkpoint
+    from mega.core.build import build_stage
+    from mega.core.plugins import get_plugins
+
+    name, hf_model, _, mega_dir = case
+    with open_checkpoint(str(mega_dir)) as source:
+        family, config = get_plugins().models.get(source.family), source.config
+    model = build_stage(family, config, training=False)
+    assert family.num_parameters(config) == sum(p.numel() for p in model.parameters()), name
+
+
+def test_sliding_window_is_refused_with_context_parallelism():
+    from mega.core.parallel import ParallelConfig
+    from mega.models.config import ModelConfigError
+    from mega.models.context_parallel import check_context_parallel
+    from mega.models.family_configs import LlamaConfig
+
+    config = LlamaConfig(sliding_window=WINDOW, attention_dropout=0.0)
+    with pytest.raises(ModelConfigError, match="--sliding-window 4 with --context-parallel-size 2"):
+        check_context_parallel(config, ParallelConfig(cp=2))
