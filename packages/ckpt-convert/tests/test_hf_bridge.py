@@ -22,7 +22,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from ckpt_test_models import VOCAB, input_ids, save_hf_model  # noqa: E402
+from ckpt_test_models import (  # noqa: E402
+    VOCAB,
+    generation_engine,
+    greedy_as_transformers,
+    input_ids,
+    save_hf_model,
+    tiny_random_model,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,14 +62,7 @@ def cpu_only(monkeypatch):
 
 def make_model(name: str):
     class_name, config_name, settings, _ = MODELS[name]
-    config = getattr(transformers, config_name)(**TINY, **settings)
-    torch.manual_seed(sum(map(ord, name)))
-    model = getattr(transformers, class_name)(config).eval()
-    with torch.no_grad():  # norms start at 1 and biases at 0: make every value count
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(torch.randn_like(param) * 0.1)
-    return model
+    return tiny_random_model(class_name, config_name, {**TINY, **settings}, name)
 
 
 def converted(name: str, root):
@@ -108,23 +108,8 @@ def test_logits_equal_transformers_at_every_layout(case, worlds, assert_close):
 def test_greedy_generation_equals_transformers(case):
     """All prompts at once in the engine's loop (continuous batching over sequences of several
     lengths), each longer than the sliding window before it ends."""
-    from mega.ckpt_convert import open_checkpoint
-    from mega.core.build import build_stage
-    from mega.core.checkpoint import load_model_weights
-    from mega.core.plugins import get_plugins
-    from mega.inference.engine import GenerationEngine, GenerationRequest
-
     name, hf_model, _, mega_dir = case
-    with open_checkpoint(str(mega_dir)) as source:
-        family, config = get_plugins().models.get(source.family), source.config
-    model = build_stage(family, config, init=False, training=False)
-    load_model_weights(str(mega_dir), [model.eval()])
-    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings)
-    results = engine.generate([GenerationRequest(prompt, NEW_TOKENS) for prompt in PROMPTS])
-    for prompt, result in zip(PROMPTS, results, strict=True):
-        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)[0].tolist()
-        assert result.tokens == expected, name
+    greedy_as_transformers(hf_model, generation_engine(mega_dir), PROMPTS, NEW_TOKENS, name)
 
 
 def test_mega_generate_prints_transformers_greedy_text(case, capsys):
@@ -149,20 +134,11 @@ def test_mega_generate_prints_transformers_greedy_text(case, capsys):
 def test_serving_engine_joins_sequences_and_decodes_as_transformers(case, static):
     """``mega serve``'s engine path: requests join a running batch one after the other (the paged
     cache, or the static one of a slot per sequence), each past the sliding window before it ends."""
-    from mega.ckpt_convert import open_checkpoint
-    from mega.core.build import build_stage
-    from mega.core.checkpoint import load_model_weights
-    from mega.core.plugins import get_plugins
-    from mega.inference.engine import GenerationEngine, GenerationRequest
+    from mega.inference.engine import GenerationRequest
     from mega.inference.engine.continuous import ContinuousBatchingWorker
 
     name, hf_model, _, mega_dir = case
-    with open_checkpoint(str(mega_dir)) as source:
-        family, config = get_plugins().models.get(source.family), source.config
-    model = build_stage(family, config, init=False, training=False)
-    load_model_weights(str(mega_dir), [model.eval()])
-    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings)
-    worker = ContinuousBatchingWorker(engine, max_batch_size=3, max_num_tokens=3 * 64 if static else 96,
+    worker = ContinuousBatchingWorker(generation_engine(mega_dir), max_batch_size=3, max_num_tokens=3 * 64 if static else 96,
                                       block_size=8, static_cache=static)
     worker.start()
     try:
