@@ -13,6 +13,7 @@ shared blocks cannot express is refused by config field."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -266,3 +267,28 @@ def test_sliding_window_is_refused_with_context_parallelism():
     config = LlamaConfig(sliding_window=WINDOW, attention_dropout=0.0)
     with pytest.raises(ModelConfigError, match="--sliding-window 4 with --context-parallel-size 2"):
         check_context_parallel(config, ParallelConfig(cp=2))
+
+
+def test_export_picks_the_class_that_expresses_a_trained_config():
+    """A llama-family checkpoint goes out as the class it came from when that class expresses it,
+    else as the first of LLaMA, Mistral, Qwen2 and OLMo2 that does (a window added in training:
+    Mistral, never a LLaMA that would drop it)."""
+    from mega.ckpt_convert.hf_bridge import export_mapping
+    from mega.core.plugins import get_plugins
+    from mega.models.family_configs import LlamaConfig
+
+    family = get_plugins().models.get("llama")
+    from_llama = {"format": "hf", "architecture": "LlamaForCausalLM"}
+    cases = [
+        (LlamaConfig(), from_llama, "LlamaForCausalLM"),
+        (LlamaConfig(sliding_window=WINDOW), from_llama, "MistralForCausalLM"),
+        (LlamaConfig(add_qkv_bias=True), None, "Qwen2ForCausalLM"),
+        (LlamaConfig(qk_layernorm=True, qk_layernorm_scope="projection", layernorm_placement="post"), None,
+         "Olmo2ForCausalLM"),
+        (LlamaConfig(), {"format": "hf", "architecture": "MistralForCausalLM"}, "MistralForCausalLM"),
+    ]
+    for config, origin, architecture in cases:
+        assert export_mapping(family, config, origin).architecture == architecture, (config, origin)
+    with pytest.raises(ValueError, match="sliding_window"):
+        get_plugins().models.get("gpt").hf_mapping.config_to_hf(
+            dataclasses.replace(get_plugins().models.get("gpt").presets["tiny"], sliding_window=WINDOW))
