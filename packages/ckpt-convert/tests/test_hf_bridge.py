@@ -17,6 +17,8 @@ import dataclasses
 import json
 import os
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -129,6 +131,52 @@ def test_mega_generate_prints_transformers_greedy_text(case, capsys):
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                                 do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
         assert record["tokens"] == out[0, ids.shape[1]:].tolist(), (name, record["prompt"])
+
+
+def test_mega_serve_answers_transformers_greedy_tokens(case):
+    """``mega serve``'s whole ``main`` on the converted checkpoint (its app taken from uvicorn.run,
+    requests sent in this process): one ``PUT /api`` of prompts of several lengths, ids as text."""
+    import httpx
+    import uvicorn
+
+    from mega.inference import serve_cli
+
+    name, hf_model, _, mega_dir = case
+    apps, done, outcome = [], threading.Event(), []
+
+    def hold_the_app(app, **_):
+        apps.append(app)
+        done.wait()
+
+    eod = VOCAB - 1  # NullTokenizer's end of document: it stops both sides
+    argv = ["--load", str(mega_dir), "--device", "cpu", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(eod)]
+    thread = threading.Thread(target=lambda: outcome.append(serve_cli.main(argv)), daemon=True)
+    original, uvicorn.run = uvicorn.run, hold_the_app
+    try:
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not apps:
+            assert thread.is_alive() and time.monotonic() < deadline, f"mega serve did not start: {outcome}"
+            time.sleep(0.05)
+    finally:
+        uvicorn.run = original
+
+    async def put_api(body: dict) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(apps[0]), base_url="http://mega") as client:
+            return await client.put("/api", json=body, timeout=120)
+
+    try:
+        reply = asyncio.run(put_api({"prompts": [" ".join(map(str, prompt)) for prompt in PROMPTS],
+                                     "tokens_to_generate": NEW_TOKENS, "top_k": 1}))
+    finally:
+        done.set()
+        thread.join(timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert outcome == [0]
+    for prompt, tokens in zip(PROMPTS, reply.json()["tokens"], strict=True):
+        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                     eos_token_id=eod, pad_token_id=eod)[0].tolist()
+        assert tokens == expected, (name, prompt)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["paged", "static"])
