@@ -1,14 +1,19 @@
 """The generic bridge (Llama-like decoders without a mapping of their own) against transformers, on
-the CPU (gloo for the 2-rank layouts; pinned there, so it passes on a GPU machine too).
+the CPU (gloo for the multi-rank layouts; in-process runs pinned there, so it passes on a GPU
+machine too).
 
 Tiny random Mistral (sliding window shorter than every sequence, GQA, head_dim apart from
 hidden/heads), Qwen2 (q/k/v biases, tied, a sliding window on every layer) and OLMo2 (norms after
 each sublayer, QK-norm over the whole projections) saved to disk are converted to mega; the
 one-process model and the tp2 and pp2 layouts (OLMo2: pp2; its QK-norm needs whole projections)
-give transformers' logits and loss (fp32, 1e-5); greedy generation through the engine's one loop,
-several prompts of different lengths at once, equals transformers' ``generate`` over 32 tokens;
-mega -> Hugging Face gives back the files' tensors bit for bit, to their own class. What the
-shared blocks cannot express is refused by config field."""
+give transformers' logits and loss (fp32, 1e-5); greedy generation over 32 tokens equals
+transformers' ``generate`` through the engine's one loop (all prompts at once), ``mega generate``,
+``mega serve``'s whole main (one ``PUT /api``) and the serving engine's paged and static caches
+(requests joining a running batch), each sequence past the window; mega -> Hugging Face gives
+back the files' tensors bit for bit, to their own class; the converted Qwen2 trains at tp2 x pp2
+as one process does and exports back to Qwen2. What the shared blocks cannot express is refused
+by config field.
+"""
 
 from __future__ import annotations
 
