@@ -96,3 +96,44 @@ def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
     for path in sorted(directory.glob("*.safetensors")):
         tensors.update(load_file(path))
     return tensors
+
+
+def generation_engine(mega_dir: Path):
+    """The one-process :class:`GenerationEngine` of a mega checkpoint (its model on the CPU)."""
+    from mega.ckpt_convert import open_checkpoint
+    from mega.core.build import build_stage
+    from mega.core.checkpoint import load_model_weights
+    from mega.core.plugins import get_plugins
+    from mega.inference.engine import GenerationEngine
+
+    with open_checkpoint(str(mega_dir)) as source:
+        family, config = get_plugins().models.get(source.family), source.config
+    model = build_stage(family, config, init=False, training=False)
+    load_model_weights(str(mega_dir), [model.eval()])
+    return GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings)
+
+
+def greedy_as_transformers(hf_model, engine, prompts: list[list[int]], new_tokens: int, what: str) -> None:
+    """The engine's greedy tokens for all ``prompts`` at once are transformers' for each alone."""
+    from mega.inference.engine import GenerationRequest
+
+    results = engine.generate([GenerationRequest(prompt, new_tokens) for prompt in prompts])
+    for prompt, result in zip(prompts, results, strict=True):
+        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)[0].tolist()
+        assert result.tokens == expected, what
+
+
+def tiny_random_model(class_name: str, config_name: str, settings: dict, seed_name: str):
+    """transformers' ``class_name`` built from ``config_name(**settings)``, seeded by ``seed_name``,
+    its norms and biases moved off their 1 and 0 so that every value counts."""
+    import transformers
+
+    config = getattr(transformers, config_name)(**settings)
+    torch.manual_seed(sum(map(ord, seed_name)))
+    model = getattr(transformers, class_name)(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model

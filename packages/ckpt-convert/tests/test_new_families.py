@@ -18,7 +18,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from ckpt_test_models import VOCAB, input_ids, save_hf_model  # noqa: E402
+from ckpt_test_models import (  # noqa: E402
+    VOCAB,
+    generation_engine,
+    greedy_as_transformers,
+    input_ids,
+    save_hf_model,
+    tiny_random_model,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,13 +58,8 @@ NEW_TOKENS = 8
 
 def make_model(name: str):
     class_name, config_name, settings, _ = MODELS[name]
-    config = getattr(transformers, config_name)(**TINY, **settings)
-    torch.manual_seed(sum(map(ord, name)))
-    model = getattr(transformers, class_name)(config).eval()
-    with torch.no_grad():  # norms start at 1 and biases at 0: make every value count
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(torch.randn_like(param) * 0.1)
+    model = tiny_random_model(class_name, config_name, {**TINY, **settings}, name)
+    with torch.no_grad():
         for name, buffer in model.named_buffers():  # DeepSeek-V3's expert bias: make it change the routing
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.05)
@@ -108,23 +110,8 @@ def test_logits_equal_transformers_at_every_layout(case, worlds, assert_close):
 
 
 def test_greedy_generation_equals_transformers(case):
-    from mega.ckpt_convert import open_checkpoint
-    from mega.core.build import build_stage
-    from mega.core.checkpoint import load_model_weights
-    from mega.core.plugins import get_plugins
-    from mega.inference.engine import GenerationEngine, GenerationRequest
-
     name, hf_model, _, mega_dir = case
-    with open_checkpoint(str(mega_dir)) as source:
-        family, config = get_plugins().models.get(source.family), source.config
-    model = build_stage(family, config, init=False, training=False)
-    load_model_weights(str(mega_dir), [model.eval()])
-    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings)
-    results = engine.generate([GenerationRequest(prompt, NEW_TOKENS) for prompt in PROMPTS])
-    for prompt, result in zip(PROMPTS, results, strict=True):
-        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)[0].tolist()
-        assert result.tokens == expected, name
+    greedy_as_transformers(hf_model, generation_engine(mega_dir), PROMPTS, NEW_TOKENS, name)
 
 
 def test_mega_to_hugging_face_is_bit_exact(case, tmp_path):

@@ -64,16 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--from", dest="from_format", choices=(*FORMATS, PEFT),
                         help="format of --input (default: recognised from the directory)")
-    parser.add_argument("--to", dest="to_format", choices=(*FORMATS, PEFT), required=True,
+    parser.add_argument("--list-architectures", action="store_true",
+                        help="print the Hugging Face architectures mega converts (each family's own, and the "
+                             "Llama-like ones the generic bridge reads as the llama family) and exit")
+    parser.add_argument("--to", dest="to_format", choices=(*FORMATS, PEFT),
                         help="format of --output. hf-peft: --input is a LoRA run's mega checkpoint (mega train "
                              "--lora-rank), --output a PEFT adapter directory (adapter_config.json + "
                              "adapter_model.safetensors) that peft.PeftModel.from_pretrained loads onto the base's "
                              "transformers model; --from hf-peft --to mega: --input is such a directory, folded into "
                              "the mega checkpoint --base (the merged model is written)")
-    parser.add_argument("--input", required=True, metavar="DIR",
+    parser.add_argument("--input", metavar="DIR",
                         help="a Hugging Face model directory, a mega save directory or checkpoint, or a Megatron-LM "
                              "save directory (its latest_checkpointed_iteration.txt) or iter_* directory")
-    parser.add_argument("--output", required=True, metavar="DIR", help="a new (or empty) directory")
+    parser.add_argument("--output", metavar="DIR", help="a new (or empty) directory")
     parser.add_argument("--model-family", metavar="NAME",
                         help="the registered model family (gpt, llama...) when config.json cannot tell it")
     parser.add_argument("--base", metavar="DIR",
@@ -128,6 +131,12 @@ def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.list_architectures:
+        return list_architectures()
+    missing = [flag for flag, value in (("--to", args.to_format), ("--input", args.input), ("--output", args.output))
+               if value is None]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
     if PEFT in (args.from_format, args.to_format) or _is_peft_adapter(args):
         return convert_peft(parser, args)
     _check_output_flags(parser, args)
@@ -170,6 +179,17 @@ def main(argv: list[str]) -> int:
     for warning in warnings:
         print(f"mega convert: warning: {warning}", file=sys.stderr)
     print(f"mega convert: wrote {args.output} ({args.to_format}) in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def list_architectures() -> int:
+    """``--list-architectures``: one line per architecture, from the installed families."""
+    # start-up cost, as in main: the families' mappings import torch
+    from mega.ckpt_convert.hf_bridge import list_architectures as lines
+    from mega.core.plugins import get_plugins
+
+    models = get_plugins().models
+    print("\n".join(lines({name: models.get(name) for name in models.names()})))
     return 0
 
 

@@ -36,7 +36,8 @@ def write_hf(source: ModelSource, mapping: HFMapping, directory: Path, max_shard
     tensors = _tensors_to_write(source, maps)
     origin = getattr(source, "origin", None)
     if origin and origin.get("format") == "hf" and not with_initialised_heads:
-        config_json["architectures"] = [origin["architecture"]]
+        if origin["architecture"] in (mapping.architecture, *mapping.also_reads):  # not where training changed the class
+            config_json["architectures"] = [origin["architecture"]]
         tensors = _as_it_came(tensors, origin, mapping, config)
 
     def convert(tensor_map: TensorMap):

@@ -9,7 +9,8 @@ from mega.core.plugins import Command, hookimpl
 @hookimpl
 def register_checkpoint_formats(register):
     register("hf", "mega.ckpt_convert.hf_format:HF_FORMAT",
-             "Hugging Face transformers directories (config.json + safetensors + tokenizer) of GPT-2 and LLaMA")
+             "Hugging Face transformers directories (config.json + safetensors + tokenizer) of every family with "
+             "a mapping, and Llama-like decoders through the generic bridge (mega convert --list-architectures)")
     register("mega", "mega.ckpt_convert.mega_format:MEGA_FORMAT",
              "mega's sharded checkpoints (mega train --save), read and written at any tp/pp")
     register("megatron", "mega.ckpt_convert.megatron.format:MEGATRON_FORMAT",

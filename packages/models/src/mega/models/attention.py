@@ -29,11 +29,14 @@ from mega.models.kv_cache import LayerKVCache
 from mega.models.norms import input_linear
 from mega.models.recompute import is_recomputing_allowed, recomputed
 from mega.models.rope import RotaryAngles, layer_cos_sin, rotary_cos_sin
+from mega.models.sliding_window import query_positions, with_sliding_window
 
 
-def head_norm(config: TransformerConfig, kernels: Kernels) -> nn.Module:
-    """A norm over one head's ``kv_channels`` (QK-norm), of the model's kind and epsilon."""
-    return kernels.norm(config.normalization, config.kv_channels, config.layernorm_epsilon)
+def head_norm(config: TransformerConfig, kernels: Kernels, heads: int = 1) -> nn.Module:
+    """A QK-norm of the model's kind and epsilon: over one head's ``kv_channels``, or over the
+    whole projection of ``heads`` heads (``--qk-layernorm-scope projection``)."""
+    size = config.kv_channels * (heads if config.qk_layernorm_scope == "projection" else 1)
+    return kernels.norm(config.normalization, size, config.layernorm_epsilon)
 
 
 class CoreAttention(nn.Module):
@@ -90,8 +93,9 @@ class SelfAttention(nn.Module):
         qkv_size = config.query_projection_size + 2 * config.kv_projection_size
         self.linear_qkv = input_linear(config, kernels, qkv_size, bias=config.add_bias_linear or config.add_qkv_bias)
         # QK-norm: one norm over the head dimension, shared by every query (key) head.
-        self.q_layernorm = head_norm(config, kernels) if config.qk_layernorm else None
-        self.k_layernorm = head_norm(config, kernels) if config.qk_layernorm else None
+        self.q_layernorm = head_norm(config, kernels, config.num_attention_heads) if config.qk_layernorm else None
+        self.k_layernorm = head_norm(config, kernels, config.num_query_groups) if config.qk_layernorm else None
+        self.qk_norm_rows = config.qk_layernorm_scope == "projection"  # a row is a token's projection, not a head
         self.core_attention = CoreAttention(config, kernels, context)
         self.linear_proj = kernels.linear(config.query_projection_size, config.hidden_size,
                                           bias=config.add_bias_linear)
@@ -114,7 +118,12 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(seq, batch, -1, (per_group + 2) * d)  # [s, b, local groups, ...]
         query, key, value = qkv.split([per_group * d, d, d], dim=-1)  # views of qkv
         query = query.unflatten(-1, (per_group, d))  # [s, b, groups, queries per group, d], a view
-        if self.q_layernorm is not None:
+        if self.q_layernorm is not None and self.qk_norm_rows:
+            # The whole projection (one tensor-parallel rank holds it all; the config says so):
+            # heads are group-major in both layouts, so Hugging Face's weight applies as it is.
+            query = self.q_layernorm(query.reshape(seq, batch, -1)).view(query.shape)
+            key = self.k_layernorm(key.reshape(seq, batch, -1)).view(key.shape)
+        elif self.q_layernorm is not None:
             # The one copy QK-norm costs: a norm backend may read rows as [tokens, d], which the
             # grouped view cannot give (Megatron reshapes here too). The key's rows can.
             query = self.q_layernorm(query.reshape(seq, batch, -1, d)).unflatten(2, (-1, per_group))
@@ -129,6 +138,10 @@ class SelfAttention(nn.Module):
             key, value, mask = inference_cache.append(key, value)
             # A cache says causal or not, or (a paged cache, sequences of several lengths) the whole mask.
             mask = mask if isinstance(mask, AttentionMask) else AttentionMask(causal=mask)
+        if self.config.sliding_window is not None:
+            positions = query_positions(position_ids, seq, key.shape[0], inference_cache is not None, qkv.device)
+            mask = with_sliding_window(mask, self.config.sliding_window, positions, key.shape[0], query.dtype)
+        if inference_cache is not None:
             context = self.core_attention(query, key, value, mask)
         elif self.recompute_core and is_recomputing_allowed(self):
             context = recomputed(self.core_attention, query, key, value, mask, rng_tracker=self.recompute_rng_tracker)

@@ -19,7 +19,8 @@ from mega.models.norms import build_norm, fused_norm_aliases
 
 
 class TransformerLayer(PreNormLayer):
-    """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))).
+    """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))); with
+    ``--layernorm-placement post``, x + dropout(norm(attention(x))) and so on.
 
     With a ``norm_linear`` kernel the norms live inside QKV and fc1 (no ``input_layernorm`` /
     ``pre_mlp_layernorm`` modules), with a ``norm_mlp`` kernel the second norm lives inside the
@@ -29,14 +30,17 @@ class TransformerLayer(PreNormLayer):
 
     def __init__(self, config: TransformerConfig, kernels: Kernels, number: int = 0,
                  context: ParallelContext | None = None):
-        fused = kernels.get("norm_linear") is not None
-        fused_mlp = None if getattr(config, "num_experts", None) else fused_norm_mlp(config, kernels)
+        post = config.layernorm_placement == "post"  # OLMo2: no input norms for a kernel to fuse
+        fused = not post and kernels.get("norm_linear") is not None
+        fused_mlp = None if post or getattr(config, "num_experts", None) else fused_norm_mlp(config, kernels)
         super().__init__(
-            input_layernorm=None if fused else build_norm(config, kernels),
+            input_layernorm=None if fused or post else build_norm(config, kernels),
             self_attention=build_attention(config, kernels, context),
-            pre_mlp_layernorm=None if fused or fused_mlp is not None else build_norm(config, kernels),
+            pre_mlp_layernorm=None if fused or post or fused_mlp is not None else build_norm(config, kernels),
             mlp=fused_mlp if fused_mlp is not None else build_mlp(config, kernels, number, context),
             hidden_dropout=config.hidden_dropout,
+            post_attention_layernorm=build_norm(config, kernels) if post else None,
+            post_mlp_layernorm=build_norm(config, kernels) if post else None,
         )
         self.fused_mlp = fused_mlp is not None  # the plan then splits the MLP module whole
         self.bias_dropout_fusion = config.bias_dropout_fusion

@@ -75,6 +75,14 @@ class TransformerConfig:
     add_qkv_bias: bool = option(False, "bias in the QKV projection even without other linear biases")
     qk_layernorm: bool = option(False, "normalise each query and key head (over its kv-channels, with --normalization) "
                                 "before RoPE: QK-norm (Qwen3)", action=switch("--no-qk-layernorm"))
+    qk_layernorm_scope: Literal["head", "projection"] = option(
+        "head", "what QK-norm normalises: each head over its kv-channels (Qwen3), or the whole query and key "
+        "projections at once (OLMo2; on one tensor-parallel rank)")
+    layernorm_placement: Literal["pre", "post"] = option(
+        "pre", "pre: each sublayer reads a normalised input (LLaMA); post: each sublayer's output is normalised "
+        "before the residual add (OLMo2)")
+    sliding_window: int | None = option(None, "each token attends to at most this many latest positions, itself "
+                                        "included (Mistral's sliding window); default all")
     untie_embeddings_and_output_weights: bool = option(False, "separate output layer weights",
                                                        action=switch("--tie-embeddings-and-output-weights"))
     softmax_scale: float | None = option(None, "attention softmax scale; default 1/sqrt(kv_channels)")
@@ -137,6 +145,12 @@ class TransformerConfig:
                  f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}")
         else:
             need(self.kv_channels % 2 == 0, f"RoPE needs an even head size, got --kv-channels {self.kv_channels}")
+        need(self.qk_layernorm_scope in ("head", "projection"),
+             f"--qk-layernorm-scope must be head or projection, got {self.qk_layernorm_scope!r}")
+        need(self.layernorm_placement in ("pre", "post"),
+             f"--layernorm-placement must be pre or post, got {self.layernorm_placement!r}")
+        need(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window > 0),
+             f"--sliding-window must be a positive integer, got {self.sliding_window!r}")
         need_dropout_probabilities(self)
         self._validate_activation()
         self._validate_recompute()
@@ -145,6 +159,9 @@ class TransformerConfig:
                  f"--tensor-model-parallel-size {tp}")
             need(groups % tp == 0, f"--num-query-groups {groups} is not divisible by "
                  f"--tensor-model-parallel-size {tp} (each rank must hold whole key/value groups)")
+            need(not (self.qk_layernorm and self.qk_layernorm_scope == "projection"),
+                 "--qk-layernorm-scope projection normalises the whole query and key projections, which "
+                 f"--tensor-model-parallel-size {tp} splits across ranks; use one tensor-parallel rank")
             need(self.ffn_hidden_size % tp == 0, f"--ffn-hidden-size {self.ffn_hidden_size} is not "
                  f"divisible by --tensor-model-parallel-size {tp}")
 

@@ -37,6 +37,11 @@ def check_context_parallel(config: TransformerConfig, parallel: ParallelConfig) 
             f"--attention-dropout {config.attention_dropout} with --context-parallel-size {parallel.cp}: "
             f"attention split across ranks has no dropout; pass --attention-dropout 0"
         )
+    if config.sliding_window is not None:
+        raise ModelConfigError(
+            f"--sliding-window {config.sliding_window} with --context-parallel-size {parallel.cp}: the ranks' "
+            "attention over the split sequence has no window; pass --context-parallel-size 1"
+        )
     if parallel.cp_comm_type == "a2a":
         try:
             check_heads(config.num_attention_heads // parallel.tp, parallel.cp)

@@ -45,6 +45,8 @@ class MLATransformerConfig(MoETransformerConfig):
             need(isinstance(value, int) and value > 0, f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         need(self.q_lora_rank is None or self.q_lora_rank > 0, f"--q-lora-rank must be positive, got {self.q_lora_rank}")
         need(self.multi_latent_attention, "the deepseek-v3 family's attention is multi-latent (--multi-latent-attention)")
+        need(self.sliding_window is None, f"--sliding-window {self.sliding_window}: multi-latent attention has no "
+             "sliding window")
         need(self.qk_pos_emb_head_dim % 2 == 0, f"RoPE needs an even --qk-pos-emb-head-dim, got {self.qk_pos_emb_head_dim}")
         need((self.kv_lora_rank + self.qk_pos_emb_head_dim) % 2 == 0,
              "--kv-lora-rank + --qk-pos-emb-head-dim must be even (the generation cache holds them as two halves)")

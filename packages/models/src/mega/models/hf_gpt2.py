@@ -66,6 +66,7 @@ def gpt2_hf_config(config: TransformerConfig) -> dict:
             config.num_query_groups != config.num_attention_heads,
         "kv_channels (GPT-2 heads split hidden_size)":
             config.kv_channels * config.num_attention_heads != config.hidden_size,
+        "sliding_window (GPT-2 attends to every earlier position)": config.sliding_window is not None,
         "softmax_scale (GPT-2 scales by 1/sqrt(head size))":
             not math.isclose(config.attention_softmax_scale, 1 / math.sqrt(config.kv_channels)),
     }

@@ -91,6 +91,10 @@ def llama_hf_config(config: TransformerConfig) -> dict:
         "add_qkv_bias without add_bias_linear (LLaMA's attention_bias also biases o_proj)":
             config.add_qkv_bias and not config.add_bias_linear,
         "softmax_scale (LLaMA scales by 1/sqrt(head_dim))": config.softmax_scale is not None,
+        "sliding_window (LLaMA attends to every earlier position; MistralForCausalLM has the window)":
+            config.sliding_window is not None,
+        "qk_layernorm (LLaMA has no QK-norm)": config.qk_layernorm,
+        "layernorm_placement (LLaMA normalises each sublayer's input)": config.layernorm_placement != "pre",
     }
     unsupported = [field for field, differs in differences.items() if differs]
     if unsupported:

@@ -54,6 +54,8 @@ def qwen3_config(hf_config: Mapping[str, Any], **overrides) -> TransformerConfig
 def check_qwen3_attention(config: TransformerConfig, architecture: str) -> None:
     differences = {
         "qk_layernorm (Qwen3 normalises every query and key head)": not config.qk_layernorm,
+        "qk_layernorm_scope (Qwen3 normalises each head, not the whole projection)":
+            config.qk_layernorm_scope != "head",
         "add_bias_linear / add_qkv_bias (Qwen3 has no linear biases)": config.add_bias_linear or config.add_qkv_bias,
     }
     unsupported = [field for field, differs in differences.items() if differs]

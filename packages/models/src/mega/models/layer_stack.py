@@ -37,22 +37,34 @@ class PreNormLayer(nn.Module):
 
     Whatever follows the hidden state in a call (positions, a mask, a layer's cache) goes to the
     attention. A norm may be None where a fused kernel holds it (inside QKV, fc1 or the MLP).
+    ``post_attention_layernorm`` / ``post_mlp_layernorm``: norms of each sublayer's output before
+    the residual add (``--layernorm-placement post``, OLMo2's), where the pre-norms are None.
     """
 
     def __init__(self, input_layernorm: nn.Module | None, self_attention: nn.Module,
-                 pre_mlp_layernorm: nn.Module | None, mlp: nn.Module, hidden_dropout: float):
+                 pre_mlp_layernorm: nn.Module | None, mlp: nn.Module, hidden_dropout: float,
+                 post_attention_layernorm: nn.Module | None = None, post_mlp_layernorm: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = input_layernorm
         self.self_attention = self_attention
         self.pre_mlp_layernorm = pre_mlp_layernorm
         self.mlp = mlp
         self.hidden_dropout = nn.Dropout(hidden_dropout)
+        if post_attention_layernorm is not None:  # registered only where used: names stay the pre-norm layer's
+            self.post_attention_layernorm = post_attention_layernorm
+            self.post_mlp_layernorm = post_mlp_layernorm
 
     def forward(self, hidden: torch.Tensor, *attention_args, **attention_kwargs) -> torch.Tensor:
         normed = self.input_layernorm(hidden) if self.input_layernorm is not None else hidden
-        hidden = self.dropout_add(self.self_attention(normed, *attention_args, **attention_kwargs), hidden)
+        attended = self.self_attention(normed, *attention_args, **attention_kwargs)
+        if hasattr(self, "post_attention_layernorm"):
+            attended = self.post_attention_layernorm(attended)
+        hidden = self.dropout_add(attended, hidden)
         normed = self.pre_mlp_layernorm(hidden) if self.pre_mlp_layernorm is not None else hidden
-        return self.dropout_add(self.mlp(normed), hidden)
+        mlp_out = self.mlp(normed)
+        if hasattr(self, "post_mlp_layernorm"):
+            mlp_out = self.post_mlp_layernorm(mlp_out)
+        return self.dropout_add(mlp_out, hidden)
 
     def dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + dropout(x)`` (a layer may fuse it)."""

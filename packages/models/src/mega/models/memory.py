@@ -75,7 +75,8 @@ def _head_norm_bytes(config: TransformerConfig, tokens: int, tp: int, widths: in
     keeps an fp32 copy and x * rstd, and an fp32 model's strided view a contiguous copy too."""
     if not config.qk_layernorm:
         return 0
-    statistics = tokens * (config.num_attention_heads + config.num_query_groups) // tp * FP32
+    rows = 2 if config.qk_layernorm_scope == "projection" else (config.num_attention_heads + config.num_query_groups) // tp
+    statistics = tokens * rows * FP32  # one per head, or one per projection (--qk-layernorm-scope projection)
     if device_type != "cuda" and config.normalization == "RMSNorm":
         return tokens * widths * FP32 * (3 if dtype_bytes == FP32 else 2) + statistics
     return tokens * widths * dtype_bytes + statistics

@@ -18,8 +18,10 @@ def num_parameters(config: TransformerConfig, tensor_parallel_size: int = 1) -> 
     attention += h if bias else 0
     mlp = h * fc1 + ffn * h + ((fc1 + h) if bias else 0)
     layer = 2 * norm + attention + mlp
-    if config.qk_layernorm:  # one norm over a head's channels for the queries, one for the keys
-        layer += 2 * config.kv_channels * (2 if config.normalization == "LayerNorm" else 1)
+    if config.qk_layernorm:  # one norm over a head's channels (or the whole projection) for the queries, one for the keys
+        widths = (qkv - config.kv_projection_size if config.qk_layernorm_scope == "projection"
+                  else 2 * config.kv_channels)
+        layer += widths * (2 if config.normalization == "LayerNorm" else 1)
 
     vocab = config.padded_vocab_size(tensor_parallel_size)
     embeddings = vocab * h
