@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from mega.core.cli.argparser import CommandParser
-from mega.inference.load_arguments import add_load_arguments
+from mega.inference.cli.load_arguments import add_load_arguments
 
 # The capability a model family declares (ModelFamily.features) when its models give embeddings.
 EMBEDDINGS_FEATURE = "embeddings"

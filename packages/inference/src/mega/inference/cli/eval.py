@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from mega.core.cli.argparser import CommandParser
-from mega.inference.load_arguments import add_load_arguments, existing_path
+from mega.inference.cli.load_arguments import add_load_arguments, existing_path
 
 TASKS = ("wikitext-ppl", "lambada")
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"mega eval: error: {error}") from None
 
     # start-up cost: `mega --help` and the parser stay free of torch and the models
-    from mega.inference.engine_setup import load_on_ranks
+    from mega.inference.cli.engine_setup import load_on_ranks
     from mega.inference.eval_tasks import lambada_accuracy, perplexity
 
     loaded, groups = load_on_ranks(args, "eval")

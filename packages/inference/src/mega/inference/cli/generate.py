@@ -14,8 +14,8 @@ import json
 import sys
 
 from mega.core.cli.argparser import CommandParser
+from mega.inference.cli.load_arguments import add_decoding_arguments, add_load_arguments
 from mega.inference.completion_text import completion_text
-from mega.inference.load_arguments import add_decoding_arguments, add_load_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,11 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.temperature >= 0:
         parser.error(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     # start-up cost: `mega --help` and the parser stay free of torch and the models
+    from mega.inference.cli.engine_setup import setup_engine
     from mega.inference.engine import GenerationError, GenerationRequest
     from mega.inference.engine.sampling import GREEDY, SamplingError, SamplingParams
     from mega.inference.engine.stopping import StopRules
     from mega.inference.engine.tp_serving import lead
-    from mega.inference.engine_setup import setup_engine
 
     setup = setup_engine(args, "generate")
     if setup is None:  # a follower: the leader's steps have ended

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DTYPE_NAMES = ("bfloat16", "float16", "float32")
+from mega.inference.dtypes import DTYPE_NAMES
 
 
 def existing_path(value: str) -> str:

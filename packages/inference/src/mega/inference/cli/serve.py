@@ -12,8 +12,8 @@ import argparse
 import os
 
 from mega.core.cli.argparser import CommandParser
-from mega.inference.embed_cli import add_embedding_arguments, is_encoder_checkpoint, serve_embeddings
-from mega.inference.load_arguments import add_decoding_arguments, add_load_arguments
+from mega.inference.cli.embed import add_embedding_arguments, is_encoder_checkpoint, serve_embeddings
+from mega.inference.cli.load_arguments import add_decoding_arguments, add_load_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     # start-up cost, as above
     import uvicorn
 
+    from mega.inference.cli.engine_setup import setup_engine
     from mega.inference.engine.tp_serving import lead
-    from mega.inference.engine_setup import setup_engine
     from mega.inference.http.server import create_app
     from mega.inference.http.service import InferenceService
 

@@ -22,12 +22,12 @@ from mega.core.kernels import Kernels
 from mega.core.model_family import LossContext, ModelFamily, ParallelContext, Stage, stack_stages
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
-from mega.models.bert_config import BertConfig
-from mega.models.bert_model import BertModel
+from mega.models.bert.config import BertConfig
+from mega.models.bert.hf_bert import BERT
+from mega.models.bert.model import BertModel
+from mega.models.blocks.language_model import per_token_cross_entropy
 from mega.models.flops import num_floating_point_operations
-from mega.models.hf_bert import BERT
 from mega.models.initialization import init_parameter
-from mega.models.language_model import per_token_cross_entropy
 from mega.models.parallelize import transformer_passes
 
 FIRST_STAGE_KEYS = ("text", "types", "padding_mask")

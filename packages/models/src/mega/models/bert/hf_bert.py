@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mega.core.model_family import HFMapping, TensorMap
-from mega.models.bert_config import BertConfig
+from mega.models.bert.config import BertConfig
 from mega.models.hf_mapping import interleave_qkv, read_field, same, split_qkv
 
 # BertConfig's defaults for the keys read here (config.json may leave them out).

@@ -35,14 +35,14 @@ from mega.core.model_family import ParallelContext, Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.collectives import gather_from_sequence_parallel_region
 from mega.core.parallel.param_attrs import mark_padded_vocab
-from mega.models.attention import SelfAttention
-from mega.models.bert_config import BertConfig
-from mega.models.block import TransformerLayer
+from mega.models.bert.config import BertConfig
+from mega.models.blocks.attention import SelfAttention
+from mega.models.blocks.block import TransformerLayer
+from mega.models.blocks.layer_stack import LayerStack, check_layers
+from mega.models.blocks.mlp import MLP
+from mega.models.blocks.norms import build_norm
+from mega.models.blocks.tied_embedding import stage_embedding, tie_output_layer
 from mega.models.config import ModelConfigError
-from mega.models.layer_stack import LayerStack, check_layers
-from mega.models.mlp import MLP
-from mega.models.norms import build_norm
-from mega.models.tied_embedding import stage_embedding, tie_output_layer
 
 
 def padding_attention_mask(padding_mask: torch.Tensor | None) -> AttentionMask:

@@ -24,11 +24,11 @@ from torch import nn
 
 from mega.core.kernels import CAUSAL, AttentionMask, Kernels
 from mega.core.model_family import ParallelContext
+from mega.models.blocks.kv_cache import LayerKVCache
+from mega.models.blocks.norms import input_linear
+from mega.models.blocks.recompute import is_recomputing_allowed, recomputed
+from mega.models.blocks.rope import RotaryAngles, layer_cos_sin, rotary_cos_sin
 from mega.models.config import TransformerConfig
-from mega.models.kv_cache import LayerKVCache
-from mega.models.norms import input_linear
-from mega.models.recompute import is_recomputing_allowed, recomputed
-from mega.models.rope import RotaryAngles, layer_cos_sin, rotary_cos_sin
 
 
 def head_norm(config: TransformerConfig, kernels: Kernels) -> nn.Module:
@@ -104,9 +104,9 @@ class SelfAttention(nn.Module):
                 inference_cache: LayerKVCache | None = None, mask: AttentionMask = CAUSAL,
                 rotary_angles: RotaryAngles | None = None) -> torch.Tensor:
         """``inference_cache``: this layer's keys and values so far, when generating (see
-        :mod:`mega.models.kv_cache`); the new ones are appended and attended to. ``mask``: which
+        :mod:`mega.models.blocks.kv_cache`); the new ones are appended and attended to. ``mask``: which
         keys each query sees (an encoder's padding mask; causal by default). ``rotary_angles``:
-        RoPE's cos and sin, made once per forward by the model (:mod:`mega.models.rope`); None:
+        RoPE's cos and sin, made once per forward by the model (:mod:`mega.models.blocks.rope`); None:
         made here."""
         qkv = self.linear_qkv(hidden)
         seq, batch, _ = qkv.shape

@@ -1,5 +1,5 @@
 """The decoder-only LMs' pre-norm transformer layer, and their stack of the layers one pipeline
-stage holds (a :class:`~mega.models.layer_stack.LayerStack`)."""
+stage holds (a :class:`~mega.models.blocks.layer_stack.LayerStack`)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from torch import nn
 
 from mega.core.kernels import Kernels
 from mega.core.model_family import ParallelContext
-from mega.models.attention import SelfAttention
+from mega.models.blocks.attention import SelfAttention
+from mega.models.blocks.fusions import bias_dropout_add
+from mega.models.blocks.layer_stack import LayerStack, PreNormLayer
+from mega.models.blocks.mla import MultiLatentAttention
+from mega.models.blocks.mlp import MLP, fused_norm_mlp
+from mega.models.blocks.norms import build_norm, fused_norm_aliases
 from mega.models.config import TransformerConfig
-from mega.models.fusions import bias_dropout_add
-from mega.models.layer_stack import LayerStack, PreNormLayer
-from mega.models.mla import MultiLatentAttention
-from mega.models.mlp import MLP, fused_norm_mlp
 from mega.models.moe.layer import MoELayer
-from mega.models.norms import build_norm, fused_norm_aliases
 
 
 class TransformerLayer(PreNormLayer):
@@ -44,7 +44,7 @@ class TransformerLayer(PreNormLayer):
             self.parameter_aliases = fused_norm_aliases(config, norm_linear=fused, norm_mlp=fused_mlp is not None)
 
     def dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + dropout(x)``, one kernel with --bias-dropout-fusion (mega.models.fusions)."""
+        """``residual + dropout(x)``, one kernel with --bias-dropout-fusion (mega.models.blocks.fusions)."""
         if self.bias_dropout_fusion:
             return bias_dropout_add(x, None, residual, self.hidden_dropout.p, self.training)
         return super().dropout_add(x, residual)

@@ -1,7 +1,7 @@
 """Context parallelism for the decoder-only LMs, applied from outside like tensor parallelism.
 
 The pass :func:`mega.models.parallelize.apply_cp` swaps every layer's
-:class:`~mega.models.attention.CoreAttention` for :class:`ContextParallelAttention`, which
+:class:`~mega.models.blocks.attention.CoreAttention` for :class:`ContextParallelAttention`, which
 attends this rank's chunks of the sequence to the whole sequence's keys across the context
 group (``--cp-comm-type``, see :mod:`mega.core.parallel.context_attention`). Nothing else in the
 model changes: the trainer hands each rank its chunks of the micro-batch with their
@@ -24,7 +24,7 @@ from mega.core.kernels import CAUSAL, AttentionMask
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.context_attention import check_heads, context_parallel_attention
 from mega.core.parallel.document_chunks import chunk_layout
-from mega.models.attention import CoreAttention, sequence_major
+from mega.models.blocks.attention import CoreAttention, sequence_major
 from mega.models.config import ModelConfigError, TransformerConfig
 
 

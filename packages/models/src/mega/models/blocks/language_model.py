@@ -13,7 +13,7 @@ number in ``decoder.layers.N``, so checkpoints of any layout map onto each other
 
 With tied embeddings ``output_layer`` uses the word embedding's parameter itself; a last stage
 that is not also the first holds a copy of it under the same name (see
-:mod:`mega.models.tied_embedding`).
+:mod:`mega.models.blocks.tied_embedding`).
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ from mega.core.parallel.output_layer_loss import (
     rebuildable_input,
 )
 from mega.core.parallel.param_attrs import mark_padded_vocab
-from mega.models import fusions
-from mega.models.block import transformer_block
+from mega.models.blocks import fusions
+from mega.models.blocks.block import transformer_block
+from mega.models.blocks.embedding import Embedding
+from mega.models.blocks.kv_cache import KVCache
+from mega.models.blocks.layer_stack import check_layers
+from mega.models.blocks.mla import mla_cos_sin
+from mega.models.blocks.packed_sequences import document_attention_mask
+from mega.models.blocks.rope import model_rotary_angles, rotary_cos_sin
+from mega.models.blocks.tied_embedding import stage_embedding, tie_output_layer
 from mega.models.config import TransformerConfig
-from mega.models.embedding import Embedding
-from mega.models.kv_cache import KVCache
-from mega.models.layer_stack import check_layers
-from mega.models.mla import mla_cos_sin
-from mega.models.packed_sequences import document_attention_mask
-from mega.models.rope import model_rotary_angles, rotary_cos_sin
-from mega.models.tied_embedding import stage_embedding, tie_output_layer
 
 
 class LanguageModel(nn.Module):
@@ -90,14 +90,14 @@ class LanguageModel(nn.Module):
         does where a zero-bubble schedule defers the output layer's weight gradient to W (the
         hidden after the layer's input collective: the loss's W rebuilds the logits' gradient).
 
-        ``inference_cache`` (generation, :mod:`mega.models.kv_cache`): the inputs continue the
+        ``inference_cache`` (generation, :mod:`mega.models.blocks.kv_cache`): the inputs continue the
         cached positions; ``position_ids`` then default to those that follow the cache.
         ``logits_to_keep``: the last stage computes the logits of the last N positions only
         (generation needs the next token's; the vocabulary projection dominates short models), or,
         given a tensor ``[b]`` of positions, of that one position per row (right-padded prompts
         prefilled together each end at their own position): logits ``[1, b, vocab]``.
         ``mask``: which keys each query sees (causal; packed rows: within each document, from the
-        batch's ``document_ids``, :mod:`mega.models.packed_sequences`).
+        batch's ``document_ids``, :mod:`mega.models.blocks.packed_sequences`).
         """
         if isinstance(inputs, Mapping):
             hidden = inputs["tokens"] if self.pre_process else inputs["hidden"]

@@ -19,9 +19,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from mega.models.blocks.kv_cache import KVCache
+from mega.models.blocks.recompute import is_recomputing_allowed, recomputed
 from mega.models.config import ModelConfigError
-from mega.models.kv_cache import KVCache
-from mega.models.recompute import is_recomputing_allowed, recomputed
 
 
 def check_layers(layers: range, num_layers: int, stack: str | None = None) -> None:
@@ -71,7 +71,7 @@ class LayerStack(nn.Module):
     default stream. Set by the recompute pass (:mod:`mega.models.parallelize`):
 
     * ``recompute_runs``: the layers as consecutive runs ``(start, end, recompute)``
-      (:func:`mega.models.recompute.layer_runs`), and ``recompute_rng_tracker``, whose streams a
+      (:func:`mega.models.blocks.recompute.layer_runs`), and ``recompute_rng_tracker``, whose streams a
       recomputed run replays.
     """
 

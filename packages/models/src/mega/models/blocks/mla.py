@@ -41,10 +41,10 @@ from mega.core.parallel.collectives import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
 )
-from mega.models.attention import CoreAttention
-from mega.models.kv_cache import LayerKVCache
-from mega.models.recompute import is_recomputing_allowed, recomputed
-from mega.models.rope import RotaryAngles, layer_cos_sin
+from mega.models.blocks.attention import CoreAttention
+from mega.models.blocks.kv_cache import LayerKVCache
+from mega.models.blocks.recompute import is_recomputing_allowed, recomputed
+from mega.models.blocks.rope import RotaryAngles, layer_cos_sin
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -129,7 +129,7 @@ class MultiLatentAttention(nn.Module):
                 inference_cache: LayerKVCache | None = None, mask: AttentionMask = CAUSAL,
                 rotary_angles: RotaryAngles | None = None) -> torch.Tensor:
         """``rotary_angles``: :func:`mla_cos_sin` of the whole forward, made once by the model
-        (:mod:`mega.models.rope`); None: made here."""
+        (:mod:`mega.models.blocks.rope`); None: made here."""
         config = self.config
         nope, rope, rank = config.qk_head_dim, config.qk_pos_emb_head_dim, config.kv_lora_rank
         if config.q_lora_rank is None:

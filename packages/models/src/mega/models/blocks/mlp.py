@@ -19,9 +19,9 @@ from torch import nn
 from mega.core.kernels import Kernels
 from mega.core.parallel.grad_accumulation_fusion import Linear as FusionAwareLinear
 from mega.core.parallel.layers import ColumnParallelLinear
-from mega.models import fusions
+from mega.models.blocks import fusions
+from mega.models.blocks.norms import input_linear
 from mega.models.config import TransformerConfig
-from mega.models.norms import input_linear
 
 
 def activation_name(config: TransformerConfig) -> str:
@@ -62,7 +62,7 @@ LINEARS_LEAVING_THEIR_BIAS = (FusionAwareLinear, ColumnParallelLinear)
 
 def fused_bias_activation(config: TransformerConfig, kernels: Kernels):
     """fc1's bias and the torch activation in one function (--bias-gelu-fusion,
-    --bias-swiglu-fusion, :mod:`mega.models.fusions`); None where unfused."""
+    --bias-swiglu-fusion, :mod:`mega.models.blocks.fusions`); None where unfused."""
     if not config.add_bias_linear or kernels.selection.get("activation") != "torch":
         return None
     name = activation_name(config)

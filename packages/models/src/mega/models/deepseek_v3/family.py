@@ -1,10 +1,10 @@
-"""The ``deepseek-v3`` family: multi-latent attention (:mod:`mega.models.mla`) with YaRN RoPE,
+"""The ``deepseek-v3`` family: multi-latent attention (:mod:`mega.models.blocks.mla`) with YaRN RoPE,
 the first layers dense and the rest mixtures of experts with shared experts, sigmoid routing
 over expert groups, aux-loss-free balancing (an expert bias moved after every step,
-:mod:`mega.models.moe.expert_bias`) and multi-token prediction (:mod:`mega.models.mtp`).
+:mod:`mega.models.moe.expert_bias`) and multi-token prediction (:mod:`mega.models.deepseek_v3.mtp`).
 
 Parameter names are megatron-core's (``MLASelfAttention``, ``SharedExpertMLP``, ``TopKRouter``,
-``MultiTokenPredictionBlock``), beside the dense and MoE ones of :mod:`mega.models.moe_model`:
+``MultiTokenPredictionBlock``), beside the dense and MoE ones of :mod:`mega.models.mixtral.model`:
 
     decoder.layers.N.self_attention.linear_q_down_proj.weight    [q_lora_rank, h]
     decoder.layers.N.self_attention.q_layernorm.weight           [q_lora_rank]
@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from mega.core.model_family import ModelFamily, Stage
 from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
-from mega.models.deepseek_config import DeepSeekV3Config
-from mega.models.deepseek_model import build_deepseek_model, deepseek_loss, deepseek_stages
-from mega.models.hf_deepseek_v3 import DEEPSEEK_V3
+from mega.models.deepseek_v3.config import DeepSeekV3Config
+from mega.models.deepseek_v3.hf_deepseek_v3 import DEEPSEEK_V3
+from mega.models.deepseek_v3.model import build_deepseek_model, deepseek_loss, deepseek_stages
 from mega.models.initialization import init_parameter
-from mega.models.moe_memory import moe_stage_footprint
-from mega.models.moe_model import EXPERT_PARALLEL_PASS, moe_boundary
+from mega.models.mixtral.memory import moe_stage_footprint
+from mega.models.mixtral.model import EXPERT_PARALLEL_PASS, moe_boundary
 from mega.models.parallel_plan import tensor_parallel_plan
 from mega.models.parallelize import transformer_passes
 
@@ -83,7 +83,7 @@ def deepseek_init_parameter(config: DeepSeekV3Config, name: str):
 def deepseek_tensor_parallel_plan(config: DeepSeekV3Config, stage: Stage) -> dict[str, PlanStyle]:
     """The dense plan without QKV and the MLP's layers, then layer by layer: MLA's up projections
     column-parallel (whole heads), the dense layers' and shared experts' MLPs as dense MLPs.
-    Routed experts are split by :func:`mega.models.moe_model.shard_experts`."""
+    Routed experts are split by :func:`mega.models.mixtral.model.shard_experts`."""
     plan = tensor_parallel_plan(config, stage)
     for name in ("decoder.layers.*.self_attention.linear_qkv", "decoder.layers.*.mlp.linear_fc1",
                  "decoder.layers.*.mlp.linear_fc2"):

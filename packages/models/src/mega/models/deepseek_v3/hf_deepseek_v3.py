@@ -27,11 +27,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from mega.core.model_family import TensorMap
-from mega.models.deepseek_config import DeepSeekV3Config
-from mega.models.hf_llama import _fuse_gate_up, _rope, _split_gate_up
+from mega.models.deepseek_v3.config import DeepSeekV3Config
 from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless, same
-from mega.models.hf_qwen3_moe import routed_expert_maps
+from mega.models.llama.hf_llama import _fuse_gate_up, _rope, _split_gate_up
 from mega.models.moe.config import moe_layer_pattern
+from mega.models.qwen3_moe.hf_qwen3_moe import routed_expert_maps
 
 DEFAULTS = {
     "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,

@@ -1,5 +1,5 @@
-"""The ``deepseek-v3`` stage module: the MoE decoder (:class:`~mega.models.moe_model.MoELanguageModel`)
-with multi-token prediction on the last stage (:mod:`mega.models.mtp`), and its loss.
+"""The ``deepseek-v3`` stage module: the MoE decoder (:class:`~mega.models.mixtral.model.MoELanguageModel`)
+with multi-token prediction on the last stage (:mod:`mega.models.deepseek_v3.mtp`), and its loss.
 
 In a pipeline the last stage reads the tokens too (the MTP modules embed them shifted), and
 when it is not the first it holds a copy of the word embedding tied across the stages (its
@@ -19,12 +19,12 @@ from mega.core.kernels import CAUSAL, Kernels
 from mega.core.model_family import LossContext, ParallelContext, Stage, stack_stages
 from mega.core.parallel import ParallelConfig
 from mega.core.pipeline.tied import tie_across_stages
-from mega.models.deepseek_config import DeepSeekV3Config
-from mega.models.embedding import Embedding
-from mega.models.language_model import per_token_cross_entropy
+from mega.models.blocks.embedding import Embedding
+from mega.models.blocks.language_model import per_token_cross_entropy
+from mega.models.deepseek_v3.config import DeepSeekV3Config
+from mega.models.deepseek_v3.mtp import MultiTokenPrediction, mtp_losses, shift_left
+from mega.models.mixtral.model import MOE_STATS, MoELanguageModel, moe_loss
 from mega.models.moe.layer import MoELayer
-from mega.models.moe_model import MOE_STATS, MoELanguageModel, moe_loss
-from mega.models.mtp import MultiTokenPrediction, mtp_losses, shift_left
 
 
 class DeepSeekModel(MoELanguageModel):
@@ -77,7 +77,7 @@ def deepseek_stages(config: DeepSeekV3Config, pp: int, vpp: int = 1) -> list[Sta
 
 def deepseek_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor],
                   context: LossContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`~mega.models.moe_model.moe_loss` plus ``--mtp-loss-scaling-factor`` times the mean of
+    """:func:`~mega.models.mixtral.model.moe_loss` plus ``--mtp-loss-scaling-factor`` times the mean of
     the MTP modules' losses, each logged as ``mtp_N loss``."""
     loss, metrics = moe_loss(outputs, batch, context)
     if "mtp_logits" not in outputs:

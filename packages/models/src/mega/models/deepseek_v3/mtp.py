@@ -24,8 +24,8 @@ from torch import nn
 
 from mega.core.kernels import Kernels
 from mega.core.model_family import ParallelContext
-from mega.models.block import TransformerLayer
-from mega.models.norms import build_norm
+from mega.models.blocks.block import TransformerLayer
+from mega.models.blocks.norms import build_norm
 
 
 def shift_left(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mega.models.config import TransformerConfig
 from mega.models.family import transformer_family
-from mega.models.hf_gpt2 import GPT2
+from mega.models.gpt.hf_gpt2 import GPT2
 
 
 def gpt_config(num_layers: int, hidden_size: int, num_attention_heads: int, **overrides) -> TransformerConfig:

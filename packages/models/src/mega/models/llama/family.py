@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mega.models.config import TransformerConfig
 from mega.models.family import transformer_family
-from mega.models.hf_llama import LLAMA
+from mega.models.llama.hf_llama import LLAMA
 
 
 def llama_config(num_layers: int, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,

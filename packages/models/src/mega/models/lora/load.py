@@ -1,9 +1,9 @@
 """A LoRA run's adapters merged into a built model at load: ``mega generate/serve/eval --adapter DIR``.
 
 The model is built and its base weights loaded as usual (at any tensor-parallel size); then the
-adapter checkpoint's layers are wrapped by :func:`~mega.models.lora.apply_lora` (so A and B are
+adapter checkpoint's layers are wrapped by :func:`~mega.models.lora.adapters.apply_lora` (so A and B are
 split as their layers are), only the adapter tensors are read from the checkpoint (each rank its
-pieces), and :func:`~mega.models.lora.merge_lora` folds them in: what is served is the plain model
+pieces), and :func:`~mega.models.lora.adapters.merge_lora` folds them in: what is served is the plain model
 ``mega lora merge`` would have written, with no adapter left in the forward pass.
 
 The adapters' shape says the LoRA settings (rank from A's rows, the targets from the layer names,
@@ -21,7 +21,7 @@ from mega.core.checkpoint import CheckpointError, checkpoint_and_metadata
 from mega.core.checkpoint.sharded_io import load_entries, read_index
 from mega.core.checkpoint.state import BUFFER, MODEL, Entries, model_entries
 from mega.core.checkpoint.validate import check_entries
-from mega.models.lora import TARGETS, LoRAAdapter, LoRAError, LoRASettings, apply_lora, merge_lora
+from mega.models.lora.adapters import TARGETS, LoRAAdapter, LoRAError, LoRASettings, apply_lora, merge_lora
 
 ADAPTER = ".adapter."
 LINEAR_IN = ".adapter.linear_in.weight"

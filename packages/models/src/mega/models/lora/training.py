@@ -2,7 +2,7 @@
 
 The flags are this package's plugin options (``run_config.plugins["models"]``): ``--lora-rank``
 (0: no LoRA), ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``. The setup pass
-(phase ``ADAPTERS``, :mod:`mega.core.setup_passes`) runs :func:`mega.models.lora.apply_lora` on
+(phase ``ADAPTERS``, :mod:`mega.core.setup_passes`) runs :func:`mega.models.lora.adapters.apply_lora` on
 each chunk after the parallel layout and before FP8, compile, data parallelism and the optimizer
 see it, so only the adapters are trained, reduced and kept in the optimizer.
 The adapters are marked ``checkpoint_optional``: ``--load`` of a base model starts fresh adapters on
@@ -38,7 +38,7 @@ class LoRAOptions:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         if self.lora_rank:
             # start-up cost: the plugin's options load at discovery; the adapters' code when a run uses them
-            from mega.models.lora import LoRAError, lora_targets
+            from mega.models.lora.adapters import LoRAError, lora_targets
 
             try:
                 lora_targets(self.lora_target_modules)
@@ -47,17 +47,17 @@ class LoRAOptions:
 
     def settings(self):
         # start-up cost, as above
-        from mega.models.lora import LoRASettings, lora_targets
+        from mega.models.lora.adapters import LoRASettings, lora_targets
 
         return LoRASettings(self.lora_rank, self.lora_alpha, self.lora_dropout, lora_targets(self.lora_target_modules))
 
 
 def lora_setup_pass(settings, seed: int) -> SetupPass:
-    """:func:`~mega.models.lora.apply_lora` of ``settings`` (a ``LoRASettings``) on every chunk."""
+    """:func:`~mega.models.lora.adapters.apply_lora` of ``settings`` (a ``LoRASettings``) on every chunk."""
 
     def adapt(stage, setup: ModelSetup) -> None:
         # start-up cost, as above
-        from mega.models.lora import LoRAError, apply_lora
+        from mega.models.lora.adapters import LoRAError, apply_lora
 
         try:
             apply_lora(stage, settings, seed)

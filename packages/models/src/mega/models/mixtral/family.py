@@ -1,5 +1,5 @@
 """The ``mixtral`` family: LLaMA's attention, norms and RoPE with a mixture of SwiGLU experts as
-every layer's MLP (see :mod:`mega.models.moe`; parameter names in :mod:`mega.models.moe_model`).
+every layer's MLP (see :mod:`mega.models.moe`; parameter names in :mod:`mega.models.mixtral.model`).
 
 Presets are the released models' Hugging Face configs: Mixtral-8x7B (v0.1: 32 layers, hidden
 4096, 8 experts of 14336, top-2, 8 key/value heads, 32000-token vocabulary, RoPE theta 10^6) and
@@ -10,11 +10,10 @@ Mixtral-8x22B (v0.1: 56 layers, hidden 6144, 8 experts of 16384, 48 heads, 32768
 from __future__ import annotations
 
 from mega.core.model_family import ModelFamily
-from mega.models.hf_mixtral import MIXTRAL
 from mega.models.initialization import init_parameter
-from mega.models.moe.config import MoETransformerConfig
-from mega.models.moe_memory import moe_stage_footprint
-from mega.models.moe_model import (
+from mega.models.mixtral.hf_mixtral import MIXTRAL
+from mega.models.mixtral.memory import moe_stage_footprint
+from mega.models.mixtral.model import (
     MOE_PASSES,
     build_moe_model,
     moe_boundary,
@@ -23,6 +22,7 @@ from mega.models.moe_model import (
     num_moe_floating_point_operations,
     num_moe_parameters,
 )
+from mega.models.moe.config import MoETransformerConfig
 
 
 def mixtral_config(num_layers: int, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,

@@ -1,6 +1,6 @@
 """The ``mixtral`` family as Hugging Face's ``MixtralForCausalLM``: config.json and weights, both ways.
 
-Attention, norms and embeddings are LLaMA's (:mod:`mega.models.hf_llama`). The checkpoint files
+Attention, norms and embeddings are LLaMA's (:mod:`mega.models.llama.hf_llama`). The checkpoint files
 hold each expert's projections on their own (transformers 5 fuses them in memory only):
 
     model.layers.N.block_sparse_moe.gate.weight            -> decoder.layers.N.mlp.router.weight
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from mega.core.model_family import TensorMap
-from mega.models.hf_llama import llama_config, llama_hf_config, llama_tensor_maps
 from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless, same
+from mega.models.llama.hf_llama import llama_config, llama_hf_config, llama_tensor_maps
 from mega.models.moe.config import MoETransformerConfig
 
 # MixtralConfig's defaults for the keys read here beyond LLaMA's.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mega.models.config import TransformerConfig
 from mega.models.family import transformer_family
-from mega.models.hf_qwen3 import QWEN3
+from mega.models.qwen3.hf_qwen3 import QWEN3
 
 
 def qwen3_config(num_layers: int, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,

@@ -1,6 +1,6 @@
 """The ``qwen3`` family as Hugging Face's ``Qwen3ForCausalLM``: config.json and weights, both ways.
 
-Qwen3 is LLaMA (:mod:`mega.models.hf_llama`: separate q/k/v projections interleaved per query
+Qwen3 is LLaMA (:mod:`mega.models.llama.hf_llama`: separate q/k/v projections interleaved per query
 group in mega, SwiGLU's ``[gate; up]``, rotate-half RoPE) with QK-norm: an RMSNorm over each
 query and key head's channels before RoPE, one weight per side for all heads:
 
@@ -20,8 +20,8 @@ from typing import Any
 
 from mega.core.model_family import TensorMap
 from mega.models.config import TransformerConfig
-from mega.models.hf_llama import llama_config, llama_hf_config, llama_tensor_maps
 from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless, same
+from mega.models.llama.hf_llama import llama_config, llama_hf_config, llama_tensor_maps
 
 # Qwen3Config's defaults for the keys read here (config.json may leave them out).
 DEFAULTS = {

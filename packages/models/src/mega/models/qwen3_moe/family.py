@@ -1,6 +1,6 @@
 """The ``qwen3-moe`` family: Qwen3's attention (QK-norm, grouped-query, head size 128) with a
 routed mixture of SwiGLU experts as every layer's MLP: softmax over the experts, top-k,
-renormalised, no shared expert (the ``mixtral`` stage module, :mod:`mega.models.moe_model`).
+renormalised, no shared expert (the ``mixtral`` stage module, :mod:`mega.models.mixtral.model`).
 
 Presets are the released models' Hugging Face configs: Qwen3-30B-A3B (48 layers, hidden 2048,
 128 experts of 768, top-8, 32 heads over 4 key/value heads) and Qwen3-235B-A22B (94 layers,
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from mega.models.hf_qwen3_moe import QWEN3_MOE
-from mega.models.mixtral import FAMILY as MIXTRAL
+from mega.models.mixtral.family import FAMILY as MIXTRAL
 from mega.models.moe.config import MoETransformerConfig
+from mega.models.qwen3_moe.hf_qwen3_moe import QWEN3_MOE
 
 
 def qwen3_moe_config(num_layers: int, hidden_size: int, moe_ffn_hidden_size: int, num_attention_heads: int,

@@ -1,6 +1,6 @@
 """The ``qwen3-moe`` family as Hugging Face's ``Qwen3MoeForCausalLM``: config.json and weights, both ways.
 
-Attention, norms and embeddings are Qwen3's (:mod:`mega.models.hf_qwen3`: LLaMA's with QK-norm).
+Attention, norms and embeddings are Qwen3's (:mod:`mega.models.qwen3.hf_qwen3`: LLaMA's with QK-norm).
 Every layer's MLP is a mixture of SwiGLU experts; the checkpoint files hold each expert's
 projections on their own (transformers 5 fuses them in memory only):
 
@@ -22,11 +22,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from mega.core.model_family import TensorMap
-from mega.models.hf_llama import llama_tensor_maps
 from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless
-from mega.models.hf_mixtral import expert_maps, plain_routing_differences, with_expert_maps
-from mega.models.hf_qwen3 import check_qwen3_attention, qwen3_config, qwen3_hf_config, with_qk_norms
+from mega.models.llama.hf_llama import llama_tensor_maps
+from mega.models.mixtral.hf_mixtral import expert_maps, plain_routing_differences, with_expert_maps
 from mega.models.moe.config import MoETransformerConfig
+from mega.models.qwen3.hf_qwen3 import check_qwen3_attention, qwen3_config, qwen3_hf_config, with_qk_norms
 
 # Qwen3MoeConfig's defaults for the keys read here.
 DEFAULTS = {

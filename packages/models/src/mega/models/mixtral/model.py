@@ -1,6 +1,6 @@
 """The ``mixtral`` stage module, its parallelization, loss, size and FLOPs.
 
-Parameter names are Megatron-Core's, the dense ones as in :mod:`mega.models.language_model`; the
+Parameter names are Megatron-Core's, the dense ones as in :mod:`mega.models.blocks.language_model`; the
 MLP of every layer is a mixture of experts:
 
     decoder.layers.N.mlp.router.weight                 [experts, hidden]
@@ -37,10 +37,10 @@ from mega.core.model_family import LossContext, ParallelContext, Stage, TensorSp
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.param_attrs import mark_expert_shard, mark_expert_tensor_shard, mark_tensor_parallel
 from mega.core.setup_passes import ModelSetup, Phase, per_chunk
+from mega.models.blocks.language_model import LanguageModel
 from mega.models.config import ModelConfigError
 from mega.models.family import language_model_loss
 from mega.models.flops import num_floating_point_operations as dense_flops
-from mega.models.language_model import LanguageModel
 from mega.models.moe.config import MoETransformerConfig
 from mega.models.moe.layer import STATS, MoELayer
 from mega.models.parallel_plan import tensor_parallel_plan

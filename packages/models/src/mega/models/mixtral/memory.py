@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from mega.core.footprint import StageFootprint
 from mega.core.parallel import ParallelConfig
+from mega.models.blocks.recompute import layer_runs
 from mega.models.memory import (
     FP32,
     INT64,
@@ -39,7 +40,6 @@ from mega.models.memory import (
     stage_footprint,
     stage_parameters,
 )
-from mega.models.recompute import layer_runs
 
 
 def _routed_parameters(config, parallel: ParallelConfig) -> int:

@@ -13,6 +13,7 @@ import torch
 from mega.core.checkpoint import CheckpointError
 from mega.core.parallel import Group, ParallelConfig, ParallelGroups
 from mega.core.process_group import init_distributed
+from mega.inference.cli.load_arguments import compile_backend
 from mega.inference.engine import GenerationEngine, GenerationError
 from mega.inference.engine.continuous import ContinuousBatchingWorker
 from mega.inference.engine.encoder_decoder import (
@@ -23,7 +24,6 @@ from mega.inference.engine.encoder_decoder import (
 from mega.inference.engine.slot_kv_cache import static_kv_cache_wanted
 from mega.inference.engine.tp_serving import lead, receive
 from mega.inference.engine.worker import EngineWorker
-from mega.inference.load_arguments import compile_backend
 from mega.inference.loader import LoadedModel, LoadError, load_from_args
 
 
