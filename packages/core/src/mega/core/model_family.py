@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mega.core.config import ConfigError
 from mega.core.parallel.config import ParallelConfig
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.core.pipeline.partition import split_layers
@@ -326,3 +327,14 @@ class ModelFamily:
     def whole_model(self, config: Any) -> Stage:
         """The one stage that holds the whole model (one process, inference, conversion)."""
         return self.pipeline_stages(config, 1, 1)[0]
+
+
+def check_features(family: ModelFamily, asked: Mapping[str, tuple[str, str]], families) -> None:
+    """Fail, naming the flag, when a flag asks for a feature ``family`` lacks; ``asked`` maps each
+    set flag to (feature, what it needs in words), as its own section says (e.g.
+    ``ParallelConfig.features_asked``); ``families`` (the models registry) names the ones that have it."""
+    for flag, (feature, needs) in asked.items():
+        if feature not in family.features:
+            offering = [name for name in families.names() if feature in families.get(name).features]
+            where = f"families that have it: {', '.join(offering)}" if offering else "none is installed"
+            raise ConfigError(f"{flag} {needs}; {family.name!r} is not one ({where})")

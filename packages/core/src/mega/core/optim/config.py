@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from mega.core.config import ConfigError
 from mega.core.config.options import option
 
 
@@ -35,3 +36,15 @@ class OptimizerConfig:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
         if self.lr_warmup_iters < 0:
             raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+
+    def check_available(self, plugins) -> None:
+        """--optimizer is registered and usable here (one that needs a library or a GPU says so, like a
+        kernel backend, before any work)."""
+        if self.optimizer not in plugins.optimizers:
+            raise ConfigError(f"--optimizer {self.optimizer!r} is not registered; optimizers: "
+                              f"{', '.join(plugins.optimizers.names())}")
+        usable, missing = getattr(plugins.optimizers.get(self.optimizer), "is_available", lambda: (True, ""))()
+        if not usable:
+            raise ConfigError(f"--optimizer {self.optimizer} is not available: {missing}")
+        if self.cpu_optimizer:
+            raise ConfigError("--cpu-optimizer: optimizer offloading is not available in this version")
