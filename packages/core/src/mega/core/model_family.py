@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mega.core.config import ConfigError
+from mega.core.config.parser import known_flags
 from mega.core.parallel.config import ParallelConfig
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.core.pipeline.partition import split_layers
@@ -338,3 +339,21 @@ def check_features(family: ModelFamily, asked: Mapping[str, tuple[str, str]], fa
             offering = [name for name in families.names() if feature in families.get(name).features]
             where = f"families that have it: {', '.join(offering)}" if offering else "none is installed"
             raise ConfigError(f"{flag} {needs}; {family.name!r} is not one ({where})")
+
+
+# The features a flag may ask of a family (ModelFamily.features), in words: (what it is, who has it).
+FEATURES = {"moe": ("mixture of experts", "an MoE model family"),
+            "context_parallel": ("context parallelism", "a model family with context parallelism")}
+
+
+def check_flag_of_other_families(flag: str, family: ModelFamily, families) -> None:
+    """A flag ``family``'s config does not declare but the configs of families with a feature it
+    lacks do (``--num-experts`` on gpt: the MoE flags are the MoE families' own) fails naming that
+    feature, not as an unknown flag. ``families``: the models registry (each family is loaded)."""
+    owners = [other for other in map(families.get, families.names())
+              if flag in known_flags({"model": other.config_class})]
+    missing = sorted(frozenset.intersection(*(other.features for other in owners)) - family.features) if owners else []
+    if missing:
+        what, who = FEATURES.get(missing[0], (missing[0], f"a model family with {missing[0]}"))
+        raise ConfigError(f"{flag} ({what}) needs {who}; {family.name!r} is not one "
+                          f"(families that have it: {', '.join(other.name for other in owners)})")

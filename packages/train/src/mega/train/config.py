@@ -272,17 +272,3 @@ class KernelConfig:
         if self.compile and getattr(model, "recompute_granularity", None) == "selective":
             raise ConfigError("--compile with --recompute-granularity selective (or --recompute-activations): dynamo "
                               "cannot trace the recompute's RNG-tracker context; use full recompute or none")
-
-
-@dataclass
-class MoEConfig:
-    num_experts: int | None = option(None, "experts per MoE layer")
-    moe_router_topk: int = option(2, "experts each token is routed to")
-    moe_router_load_balancing_type: Literal["aux_loss", "none"] = option("aux_loss", "load balancing")
-    moe_aux_loss_coeff: float = option(0.0, "auxiliary load-balancing loss weight")
-    moe_grouped_gemm: bool = option(False, "grouped GEMM for experts")
-    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = option("allgather", "token dispatcher")
-
-    def features_asked(self) -> dict[str, tuple[str, str]]:
-        """--num-experts needs an MoE family (see ParallelConfig.features_asked)."""
-        return {"--num-experts": ("moe", "(mixture of experts) needs an MoE model family")} if self.num_experts else {}

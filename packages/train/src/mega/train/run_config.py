@@ -26,7 +26,6 @@ from mega.train.config import (
     DataConfig,
     KernelConfig,
     LoggingConfig,
-    MoEConfig,
     OptimizerConfig,
     PrecisionConfig,
     TrainingConfig,
@@ -42,15 +41,14 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
-    "moe": MoEConfig,
     "kernels": KernelConfig,
 }
 
 
 def run_sections(model_config_class: type) -> dict[str, type]:
     """The model section then the others; a section whose every field the model's config declares
-    itself (an MoE family's config holds --num-experts and the --moe-* flags) is left to the model,
-    so each flag is declared once."""
+    itself is left to the model, so each flag is declared once. (The MoE flags, --num-experts and
+    --moe-*, are the MoE families' own: see mega.core.model_family.check_flag_of_other_families.)"""
     model_fields = {field.name for field in dataclasses.fields(model_config_class)}
     return {"model": model_config_class,
             **{name: cls for name, cls in SECTIONS.items()
@@ -69,7 +67,6 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
-    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
     # The options plugins declare, by plugin name: run_config.plugins["loss_csv"] (see
     # mega.core.plugins.options); empty where the run was not parsed from flags or TOML.
@@ -202,7 +199,7 @@ def check_supported(run: RunConfig, family=None, plugins=None) -> None:
     if plugins is None:
         plugins = get_plugins()
     family = family or plugins.models.get(run.training.model_family)
-    check_features(family, {**run.moe.features_asked(), **run.parallel.features_asked()}, plugins.models)
+    check_features(family, run.parallel.features_asked(), plugins.models)
     run.kernels.check(run.parallel.tp, plugins, requested_by=run.precision.kernel_request())
     run.precision.check_kernel_features(run.kernels.kernels, plugins)
     run.optimizer.check_available(plugins)
