@@ -233,7 +233,7 @@ def test_mega_train_loads_a_megatron_directory(made, capsys):
     root, _ = made
     flags = ["--mock-data", "--model-family", "llama", "--num-layers", "4", "--hidden-size", "64",
              "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "96", "--swiglu",
-             "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+             "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--rotary-base", "10000", "--disable-bias-linear",
              "--untie-embeddings-and-output-weights", "--seq-length", "32", "--max-position-embeddings", "32",
              "--vocab-size", str(ref.VOCAB), "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
              "--train-iters", "1", "--eval-iters", "0", "--load", str(root / "llama-tp2")]
@@ -294,7 +294,7 @@ def _resumed_state_exports(world, imported: Path, names: list[str], tmp_path: Pa
     assert train_main([
         "--mock-data", "--model-family", "llama", "--num-layers", str(m["num_layers"]), "--hidden-size", "64",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "96", "--swiglu",
-        "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+        "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--rotary-base", "10000", "--disable-bias-linear",
         "--untie-embeddings-and-output-weights", "--seq-length", "32", "--max-position-embeddings", "32",
         "--vocab-size", str(ref.VOCAB), "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
         "--train-iters", "10", "--eval-iters", "0", "--load", str(imported), "--save", str(tmp_path / "resumed")]) == 0

@@ -169,6 +169,13 @@ def sft_datasets(request):
                                                                "SFTDataset_indices"))
 
     def make(source, prefix, documents, size, name, cache):
+        if not len(documents) and name != "train" and len(request.data_path) == 1:
+            # Fine-tuning files are small: --split's default leaves a few conversations no test
+            # split (mega train evaluates none) or no validation split, which matters only when
+            # the run evaluates it.
+            if name == "valid" and size:
+                raise ValueError(empty_split_message(name, prefix, len(source.sequence_lengths), request.split))
+            return None
         return SFTDataset(source, prefix, documents, size, name, config, cache)
 
     size = request.vocab_size or (tokenizer.vocab_size if tokenizer is not None else 0)
@@ -177,3 +184,12 @@ def sft_datasets(request):
     builder = SplitBuilder(make, lambda source: len(source.sequence_lengths), MID_LEVEL_SURPLUS, cache_for_prefix,
                            vocabulary)
     return TrainingData(*build_split_datasets(builder, request.data_path, request.num_samples, request.split))
+
+
+def empty_split_message(name: str, prefix: str, documents: int, split: str) -> str:
+    """Why the ``name`` split that an evaluation reads is empty, and a ``--split`` that fills it."""
+    held_out = max(1, -(-documents // 20))  # 5%, at least one conversation
+    works = f"--split {documents - held_out},{held_out},0" if documents > held_out else "a file with more conversations"
+    return (f"the {name} split of {prefix} has no conversations: the file has {documents} and --split {split} gives "
+            f"the {name} split none of them, but the run evaluates it (--eval-iters); give {works} "
+            f"({held_out} conversation(s) to validate on), or --eval-iters 0")

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from mega.core.config.options import option
+from mega.core.config.options import option, switch
 
 # The MLP activations: what the torch kernel backend (and so every --activation-backend) offers
 # for an ungated MLP, and SwiGLU (gated: fc1 holds [gate; up], as --swiglu).
@@ -65,16 +65,18 @@ class TransformerConfig:
     rope_scaling_factor: float = option(8.0, "LLaMA-3.1 RoPE scaling factor")
     normalization: Literal["LayerNorm", "RMSNorm"] = option("LayerNorm", "LayerNorm or RMSNorm")
     layernorm_epsilon: float = option(1e-5, "norm epsilon", flag="--norm-epsilon")
-    swiglu: bool = option(False, "SwiGLU MLP instead of GELU")
+    swiglu: bool = option(False, "SwiGLU MLP instead of GELU", action=switch("--no-swiglu"))
     openai_gelu: bool = option(False, "GELU with the tanh approximation (GPT-2's gelu_new)")
     squared_relu: bool = option(False, "squared ReLU MLP activation, relu(x)^2")
     activation: str | None = option(None, "MLP activation; default gelu, or what --swiglu / --squared-relu / "
                                     "--openai-gelu (gelu_tanh) say", choices=MLP_ACTIVATIONS)
-    add_bias_linear: bool = option(True, "no biases in linear layers", flag="--disable-bias-linear")
+    add_bias_linear: bool = option(True, "no biases in linear layers", flag="--disable-bias-linear",
+                                   action=switch("--add-bias-linear"))
     add_qkv_bias: bool = option(False, "bias in the QKV projection even without other linear biases")
     qk_layernorm: bool = option(False, "normalise each query and key head (over its kv-channels, with --normalization) "
-                                "before RoPE: QK-norm (Qwen3)")
-    untie_embeddings_and_output_weights: bool = option(False, "separate output layer weights")
+                                "before RoPE: QK-norm (Qwen3)", action=switch("--no-qk-layernorm"))
+    untie_embeddings_and_output_weights: bool = option(False, "separate output layer weights",
+                                                       action=switch("--tie-embeddings-and-output-weights"))
     softmax_scale: float | None = option(None, "attention softmax scale; default 1/sqrt(kv_channels)")
 
     # Initialisation and regularisation.

@@ -68,10 +68,10 @@ def transformer_layers(model: LanguageModel) -> list[nn.Module]:
 
 
 def transformer_family(name: str, presets: Mapping[str, TransformerConfig], description: str,
-                       hf_mapping: HFMapping | None = None) -> ModelFamily:
+                       hf_mapping: HFMapping | None = None, config_class: type = TransformerConfig) -> ModelFamily:
     return ModelFamily(
         name=name,
-        config_class=TransformerConfig,
+        config_class=config_class,
         presets=presets,
         build=build_language_model,
         init_parameter=init_parameter,

@@ -13,28 +13,19 @@ it); every preset gets the same values; build, plans, loss and checkpoints are t
 from __future__ import annotations
 
 import dataclasses
-import typing
 from typing import Any
 
 from mega.core.config.parser import chosen_values
+from mega.models.family_defaults import with_defaults
 
 
 def variant(family, name: str, description: str = "", **config_defaults: Any):
     """``family`` (a :class:`mega.core.model_family.ModelFamily`) named ``name``, its config
     fields defaulting to ``config_defaults`` (each a field of ``family.config_class``)."""
-    base = family.config_class
-    fields = {field.name: field for field in dataclasses.fields(base) if field.init}
-    unknown = sorted(set(config_defaults) - set(fields))
-    if unknown:
-        raise TypeError(f"variant {name!r}: {base.__name__} has no field {', '.join(unknown)}")
-    hints = typing.get_type_hints(base)
-    config_class = dataclasses.make_dataclass(
-        "".join(part.capitalize() for part in name.replace("_", "-").split("-")) + "Config",
-        [(key, hints[key], dataclasses.field(default=value, metadata=fields[key].metadata))
-         for key, value in config_defaults.items()],
-        bases=(base,), frozen=base.__dataclass_params__.frozen,
-    )
-    config_class.__doc__ = f"{base.__name__} with {config_defaults} by default (the {name!r} family)."
+    class_name = "".join(part.capitalize() for part in name.replace("_", "-").split("-")) + "Config"
+    config_class = with_defaults(family.config_class, class_name,
+                                 f"{family.config_class.__name__} with {config_defaults} by default (the {name!r} family).",
+                                 **config_defaults)
     # Presets keep what they chose; what they only derived is derived again under the new defaults.
     presets = {preset: config_class(**{**chosen_values(config), **config_defaults})
                for preset, config in family.presets.items()}

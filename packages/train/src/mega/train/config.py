@@ -22,7 +22,7 @@ from mega.core.plugins import PluginError
 
 @dataclass
 class TrainingConfig:
-    model_family: str = option("gpt", "registered model family (see `mega plugins`)")
+    model_family: str = option("gpt", "registered model family (see `mega plugins`); with --load, the checkpoint's")
     model_preset: str | None = option(None, "start from a preset of the family (e.g. tiny, 1.3b, llama3-8b); flags override it, and the sizes it derives (kv channels, ffn, query groups) follow the flags")
     micro_batch_size: int = option(1, "samples per micro-batch on each data-parallel rank")
     global_batch_size: int | None = option(
@@ -216,7 +216,8 @@ class LoggingConfig:
     wandb_project: str | None = option(None, "log the run to this Weights & Biases project (needs wandb; "
                                        "WANDB_MODE=offline writes it locally)")
     wandb_exp_name: str | None = option(None, "the W&B run's name")
-    wandb_save_dir: str | None = option(None, "where W&B writes its files (default: --save/wandb, else ./wandb)")
+    wandb_save_dir: str | None = option(None, "W&B's directory: its files go to DIR/wandb, as wandb.init(dir=DIR) "
+                                        "puts them (default: --save, so --save/wandb; else ./wandb)")
     log_straggler: bool = option(False, "every --log-interval, name the ranks whose step is slowest, with their "
                                  "ratio to the median")
     straggler_minmax_count: int = option(1, "how many of the slowest (and fastest) ranks --log-straggler names")

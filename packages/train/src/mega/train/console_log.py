@@ -9,7 +9,9 @@ from __future__ import annotations
 import sys
 import time
 
+from mega.core.checkpoint.layout_text import layout_text
 from mega.core.plugins import hookimpl
+from mega.train.checkpoint.checkpointer import layout_of
 from mega.train.interval_metrics import IntervalMetrics
 from mega.train.log_line import format_log_line
 
@@ -32,6 +34,8 @@ class ConsoleLogger:
     @hookimpl
     def on_train_start(self, run):
         self._started = time.perf_counter()
+        if run.is_logging_rank:
+            self._print(f" layout: {layout_text(layout_of(run.config, run.groups))}")
         if run.is_logging_rank and run.config.training.global_batch_size is None:
             # Megatron's default, which grows with the data-parallel size: a layout with more
             # data-parallel ranks then trains on other batches than one process (same weights).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from mega.core.checkpoint.saved_model import saved_model
 from mega.core.config import ConfigError
 from mega.core.datasets import DatasetRequest, TrainingData
 from mega.core.plugins import Plugins
@@ -48,7 +49,7 @@ def build_datasets(run: RunConfig, derived: Derived, plugins: Plugins) -> tuple[
     spec = tokenizer_spec(run)
     tokenizer = spec.build(plugins) if spec else None
     if tokenizer is not None:
-        run = _with_vocab_size(run, tokenizer.vocab_size)
+        run = _with_vocab_size(run, vocabulary_size(run, tokenizer.vocab_size, plugins))
     builder = plugins.datasets.get(dataset_name(run, plugins))
     data = builder(DatasetRequest(
         data_path=run.data.data_path, split=run.data.split, seq_length=run.model.seq_length,
@@ -71,6 +72,15 @@ def packed_document_multiple(run: RunConfig) -> int:
     every document into ``2 x cp`` equal chunks, ``2 x cp`` (as Megatron pads packed SFT data)."""
     cp = run.parallel.cp
     return 2 * cp if run.data.packed_sequences and cp > 1 else 1
+
+
+def vocabulary_size(run: RunConfig, tokenizer_size: int, plugins: Plugins) -> int:
+    """The model's vocabulary: the tokenizer's, except in a run that loads its model from a
+    checkpoint, whose embedding may hold more rows than its tokenizer has ids (Hugging Face models
+    round it up: Qwen3's 151936 rows for 151669 ids); the tokenizer's ids must fit in it."""
+    if tokenizer_size <= run.model.vocab_size and saved_model(run.checkpoint.load, plugins) is not None:
+        return run.model.vocab_size
+    return tokenizer_size
 
 
 def _with_vocab_size(run: RunConfig, vocab_size: int) -> RunConfig:

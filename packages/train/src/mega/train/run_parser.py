@@ -10,9 +10,12 @@ directory a restart resumes from).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
+from mega.core.checkpoint.metadata import CheckpointError
+from mega.core.checkpoint.saved_model import SavedModel, check_family, check_run_model, saved_model
 from mega.core.cli.argparser import CommandParser
-from mega.core.config import add_section, parse
+from mega.core.config import ConfigError, add_section, parse
 from mega.core.config.parser import known_flags, tomllib
 from mega.core.model_family import check_flag_of_other_families
 from mega.core.plugins import PluginError, get_plugins
@@ -41,6 +44,7 @@ def _early_parser() -> argparse.ArgumentParser:
     parser = launcher_parser()
     parser.add_argument("--model-family", default=None)
     parser.add_argument("--model-preset", default=None)
+    parser.add_argument("--load", default=None)  # a checkpoint gives the model (saved_model)
     return parser
 
 
@@ -76,15 +80,21 @@ def parse_run(argv: list[str], plugins=None):
     """Parse ``argv`` into a RunConfig (the family and preset chosen first)."""
     plugins = plugins or get_plugins()
     early, _ = _early_parser().parse_known_args(argv)
-    toml_training = _toml_training_table(early.config) if early.config else {}
-    family_name = early.model_family or toml_training.get("model_family") or "gpt"
+    toml = _toml_tables(early.config) if early.config else {}
+    toml_training = toml.get("training", {})
+    saved = _saved_model(early.load or toml.get("checkpoint", {}).get("load"), plugins)
+    asked_family = early.model_family or toml_training.get("model_family")
+    if saved is not None and asked_family is not None:
+        check_family(saved, asked_family)
+    family_name = asked_family or (saved.family if saved else "gpt")
     if family_name not in plugins.models and not plugins.models.names():
         raise PluginError(f"no model family is installed ({family_name!r} was asked for): {MODELS_HINT}")
     family = plugins.models.get(family_name)
     preset = early.model_preset or toml_training.get("model_preset")
-    # A preset is the starting point its flags override; without one the config class derives
-    # its dependent sizes (ffn, query groups...) from the flags given.
-    bases = {"model": family.preset(preset)} if preset else {}
+    # A checkpoint to load, else a preset, is the starting point flags override; without either
+    # the config class derives its dependent sizes (ffn, query groups...) from the flags given.
+    # The checkpoint's config is taken whole (nothing derived again: --seq-length keeps its table).
+    bases = {"model": dict(saved.config)} if saved else {"model": family.preset(preset)} if preset else {}
 
     sections = run_sections(family.config_class)
     plugin_options = plugin_sections(sections, plugins)
@@ -95,14 +105,42 @@ def parse_run(argv: list[str], plugins=None):
         if flag not in known:
             check_flag_of_other_families(flag, family, plugins.models)
     configs = parse(argv, {**sections, **options}, parser, bases=bases, explain=FailedPluginOptions(plugins))
-    return RunConfig(**{name: configs[name] for name in sections},
-                     plugins={name: configs[name] for name in options}), family
+    run = RunConfig(**{name: configs[name] for name in sections}, plugins={name: configs[name] for name in options})
+    if saved is not None:
+        run = _with_saved_model(run, saved)
+        run = dataclasses.replace(run, training=dataclasses.replace(run.training, model_family=family_name))
+    return run, family
 
 
-def _toml_training_table(path: str) -> dict:
-    """The [training] table, read early for the model family and preset (errors come later)."""
+def _saved_model(load: str | None, plugins) -> SavedModel | None:
+    try:
+        return saved_model(load, plugins)
+    except CheckpointError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _with_saved_model(run: RunConfig, saved: SavedModel) -> RunConfig:
+    """The run checked against the checkpoint it loads, with the checkpoint's tokenizer (the
+    vocabulary the weights were trained with) where it reads data and names no tokenizer (mock
+    data tokenizes nothing)."""
+    check_run_model(saved, run.model)
+    if run.data.tokenizer_type is not None or saved.tokenizer is None or run.data.mock_data:
+        return run
+    options = saved.tokenizer.options
+    run = dataclasses.replace(run, data=dataclasses.replace(
+        run.data, tokenizer_type=saved.tokenizer.type, tokenizer_model=options.tokenizer_model,
+        vocab_file=options.vocab_file, merge_file=options.merge_file, vocab_extra_ids=options.vocab_extra_ids))
+    if options.vocab_size is not None:
+        # A tokenizer sized by --vocab-size (NullTokenizer) is rebuilt from the size it was given,
+        # not from the model's, which it had grown (by its end-of-document id).
+        run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=options.vocab_size))
+    return run
+
+
+def _toml_tables(path: str) -> dict:
+    """The file's tables, read early for the model family, preset and checkpoint (errors come later)."""
     try:
         with open(path, "rb") as handle:
-            return tomllib.load(handle).get("training", {})
+            return tomllib.load(handle)
     except (OSError, tomllib.TOMLDecodeError):
         return {}  # the full parse reports the problem with the file's name

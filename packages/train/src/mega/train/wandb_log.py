@@ -1,7 +1,8 @@
 """Weights & Biases (``--wandb-project``): the console line's metrics and the run's configuration,
 logged by rank 0 under Megatron's TensorBoard tag names.
 
-``WANDB_MODE=offline`` writes the run under ``--wandb-save-dir`` without a network (``wandb sync``
+``WANDB_MODE=offline`` writes the run under ``--wandb-save-dir``/wandb (default ``--save``/wandb,
+else ./wandb) without a network (``wandb sync``
 uploads it later). The values are those of the console line (see interval_metrics), so a curve in
 W&B and the log file never disagree.
 """
@@ -89,7 +90,8 @@ def wandb_logger(run_config) -> WandbLogger | None:
     logging = run_config.logging
     if not logging.wandb_project:
         return None
-    save = run_config.checkpoint.save
-    directory = logging.wandb_save_dir or (os.path.join(save, "wandb") if save else "wandb")
+    # wandb.init(dir=D) writes under D/wandb (Megatron passes --wandb-save-dir as D): --save
+    # as D puts the run in --save/wandb.
+    directory = logging.wandb_save_dir or run_config.checkpoint.save or "."
     return WandbLogger(logging.wandb_project, logging.wandb_exp_name, directory, logging.log_interval,
                        logging.peak_tflops)

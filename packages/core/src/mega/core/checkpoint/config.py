@@ -15,11 +15,16 @@ from mega.core.config.options import option
 @dataclass
 class CheckpointConfig:
     save: str | None = option(None, "directory to save checkpoints to")
-    load: str | None = option(None, "checkpoint directory (or one iter_XXXXXXX in it) to resume from")
+    load: str | None = option(None, "checkpoint directory (or one iter_XXXXXXX in it) to resume or fine-tune from; "
+                              "the run's model family, model config and tokenizer are the checkpoint's (flags may "
+                              "change only what keeps its function: docs/finetuning.md)")
     save_interval: int | None = option(None, "save every N iterations (and at the end)")
     load_optim: bool = option(True, "do not load the optimizer state", flag="--no-load-optim")
     load_rng: bool = option(True, "do not load the RNG states", flag="--no-load-rng")
     finetune: bool = option(False, "load weights only and start at iteration 0")
+    use_checkpoint_args: bool = option(False, "Megatron's flag, accepted: a run that loads a mega checkpoint always "
+                                       "takes its model family, model config and tokenizer from it (flags given "
+                                       "may change only what keeps its function: see docs/finetuning.md)")
     load_adapter: str | None = option(None, "LoRA: the adapters, with the optimizer and the run's progress, from "
                                       "this checkpoint of a LoRA run (which holds the adapters alone); the base "
                                       "weights from --load")

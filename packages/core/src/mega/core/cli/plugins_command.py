@@ -10,10 +10,13 @@ from mega.core.plugins.failures import failure_line
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["list"]:  # `mega plugins list`, as other tools spell listing, is `mega plugins`
+        argv = argv[1:]
     parser = CommandParser(
         prog="mega plugins",
-        description="List installed plugins, their distribution and version, and what they registered. "
-                    "`mega plugins new NAME --kind KIND` (mega-train) writes a new plugin distribution to start from.",
+        description="List installed plugins, their distribution and version, and what they registered "
+                    "(`mega plugins list` says the same). `mega plugins new NAME --kind KIND` (mega-train) writes "
+                    "a new plugin distribution to start from.",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list for machines")
     parser.add_argument("--traceback", action="store_true",

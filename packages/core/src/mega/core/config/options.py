@@ -9,7 +9,9 @@ TOML loading and the flag reference are all generated from these declarations.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import functools
 from typing import Any
 
 
@@ -27,3 +29,24 @@ def flag_of(field: dataclasses.Field) -> str:
 
 def help_of(field: dataclasses.Field) -> str:
     return field.metadata.get("help", "")
+
+
+class Switch(argparse.Action):
+    """A boolean flag with its opposite, for a default a model family may turn either way:
+    Megatron's ``--disable-bias-linear`` (False) beside ``--add-bias-linear`` (True). Declared
+    with ``option(..., action=switch("--add-bias-linear"))``."""
+
+    def __init__(self, option_strings, dest, opposite: str, default=None, help=None, **_):
+        super().__init__([*option_strings, opposite], dest, nargs=0, default=default,
+                         help=f"{help} ({opposite}: the opposite)" if help else help)
+        self.flag, self.opposite = option_strings[0], opposite
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        # The declared flag sets what its name says (--disable-*: False, --untie-*: True).
+        meaning = not self.flag.startswith(("--disable-", "--no-"))
+        setattr(namespace, self.dest, meaning if option_string == self.flag else not meaning)
+
+
+def switch(opposite: str):
+    """The ``action`` of a boolean option whose flag has the opposite flag ``opposite``."""
+    return functools.partial(Switch, opposite=opposite)

@@ -144,6 +144,7 @@ def parse(argv: list[str], sections: dict[str, type], parser: argparse.ArgumentP
 
     ``bases`` gives a section a starting instance (a model preset) instead of the class defaults;
     what the instance only derived is derived again from the values in force (see chosen_values).
+    A base given as a dict (a checkpoint's saved config) is taken whole.
     ``explain.flag(word)`` / ``explain.section(name)`` say why a flag or table is unknown
     (``(text, certain)``; certain: the closest known names are not suggested).
     """
@@ -166,7 +167,8 @@ def parse(argv: list[str], sections: dict[str, type], parser: argparse.ArgumentP
     for section, cls in sections.items():
         try:
             given = values.get(section, {})
-            start = chosen_values(bases[section]) if section in bases else {}
+            base = bases.get(section, {})
+            start = dict(base) if isinstance(base, dict) else chosen_values(base)
             configs[section] = cls(**{**start, **given})
         except (TypeError, ValueError) as error:
             raise ConfigError(f"[{section}]: {error}") from None

@@ -1,9 +1,11 @@
-"""``DeepSeekV3Config``: a mixture-of-experts decoder with multi-latent attention, YaRN RoPE and
+"""``MLATransformerConfig``: a mixture-of-experts decoder with multi-latent attention, YaRN RoPE and
 multi-token prediction; Megatron-LM's flags (its ``MLATransformerConfig`` fields).
 
 Hugging Face's names for the same sizes: ``qk_nope_head_dim`` is ``--qk-head-dim``,
 ``qk_rope_head_dim`` is ``--qk-pos-emb-head-dim``; the first ``first_k_dense_replace`` dense
-layers are ``--moe-layer-freq '[0]*k+[1]*(L-k)'``.
+layers are ``--moe-layer-freq '[0]*k+[1]*(L-k)'``. The deepseek-v3 family's class,
+``DeepSeekV3Config``, is this one with DeepSeek-V3's architecture as its defaults
+(below).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from typing import Literal
 
 from mega.core.config.options import option
 from mega.models.config import need
+from mega.models.family_defaults import with_defaults
+from mega.models.llama.config import LLAMA
 from mega.models.moe.config import MoETransformerConfig
 
 
 @dataclass(frozen=True)
-class DeepSeekV3Config(MoETransformerConfig):
+class MLATransformerConfig(MoETransformerConfig):
     multi_latent_attention: bool = option(True, "multi-latent attention (low-rank compressed queries and keys/values)")
     q_lora_rank: int | None = option(None, "rank of the query bottleneck (none: one query projection)")
     kv_lora_rank: int = option(512, "rank of the key/value bottleneck (the latent a generation cache keeps)")
@@ -50,3 +54,10 @@ class DeepSeekV3Config(MoETransformerConfig):
         need(self.rope_type in ("rope", "yarn"), f"--rope-type must be rope or yarn, got {self.rope_type!r}")
         need(self.mtp_num_layers is None or self.mtp_num_layers >= 0,
              f"--mtp-num-layers must be >= 0, got {self.mtp_num_layers}")
+
+
+DeepSeekV3Config = with_defaults(
+    MLATransformerConfig, "DeepSeekV3Config", module=__name__, doc="DeepSeek-V3: multi-latent attention with YaRN RoPE, RMSNorm "
+    "(epsilon 1e-6), SwiGLU experts routed by sigmoid with a correction bias, no biases, untied.",
+    **dict(LLAMA, rotary_base=10000.0, layernorm_epsilon=1e-6), moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from mega.models.config import TransformerConfig
 from mega.models.family import transformer_family
+from mega.models.llama.config import LlamaConfig
 from mega.models.llama.hf_llama import LLAMA
 
 
@@ -25,7 +26,7 @@ def llama_config(num_layers: int, hidden_size: int, ffn_hidden_size: int, num_at
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
     )
     settings.update(overrides)
-    return TransformerConfig(**settings)
+    return LlamaConfig(**settings)
 
 
 PRESETS = {
@@ -40,4 +41,4 @@ PRESETS = {
 }
 
 FAMILY = transformer_family("llama", PRESETS, "LLaMA-2/3: RoPE, RMSNorm, SwiGLU, grouped-query attention",
-                            hf_mapping=LLAMA)
+                            hf_mapping=LLAMA, config_class=LlamaConfig)

@@ -19,6 +19,7 @@ import torch
 
 from mega.core.model_family import TensorMap
 from mega.models.config import TransformerConfig
+from mega.models.llama.config import LlamaConfig
 from mega.models.hf_mapping import (
     causal_lm_mapping,
     interleave_qkv,
@@ -50,7 +51,7 @@ def _rope(hf_config: Mapping[str, Any]) -> dict:
     return rope
 
 
-def llama_config(hf_config: Mapping[str, Any], **overrides) -> TransformerConfig:
+def llama_config(hf_config: Mapping[str, Any], config_class: type = LlamaConfig, **overrides) -> TransformerConfig:
     """The mega config computing what ``LlamaForCausalLM`` computes with this config.json."""
     def get(key):
         return read_field(hf_config, DEFAULTS, key)
@@ -78,7 +79,7 @@ def llama_config(hf_config: Mapping[str, Any], **overrides) -> TransformerConfig
         untie_embeddings_and_output_weights=not get("tie_word_embeddings"),
         hidden_dropout=0.0, attention_dropout=get("attention_dropout"), init_method_std=get("initializer_range"),
     )
-    return TransformerConfig(**{**settings, **overrides})
+    return config_class(**{**settings, **overrides})
 
 
 def llama_hf_config(config: TransformerConfig) -> dict:

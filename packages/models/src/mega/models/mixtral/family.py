@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from mega.core.model_family import ModelFamily
 from mega.models.initialization import init_parameter
+from mega.models.mixtral.config import MixtralConfig
 from mega.models.mixtral.hf_mixtral import MIXTRAL
 from mega.models.mixtral.memory import moe_stage_footprint
 from mega.models.mixtral.model import (
@@ -37,7 +38,7 @@ def mixtral_config(num_layers: int, hidden_size: int, ffn_hidden_size: int, num_
         init_method_std=0.02, moe_aux_loss_coeff=0.01,  # Megatron's Mixtral recipe (Hugging Face: 0.001)
     )
     settings.update(overrides)
-    return MoETransformerConfig(**settings)
+    return MixtralConfig(**settings)
 
 
 PRESETS = {
@@ -48,7 +49,7 @@ PRESETS = {
 
 FAMILY = ModelFamily(
     name="mixtral",
-    config_class=MoETransformerConfig,
+    config_class=MixtralConfig,
     presets=PRESETS,
     build=build_moe_model,
     init_parameter=init_parameter,

@@ -24,6 +24,7 @@ import torch
 from mega.core.model_family import TensorMap
 from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless, same
 from mega.models.llama.hf_llama import llama_config, llama_hf_config, llama_tensor_maps
+from mega.models.mixtral.config import MixtralConfig
 from mega.models.moe.config import MoETransformerConfig
 
 # MixtralConfig's defaults for the keys read here beyond LLaMA's.
@@ -54,7 +55,7 @@ def mixtral_config(hf_config: Mapping[str, Any], **overrides) -> MoETransformerC
     settings = {field.name: getattr(dense, field.name) for field in dataclasses.fields(dense) if field.init}
     settings.update(num_experts=get("num_local_experts"), moe_router_topk=get("num_experts_per_tok"),
                     moe_ffn_hidden_size=get("intermediate_size"), moe_aux_loss_coeff=get("router_aux_loss_coef"))
-    return MoETransformerConfig(**{**settings, **overrides})
+    return MixtralConfig(**{**settings, **overrides})
 
 
 def mixtral_hf_config(config: MoETransformerConfig) -> dict:

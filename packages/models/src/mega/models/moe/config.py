@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mega.core.config.options import option
+from mega.core.config.options import option, switch
 from mega.models.config import ModelConfigError, TransformerConfig
 
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
@@ -19,7 +19,7 @@ DISPATCHERS = ("alltoall", "allgather")
 @dataclass(frozen=True)
 class MoETransformerConfig(TransformerConfig):
     # Experts are SwiGLU MLPs: the default here (a redeclared field keeps its place and flag).
-    swiglu: bool = option(True, "SwiGLU MLP instead of GELU (MoE experts are SwiGLU)")
+    swiglu: bool = option(True, "SwiGLU MLP instead of GELU (MoE experts are SwiGLU)", action=switch("--no-swiglu"))
     num_experts: int = option(8, "experts per MoE layer (every layer's MLP is a mixture of experts)")
     moe_ffn_hidden_size: int | None = option(None, "hidden size of each expert's MLP; default --ffn-hidden-size")
     moe_router_topk: int = option(2, "experts each token is routed to")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from mega.models.config import TransformerConfig
 from mega.models.family import transformer_family
+from mega.models.qwen3.config import Qwen3Config
 from mega.models.qwen3.hf_qwen3 import QWEN3
 
 
@@ -25,7 +26,7 @@ def qwen3_config(num_layers: int, hidden_size: int, ffn_hidden_size: int, num_at
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
     )
     settings.update(overrides)
-    return TransformerConfig(**settings)
+    return Qwen3Config(**settings)
 
 
 PRESETS = {
@@ -40,4 +41,5 @@ PRESETS = {
 }
 
 FAMILY = transformer_family("qwen3", PRESETS, "Qwen3: LLaMA's layers with QK-norm (per-head RMSNorm of queries "
-                            "and keys)", hf_mapping=QWEN3)
+                            "and keys)", hf_mapping=QWEN3,
+                            config_class=Qwen3Config)

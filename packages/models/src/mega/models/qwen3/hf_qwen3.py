@@ -22,6 +22,7 @@ from mega.core.model_family import TensorMap
 from mega.models.config import TransformerConfig
 from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless, same
 from mega.models.llama.hf_llama import llama_config, llama_hf_config, llama_tensor_maps
+from mega.models.qwen3.config import Qwen3Config
 
 # Qwen3Config's defaults for the keys read here (config.json may leave them out).
 DEFAULTS = {
@@ -47,7 +48,7 @@ def qwen3_config(hf_config: Mapping[str, Any], **overrides) -> TransformerConfig
     refuse_headless(hf_config, "Qwen3Model", "Qwen3ForCausalLM")
     refuse_qwen3_extras(hf_config, DEFAULTS, "Qwen3ForCausalLM")
     keys = {key: read_field(hf_config, DEFAULTS, key) for key in DEFAULTS}
-    return llama_config({**hf_config, **keys, "architectures": []}, qk_layernorm=True, **overrides)
+    return llama_config({**hf_config, **keys, "architectures": []}, Qwen3Config, qk_layernorm=True, **overrides)
 
 
 def check_qwen3_attention(config: TransformerConfig, architecture: str) -> None:

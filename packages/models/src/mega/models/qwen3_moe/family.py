@@ -14,6 +14,7 @@ import dataclasses
 
 from mega.models.mixtral.family import FAMILY as MIXTRAL
 from mega.models.moe.config import MoETransformerConfig
+from mega.models.qwen3_moe.config import Qwen3MoEConfig
 from mega.models.qwen3_moe.hf_qwen3_moe import QWEN3_MOE
 
 
@@ -29,7 +30,7 @@ def qwen3_moe_config(num_layers: int, hidden_size: int, moe_ffn_hidden_size: int
         moe_aux_loss_coeff=0.001,
     )
     settings.update(overrides)
-    return MoETransformerConfig(**settings)
+    return Qwen3MoEConfig(**settings)
 
 
 PRESETS = {
@@ -40,6 +41,6 @@ PRESETS = {
 }
 
 FAMILY = dataclasses.replace(
-    MIXTRAL, name="qwen3-moe", presets=PRESETS, hf_mapping=QWEN3_MOE,
+    MIXTRAL, name="qwen3-moe", presets=PRESETS, hf_mapping=QWEN3_MOE, config_class=Qwen3MoEConfig,
     description="Qwen3-MoE: Qwen3 attention (QK-norm) with a top-k mixture of SwiGLU experts in every layer",
 )

@@ -27,6 +27,7 @@ from mega.models.llama.hf_llama import llama_tensor_maps
 from mega.models.mixtral.hf_mixtral import expert_maps, plain_routing_differences, with_expert_maps
 from mega.models.moe.config import MoETransformerConfig
 from mega.models.qwen3.hf_qwen3 import check_qwen3_attention, qwen3_config, qwen3_hf_config, with_qk_norms
+from mega.models.qwen3_moe.config import Qwen3MoEConfig
 
 # Qwen3MoeConfig's defaults for the keys read here.
 DEFAULTS = {
@@ -57,7 +58,7 @@ def qwen3_moe_config(hf_config: Mapping[str, Any], **overrides) -> MoETransforme
     settings.update(num_experts=experts, moe_router_topk=get("num_experts_per_tok"),
                     moe_ffn_hidden_size=get("moe_intermediate_size"), moe_router_pre_softmax=not get("norm_topk_prob"),
                     moe_aux_loss_coeff=get("router_aux_loss_coef"))
-    return MoETransformerConfig(**{**settings, **overrides})
+    return Qwen3MoEConfig(**{**settings, **overrides})
 
 
 def qwen3_moe_hf_config(config: MoETransformerConfig) -> dict:

@@ -364,6 +364,8 @@ def layout_of(run, groups) -> dict:
         "cp": groups.cp.size, "ep": groups.ep.size, "vpp": run.parallel.vpp or 1,
         "sequence_parallel": run.parallel.sequence_parallel,
         "distributed_optimizer": run.optimizer.use_distributed_optimizer,
+        "data_parallel_strategy": run.data_parallel.strategy(run.optimizer.use_distributed_optimizer),
+        "data_parallel_replicas": run.data_parallel.replicas,
     }
 
 

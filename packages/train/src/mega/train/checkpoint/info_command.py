@@ -9,11 +9,13 @@ from pathlib import Path
 
 from mega.core.checkpoint.directory import checkpoint_and_metadata, read_tracker, saved_iterations
 from mega.core.checkpoint.foreign import foreign_format
+from mega.core.checkpoint.layout_text import layout_text
 from mega.core.checkpoint.metadata import CheckpointError
 from mega.core.checkpoint.space import human_size
 from mega.core.cli.argparser import CommandParser
 
-LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "vpp", "world_size", "sequence_parallel", "distributed_optimizer")
+LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "world_size", "sequence_parallel", "distributed_optimizer",
+               "data_parallel_strategy", "data_parallel_replicas")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         f"iteration:        {metadata.iteration}" + (" (release: weights only)" if path.name == "release" else ""),
         f"consumed samples: {metadata.consumed_samples}",
         "saved at layout:  " + ", ".join(f"{k}={layout[k]}" for k in LAYOUT_KEYS if k in layout),
+        f"saved by:         {layout_text(layout)}",
         f"model family:     {metadata.model_family}",
         f"parameters:       {metadata.num_parameters:,}",
         f"size on disk:     {human_size(sum(metadata.files.values()))} in {len(metadata.files)} files",
