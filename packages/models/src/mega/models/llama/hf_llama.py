@@ -19,7 +19,6 @@ import torch
 
 from mega.core.model_family import TensorMap
 from mega.models.config import TransformerConfig
-from mega.models.llama.config import LlamaConfig
 from mega.models.hf_mapping import (
     causal_lm_mapping,
     interleave_qkv,
@@ -29,6 +28,7 @@ from mega.models.hf_mapping import (
     same,
     split_qkv,
 )
+from mega.models.llama.config import LlamaConfig
 
 # LlamaConfig's defaults for the keys read here (config.json may leave them out).
 DEFAULTS = {
