@@ -48,6 +48,7 @@ from mega.core.parallel.config import ParallelConfig
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.core.pipeline.partition import split_layers
 from mega.core.pipeline.tensor_spec import TensorSpec  # noqa: F401  (part of the family contract: ``boundary``)
+from mega.core.plugins import PluginError
 from mega.core.setup_passes import ModelSetup, Phase, SetupPass, per_chunk
 
 if TYPE_CHECKING:
@@ -350,10 +351,21 @@ def check_flag_of_other_families(flag: str, family: ModelFamily, families) -> No
     """A flag ``family``'s config does not declare but the configs of families with a feature it
     lacks do (``--num-experts`` on gpt: the MoE flags are the MoE families' own) fails naming that
     feature, not as an unknown flag. ``families``: the models registry (each family is loaded)."""
-    owners = [other for other in map(families.get, families.names())
-              if flag in known_flags({"model": other.config_class})]
+    owners = [other for other in map(_loaded_or_none(families), families.names())
+              if other is not None and flag in known_flags({"model": other.config_class})]
     missing = sorted(frozenset.intersection(*(other.features for other in owners)) - family.features) if owners else []
     if missing:
         what, who = FEATURES.get(missing[0], (missing[0], f"a model family with {missing[0]}"))
         raise ConfigError(f"{flag} ({what}) needs {who}; {family.name!r} is not one "
                           f"(families that have it: {', '.join(other.name for other in owners)})")
+
+
+def _loaded_or_none(families):
+    """``families.get`` where a family that fails to load (a broken or duplicate plugin) is None:
+    the unknown-flag error that follows names that failure, not this check."""
+    def get(name):
+        try:
+            return families.get(name)
+        except PluginError:
+            return None
+    return get
