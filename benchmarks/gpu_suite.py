@@ -70,6 +70,8 @@ ROWS = [
     Row("gpt-hf", ["bench_gpu_mfu.py", "--json", "--steps", "8", "--hf", "gpt"], 75, baseline="gpt-bf16"),
     Row("llama-hf", ["bench_gpu_mfu.py", "--json", "--steps", "8", "--hf", "llama"], 75, baseline="llama-bf16"),
     Row("llama-liger-compile", [*MFU, *LLAMA, "--kernels", "liger", "--compile"], 110, baseline="llama-bf16"),
+    Row("muon-vs-adamw", ["bench_optimizers.py", "--gpu", "--iters", "20", "--json"], 240,
+        target="optimizer step's share of a GPT 1.3B step (issue 51)"),
 ]
 
 
@@ -195,6 +197,9 @@ def summary(row: Row, results: dict[str, dict]) -> str:
         return "; ".join(f"batch {r['batch']}: {r['static_tokens_per_s']:.0f} tok/s "
                          f"({100 * r['static_bandwidth_fraction']:.0f}% BW, {r['static_speedup']:.2f}x HF, "
                          f"same tokens {r['same_tokens']})" for r in result["engine"])
+    if "optimizers" in result:  # bench_optimizers: step time and the optimizer step's share of it
+        return "; ".join(f"{r['optimizer']}: step {r['step_ms']:.0f} ms, optimizer {r['optimizer_step_ms']:.1f} ms "
+                         f"({r['optimizer_share']:.1%}), loss {r['losses'][-1]:.3f}" for r in result["optimizers"])
     if "rows" in result:  # bench_serve
         return "; ".join(f"{r.get('clients')} clients: {r['tokens_per_s']:.0f} tok/s"
                          + (f" ({r['of_engine']:.2f}x the engine)" if "of_engine" in r else "")

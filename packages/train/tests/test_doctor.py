@@ -123,3 +123,27 @@ def fake_smi(tmp_path, monkeypatch):
         script.chmod(script.stat().st_mode | stat.S_IEXEC)
         monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     return install
+
+
+class _Distribution:
+    """A stand-in installed distribution: its name and its declared requirements (CPU only)."""
+
+    def __init__(self, name, requires):
+        self.metadata, self.requires = {"Name": name}, requires
+
+
+def test_doctor_reports_a_dependency_outside_the_declared_range():
+    import torch
+
+    torch_version = torch.__version__.split("+")[0]
+    met = _Distribution("mega-example", [f"torch>={torch_version}", "numpy>=1.0; extra == 'test'"])
+    assert checks.version_mismatches([met]) == []  # an extra's requirement is not the distribution's own
+    too_new = _Distribution("mega-example", [f"torch<{torch_version}", "surely-not-installed-package>=1"])
+    assert checks.version_mismatches([too_new]) == [
+        f"mega-example needs torch<{torch_version}; {torch.__version__} is installed",
+        "mega-example needs surely-not-installed-package>=1; it is not installed"]
+    check = checks.check_dependency_versions([too_new])
+    assert check.status == "warn" and "torch<" in check.detail
+    # What is installed here meets every declared range (mega-torchao's torchao window included).
+    assert checks.check_dependency_versions().status == "pass"
+    assert "mega-torchao" in {d.metadata["Name"] for d in checks.mega_distributions()}

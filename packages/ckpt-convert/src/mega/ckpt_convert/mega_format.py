@@ -88,6 +88,15 @@ class MegaSource(TableSource):
             raise ConversionError(f"--with-optimizer: {self.directory} holds no optimizer state (a weights-only "
                                   "checkpoint, or saved before the optimizer's first step)")
         keys = set(saved["state_keys"])
+        if "momentum_buffer" in keys:
+            # Megatron-LM (megatron-core 0.16) keeps Muon's momentum in a chain of non-distributed
+            # optimizers and refuses Muon with --use-distributed-optimizer: there is no Megatron
+            # layout of it for us to write, and Adam's would mislabel it.
+            raise ConversionError(
+                f"--with-optimizer: {self.directory} holds Muon's state (momentum_buffer; --optimizer muon). "
+                "mega converts Adam's state only: Megatron-LM has no distributed-optimizer layout for Muon's "
+                "momentum. Convert without --with-optimizer, or resume the mega checkpoint directly "
+                "(mega train --load reshards it to any layout)")
         if not set(MOMENTS) <= keys or "step" not in saved["scalars"]:
             raise ConversionError(f"--with-optimizer: {self.directory} holds optimizer state {sorted(keys)}; mega "
                                   "converts Adam's (exp_avg, exp_avg_sq and a step count)")

@@ -131,16 +131,21 @@ def _persistent(module: nn.Module, name: str) -> bool:
 def optimizer_state_description(optimizer: MixedPrecisionOptimizer) -> dict | None:
     """Which per-parameter tensors and which scalars the inner optimizer keeps (None before its
     first step: there is no state yet)."""
+    # The union over parameters: an optimizer may keep different state for different ones (Muon's
+    # momentum for matrices, AdamW's moments for the rest).
+    keys, scalars = set(), {}
     for entry in optimizer.main_params:
-        state = optimizer.optimizer.state.get(entry.main)
-        if state:
-            return {
-                "state_keys": sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == entry.main.shape),
-                "scalars": {k: float(v) for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)},
-                "main_params": (any(e.model_view is not None for e in optimizer.main_params)
-                                or getattr(optimizer, "saves_main_params", False)),
-            }
-    return None
+        state = optimizer.optimizer.state.get(entry.main) or {}
+        keys.update(k for k, v in state.items() if torch.is_tensor(v) and v.shape == entry.main.shape)
+        scalars.update((k, float(v)) for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0))
+    if not keys and not scalars:
+        return None
+    return {
+        "state_keys": sorted(keys),
+        "scalars": scalars,
+        "main_params": (any(e.model_view is not None for e in optimizer.main_params)
+                        or getattr(optimizer, "saves_main_params", False)),
+    }
 
 
 def keeps_main_param(optimizer: MixedPrecisionOptimizer, param: nn.Parameter) -> bool:
@@ -166,7 +171,7 @@ def optimizer_entries(optimizer: MixedPrecisionOptimizer, chunks: list[nn.Module
             raise CheckpointError(f"the optimizer steps a parameter of shape {list(entry.model.shape)} that no model "
                                   "chunk holds (are FSDP units left gathered? settle() reshards them)")
         state = optimizer.optimizer.state[entry.main]
-        for key in state_keys:
+        for key in (k for k in state_keys if k in state):  # (the keys this parameter keeps)
             result.add(f"{OPTIMIZER}{name}.{key}", state[key], entry.model, tp, entry.flat_range)
         if main_params and keeps_main_param(optimizer, entry.model):
             result.add(f"{OPTIMIZER}{name}.{MAIN_PARAM}", entry.main.data, entry.model, tp, entry.flat_range)
@@ -186,7 +191,8 @@ def expected_optimizer_shapes(optimizer: MixedPrecisionOptimizer, chunks: list[n
         if not param.requires_grad:
             continue
         shape = list(_split(param, tp).global_shape(tuple(param.shape)))
-        for key in state_keys:
+        keys_of = getattr(optimizer.optimizer, "state_keys", None)  # per parameter (Muon + AdamW)
+        for key in (state_keys if keys_of is None else [k for k in state_keys if k in keys_of(param)]):
             shapes[f"{OPTIMIZER}{name}.{key}"] = shape
         if main_params and keeps_main_param(optimizer, param):
             shapes[f"{OPTIMIZER}{name}.{MAIN_PARAM}"] = shape
@@ -210,7 +216,9 @@ def create_optimizer_state(optimizer: MixedPrecisionOptimizer, description: dict
     """Give every main parameter zeroed state of the saved kinds, ready to be loaded into."""
     for entry in optimizer.main_params:
         state = optimizer.optimizer.state[entry.main]
-        for key in description["state_keys"]:
+        keys_of = getattr(optimizer.optimizer, "state_keys", None)  # per parameter (Muon + AdamW)
+        kept = set(keys_of(entry.main)) if keys_of is not None else set(description["state_keys"])
+        for key in (k for k in description["state_keys"] if k in kept):
             state[key] = torch.zeros_like(entry.main, memory_format=torch.preserve_format)
         for key, value in description["scalars"].items():
             state[key] = torch.tensor(value, dtype=torch.float32)

@@ -9,7 +9,9 @@ from mega.core.distributed.ddp import DistributedDataParallel
 from mega.core.optim.config import OptimizerConfig
 from mega.core.optim.distributed_optimizer import DistributedOptimizer
 from mega.core.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from mega.core.optim.muon_layout import MuonLayout, muon_param_groups
 from mega.core.optim.optimizer import MixedPrecisionOptimizer
+from mega.core.optim.qk_clip import QKClip
 from mega.core.parallel.groups import ParallelGroups
 from mega.core.plugins import Plugins, get_plugins
 
@@ -41,7 +43,19 @@ def build_optimizer(models: list[nn.Module], groups: ParallelGroups, config: Opt
         return factory(groups_, config)
 
     options = {"clip_grad": config.clip_grad, "grad_scaler": grad_scaler}
-    grouped = param_groups(models, config.weight_decay)
+    if config.optimizer == "muon":  # Muon's matrices apart from AdamW's groups (mega.core.optim.muon_layout)
+        grouped = muon_param_groups(models, config)
+    else:
+        grouped = param_groups(models, config.weight_decay)
+    optimizer = _wrap(models, groups, config, make, grouped, options)
+    if hasattr(optimizer.optimizer, "bind_layout"):  # Muon: where each matrix's other shards are
+        optimizer.optimizer.bind_layout(MuonLayout.of(models, optimizer, groups, config))
+    if config.qk_clip:  # after the inner step, before the main weights go back to the model
+        optimizer.qk_clip = QKClip(models, optimizer, groups, config.qk_clip_threshold, config.qk_clip_alpha)
+    return optimizer
+
+
+def _wrap(models, groups, config, make, grouped, options) -> MixedPrecisionOptimizer:
     sharded = [m for m in models if getattr(m, "fully_sharded", False)]  # FSDP2: the shards are the main parameters
     if sharded:
         # Start-up cost: DTensor's import takes a second; only runs that shard pay it.

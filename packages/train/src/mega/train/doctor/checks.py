@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from packaging.requirements import InvalidRequirement, Requirement
 
 from mega.core.plugins import get_plugins
 from mega.train.doctor.topology import TopologyError, advise, largest_fast_group, parse_topology
@@ -156,6 +157,48 @@ def check_packages() -> tuple[Check, dict]:
     return Check("packages", PASS if found else WARN, detail), found
 
 
+def mega_distributions() -> list[importlib.metadata.Distribution]:
+    """The installed distributions that register with mega (its packages and every plugin)."""
+    found = {}
+    for distribution in importlib.metadata.distributions():
+        if any(entry.group == "mega" for entry in distribution.entry_points):
+            found[distribution.metadata["Name"]] = distribution
+    return [found[name] for name in sorted(found)]
+
+
+def version_mismatches(distributions) -> list[str]:
+    """Each requirement of ``distributions`` (their own, not their extras') that the installed
+    version of the required package does not meet, as "DIST needs REQ; VERSION is installed"."""
+    lines = []
+    for distribution in distributions:
+        for text in distribution.requires or []:
+            try:
+                requirement = Requirement(text)
+            except InvalidRequirement:
+                continue
+            if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+                continue  # an extra's requirement, or one for another platform
+            try:
+                installed = importlib.metadata.version(requirement.name)
+            except importlib.metadata.PackageNotFoundError:
+                lines.append(f"{distribution.metadata['Name']} needs {requirement}; it is not installed")
+                continue
+            if requirement.specifier and not requirement.specifier.contains(installed, prereleases=True):
+                lines.append(f"{distribution.metadata['Name']} needs {requirement}; {installed} is installed")
+    return lines
+
+
+def check_dependency_versions(distributions=None) -> Check:
+    """The versions mega's distributions declare working (mega-torchao's torchao range, say)
+    against what is installed: a mismatch is a warning naming both, since a package installed
+    past the resolver (or a newer torch) may import and still misbehave."""
+    mismatches = version_mismatches(mega_distributions() if distributions is None else distributions)
+    if not mismatches:
+        return Check("dependency versions", PASS, "every mega distribution's requirements are met")
+    return Check("dependency versions", WARN, "\n".join(mismatches),
+                 "install the versions named (pip install -c constraints.txt ...), or the plugin's newer release")
+
+
 def check_plugins() -> list[Check]:
     plugins = get_plugins()
     checks = []
@@ -225,7 +268,7 @@ def run_checks(environ=None) -> tuple[list[Check], dict]:
     checks = [check_python(), check_torch(torch), check_driver(torch), *check_cudnn_nccl(torch), gpus_check]
     topology_check, topology = check_topology()
     packages_check, packages = check_packages()
-    checks += [topology_check, packages_check, *check_plugins(),
+    checks += [topology_check, packages_check, check_dependency_versions(), *check_plugins(),
                *check_environment(environ, bool(gpus), os.cpu_count() or 1)]
     facts = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
              "cuda_runtime": torch.version.cuda, "gpus": gpus, "topology": topology, "packages": packages,
