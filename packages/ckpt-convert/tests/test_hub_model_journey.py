@@ -89,3 +89,13 @@ def test_a_hub_model_fine_tunes_with_no_architecture_flag(family, chat_jsonl, hf
         expected = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id,
                                   pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
     assert greedy_tokens_mega(base, lora, prompt) == expected
+    # The same through --chat (issue 53 item 4) with the adapter checkpoint alone (item 5): its base is recorded.
+    messages = [{"role": "user", "content": "the quick brown"}]
+    assert tokenizer.apply_chat_template(messages, chat_template=TEMPLATE, add_generation_prompt=True,
+                                         tokenize=False) == prompt
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert mega(["generate", "--load", str(lora), "--chat", "--chat-template", str(chat_jsonl.parent /
+                     "template.jinja"), "--prompt", "the quick brown", "--greedy", "--max-tokens", "6", "--json",
+                     "--no-static-kv-cache"]) == 0
+    assert json.loads(out.getvalue().strip().splitlines()[-1])["tokens"] == expected

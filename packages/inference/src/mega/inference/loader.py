@@ -10,6 +10,7 @@ world under torchrun) and the weights are resharded from whatever layout they we
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,10 @@ import torch
 from torch import nn
 
 from mega.core.build import build_stage
-from mega.core.checkpoint import checkpoint_and_metadata, load_model_weights
+from mega.core.checkpoint import CheckpointError, checkpoint_and_metadata, load_model_weights
 from mega.core.checkpoint import tokenizer_spec as saved_tokenizer
+from mega.core.checkpoint.adapter_record import locate_base, weights_fingerprint
+from mega.core.checkpoint.directory import RELEASE
 from mega.core.parallel import ParallelGroups
 from mega.core.plugins import PluginError, get_plugins
 from mega.core.process_group import distributed_env
@@ -43,6 +46,7 @@ class LoadedModel:
     tokenizer: Any  # mega.core.tokenizer.Tokenizer, or None when nothing says which
     name: str  # what the OpenAI API reports as the model
     chat_template: Any = None  # mega.inference.chat_template.ChatTemplate, when the tokenizer carries one
+    base_name: str | None = None  # with an adapter merged in: the base model's name (``name`` is the adapter's)
 
     @property
     def max_positions(self) -> int:
@@ -63,18 +67,62 @@ def load_from_args(args: argparse.Namespace, groups: ParallelGroups, plugins=Non
             vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
             vocab_size=args.vocab_size))
     device = torch.device(args.device) if args.device else default_device()
-    loaded = load_model(args.load, groups=groups, device=device, dtype=DTYPES[args.dtype],
+    base, adapter = base_and_adapter(args.load, getattr(args, "adapter", None))
+    loaded = load_model(base, groups=groups, device=device, dtype=DTYPES[args.dtype],
                         tokenizer_spec=tokenizer_spec, plugins=plugins)
-    if getattr(args, "adapter", None):
+    if adapter is not None:
         # start-up cost: the LoRA code is imported only when an adapter is served
         from mega.models.lora.adapters import LoRAError
         from mega.models.lora.load import merge_adapter_at_load
 
         try:
-            merge_adapter_at_load(loaded.model, args.adapter, loaded.family_name, groups)
+            merge_adapter_at_load(loaded.model, adapter, loaded.family_name, groups)
         except LoRAError as error:
             raise LoadError(str(error)) from None
+        loaded.base_name, loaded.name = loaded.name, checkpoint_name(adapter)
     return loaded
+
+
+def base_and_adapter(load: str, adapter: str | None) -> tuple[str, str | None]:
+    """``--load`` and ``--adapter`` as given, or, for ``--load`` of adapters alone (a LoRA run's
+    checkpoint), the base its metadata records and the adapters: an error when that base is
+    gone or holds other weights, naming ``--load BASE --adapter DIR``."""
+    if adapter is not None:
+        _note_another_base(load, adapter)
+        return load, adapter
+    if (Path(load) / "config.json").is_file():
+        return load, None
+    try:
+        _, metadata = checkpoint_and_metadata(load, checksums=False)
+    except CheckpointError:
+        return load, None  # not a mega checkpoint: load_model says what it is
+    names = [name for name in metadata.tensors or {} if name.startswith("model.")]
+    if metadata.adapter is None and not (names and all(".adapter." in name for name in names)):
+        return load, None
+    base, why = locate_base(metadata.adapter or {})
+    if base is None:
+        raise LoadError(f"--load {load} holds LoRA adapters alone, and their base cannot be used: {why}; give the "
+                        f"base model with --load BASE --adapter {load}")
+    return str(base), load
+
+
+def _note_another_base(load: str, adapter: str) -> None:
+    """Say so when ``--load`` is a mega checkpoint whose weights fingerprint is not the one the
+    adapters record of their base (other weights, or the same saved at another layout)."""
+    try:
+        recorded = (checkpoint_and_metadata(adapter, checksums=False)[1].adapter or {}).get("base") or {}
+        _, base = checkpoint_and_metadata(load, checksums=False)
+    except CheckpointError:
+        return  # not mega checkpoints: loading says what they are
+    if recorded.get("fingerprint") and weights_fingerprint(base) != recorded["fingerprint"]:
+        print(f"note: --adapter {adapter} was trained on {recorded.get('path')}; --load {load} has other tensor "
+              "files (other weights, or the same saved at another layout)", file=sys.stderr)
+
+
+def checkpoint_name(path: str | Path) -> str:
+    """A checkpoint's name as served: its save directory's for one iteration's directory."""
+    path = Path(path).resolve()
+    return path.parent.name if path.name == RELEASE or path.name.startswith("iter_") else path.name
 
 
 def load_model(path: str | Path, *, groups: ParallelGroups, device: torch.device, dtype: torch.dtype = torch.float32,
@@ -104,7 +152,7 @@ def load_model(path: str | Path, *, groups: ParallelGroups, device: torch.device
         model = build_model(plugins.models.get(family_name), config, groups, device, dtype)
         load_model_weights(checkpoint, [model], groups)
     return LoadedModel(model=model, family_name=family_name, config=config, tokenizer=tokenizer,
-                       name=path.resolve().name, chat_template=find_chat_template(spec))
+                       name=checkpoint_name(path), chat_template=find_chat_template(spec))
 
 
 def _open_hugging_face(path: Path, plugins):

@@ -2,9 +2,9 @@
 uses that Megatron lacks, each with its paper's name in its help. Declared once here (see
 mega.core.config.options): the parser, TOML loading and the flag reference come from it.
 
-What reads each field now: the loss (mega.rl.loss), the advantages and filters
-(mega.rl.advantages), the rewards (mega.rl.rewards) and the prompt data (mega.rl.prompts). The
-rollout and update loop that will read the rest of a `mega rl` run is not built yet (docs/rl.md).
+What reads each field: the loss (mega.rl.loss), the advantages and filters (mega.rl.advantages),
+the rewards (mega.rl.rewards), the prompt data (mega.rl.prompts), and `mega rl`'s loop
+(mega.rl.command, mega.rl.grpo_step) the rest. docs/rl.md says which are not used yet.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from mega.rl.loss import AGGREGATIONS
 class RLConfig:
     grpo_group_size: int = option(8, "completions sampled per prompt: the group whose rewards are compared")
     grpo_prompts_per_step: int = option(32, "prompts per rollout batch")
+    grpo_iterations: int = option(
+        1, "optimisation passes over each batch of rollouts (the old policy's log-probabilities are recomputed by "
+        "the trainer once per batch); each pass takes optimizer steps of --global-batch-size sequences")
     grpo_clamp_eps_lower: float = option(0.2, "PPO ratio clip from below: the ratio is clamped to 1 - this")
     grpo_clamp_eps_upper: float = option(
         0.2, "PPO ratio clip from above: 1 + this; above --grpo-clamp-eps-lower it is DAPO's clip-higher "
@@ -53,6 +56,15 @@ class RLConfig:
     rl_max_new_tokens: int | None = option(
         None, "the longest completion a rollout may generate; needed by seq-mean-token-sum-norm and the "
         "overlong options")
+    rl_temperature: float = option(1.0, "rollout sampling temperature")
+    rl_top_p: float = option(0.0, "rollout nucleus sampling: the smallest set of tokens with this much probability "
+                             "(0 or 1: off)")
+    rl_top_k: int = option(0, "rollout sampling from the k most likely tokens (0: off)")
+    rl_stop: list[str] = option(
+        default_factory=list, help="rollout stop strings (the tokenizer's end of document always stops)")
+    rl_seed: int | None = option(
+        None, "rollout sampling seed (default: --seed); completion i of step s samples with seed + s * 2**20 + i, "
+        "so a resumed run draws the same completions")
     prompt_data: str | None = option(
         None, "prompts, JSON Lines: `prompt` (text) or `messages` (a chat, rendered by the chat template) and any "
         "other fields, which reach the rewards")
@@ -67,7 +79,7 @@ class RLConfig:
         "scores 0 and is counted in the log")
 
     def __post_init__(self) -> None:
-        for name in ("grpo_group_size", "grpo_prompts_per_step", "reward_workers"):
+        for name in ("grpo_group_size", "grpo_prompts_per_step", "grpo_iterations", "reward_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
         if self.grpo_group_size < 2 and (self.grpo_std_normalization or self.rl_dynamic_sampling):
@@ -94,6 +106,9 @@ class RLConfig:
         if self.rl_max_new_tokens is not None and self.rl_overlong_buffer_length > self.rl_max_new_tokens:
             raise ValueError(f"--rl-overlong-buffer-length {self.rl_overlong_buffer_length} exceeds "
                              f"--rl-max-new-tokens {self.rl_max_new_tokens}")
+        if not self.rl_temperature > 0 or self.rl_top_k < 0 or not 0 <= self.rl_top_p <= 1:
+            raise ValueError(f"--rl-temperature must be positive, --rl-top-k >= 0 and --rl-top-p in [0, 1], got "
+                             f"{self.rl_temperature}, {self.rl_top_k} and {self.rl_top_p}")
         if self.reward_timeout <= 0:
             raise ValueError(f"--reward-timeout must be positive, got {self.reward_timeout}")
 

@@ -1,7 +1,13 @@
 """What mega-rl registers with mega, through the entry-point group ``mega``: the built-in rewards,
 by import path (nothing is imported until a run names one)."""
 
-from mega.core.plugins import hookimpl
+from mega.core.plugins import Command, hookimpl
+
+
+@hookimpl
+def register_commands(register):
+    register("rl", Command(help="GRPO post-training on mega's trainer and engine in one process (Megatron-RL's flags)",
+                           main="mega.rl.command:main"))
 
 
 @hookimpl

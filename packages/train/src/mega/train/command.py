@@ -45,6 +45,12 @@ def main(argv: list[str]) -> int:
     if argv == ["--flag-reference"]:
         print(flag_reference_markdown(), end="")
         return 0
+    if "--perform-rl-step" in argv:
+        # Megatron's spelling of RL post-training (train_rl.py --perform-rl-step) is `mega rl`, which
+        # mega-rl registers; train hands the flags over by the command's name (it imports no rl).
+        from mega.core.cli.main import main as mega
+
+        return mega(["rl", *(word for word in argv if word != "--perform-rl-step")])
     if not argv:
         problem = default_run.missing_requirement(get_plugins())
         if problem is not None:

@@ -44,12 +44,19 @@ def sample_counts(run: RunConfig, derived: Derived) -> tuple[int, int, int]:
     return (training.train_iters * batch, evaluations * training.eval_iters * batch, training.eval_iters * batch)
 
 
-def build_datasets(run: RunConfig, derived: Derived, plugins: Plugins) -> tuple[RunConfig, TrainingData]:
-    """The run (its vocabulary now the tokenizer's) and its train/valid/test data."""
+def run_tokenizer(run: RunConfig, plugins: Plugins):
+    """The run (its vocabulary now the tokenizer's), its tokenizer and the tokenizer's spec (both
+    None without --tokenizer-type). Also used by runs that read no dataset (mega rl)."""
     spec = tokenizer_spec(run)
     tokenizer = spec.build(plugins) if spec else None
     if tokenizer is not None:
         run = _with_vocab_size(run, vocabulary_size(run, tokenizer.vocab_size, plugins))
+    return run, tokenizer, spec
+
+
+def build_datasets(run: RunConfig, derived: Derived, plugins: Plugins) -> tuple[RunConfig, TrainingData]:
+    """The run (its vocabulary now the tokenizer's) and its train/valid/test data."""
+    run, tokenizer, spec = run_tokenizer(run, plugins)
     builder = plugins.datasets.get(dataset_name(run, plugins))
     data = builder(DatasetRequest(
         data_path=run.data.data_path, split=run.data.split, seq_length=run.model.seq_length,

@@ -4,12 +4,14 @@ A model's adapters are the parameters marked ``checkpoint_optional`` (added afte
 a run that has them saves only them beside the optimizer (the frozen base is ``--load``'s). Loading
 is in two parts: ``base`` (every parameter but the adapters, weights only) and ``adapters`` (only
 them, with the optimizer and the run's progress).
+What such a checkpoint's metadata says of its adapters and their base: adapter_record.py.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from mega.core.checkpoint.adapter_record import ADAPTER
 from mega.core.checkpoint.metadata import CheckpointError
 from mega.core.checkpoint.state import MODEL, Entries
 
@@ -33,9 +35,9 @@ def restrict_to_part(wanted: Entries, part: str | None, full_names: set[str], in
 def check_adapters_only(path: Path, index: dict, part: str | None, flag: str) -> None:
     """A checkpoint of adapters alone loads only with ``--load-adapter`` (its base from ``--load``)."""
     names = [key for key in index if key.startswith(MODEL)]
-    adapters_only = bool(names) and all(".adapter." in key for key in names)
+    adapters_only = bool(names) and all(ADAPTER in key for key in names)
     if adapters_only and part != "adapters":
         raise CheckpointError(f"{path} holds LoRA adapters alone: give the base model with --load and this "
                               f"checkpoint with --load-adapter")
-    if part == "adapters" and not any(".adapter." in key for key in names):
+    if part == "adapters" and not any(ADAPTER in key for key in names):
         raise CheckpointError(f"{flag} {path} holds no LoRA adapters")

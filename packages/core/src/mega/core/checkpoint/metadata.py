@@ -51,6 +51,9 @@ class CheckpointMetadata:
     # What a converted checkpoint was converted from (mega convert: a Hugging Face directory's
     # architecture, naming, the heads initialised on import), so an export gives back what came in.
     source: dict[str, Any] | None = None
+    # A checkpoint of adapters alone (a LoRA run's): their settings and trainable parameters, and
+    # the base they adapt ({"path", "iteration", "fingerprint"}; adapters.py), else None.
+    adapter: dict[str, Any] | None = None
     # Every tensor the save meant to write -> its global shape (completeness.py checks the index
     # against it); None in checkpoints saved before it was recorded.
     tensors: dict[str, list[int]] | None = None

@@ -17,6 +17,7 @@ PACKAGES = {
     "mega-data": ("packages/data", ("preprocess", "merge-datasets")),
     "mega-ckpt-convert": ("packages/ckpt-convert", ("convert", "lora")),
     "mega-inference": ("packages/inference", ("generate", "serve", "eval", "embed")),
+    "mega-rl": ("packages/rl", ("rl",)),
 }
 
 

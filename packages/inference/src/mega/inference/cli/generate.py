@@ -1,7 +1,9 @@
 """``mega generate``: continue prompts with a checkpoint and print the continuations.
 
-Prompts come from ``--prompt`` (repeatable), ``--prompt-file`` (one per line; ``-`` is stdin),
-or stdin. Every prompt is a request to the engine's one loop (the continuous batching ``mega
+Prompts come from ``--prompt`` (repeatable), ``--prompt-file`` (one per line, or JSON lines;
+``-`` is stdin), or stdin (:mod:`mega.inference.prompt_sources`). With ``--chat`` each is a
+conversation rendered by the checkpoint's chat template (or ``--chat-template``), the one the
+server's chat route renders with (:mod:`mega.inference.chat_template`). Every prompt is a request to the engine's one loop (the continuous batching ``mega
 serve`` runs, here on this thread until every request has finished), so a prompt gets the
 tokens and log-probabilities the server would give it. Under ``torchrun --nproc-per-node N`` the
 model is tensor-parallel over the N ranks; rank 0 reads the prompts and prints.
@@ -14,8 +16,10 @@ import json
 import sys
 
 from mega.core.cli.argparser import CommandParser
+from mega.inference.chat_template import ChatTemplateError, chat_template_file
 from mega.inference.cli.load_arguments import add_decoding_arguments, add_load_arguments
 from mega.inference.completion_text import completion_text
+from mega.inference.prompt_sources import Prompt, PromptError, read_prompts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,12 +27,24 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mega generate",
         description="Continue text prompts with a mega checkpoint or a Hugging Face model directory and "
                     "print each continuation (the prompt with --echo). Prompts: --prompt, --prompt-file, "
-                    "or one per line on stdin.",
+                    "or one per line on stdin; with --chat, conversations rendered by the chat template.",
     )
     add_load_arguments(parser)
     group = parser.add_argument_group("prompts")
     group.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
-    group.add_argument("--prompt-file", metavar="PATH", help="one prompt per line; - reads stdin")
+    group.add_argument("--prompt-file", metavar="PATH",
+                       help="one prompt per line; - reads stdin. With --chat, or a .jsonl file: one JSON object per "
+                            "line, {\"prompt\": TEXT} (newlines and all) or, with --chat, {\"messages\": [{\"role\": "
+                            "..., \"content\": ...}, ...]}")
+    group.add_argument("--chat", action="store_true",
+                       help="render each prompt with the chat template (the checkpoint tokenizer's, or "
+                            "--chat-template) and the assistant's turn opened, as apply_chat_template("
+                            "add_generation_prompt=True): --prompt is a user message (after --system's), "
+                            "--prompt-file and stdin are JSON lines")
+    group.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each --prompt")
+    group.add_argument("--chat-template", metavar="FILE",
+                       help="with --chat: a Jinja chat template (or a tokenizer_config.json holding one) instead "
+                            "of the checkpoint tokenizer's")
     group.add_argument("--add-bos", action="store_true", help="prepend the beginning-of-sequence token")
     group = parser.add_argument_group("generation")
     group.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt (default 64)")
@@ -55,17 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    prompts = list(args.prompt)
-    if args.prompt_file:
-        stream = sys.stdin if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8")
-        with stream:
-            prompts += [line.rstrip("\r\n") for line in stream]
-    elif not prompts:
-        if sys.stdin.isatty():
-            raise SystemExit("mega generate: give --prompt TEXT, --prompt-file PATH, or prompts on stdin")
-        prompts = [line.rstrip("\r\n") for line in sys.stdin]
-    return prompts
+def prompt_texts(prompts: list[Prompt], loaded, template_file: str | None) -> list[str]:
+    """Each prompt's text: a conversation rendered by ``--chat-template`` or the tokenizer's template."""
+    if all(prompt.messages is None for prompt in prompts):
+        return [prompt.text for prompt in prompts]
+    template = loaded.chat_template
+    if template_file:
+        template = chat_template_file(template_file, template.special_tokens if template else None)
+    if template is None:
+        raise ChatTemplateError("--chat: the checkpoint's tokenizer has no chat template (chat_template in "
+                                "tokenizer_config.json, or chat_template.jinja): give --chat-template FILE")
+    return [template.render(prompt.messages) for prompt in prompts]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.temperature >= 0:
         parser.error(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if not args.chat and (args.system is not None or args.chat_template):
+        parser.error("--system and --chat-template need --chat")
     # start-up cost: `mega --help` and the parser stay free of torch and the models
     from mega.inference.cli.engine_setup import setup_engine
     from mega.inference.engine import GenerationError, GenerationRequest
@@ -89,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling = GREEDY if greedy else SamplingParams(args.temperature, args.top_k, args.top_p)
         stop = StopRules(stop_ids=frozenset({tokenizer.eod}), stop_strings=tuple(args.stop),
                          stop_on_eol=args.stop_on_eol, stop_on_double_eol=args.stop_on_double_eol)
-        prompts = read_prompts(args)
+        prompts = prompt_texts(read_prompts(args), setup.loaded, args.chat_template)
         requests = []
         for index, prompt in enumerate(prompts):
             ids = tokenizer.tokenize(prompt)
@@ -109,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 printed += 1
 
         setup.worker.run_to_completion(requests, on_finish=print_in_order, lead_followers=True)
-    except (GenerationError, SamplingError, OSError) as error:
+    except (GenerationError, SamplingError, OSError, PromptError, ChatTemplateError) as error:
         print(f"mega generate: {error}", file=sys.stderr)
         return 2
     finally:

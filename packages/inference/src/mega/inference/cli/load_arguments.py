@@ -19,10 +19,11 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--load", required=True, metavar="PATH", type=existing_path,
                        help="mega checkpoint (save directory or one iteration's directory) or a Hugging "
-                            "Face model directory (with config.json)")
+                            "Face model directory (with config.json); a LoRA run's checkpoint alone loads the base "
+                            "it records, with the adapters merged")
     group.add_argument("--adapter", metavar="DIR", type=existing_path,
                        help="a LoRA run's checkpoint (mega train --lora-rank ... --save DIR) whose adapters are "
-                            "merged into --load's weights as the model loads")
+                            "merged into --load's weights as the model loads; mega serve names the model after it")
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available, "
                        "each torchrun rank its LOCAL_RANK's GPU)")
     group.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",

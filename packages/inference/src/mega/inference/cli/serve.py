@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "decode steps; at least --max-batch-size (default: each prompt prefilled whole)")
     add_decoding_arguments(group, "the paged cache's place (by default without --max-num-tokens; "
                                   "tensor-parallel too); decoder-only models")
+    group.add_argument("--served-model-name", metavar="NAME",
+                       help="the model's name in the API (requests' model, /v1/models); default: the --adapter's "
+                            "directory name, else --load's")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level")
     return parser
@@ -113,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     if setup is None:  # a follower: the leader has stopped serving
         return 0
     worker = setup.worker
-    service = InferenceService(setup.engine, worker, setup.loaded.tokenizer, setup.loaded.name,
-                               chat_template=setup.loaded.chat_template, request_timeout=args.request_timeout,
-                               max_queued_sequences=args.max_num_queued_reqs)
+    loaded = setup.loaded
+    service = InferenceService(setup.engine, worker, loaded.tokenizer, args.served_model_name or loaded.name,
+                               base_model_name=loaded.base_name, chat_template=loaded.chat_template,
+                               request_timeout=args.request_timeout, max_queued_sequences=args.max_num_queued_reqs)
     worker.start()
     try:
         app = create_app(service, api_key=args.api_key, max_body_bytes=args.max_request_bytes)

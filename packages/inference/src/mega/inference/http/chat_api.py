@@ -18,7 +18,7 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mega.inference.chat_template import ChatTemplateError
+from mega.inference.chat_template import ChatTemplateError, template_messages
 from mega.inference.completion_text import TextStream, completion_text
 from mega.inference.engine import GenerationRequest, GenerationResult
 from mega.inference.engine.stopping import StopRules
@@ -44,11 +44,7 @@ class Message(BaseModel):
     name: str | None = None
 
     def as_template_input(self) -> dict:
-        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
-        message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
-        return message
+        return template_messages([self.model_dump(exclude_none=True)])[0]
 
 
 class ChatRequest(SamplingFields):

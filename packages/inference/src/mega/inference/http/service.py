@@ -35,6 +35,7 @@ class InferenceService:
     worker: EngineWorker
     tokenizer: object  # mega.core.tokenizer.Tokenizer
     model_name: str
+    base_model_name: str | None = None  # with an adapter merged in: the base it adapts (/v1/models' parent)
     chat_template: object | None = None  # mega.inference.chat_template.ChatTemplate
     request_timeout: float | None = None  # seconds a request may take (--request-timeout), else none
     max_queued_sequences: int | None = None  # --max-num-queued-reqs, else no bound

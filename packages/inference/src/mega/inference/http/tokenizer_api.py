@@ -21,6 +21,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "mega"
     max_model_len: int
+    parent: str | None = Field(None, description="an adapter's base model (as vLLM lists a LoRA adapter)")
 
 
 class ModelList(BaseModel):
@@ -68,9 +69,10 @@ def tokenizer_router(service: InferenceService) -> APIRouter:
     started = int(time.time())
 
     def card() -> ModelCard:
-        return ModelCard(id=service.model_name, created=started, max_model_len=service.max_positions)
+        return ModelCard(id=service.model_name, created=started, max_model_len=service.max_positions,
+                         parent=service.base_model_name)
 
-    @router.get("/v1/models", response_model=ModelList, summary="the served model (OpenAI's list)")
+    @router.get("/v1/models", response_model=ModelList, summary="the served model (OpenAI's list); an adapter's names its base as parent")
     async def models() -> ModelList:
         return ModelList(data=[card()])
 

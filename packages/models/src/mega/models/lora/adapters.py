@@ -86,6 +86,9 @@ class LoRAAdapter(nn.Module):
         super().__init__()
         self.style, self.group, self.sequence_parallel = style, group, sequence_parallel
         self.scale = settings.scale
+        # What a checkpoint of this run records of its adapters (mega.core.checkpoint.adapters).
+        self.adapter_settings = {"method": "lora", "rank": settings.rank, "alpha": settings.alpha,
+                                 "dropout": settings.dropout, "targets": list(settings.targets)}
         # alpha / rank travels with the adapter in checkpoints (export and merge read it).
         self.register_buffer("scaling", torch.tensor([settings.scale], dtype=torch.float32, device=device))
         self.dropout = nn.Dropout(settings.dropout)

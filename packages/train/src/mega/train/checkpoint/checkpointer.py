@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mega.core.checkpoint import rng, space
+from mega.core.checkpoint.adapter_record import adapter_record, base_record
 from mega.core.checkpoint.adapters import check_adapters_only, restrict_to_part
 from mega.core.checkpoint.completeness import check_complete, confirm_written, union_over_ranks
 from mega.core.checkpoint.config import CheckpointConfig
@@ -102,6 +103,7 @@ class Checkpointer:
         self._pending: tuple[Future, float] | None = None  # a background save and when it began
         self._executor: ThreadPoolExecutor | None = None
         self._last_saved: int | None = None
+        self._base: dict | None = None  # the base a LoRA run's adapters adapt: the weights --load gave
         # One run saves into a directory at a time (the lock is refused, naming its holder).
         self._lock = SaveDirLock(self.config.save) if self.config.save and self.is_writer else None
 
@@ -139,9 +141,12 @@ class Checkpointer:
         self._barrier()
         rng.write(staging, self.groups.global_rank, saved.rng_tracker)
         settle(saved.chunks, saved.optimizer)
-        entries, description = self._entries_to_save()
+        entries, description, adapters = self._entries_to_save()
         metadata = self._metadata(description)
         metadata.tensors = self._expected_tensors(entries, description)
+        if adapters:  # a LoRA run: what the adapters are, and their base
+            modules = (module for chunk in saved.chunks for module in chunk.modules())
+            metadata.adapter = adapter_record(modules, metadata.tensors, self._base)
         self._last_saved = state.iteration
         groups = self.groups
         needed = space.expected_bytes(save_dir, entries, groups.tp.size * groups.pp.size * groups.cp.size)
@@ -198,7 +203,8 @@ class Checkpointer:
         if self.state.events is not None:
             self.state.events.hook.on_checkpoint(run=state, iteration=state.iteration, path=str(path))
 
-    def _entries_to_save(self) -> tuple[dict, dict | None]:
+    def _entries_to_save(self) -> tuple[dict, dict | None, bool]:
+        """The entries to write, the optimizer state's description, and whether they are adapters alone."""
         saved = self.state
         model = model_entries(saved.chunks, self.groups.tp)
         # A model with adapters (LoRA) saves them alone: its frozen base is --load's.
@@ -208,7 +214,7 @@ class Checkpointer:
         if description is not None:
             entries.update(optimizer_entries(saved.optimizer, saved.chunks, self.groups.tp,
                                              description["state_keys"], description["main_params"]).entries)
-        return entries, description
+        return entries, description, model.adapters
 
     def _expected_tensors(self, entries: dict, description: dict | None) -> dict | None:
         """Every tensor this save must write, named from the model on every rank (gathered onto the
@@ -314,6 +320,8 @@ class Checkpointer:
             state.nan_iterations = metadata.nan_iterations
             self._last_saved = metadata.iteration
             self._restore_rng(path, metadata)
+        if part != "adapters":
+            self._base = base_record(path, metadata)
         self._barrier()
         what = "weights" if weights_only else "weights" + (", optimizer" if with_optimizer else "") + " and run state"
         self._say(f"loaded checkpoint {path} ({what}; saved at iteration {metadata.iteration}, "
@@ -332,6 +340,7 @@ class Checkpointer:
             for warning in getattr(source, "warnings", []):  # tensors left out, heads initialised...
                 self._say(f"warning: {warning}")
         refresh_main_params(saved.optimizer.main_params)
+        self._base = base_record(path, None)
         self._barrier()
         self._say(f"loaded {checkpoint_format.name} {kind} checkpoint {path} (saved at iteration {iteration}): "
                   "weights converted on the fly; optimizer, RNG and data position start fresh at iteration 0")

@@ -1,0 +1,163 @@
+"""``mega rl``: GRPO post-training on mega's trainer and engine in one process.
+
+    mega rl --load CKPT --tokenizer-type ... --prompt-data prompts.jsonl --reward math \\
+            --grpo-group-size 8 --grpo-prompts-per-step 32 --rl-max-new-tokens 512 \\
+            --global-batch-size 64 --train-iters 200 --save out/
+
+Takes ``mega train``'s flags (the model, optimizer, precision, checkpoints; ``--train-iters``
+counts optimizer steps, ``--global-batch-size`` sequences per optimizer step) and the RL flags
+(mega.rl.config). Each GRPO step: the next ``--grpo-prompts-per-step`` prompts ->
+``--grpo-group-size`` completions each from the engine -> rewards -> advantages -> old
+log-probabilities by the trainer -> ``--grpo-iterations`` passes of optimizer steps -> refresh;
+one log line per step. ``--save`` checkpoints carry the prompt position (``rl_state.json``), and
+``--load`` of one continues exactly (the rollout seeds follow from the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from mega.core.checkpoint.directory import iteration_name, read_tracker
+from mega.core.config import ConfigError, add_section
+from mega.core.plugins import PluginError, get_plugins
+from mega.rl.config import RLConfig
+from mega.rl.grpo_step import GRPOSettings, grpo_step
+from mega.rl.policy_engine import PolicyEngine
+from mega.rl.prompts import PromptDataError, PromptIterator, prompt_chat_template, read_prompt_data
+from mega.rl.rewards import RewardPool, RewardSpecError, load_rewards, score
+from mega.rl.rollouts import RolloutEngine, RolloutSampling
+from mega.train.run_parser import parse_run
+
+STATE_FILE = "rl_state.json"
+SEED_STRIDE = 2**20  # rollout seeds of step s: seed + s * SEED_STRIDE + i (i < completions per step)
+
+
+def rl_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mega rl", add_help=False, allow_abbrev=False,
+                                     description="GRPO post-training (Megatron-RL's flags) on mega's trainer and "
+                                                 "engine in one process; every `mega train` flag is accepted too")
+    add_section(parser, "rl", RLConfig, title="reinforcement learning")
+    return parser
+
+
+def split_argv(argv: list[str]) -> tuple[RLConfig, list[str]]:
+    """The RL section from ``argv``, and the rest (``mega train``'s flags)."""
+    namespace, rest = rl_parser().parse_known_args(argv)
+    values = {dest.split(".", 1)[1]: value for dest, value in vars(namespace).items() if dest.startswith("rl.")}
+    return RLConfig(**values), rest
+
+
+def run_rl(argv: list[str], plugins=None) -> list[dict]:
+    """Run ``mega rl ARGV`` in this process; the log of every GRPO step it took."""
+    plugins = plugins or get_plugins()
+    rl, rest = split_argv(argv)
+    run, family = parse_run(rest, plugins)
+    if rl.prompt_data is None:
+        raise ConfigError("mega rl needs --prompt-data FILE.jsonl")
+    if not rl.rl_max_new_tokens:
+        raise ConfigError("mega rl needs --rl-max-new-tokens (the longest completion a rollout generates)")
+    policy = PolicyEngine.from_run(run, family, plugins)
+    run, tokenizer = policy.trainer.run, policy.tokenizer
+    if tokenizer is None:
+        raise ConfigError("mega rl needs a tokenizer (--tokenizer-type ...): prompts are text")
+    if policy.groups.dp.size > 1:
+        raise ConfigError("mega rl runs in one process for now (the engine shares the trainer's parameters)")
+    settings = GRPOSettings.from_config(rl, policy.trainer.derived.global_batch_size)
+    completions = rl.grpo_prompts_per_step * rl.grpo_group_size
+    if completions % settings.global_batch_size:
+        raise ConfigError(f"--grpo-prompts-per-step x --grpo-group-size = {completions} completions per step is not "
+                          f"a multiple of --global-batch-size {settings.global_batch_size}")
+    steps_per_rollout = settings.iterations * completions // settings.global_batch_size
+
+    template = prompt_chat_template(rl.chat_template, run.data.tokenizer_model)
+    prompts = PromptIterator(read_prompt_data(rl.prompt_data, template), seed=run.training.seed)
+    rewards = load_rewards(rl.reward, plugins.rewards)
+    if run.checkpoint.load:
+        _restore(run.checkpoint.load, policy, prompts)
+    engine = RolloutEngine(policy.model, vocab_size=run.model.vocab_size,
+                           max_positions=run.model.max_position_embeddings, tokenizer=tokenizer)
+    seed = rl.rl_seed if rl.rl_seed is not None else run.training.seed
+    sampling = RolloutSampling(max_new_tokens=rl.rl_max_new_tokens, temperature=rl.rl_temperature, top_p=rl.rl_top_p,
+                               top_k=rl.rl_top_k, stop_strings=tuple(rl.rl_stop),
+                               stop_ids=frozenset({tokenizer.eod}), seed=seed)
+
+    try:
+        return _loop(rl, run, policy, engine, prompts, rewards, settings, sampling, steps_per_rollout)
+    finally:
+        policy.close()
+
+
+def _loop(rl, run, policy, engine, prompts, rewards, settings, sampling, steps_per_rollout) -> list[dict]:
+    tokenizer = policy.tokenizer
+    logs = []
+    train_iters, interval = run.training.train_iters, run.checkpoint.save_interval
+    with RewardPool(rl.reward_workers, rl.reward_timeout) as pool:
+        while policy.iteration < train_iters:
+            step = policy.iteration // steps_per_rollout
+            batch = prompts.next_batch(rl.grpo_prompts_per_step)
+            ids = [tokenizer.tokenize(prompt.text) for prompt in batch]
+            counts = {}
+
+            def reward_fn(rollouts, batch=batch, counts=counts):
+                group = rl.grpo_group_size
+                texts = [tokenizer.detokenize([t for t in c if t != tokenizer.eod]) for c in rollouts.completions]
+                scores = score(rewards, pool, [p.text for p in batch for _ in range(group)], texts,
+                               [p.fields for p in batch for _ in range(group)])
+                counts.update({name: dataclasses.asdict(tally) for name, tally in scores.counts.items()})
+                return torch.tensor(scores.total)
+
+            log = grpo_step(policy, engine, ids, reward_fn, settings, sampling, step_seed=step * SEED_STRIDE)
+            log.update(step=step + 1, iteration=policy.iteration, reward_counts=counts)
+            logs.append(log)
+            _print(log)
+            last = policy.iteration >= train_iters
+            if run.checkpoint.save and (last or (interval and policy.iteration % interval < steps_per_rollout)):
+                path = policy.save(run.checkpoint.save)
+                (path / STATE_FILE).write_text(json.dumps({"prompts": prompts.state_dict()}))
+    return logs
+
+
+def _restore(location: str, policy: PolicyEngine, prompts: PromptIterator) -> None:
+    """The prompt position of the checkpoint the trainer has loaded (policy, optimizer, iteration, RNG)."""
+    if read_tracker(Path(location)) is None:
+        return  # nothing saved there yet: start afresh (as mega train)
+    state_file = Path(location) / iteration_name(policy.iteration) / STATE_FILE
+    if not state_file.exists():
+        raise ConfigError(f"{state_file.parent} is not a mega rl checkpoint (no {STATE_FILE}): use it as --load "
+                          "of a fresh run by --finetune, or resume from a mega rl --save")
+    prompts.load_state_dict(json.loads(state_file.read_text())["prompts"])
+
+
+def _print(log: dict) -> None:
+    def number(name, digits=3):
+        value = log.get(name)
+        return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+    failures = sum(c["errors"] + c["timeouts"] + c["non_finite"] for c in log.get("reward_counts", {}).values())
+    print(f"rl step {log['step']} | iteration {log['iteration']} | rollout {number('rollout_s', 2)} s "
+          f"({number('rollout_tokens_per_s', 0)} tokens/s) | logprobs {number('logprobs_s', 2)} s | "
+          f"update {number('update_s', 2)} s | refresh {number('refresh_s', 2)} s | reward {number('reward_mean')} "
+          f"+- {number('reward_std')} | length {number('response_length', 1)} | loss {number('loss', 4)} | "
+          f"clip {number('clip_fraction')} | entropy {number('entropy')} | kl {number('kl')} | "
+          f"logprob gap mean {number('logprob_gap_mean', 6)} max {number('logprob_gap_max', 6)} | "
+          f"reward failures {failures}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    if {"-h", "--help"} & set(argv):
+        rl_parser().print_help()
+        print("\nand every `mega train` flag (mega train --help)")
+        return 0
+    try:
+        run_rl(argv)
+    except (ConfigError, PluginError, PromptDataError, RewardSpecError, ValueError, FileNotFoundError) as error:
+        print(f"mega rl: error: {error}", file=sys.stderr)
+        return 2
+    return 0
