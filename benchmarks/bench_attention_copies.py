@@ -22,7 +22,7 @@ import json
 import torch
 
 from mega.core.build import build_stage
-from mega.models import llama
+from mega.models.llama import family as llama
 from mega.testing.copy_counts import count_copies
 
 

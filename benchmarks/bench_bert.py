@@ -1,7 +1,7 @@
 """The ``bert`` family against Hugging Face on the CPU.
 
 Part 1 (``--part train``): BERT-base forward + backward against ``transformers``'
-``BertForPreTraining`` holding the same weights (mapped by ``mega.models.hf_bert``), at the same
+``BertForPreTraining`` holding the same weights (mapped by ``mega.models.bert.hf_bert``), at the same
 shape and on the same batch: padded samples of mixed lengths, full-vocabulary MLM logits, the
 masked-LM and sentence-order losses, backward. The two alternate step by step; median step time.
 
@@ -36,8 +36,8 @@ import transformers  # noqa: E402
 from mega.core.build import build_stage  # noqa: E402
 from mega.core.model_family import LossContext  # noqa: E402
 from mega.models import hf_mapping  # noqa: E402
-from mega.models.bert import FAMILY  # noqa: E402
-from mega.models.hf_bert import BERT, bert_config  # noqa: E402
+from mega.models.bert.family import FAMILY  # noqa: E402
+from mega.models.bert.hf_bert import BERT, bert_config  # noqa: E402
 
 WORDS = ("the a man woman dog cat eats runs quickly slowly red green house car tree river mountain city "
          "small large old new happy sad bright dark music food water window morning evening winter summer "

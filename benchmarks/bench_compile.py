@@ -19,8 +19,8 @@ import time
 import torch
 
 from mega.core.build import build_stage
-from mega.models.gpt import FAMILY as GPT_FAMILY
-from mega.models.llama import FAMILY as LLAMA_FAMILY
+from mega.models.gpt.family import FAMILY as GPT_FAMILY
+from mega.models.llama.family import FAMILY as LLAMA_FAMILY
 from mega.train.compile import compile_stage
 
 FAMILIES = {"gpt": GPT_FAMILY, "llama": LLAMA_FAMILY}

@@ -1,7 +1,7 @@
 """Optimizer-state bytes of LoRA against full fine-tuning, on LLaMA shapes (bf16 parameters).
 
 Builds each model with mega's LLaMA family, optionally adds rank-R LoRA adapters on every linear
-layer (``mega.models.lora.apply_lora``: the base frozen), wraps it for data parallelism, takes one
+layer (``mega.models.lora.adapters.apply_lora``: the base frozen), wraps it for data parallelism, takes one
 AdamW step through mega's mixed-precision optimizer and reports the bytes the optimizer holds (fp32
 main copies plus Adam's two moments), counted from its tensors after the step.
 
@@ -36,7 +36,7 @@ def state_bytes(size: str, rank: int) -> dict:
     from mega.core.distributed import DDPConfig, DistributedDataParallel
     from mega.core.optim import OptimizerConfig, build_optimizer
     from mega.core.parallel import ParallelConfig, ParallelGroups
-    from mega.models.lora import LoRASettings, apply_lora
+    from mega.models.lora.adapters import LoRASettings, apply_lora
 
     family, config = llama_config(size)
     groups = ParallelGroups(ParallelConfig())

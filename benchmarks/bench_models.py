@@ -24,10 +24,10 @@ import transformers  # noqa: E402
 
 from mega.core.build import build_stage  # noqa: E402
 from mega.models import hf_mapping  # noqa: E402
-from mega.models.gpt import FAMILY as GPT_FAMILY  # noqa: E402
-from mega.models.hf_gpt2 import GPT2, gpt2_config  # noqa: E402
-from mega.models.hf_llama import LLAMA, llama_config  # noqa: E402
-from mega.models.llama import FAMILY as LLAMA_FAMILY  # noqa: E402
+from mega.models.gpt.family import FAMILY as GPT_FAMILY  # noqa: E402
+from mega.models.gpt.hf_gpt2 import GPT2, gpt2_config  # noqa: E402
+from mega.models.llama.family import FAMILY as LLAMA_FAMILY  # noqa: E402
+from mega.models.llama.hf_llama import LLAMA, llama_config  # noqa: E402
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:

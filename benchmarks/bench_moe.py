@@ -44,7 +44,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-2}
 
 
 def moe_config(**overrides):
-    from mega.models.mixtral import PRESETS
+    from mega.models.mixtral.family import PRESETS
 
     return dataclasses.replace(PRESETS["tiny"], hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
                                num_experts=EXPERTS, moe_router_topk=TOPK, **overrides)
@@ -120,8 +120,8 @@ def traffic(tokens_per_rank: int) -> dict:
     from mega.core.kernels import Kernels
     from mega.core.parallel import ParallelConfig, ParallelGroups
     from mega.core.parallel.collectives import CommCounter
+    from mega.models.mixtral.model import shard_experts
     from mega.models.moe.layer import MoELayer
-    from mega.models.moe_model import shard_experts
 
     groups = ParallelGroups(ParallelConfig(ep=4))
     torch.manual_seed(0)

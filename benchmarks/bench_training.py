@@ -28,8 +28,8 @@ import transformers  # noqa: E402
 from bench_models import add_shape_arguments, hf_configs  # noqa: E402  (the same shapes as bench_models)
 
 from mega.core.plugins import hookimpl, load_plugins  # noqa: E402
-from mega.models.hf_gpt2 import gpt2_config  # noqa: E402
-from mega.models.hf_llama import llama_config  # noqa: E402
+from mega.models.gpt.hf_gpt2 import gpt2_config  # noqa: E402
+from mega.models.llama.hf_llama import llama_config  # noqa: E402
 from mega.train.command import parse_run  # noqa: E402
 from mega.train.launch_run import run_training  # noqa: E402
 

@@ -76,8 +76,8 @@ def test_context_parallel_layouts_match_one_process(worlds, tmp_path, family):
 def test_bad_context_parallel_input_names_the_flags():
     from mega.core.config import ConfigError
     from mega.core.parallel import ParallelConfig
+    from mega.models.blocks.context_parallel import check_context_parallel
     from mega.models.config import ModelConfigError
-    from mega.models.context_parallel import check_context_parallel
     from mega.train.command import parse_run
     from mega.train.run_config import derive
 

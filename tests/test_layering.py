@@ -93,6 +93,11 @@ def tree_copy(tmp_path_factory) -> tuple[Path, list[Path]]:
      "no import loop between the modules and sub-packages of a package BROKEN", "No cycles are allowed in mega.data."),
     ("packages/inference/src/mega/inference/http/chat_api.py", "import mega.inference.http.openai_api",
      "the HTTP routers do not import each other BROKEN", "mega.inference.http.chat_api -> mega.inference.http.openai_api"),
+    ("packages/inference/src/mega/inference/engine/worker.py", "import mega.inference.http.guards",
+     "inference by role: the commands above the HTTP layer above the engine BROKEN",
+     "mega.inference.engine.worker -> mega.inference.http.guards"),
+    ("packages/models/src/mega/models/blocks/attention.py", "import mega.models.llama.config",
+     "the shared blocks know no model family BROKEN", "mega.models.blocks.attention -> mega.models.llama.config"),
     ("plugins/apex/src/mega_apex/plugin.py", "import mega.inference",
      "plugins import only the public modules of core and models BROKEN", "mega_apex.plugin -> mega.inference"),
 ])

@@ -30,8 +30,8 @@ from mega.core.build import build_stage
 from mega.core.model_family import LossContext
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.pipeline import forward_backward, setup_tied_weights
-from mega.models.gpt import FAMILY as GPT
-from mega.models.llama import FAMILY as LLAMA
+from mega.models.gpt.family import FAMILY as GPT
+from mega.models.llama.family import FAMILY as LLAMA
 from mega.testing.peak_memory import peak_allocated_bytes
 
 PP, MICROBATCHES, MICRO_BATCH, SEQ, HIDDEN, VOCAB = 4, 8, 2, 64, 64, 512

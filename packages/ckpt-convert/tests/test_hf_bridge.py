@@ -122,7 +122,7 @@ def test_greedy_generation_equals_transformers(case):
 
 def test_mega_generate_prints_transformers_greedy_text(case, capsys):
     """``mega generate`` on the converted checkpoint, prompts of several lengths in one run."""
-    from mega.inference.generate_cli import main as generate_main
+    from mega.inference.cli.generate import main as generate_main
 
     name, hf_model, hf_dir, mega_dir = case
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
@@ -144,7 +144,7 @@ def test_mega_serve_answers_transformers_greedy_tokens(case):
     import httpx
     import uvicorn
 
-    from mega.inference import serve_cli
+    from mega.inference.cli import serve as serve_cli
 
     name, hf_model, _, mega_dir = case
     apps, done, outcome = [], threading.Event(), []
@@ -313,9 +313,9 @@ def test_parameter_count_formula_counts_the_bridged_model(case):
 
 def test_sliding_window_is_refused_with_context_parallelism():
     from mega.core.parallel import ParallelConfig
+    from mega.models.blocks.context_parallel import check_context_parallel
     from mega.models.config import ModelConfigError
-    from mega.models.context_parallel import check_context_parallel
-    from mega.models.family_configs import LlamaConfig
+    from mega.models.llama.config import LlamaConfig
 
     config = LlamaConfig(sliding_window=WINDOW, attention_dropout=0.0)
     with pytest.raises(ModelConfigError, match="--sliding-window 4 with --context-parallel-size 2"):
@@ -328,7 +328,7 @@ def test_export_picks_the_class_that_expresses_a_trained_config():
     Mistral, never a LLaMA that would drop it)."""
     from mega.ckpt_convert.hf_bridge import export_mapping
     from mega.core.plugins import get_plugins
-    from mega.models.family_configs import LlamaConfig
+    from mega.models.llama.config import LlamaConfig
 
     family = get_plugins().models.get("llama")
     from_llama = {"format": "hf", "architecture": "LlamaForCausalLM"}

@@ -23,7 +23,7 @@ from mega.core.build import build_stage  # noqa: E402
 from mega.core.parameter_names import canonical_names  # noqa: E402
 from mega.core.plugins import get_plugins  # noqa: E402
 from mega.models.hf_mapping import mega_to_hf  # noqa: E402
-from mega.models.lora import LoRASettings, adapter_parameters, apply_lora  # noqa: E402
+from mega.models.lora.adapters import LoRASettings, adapter_parameters, apply_lora  # noqa: E402
 
 SEQ = 12
 

@@ -207,7 +207,7 @@ def test_mega_serve_completions_equal_transformers(hf_model, converted, monkeypa
 
     httpx = pytest.importorskip("httpx")
     uvicorn = pytest.importorskip("uvicorn")
-    from mega.inference import serve_cli
+    from mega.inference.cli import serve as serve_cli
 
     servers = []
 

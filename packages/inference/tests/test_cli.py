@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from mega.core.plugins import get_plugins  # noqa: E402
-from mega.inference.generate_cli import main as generate_main  # noqa: E402
+from mega.inference.cli.generate import main as generate_main  # noqa: E402
 
 PROMPTS = ["Hello world, this is", "The quick brown fox"]
 NEW_TOKENS = 6
@@ -135,9 +135,9 @@ def test_generate_errors_are_clear(checkpoints, capsys, tmp_path):
 
 def test_commands_are_registered_without_importing_torch():
     entry = get_plugins().commands.entry("generate")
-    assert entry.target.main == "mega.inference.generate_cli:main"
-    assert get_plugins().commands.entry("serve").target.main == "mega.inference.serve_cli:main"
-    from mega.inference.serve_cli import build_parser
+    assert entry.target.main == "mega.inference.cli.generate:main"
+    assert get_plugins().commands.entry("serve").target.main == "mega.inference.cli.serve:main"
+    from mega.inference.cli.serve import build_parser
 
     args = build_parser().parse_args(["--load", "."])
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 5000, None)

@@ -109,7 +109,7 @@ def test_v1_embeddings_refuses_what_it_cannot_embed(client):
 
 
 def test_mega_embed_writes_the_embeddings_and_refuses_bad_lines(tmp_path, capsys):
-    from mega.inference.embed_cli import main
+    from mega.inference.cli.embed import main
 
     inputs = tmp_path / "inputs.jsonl"
     inputs.write_text("\n".join(json.dumps(item) for item in [SENTENCES[0], {"text": SENTENCES[2]}, SENTENCES[3]]))
@@ -134,7 +134,7 @@ def test_mega_embed_writes_the_embeddings_and_refuses_bad_lines(tmp_path, capsys
 def test_mega_serve_on_an_encoder_serves_embeddings(monkeypatch):
     import uvicorn
 
-    from mega.inference.serve_cli import main
+    from mega.inference.cli.serve import main
 
     served = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **settings: served.update(app=app, **settings))
@@ -207,7 +207,7 @@ def embeddings_of_url(url: str, headers: dict) -> int:
 def test_mega_serve_on_an_encoder_honours_max_request_bytes(monkeypatch):
     import uvicorn
 
-    from mega.inference.serve_cli import main
+    from mega.inference.cli.serve import main
 
     served = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **settings: served.update(app=app, **settings))

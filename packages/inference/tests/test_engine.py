@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest  # noqa: E402
 from mega.inference.engine.sampling import SamplingParams  # noqa: E402
 from mega.inference.engine.stopping import StopRules  # noqa: E402
-from mega.models.kv_cache import KVCache  # noqa: E402
+from mega.models.blocks.kv_cache import KVCache  # noqa: E402
 
 EOS = VOCAB - 1
 PAD = 0

@@ -17,7 +17,7 @@ from tiny_models import hf_byte_level_directory  # noqa: E402
 transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
-from mega.inference.eval_cli import main as eval_main  # noqa: E402
+from mega.inference.cli.eval import main as eval_main  # noqa: E402
 from mega.inference.eval_tasks import overlapping_windows  # noqa: E402
 
 POSITIONS = 64

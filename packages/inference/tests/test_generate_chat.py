@@ -19,7 +19,7 @@ from tiny_models import BYTE_VOCAB, hf_byte_level_directory  # noqa: E402
 transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
-from mega.inference.generate_cli import main as generate_main  # noqa: E402
+from mega.inference.cli.generate import main as generate_main  # noqa: E402
 
 NEW_TOKENS = 6
 OTHER_TEMPLATE = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"

@@ -122,7 +122,7 @@ def test_the_key_is_checked_before_the_body_on_every_route_in_any_scheme_case(pa
 
 
 def test_an_empty_api_key_is_refused_at_start(monkeypatch, tmp_path):
-    from mega.inference.serve_cli import main
+    from mega.inference.cli.serve import main
 
     with pytest.raises(SystemExit, match="API key .*is empty"):
         main(["--load", str(tmp_path), "--api-key", ""])

@@ -18,7 +18,7 @@ from test_continuous import run_staggered  # noqa: E402
 from mega.core.build import build_stage  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
 from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
-from mega.models.deepseek_v3 import FAMILY, PRESETS  # noqa: E402
+from mega.models.deepseek_v3.family import FAMILY, PRESETS  # noqa: E402
 
 
 def test_continuous_batching_paged_and_static_caches_decode_as_each_alone():

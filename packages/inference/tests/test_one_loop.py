@@ -53,7 +53,7 @@ def served(llama_dir):
     import httpx
     import uvicorn
 
-    from mega.inference import serve_cli
+    from mega.inference.cli import serve as serve_cli
 
     apps, done, outcome = [], threading.Event(), []
 
@@ -87,7 +87,7 @@ def served(llama_dir):
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_generate_equals_serve(llama_dir, served, sampling, capsys):
-    from mega.inference.generate_cli import main as generate_main
+    from mega.inference.cli.generate import main as generate_main
 
     flags = ["--greedy"] if sampling == "greedy" else ["--temperature", "0.8", "--top-k", "20", "--seed", "11"]
     argv = ["--load", str(llama_dir), "--device", "cpu", *TOKENIZER, "--max-tokens", str(NEW_TOKENS), "--json",

@@ -146,7 +146,7 @@ def test_chunked_prefill_equals_whole_prefill(engine, prefix_caching, static):
 
 
 def test_serve_refuses_flags_that_cannot_work_together(tmp_path, capsys, monkeypatch):
-    from mega.inference.serve_cli import build_parser, main
+    from mega.inference.cli.serve import build_parser, main
 
     for argv, words in [(["--max-num-batched-tokens", "4", "--max-batch-size", "8"], "at least --max-batch-size"),
                         (["--max-model-len", "0"], "--max-model-len must be positive"),

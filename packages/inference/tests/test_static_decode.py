@@ -42,9 +42,9 @@ def test_static_kv_cache_is_on_by_default_on_cuda_only(tmp_path):
     import pytest
     import torch
 
+    from mega.inference.cli.generate import build_parser
     from mega.inference.engine import GenerationError
     from mega.inference.engine.slot_kv_cache import static_kv_cache_wanted
-    from mega.inference.generate_cli import build_parser
 
     def wanted(flags: list[str], device: str, tp: int = 1) -> bool:
         args = build_parser().parse_args(["--load", str(tmp_path), *flags])
@@ -63,9 +63,9 @@ def test_serve_runs_the_static_kv_cache_by_default_on_cuda_under_continuous_batc
     import pytest
     import torch
 
+    from mega.inference.cli.engine_setup import static_kv_cache
+    from mega.inference.cli.serve import build_parser
     from mega.inference.engine import GenerationError
-    from mega.inference.engine_setup import static_kv_cache
-    from mega.inference.serve_cli import build_parser
 
     def static(flags: list[str], device: str) -> bool:
         return static_kv_cache(build_parser().parse_args(["--load", str(tmp_path), *flags]), torch.device(device))

@@ -23,7 +23,7 @@ pytest.importorskip("uvicorn")
 import httpx  # noqa: E402
 
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec  # noqa: E402
-from mega.inference.generate_cli import main as generate_main  # noqa: E402
+from mega.inference.cli.generate import main as generate_main  # noqa: E402
 
 VOCAB, NEW_TOKENS = 100, 6
 EOD = VOCAB - 1

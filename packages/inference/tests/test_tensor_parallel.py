@@ -68,12 +68,12 @@ def serve_continuously(weights, family_name: str, tp: int):
     import asyncio
 
     from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.inference.cli.engine_setup import build_worker
+    from mega.inference.cli.serve import build_parser
     from mega.inference.engine import GenerationEngine
     from mega.inference.engine.continuous import ContinuousBatchingWorker
     from mega.inference.engine.tp_serving import lead
     from mega.inference.engine.worker import Job
-    from mega.inference.engine_setup import build_worker
-    from mega.inference.serve_cli import build_parser
 
     groups = ParallelGroups(ParallelConfig(tp=tp))
     model, config = mega_from_hf_weights(*weights, family_name, groups)
@@ -143,7 +143,7 @@ def generate_command(directory: str) -> str:
     import contextlib
     import io
 
-    from mega.inference.generate_cli import main
+    from mega.inference.cli.generate import main
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

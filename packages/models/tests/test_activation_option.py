@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from mega.core.kernels import Kernels
-from mega.models import gpt, variant
+from mega.models import variant
+from mega.models.blocks.mlp import MLP
 from mega.models.config import MLP_ACTIVATIONS, ModelConfigError, TransformerConfig
-from mega.models.mlp import MLP
+from mega.models.gpt import family as gpt
 from mega.models.torch_kernels import activation as torch_activation
 
 EXPECTED = {  # torch's own functions (Megatron's squared_relu is relu(x)**2)

@@ -16,9 +16,11 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from mega.core.build import build_stage
-from mega.models import deepseek_v3, gpt, llama
+from mega.models.blocks.rope import rotary_cos_sin
 from mega.models.config import TransformerConfig
-from mega.models.rope import rotary_cos_sin
+from mega.models.deepseek_v3 import family as deepseek_v3
+from mega.models.gpt import family as gpt
+from mega.models.llama import family as llama
 from mega.models.torch_kernels import apply_rotary
 from mega.testing.copy_counts import count_copies
 

@@ -1,5 +1,5 @@
 """One device, fp32: mega's ``bert`` family computes what Hugging Face's ``BertForPreTraining``
-and ``BertForMaskedLM`` compute from the same weights (mapped by mega.models.hf_bert), on a
+and ``BertForMaskedLM`` compute from the same weights (mapped by mega.models.bert.hf_bert), on a
 padded batch of mixed lengths: last hidden states at the real tokens, MLM logits, the binary
 head's logits, and Megatron's losses. Plus the family's config, flags and formulas."""
 
@@ -17,11 +17,11 @@ from mega.core.build import build_stage  # noqa: E402
 from mega.core.model_family import LossContext  # noqa: E402
 from mega.core.plugins import get_plugins  # noqa: E402
 from mega.models import hf_mapping  # noqa: E402
-from mega.models.bert import FAMILY, bert_floating_point_operations, bert_num_parameters  # noqa: E402
-from mega.models.bert_config import BertConfig  # noqa: E402
+from mega.models.bert.config import BertConfig  # noqa: E402
+from mega.models.bert.family import FAMILY, bert_floating_point_operations, bert_num_parameters  # noqa: E402
+from mega.models.bert.hf_bert import BERT, bert_config, bert_hf_config  # noqa: E402
 from mega.models.config import ModelConfigError  # noqa: E402
 from mega.models.flops import num_floating_point_operations  # noqa: E402
-from mega.models.hf_bert import BERT, bert_config, bert_hf_config  # noqa: E402
 
 BATCH, SEQ, VOCAB = 3, 12, 250
 LENGTHS = (12, 7, 3)  # mixed lengths, padded to SEQ

@@ -13,7 +13,7 @@ from mega.core.kernels import KernelBackendError, get_kernel_backend, select_bac
 from mega.core.model_family import ModelFamily
 from mega.core.plugins import get_plugins, hookimpl, load_plugins
 from mega.models.config import ModelConfigError, TransformerConfig
-from mega.models.gpt import PRESETS as GPT_PRESETS
+from mega.models.gpt.family import PRESETS as GPT_PRESETS
 
 GPT_TINY = GPT_PRESETS["tiny"]
 

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from mega.models.deepseek_v3 import PRESETS
+from mega.models.deepseek_v3.family import PRESETS
 from mega.models.moe.routing import aux_loss_scores, choose_experts, updated_expert_bias
 
 moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")

@@ -1,4 +1,4 @@
-"""Megatron's fusions (mega.models.fusions) equal their unfused forms in fp32 to 1e-6, forward
+"""Megatron's fusions (mega.models.blocks.fusions) equal their unfused forms in fp32 to 1e-6, forward
 and gradients. CPU: the functions run as written (on a GPU the same functions are compiled)."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from mega.core.kernels import Kernels
 from mega.core.parallel.cross_entropy import cross_entropy
-from mega.models import fusions, torch_kernels
+from mega.models import torch_kernels
+from mega.models.blocks import fusions
+from mega.models.blocks.mlp import MLP
 from mega.models.config import TransformerConfig
-from mega.models.mlp import MLP
 
 TOLERANCE = dict(rtol=1e-6, atol=1e-6)
 

@@ -1,6 +1,6 @@
 """One device, fp32: mega's GPT and LLaMA compute what Hugging Face's GPT-2 and LLaMA compute,
-given the same weights mapped by the families' Hugging Face mappings (mega.models.hf_gpt2,
-mega.models.hf_llama)."""
+given the same weights mapped by the families' Hugging Face mappings (mega.models.gpt.hf_gpt2,
+mega.models.llama.hf_llama)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ transformers = pytest.importorskip("transformers")
 
 from mega.core.build import build_stage  # noqa: E402
 from mega.models import hf_mapping  # noqa: E402
-from mega.models.gpt import FAMILY as GPT_FAMILY  # noqa: E402
-from mega.models.hf_gpt2 import GPT2, gpt2_config, gpt2_hf_config  # noqa: E402
-from mega.models.hf_llama import LLAMA, llama_config, llama_hf_config  # noqa: E402
-from mega.models.llama import FAMILY as LLAMA_FAMILY  # noqa: E402
+from mega.models.gpt.family import FAMILY as GPT_FAMILY  # noqa: E402
+from mega.models.gpt.hf_gpt2 import GPT2, gpt2_config, gpt2_hf_config  # noqa: E402
+from mega.models.llama.family import FAMILY as LLAMA_FAMILY  # noqa: E402
+from mega.models.llama.hf_llama import LLAMA, llama_config, llama_hf_config  # noqa: E402
 
 BATCH, SEQ = 2, 16
 
@@ -105,8 +105,8 @@ def test_mappings_round_trip_exactly():
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_configs_round_trip_through_hugging_face(family):
     """mega config -> config.json -> mega config is the identity on what the model computes."""
-    from mega.models.gpt import PRESETS as GPT_PRESETS
-    from mega.models.llama import PRESETS as LLAMA_PRESETS
+    from mega.models.gpt.family import PRESETS as GPT_PRESETS
+    from mega.models.llama.family import PRESETS as LLAMA_PRESETS
 
     if family == "gpt2":
         configs, to_hf, from_hf = [GPT_PRESETS["125m"]], gpt2_hf_config, gpt2_config
@@ -117,8 +117,8 @@ def test_configs_round_trip_through_hugging_face(family):
 
 
 def test_configs_hugging_face_cannot_express_are_refused():
-    from mega.models.gpt import PRESETS as GPT_PRESETS
-    from mega.models.llama import PRESETS as LLAMA_PRESETS
+    from mega.models.gpt.family import PRESETS as GPT_PRESETS
+    from mega.models.llama.family import PRESETS as LLAMA_PRESETS
 
     with pytest.raises(ValueError, match="GPT2LMHeadModel cannot express.*position_embedding_type.*swiglu"):
         gpt2_hf_config(LLAMA_PRESETS["tiny"])

@@ -1,4 +1,4 @@
-"""LoRA adapters (mega.models.lora): a fresh adapter leaves the logits unchanged, merged adapters
+"""LoRA adapters (mega.models.lora.adapters): a fresh adapter leaves the logits unchanged, merged adapters
 give the unmerged logits, only adapters train, bad targets name the flag, and at tp2 (with and
 without sequence parallelism) the loss and every adapter gradient equal one process's (fp32); the
 same world checks packed rows at tp2 with sequence parallelism and at cp2 (test_packed_sequences.py)."""
@@ -34,7 +34,7 @@ def tiny(family_name, groups=None, parallel=ParallelConfig()):
 
 
 def settings(targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")):
-    from mega.models.lora import LoRASettings
+    from mega.models.lora.adapters import LoRASettings
 
     return LoRASettings(rank=4, alpha=8.0, targets=targets)
 
@@ -49,7 +49,7 @@ def randomize_adapters(model, tp=None):
     """Give every A and B values from its global name, so the adapters change the function."""
     from mega.core.parallel.layers import shard_of
     from mega.core.parallel.param_attrs import is_tensor_parallel
-    from mega.models.lora import adapter_parameters
+    from mega.models.lora.adapters import adapter_parameters
 
     for name, param in adapter_parameters(model).items():
         split = tp is not None and is_tensor_parallel(param)
@@ -61,7 +61,7 @@ def randomize_adapters(model, tp=None):
 
 
 def test_fresh_adapters_change_nothing_and_merge_exactly():
-    from mega.models.lora import apply_lora, merge_lora
+    from mega.models.lora.adapters import apply_lora, merge_lora
 
     ids, _ = tokens()
     for family_name in FAMILIES:
@@ -79,7 +79,7 @@ def test_fresh_adapters_change_nothing_and_merge_exactly():
 
 
 def test_only_adapters_train():
-    from mega.models.lora import apply_lora
+    from mega.models.lora.adapters import apply_lora
 
     model = tiny("llama")
     apply_lora(model, settings(("linear_qkv", "linear_fc2")), SEED)
@@ -96,7 +96,7 @@ def test_only_adapters_train():
 
 
 def test_bad_targets_name_the_flag():
-    from mega.models.lora import LoRAError, apply_lora, lora_targets
+    from mega.models.lora.adapters import LoRAError, apply_lora, lora_targets
 
     with pytest.raises(LoRAError, match="--lora-target-modules linear_q: not a LoRA target"):
         lora_targets(["linear_qkv", "linear_q"])
@@ -111,7 +111,7 @@ def test_bad_targets_name_the_flag():
 
 
 def loss_and_adapter_grads(family_name, groups=None, parallel=ParallelConfig()):
-    from mega.models.lora import adapter_parameters, apply_lora
+    from mega.models.lora.adapters import adapter_parameters, apply_lora
 
     model = tiny(family_name, groups, parallel)
     apply_lora(model, settings(), SEED)

@@ -12,10 +12,10 @@ import torch
 
 from mega.core.build import build_stage
 from mega.core.parallel import ParallelConfig
-from mega.models.gpt import FAMILY as GPT_FAMILY
-from mega.models.gpt import PRESETS as GPT
-from mega.models.llama import FAMILY as LLAMA_FAMILY
-from mega.models.llama import PRESETS as LLAMA
+from mega.models.gpt.family import FAMILY as GPT_FAMILY
+from mega.models.gpt.family import PRESETS as GPT
+from mega.models.llama.family import FAMILY as LLAMA_FAMILY
+from mega.models.llama.family import PRESETS as LLAMA
 from mega.models.memory import stage_footprint, stage_parameters
 from mega.testing.saved_activations import saved_activation_bytes
 
@@ -58,7 +58,7 @@ def test_stages_add_up_to_the_model(family):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "deepseek-v3"])
 def test_moe_families_memory_model_matches_one_process(family, dtype):
-    """CPU, one process: the MoE families' memory model (mega.models.moe_memory) against what a
+    """CPU, one process: the MoE families' memory model (mega.models.mixtral.memory) against what a
     whole model's forward and loss save (DeepSeek-V3: MLA, its dense first layer, the shared
     experts and the MTP module's losses) and the parameters it holds."""
     from mega.core.plugins import get_plugins

@@ -11,8 +11,8 @@ import types
 import torch
 
 from mega.core.build import build_stage
-from mega.models.deepseek_v3 import FAMILY, PRESETS
-from mega.models.kv_cache import KVCache
+from mega.models.blocks.kv_cache import KVCache
+from mega.models.deepseek_v3.family import FAMILY, PRESETS
 from mega.models.moe.expert_bias import ExpertBiasUpdate
 from mega.models.moe.layer import MoELayer
 from mega.models.moe.routing import updated_expert_bias

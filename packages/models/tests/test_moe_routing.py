@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from mega.models.mixtral import PRESETS
+from mega.models.mixtral.family import PRESETS
 from mega.models.moe.routing import route
 
 moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
@@ -64,7 +64,7 @@ def test_sequence_aux_loss_matches_megatron_core():
 
 
 def test_presets_size_and_flops():
-    from mega.models.moe_model import num_moe_floating_point_operations, num_moe_parameters
+    from mega.models.mixtral.model import num_moe_floating_point_operations, num_moe_parameters
 
     config = PRESETS["8x7b"]
     # Mixtral-8x7B: 46.7B parameters, 12.9B active per token (Mistral AI's figures).

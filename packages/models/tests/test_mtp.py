@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from mega.core.build import build_stage
 from mega.core.model_family import LossContext
-from mega.models.deepseek_v3 import FAMILY, PRESETS
+from mega.models.deepseek_v3.family import FAMILY, PRESETS
 
 CONFIG = dataclasses.replace(PRESETS["tiny"], vocab_size=256, seq_length=12, mtp_num_layers=2,
                              mtp_loss_scaling_factor=0.3)

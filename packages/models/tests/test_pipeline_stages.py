@@ -9,8 +9,8 @@ import torch
 from mega.core.build import build_stage
 from mega.core.model_family import Stage
 from mega.core.pipeline.tied import tied_parameters
-from mega.models.gpt import FAMILY as GPT
-from mega.models.llama import FAMILY as LLAMA
+from mega.models.gpt.family import FAMILY as GPT
+from mega.models.llama.family import FAMILY as LLAMA
 
 FAMILIES = {"gpt": GPT, "llama": LLAMA}
 

@@ -9,8 +9,8 @@ import torch
 from mega.core.build import build_stage
 from mega.core.parallel import ParallelConfig
 from mega.models.flops import num_floating_point_operations
-from mega.models.gpt import FAMILY as GPT
-from mega.models.llama import FAMILY as LLAMA
+from mega.models.gpt.family import FAMILY as GPT
+from mega.models.llama.family import FAMILY as LLAMA
 from mega.models.parameter_count import num_parameters
 
 # Published sizes: GPT-3 paper (nominal), Hugging Face model cards (exact).
@@ -43,7 +43,7 @@ def test_analytical_count_equals_the_module_built_on_meta(family):
 
 def test_llama_counts_equal_hugging_face_models_on_meta():
     transformers = pytest.importorskip("transformers")
-    from mega.models.hf_llama import llama_config
+    from mega.models.llama.hf_llama import llama_config
 
     shapes = {"llama2-7b": (4096, 11008, 32, 32, 32, 32000), "llama3-8b": (4096, 14336, 32, 32, 8, 128256)}
     for preset, (hidden, ffn, layers, heads, groups, vocab) in shapes.items():

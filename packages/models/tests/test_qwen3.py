@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from mega.core.build import build_stage  # noqa: E402
 from mega.models import hf_mapping  # noqa: E402
-from mega.models.hf_qwen3 import QWEN3, qwen3_config, qwen3_hf_config  # noqa: E402
-from mega.models.qwen3 import FAMILY, PRESETS  # noqa: E402
+from mega.models.qwen3.family import FAMILY, PRESETS  # noqa: E402
+from mega.models.qwen3.hf_qwen3 import QWEN3, qwen3_config, qwen3_hf_config  # noqa: E402
 
 BATCH, SEQ, VOCAB = 2, 16, 300
 

@@ -9,8 +9,8 @@ import torch
 from mega.core.build import build_stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.random import MODEL_PARALLEL, RNGStatesTracker
-from mega.models.gpt import FAMILY as GPT
-from mega.models.llama import FAMILY as LLAMA
+from mega.models.gpt.family import FAMILY as GPT
+from mega.models.llama.family import FAMILY as LLAMA
 
 RECOMPUTE = {
     "full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),

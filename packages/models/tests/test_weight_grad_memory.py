@@ -19,11 +19,11 @@ from mega.core.build import build_stage
 from mega.core.model_family import LossContext
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.weight_grad_split import deferring_weight_grads
-from mega.models.deepseek_v3 import FAMILY as DEEPSEEK
-from mega.models.gpt import FAMILY as GPT
-from mega.models.llama import FAMILY as LLAMA
-from mega.models.mixtral import FAMILY as MIXTRAL
-from mega.models.qwen3 import FAMILY as QWEN3
+from mega.models.deepseek_v3.family import FAMILY as DEEPSEEK
+from mega.models.gpt.family import FAMILY as GPT
+from mega.models.llama.family import FAMILY as LLAMA
+from mega.models.mixtral.family import FAMILY as MIXTRAL
+from mega.models.qwen3.family import FAMILY as QWEN3
 from mega.testing.held_for_w import bytes_held_for_w
 
 SEQ, MICRO_BATCH = 32, 2

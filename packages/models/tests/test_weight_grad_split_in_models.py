@@ -10,9 +10,9 @@ import torch
 from mega.core.kernels import Kernels
 from mega.core.parallel.grad_accumulation_fusion import Linear
 from mega.core.parallel.weight_grad_split import deferring_weight_grads, run_weight_grads
+from mega.models.blocks.recompute import recomputed
 from mega.models.moe.experts import GroupedExperts
 from mega.models.moe.grouped_mlp import grouped_swiglu_mlp
-from mega.models.recompute import recomputed
 
 
 def test_grouped_experts_defer_their_weight_gradients():

@@ -82,8 +82,8 @@ def test_norms_equal_torch(setup, kind):
 
 @pytest.mark.parametrize("positions", ["shared", "per sequence"])
 def test_rotary_equals_torch_and_leaves_its_input_alone(setup, positions):
+    from mega.models.blocks.rope import rotary_cos_sin
     from mega.models.config import TransformerConfig
-    from mega.models.rope import rotary_cos_sin
 
     backend, device, dtype, tolerance = setup
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, position_embedding_type="rope")
@@ -166,8 +166,8 @@ def test_fused_linear_cross_entropy_refusals(monkeypatch):
     from mega.core.model_family import Stage
     from mega.core.parallel import ParallelConfig
     from mega.core.plugins import get_plugins
+    from mega.models.blocks.language_model import LanguageModel
     from mega.models.config import TransformerConfig
-    from mega.models.language_model import LanguageModel
     from mega.train.command import parse_run
     from mega.train.run_config import derive
 

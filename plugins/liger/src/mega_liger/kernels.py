@@ -91,7 +91,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class LigerAngles:
     """Liger's ``cos``/``sin`` ``[batch or 1, seq, d]`` (both halves) from mega's ``[seq, batch or
     1, 1..., d / 2]``, made once per model forward: the model hands every layer views of the same
-    two tensors (mega.models.rope), so the last ones made serve until those tensors change. Held
+    two tensors (mega.models.blocks.rope), so the last ones made serve until those tensors change. Held
     by a weak reference to the model's tensors: a new forward's angles are new tensors."""
 
     def __init__(self):

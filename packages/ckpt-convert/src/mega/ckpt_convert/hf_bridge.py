@@ -1,7 +1,7 @@
 """The generic bridge: Hugging Face decoders that are LLaMA with known variations, read and written
 as the ``llama`` family without a mapping of their own.
 
-Each bridged architecture is LLaMA's layout (:mod:`mega.models.hf_llama`: q/k/v interleaved per
+Each bridged architecture is LLaMA's layout (:mod:`mega.models.llama.hf_llama`: q/k/v interleaved per
 query group, SwiGLU's ``[gate; up]``, rotate-half RoPE, its RoPE kinds) plus a few switches of
 the shared blocks, read from its config.json and written back to it:
 
@@ -25,9 +25,9 @@ from typing import Any
 
 from mega.core.model_family import HFMapping, ModelFamily, TensorMap
 from mega.models.config import TransformerConfig
-from mega.models.family_configs import LlamaConfig
-from mega.models.hf_llama import llama_config, llama_hf_config, llama_tensor_maps
 from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless, same
+from mega.models.llama.config import LlamaConfig
+from mega.models.llama.hf_llama import llama_config, llama_hf_config, llama_tensor_maps
 
 # The family every bridged model is in mega: its config class and blocks take the switches.
 BRIDGE_FAMILY = "llama"

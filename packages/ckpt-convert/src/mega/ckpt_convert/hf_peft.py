@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mega.models.lora import merged_weight
+from mega.models.lora.adapters import merged_weight
 
 ADAPTER = ".adapter."
 PEFT_PREFIX = "base_model.model."

@@ -42,10 +42,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mega.core.config import ConfigError
+from mega.core.config.parser import known_flags
 from mega.core.parallel.config import ParallelConfig
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.core.pipeline.partition import split_layers
 from mega.core.pipeline.tensor_spec import TensorSpec  # noqa: F401  (part of the family contract: ``boundary``)
+from mega.core.plugins import PluginError
 from mega.core.setup_passes import ModelSetup, Phase, SetupPass, per_chunk
 
 if TYPE_CHECKING:
@@ -326,3 +329,43 @@ class ModelFamily:
     def whole_model(self, config: Any) -> Stage:
         """The one stage that holds the whole model (one process, inference, conversion)."""
         return self.pipeline_stages(config, 1, 1)[0]
+
+
+def check_features(family: ModelFamily, asked: Mapping[str, tuple[str, str]], families) -> None:
+    """Fail, naming the flag, when a flag asks for a feature ``family`` lacks; ``asked`` maps each
+    set flag to (feature, what it needs in words), as its own section says (e.g.
+    ``ParallelConfig.features_asked``); ``families`` (the models registry) names the ones that have it."""
+    for flag, (feature, needs) in asked.items():
+        if feature not in family.features:
+            offering = [name for name in families.names() if feature in families.get(name).features]
+            where = f"families that have it: {', '.join(offering)}" if offering else "none is installed"
+            raise ConfigError(f"{flag} {needs}; {family.name!r} is not one ({where})")
+
+
+# The features a flag may ask of a family (ModelFamily.features), in words: (what it is, who has it).
+FEATURES = {"moe": ("mixture of experts", "an MoE model family"),
+            "context_parallel": ("context parallelism", "a model family with context parallelism")}
+
+
+def check_flag_of_other_families(flag: str, family: ModelFamily, families) -> None:
+    """A flag ``family``'s config does not declare but the configs of families with a feature it
+    lacks do (``--num-experts`` on gpt: the MoE flags are the MoE families' own) fails naming that
+    feature, not as an unknown flag. ``families``: the models registry (each family is loaded)."""
+    owners = [other for other in map(_loaded_or_none(families), families.names())
+              if other is not None and flag in known_flags({"model": other.config_class})]
+    missing = sorted(frozenset.intersection(*(other.features for other in owners)) - family.features) if owners else []
+    if missing:
+        what, who = FEATURES.get(missing[0], (missing[0], f"a model family with {missing[0]}"))
+        raise ConfigError(f"{flag} ({what}) needs {who}; {family.name!r} is not one "
+                          f"(families that have it: {', '.join(other.name for other in owners)})")
+
+
+def _loaded_or_none(families):
+    """``families.get`` where a family that fails to load (a broken or duplicate plugin) is None:
+    the unknown-flag error that follows names that failure, not this check."""
+    def get(name):
+        try:
+            return families.get(name)
+        except PluginError:
+            return None
+    return get

@@ -28,7 +28,7 @@ from mega.core.plugins import PluginError, get_plugins
 from mega.core.process_group import distributed_env
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
 from mega.inference.chat_template import find_chat_template
-from mega.inference.load_arguments import DTYPE_NAMES
+from mega.inference.dtypes import DTYPE_NAMES
 
 HF_FORMAT = "hf"  # the registered checkpoint format that reads Hugging Face directories
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -72,8 +72,8 @@ def load_from_args(args: argparse.Namespace, groups: ParallelGroups, plugins=Non
                         tokenizer_spec=tokenizer_spec, plugins=plugins)
     if adapter is not None:
         # start-up cost: the LoRA code is imported only when an adapter is served
-        from mega.models.lora import LoRAError
-        from mega.models.lora_load import merge_adapter_at_load
+        from mega.models.lora.adapters import LoRAError
+        from mega.models.lora.load import merge_adapter_at_load
 
         try:
             merge_adapter_at_load(loaded.model, adapter, loaded.family_name, groups)

@@ -13,10 +13,14 @@ from mega.core.model_family import HFMapping, LossContext, ModelFamily, Parallel
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.context_parallel import sequence_mean
 from mega.core.setup_passes import ModelSetup
+from mega.models.blocks.language_model import (
+    LanguageModel,
+    fused_linear_cross_entropy,
+    per_token_cross_entropy,
+)
 from mega.models.config import TransformerConfig
 from mega.models.flops import num_floating_point_operations
 from mega.models.initialization import init_parameter
-from mega.models.language_model import LanguageModel, fused_linear_cross_entropy, per_token_cross_entropy
 from mega.models.memory import stage_footprint
 from mega.models.parallel_plan import tensor_parallel_plan, with_fused_mlps
 from mega.models.parallelize import transformer_passes

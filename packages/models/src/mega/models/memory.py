@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from mega.core.footprint import StageFootprint
 from mega.core.parallel import ParallelConfig
+from mega.models.blocks.recompute import layer_runs
 from mega.models.config import TransformerConfig
-from mega.models.recompute import layer_runs
 
 FP32, INT64 = 4, 8
 

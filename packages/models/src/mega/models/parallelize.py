@@ -9,7 +9,7 @@ chunk and of exactly what it needs (groups, config, flags), changes modules in p
 every parameter name (checkpoints depend on them). The dense transformer's (:func:`transformer_passes`):
 
 * ``EXPERT_PARALLEL`` (mixtures of experts only): the experts this rank keeps
-  (:func:`mega.models.moe_model.apply_expert_parallel`; the layers route over the groups they
+  (:func:`mega.models.mixtral.model.apply_expert_parallel`; the layers route over the groups they
   were built with).
 * ``TENSOR_PARALLEL``, one pass in this order: the family's plan
   (:func:`mega.core.parallel.tensor_parallel.apply_tensor_parallel` ``(stage, plan, groups,
@@ -43,12 +43,12 @@ from mega.core.parallel.param_attrs import mark_sequence_parallel
 from mega.core.parallel.plan import PlanStyle
 from mega.core.parallel.tensor_parallel import apply_tensor_parallel
 from mega.core.setup_passes import ModelSetup, Phase, SetupPass, per_chunk
-from mega.models.attention import SelfAttention
+from mega.models.blocks.attention import SelfAttention
+from mega.models.blocks.context_parallel import ContextParallelAttention, check_context_parallel
+from mega.models.blocks.layer_stack import LayerStack
+from mega.models.blocks.mla import MultiLatentAttention
+from mega.models.blocks.recompute import layer_runs
 from mega.models.config import TransformerConfig
-from mega.models.context_parallel import ContextParallelAttention, check_context_parallel
-from mega.models.layer_stack import LayerStack
-from mega.models.mla import MultiLatentAttention
-from mega.models.recompute import layer_runs
 
 # The self-attention modules whose core the recompute and context-parallel passes set up.
 ATTENTIONS = (SelfAttention, MultiLatentAttention)
@@ -109,7 +109,7 @@ def apply_head_norm_grad_sum(stage: nn.Module, groups: ParallelGroups) -> None:
 
 def apply_recompute(stage: nn.Module, config: TransformerConfig, rng_tracker, training: bool) -> None:
     """``--recompute-granularity full``: each layer stack recomputes the runs of layers
-    :func:`~mega.models.recompute.layer_runs` chooses; ``selective``: each self-attention
+    :func:`~mega.models.blocks.recompute.layer_runs` chooses; ``selective``: each self-attention
     recomputes its core. Recomputed regions replay ``rng_tracker``'s streams, so dropout draws
     the same masks again. Nothing is recomputed in a stage that is not trained."""
     for stack in modules_of(stage, LayerStack):

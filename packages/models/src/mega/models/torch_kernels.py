@@ -193,7 +193,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     the arithmetic runs in ``x``'s dtype. ``x`` may be a strided view (the query heads of the
     grouped QKV output, ``[seq, batch, groups, queries per group, head_dim]``): the result is a
     fresh contiguous tensor of ``x``'s shape, so the view costs no copy of its own."""
-    # A no-op where the model handed cos/sin in x's dtype (once per forward, mega.models.rope).
+    # A no-op where the model handed cos/sin in x's dtype (once per forward, mega.models.blocks.rope).
     return _Rotate.apply(x, cos.to(x.dtype), sin.to(x.dtype))
 
 

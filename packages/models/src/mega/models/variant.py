@@ -1,6 +1,7 @@
 """Deriving a family: the same model with other config defaults, under a name of its own.
 
-    from mega.models import gpt, variant
+    from mega.models import variant
+    from mega.models.gpt import family as gpt
 
     FAMILY = variant(gpt.FAMILY, "gpt-relu", activation="relu", description="GPT with a ReLU MLP")
 

@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mega.core.checkpoint.config import CheckpointConfig  # noqa: F401  (a section of the run, declared with checkpoints)
+from mega.core.config import ConfigError
 from mega.core.config.options import option
-from mega.core.kernels import select_backends
+from mega.core.fp8_recipes import DELAYED, check_fp8_flags
+from mega.core.kernels import KernelBackendError, Kernels, check_linear_loss, select_backends
 from mega.core.optim.config import OptimizerConfig  # noqa: F401  (a section of the run, declared with the optimizer)
+from mega.core.plugins import PluginError
 
 
 @dataclass
@@ -121,6 +124,44 @@ class PrecisionConfig:
     def dtype_name(self) -> str:
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
+    def kernel_request(self) -> str | None:
+        """What a precision flag that picks the kernel backends (--use-flash-attn, --transformer-impl
+        transformer_engine) needs, in words, for KernelConfig.check to say when it is missing."""
+        if self.use_flash_attn:
+            return "--use-flash-attn needs the flash-attn kernel plugin and a GPU"
+        if self.transformer_impl == "transformer_engine":
+            return f"--transformer-impl transformer_engine needs {TRANSFORMER_ENGINE}"
+        return None
+
+    def check_kernel_features(self, kernels_name: str | None, plugins) -> None:
+        """The FP8 and overlap flags find a kernel backend with what they need, before any work."""
+        check_fp8_flags(self, kernels_name, plugins)
+        backend = kernels_name and plugins.kernel_backends.get(kernels_name)
+        for flag, (feature, asked) in KERNEL_FLAGS.items():
+            if feature == "fp8" and self.fp8_recipe != DELAYED:
+                continue  # current scaling: check_fp8_flags found the backend with the recipe
+            if asked(self) and feature not in getattr(backend, "features", ()):
+                raise ConfigError(f"{flag} needs {TRANSFORMER_ENGINE}, or another kernel backend with {feature}")
+        if self.fp8_param_gather and self.fp8 is None:
+            raise ConfigError("--fp8-param-gather needs --fp8-format (FP8 parameters serve FP8 compute)")
+        if self.fp8_param_gather:
+            # Megatron builds TE's weights as FP8 tensors (fp8_model_init) and its distributed optimizer
+            # casts its fp32 shards into their FP8 bytes and all-gathers those (cast_master_weights_to_fp8);
+            # mega's keeps parameters in their own dtype, so there is nothing FP8 to gather yet.
+            raise ConfigError("--fp8-param-gather is not supported: it needs FP8 parameter tensors "
+                              "(te.pytorch.fp8_model_init) gathered as FP8 bytes by the distributed optimizer, "
+                              "which gathers bf16/fp32 parameters only; drop the flag (--fp8-format still "
+                              "computes in FP8)")
+
+
+TRANSFORMER_ENGINE = "NVIDIA Transformer Engine on a GPU (the mega-transformer-engine kernel plugin, --kernels transformer-engine)"
+# Flags that need a kernel backend with a capability (KernelBackend.features), and when they are set.
+KERNEL_FLAGS = {
+    "--fp8-hybrid": ("fp8", lambda precision: precision.fp8_hybrid),
+    "--fp8-format": ("fp8", lambda precision: precision.fp8_format is not None),
+    "--tp-comm-overlap": ("tp_comm_overlap", lambda precision: precision.tp_comm_overlap),
+}
+
 
 @dataclass
 class DataConfig:
@@ -220,12 +261,15 @@ class KernelConfig:
         """Kind -> backend name; every chosen backend checked usable here (see select_backends)."""
         return select_backends(self.kernels, self.overrides(), plugins)
 
+    def check(self, tp: int, plugins, requested_by: str | None = None) -> None:
+        """Every chosen backend is usable here, and the output layer's fused loss (if any) fits
+        ``tp``; ``requested_by`` says what the precision flag that chose them needs (PrecisionConfig.kernel_request)."""
+        try:
+            check_linear_loss(Kernels(self.selection(plugins), plugins), tp)
+        except (KernelBackendError, PluginError) as error:
+            raise ConfigError(f"{requested_by or '--kernels / --*-backend'}: {error}") from None
 
-@dataclass
-class MoEConfig:
-    num_experts: int | None = option(None, "experts per MoE layer")
-    moe_router_topk: int = option(2, "experts each token is routed to")
-    moe_router_load_balancing_type: Literal["aux_loss", "none"] = option("aux_loss", "load balancing")
-    moe_aux_loss_coeff: float = option(0.0, "auxiliary load-balancing loss weight")
-    moe_grouped_gemm: bool = option(False, "grouped GEMM for experts")
-    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = option("allgather", "token dispatcher")
+    def check_compile(self, model) -> None:
+        if self.compile and getattr(model, "recompute_granularity", None) == "selective":
+            raise ConfigError("--compile with --recompute-granularity selective (or --recompute-activations): dynamo "
+                              "cannot trace the recompute's RNG-tracker context; use full recompute or none")

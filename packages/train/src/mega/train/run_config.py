@@ -13,21 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from mega.core.config import ConfigError
-from mega.core.fp8_recipes import DELAYED, check_fp8_flags
-from mega.core.kernels import KernelBackendError, Kernels, check_linear_loss
+from mega.core.model_family import check_features
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.context_parallel import check_sequence_length
 from mega.core.parallel.fsdp_config import DataParallelConfig, check_sharding
 from mega.core.pipeline.config import PipelineConfig
 from mega.core.pipeline.layout import layers_per_stage, layout_stage_count
 from mega.core.pipeline.schedule_table import V_SCHEDULES
-from mega.core.plugins import PluginError, get_plugins
+from mega.core.plugins import get_plugins
 from mega.train.config import (
     CheckpointConfig,
     DataConfig,
     KernelConfig,
     LoggingConfig,
-    MoEConfig,
     OptimizerConfig,
     PrecisionConfig,
     TrainingConfig,
@@ -43,15 +41,14 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
-    "moe": MoEConfig,
     "kernels": KernelConfig,
 }
 
 
 def run_sections(model_config_class: type) -> dict[str, type]:
     """The model section then the others; a section whose every field the model's config declares
-    itself (an MoE family's config holds --num-experts and the --moe-* flags) is left to the model,
-    so each flag is declared once."""
+    itself is left to the model, so each flag is declared once. (The MoE flags, --num-experts and
+    --moe-*, are the MoE families' own: see mega.core.model_family.check_flag_of_other_families.)"""
     model_fields = {field.name for field in dataclasses.fields(model_config_class)}
     return {"model": model_config_class,
             **{name: cls for name, cls in SECTIONS.items()
@@ -70,7 +67,6 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
-    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
     # The options plugins declare, by plugin name: run_config.plugins["loss_csv"] (see
     # mega.core.plugins.options); empty where the run was not parsed from flags or TOML.
@@ -196,78 +192,16 @@ def _kernels_with_megatron_shorthands(run: RunConfig) -> KernelConfig:
     return kernels
 
 
-# Features a flag may ask of the model family (ModelFamily.features): the feature, what the
-# flag asks for in words, and whether the run asks for it.
-FEATURE_FLAGS = {
-    "--num-experts": ("moe", "(mixture of experts) needs an MoE model family",
-                      lambda run: bool(getattr(run.model, "num_experts", None) or run.moe.num_experts)),
-    "--expert-model-parallel-size": ("moe", "> 1 needs an MoE model family", lambda run: run.parallel.ep > 1),
-    "--expert-tensor-parallel-size": ("moe", "needs an MoE model family", lambda run: run.parallel.etp is not None),
-    "--context-parallel-size": ("context_parallel", "> 1 needs a model family with context parallelism",
-                                lambda run: run.parallel.cp > 1),
-}
-# Flags that need a kernel backend with a capability (KernelBackend.features), and what they need.
-KERNEL_FLAGS = {
-    "--fp8-hybrid": ("fp8", lambda run: run.precision.fp8_hybrid),
-    "--fp8-format": ("fp8", lambda run: run.precision.fp8_format is not None),
-    "--tp-comm-overlap": ("tp_comm_overlap", lambda run: run.precision.tp_comm_overlap),
-}
-TRANSFORMER_ENGINE = "NVIDIA Transformer Engine on a GPU (the mega-transformer-engine kernel plugin, --kernels transformer-engine)"
-
-
 def check_supported(run: RunConfig, family=None, plugins=None) -> None:
-    """Fail, naming the flag and what is missing, for what this installation cannot run: the
-    registries (model family features, kernel backends, optimizers) are asked, nothing is assumed."""
+    """Fail, naming the flag and what is missing, for what this installation cannot run. Each section
+    checks its own flags, asking the registries (model family features, kernel backends, optimizers)
+    and assuming nothing; the model's config checks its own in :func:`derive`."""
     if plugins is None:
         plugins = get_plugins()
     family = family or plugins.models.get(run.training.model_family)
-    for flag, (feature, needs, asked) in FEATURE_FLAGS.items():
-        if asked(run) and feature not in family.features:
-            offering = [name for name in plugins.models.names() if feature in plugins.models.get(name).features]
-            where = f"families that have it: {', '.join(offering)}" if offering else "none is installed"
-            raise ConfigError(f"{flag} {needs}; {family.name!r} is not one ({where})")
-    precision, kernels = run.precision, run.kernels
-    try:
-        check_linear_loss(Kernels(kernels.selection(plugins), plugins), run.parallel.tp)
-    except (KernelBackendError, PluginError) as error:
-        if precision.use_flash_attn:
-            raise ConfigError(f"--use-flash-attn needs the flash-attn kernel plugin and a GPU: {error}") from None
-        if precision.transformer_impl == "transformer_engine":
-            raise ConfigError(f"--transformer-impl transformer_engine needs {TRANSFORMER_ENGINE}: {error}") from None
-        raise ConfigError(f"--kernels / --*-backend: {error}") from None
-    check_fp8_flags(precision, kernels.kernels, plugins)
-    for flag, (feature, asked) in KERNEL_FLAGS.items():
-        if feature == "fp8" and precision.fp8_recipe != DELAYED:
-            continue  # current scaling: check_fp8_flags found the backend with the recipe
-        backend = kernels.kernels and plugins.kernel_backends.get(kernels.kernels)
-        if asked(run) and feature not in getattr(backend, "features", ()):
-            raise ConfigError(f"{flag} needs {TRANSFORMER_ENGINE}, or another kernel backend with {feature}")
-    if run.optimizer.optimizer not in plugins.optimizers:
-        raise ConfigError(f"--optimizer {run.optimizer.optimizer!r} is not registered; optimizers: "
-                          f"{', '.join(plugins.optimizers.names())}")
-    # An optimizer that needs a library or a GPU says so, like a kernel backend, before any work.
-    usable, missing = getattr(plugins.optimizers.get(run.optimizer.optimizer), "is_available", lambda: (True, ""))()
-    if not usable:
-        raise ConfigError(f"--optimizer {run.optimizer.optimizer} is not available: {missing}")
-    if run.kernels.compile and getattr(run.model, "recompute_granularity", None) == "selective":
-        raise ConfigError("--compile with --recompute-granularity selective (or --recompute-activations): dynamo "
-                          "cannot trace the recompute's RNG-tracker context; use full recompute or none")
-    if precision.fp8_param_gather and precision.fp8 is None:
-        raise ConfigError("--fp8-param-gather needs --fp8-format (FP8 parameters serve FP8 compute)")
-    if precision.fp8_param_gather:
-        # Megatron builds TE's weights as FP8 tensors (fp8_model_init) and its distributed optimizer
-        # casts its fp32 shards into their FP8 bytes and all-gathers those (cast_master_weights_to_fp8);
-        # mega's keeps parameters in their own dtype, so there is nothing FP8 to gather yet.
-        raise ConfigError("--fp8-param-gather is not supported: it needs FP8 parameter tensors "
-                          "(te.pytorch.fp8_model_init) gathered as FP8 bytes by the distributed optimizer, "
-                          "which gathers bf16/fp32 parameters only; drop the flag (--fp8-format still "
-                          "computes in FP8)")
-    if run.optimizer.cpu_optimizer:
-        raise ConfigError("--cpu-optimizer: optimizer offloading is not available in this version")
-    checkpoint = run.checkpoint
-    if checkpoint.save_interval is not None and checkpoint.save_interval < 1:
-        raise ConfigError(f"--save-interval must be a positive number of iterations, got {checkpoint.save_interval}")
-    if checkpoint.keep_last is not None and checkpoint.keep_last < 1:
-        raise ConfigError(f"--keep-last must be at least 1, got {checkpoint.keep_last}")
-    if (checkpoint.save_interval or checkpoint.async_save or checkpoint.keep_last) and not checkpoint.save:
-        raise ConfigError("--save-interval, --async-save and --keep-last need --save DIR")
+    check_features(family, run.parallel.features_asked(), plugins.models)
+    run.kernels.check(run.parallel.tp, plugins, requested_by=run.precision.kernel_request())
+    run.precision.check_kernel_features(run.kernels.kernels, plugins)
+    run.optimizer.check_available(plugins)
+    run.kernels.check_compile(run.model)
+    run.checkpoint.check()

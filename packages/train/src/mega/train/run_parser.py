@@ -17,6 +17,7 @@ from mega.core.checkpoint.saved_model import SavedModel, check_family, check_run
 from mega.core.cli.argparser import CommandParser
 from mega.core.config import ConfigError, add_section, parse
 from mega.core.config.parser import known_flags, tomllib
+from mega.core.model_family import check_flag_of_other_families
 from mega.core.plugins import PluginError, get_plugins
 from mega.core.plugins.failed_options import FailedPluginOptions, add_failed_plugins_help
 from mega.core.plugins.install_hint import repository_package
@@ -99,6 +100,10 @@ def parse_run(argv: list[str], plugins=None):
     plugin_options = plugin_sections(sections, plugins)
     parser = build_parser(family.config_class, family_name, plugins, plugin_options)
     options = {name: cls for name, (cls, _) in plugin_options.items()}
+    known = {option for action in parser._actions for option in action.option_strings}
+    for flag in dict.fromkeys(word.split("=", 1)[0] for word in argv if word.startswith("--")):
+        if flag not in known:
+            check_flag_of_other_families(flag, family, plugins.models)
     configs = parse(argv, {**sections, **options}, parser, bases=bases, explain=FailedPluginOptions(plugins))
     run = RunConfig(**{name: configs[name] for name in sections}, plugins={name: configs[name] for name in options})
     if saved is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from mega.core.config import ConfigError
 from mega.core.config.options import option
 
 
@@ -35,3 +36,12 @@ class CheckpointConfig:
     async_save: bool = option(False, "write checkpoints in the background")
     verify_checksums: bool = option(True, "do not compare the loaded checkpoint's files with their checksums "
                                     "(saves reading a huge checkpoint twice)", flag="--no-verify-checksums")
+
+    def check(self) -> None:
+        """The checkpoint flags' own combinations, before any work."""
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ConfigError(f"--save-interval must be a positive number of iterations, got {self.save_interval}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ConfigError(f"--keep-last must be at least 1, got {self.keep_last}")
+        if (self.save_interval or self.async_save or self.keep_last) and not self.save:
+            raise ConfigError("--save-interval, --async-save and --keep-last need --save DIR")

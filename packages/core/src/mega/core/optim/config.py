@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from mega.core.config import ConfigError
 from mega.core.config.options import option
 
 
@@ -62,3 +63,15 @@ class OptimizerConfig:
             raise ValueError(f"--muon-momentum must be in [0, 1), got {self.muon_momentum}")
         if self.muon_lr is not None and self.muon_lr <= 0:
             raise ValueError(f"--muon-lr must be > 0, got {self.muon_lr}")
+
+    def check_available(self, plugins) -> None:
+        """--optimizer is registered and usable here (one that needs a library or a GPU says so, like a
+        kernel backend, before any work)."""
+        if self.optimizer not in plugins.optimizers:
+            raise ConfigError(f"--optimizer {self.optimizer!r} is not registered; optimizers: "
+                              f"{', '.join(plugins.optimizers.names())}")
+        usable, missing = getattr(plugins.optimizers.get(self.optimizer), "is_available", lambda: (True, ""))()
+        if not usable:
+            raise ConfigError(f"--optimizer {self.optimizer} is not available: {missing}")
+        if self.cpu_optimizer:
+            raise ConfigError("--cpu-optimizer: optimizer offloading is not available in this version")

@@ -50,6 +50,15 @@ class ParallelConfig:
         """The experts' tensor-parallel size (``etp``, default ``tp``)."""
         return self.tp if self.etp is None else self.etp
 
+    def features_asked(self) -> dict[str, tuple[str, str]]:
+        """The flags set here that need a feature of the model family (``ModelFamily.features``):
+        flag -> (feature, what the flag needs in words); see ``mega.core.model_family.check_features``."""
+        asked = {"--expert-model-parallel-size": ("moe", "> 1 needs an MoE model family", self.ep > 1),
+                 "--expert-tensor-parallel-size": ("moe", "needs an MoE model family", self.etp is not None),
+                 "--context-parallel-size": ("context_parallel", "> 1 needs a model family with context "
+                                             "parallelism", self.cp > 1)}
+        return {flag: (feature, needs) for flag, (feature, needs, set_) in asked.items() if set_}
+
     def data_parallel_size(self, world_size: int) -> int:
         self.validate(world_size)
         return world_size // (self.tp * self.cp * self.pp)

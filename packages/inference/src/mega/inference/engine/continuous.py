@@ -53,12 +53,12 @@ import torch
 
 from mega.inference.engine.decode_step import DecodeStep, record_logprobs
 from mega.inference.engine.kv_caches import PagedSequenceCache, SequenceCache, SlotSequenceCache
+from mega.inference.engine.metrics import ServerMetrics
 from mega.inference.engine.prefix_cache import prefix_keys
 from mega.inference.engine.requests import GenerationError, GenerationRequest, ending
 from mega.inference.engine.sampling import Sampler
 from mega.inference.engine.slot_kv_cache import DecodeGraphs
 from mega.inference.engine.worker import EngineWorker, QueuedSequence
-from mega.inference.metrics import ServerMetrics
 
 BLOCK_SIZE = 16
 PREFILL_TOKENS = 4096  # padded prompt tokens in one prefill forward (bounds its activations)

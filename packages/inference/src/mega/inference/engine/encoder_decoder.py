@@ -26,6 +26,7 @@ import torch
 
 from mega.core.parallel import Group
 from mega.inference.engine.generation_engine import EngineBase
+from mega.inference.engine.metrics import ServerMetrics
 from mega.inference.engine.requests import (
     FinishCallback,
     GenerationError,
@@ -35,7 +36,6 @@ from mega.inference.engine.requests import (
     ending,
 )
 from mega.inference.engine.worker import EngineWorker, QueuedSequence
-from mega.inference.metrics import ServerMetrics
 from mega.models.t5.model import DecoderCache
 
 # T5's decoder starts from the padding token (Hugging Face's decoder_start_token_id).

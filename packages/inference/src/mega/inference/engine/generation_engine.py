@@ -93,7 +93,7 @@ class EngineBase:
 class GenerationEngine(EngineBase):
     """Generates with ``model``: a whole decoder (first and last stage) in eval mode, tensor-parallel
     over ``tp_group`` or not, whose forward takes ``inference_cache`` and ``logits_to_keep`` (as
-    :class:`mega.models.language_model.LanguageModel`'s does). ``vocab_size``: the real
+    :class:`mega.models.blocks.language_model.LanguageModel`'s does). ``vocab_size``: the real
     vocabulary (padded rows are never chosen); ``max_positions``: the longest sequence (prompt
     and generation) the model takes; ``tokenizer``: for stop strings and end-of-line rules."""
 

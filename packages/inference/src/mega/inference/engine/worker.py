@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from mega.core.parallel import Group
 from mega.inference.engine.decode_step import DecodingSequence
 from mega.inference.engine.loop_mailbox import mailbox_for
+from mega.inference.engine.metrics import ServerMetrics
 from mega.inference.engine.requests import FinishCallback, GenerationRequest, GenerationResult, TokenCallback
 from mega.inference.engine.tp_serving import lead, receive
-from mega.inference.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 

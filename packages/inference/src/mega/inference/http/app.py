@@ -17,7 +17,7 @@ from mega.inference.http.guards import MAX_BODY_BYTES, OPEN_PATHS, ApiKeyGuard, 
 def create_base_app(title: str, description: str, model_name: str, routers: Sequence[APIRouter], metrics=None,
                     api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """``routers`` behind the API key (when one is given) and the body limit, with ``/health`` and
-    ``/v1/health`` open; ``metrics`` (a :class:`~mega.inference.metrics.ServerMetrics`) counts
+    ``/v1/health`` open; ``metrics`` (a :class:`~mega.inference.engine.metrics.ServerMetrics`) counts
     every request."""
     if api_key is not None and not api_key:
         raise ValueError("the API key must not be empty (leave it out to serve without one)")

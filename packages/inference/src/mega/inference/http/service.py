@@ -52,7 +52,7 @@ class InferenceService:
 
     @property
     def metrics(self):
-        """The worker's :class:`~mega.inference.metrics.ServerMetrics`."""
+        """The worker's :class:`~mega.inference.engine.metrics.ServerMetrics`."""
         return self.worker.metrics
 
     @property

@@ -6,7 +6,7 @@ Written for one device with Megatron-Core's module names; tensor parallelism spl
 is read from the activations, never the config. Attention runs with the config's ``softmax_scale``:
 1 for T5, which folds 1/sqrt(d) into its initialisation; 1/sqrt(d) for Megatron-Core's T5.
 
-Generation (:mod:`mega.models.kv_cache`): self-attention appends to a per-layer cache;
+Generation (:mod:`mega.models.blocks.kv_cache`): self-attention appends to a per-layer cache;
 cross-attention computes the encoder's keys and values once and keeps them in the cache.
 """
 
@@ -17,9 +17,9 @@ from torch import nn
 
 from mega.core.kernels import AttentionMask, Kernels
 from mega.core.model_family import ParallelContext
-from mega.models.attention import CoreAttention
-from mega.models.layer_stack import PreNormLayer
-from mega.models.norms import build_norm
+from mega.models.blocks.attention import CoreAttention
+from mega.models.blocks.layer_stack import PreNormLayer
+from mega.models.blocks.norms import build_norm
 from mega.models.t5.config import T5Config
 
 # --feed-forward-proj -> the activation kernel applied to fc1's output (its gate half when gated).

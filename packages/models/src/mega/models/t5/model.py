@@ -34,14 +34,14 @@ from mega.core.kernels import AttentionMask, Kernels
 from mega.core.model_family import ParallelContext, Stage
 from mega.core.parallel import ParallelConfig
 from mega.core.parallel.param_attrs import mark_padded_vocab
-from mega.models.embedding import Embedding
-from mega.models.kv_cache import KVCache, LayerKVCache
-from mega.models.layer_stack import LayerStack, check_layers
-from mega.models.norms import build_norm
+from mega.models.blocks.embedding import Embedding
+from mega.models.blocks.kv_cache import KVCache, LayerKVCache
+from mega.models.blocks.layer_stack import LayerStack, check_layers
+from mega.models.blocks.norms import build_norm
+from mega.models.blocks.tied_embedding import stage_embedding, tie_output_layer
 from mega.models.t5.config import T5Config
 from mega.models.t5.layers import DecoderLayer, EncoderLayer
 from mega.models.t5.relative_position import RelativePositionBias
-from mega.models.tied_embedding import stage_embedding, tie_output_layer
 
 
 class LMHead(nn.Module):

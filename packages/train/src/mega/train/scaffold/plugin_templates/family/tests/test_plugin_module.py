@@ -4,7 +4,7 @@ import torch
 
 from mega.core.build import build_stage
 from mega.core.plugins import get_plugins
-from mega.models import gpt
+from mega.models.gpt import family as gpt
 
 
 def test_the_family_computes_what_gpt_with_a_relu_mlp_computes():

@@ -1,0 +1,120 @@
+"""What ``mega generate`` and ``mega serve`` both do first: join torchrun's ranks (if any) as one
+tensor-parallel group, load the model, make the engine and its loop (the one worker both run:
+:func:`build_worker`), and set the followers following."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from mega.core.checkpoint import CheckpointError
+from mega.core.parallel import Group, ParallelConfig, ParallelGroups
+from mega.core.process_group import init_distributed
+from mega.inference.cli.load_arguments import compile_backend
+from mega.inference.engine import GenerationEngine, GenerationError
+from mega.inference.engine.continuous import ContinuousBatchingWorker
+from mega.inference.engine.encoder_decoder import (
+    EncoderDecoderEngine,
+    EncoderDecoderWorker,
+    is_encoder_decoder,
+)
+from mega.inference.engine.slot_kv_cache import static_kv_cache_wanted
+from mega.inference.engine.tp_serving import lead, receive
+from mega.inference.engine.worker import EngineWorker
+from mega.inference.loader import LoadedModel, LoadError, load_from_args
+
+
+@dataclass
+class EngineSetup:
+    engine: GenerationEngine
+    loaded: LoadedModel
+    tp_group: Group
+    worker: EngineWorker
+
+
+def static_kv_cache(args: argparse.Namespace, device, decoder_only: bool = True) -> bool:
+    """Whether the loop decodes on the static KV cache: as ``--static-kv-cache`` asks, else on
+    CUDA (tensor-parallel too) unless ``--max-num-tokens`` sizes a paged cache."""
+    requested = args.static_kv_cache
+    if requested is None and getattr(args, "max_num_tokens", None) is not None:
+        requested = False
+    return static_kv_cache_wanted(requested, device, decoder_only, "for decoder-only models")
+
+
+def build_worker(args: argparse.Namespace, engine) -> EngineWorker:
+    """The loop ``mega generate`` and ``mega serve`` submit to, built alike on the leader and on
+    every follower: continuous batching for a decoder (its cache as the flags say), batches of
+    encoded prompts for an encoder-decoder model. A flag the model's loop cannot take raises
+    :class:`GenerationError` naming it."""
+    encoder_decoder = is_encoder_decoder(engine.model)
+    static = static_kv_cache(args, engine.device, not encoder_decoder)
+    if encoder_decoder:
+        if getattr(args, "enable_prefix_caching", None) or getattr(args, "max_num_batched_tokens", None) is not None:
+            raise GenerationError("--enable-prefix-caching and --max-num-batched-tokens run for decoder-only models")
+        return EncoderDecoderWorker(engine, args.max_batch_size)
+    return ContinuousBatchingWorker(engine, args.max_batch_size, getattr(args, "max_num_tokens", None),
+                                    static_cache=static,
+                                    use_cuda_graphs=args.cuda_graphs and engine.device.type == "cuda",
+                                    prefix_caching=getattr(args, "enable_prefix_caching", None) is not False,
+                                    max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+                                    compile_backend=compile_backend(args) if static else None)
+
+
+def load_on_ranks(args: argparse.Namespace, command: str) -> tuple[LoadedModel, ParallelGroups]:
+    """Join torchrun's ranks (if any) as one tensor-parallel group and load ``--load`` at that
+    size; a model that cannot be loaded ends ``mega <command>`` with one line naming the problem."""
+    init_distributed()
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    groups = ParallelGroups(ParallelConfig(tp=world))
+    try:
+        return load_from_args(args, groups), groups
+    except (LoadError, CheckpointError) as error:
+        raise SystemExit(f"mega {command}: error: {error}") from None
+
+
+def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup | None:
+    """The engine and its worker for ``mega <command>`` on the leading rank; None on the other
+    ranks of the tensor group, once they have followed the leader's steps to the end. A model,
+    tokenizer or flag that cannot be used ends the command with one line naming the problem. A
+    ``--max-model-len`` caps every rank's engine (and so the caches sized from it)."""
+    if getattr(args, "compile", False):
+        # What compiles is the static cache's decode step, whose shapes are fixed per batch bucket.
+        if args.static_kv_cache is False:
+            raise SystemExit(f"mega {command}: error: --compile decodes on the static KV cache; drop "
+                             "--no-static-kv-cache")
+        args.static_kv_cache = True
+    loaded, groups = load_on_ranks(args, command)
+    # The one place the model kind picks the engine: encoder-decoder models (T5) have their own.
+    engine_class = EncoderDecoderEngine if is_encoder_decoder(loaded.model) else GenerationEngine
+    engine = engine_class(loaded.model, vocab_size=loaded.config.vocab_size,
+                          max_positions=loaded.max_positions, tokenizer=loaded.tokenizer, tp_group=groups.tp)
+    max_model_len = getattr(args, "max_model_len", None)
+    if max_model_len is not None and max_model_len > engine.max_positions:
+        if engine.is_leader:  # every rank checks the same: the followers return
+            raise SystemExit(f"mega {command}: error: --max-model-len {max_model_len} exceeds the model's "
+                             f"{engine.max_positions} positions")
+        return None
+    if max_model_len is not None:
+        engine.cap_length(max_model_len)
+    try:
+        worker = build_worker(args, engine)
+    except (GenerationError, ValueError) as error:
+        if engine.is_leader:
+            lead(None, groups.tp)  # the other ranks stop following
+            raise SystemExit(f"mega {command}: error: {error}") from None
+        while receive(groups.tp) is not None:  # the leader refuses the same flags: it says why
+            pass
+        return None
+    if not engine.is_leader:
+        worker.follow()
+        return None
+    if loaded.tokenizer is None:
+        lead(None, groups.tp)
+        print(f"mega {command}: the checkpoint names no tokenizer: give --tokenizer-type (and its files)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return EngineSetup(engine, loaded, groups.tp, worker)
+

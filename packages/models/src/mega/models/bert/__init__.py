@@ -1,0 +1,1 @@
+"""The ``bert`` family: config, stage model, presets and family, Hugging Face mapping."""

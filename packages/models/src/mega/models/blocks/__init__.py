@@ -1,0 +1,1 @@
+"""The blocks every family is built from: attention (MHA/GQA, MLA), MLP, norms, rotary, embeddings, the pre-norm layer and its stack, the decoder-only stage model, fusions, recompute, context parallelism, KV cache."""

@@ -1,0 +1,1 @@
+"""LoRA: the adapters (``adapters``), their training pass and flags (``training``), merging at load (``load``)."""
