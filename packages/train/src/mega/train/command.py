@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
+from mega.core.cli.main import main as dispatch
 from mega.core.config import ConfigError, flag_reference
 from mega.core.plugins import PluginError, get_plugins
 from mega.train import default_run
@@ -48,9 +49,7 @@ def main(argv: list[str]) -> int:
     if "--perform-rl-step" in argv:
         # Megatron's spelling of RL post-training (train_rl.py --perform-rl-step) is `mega rl`, which
         # mega-rl registers; train hands the flags over by the command's name (it imports no rl).
-        from mega.core.cli.main import main as mega
-
-        return mega(["rl", *(word for word in argv if word != "--perform-rl-step")])
+        return dispatch(["rl", *(word for word in argv if word != "--perform-rl-step")])
     if not argv:
         problem = default_run.missing_requirement(get_plugins())
         if problem is not None:

@@ -23,6 +23,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import llguidance
 import numpy
 import torch
 
@@ -47,7 +48,6 @@ class Constraint:
 
     def grammar(self) -> str:
         """The llguidance grammar of this constraint (not compiled yet)."""
-        import llguidance
 
         if self.kind in ("json_schema", "json_object"):
             schema = self.value if self.kind == "json_schema" else {"type": "object"}
@@ -69,7 +69,6 @@ class Grammar:
     tokenizer: object  # llguidance.LLTokenizer
 
     def start(self) -> GrammarState:
-        import llguidance
 
         return GrammarState(llguidance.LLMatcher(self.tokenizer, self.compiled, log_level=0))
 
@@ -105,7 +104,6 @@ class GrammarCompiler:
     @property
     def llg_tokenizer(self):
         if self._llg_tokenizer is None:
-            import llguidance
 
             reference = getattr(self.tokenizer, "reference", None)
             encoding = getattr(self.tokenizer, "encoding", None)
@@ -122,7 +120,6 @@ class GrammarCompiler:
     def compile(self, constraint: Constraint, part: str) -> Grammar:
         """``constraint``'s grammar, checked; a :class:`GrammarError` naming ``part`` (the request
         field) and the engine's reason where it cannot compile."""
-        import llguidance
 
         try:
             grammar = constraint.grammar()
