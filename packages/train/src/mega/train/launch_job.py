@@ -15,6 +15,7 @@ import sys
 
 from mega.train.in_job_restart import run_with_restarts
 from mega.train.launch import launch_local
+from mega.train.nodes import Nodes
 from mega.train.run_parser import parse_run
 
 
@@ -28,11 +29,16 @@ def _run_config(argv: list[str]):
 
 
 def launch_job(nproc: int, command: list[str], max_restarts: int | None = None,
-               program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main")) -> int:
-    """Start ``nproc`` local ranks of ``command``; with ``max_restarts``, under the elastic agent
-    (see in_job_restart). A configuration that does not parse runs once: its ranks say why."""
+               program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main"), nodes: Nodes | None = None) -> int:
+    """Start ``nproc`` local ranks of ``command``; with ``max_restarts``, or as one node of a
+    multi-node job (``nodes``), under the elastic agent (see in_job_restart). A configuration that
+    does not parse runs once: its ranks say why."""
     run = _run_config(command)
     handled = signal.Signals[run.training.exit_signal] if run is not None and run.training.exit_signal_handler else None
+    if nodes is not None:
+        save = run.checkpoint.save if run is not None else None
+        return run_with_restarts(nproc, command, max_restarts or 0, save, program=program, handled_signal=handled,
+                                 nodes=nodes)
     if run is not None and max_restarts is not None:
         return run_with_restarts(nproc, command, max_restarts, run.checkpoint.save, program=program,
                                  handled_signal=handled)
