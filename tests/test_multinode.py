@@ -12,18 +12,13 @@ import subprocess
 import sys
 
 from mega.train.launch import free_port
-from mega.train.testing.training_runs import assert_losses_close, train_losses
+from mega.train.testing.training_runs import assert_losses_close, logged_losses, train_losses
 
 ARGV = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--vocab-size", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
         "--train-iters", "4", "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-iters", "0", "--log-interval", "1",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "7"]
 CPU = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-
-
-def logged_losses(text: str) -> dict[int, float]:
-    return {int(line.split("/")[0].split()[-1]): float(line.split("lm loss: ")[1].split()[0])
-            for line in text.splitlines() if line.startswith(" iteration")}
 
 
 def start_node(node_rank: int, port: int, argv: list[str]) -> subprocess.Popen:

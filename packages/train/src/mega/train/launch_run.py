@@ -17,7 +17,7 @@ from mega.core.parallel import ParallelGroups
 from mega.core.plugins import PluginError, get_plugins
 from mega.core.plugins.callback_errors import CALLBACK_EXIT_CODE, CallbackError
 from mega.core.plugins.failures import TRACEBACKS_VARIABLE, tracebacks_wanted
-from mega.core.process_group import init_distributed
+from mega.core.process_group import distributed_env, init_distributed
 from mega.core.rank_exit import record_failure
 from mega.train.collective_timeout import describe_timeout
 from mega.train.data_setup import build_datasets
@@ -102,11 +102,12 @@ def callback_report(error: CallbackError, save: str | None) -> str:
 def announce_node() -> None:
     """In a multi-node job, each node's first rank says which node it is and which ranks it holds."""
     node, nodes = node_of_this_rank()
-    local_rank, local_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if nodes > 1 and local_rank == 0:
-        first = _rank()
-        print(f"mega: node {node} of {nodes} ({socket.gethostname()}): ranks {first}-{first + local_size - 1} "
-              f"of {dist.get_world_size()}", file=sys.stderr, flush=True)
+    if nodes == 1 or not dist.is_initialized() or distributed_env()["local_rank"] != 0:
+        return
+    first, world = _rank(), dist.get_world_size()
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or world // nodes)  # SLURM: the same on every node
+    print(f"mega: node {node} of {nodes} ({socket.gethostname()}): ranks {first}-{first + local_size - 1} of {world}",
+          file=sys.stderr, flush=True)
 
 
 def _where() -> str:
