@@ -5,6 +5,7 @@ size so a mistake is found before the job queues."""
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from mega.core.cli.argparser import CommandParser
 from mega.train.job_launchers.job import DEFAULT_MASTER_PORT, Job, check_job
+from mega.train.job_launchers.kubernetes import PodOptions, check_save_on_the_volume, jobset, pytorchjob
 from mega.train.job_launchers.slurm import SlurmOptions, sbatch_script
 
 
@@ -83,3 +85,49 @@ def _write(path: Path, text: str, executable: bool = False) -> None:
     if executable:
         part.chmod(0o755)
     part.replace(path)
+
+
+def k8s_main(argv: list[str] | None = None) -> int:
+    own, train_argv = _split(sys.argv[1:] if argv is None else argv)
+    parser = _job_parser("mega launch k8s", "Write Kubernetes manifests that run `mega train`, one pod per node: "
+                                            "a Kubeflow PyTorchJob and a JobSet (apply either with kubectl).")
+    parser.add_argument("--image", required=True, help="the container image: one built from mega's Dockerfile")
+    parser.add_argument("--checkpoint-claim", required=True,
+                        help="a PersistentVolumeClaim (ReadWriteMany) every pod mounts; --save must be on it")
+    parser.add_argument("--checkpoint-path", default="/checkpoints", help="where it is mounted (/checkpoints)")
+    parser.add_argument("--namespace", help="the namespace to run in")
+    parser.add_argument("--cpu", help="CPUs per pod (a Kubernetes quantity)")
+    parser.add_argument("--memory", help="memory per pod (e.g. 1000Gi)")
+    parser.add_argument("--shm-size", default="64Gi", help="/dev/shm per pod (64Gi)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for every rank (NCCL_SOCKET_IFNAME=..., see docs/multinode.md)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the whole job after a failure up to N times, resuming from --save (0)")
+    parser.add_argument("--output-dir", default=".", help="where the two manifests go (.)")
+    args = parser.parse_args(own)
+    job = _job(args, train_argv, args.image)
+    try:
+        env = tuple(_name_value(setting) for setting in args.env)
+        pod = PodOptions(checkpoint_claim=args.checkpoint_claim, checkpoint_path=args.checkpoint_path,
+                         namespace=args.namespace, cpu=args.cpu, memory=args.memory, shm_size=args.shm_size,
+                         env=env, max_restarts=args.max_restarts)
+        if args.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+        check_job(job)
+        check_save_on_the_volume(job, pod)
+    except ValueError as error:
+        print(f"mega launch k8s: error: {error}", file=sys.stderr)
+        return 2
+    for kind, manifest in (("pytorchjob", pytorchjob(job, pod)), ("jobset", jobset(job, pod))):
+        path = Path(args.output_dir) / f"{job.name}-{kind}.json"
+        _write(path, json.dumps(manifest, indent=2) + "\n")
+        print(f"mega launch k8s: wrote {path} ({manifest['kind']}, {job.nodes} pods x {job.gpus_per_node} GPUs); "
+              f"run it with: kubectl apply -f {path}")
+    return 0
+
+
+def _name_value(setting: str) -> tuple[str, str]:
+    name, equals, value = setting.partition("=")
+    if not equals or not name:
+        raise ValueError(f"--env takes NAME=VALUE, got {setting!r}")
+    return name, value
