@@ -40,7 +40,8 @@ def flag_reference_markdown(family_name: str = "gpt", plugins=None) -> str:
         "flag once); a test keeps this page in step with the code. Besides these: `--config FILE` (TOML,\n"
         "one table per section; flags override it), `--nproc-per-node N` (start N local processes) and\n"
         "`--max-restarts N` (restart every rank after a failure, resuming from `--save`); `--nnodes`, `--node-rank`,\n"
-        "`--master-addr`, `--master-port` (one node of a multi-node job, torchrun's flags: docs/multinode.md).\n\n"
+        "`--master-addr`, `--master-port`, `--rdzv-conf` (one node of a multi-node job, torchrun's flags; `--nnodes MIN:MAX`\n"
+        "is elastic: docs/multinode.md).\n\n"
         + flag_reference(run_sections(family.config_class)) + "\n"
     )
 
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
     early, _ = launcher_parser().parse_known_args(argv)
     if early.nproc_per_node or early.max_restarts is not None or early.nnodes is not None:
         try:
-            nodes = (parse_nodes(early.nnodes, early.node_rank, early.master_addr, early.master_port)
+            nodes = (parse_nodes(early.nnodes, early.node_rank, early.master_addr, early.master_port, early.rdzv_conf)
                      if early.nnodes is not None else None)
         except ValueError as error:
             print(f"mega train: error: {error}", file=sys.stderr)

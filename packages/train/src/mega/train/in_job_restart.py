@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from mega.core.checkpoint.directory import read_tracker
@@ -130,12 +131,16 @@ def stopped_job_exit(signum: int, handled_signal: int | None, exit_codes: list[i
 
 def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: str | None,
                       program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main"),
-                      handled_signal: int | None = None, nodes: Nodes | None = None) -> int:
+                      handled_signal: int | None = None, nodes: Nodes | None = None,
+                      batch_at: Callable[[int], str] | None = None) -> int:
     """Run ``program + command`` on ``nproc`` local ranks under torch's elastic agent, restarting
     every rank after a failure at most ``max_restarts`` times; the job's exit code.
 
     ``nodes``: this node's part of a multi-node job (mega.train.nodes); without it, the job is
-    these ``nproc`` ranks alone.
+    these ``nproc`` ranks alone. With ``--nnodes MIN:MAX`` the job goes on after losing a node (a
+    restart on the nodes left, from the newest checkpoint) and takes a joining node at its next
+    restart; a change of size is said in one line, with ``batch_at(world_size)`` (the data-parallel
+    size and gradient accumulation that keep the global batch).
 
     ``handled_signal``: the signal the ranks act on (``--exit-signal-handler``); sent to the agent,
     it is passed on and the job ends as its ranks do (see :func:`stopped_job_exit`)."""
@@ -181,6 +186,15 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
                 print(f"mega: restart {number} of {max_restarts}: {failures[-1]}; every rank is restarted and "
                       f"resumes from {start}: {lost} iteration{'s' * (lost != 1)} lost",
                       file=sys.stderr, flush=True)
+
+            def _rendezvous(self, worker_group):
+                before = worker_group.group_world_size
+                super()._rendezvous(worker_group)
+                after = worker_group.group_world_size
+                if before is not None and after != before:
+                    world = after * worker_group.spec.local_world_size
+                    line = f"mega: the job goes on with {after} node{'s' * (after != 1)} (was {before}): {world} rank{'s' * (world != 1)}"
+                    print(line + (f", {batch_at(world)}" if batch_at else ""), file=sys.stderr, flush=True)
 
             def _stop_workers(self, worker_group):
                 # A peer is gone: the others cannot save anything, so they are not asked to.

@@ -28,6 +28,8 @@ class Nodes:
     node_rank: int
     master_addr: str
     master_port: int
+    # torchrun's --rdzv-conf: the rendezvous's own settings (last_call_timeout, keep_alive_interval...).
+    rendezvous_config: tuple[tuple[str, str], ...] = ()
 
     def rendezvous_parameters(self):
         # Start-up cost: torch's elastic package, which only a launcher needs.
@@ -36,10 +38,12 @@ class Nodes:
         # The host is named, not guessed from the address: on one machine (a test, or a node running
         # two agents) torch's guess would make every agent try to host the store.
         return RendezvousParameters(backend="c10d", endpoint=f"{self.master_addr}:{self.master_port}", run_id=RUN_ID,
-                                    min_nodes=self.min_nodes, max_nodes=self.max_nodes, is_host=self.node_rank == 0)
+                                    min_nodes=self.min_nodes, max_nodes=self.max_nodes, is_host=self.node_rank == 0,
+                                    **dict(self.rendezvous_config))
 
 
-def parse_nodes(nnodes: str, node_rank: int | None, master_addr: str | None, master_port: int | None) -> Nodes:
+def parse_nodes(nnodes: str, node_rank: int | None, master_addr: str | None, master_port: int | None,
+                rdzv_conf: str | None = None) -> Nodes:
     """``--nnodes`` (``N`` or ``MIN:MAX``) and the flags that go with it, checked; ValueError naming
     the flag that is wrong."""
     try:
@@ -55,7 +59,14 @@ def parse_nodes(nnodes: str, node_rank: int | None, master_addr: str | None, mas
     if max_nodes > 1 and (master_addr is None or master_port is None):
         raise ValueError("--nnodes above 1 needs --master-addr and --master-port: node 0's address and a free "
                          "port there, the same on every node")
-    return Nodes(min_nodes, max_nodes, node_rank, master_addr or "127.0.0.1", master_port or 0)
+    config = []
+    for setting in filter(None, (rdzv_conf or "").split(",")):
+        key, equals, value = setting.partition("=")
+        if not equals or not key or key == "is_host":
+            raise ValueError(f"--rdzv-conf takes KEY=VALUE,... (torchrun's form; is_host is --node-rank 0's), "
+                             f"got {setting!r}")
+        config.append((key, value))
+    return Nodes(min_nodes, max_nodes, node_rank, master_addr or "127.0.0.1", master_port or 0, tuple(config))
 
 
 def node_of_this_rank() -> tuple[int, int]:

@@ -26,7 +26,8 @@ MODELS_HINT = repository_package("mega-models", "packages/models")
 
 
 # The flags of the launcher (which starts the ranks), not passed on to the ranks.
-LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts", "--nnodes", "--node-rank", "--master-addr", "--master-port")
+LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+                  "--rdzv-conf")
 
 
 def launcher_parser() -> argparse.ArgumentParser:
@@ -41,6 +42,8 @@ def launcher_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--node-rank", type=int, help="this node's number, 0..N-1; node 0 hosts the rendezvous")
     nodes.add_argument("--master-addr", help="node 0's address, the same on every node")
     nodes.add_argument("--master-port", type=int, help="a free port on node 0 for the rendezvous")
+    nodes.add_argument("--rdzv-conf", help="the rendezvous's settings, KEY=VALUE,... (torchrun's: last_call_timeout, "
+                       "keep_alive_interval, keep_alive_max_attempt, join_timeout)")
     return parser
 
 
