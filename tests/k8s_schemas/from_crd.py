@@ -1,6 +1,6 @@
 """Turn a CustomResourceDefinition's openAPIV3Schema into the JSON schema in this folder:
 
-    python tests/k8s_schemas/from_crd.py CRD.yaml VERSION > tests/k8s_schemas/KIND.json
+    python tests/k8s_schemas/from_crd.py CRD.yaml VERSION > tests/k8s_schemas/KIND.json   (needs PyYAML)
 
 The CRD's schema is kept as it is, less its descriptions and Kubernetes' own extensions, with two
 changes that make it check what the API server checks: unknown fields are errors (kubectl's strict
