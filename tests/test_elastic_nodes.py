@@ -1,4 +1,5 @@
-"""Elastic membership (issue 50, item 2), on the CPU (gloo, pinned with CUDA_VISIBLE_DEVICES=""): two
+"""Elastic membership (issue 50, item 2), on the CPU
+(gloo; the jobs pinned with CUDA_VISIBLE_DEVICES="", the reference run on a gloo rank): two
 nodes of a `--nnodes 1:2 --max-restarts 1` job (one rank each, dp2, global batch 4, a checkpoint
 every 2 iterations); node 1 is lost at iteration 3 (its agent and its rank are SIGKILLed). Node 0's
 agent restarts its rank alone from the checkpoint of iteration 2, says in one line that the job goes
@@ -35,7 +36,7 @@ sys.exit(launch_job(1, ["train", *argv], 1, program=(sys.executable, "-c", {rank
 """
 
 
-def test_a_lost_node_leaves_the_job_running_on_the_rest_from_its_checkpoint(tmp_path):
+def test_a_lost_node_leaves_the_job_running_on_the_rest_from_its_checkpoint(worlds, tmp_path):
     save, losses = tmp_path / "ckpt", tmp_path / "losses"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MEGA_TEST_LOSSES": str(losses)}
     port, argv = free_port(), [*ARGV, "--save", str(save), "--save-interval", "2"]
@@ -52,5 +53,5 @@ def test_a_lost_node_leaves_the_job_running_on_the_rest_from_its_checkpoint(tmp_
     assert [(int(world), int(it)) for attempt, world, it, _ in noted if attempt == "0"] == [(2, 1), (2, 2), (2, 3)]
     after = {int(it): float(loss) for attempt, world, it, loss in noted if attempt == "1" and world == "1"}
     assert sorted(after) == [3, 4, 5, 6]
-    by_hand = train_losses([*ARGV, "--load", str(save / "iter_0000002")])
+    by_hand = worlds.run(1, train_losses, [*ARGV, "--load", str(save / "iter_0000002")])[0]
     assert_losses_close([after[i] for i in (3, 4, 5, 6)], by_hand, "after the restart on 1 node")

@@ -1,4 +1,5 @@
-"""`mega launch k8s` (issue 50, item 4), on the CPU (gloo, pinned with CUDA_VISIBLE_DEVICES=""): the
+"""`mega launch k8s` (issue 50, item 4), on the CPU
+(gloo; the jobs pinned with CUDA_VISIBLE_DEVICES="", the reference run on a gloo rank): the
 PyTorchJob and JobSet manifests validate (jsonschema) against the schemas of the training operator's
 and JobSet's CRDs (tests/k8s_schemas, made by from_crd.py: unknown fields are errors, as kubectl's
 strict validation makes them), carry the image, the GPUs, the shared checkpoint volume and the
@@ -67,7 +68,7 @@ def test_the_manifests_validate_against_the_crds_schemas(tmp_path, kind):
         jsonschema.validate(manifest, schema)
 
 
-def test_the_pytorchjob_pods_train_like_one_process(tmp_path):
+def test_the_pytorchjob_pods_train_like_one_process(worlds, tmp_path):
     manifest = write_manifests(tmp_path, 2, 1, [*ARGV, "--tensor-model-parallel-size", "2"])["pytorchjob"]
     port = free_port()
     pods = []
@@ -84,7 +85,7 @@ def test_the_pytorchjob_pods_train_like_one_process(tmp_path):
     outputs = [pod.communicate(timeout=600) for pod in pods]
     assert [pod.returncode for pod in pods] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     losses = logged_losses(outputs[0][0] + outputs[1][0])
-    assert_losses_close([losses[1], losses[2]], train_losses(ARGV), "PyTorchJob, 2 pods, tp2")
+    assert_losses_close([losses[1], losses[2]], worlds.run(1, train_losses, ARGV)[0], "PyTorchJob, 2 pods, tp2")
 
 
 def test_a_checkpoint_directory_off_the_shared_volume_is_refused(tmp_path, capsys):

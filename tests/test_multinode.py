@@ -1,4 +1,5 @@
-"""Multi-node `mega train` (issue 50, item 1), on the CPU (gloo, pinned with CUDA_VISIBLE_DEVICES=""):
+"""Multi-node `mega train` (issue 50, item 1), on the CPU
+(gloo; the jobs pinned with CUDA_VISIBLE_DEVICES="", the reference run on a gloo rank):
 two "nodes" on this machine, two `mega train --nnodes 2 --node-rank I --master-addr 127.0.0.1
 --master-port P --nproc-per-node 2` processes meeting in torch's c10d rendezvous, train tp2 x dp2 on 4
 ranks. The losses equal one process's (fp32, 1e-5), both nodes' ranks write one checkpoint into one
@@ -41,7 +42,7 @@ def test_two_nodes_train_tp2_dp2_like_one_process_and_resume_on_one_node(worlds,
     assert "mega: node 0 of 2 (" in stderr and "mega: node 1 of 2 (" in stderr
     assert "ranks 0-1 of 4" in stderr and "ranks 2-3 of 4" in stderr
 
-    reference = train_losses(ARGV)
+    reference = worlds.run(1, train_losses, ARGV)[0]  # one process, on the CPU as the nodes are
     two_nodes = logged_losses(outputs[0][0] + outputs[1][0])
     assert sorted(two_nodes) == [1, 2, 3, 4]
     assert_losses_close([two_nodes[i] for i in (1, 2, 3, 4)], reference, "2 nodes, tp2 x dp2")

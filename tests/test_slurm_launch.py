@@ -1,4 +1,5 @@
-"""`mega launch slurm` (issue 50, item 3), on the CPU (gloo, pinned with CUDA_VISIBLE_DEVICES=""): the
+"""`mega launch slurm` (issue 50, item 3), on the CPU
+(gloo; the jobs pinned with CUDA_VISIBLE_DEVICES="", the reference run on a gloo rank): the
 sbatch script it writes passes `bash -n`, precedes every setting with the comment that names it, and,
 run as sbatch would run it (SLURM_JOB_NODELIST, SLURM_NNODES) with stand-ins for `srun` (it starts
 the tasks locally with SLURM_PROCID/NTASKS/LOCALID/NODEID) and `scontrol`, trains 2 nodes x 2 tasks
@@ -55,7 +56,7 @@ def stand_ins(directory: Path) -> Path:
     return directory
 
 
-def test_the_sbatch_script_runs_two_nodes_like_one_process(tmp_path, capsys):
+def test_the_sbatch_script_runs_two_nodes_like_one_process(worlds, tmp_path, capsys):
     script = tmp_path / "job.sbatch"
     assert slurm_main(["--nodes", "2", "--gpus-per-node", "2", "--job-name", "tiny", "-o", str(script), "--",
                        *ARGV, "--tensor-model-parallel-size", "2"]) == 0
@@ -83,7 +84,7 @@ def test_the_sbatch_script_runs_two_nodes_like_one_process(tmp_path, capsys):
     assert "mega: node 1 of 2 (" in job.stderr and "ranks 2-3 of 4" in job.stderr
     losses = logged_losses(job.stdout)
     assert sorted(losses) == [1, 2, 3]
-    assert_losses_close([losses[i] for i in (1, 2, 3)], train_losses(ARGV), "SLURM 2 nodes x 2 tasks, tp2 x dp2")
+    assert_losses_close([losses[i] for i in (1, 2, 3)], worlds.run(1, train_losses, ARGV)[0], "SLURM 2 nodes x 2 tasks, tp2 x dp2")
 
 
 def test_the_container_line_names_the_image_and_the_shared_mounts(tmp_path):
