@@ -9,29 +9,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from mega.train.testing.rank_programs import dying_rank
 from mega.train.testing.training_runs import train_losses
 
 ARGV = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "64", "--vocab-size", "64", "--micro-batch-size", "1", "--train-iters", "8",
         "--hidden-dropout", "0.1", "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1", "--seed", "5"]
 # Rank 1 of the first attempt is killed as iteration 6 starts; rank 0 notes each loss exactly.
-RANK = """
-import os, signal, sys
-from mega.train import trainer
-step = trainer.Trainer.train_step
-def train_step(self, data):
-    if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and self.state.iteration == 5:
-        os.kill(os.getpid(), signal.SIGKILL)
-    metrics = step(self, data)
-    if os.environ['RANK'] == '0':
-        with open(os.environ['MEGA_TEST_LOSSES'], 'a') as out:
-            out.write(f"{os.environ['TORCHELASTIC_RESTART_COUNT']} {self.state.iteration} {metrics['loss']!r}\\n")
-    return metrics
-trainer.Trainer.train_step = train_step
-from mega.core.cli.main import main
-sys.argv = ['mega', *sys.argv[1:]]
-sys.exit(main())
-"""
+RANK = dying_rank("os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' "
+                  "and self.state.iteration == 5")
 # Rank 1 dies at once, every attempt; rank 0 waits for its peers.
 DIES = "import os, signal, time; os.environ['RANK'] == '1' and os.kill(os.getpid(), signal.SIGKILL); time.sleep(60)"
 

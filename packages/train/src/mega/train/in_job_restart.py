@@ -27,12 +27,13 @@ import os
 import signal
 import sys
 import tempfile
-import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from mega.core.checkpoint.directory import read_tracker
 from mega.core.plugins import hookimpl
 from mega.train.launch import describe_exit, free_port
+from mega.train.nodes import Nodes
 
 # Set for the ranks by the agent: rank 0 keeps the last iteration it finished here.
 PROGRESS_FILE_ENV = "MEGA_PROGRESS_FILE"
@@ -90,15 +91,16 @@ def _read_progress(path: Path) -> int | None:
         return None
 
 
-def describe_failure(failures: dict, progress: int | None) -> str:
-    """``rank 1 was killed by SIGKILL at iteration 5`` (the failure that came first)."""
+def describe_failure(failures: dict, progress: int | None, node: int | None = None) -> str:
+    """``rank 1 was killed by SIGKILL at iteration 5`` (the failure that came first); with ``node``
+    (a multi-node job), ``rank 3 on node 1 ...``."""
     if not failures:
-        return "a rank failed"
+        return "a rank failed" if node is None else f"a rank on node {node} failed"
     # The agent SIGTERMs the other ranks as soon as one fails; they are listed too, so the failure
     # that came first is one that was not that SIGTERM, when there is one.
     own = {rank: failure for rank, failure in failures.items() if failure.exitcode != -signal.SIGTERM} or failures
     rank, failure = min(own.items(), key=lambda item: (item[1].timestamp, item[0]))
-    text = f"rank {rank} {describe_exit(failure.exitcode)}"
+    text = f"rank {rank}{'' if node is None else f' on node {node}'} {describe_exit(failure.exitcode)}"
     if progress is not None:
         text += f" after iteration {progress}"
     return text
@@ -129,9 +131,16 @@ def stopped_job_exit(signum: int, handled_signal: int | None, exit_codes: list[i
 
 def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: str | None,
                       program: tuple[str, ...] = (sys.executable, "-m", "mega.core.cli.main"),
-                      handled_signal: int | None = None) -> int:
+                      handled_signal: int | None = None, nodes: Nodes | None = None,
+                      batch_at: Callable[[int], str] | None = None) -> int:
     """Run ``program + command`` on ``nproc`` local ranks under torch's elastic agent, restarting
     every rank after a failure at most ``max_restarts`` times; the job's exit code.
+
+    ``nodes``: this node's part of a multi-node job (mega.train.nodes); without it, the job is
+    these ``nproc`` ranks alone. With ``--nnodes MIN:MAX`` the job goes on after losing a node (a
+    restart on the nodes left, from the newest checkpoint) and takes a joining node at its next
+    restart; a change of size is said in one line, with ``batch_at(world_size)`` (the data-parallel
+    size and gradient accumulation that keep the global batch).
 
     ``handled_signal``: the signal the ranks act on (``--exit-signal-handler``); sent to the agent,
     it is passed on and the job ends as its ranks do (see :func:`stopped_job_exit`)."""
@@ -139,7 +148,6 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rendezvous
 
     if max_restarts < 0:
@@ -163,7 +171,9 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
                 if result.is_failed():
                     progress = _read_progress(progress_path)
                     progress_path.unlink(missing_ok=True)  # the next attempt notes its own
-                    failures.append(describe_failure(result.failures, progress))
+                    # The node's number is the rendezvous's (GROUP_RANK, as its ranks see it), not --node-rank.
+                    node = worker_group.group_rank if nodes.max_nodes > 1 else None
+                    failures.append(describe_failure(result.failures, progress, node))
                     if self._remaining_restarts > 0:
                         self._say_restart(len(failures), progress)
                 return result
@@ -176,6 +186,15 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
                 print(f"mega: restart {number} of {max_restarts}: {failures[-1]}; every rank is restarted and "
                       f"resumes from {start}: {lost} iteration{'s' * (lost != 1)} lost",
                       file=sys.stderr, flush=True)
+
+            def _rendezvous(self, worker_group):
+                before = worker_group.group_world_size
+                super()._rendezvous(worker_group)
+                after = worker_group.group_world_size
+                if before is not None and after != before:
+                    world = after * worker_group.spec.local_world_size
+                    line = f"mega: the job goes on with {after} node{'s' * (after != 1)} (was {before}): {world} rank{'s' * (world != 1)}"
+                    print(line + (f", {batch_at(world)}" if batch_at else ""), file=sys.stderr, flush=True)
 
             def _stop_workers(self, worker_group):
                 # A peer is gone: the others cannot save anything, so they are not asked to.
@@ -193,8 +212,9 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
                 super()._shutdown(death_sig, timeout)
                 exit_codes[:] = [handlers[rank].proc.returncode for rank in sorted(handlers)]
 
-        parameters = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{free_port()}",
-                                          run_id=uuid.uuid4().hex, min_nodes=1, max_nodes=1, is_host=True)
+        # One node: a rendezvous of its own on a free local port.
+        nodes = nodes or Nodes(1, 1, 0, "127.0.0.1", free_port())
+        parameters = nodes.rendezvous_parameters()
         spec = WorkerSpec(role="mega", local_world_size=nproc, entrypoint=program[0],
                           args=(*program[1:], *command), rdzv_handler=rendezvous.get_rendezvous_handler(parameters),
                           max_restarts=max_restarts, monitor_interval=0.1)
@@ -211,9 +231,13 @@ def run_with_restarts(nproc: int, command: list[str], max_restarts: int, save: s
                 os.environ.pop(SIGNALS_TO_HANDLE_ENV, None)
     if not result.is_failed():
         return 0
-    listed = "; ".join(f"{number}) {failure}" for number, failure in enumerate(failures, 1))
-    print(f"mega: the job failed {len(failures)} times, more than --max-restarts {max_restarts} allows: {listed}",
-          file=sys.stderr, flush=True)
+    if max_restarts == 0:
+        print(f"mega: {failures[0] if failures else 'a rank failed'}; the job stops (--max-restarts 0)",
+              file=sys.stderr, flush=True)
+    else:
+        listed = "; ".join(f"{number}) {failure}" for number, failure in enumerate(failures, 1))
+        print(f"mega: the job failed {len(failures)} times, more than --max-restarts {max_restarts} allows: {listed}",
+              file=sys.stderr, flush=True)
     own = [failure for failure in result.failures.values() if failure.exitcode != -signal.SIGTERM]
     first = min(own or result.failures.values(), key=lambda failure: failure.timestamp)
     return first.exitcode if first.exitcode > 0 else 128 - first.exitcode

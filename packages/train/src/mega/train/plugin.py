@@ -56,6 +56,20 @@ def register_commands(register):
         ),
     )
     register(
+        "launch slurm",
+        Command(
+            help="write an sbatch script for a multi-node job (one task per GPU); --submit runs sbatch",
+            main="mega.train.job_launchers.command:slurm_main",
+        ),
+    )
+    register(
+        "launch k8s",
+        Command(
+            help="write Kubernetes manifests for a multi-node job: a Kubeflow PyTorchJob and a JobSet",
+            main="mega.train.job_launchers.command:k8s_main",
+        ),
+    )
+    register(
         "plugins new",
         Command(
             help="write a new plugin distribution to start from (--kind model, kernels, callback, ...)",

@@ -29,6 +29,11 @@ DESCRIPTION = "Pretrain a decoder-only language model at any parallel layout (Me
 MODELS_HINT = repository_package("mega-models", "packages/models")
 
 
+# The flags of the launcher (which starts the ranks), not passed on to the ranks.
+LAUNCHER_FLAGS = ("--nproc-per-node", "--max-restarts", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+                  "--rdzv-conf")
+
+
 def launcher_parser() -> argparse.ArgumentParser:
     """Flags that are not config fields: where the config comes from and how many processes."""
     parser = CommandParser(add_help=False)
@@ -36,6 +41,13 @@ def launcher_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc-per-node", type=int, help="start this many local processes (like torchrun)")
     parser.add_argument("--max-restarts", type=int, help="restart every rank after a failure up to N times, "
                         "resuming from the newest checkpoint in --save (torchrun's elastic agent)")
+    nodes = parser.add_argument_group("multi-node (torchrun's flags; see docs/multinode.md)")
+    nodes.add_argument("--nnodes", help="the job's number of nodes, N or MIN:MAX (elastic); one `mega train` per node")
+    nodes.add_argument("--node-rank", type=int, help="this node's number, 0..N-1; node 0 hosts the rendezvous")
+    nodes.add_argument("--master-addr", help="node 0's address, the same on every node")
+    nodes.add_argument("--master-port", type=int, help="a free port on node 0 for the rendezvous")
+    nodes.add_argument("--rdzv-conf", help="the rendezvous's settings, KEY=VALUE,... (torchrun's: last_call_timeout, "
+                       "keep_alive_interval, keep_alive_max_attempt, join_timeout)")
     return parser
 
 
@@ -72,7 +84,7 @@ def core_sections(model_config_class: type | None) -> dict[str, type]:
 
 
 def plugin_sections(sections: dict[str, type], plugins=None) -> dict[str, tuple[type, str]]:
-    taken = {"-h", "--help", "--config", "--nproc-per-node", "--max-restarts", *known_flags(sections)}
+    taken = {"-h", "--help", "--config", *LAUNCHER_FLAGS, *known_flags(sections)}
     return option_sections(plugins or get_plugins(), taken, set(sections))
 
 

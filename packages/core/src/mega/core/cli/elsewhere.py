@@ -13,7 +13,7 @@ from mega.core.plugins.install_hint import repository_package
 
 # distribution -> (its folder in the repository, the commands (or command groups) it registers)
 PACKAGES = {
-    "mega-train": ("packages/train", ("train", "plan", "doctor", "bench", "checkpoint", "plugins new")),
+    "mega-train": ("packages/train", ("train", "plan", "doctor", "bench", "checkpoint", "plugins new", "launch")),
     "mega-data": ("packages/data", ("preprocess", "merge-datasets")),
     "mega-ckpt-convert": ("packages/ckpt-convert", ("convert", "lora")),
     "mega-inference": ("packages/inference", ("generate", "serve", "eval", "embed")),

@@ -27,3 +27,10 @@ def assert_losses_close(losses: list[float], reference: list[float], what: str, 
     assert len(losses) == len(reference), f"{what}: {len(losses)} losses, expected {len(reference)}"
     for step, (got, want) in enumerate(zip(losses, reference, strict=True)):
         assert abs(got - want) <= tolerance * abs(want), f"{what}: step {step + 1} loss {got} != {want}"
+
+
+def logged_losses(log: str) -> dict[int, float]:
+    """iteration -> loss, read from the log lines `mega train` prints (`` iteration 3/ ... | lm loss:
+    1.234567E+00 |``): the losses of a job run as a command, on whatever engine started it."""
+    return {int(line.split("/")[0].split()[-1]): float(line.split("lm loss: ")[1].split()[0])
+            for line in log.splitlines() if line.startswith(" iteration")}
