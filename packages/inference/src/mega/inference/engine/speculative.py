@@ -84,10 +84,12 @@ class DraftModelProposer:
         self.kv = PagedSequenceCache(engine, max_batch_size, max_num_tokens, block_size, prefix_caching=False)
         self._states: dict[int, _DraftSequence] = {}
 
-    def _state(self, sequence, room: int) -> _DraftSequence | None:
+    def _state(self, sequence) -> _DraftSequence | None:
+        """The draft's blocks for ``sequence``: as many as its length (the drafts of a step
+        stop short of it); None where the draft has no room (no drafts then)."""
         state = self._states.get(sequence.number)
         if state is None:
-            tokens = sequence.limit + room
+            tokens = sequence.limit
             if tokens > self.engine.max_positions or not self.kv.allocator.can_hold(tokens):
                 return None
             state = _DraftSequence(sequence.number, self.kv.allocator.allocate(tokens))
@@ -95,7 +97,7 @@ class DraftModelProposer:
         return state
 
     def propose(self, sequences, count: int, sampler: Sampler) -> tuple[list[list[int]], torch.Tensor | None]:
-        states = [self._state(s, count) for s in sequences]
+        states = [self._state(s) for s in sequences]
         rows = [row for row, state in enumerate(states) if state is not None]
         drafts: list[list[int]] = [[] for _ in sequences]
         if not rows:
@@ -113,13 +115,15 @@ class DraftModelProposer:
             states[row].proposed_from = len(sequences[row].tokens)
         distributions = []
         generators = sampler.generators
+        greedy = all(sampler.greedy_rows)  # greedy verification needs no draft distribution
         for step in range(count):
-            q = sampler.probabilities(logits)  # [rows, vocab]: the draft's, as each row draws
-            distributions.append(q)
-            host = q.cpu()
+            if not greedy:
+                q = sampler.probabilities(logits)  # [rows, vocab]: the draft's, as each row draws
+                distributions.append(q)
+                host = q.cpu()
             chosen = []
             for row in rows:
-                if sampler.greedy_rows[row]:
+                if greedy or sampler.greedy_rows[row]:
                     token = int(logits[row].argmax())
                 else:
                     token = int(torch.multinomial(host[row], 1, generator=generators[row]))
@@ -128,7 +132,7 @@ class DraftModelProposer:
             if step + 1 < count:
                 fed = torch.tensor(chosen, device=self.engine.device)[:, None]
                 logits[rows] = self.kv.forward([states[r] for r in rows], fed, 1)[0][:, :vocab]
-        return drafts, torch.stack(distributions)
+        return drafts, torch.stack(distributions) if distributions else None
 
     def accepted(self, sequence, accepted: int) -> None:
         """The draft's cache keeps its keys of the drafts the target accepted."""
