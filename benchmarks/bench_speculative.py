@@ -1,7 +1,9 @@
 """Speculative decoding in the one loop: tokens per second with and without it, and the drafts'
 acceptance.
 
-A random-weight LLaMA (``--layers``, ``--hidden``, ...) generates greedily ``--new-tokens`` tokens
+A random-weight LLaMA (``--layers``, ``--hidden``, ...; by default 12 layers of 512 over an
+8,000-token vocabulary, where the layers and not the output head take most of a token's work, so
+a 1-layer draft costs a fraction of the model) generates greedily ``--new-tokens`` tokens
 after a code-edit style prompt: a random snippet of ``--snippet`` tokens, then the snippet again
 with its first half (the "edited" copy the model continues). Three runs of the same requests on
 the paged KV cache: no speculation; prompt lookup (``--speculative-method ngram``); a draft model
@@ -101,7 +103,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--snippet", type=int, default=96, help="tokens of the snippet the prompt repeats")
     parser.add_argument("--new-tokens", type=int, default=64)
