@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
-import time
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from in_process_server import serving  # noqa: E402
 from tiny_models import POSITIONS, VOCAB, hf_tiny, mega_from_hf  # noqa: E402
 
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
@@ -51,11 +50,16 @@ def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.double), statistic / 2))
 
 
+def saved(tmp_path_factory, model, name: str):
+    """``model`` saved as a Hugging Face directory."""
+    directory = tmp_path_factory.mktemp(name)
+    model.save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("llama")
-    hf_tiny("llama").save_pretrained(directory)
-    return directory
+    return saved(tmp_path_factory, hf_tiny("llama"), "llama")
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +70,7 @@ def draft_dir(tmp_path_factory):
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.02)
-    directory = tmp_path_factory.mktemp("draft")
-    model.save_pretrained(directory)
-    return directory
+    return saved(tmp_path_factory, model, "draft")
 
 
 def generate(llama_dir, prompts: list[str], flags: list[str], capsys) -> list[list[int]]:
@@ -78,46 +80,6 @@ def generate(llama_dir, prompts: list[str], flags: list[str], capsys) -> list[li
             "--greedy", *flags, *(arg for prompt in prompts for arg in ("--prompt", prompt))]
     assert generate_main(argv) == 0
     return [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()]
-
-
-def serve(llama_dir, flags: list[str], bodies: list[tuple[str, str, dict | None]]) -> list:
-    """``mega serve``'s whole ``main`` with ``flags``, its app driven in this process; the
-    answers to ``bodies`` (method, path, json)."""
-    import asyncio
-
-    import httpx
-    import uvicorn
-
-    from mega.inference import serve_cli
-
-    apps, done, outcome = [], threading.Event(), []
-
-    def hold_the_app(app, **_):
-        apps.append(app)
-        done.wait()
-
-    original, uvicorn.run = uvicorn.run, hold_the_app
-    try:
-        thread = threading.Thread(target=lambda: outcome.append(serve_cli.main(
-            ["--load", str(llama_dir), "--device", "cpu", *TOKENIZER, *flags])), daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 120
-        while not apps:
-            assert thread.is_alive() and time.monotonic() < deadline, f"mega serve did not start: {outcome}"
-            time.sleep(0.05)
-    finally:
-        uvicorn.run = original
-
-    async def send():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(apps[0]), base_url="http://mega") as client:
-            return [await client.request(method, path, json=body, timeout=60) for method, path, body in bodies]
-
-    try:
-        return asyncio.run(send())
-    finally:
-        done.set()
-        thread.join(timeout=30)
-        assert outcome == [0]
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -132,7 +94,8 @@ def test_greedy_tokens_equal_without_speculation(llama_dir, draft_dir, method, c
         assert generate(llama_dir, BATCH, flags + cache, capsys) == plain, cache
         assert generate(llama_dir, BATCH[:1], flags + cache, capsys) == plain[:1], cache
     body = {"prompts": BATCH, "tokens_to_generate": NEW_TOKENS, "top_k": 1}
-    answer, metrics = serve(llama_dir, flags, [("PUT", "/api", body), ("GET", "/metrics", None)])
+    with serving(["--load", str(llama_dir), "--device", "cpu", *TOKENIZER, *flags]) as send:
+        answer, metrics = send("PUT", "/api", body), send("GET", "/metrics")
     assert answer.status_code == 200, answer.text
     for prompt, tokens, mine in zip(BATCH, answer.json()["tokens"], plain, strict=True):
         assert tokens[len(prompt.split()):] == mine, prompt
