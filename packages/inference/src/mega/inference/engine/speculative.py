@@ -50,7 +50,12 @@ class NgramProposer:
             suffix = tokens[-n:]
             for start in range(len(tokens) - n - 1, -1, -1):
                 if tokens[start: start + n] == suffix:
-                    return tokens[start + n: start + n + count]
+                    # Copy on from there; where the copy reaches the sequence's end it goes on
+                    # copying what it drafted (a repeating pattern repeats on).
+                    drafted = list(tokens)
+                    for position in range(start + n, start + n + count):
+                        drafted.append(drafted[position])
+                    return drafted[len(tokens):]
         return []
 
     def propose(self, sequences, count: int, sampler: Sampler) -> tuple[list[list[int]], None]:
