@@ -30,6 +30,7 @@ from mega.inference.engine.speculative import (  # noqa: E402
     Speculator,
     accept_sampled,
 )
+from mega.inference.engine.stopping import StopRules  # noqa: E402
 
 TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1)]
 # Code-edit style prompts repeat themselves (prompt lookup finds drafts), others do not.
@@ -198,3 +199,28 @@ def _filtered(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     probs = torch.zeros_like(scaled)
     probs[kept] = scaled[kept].softmax(-1)
     return probs
+
+
+def test_stops_and_log_probabilities_under_speculation(engine):
+    """A stop token met among accepted drafts (the model drafting for itself: every draft
+    accepted) ends the sequence there, as without speculation; a batch holding a request for log-probabilities decodes one token per step (nothing drafted)
+    and gives the same tokens and log-probabilities."""
+    plain = engine.generate([GenerationRequest([1, 2, 1, 2], 12)])[0].generated
+    stop = StopRules(stop_ids=frozenset({plain[5]}))
+    assert plain[5] not in plain[:5]
+
+    def speculating() -> ContinuousBatchingWorker:
+        return ContinuousBatchingWorker(engine, max_batch_size=4, speculator=Speculator(NgramProposer(), 3))
+
+    worker = ContinuousBatchingWorker(engine, max_batch_size=4, speculator=Speculator(
+        DraftModelProposer(engine, 4, 4 * POSITIONS, 16), 3))
+    stopped = worker.run_to_completion([GenerationRequest([1, 2, 1, 2], 12, stop=stop)])[0]
+    assert worker.metrics.acceptance_rate == 1.0
+    assert (stopped.generated, stopped.finish_reason) == (plain[:6], "stop")
+    batch = [GenerationRequest([5, 6, 5, 6, 5], 12, logprobs=True), GenerationRequest([1, 2, 1, 2], 12)]
+    worker = speculating()
+    results = worker.run_to_completion(batch)
+    expected = engine.generate(batch)
+    assert worker.metrics.draft_tokens == 0
+    assert [r.generated for r in results] == [r.generated for r in expected]
+    torch.testing.assert_close(torch.tensor(results[0].logprobs), torch.tensor(expected[0].logprobs))
