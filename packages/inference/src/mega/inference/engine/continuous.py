@@ -57,7 +57,7 @@ from mega.inference.engine.prefix_cache import prefix_keys
 from mega.inference.engine.requests import GenerationError, GenerationRequest, ending
 from mega.inference.engine.sampling import Sampler
 from mega.inference.engine.slot_kv_cache import DecodeGraphs
-from mega.inference.engine.speculative import Speculator
+from mega.inference.engine.speculative import Speculator, draw_rows
 from mega.inference.engine.worker import EngineWorker, QueuedSequence
 from mega.inference.metrics import ServerMetrics
 
@@ -260,9 +260,10 @@ class ContinuousBatchingWorker(EngineWorker):
     @torch.inference_mode()  # no autograd graph: across steps it would keep every activation alive
     def _step(self, admitted: list[_Sequence]) -> None:
         decoding = list(self._running)  # each chose its last token in the previous step
-        speculating = bool(decoding) and self._may_speculate(admitted)
+        # A speculating step draws the first tokens of the sequences joining too (draw_rows).
+        speculating = self._may_speculate(admitted)
         if speculating:
-            emitted = self.speculator.step(self.kv, decoding, self._decode_step.sampler)
+            emitted = self.speculator.step(self.kv, decoding, self._decode_step.sampler) if decoding else []
         elif decoding:
             self._decode(decoding, greedy=self._greedy_step(admitted))
         if self.max_num_batched_tokens is None:
@@ -304,8 +305,8 @@ class ContinuousBatchingWorker(EngineWorker):
         if joined:
             logits = torch.stack([s.logits if s.logits is not None else torch.zeros_like(joined[0].logits)
                                   for s in running])
-            drawing = [s.logits is not None for s in running]
-            chosen = self._decode_step.sampler.sample(logits, drawing)[len(emitted):].tolist()
+            rows = range(len(emitted), len(running))
+            chosen = draw_rows(self._decode_step.sampler, logits, rows)
             emitted = [*emitted, *([token] for token in chosen)]
         self._decode_step.advance(emitted)
         for sequence in running:

@@ -193,6 +193,16 @@ class Speculator:
         self.proposer.release(sequence)
 
 
+def draw_rows(sampler: Sampler, logits: torch.Tensor, rows) -> list[int]:
+    """The tokens of ``rows`` of ``logits`` ``[all rows, vocab]`` as a speculative step draws:
+    greedy rows their most likely token, the others a draw of their own stream (as the drafts'
+    verification draws), so a seeded sequence's tokens do not depend on its batch-mates."""
+    sampled = [row for row in rows if not sampler.greedy_rows[row]]
+    probs = sampler.probabilities(logits).cpu() if sampled else None
+    return [int(torch.multinomial(probs[row], 1, generator=sampler.generators[row])) if row in sampled
+            else int(logits[row].argmax()) for row in rows]
+
+
 def verify_forward(kv, sequences, fed: list[list[int]]) -> torch.Tensor:
     """The target's logits ``[new, rows, vocab]`` of each row's ``fed`` tokens. Rows at equal
     lengths share a forward: the caches' attention aligns the causal rule of several new tokens
