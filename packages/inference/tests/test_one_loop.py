@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
-import time
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from in_process_server import serving  # noqa: E402
 from tiny_models import POSITIONS, VOCAB, hf_tiny, mega_from_hf  # noqa: E402
 
 from mega.inference.engine import FinishReason, GenerationEngine, GenerationRequest  # noqa: E402
@@ -46,43 +45,9 @@ def llama_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(llama_dir):
     """A function sending a ``PUT /api`` body to ``mega serve``'s whole ``main`` on ``llama_dir``,
-    running in this process (its app handed to the test instead of a socket: uvicorn.run waits
-    until the test ends, so main's worker keeps running)."""
-    import asyncio
-
-    import httpx
-    import uvicorn
-
-    from mega.inference.cli import serve as serve_cli
-
-    apps, done, outcome = [], threading.Event(), []
-
-    def hold_the_app(app, **_):
-        apps.append(app)
-        done.wait()
-
-    argv = ["--load", str(llama_dir), "--device", "cpu", *TOKENIZER]
-    original, uvicorn.run = uvicorn.run, hold_the_app
-    try:
-        thread = threading.Thread(target=lambda: outcome.append(serve_cli.main(argv)), daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 120
-        while not apps:
-            assert thread.is_alive() and time.monotonic() < deadline, f"mega serve did not start: {outcome}"
-            time.sleep(0.05)
-    finally:
-        uvicorn.run = original
-
-    def put_api(body: dict) -> httpx.Response:
-        async def send():
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(apps[0]), base_url="http://mega") as client:
-                return await client.put("/api", json=body, timeout=60)
-        return asyncio.run(send())
-
-    yield put_api
-    done.set()
-    thread.join(timeout=30)
-    assert outcome == [0]
+    running in this process (:mod:`in_process_server`)."""
+    with serving(["--load", str(llama_dir), "--device", "cpu", *TOKENIZER]) as send:
+        yield lambda body: send("PUT", "/api", body)
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])

@@ -15,16 +15,17 @@ from mega.core.parallel import Group, ParallelConfig, ParallelGroups
 from mega.core.process_group import init_distributed
 from mega.inference.cli.load_arguments import compile_backend
 from mega.inference.engine import GenerationEngine, GenerationError
-from mega.inference.engine.continuous import ContinuousBatchingWorker
+from mega.inference.engine.continuous import BLOCK_SIZE, ContinuousBatchingWorker
 from mega.inference.engine.encoder_decoder import (
     EncoderDecoderEngine,
     EncoderDecoderWorker,
     is_encoder_decoder,
 )
 from mega.inference.engine.slot_kv_cache import static_kv_cache_wanted
+from mega.inference.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from mega.inference.engine.tp_serving import lead, receive
 from mega.inference.engine.worker import EngineWorker
-from mega.inference.loader import LoadedModel, LoadError, load_from_args
+from mega.inference.loader import DTYPES, LoadedModel, LoadError, load_from_args, load_model
 
 
 @dataclass
@@ -60,7 +61,41 @@ def build_worker(args: argparse.Namespace, engine) -> EngineWorker:
                                     use_cuda_graphs=args.cuda_graphs and engine.device.type == "cuda",
                                     prefix_caching=getattr(args, "enable_prefix_caching", None) is not False,
                                     max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
-                                    compile_backend=compile_backend(args) if static else None)
+                                    compile_backend=compile_backend(args) if static else None,
+                                    speculator=build_speculator(args, engine))
+
+
+def build_speculator(args: argparse.Namespace, engine) -> Speculator | None:
+    """The speculator ``--num-speculative-tokens`` asks for (None: off), its drafts from prompt
+    lookup or ``--speculative-model`` (loaded on the engine's device, at its dtype)."""
+    count = getattr(args, "num_speculative_tokens", 0) or 0
+    method = getattr(args, "speculative_method", None)
+    draft_dir = getattr(args, "speculative_model", None)
+    if count <= 0:
+        if method is not None or draft_dir is not None:
+            raise GenerationError("--speculative-method and --speculative-model need --num-speculative-tokens K > 0")
+        return None
+    if engine.tp_group is not None and engine.tp_group.size > 1:
+        raise GenerationError("--num-speculative-tokens runs on one rank: not under torchrun's tensor parallelism")
+    method = method or ("draft_model" if draft_dir else "ngram")
+    if method == "ngram":
+        if draft_dir is not None:
+            raise GenerationError("--speculative-method ngram drafts without a model: drop --speculative-model")
+        return Speculator(NgramProposer(args.prompt_lookup_max, args.prompt_lookup_min), count)
+    if draft_dir is None:
+        raise GenerationError("--speculative-method draft_model needs --speculative-model DIR")
+    try:
+        draft = load_model(draft_dir, groups=ParallelGroups(ParallelConfig(tp=1)), device=engine.device,
+                           dtype=DTYPES[args.dtype])
+    except (LoadError, CheckpointError) as error:
+        raise GenerationError(f"--speculative-model: {error}") from None
+    if draft.config.vocab_size != engine.vocab_size:
+        raise GenerationError(f"--speculative-model has {draft.config.vocab_size} tokens, the model "
+                              f"{engine.vocab_size}: a draft shares the model's tokenizer")
+    draft_engine = GenerationEngine(draft.model, vocab_size=draft.config.vocab_size,
+                                    max_positions=min(draft.max_positions, engine.max_positions))
+    tokens = getattr(args, "max_num_tokens", None) or args.max_batch_size * engine.max_positions
+    return Speculator(DraftModelProposer(draft_engine, args.max_batch_size, tokens, BLOCK_SIZE), count)
 
 
 def load_on_ranks(args: argparse.Namespace, command: str) -> tuple[LoadedModel, ParallelGroups]:

@@ -1,7 +1,7 @@
 """``mega generate``: continue prompts with a checkpoint and print the continuations.
 
 Prompts come from ``--prompt`` (repeatable), ``--prompt-file`` (one per line, or JSON lines;
-``-`` is stdin), or stdin (:mod:`mega.inference.prompt_sources`). With ``--chat`` each is a
+``-`` is stdin), or stdin (:mod:`mega.inference.cli.prompt_sources`). With ``--chat`` each is a
 conversation rendered by the checkpoint's chat template (or ``--chat-template``), the one the
 server's chat route renders with (:mod:`mega.inference.chat_template`). Every prompt is a request to the engine's one loop (the continuous batching ``mega
 serve`` runs, here on this thread until every request has finished), so a prompt gets the
@@ -18,8 +18,8 @@ import sys
 from mega.core.cli.argparser import CommandParser
 from mega.inference.chat_template import ChatTemplateError, chat_template_file
 from mega.inference.cli.load_arguments import add_decoding_arguments, add_load_arguments
+from mega.inference.cli.prompt_sources import Prompt, PromptError, read_prompts
 from mega.inference.completion_text import completion_text
-from mega.inference.prompt_sources import Prompt, PromptError, read_prompts
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -49,9 +49,29 @@ def add_decoding_arguments(group: argparse._ArgumentGroup, applies: str) -> None
                        help="torch.compile the static KV cache's decode step (implies --static-kv-cache; "
                             "decoder-only models): fused kernels, fewer per step, which its CUDA graphs then "
                             "capture; the first steps of the first two batch sizes wait for it to compile")
+    add_speculative_arguments(group)
     group.add_argument("--compile-backend", default="inductor",
                        help="torch.compile backend for --compile (inductor; on CPU it needs a C++ compiler; "
                             "aot_eager traces without generating code)")
+
+
+def add_speculative_arguments(group: argparse._ArgumentGroup) -> None:
+    """Speculative decoding (vLLM's ``speculative_config`` names, as flags)."""
+    group.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                       help="speculative decoding: draft up to K tokens per sequence and step, verified by the model "
+                            "in one forward (greedy output unchanged, sampling keeps the model's distribution; steps "
+                            "where a sequence asks log-probabilities or penalties decode one token). Default 0: off")
+    group.add_argument("--speculative-method", choices=("ngram", "draft_model"), default=None,
+                       help="where drafts come from: ngram (prompt lookup: what followed the sequence's last n-gram "
+                            "earlier in it; no extra model) or draft_model (--speculative-model). Default: "
+                            "draft_model with --speculative-model, else ngram")
+    group.add_argument("--speculative-model", metavar="DIR", type=existing_path,
+                       help="a smaller model sharing the tokenizer (mega checkpoint or Hugging Face directory) that "
+                            "drafts the tokens")
+    group.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N",
+                       help="ngram drafts: the longest suffix looked up (default 4)")
+    group.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N",
+                       help="ngram drafts: the shortest suffix looked up (default 1)")
 
 
 def compile_backend(args: argparse.Namespace) -> str | None:

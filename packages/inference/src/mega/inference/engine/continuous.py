@@ -58,6 +58,7 @@ from mega.inference.engine.prefix_cache import prefix_keys
 from mega.inference.engine.requests import GenerationError, GenerationRequest, ending
 from mega.inference.engine.sampling import Sampler
 from mega.inference.engine.slot_kv_cache import DecodeGraphs
+from mega.inference.engine.speculative import Speculator, draw_rows
 from mega.inference.engine.worker import EngineWorker, QueuedSequence
 
 BLOCK_SIZE = 16
@@ -79,7 +80,8 @@ class ContinuousBatchingWorker(EngineWorker):
     def __init__(self, engine, max_batch_size: int = 32, max_num_tokens: int | None = None,
                  block_size: int = BLOCK_SIZE, metrics: ServerMetrics | None = None, static_cache: bool = False,
                  use_cuda_graphs: bool | None = None, prefix_caching: bool = False,
-                 max_num_batched_tokens: int | None = None, compile_backend: str | Callable | None = None):
+                 max_num_batched_tokens: int | None = None, compile_backend: str | Callable | None = None,
+                 speculator: Speculator | None = None):
         if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch_size:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_batch_size "
                              f"({max_batch_size}): every running sequence decodes a token per step")
@@ -105,6 +107,12 @@ class ContinuousBatchingWorker(EngineWorker):
         self._chosen: torch.Tensor | None = None  # [decoding rows] tokens a greedy decode step chose
         # The running sequences are the decode step's rows, in its order.
         self._decode_step = engine.decode_step(on_token=self._on_token, on_finish=self._finish)
+        self.speculator = speculator
+        if speculator is not None:
+            if engine.tp_group is not None and engine.tp_group.size > 1:
+                raise ValueError("speculative decoding runs on one rank: drop --num-speculative-tokens under torchrun")
+            speculator.metrics = self.metrics
+            self._decode_step.lag = 0  # drafts continue every token: the host reads each step's at once
 
     @property
     def _decode_steps(self) -> DecodeGraphs | None:
@@ -142,6 +150,8 @@ class ContinuousBatchingWorker(EngineWorker):
     def _fail(self, error: BaseException) -> None:
         for sequence in [*self._decode_step.in_flight, *self._prefilling]:
             self.allocator.free(sequence.blocks)
+            if self.speculator is not None:
+                self.speculator.release(sequence)
             sequence.job.failed(error)
         self._decode_step.reset()
         self._prefilling, self._chosen = [], None
@@ -250,7 +260,11 @@ class ContinuousBatchingWorker(EngineWorker):
     @torch.inference_mode()  # no autograd graph: across steps it would keep every activation alive
     def _step(self, admitted: list[_Sequence]) -> None:
         decoding = list(self._running)  # each chose its last token in the previous step
-        if decoding:
+        # A speculating step draws the first tokens of the sequences joining too (draw_rows).
+        speculating = self._may_speculate(admitted)
+        if speculating:
+            emitted = self.speculator.step(self.kv, decoding, self._decode_step.sampler) if decoding else []
+        elif decoding:
             self._decode(decoding, greedy=self._greedy_step(admitted))
         if self.max_num_batched_tokens is None:
             self._prefill_all(admitted)
@@ -269,7 +283,34 @@ class ContinuousBatchingWorker(EngineWorker):
         self.metrics.step(len(self._running), self.max_batch_size, queued, len(self._running))
         self.batches_run += 1
         if self._running:
-            self._choose()
+            if speculating:
+                self._advance(emitted)
+            else:
+                self._choose()
+
+    def _may_speculate(self, admitted: list[_Sequence]) -> bool:
+        """Whether this step speculates: a speculator is set and no row (nor one joining) asks
+        log-probabilities or adjusts its logits (penalties change with every token accepted);
+        otherwise the step decodes one token per row. Speculative steps run eagerly (the
+        verify forward is not a captured graph)."""
+        return self.speculator is not None and all(
+            s.logprobs is None and not s.request.sampling.adjusts_logits
+            for s in (*self._running, *self._prefilling, *admitted))
+
+    def _advance(self, emitted: list[list[int]]) -> None:
+        """The speculative step's tokens for the rows that decoded, and for those that joined
+        after them their token chosen from their prefill's logits."""
+        running = self._running
+        joined = running[len(emitted):]
+        if joined:
+            logits = torch.stack([s.logits if s.logits is not None else torch.zeros_like(joined[0].logits)
+                                  for s in running])
+            rows = range(len(emitted), len(running))
+            chosen = draw_rows(self._decode_step.sampler, logits, rows)
+            emitted = [*emitted, *([token] for token in chosen)]
+        self._decode_step.advance(emitted)
+        for sequence in running:
+            sequence.logits = None
 
     def _greedy_step(self, admitted: list[_Sequence]) -> bool:
         """Whether this step's decode may choose the tokens itself (the static cache's step, every
@@ -307,4 +348,6 @@ class ContinuousBatchingWorker(EngineWorker):
         """On every rank (a follower frees the same blocks); the leader answers the job."""
         self.allocator.free(sequence.blocks)
         sequence.blocks = []
+        if self.speculator is not None:
+            self.speculator.release(sequence)
         self._answer(sequence)

@@ -233,6 +233,35 @@ class DecodeStep:
                 finished += self._read_oldest()
         return StepOutcome(chosen, kept, finished, self.next_tokens)
 
+    def advance(self, emitted: Sequence[Sequence[int]]) -> StepOutcome:
+        """A speculative step (:mod:`~mega.inference.engine.speculative`): each row takes the
+        tokens ``emitted[row]`` (one or more, already verified), read at once on the host (``lag``
+        0, one rank). Each token is recorded and streamed, then the one rule decides; a row that
+        ends drops the tokens after its end."""
+        if self.lag or not self.is_leader or (self.tp_group is not None and self.tp_group.size > 1):
+            raise RuntimeError("speculative steps read their tokens at once, on a single rank")
+        codes = []
+        for sequence, tokens in zip(self.sequences, emitted, strict=True):
+            code = 0
+            for token in tokens:
+                sequence.known += 1
+                sequence.generated.append(token)
+                if self.on_token is not None:
+                    self.on_token(sequence, token, None, None)
+                request = sequence.request
+                stopped = self.stop_checker.should_stop(request.stop, sequence.generated)
+                reason = ending(stopped, sequence.known >= sequence.limit, request.cancelled)
+                if reason is not None:
+                    code = _CODES[reason]
+                    self._finish(sequence, code)
+                    break
+            codes.append(code)
+        last = torch.tensor([tokens[-1] for tokens in emitted], dtype=torch.long, device=self.device)
+        finished = [s for s, code in zip(self.sequences, codes, strict=True) if code]
+        kept = self._retire([bool(code) for code in codes], [])
+        self.next_tokens = last if len(kept) == len(last) else last[to_device(kept, last.device)]
+        return StepOutcome(last, kept, finished, self.next_tokens)
+
     def _choose(self, logits: torch.Tensor | None, chosen: torch.Tensor | None) -> torch.Tensor:
         """Each row's token, on the device: its draw (every row is past its prompt, computed
         whole before it joined)."""

@@ -55,6 +55,10 @@ class ServerMetrics:
         self.queued = 0
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, found there (not prefilled)
+        self.draft_tokens = 0  # speculative decoding: tokens drafted
+        self.accepted_tokens = 0  # of those, accepted by the target
+        self.verified_tokens = 0  # tokens speculative steps yielded (accepted, and one of the target's per row)
+        self.verify_rows = 0  # sequences verified, summed over speculative steps
 
     def request(self, route: str, status: int, seconds: float) -> None:
         with self._lock:
@@ -80,6 +84,24 @@ class ServerMetrics:
         """The prefix cache's running totals (the allocator counts them)."""
         with self._lock:
             self.prefix_queried_tokens, self.prefix_hit_tokens = queried_tokens, hit_tokens
+
+    def speculated(self, drafted: int, accepted: int, tokens: int, rows: int) -> None:
+        """One speculative step: ``drafted`` draft tokens, ``accepted`` of them, ``tokens`` yielded
+        over ``rows`` sequences."""
+        with self._lock:
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
+            self.verified_tokens += tokens
+            self.verify_rows += rows
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a sequence gets per speculative step (1 + accepted drafts), on average."""
+        return self.verified_tokens / self.verify_rows if self.verify_rows else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -121,5 +143,17 @@ class ServerMetrics:
                       "# TYPE mega_prefix_cache_hits_total counter", f"mega_prefix_cache_hits_total {self.prefix_hit_tokens}",
                       "# HELP mega_prefix_cache_hit_rate Hits over queries since the start.",
                       "# TYPE mega_prefix_cache_hit_rate gauge",
-                      f"mega_prefix_cache_hit_rate {self.prefix_cache_hit_rate:.6f}"]
+                      f"mega_prefix_cache_hit_rate {self.prefix_cache_hit_rate:.6f}",
+                      "# HELP mega_spec_decode_draft_tokens_total Speculative draft tokens proposed.",
+                      "# TYPE mega_spec_decode_draft_tokens_total counter",
+                      f"mega_spec_decode_draft_tokens_total {self.draft_tokens}",
+                      "# HELP mega_spec_decode_accepted_tokens_total Speculative draft tokens the target accepted.",
+                      "# TYPE mega_spec_decode_accepted_tokens_total counter",
+                      f"mega_spec_decode_accepted_tokens_total {self.accepted_tokens}",
+                      "# HELP mega_spec_decode_acceptance_rate Accepted over drafted tokens since the start.",
+                      "# TYPE mega_spec_decode_acceptance_rate gauge",
+                      f"mega_spec_decode_acceptance_rate {self.acceptance_rate:.6f}",
+                      "# HELP mega_spec_decode_tokens_per_step Tokens per sequence per speculative step (1 + accepted).",
+                      "# TYPE mega_spec_decode_tokens_per_step gauge",
+                      f"mega_spec_decode_tokens_per_step {self.tokens_per_step:.6f}"]
         return "\n".join(lines) + "\n"

@@ -203,6 +203,23 @@ class Sampler:
     def draw(self, logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         """Each row's token for its number ``uniform`` ``[batch, 1]``: the temperature, top-k and
         top-p applied over the tokens sorted most likely first, then the inverse transform."""
+        probs, order, removed = self._sorted_probabilities(logits)
+        cumulative = probs.cumsum(dim=-1)
+        picked = torch.searchsorted(cumulative, uniform, right=True)
+        # Rounding can leave the total a hair below the draw: fall back to the last kept token.
+        picked = torch.minimum(picked, (~removed).sum(-1, keepdim=True) - 1)
+        return order.gather(-1, picked).squeeze(-1)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution ``[batch, vocab]`` (vocabulary order) each row draws its token from:
+        temperature, top-k and top-p applied (a greedy row's is one-hot at its most likely
+        token). Speculative decoding's verification compares drafts against it."""
+        probs, order, _ = self._sorted_probabilities(logits)
+        return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+    def _sorted_probabilities(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's filtered probabilities over its tokens sorted most likely first, that
+        order, and the tokens filtered out."""
         # Every row draws over its tokens sorted most likely first, filtered or not: the token a
         # draw picks must not depend on whether a batch-mate's top-k or top-p sorted the batch.
         scaled, order = (logits / self.temperature).sort(dim=-1, descending=True)
@@ -211,9 +228,4 @@ class Sampler:
         probs = scaled.masked_fill(removed, float("-inf")).softmax(dim=-1)
         # A token goes when the tokens more likely than it already reach top_p.
         removed |= (self.top_p[:, None] > 0) & (probs.cumsum(dim=-1) - probs > self.top_p[:, None])
-        probs = scaled.masked_fill(removed, float("-inf")).softmax(dim=-1)
-        cumulative = probs.cumsum(dim=-1)
-        picked = torch.searchsorted(cumulative, uniform, right=True)
-        # Rounding can leave the total a hair below the draw: fall back to the last kept token.
-        picked = torch.minimum(picked, (~removed).sum(-1, keepdim=True) - 1)
-        return order.gather(-1, picked).squeeze(-1)
+        return scaled.masked_fill(removed, float("-inf")).softmax(dim=-1), order, removed
