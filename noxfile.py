@@ -34,6 +34,10 @@ def install_mega(session: nox.Session, extra: str = "") -> None:
     """Install every package (and plugin) of the repo, with ``extra`` (e.g. ``[test]``)."""
     session.env["PIP_CONSTRAINT"] = str(CONSTRAINTS)
     session.env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    # The packages' test extras name their siblings (mega-core[test] needs mega-testing, which needs
+    # mega-core): the pip a fresh venv bundles (23.2) finds no candidate for a sibling asked for through
+    # an extra even when its directory is on the same command line; pip 24 resolves it.
+    session.install("pip>=24.1")
     session.install("torch==2.13.0")
     session.install(*[f"./{path}{extra}" for path in PACKAGES + PLUGINS])
 
