@@ -27,5 +27,3 @@ def register_callbacks(register):
 def register_optimizers(register):
     register("adam", "mega.core.optim.torch_optimizers:adam", "AdamW (decoupled weight decay), Megatron's adam")
     register("sgd", "mega.core.optim.torch_optimizers:sgd", "SGD with momentum")
-    register("muon", "mega.core.optim.muon:muon",
-             "Muon (Newton-Schulz orthogonalised momentum) for hidden matrices, AdamW for the rest")
