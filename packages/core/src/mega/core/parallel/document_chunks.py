@@ -65,7 +65,7 @@ def document_chunk_index(document_ids: torch.Tensor, rank: int, size: int) -> to
 @dataclass(frozen=True)
 class ChunkLayout(abc.ABC):
     """Where a context rank's local tokens sit in the whole rows, and so which keys of any rank a
-    query may see: what the cross-rank attention (:mod:`mega.core.parallel.context_attention`)
+    query may see: what the cross-rank attention (:mod:`mega.models.blocks.context_attention`)
     reads. Every tensor is ``[batch, local_seq]``, one entry per local token: ``offset`` its place
     among its chunk pair's local tokens, ``half`` the length of one chunk of that pair, ``start``
     the pair's first place in the whole row. A subclass says which document each token is in.
@@ -78,7 +78,7 @@ class ChunkLayout(abc.ABC):
     cu_seqlens: torch.Tensor
 
     # The ranks hold the plain sequence chunks (rank i: i and 2cp-1-i of the whole row), so the
-    # ring's causal block skipping (:func:`mega.core.parallel.ring_attention.visible_block`) holds.
+    # ring's causal block skipping (:func:`mega.models.blocks.ring_attention.visible_block`) holds.
     sequence_chunks = False
 
     def places(self, rank: int) -> torch.Tensor:
