@@ -25,13 +25,9 @@ from mega.core.parallel.context_parallel import (
     to_rank_order,
     to_sequence_order,
 )
-from mega.core.parallel.document_chunks import (
-    DocumentChunks,
-    SequenceChunks,
-    chunk_layout,
-    document_chunk_index,
-)
+from mega.core.parallel.document_chunks import document_chunk_index
 from mega.core.parallel.groups import Group
+from mega.models.blocks.chunk_layout import DocumentChunks, SequenceChunks, chunk_layout
 from mega.models.blocks.context_attention import context_parallel_attention
 from mega.models.blocks.ring_attention import visible_block
 

@@ -39,8 +39,8 @@ from mega.core.parallel.context_parallel import (
     to_rank_order,
     to_sequence_order,
 )
-from mega.core.parallel.document_chunks import ChunkLayout
 from mega.core.parallel.groups import Group
+from mega.models.blocks.chunk_layout import ChunkLayout
 from mega.models.blocks.ring_attention import ring_attention
 
 

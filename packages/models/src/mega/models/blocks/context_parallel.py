@@ -22,8 +22,8 @@ from torch import nn
 
 from mega.core.kernels import CAUSAL, AttentionMask
 from mega.core.parallel import ParallelConfig, ParallelGroups
-from mega.core.parallel.document_chunks import chunk_layout
 from mega.models.blocks.attention import CoreAttention, sequence_major
+from mega.models.blocks.chunk_layout import chunk_layout
 from mega.models.blocks.context_attention import check_heads, context_parallel_attention
 from mega.models.config import ModelConfigError, TransformerConfig
 
