@@ -25,7 +25,7 @@ RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /opt/mega/t
     && PIP_CONSTRAINT=/opt/mega/torch-constraint.txt pip install --no-cache-dir \
         ./packages/core ./packages/train ./packages/models ./packages/data ./packages/ckpt-convert \
         ./packages/inference ./packages/rl ./packages/testing \
-        ./plugins/flash-attn ./plugins/transformer-engine ./plugins/apex ./plugins/liger ./plugins/torchao \
+        ./plugins/flash-attn ./plugins/transformer-engine ./plugins/apex ./plugins/liger ./plugins/torchao ./plugins/muon \
     && mega plugins
 
 WORKDIR /workspace

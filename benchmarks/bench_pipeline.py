@@ -223,14 +223,9 @@ def time_pipeline(args, pp: int, vpp: int | None, schedule: str, trace_path: str
     import torch.distributed as dist
 
     from mega.core.parallel import ParallelConfig, ParallelGroups
-    from mega.core.pipeline import (
-        PipelineTimeline,
-        forward_backward,
-        pipeline_chunks,
-        setup_tied_weights,
-        tie_across_stages,
-    )
+    from mega.core.pipeline import forward_backward, pipeline_chunks, setup_tied_weights, tie_across_stages
     from mega.core.plugins import Events
+    from mega.train.pipeline_timeline import PipelineTimeline
 
     groups = ParallelGroups(ParallelConfig(pp=pp, vpp=vpp))
     table = schedule_table(pp, args.microbatches, vpp or 1, schedule=schedule)

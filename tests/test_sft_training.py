@@ -104,7 +104,7 @@ def test_packed_rows_under_context_parallelism(chat_data, worlds, unpacked, monk
     """cp2 pads each packed conversation to a multiple of 4 and splits it per document. With
     --calculate-per-token-loss every comm type trains as one conversation per row in one process
     (LLaMA; GPT on the ring); with the mean per micro-batch, as one process on the same padded rows. (Each comm type's attention over packed rows, forward and backward:
-    packages/core/tests/test_context_attention.py.)"""
+    packages/models/tests/test_context_attention.py.)"""
     from mega.data.indexed_dataset import IndexedDataset
     from mega.data.packing import first_fit_decreasing
     from mega.train import data_setup

@@ -1,6 +1,6 @@
 """Per-run events: listeners implement any subset of hooks and any subset of arguments."""
 
-from mega.core.plugins import Events, Plugins, hookimpl
+from mega.core.plugins import Events, hookimpl
 from mega.core.plugins.hookspecs import EventSpecs
 
 
@@ -26,60 +26,7 @@ def test_events_reach_listeners():
     assert recorder.calls == [("forward", 3), ("step", 7, 1.5)]
 
 
-def test_callback_factories_choose_per_run():
-    class Plugin:
-        @hookimpl
-        def register_callbacks(self, register):
-            register("always", lambda config: Recorder())
-            register("never", lambda config: None)
-
-    plugins = Plugins()  # no installed plugins: only this one's callbacks
-    plugins.add(Plugin(), "p")
-    events = Events.from_callbacks(plugins, run_config=None)
-    assert [type(listener).__name__ for listener in events.listeners()] == ["Recorder"]
-
-
 def test_every_event_hook_is_documented():
     for name in dir(EventSpecs):
         if name.startswith("on_"):
             assert getattr(EventSpecs, name).__doc__, name
-
-
-def test_a_plugin_callback_that_raises_names_plugin_hook_and_error_and_takes_no_further_part():
-    import pytest
-
-    from mega.core.plugins.callback_errors import CallbackError
-
-    class Breaks:
-        ended = False
-
-        @hookimpl
-        def on_step_end(self, run, iteration):
-            raise ZeroDivisionError(f"at {iteration}")
-
-        @hookimpl
-        def on_train_end(self, run):
-            Breaks.ended = True
-
-        @hookimpl(wrapper=True)
-        def on_train_start(self, run):
-            return (yield)  # a wrapper stays a wrapper
-
-    class Plugin:
-        @hookimpl
-        def register_callbacks(self, register):
-            register("breaks", lambda config: Breaks())
-            register("records", lambda config: Recorder())
-
-    plugins = Plugins()
-    plugins.add(Plugin(), "p", "mega-p", "1.0")
-    events = Events.from_callbacks(plugins, run_config=None)
-    assert sorted(type(listener).__name__ for listener in events.listeners()) == ["Breaks", "Recorder"]
-    events.hook.on_train_start(run=None)
-    with pytest.raises(CallbackError) as caught:
-        events.hook.on_step_end(run=None, iteration=2, metrics={"loss": 1.0})
-    assert str(caught.value) == ("plugin p (mega-p 1.0): callback 'breaks' raised in on_step_end at iteration 2: "
-                                 "ZeroDivisionError: at 2")
-    assert isinstance(caught.value.__cause__, ZeroDivisionError) and "raise ZeroDivisionError" in caught.value.traceback
-    events.hook.on_train_end(run=None)
-    assert not Breaks.ended and [type(listener).__name__ for listener in events.listeners()] == ["Recorder"]

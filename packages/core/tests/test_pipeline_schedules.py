@@ -142,7 +142,6 @@ def pipeline_run(layout, timeline_path=None):
     from mega.core.parallel.plan import Colwise, Rowwise, VocabEmbedding
     from mega.core.parallel.tensor_parallel import apply_tensor_parallel
     from mega.core.pipeline import (
-        PipelineTimeline,
         forward_backward,
         pipeline_chunks,
         schedule_table,
@@ -167,7 +166,11 @@ def pipeline_run(layout, timeline_path=None):
     ddp_config = DDPConfig(bucket_size=1000, overlap_grad_reduce=True)
     ddps = [DistributedDataParallel(chunk, groups, ddp_config) for chunk in chunks]
     syncs = [CountingGradSync(ddp) for ddp in ddps]
-    timeline = PipelineTimeline(timeline_path) if timeline_path else None
+    timeline = None
+    if timeline_path:  # the pipeline-timeline callback is mega-train's, a listener of the schedule's events
+        from mega.train.pipeline_timeline import PipelineTimeline
+
+        timeline = PipelineTimeline(timeline_path)
     events = Events([timeline] if timeline else [])
     saved = SavedActivations()
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from mega.core.pipeline import PipelineTimeline, forward_backward, timeline_callback
-from mega.core.pipeline.timeline import chrome_trace
+from mega.core.pipeline import forward_backward
 from mega.core.plugins import Events, load_plugins
 from mega.train.config import LoggingConfig
+from mega.train.pipeline_timeline import PipelineTimeline, chrome_trace, timeline_callback
 from mega.train.run_config import RunConfig
 
 
@@ -46,7 +46,7 @@ def test_one_process_run_writes_a_trace(tmp_path):
 
 
 def test_registered_as_a_callback_wanted_only_with_a_path():
-    plugins = load_plugins(environ={"MEGA_LOAD_PLUGINS": "core"})
+    plugins = load_plugins(environ={"MEGA_LOAD_PLUGINS": "train"})
     factory = plugins.callbacks.get("pipeline-timeline")
     assert factory is timeline_callback
     assert factory(RunConfig(model=None)) is None

@@ -15,17 +15,6 @@ def register_commands(register):
 
 
 @hookimpl
-def register_callbacks(register):
-    register(
-        "pipeline-timeline",
-        "mega.core.pipeline.timeline:timeline_callback",
-        description="Chrome trace of every rank's pipeline schedule (--pipeline-timeline PATH)",
-    )
-
-
-@hookimpl
 def register_optimizers(register):
     register("adam", "mega.core.optim.torch_optimizers:adam", "AdamW (decoupled weight decay), Megatron's adam")
     register("sgd", "mega.core.optim.torch_optimizers:sgd", "SGD with momentum")
-    register("muon", "mega.core.optim.muon:muon",
-             "Muon (Newton-Schulz orthogonalised momentum) for hidden matrices, AdamW for the rest")

@@ -15,10 +15,10 @@ from mega.core.config import ConfigError
 from mega.core.model_family import ModelFamily
 from mega.core.parallel import ParallelGroups
 from mega.core.plugins import PluginError, get_plugins
-from mega.core.plugins.callback_errors import CALLBACK_EXIT_CODE, CallbackError
 from mega.core.plugins.failures import TRACEBACKS_VARIABLE, tracebacks_wanted
 from mega.core.process_group import distributed_env, init_distributed
 from mega.core.rank_exit import record_failure
+from mega.train.callback_errors import CALLBACK_EXIT_CODE, CallbackError
 from mega.train.collective_timeout import describe_timeout
 from mega.train.data_setup import build_datasets
 from mega.train.hang_report import debug_dir, flight_recorder_env, write_report

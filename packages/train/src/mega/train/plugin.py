@@ -81,6 +81,11 @@ def register_commands(register):
 @hookimpl
 def register_callbacks(register):
     register(
+        "pipeline-timeline",
+        "mega.train.pipeline_timeline:timeline_callback",
+        description="Chrome trace of every rank's pipeline schedule (--pipeline-timeline PATH)",
+    )
+    register(
         "console",
         "mega.train.console_log:console_logger",
         description="Megatron's log line every --log-interval iterations",

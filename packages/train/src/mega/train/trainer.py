@@ -31,9 +31,10 @@ from mega.core.pipeline.actions import rank_and_chunk_of, stage_of
 from mega.core.pipeline.layout import layers_per_stage
 from mega.core.pipeline.schedules import forward_backward
 from mega.core.pipeline.zero_bubble import placement_of
-from mega.core.plugins import Events, Plugins
+from mega.core.plugins import Plugins
 from mega.core.setup_passes import registered_passes
 from mega.train.batches import MicroBatches
+from mega.train.callback_errors import events_from_callbacks
 from mega.train.lr_schedule import LearningRateSchedule
 from mega.train.model_passes import build_dtype
 from mega.train.per_token_loss import micro_batch_tokens, read_step, token_weight
@@ -91,7 +92,7 @@ class Trainer:
         self.reads_batch = [bool(stage.batch_keys) or stage.is_last or self.groups.cp.size > 1
                             or run.data.per_document for stage in self.stages]
         self._token_weight = None  # --calculate-per-token-loss: set per step by _run_schedule
-        self.events = Events.from_callbacks(plugins, run)
+        self.events = events_from_callbacks(plugins, run)
         self.chunks = self._build_model_chunks(plugins)
         self.optimizer = build_optimizer(self.chunks, self.groups, run.optimizer, grad_scaler_for(run.precision),
                                          plugins)

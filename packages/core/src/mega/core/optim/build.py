@@ -9,7 +9,6 @@ from mega.core.distributed.ddp import DistributedDataParallel
 from mega.core.optim.config import OptimizerConfig
 from mega.core.optim.distributed_optimizer import DistributedOptimizer
 from mega.core.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from mega.core.optim.muon_layout import MuonLayout, muon_param_groups
 from mega.core.optim.optimizer import MixedPrecisionOptimizer
 from mega.core.optim.qk_clip import QKClip
 from mega.core.parallel.groups import ParallelGroups
@@ -43,13 +42,15 @@ def build_optimizer(models: list[nn.Module], groups: ParallelGroups, config: Opt
         return factory(groups_, config)
 
     options = {"clip_grad": config.clip_grad, "grad_scaler": grad_scaler}
-    if config.optimizer == "muon":  # Muon's matrices apart from AdamW's groups (mega.core.optim.muon_layout)
-        grouped = muon_param_groups(models, config)
-    else:
-        grouped = param_groups(models, config.weight_decay)
+    # A registered factory may group the parameters itself and finish once the wrapper holds the
+    # main parameters: ``factory.param_groups(models, config)``, ``factory.after_build(models,
+    # optimizer, groups, config)`` (mega-muon's Muon: its matrices apart from AdamW's, their layout).
+    own_groups = getattr(factory, "param_groups", None)
+    grouped = own_groups(models, config) if own_groups else param_groups(models, config.weight_decay)
     optimizer = _wrap(models, groups, config, make, grouped, options)
-    if hasattr(optimizer.optimizer, "bind_layout"):  # Muon: where each matrix's other shards are
-        optimizer.optimizer.bind_layout(MuonLayout.of(models, optimizer, groups, config))
+    after_build = getattr(factory, "after_build", None)
+    if after_build is not None:
+        after_build(models, optimizer, groups, config)
     if config.qk_clip:  # after the inner step, before the main weights go back to the model
         optimizer.qk_clip = QKClip(models, optimizer, groups, config.qk_clip_threshold, config.qk_clip_alpha)
     return optimizer

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from mega.core.config.options import option
 
-# How attention crosses the context group (mega.core.parallel.context_attention has one function each).
+# How attention crosses the context group (mega.models.blocks.context_attention has one function each).
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
@@ -22,7 +22,7 @@ class ParallelConfig:
     own tensor-parallel size (None: ``tp``), a divisor of ``tp``; ``vpp`` virtual
     pipeline chunks per stage (interleaved 1F1B); ``sequence_parallel`` splits the non-tensor-
     parallel regions (norms, dropout) along the sequence over the tensor-parallel group;
-    ``cp_comm_type``: how attention crosses the context group (:mod:`mega.core.parallel.context_attention`).
+    ``cp_comm_type``: how attention crosses the context group (:mod:`mega.models.blocks.context_attention`).
     """
 
     tp: int = option(1, "tensor-parallel size", flag="--tensor-model-parallel-size")

@@ -9,7 +9,7 @@ Here live the pieces that do not depend on the attention: which chunks a rank ho
 of a micro-batch (done once, where the trainer forms the micro-batches; positions travel with
 the tokens as ``position_ids``, so position embeddings and RoPE follow the chunks), the
 reordering of gathered chunks back into sequence order, and the loss over the whole sequence.
-The attention across ranks is in :mod:`mega.core.parallel.context_attention`.
+The attention across ranks is in :mod:`mega.models.blocks.context_attention`.
 """
 
 from __future__ import annotations

@@ -8,14 +8,12 @@ from mega.core.pipeline.partition import PartitionError, pipeline_chunks, split_
 from mega.core.pipeline.schedule_table import SCHEDULES, Action, ScheduleError, ScheduleTable, schedule_table
 from mega.core.pipeline.schedules import GradSync, forward_backward
 from mega.core.pipeline.tied import setup_tied_weights, sum_tied_grads, tie_across_stages, tied_parameters
-from mega.core.pipeline.timeline import PipelineTimeline, timeline_callback
 
 __all__ = [
     "Action",
     "GradSync",
     "PartitionError",
     "PipelineConfig",
-    "PipelineTimeline",
     "SCHEDULES",
     "ScheduleError",
     "ScheduleTable",
@@ -31,5 +29,4 @@ __all__ = [
     "sum_tied_grads",
     "tie_across_stages",
     "tied_parameters",
-    "timeline_callback",
 ]

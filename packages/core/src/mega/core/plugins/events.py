@@ -9,9 +9,6 @@ from typing import Any
 import pluggy
 
 from mega.core.plugins import hookspecs
-from mega.core.plugins.callback_errors import CallbackError, CallbackOrigin, GuardedListener
-from mega.core.plugins.manager import CORE_PLUGIN
-from mega.core.plugins.registry import PluginError
 
 
 class Events:
@@ -41,47 +38,18 @@ class Events:
                 stack.enter_context(context)
             yield
 
-    def add(self, listener: Any, origin: CallbackOrigin | None = None) -> None:
-        """Register ``listener``; with the ``origin`` of a plugin's callback, behind a guard whose
-        errors name the plugin and the hook (:mod:`mega.core.plugins.callback_errors`)."""
-        # The core's own callbacks (the console, the exit signal, the hang report) are mega itself:
-        # their errors (a collective timeout, a bad --tensorboard-dir) keep their own reports.
-        if origin is None or origin.plugin == CORE_PLUGIN:
-            self._manager.register(listener)
-            return
+    def add(self, listener: Any) -> None:
+        """Register ``listener``: its ``on_*`` hook implementations take part from now on."""
+        self._manager.register(listener)
+
+    def remove(self, listener: Any) -> None:
+        self._manager.unregister(listener)
+
+    def hook_options(self, listener: Any) -> dict[str, dict]:
+        """``{method name: pluggy's hookimpl options}`` of ``listener``'s hook implementations."""
         options = {name: self._manager.parse_hookimpl_opts(listener, name) for name in dir(listener)}
-        implementations = {name: getattr(listener, name) for name, opts in options.items() if opts is not None}
-        # A wrapper (a generator around the others) is left as it is: guarding it would unmake it.
-        wrappers = {name for name, opts in options.items() if opts and (opts.get("wrapper") or opts.get("hookwrapper"))}
-        self._manager.register(GuardedListener(listener, origin, implementations, self._manager.unregister, wrappers))
+        return {name: opts for name, opts in options.items() if opts is not None}
 
     def listeners(self) -> list[Any]:
-        return [getattr(plugin, "listener", plugin) if isinstance(plugin, GuardedListener) else plugin
-                for plugin in self._manager.get_plugins()]
-
-    @classmethod
-    def from_callbacks(cls, plugins, run_config: Any) -> Events:
-        """Instantiate every registered callback factory that wants to take part in this run.
-
-        A callback that cannot be loaded raises :class:`PluginError` naming its plugin, unless the
-        run was asked to skip failed plugins (``--skip-failed-plugins``; mega train has warned)."""
-        training = getattr(run_config, "training", None)
-        skip_failed = bool(getattr(training, "skip_failed_plugins", False))
-        events = cls()
-        for name in plugins.callbacks.names():
-            try:
-                factory = plugins.callbacks.get(name)
-            except PluginError:
-                if skip_failed:
-                    continue
-                raise
-            origin = CallbackOrigin.of(plugins.callbacks.entry(name))
-            try:
-                listener = factory(run_config)
-            except Exception as error:
-                if origin.plugin == CORE_PLUGIN:
-                    raise
-                raise CallbackError(origin, "its factory", error, None) from error
-            if listener is not None:
-                events.add(listener, origin)
-        return events
+        """The listeners; one registered behind a wrapper (mega-train's guard) names it as ``.listener``."""
+        return [getattr(plugin, "listener", plugin) for plugin in self._manager.get_plugins()]

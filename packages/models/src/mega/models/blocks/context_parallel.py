@@ -3,7 +3,7 @@
 The pass :func:`mega.models.parallelize.apply_cp` swaps every layer's
 :class:`~mega.models.blocks.attention.CoreAttention` for :class:`ContextParallelAttention`, which
 attends this rank's chunks of the sequence to the whole sequence's keys across the context
-group (``--cp-comm-type``, see :mod:`mega.core.parallel.context_attention`). Nothing else in the
+group (``--cp-comm-type``, see :mod:`mega.models.blocks.context_attention`). Nothing else in the
 model changes: the trainer hands each rank its chunks of the micro-batch with their
 ``position_ids`` (so learned positions and RoPE follow the chunks), norms and MLPs are per
 token, and the loss sums over the whole sequence (:func:`mega.core.parallel.context_parallel.sequence_mean`).
@@ -22,9 +22,9 @@ from torch import nn
 
 from mega.core.kernels import CAUSAL, AttentionMask
 from mega.core.parallel import ParallelConfig, ParallelGroups
-from mega.core.parallel.context_attention import check_heads, context_parallel_attention
-from mega.core.parallel.document_chunks import chunk_layout
 from mega.models.blocks.attention import CoreAttention, sequence_major
+from mega.models.blocks.chunk_layout import chunk_layout
+from mega.models.blocks.context_attention import check_heads, context_parallel_attention
 from mega.models.config import ModelConfigError, TransformerConfig
 
 

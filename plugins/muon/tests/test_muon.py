@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mega_muon.layout import RowBlocks, takes_muon
+from mega_muon.muon import coefficient_schedule, newton_schulz
 
 from mega.core.distributed import DDPConfig
 from mega.core.optim import OptimizerConfig
-from mega.core.optim.muon import coefficient_schedule, newton_schulz
-from mega.core.optim.muon_layout import RowBlocks, takes_muon
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.testing.equivalence import max_relative_error, train_tiny_lm
 from mega.testing.tiny_lm import TinyConfig, TinyLM, make_batch

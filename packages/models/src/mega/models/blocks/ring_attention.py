@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from mega.core.parallel.collectives import active_counter
-from mega.core.parallel.document_chunks import ChunkLayout
 from mega.core.parallel.groups import Group
+from mega.models.blocks.chunk_layout import ChunkLayout
 
 
 class RingExchange:

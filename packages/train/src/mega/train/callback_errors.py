@@ -15,7 +15,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from mega.core.plugins import Events
 from mega.core.plugins.failures import describe, format_traceback
+from mega.core.plugins.manager import CORE_PLUGIN
 from mega.core.plugins.registry import PluginError
 
 # `mega train`'s exit code when a plugin's callback raised (0 done, 2 bad input, 3 a collective
@@ -78,3 +80,44 @@ def _iteration(arguments: dict) -> int | None:
     if "iteration" in arguments:
         return arguments["iteration"]
     return getattr(arguments.get("run"), "iteration", None)
+
+
+def events_from_callbacks(plugins, run_config: Any) -> Events:
+    """The run's events: every registered callback factory that wants to take part in this run,
+    each plugin's listener behind a :class:`GuardedListener`.
+
+    A callback that cannot be loaded raises :class:`PluginError` naming its plugin, unless the
+    run was asked to skip failed plugins (``--skip-failed-plugins``; mega train has warned)."""
+    training = getattr(run_config, "training", None)
+    skip_failed = bool(getattr(training, "skip_failed_plugins", False))
+    events = Events()
+    for name in plugins.callbacks.names():
+        try:
+            factory = plugins.callbacks.get(name)
+        except PluginError:
+            if skip_failed:
+                continue
+            raise
+        origin = CallbackOrigin.of(plugins.callbacks.entry(name))
+        try:
+            listener = factory(run_config)
+        except Exception as error:
+            if origin.plugin == CORE_PLUGIN:
+                raise
+            raise CallbackError(origin, "its factory", error, None) from error
+        if listener is not None:
+            add_guarded(events, listener, origin)
+    return events
+
+
+def add_guarded(events: Events, listener: Any, origin: CallbackOrigin) -> None:
+    """Register a plugin's ``listener`` behind a guard whose errors name the plugin and the hook."""
+    # The core's own callbacks are mega itself: their errors keep their own reports.
+    if origin.plugin == CORE_PLUGIN:
+        events.add(listener)
+        return
+    options = events.hook_options(listener)
+    implementations = {name: getattr(listener, name) for name in options}
+    # A wrapper (a generator around the others) is left as it is: guarding it would unmake it.
+    wrappers = {name for name, opts in options.items() if opts.get("wrapper") or opts.get("hookwrapper")}
+    events.add(GuardedListener(listener, origin, implementations, events.remove, wrappers))

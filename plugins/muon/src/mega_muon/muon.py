@@ -6,11 +6,11 @@ Megatron-LM, Moonlight and Kimi K2). A Muon step on one matrix ``W`` with gradie
 
     M <- lerp(M, G, 1 - momentum)                       (the momentum buffer, EMA form)
     U <- lerp(G, M, momentum) if nesterov else M
-    O <- NewtonSchulz(U) * scale(rows, cols) * extra     (per logical matrix, see muon_layout)
+    O <- NewtonSchulz(U) * scale(rows, cols) * extra     (per logical matrix, see mega_muon.layout)
     W <- W * (1 - lr * weight_decay) - lr * O
 
 Newton-Schulz needs the whole matrix, whereas a rank holds a tensor-parallel shard, a ZeRO-1 flat
-slice or an FSDP2 row shard of it: :mod:`mega.core.optim.muon_layout` assembles the matrix, splits
+slice or an FSDP2 row shard of it: :mod:`mega_muon.layout` assembles the matrix, splits
 fused QKV / gate-up weights and grouped experts into their logical matrices, and hands back this
 rank's part of the result. The momentum is element-wise, so it stays sharded like Adam's moments
 (and checkpoints reshard it the same way).
@@ -30,6 +30,7 @@ import torch
 
 from mega.core.optim.config import OptimizerConfig
 from mega.core.optim.torch_optimizers import adamw_kernel
+from mega_muon.layout import MuonLayout, muon_param_groups
 
 # (a, b, c) of each quintic step X <- a X + (b A + c A^2) X, A = X X^T, by coefficient type.
 COEFFICIENTS: dict[str, tuple[tuple[float, float, float], ...]] = {
@@ -134,7 +135,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             self.adamw.state = self.state
 
     def bind_layout(self, layout) -> None:
-        """``layout``: a :class:`~mega.core.optim.muon_layout.MuonLayout` of this rank's Muon parameters."""
+        """``layout``: a :class:`~mega_muon.layout.MuonLayout` of this rank's Muon parameters."""
         self.layout = layout
         self._muon_ids |= {id(slot.model) for slot in layout.slots}
 
@@ -186,7 +187,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def _orthogonalize_one(self, update: torch.Tensor, blocks) -> tuple[torch.Tensor, float]:
         """Orthogonalise ``update`` (whole, at its full shape) matrix by logical matrix.
 
-        ``blocks``: how its rows split into logical matrices (see muon_layout.row_blocks); None for
+        ``blocks``: how its rows split into logical matrices (see layout.row_blocks); None for
         one matrix (or, for a 3-D tensor, one per expert). Returns the result and the scale still
         to apply (folded into the learning rate when it is the same for every part)."""
         config = self.config
@@ -215,3 +216,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
 def muon(param_groups: list[dict], config: OptimizerConfig) -> torch.optim.Optimizer:
     """The ``--optimizer muon`` factory (groups from :func:`muon_param_groups`)."""
     return MuonWithAdamW(param_groups, config)
+
+
+def bind_layout(models, optimizer, groups, config: OptimizerConfig) -> None:
+    """Once the wrapper holds the main parameters: where each Muon matrix's other shards are."""
+    optimizer.optimizer.bind_layout(MuonLayout.of(models, optimizer, groups, config))
+
+
+# build_optimizer's seam for a registered optimizer: Muon's matrices apart from AdamW's groups,
+# and the layout bound after the wrapper is built.
+muon.param_groups = muon_param_groups
+muon.after_build = bind_layout

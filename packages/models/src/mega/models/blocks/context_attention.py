@@ -4,7 +4,7 @@ Every rank holds ``[batch, heads, seq / cp, head_dim]`` queries, keys and values
 load-balanced chunks (:mod:`mega.core.parallel.context_parallel`) and gets the output of its
 own queries over the whole sequence's keys:
 
-* ``p2p``: ring attention (:mod:`mega.core.parallel.ring_attention`), key/value blocks passed
+* ``p2p``: ring attention (:mod:`mega.models.blocks.ring_attention`), key/value blocks passed
   round the ring, overlapped with the attention of the block in hand. Sends per rank and layer:
   ``(cp - 1)`` key/value blocks forward, as many again and ``cp`` gradient blocks backward.
 * ``all_gather``: gather every rank's keys and values, attend to them in one go per chunk
@@ -39,9 +39,9 @@ from mega.core.parallel.context_parallel import (
     to_rank_order,
     to_sequence_order,
 )
-from mega.core.parallel.document_chunks import ChunkLayout
 from mega.core.parallel.groups import Group
-from mega.core.parallel.ring_attention import ring_attention
+from mega.models.blocks.chunk_layout import ChunkLayout
+from mega.models.blocks.ring_attention import ring_attention
 
 
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Group,

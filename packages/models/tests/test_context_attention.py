@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mega.core.parallel.context_attention import context_parallel_attention
 from mega.core.parallel.context_parallel import (
     held_chunks,
     split_batch,
@@ -26,14 +25,11 @@ from mega.core.parallel.context_parallel import (
     to_rank_order,
     to_sequence_order,
 )
-from mega.core.parallel.document_chunks import (
-    DocumentChunks,
-    SequenceChunks,
-    chunk_layout,
-    document_chunk_index,
-)
+from mega.core.parallel.document_chunks import document_chunk_index
 from mega.core.parallel.groups import Group
-from mega.core.parallel.ring_attention import visible_block
+from mega.models.blocks.chunk_layout import DocumentChunks, SequenceChunks, chunk_layout
+from mega.models.blocks.context_attention import context_parallel_attention
+from mega.models.blocks.ring_attention import visible_block
 
 BATCH, HEADS, KV_HEADS, SEQ, DIM = 2, 4, 2, 16, 8
 # Packed rows per context size: documents' lengths, multiples of 2 x cp, the rows' last the padding.
@@ -81,7 +77,7 @@ def attention_errors(cp: int) -> dict:
     from mega.core.kernels import Kernels
     from mega.core.parallel import ParallelConfig, ParallelGroups
     from mega.core.parallel.collectives import CommCounter
-    from mega.core.parallel.context_attention import context_parallel_attention
+    from mega.models.blocks.context_attention import context_parallel_attention
 
     groups = ParallelGroups(ParallelConfig(cp=cp))
     errors = {}
@@ -107,7 +103,7 @@ def packed_attention_errors(groups) -> dict:
     packed rows split per document, and documents of any length (GPT data's --reset-attention-mask)
     split the ordinary way, the whole rows' document ids on every rank."""
     from mega.core.kernels import Kernels
-    from mega.core.parallel.context_attention import context_parallel_attention
+    from mega.models.blocks.context_attention import context_parallel_attention
 
     size = groups.cp.size
     per_document = _document_ids(DOCUMENTS[size])
