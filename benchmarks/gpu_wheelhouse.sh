@@ -29,6 +29,9 @@ done
 target=(--python-version 3.12 --implementation cp --only-binary=:all:
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 python=${PYTHON:-python3}
+# The GPU machine keeps its own torch: the development pin (nox sets PIP_CONSTRAINT to constraints.txt)
+# would make pip replace the image's torch with the pinned one and carry CUDA wheels.
+unset PIP_CONSTRAINT
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 
 # A throwaway environment whose only "installed" packages are the GPU image's, as stand-in records.

@@ -83,14 +83,16 @@ def two_orders() -> dict:
     from mega.core.plugins import load_plugins
     from mega.train.run_parser import parse_run
 
-    torch.set_default_device("cpu")
-    run, family = parse_run(ARGV)
-    plugins = load_plugins(extra=[("probe", ProbePlugin())])
-    result = {}
-    for reverse in (False, True):
-        names, model = build(run, family, plugins, reverse)
-        result[reverse] = {"names": names, "probe": list(Probe.seen), **describe(model)}
-        Probe.seen.clear()
+    # A device context, not set_default_device: a default left set is a torch-function mode under which
+    # dynamo breaks the graphs of later tests in the same rank process.
+    with torch.device("cpu"):
+        run, family = parse_run(ARGV)
+        plugins = load_plugins(extra=[("probe", ProbePlugin())])
+        result = {}
+        for reverse in (False, True):
+            names, model = build(run, family, plugins, reverse)
+            result[reverse] = {"names": names, "probe": list(Probe.seen), **describe(model)}
+            Probe.seen.clear()
     return result
 
 

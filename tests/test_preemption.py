@@ -22,7 +22,7 @@ ARGV = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attent
 # enough for a second signal to arrive in the middle.
 SLOW_SAVE = """
 import os, sys, time
-from mega.core.checkpoint import checkpointer
+from mega.train.checkpoint import checkpointer
 write = checkpointer.save_entries
 def slow(*args, **kwargs):
     print('writing a checkpoint', flush=True)

@@ -23,15 +23,18 @@ def setup_of(*chunks: nn.Module) -> ModelSetup:
 
 
 def test_passes_run_by_phase_then_name_whatever_the_order_given():
-    torch.set_default_device("cpu")
-    orders = []
-    for reverse in (False, True):
-        log: list = []
-        passes = [recorder(log, "wrap", Phase.DATA_PARALLEL), recorder(log, "b-fp8", Phase.PRECISION),
-                  recorder(log, "a-fp8", Phase.PRECISION), recorder(log, "plan", Phase.TENSOR_PARALLEL),
-                  recorder(log, "store", Phase.MATERIALIZE), recorder(log, "experts", Phase.EXPERT_PARALLEL)]
-        run_setup(setup_of(), reversed(passes) if reverse else passes)
-        orders.append(log)
+    # The materialising passes run where modules are made: the CPU here, a GPU machine too. A
+    # device context, not set_default_device: a default left set is a torch-function mode under
+    # which dynamo breaks later tests' graphs (Tensor.unflatten's super() call).
+    with torch.device("cpu"):
+        orders = []
+        for reverse in (False, True):
+            log: list = []
+            passes = [recorder(log, "wrap", Phase.DATA_PARALLEL), recorder(log, "b-fp8", Phase.PRECISION),
+                      recorder(log, "a-fp8", Phase.PRECISION), recorder(log, "plan", Phase.TENSOR_PARALLEL),
+                      recorder(log, "store", Phase.MATERIALIZE), recorder(log, "experts", Phase.EXPERT_PARALLEL)]
+            run_setup(setup_of(), reversed(passes) if reverse else passes)
+            orders.append(log)
     assert orders[0] == orders[1] == [("experts", "meta"), ("plan", "meta"), ("store", "cpu"), ("a-fp8", "cpu"),
                                       ("b-fp8", "cpu"), ("wrap", "cpu")]
 
