@@ -9,6 +9,7 @@ the next step).
 
 from __future__ import annotations
 
+import abc
 import json
 from collections.abc import AsyncIterator
 
@@ -28,7 +29,7 @@ def failed_event(error) -> str:
     return data_line({"error": body})
 
 
-class StreamWriter:
+class StreamWriter(abc.ABC):
     """What a streaming route sends for each event; each method returns the lines to send."""
 
     include_usage = False
@@ -36,11 +37,13 @@ class StreamWriter:
     def start(self) -> list[str]:
         return []
 
+    @abc.abstractmethod
     def token(self, index: int, token: int, logprob: float | None, top) -> list[str]:
-        raise NotImplementedError
+        """The lines for one generated token of sequence ``index``."""
 
+    @abc.abstractmethod
     def finish(self, index: int, result) -> list[str]:
-        raise NotImplementedError
+        """The lines for sequence ``index``'s end."""
 
     def usage(self, completion_tokens: int) -> list[str]:
         return []
