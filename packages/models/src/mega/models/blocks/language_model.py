@@ -64,7 +64,7 @@ class LanguageModel(nn.Module):
         vocab = config.padded_vocab_size(parallel.tp)
 
         self.embedding = stage_embedding(partial(Embedding, config, vocab), stage, self.tied)
-        self.decoder = transformer_block(config, layers, post_process, kernels, context)
+        self.decoder = self.build_decoder(config, layers, post_process, kernels, context)
         # A backend that fuses the output layer into the loss: the last stage then hands the loss
         # its final hidden states and the output weight instead of logits (see forward).
         self.fused_loss = kernels.get("linear_loss") is not None if post_process else False
@@ -75,6 +75,15 @@ class LanguageModel(nn.Module):
             mark_padded_vocab(self.output_layer.weight)
             if self.tied:
                 tie_output_layer(self, self.output_layer, "output_layer.weight")
+
+    def build_decoder(self, config: TransformerConfig, layers: range, final_norm: bool, kernels: Kernels,
+                      context: ParallelContext | None) -> nn.Module:
+        """The stage's layer stack (a family with layers of its own builds them here)."""
+        return transformer_block(config, layers, final_norm, kernels, context)
+
+    def rotary_cos_sin(self):
+        """The function that makes the layers' RoPE angles, or None (see :func:`rotary_cos_sin_of`)."""
+        return rotary_cos_sin_of(self.config)
 
     def forward(self, inputs: torch.Tensor | Mapping[str, torch.Tensor], position_ids: torch.Tensor | None = None,
                 inference_cache: KVCache | None = None, logits_to_keep: int | torch.Tensor | None = None,
@@ -130,7 +139,7 @@ class LanguageModel(nn.Module):
         """The decoder's output ``[s, b, h]`` (after the final norm on the last stage)."""
         hidden = self.embedding(inputs, position_ids) if self.pre_process else inputs
         layer_kwargs = {} if mask is CAUSAL else {"mask": mask}  # causal: the layers' default
-        cos_sin = rotary_cos_sin_of(self.config)
+        cos_sin = self.rotary_cos_sin()
         if cos_sin is not None:  # RoPE's angles, the same in every layer: made once per forward
             seq = inputs.shape[1] if self.pre_process else inputs.shape[0]
             layer_kwargs["rotary_angles"] = model_rotary_angles(self.config, cos_sin, seq, position_ids,

@@ -62,7 +62,8 @@ class MoELayer(nn.Module):
             self.router.expert_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
             self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
         shared = config.moe_shared_expert_intermediate_size
-        self.shared_experts = SharedExperts(config.hidden_size, shared, kernels) if shared else None
+        self.shared_experts = (SharedExperts(config.hidden_size, shared, kernels, gate=getattr(config, "moe_shared_expert_gate", False))
+                               if shared else None)
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size, kernels,
                                       grouped_gemm=config.moe_grouped_gemm)
         # The tensor, expert-tensor and expert groups, and whether the input is a sequence shard.
