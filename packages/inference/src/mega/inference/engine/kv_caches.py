@@ -1,9 +1,11 @@
-"""The two KV caches the decoder loop runs on, behind one interface.
+"""The KV caches the decoder loop runs on, behind one interface.
 
 :class:`PagedSequenceCache` (:mod:`.paged_kv_cache`): blocks shared by sequences of any lengths, memory
 following the tokens held. :class:`SlotSequenceCache` (:mod:`.slot_kv_cache`): a slot of the model's
 whole length per sequence, so a decode step has fixed shapes per batch-size bucket and, on CUDA,
-replays a captured graph (``--static-kv-cache``, the default on CUDA).
+replays a captured graph (``--static-kv-cache``, the default on CUDA). :class:`RecurrentSequenceCache`
+(:mod:`.recurrent_state_cache`): the paged cache with a fixed-size state per sequence for the
+recurrent layers of a model that has them (Qwen3-Next's Gated DeltaNet).
 
 The loop (:class:`~mega.inference.engine.continuous.ContinuousBatchingWorker`) sees only what
 both give: an ``allocator`` that admits a sequence (blocks, or a slot as a one-block table) and
@@ -21,6 +23,7 @@ import torch
 from mega.inference.engine.host_copy import to_device
 from mega.inference.engine.paged_kv_cache import BlockAllocator, PagedKVCache
 from mega.inference.engine.prefix_cache import PrefixCachingAllocator
+from mega.inference.engine.recurrent_state_cache import RecurrentStateCache, StateSlotAllocator
 from mega.inference.engine.slot_kv_cache import DecodeGraphs, SlotAllocator, SlotKVCache, bucket_for
 from mega.inference.engine.slot_prefix_cache import PrefixCachingSlotAllocator
 
@@ -68,6 +71,16 @@ class PagedSequenceCache(SequenceCache):
         allocator_class = PrefixCachingAllocator if prefix_caching else BlockAllocator
         allocator = allocator_class(max(1, max_num_tokens // block_size), block_size)
         super().__init__(engine, PagedKVCache(allocator, max_batch_size, engine.kv_head_repeats), allocator)
+
+
+class RecurrentSequenceCache(SequenceCache):
+    """The paged cache with a recurrent-state slot per sequence, for a model with recurrent layers
+    (``model.recurrent_layers``; :mod:`.recurrent_state_cache`): never prefix caching."""
+
+    def __init__(self, engine, max_batch_size: int, max_num_tokens: int, block_size: int):
+        allocator = StateSlotAllocator(max(1, max_num_tokens // block_size), block_size, max_batch_size)
+        cache = RecurrentStateCache(allocator, engine.model.recurrent_layers, max_batch_size, engine.kv_head_repeats)
+        super().__init__(engine, cache, allocator)
 
 
 class SlotSequenceCache(SequenceCache):
