@@ -1,0 +1,176 @@
+"""The ``qwen3-next`` family against transformers' ``Qwen3NextForCausalLM``, on the CPU in fp32.
+
+A tiny random model with every feature on (four layers: Gated DeltaNet, gated attention, Gated
+DeltaNet, gated attention; grouped value heads; partial RoPE; four experts top-2 with a gated
+shared expert; every norm off its start) saved by transformers: converted to mega, its logits
+and loss equal transformers' (1e-5 relative); mega -> Hugging Face gives back the files' tensors
+bit for bit and a config.json transformers builds the same model from; greedy generation over 32
+tokens equals transformers' ``generate`` for prompts of several lengths at once through
+``mega generate`` and ``mega serve`` (``PUT /api``), and for requests joining a running batch
+whose state slots are freed and reused (two slots, three requests), prefilled whole or in chunks.
+The training layouts are tests/test_qwen3_next_training.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from ckpt_test_models import VOCAB, generation_engine, input_ids, save_hf_model, tiny_random_model  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+from mega.ckpt_convert import convert  # noqa: E402
+
+SETTINGS = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                num_experts=4, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4, max_position_embeddings=64,
+                full_attention_interval=2, partial_rotary_factor=0.5, initializer_range=0.1)
+PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [11, 12, 13, 14, 15, 16, 17, 18, 19], [7],
+           [21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40]]
+NEW_TOKENS = 32
+EOD = VOCAB - 1  # NullTokenizer's end of document: it stops both sides
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    hf_model = tiny_random_model("Qwen3NextForCausalLM", "Qwen3NextConfig", SETTINGS, "qwen3-next")
+    root = tmp_path_factory.mktemp("qwen3-next")
+    hf_dir = save_hf_model(hf_model, root / "hf")
+    convert(hf_dir, root / "mega", to_format="mega")
+    return hf_model, hf_dir, root / "mega"
+
+
+GREEDY: dict[tuple[int, ...], list[int]] = {}  # transformers' continuations, made once per prompt
+
+
+def hf_greedy(hf_model, prompt: list[int], eos: int | None = None) -> list[int]:
+    """transformers' greedy prompt + 32 tokens, cut after the first ``eos``."""
+    if tuple(prompt) not in GREEDY:
+        GREEDY[tuple(prompt)] = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                                  eos_token_id=None, pad_token_id=0)[0].tolist()
+    tokens = GREEDY[tuple(prompt)]
+    new = tokens[len(prompt):]
+    return tokens if eos not in new else tokens[:len(prompt) + new.index(eos) + 1]
+
+
+def test_logits_and_loss_equal_transformers(case, assert_close):
+    from test_layout_logits import stage_logits
+
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+
+    hf_model, _, mega_dir = case
+    ids = input_ids()
+    with torch.no_grad():
+        expected = hf_model(ids, labels=ids)
+    logits, loss = stage_logits(str(mega_dir), ids, ParallelGroups(ParallelConfig()))
+    assert_close(logits, expected.logits, what="logits")
+    assert_close(loss, expected.loss, what="loss")
+
+
+def test_mega_to_hugging_face_is_bit_exact(case, tmp_path):
+    from safetensors.torch import load_file
+
+    hf_model, hf_dir, mega_dir = case
+    convert(mega_dir, tmp_path / "back", to_format="hf")
+    original, back = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "back")
+    assert type(config).__name__ == "Qwen3NextConfig"
+    for key in ("layer_types", "linear_num_value_heads", "shared_expert_intermediate_size", "head_dim"):
+        assert getattr(config, key) == getattr(hf_model.config, key), key
+    assert config.rope_parameters["partial_rotary_factor"] == 0.5
+
+
+def test_mega_generate_equals_transformers_greedy(case, capsys):
+    """``mega generate`` on the converted checkpoint, prompts of several lengths in one run."""
+    from mega.inference.cli.generate import main as generate_main
+
+    hf_model, hf_dir, mega_dir = case
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    prompts = ["the quick brown fox jumps over", "pack my box"]
+    args = ["--load", str(mega_dir), "--max-tokens", str(NEW_TOKENS), "--greedy", "--json", "--device", "cpu"]
+    assert generate_main(args + [arg for prompt in prompts for arg in ("--prompt", prompt)]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [record["prompt"] for record in records] == prompts
+    for record in records:
+        ids = tokenizer.encode(record["prompt"])
+        expected = hf_greedy(hf_model, ids, tokenizer.eos_token_id)[len(ids):]
+        assert record["tokens"] == expected, record["prompt"]
+
+
+def test_mega_serve_equals_transformers_greedy(case):
+    """``mega serve``'s whole ``main`` (its app taken from uvicorn.run, requests sent in this
+    process): one ``PUT /api`` of prompts of several lengths, ids as text."""
+    httpx = pytest.importorskip("httpx")
+    uvicorn = pytest.importorskip("uvicorn")
+    from mega.inference.cli import serve as serve_cli
+
+    hf_model, _, mega_dir = case
+    apps, done, outcome = [], threading.Event(), []
+
+    def hold_the_app(app, **_):
+        apps.append(app)
+        done.wait()
+
+    argv = ["--load", str(mega_dir), "--device", "cpu", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(EOD)]
+    thread = threading.Thread(target=lambda: outcome.append(serve_cli.main(argv)), daemon=True)
+    original, uvicorn.run = uvicorn.run, hold_the_app
+    try:
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not apps:
+            assert thread.is_alive() and time.monotonic() < deadline, f"mega serve did not start: {outcome}"
+            time.sleep(0.05)
+    finally:
+        uvicorn.run = original
+
+    async def put_api(body: dict):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(apps[0]), base_url="http://mega") as client:
+            return await client.put("/api", json=body, timeout=120)
+
+    try:
+        reply = asyncio.run(put_api({"prompts": [" ".join(map(str, prompt)) for prompt in PROMPTS],
+                                     "tokens_to_generate": NEW_TOKENS, "top_k": 1}))
+    finally:
+        done.set()
+        thread.join(timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert outcome == [0]
+    for prompt, tokens in zip(PROMPTS, reply.json()["tokens"], strict=True):
+        assert tokens == hf_greedy(hf_model, prompt, EOD), prompt
+
+
+def test_requests_joining_a_running_batch_equal_transformers(case):
+    """Two state slots for three requests submitted one after the other: the third waits for a
+    slot to be freed and starts from zeros there; with --max-num-batched-tokens 4 the prompts are
+    prefilled in chunks continuing their states while the others decode."""
+    from test_hf_bridge import staggered
+
+    from mega.inference.engine import GenerationRequest
+    from mega.inference.engine.continuous import ContinuousBatchingWorker
+
+    hf_model, _, mega_dir = case
+    worker = ContinuousBatchingWorker(generation_engine(mega_dir), max_batch_size=2, max_num_tokens=128,
+                                      block_size=8, max_num_batched_tokens=4)
+    prompts = [PROMPTS[3], PROMPTS[0], PROMPTS[1]]
+    worker.start()
+    try:
+        results = asyncio.run(staggered(worker, [GenerationRequest(prompt, NEW_TOKENS) for prompt in prompts]))
+    finally:
+        worker.stop()
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.tokens == hf_greedy(hf_model, prompt), prompt
+    assert sorted(worker.allocator._free_slots) == [0, 1], "every state slot is free again"
