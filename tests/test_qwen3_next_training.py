@@ -6,7 +6,8 @@ data with the load-balancing loss on; on one world of 2 ranks the tensor-paralle
 heads split), pipeline-parallel (a linear and a full-attention layer per stage) and
 expert-parallel runs give the one-process losses within 1e-5 (relative) at every step. No
 checkpoint is loaded, so an equal first loss means equal initial weights too. Context
-parallelism is refused by name.
+parallelism is refused by name. `mega plan` prints the 80b-a3b preset's memory per stage, and
+`mega train --model-family qwen3-next --model-preset 80b-a3b --help` gives its sizes as the defaults.
 """
 
 from __future__ import annotations
@@ -49,3 +50,28 @@ def test_context_parallelism_is_refused_by_name(on_cpu):
 
     with pytest.raises(ConfigError, match="context.*qwen3-next"):
         train_losses(COMMON + ["--context-parallel-size", "2"])
+
+
+def test_plan_prints_the_80b_memory(capsys):
+    from mega.train.planning.plan_command import main
+
+    assert main(["--model-family", "qwen3-next", "--model-preset", "80b-a3b", "--world-size", "64",
+                 "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+                 "--expert-model-parallel-size", "8", "--micro-batch-size", "1", "--global-batch-size", "64", "--bf16",
+                 "--use-distributed-optimizer"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3-next 80b-a3b on 64 GPUs" in out
+    stages = [line.split() for line in out.splitlines() if line.split() and line.split()[0] in "0123"]
+    assert len(stages) == 4 and all(float(row[-1]) > 0 for row in stages)
+
+
+def test_train_help_shows_the_preset_defaults(capsys):
+    from mega.train.run_parser import parse_run
+
+    with pytest.raises(SystemExit):
+        parse_run(["--model-family", "qwen3-next", "--model-preset", "80b-a3b", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, value in (("--num-layers", 48), ("--hidden-size", 2048), ("--num-experts", 512),
+                        ("--linear-num-value-heads", 32), ("--kv-channels", 256), ("--rotary-percent", 0.25)):
+        help_line = text.split(f" {flag} {flag.lstrip('-').replace('-', '_').upper()} ", 1)[1].split(" --", 1)[0]
+        assert f"(default: {value})" in help_line, (flag, help_line)

@@ -16,7 +16,7 @@ from mega.core.checkpoint.metadata import CheckpointError
 from mega.core.checkpoint.saved_model import SavedModel, check_family, check_run_model, saved_model
 from mega.core.cli.argparser import CommandParser
 from mega.core.config import ConfigError, add_section, parse
-from mega.core.config.parser import known_flags, tomllib
+from mega.core.config.parser import chosen_values, known_flags, show_defaults, tomllib
 from mega.core.model_family import check_flag_of_other_families
 from mega.core.plugins import PluginError, get_plugins
 from mega.core.plugins.failed_options import FailedPluginOptions, add_failed_plugins_help
@@ -112,6 +112,8 @@ def parse_run(argv: list[str], plugins=None):
     plugin_options = plugin_sections(sections, plugins)
     parser = build_parser(family.config_class, family_name, plugins, plugin_options)
     options = {name: cls for name, (cls, _) in plugin_options.items()}
+    if preset and not saved:  # `--model-preset P --help` says the preset's sizes
+        show_defaults(parser, "model", chosen_values(bases["model"]))
     known = {option for action in parser._actions for option in action.option_strings}
     for flag in dict.fromkeys(word.split("=", 1)[0] for word in argv if word.startswith("--")):
         if flag not in known:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import re
 import sys
 import types
 import typing
@@ -73,6 +74,14 @@ def add_section(parser: argparse.ArgumentParser, section: str, cls: type, title:
             kwargs["help"] += f" (default: {default})"
         # SUPPRESS: only flags actually given appear in the namespace, so they can override TOML.
         group.add_argument(flag_of(field), dest=f"{section}.{field.name}", default=argparse.SUPPRESS, **kwargs)
+
+
+def show_defaults(parser: argparse.ArgumentParser, section: str, values: dict[str, Any]) -> None:
+    """``--help`` gives ``values`` (a model preset's) as the defaults of the ``section``'s flags."""
+    for action in parser._actions:
+        prefix, _, name = action.dest.partition(".")
+        if prefix == section and action.help and values.get(name) is not None:
+            action.help = re.sub(r" \(default: [^()]*\)$", "", action.help) + f" (default: {values[name]})"
 
 
 def known_flags(sections: dict[str, type]) -> list[str]:

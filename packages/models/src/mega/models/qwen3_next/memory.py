@@ -2,7 +2,7 @@
 (:mod:`mega.models.mixtral.memory`: experts, router, shared expert, embeddings, activations) with
 each layer's attention parameters counted as its own mixer's: a Gated DeltaNet's projections,
 convolution and decays, or a gated full attention's (its query projection twice as wide for the
-gates). Activations are counted as for full attention layers of the model's heads (the linear
+gates), and the shared expert's gate. Activations are counted as for full attention layers of the model's heads (the linear
 layers keep projections of a like width; their chunked states are a few per chunk)."""
 
 from __future__ import annotations
@@ -28,4 +28,5 @@ def hybrid_stage_footprint(config: HybridLinearAttentionConfig, *, layers: int, 
     counted = (h * (q + 2 * kv) + q * h) // parallel.tp + 2 * config.kv_channels  # the dense attention's
     linear, full = mixer_parameters(config, parallel.tp)
     own = sum(linear if config.is_linear_layer(n) else full for n in range(first_layer, first_layer + layers))
-    return dataclasses.replace(footprint, parameters=footprint.parameters + own - layers * counted)
+    gates = layers * h if config.moe_shared_expert_gate else 0  # the shared expert's gate, whole on every rank
+    return dataclasses.replace(footprint, parameters=footprint.parameters + own - layers * counted + gates)
