@@ -67,8 +67,8 @@ class HybridLinearAttentionConfig(MoETransformerConfig):
         return sum(self.is_linear_layer(n) for n in range(self.num_layers))
 
 
-QWEN3_NEXT = dict(QWEN3, qk_layernorm=True, rotary_base=1e7, rotary_percent=0.25, moe_shared_expert_gate=True,
-                  hidden_dropout=0.0, attention_dropout=0.0)
+QWEN3_NEXT = dict(QWEN3, qk_layernorm=True, rotary_base=1e7, rotary_percent=0.25, moe_shared_expert_intermediate_size=512,
+                  moe_shared_expert_gate=True, moe_aux_loss_coeff=0.001, hidden_dropout=0.0, attention_dropout=0.0)
 
 Qwen3NextConfig = with_defaults(
     HybridLinearAttentionConfig, "Qwen3NextConfig", module=__name__,
