@@ -47,12 +47,11 @@ def recurrent_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: to
     query, key, value, g, beta = (t.float() for t in (query, key, value, g, beta))
     state = _initial(state, key, value)
     outputs = []
-    for t in range(query.shape[2]):
-        k_t = key[:, :, t]
-        state = state * g[:, :, t].exp()[..., None, None]
-        delta = beta[:, :, t, None] * (value[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, state))
+    for q_t, k_t, v_t, g_t, beta_t in zip(*(t.unbind(2) for t in (query, key, value, g, beta)), strict=True):
+        state = state * g_t.exp()[..., None, None]
+        delta = beta_t[..., None] * (v_t - torch.einsum("bhk,bhkv->bhv", k_t, state))
         state = state + k_t[..., :, None] * delta[..., None, :]
-        outputs.append(torch.einsum("bhk,bhkv->bhv", query[:, :, t], state))
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q_t, state))
     return torch.stack(outputs, dim=2), state
 
 
@@ -84,11 +83,15 @@ def chunked_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torc
                                                 unitriangular=True)
     within = (query @ key.transpose(-1, -2)) * decay  # causal, the diagonal included
     decayed_query = query * cumulative.exp()[..., None]
-    to_end = (cumulative[..., -1:] - cumulative).exp()[..., None]  # exp(G_C - G_j)
+    keys_to_end = key * (cumulative[..., -1:] - cumulative).exp()[..., None]  # exp(G_C - G_j) k_j
+    chunk_decay = cumulative[..., -1].exp()[..., None, None]  # exp(G_C)
+    # One chunk at a time along the state; unbound once (a backward of stacks, not of a zero-filled
+    # tensor per chunk and operand).
     outputs = []
-    for c in range(query.shape[2]):
-        deltas = solved_values[:, :, c] - solved_keys[:, :, c] @ state
-        outputs.append(decayed_query[:, :, c] @ state + within[:, :, c] @ deltas)
-        state = state * cumulative[:, :, c, -1].exp()[..., None, None] + (key[:, :, c] * to_end[:, :, c]).transpose(
-            -1, -2) @ deltas
-    return torch.cat(outputs, dim=2)[:, :, :seq], state
+    for values_c, keys_c, query_c, within_c, to_end_c, decay_c in zip(
+            *(t.unbind(2) for t in (solved_values, solved_keys, decayed_query, within, keys_to_end, chunk_decay)),
+            strict=True):
+        deltas = values_c - keys_c @ state
+        outputs.append(query_c @ state + within_c @ deltas)
+        state = state * decay_c + to_end_c.transpose(-1, -2) @ deltas
+    return torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :seq], state
