@@ -7,8 +7,10 @@ and loss equal transformers' (1e-5 relative); mega -> Hugging Face gives back th
 bit for bit and a config.json transformers builds the same model from; greedy generation over 32
 tokens equals transformers' ``generate`` for prompts of several lengths at once through
 ``mega generate`` and ``mega serve`` (``PUT /api``), and for requests joining a running batch
-whose state slots are freed and reused (two slots, three requests), prefilled whole or in chunks.
-The training layouts are tests/test_qwen3_next_training.py's.
+whose state slots are freed and reused (two slots, three requests), prefilled in chunks. At tp2
+(one world of 2 gloo ranks, both kinds of heads split) the logits and loss equal transformers' and
+the served greedy tokens (leader and follower, each rank's states its own heads') too. The training
+layouts are tests/test_qwen3_next_training.py's.
 """
 
 from __future__ import annotations
@@ -174,3 +176,48 @@ def test_requests_joining_a_running_batch_equal_transformers(case):
     for prompt, result in zip(prompts, results, strict=True):
         assert result.tokens == hf_greedy(hf_model, prompt), prompt
     assert sorted(worker.allocator._free_slots) == [0, 1], "every state slot is free again"
+
+
+def tensor_parallel_logits_and_greedy(mega_dir, ids):
+    """At tp2: this rank's (logits, loss), and the greedy continuations of PROMPTS served by the
+    leader (None on the follower, which runs the leader's batches)."""
+    from test_layout_logits import stage_logits
+
+    from mega.ckpt_convert import open_checkpoint
+    from mega.core.build import build_stage
+    from mega.core.checkpoint import load_model_weights
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.core.plugins import get_plugins
+    from mega.inference.engine import GenerationEngine, GenerationRequest
+    from mega.inference.engine.tp_serving import lead, receive
+
+    groups = ParallelGroups(ParallelConfig(tp=2))
+    logits = stage_logits(mega_dir, ids, groups)
+
+    with open_checkpoint(mega_dir) as source:
+        family, config = get_plugins().models.get(source.family), source.config
+    model = build_stage(family, config, groups=groups, init=False, training=False)
+    load_model_weights(mega_dir, [model.eval()], groups)
+    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings,
+                              tp_group=groups.tp)
+    if groups.tp.rank != 0:
+        while (batch := receive(groups.tp)) is not None:
+            engine.generate(batch)
+        return logits, None
+    requests = [GenerationRequest(prompt, NEW_TOKENS) for prompt in PROMPTS]
+    lead(requests, groups.tp)
+    results = engine.generate(requests)
+    lead(None, groups.tp)
+    return logits, [result.tokens for result in results]
+
+
+def test_tensor_parallel_logits_and_generation_equal_transformers(case, worlds, assert_close):
+    hf_model, _, mega_dir = case
+    ids = input_ids()
+    with torch.no_grad():
+        expected = hf_model(ids, labels=ids)
+    ranks = worlds.run(2, tensor_parallel_logits_and_greedy, str(mega_dir), ids)
+    for rank, ((logits, loss), _) in enumerate(ranks):
+        assert_close(logits, expected.logits, what=f"tp2 rank {rank} logits")
+        assert_close(loss, expected.loss, what=f"tp2 rank {rank} loss")
+    assert ranks[0][1] == [hf_greedy(hf_model, prompt) for prompt in PROMPTS], "tp2 greedy generation"
