@@ -19,8 +19,6 @@ import asyncio
 import json
 import os
 import sys
-import threading
-import time
 
 import pytest
 import torch
@@ -114,43 +112,19 @@ def test_mega_generate_equals_transformers_greedy(case, capsys):
 
 
 def test_mega_serve_equals_transformers_greedy(case):
-    """``mega serve``'s whole ``main`` (its app taken from uvicorn.run, requests sent in this
-    process): one ``PUT /api`` of prompts of several lengths, ids as text."""
-    httpx = pytest.importorskip("httpx")
-    uvicorn = pytest.importorskip("uvicorn")
-    from mega.inference.cli import serve as serve_cli
+    """``mega serve``'s whole ``main`` (mega-inference's tests' in-process server): one ``PUT /api``
+    of prompts of several lengths, ids as text."""
+    pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "inference", "tests"))
+    from in_process_server import serving
 
     hf_model, _, mega_dir = case
-    apps, done, outcome = [], threading.Event(), []
-
-    def hold_the_app(app, **_):
-        apps.append(app)
-        done.wait()
-
     argv = ["--load", str(mega_dir), "--device", "cpu", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(EOD)]
-    thread = threading.Thread(target=lambda: outcome.append(serve_cli.main(argv)), daemon=True)
-    original, uvicorn.run = uvicorn.run, hold_the_app
-    try:
-        thread.start()
-        deadline = time.monotonic() + 120
-        while not apps:
-            assert thread.is_alive() and time.monotonic() < deadline, f"mega serve did not start: {outcome}"
-            time.sleep(0.05)
-    finally:
-        uvicorn.run = original
-
-    async def put_api(body: dict):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(apps[0]), base_url="http://mega") as client:
-            return await client.put("/api", json=body, timeout=120)
-
-    try:
-        reply = asyncio.run(put_api({"prompts": [" ".join(map(str, prompt)) for prompt in PROMPTS],
-                                     "tokens_to_generate": NEW_TOKENS, "top_k": 1}))
-    finally:
-        done.set()
-        thread.join(timeout=30)
+    with serving(argv) as send:
+        reply = send("PUT", "/api", {"prompts": [" ".join(map(str, prompt)) for prompt in PROMPTS],
+                                     "tokens_to_generate": NEW_TOKENS, "top_k": 1})
     assert reply.status_code == 200, reply.text
-    assert outcome == [0]
     for prompt, tokens in zip(PROMPTS, reply.json()["tokens"], strict=True):
         assert tokens == hf_greedy(hf_model, prompt, EOD), prompt
 
