@@ -1,9 +1,10 @@
-"""`mega train --model-family qwen3-next` at tp2, pp2 and ep2 computes what one process computes.
+"""`mega train --model-family qwen3-next` at tp2 (with and without sequence parallelism), pp2 and ep2
+computes what one process computes.
 
 CPU, gloo, fp32 (the one-process reference pinned to the CPU as the gloo ranks are): the tiny preset (four layers: Gated DeltaNet, gated attention, Gated DeltaNet,
 gated attention; four experts top-2 beside a gated shared expert) trains 4 steps on Megatron's mock
 data with the load-balancing loss on; on one world of 2 ranks the tensor-parallel (both kinds of
-heads split), pipeline-parallel (a linear and a full-attention layer per stage) and
+heads split; the linear layers' convolution over the whole sequence gathered under sequence parallelism), pipeline-parallel (a linear and a full-attention layer per stage) and
 expert-parallel runs give the one-process losses within 1e-5 (relative) at every step. No
 checkpoint is loaded, so an equal first loss means equal initial weights too. Context
 parallelism is refused by name. `mega plan` prints the 80b-a3b preset's memory per stage, and
@@ -25,6 +26,7 @@ COMMON = [
 ]
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
+    "tp2 sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
     "ep2": ["--expert-model-parallel-size", "2"],
 }

@@ -65,9 +65,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None, inference_cache=None,
                 **unused) -> torch.Tensor:
         """``hidden`` ``[s, b, h]``; positions, masks and RoPE angles are the full attention's."""
-        seq, batch, _ = hidden.shape
         dk, dv, r = self.dk, self.dv, self.values_per_key
         qkvz = self.in_proj_qkvz(hidden)
+        seq, batch, _ = qkvz.shape  # the whole sequence (under sequence parallelism the input is a slice)
         groups = qkvz.shape[-1] // (2 * dk + 2 * r * dv)  # this rank's key heads
         qkvz = qkvz.view(seq, batch, groups, 2 * dk + 2 * r * dv)
         mixed, z = qkvz.split([2 * dk + r * dv, r * dv], dim=-1)
@@ -77,6 +77,9 @@ class GatedDeltaNet(nn.Module):
         mixed = mixed.reshape(seq, batch, -1).permute(1, 2, 0)  # [b, channels, s]
         state = real = None
         if inference_cache is not None:
+            if not hasattr(inference_cache, "read"):
+                raise TypeError(f"{type(inference_cache).__name__} holds keys and values only; a Gated DeltaNet layer "
+                                "generates with a recurrent-state cache (mega.inference's RecurrentStateCache)")
             real = inference_cache.real_lengths
             conv_state, state = inference_cache.read((batch, mixed.shape[1], self.width - 1), (batch, heads, dk, dv),
                                                      mixed.dtype)
