@@ -1,14 +1,16 @@
 """`mega train --model-family qwen3-next` at tp2 (with and without sequence parallelism), pp2 and ep2
 computes what one process computes.
 
-CPU, gloo, fp32 (the one-process reference pinned to the CPU as the gloo ranks are): the tiny preset (four layers: Gated DeltaNet, gated attention, Gated DeltaNet,
-gated attention; four experts top-2 beside a gated shared expert) trains 4 steps on Megatron's mock
-data with the load-balancing loss on; on one world of 2 ranks the tensor-parallel (both kinds of
-heads split; the linear layers' convolution over the whole sequence gathered under sequence parallelism), pipeline-parallel (a linear and a full-attention layer per stage) and
-expert-parallel runs give the one-process losses within 1e-5 (relative) at every step. No
-checkpoint is loaded, so an equal first loss means equal initial weights too. Context
-parallelism is refused by name. `mega plan` prints the 80b-a3b preset's memory per stage, and
-`mega train --model-family qwen3-next --model-preset 80b-a3b --help` gives its sizes as the defaults.
+CPU, gloo, fp32 (the one-process reference pinned to the CPU as the gloo ranks are): the tiny
+preset (four layers: Gated DeltaNet, gated attention, Gated DeltaNet, gated attention; four
+experts top-2 beside a gated shared expert) trains 4 steps on Megatron's mock data with the
+load-balancing loss on; on one world of 2 ranks the tensor-parallel (both kinds of heads split;
+under sequence parallelism the linear layers' convolution runs over the gathered sequence),
+pipeline-parallel (a linear and a full-attention layer per stage) and expert-parallel runs give
+the one-process losses within 1e-5 (relative) at every step. No checkpoint is loaded, so an equal
+first loss means equal initial weights too. Context parallelism is refused by name. `mega plan`
+prints the 80b-a3b preset's memory per stage, and `mega train --model-family qwen3-next
+--model-preset 80b-a3b --help` gives its sizes as the defaults.
 """
 
 from __future__ import annotations
