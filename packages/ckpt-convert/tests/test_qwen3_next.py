@@ -195,3 +195,83 @@ def test_tensor_parallel_logits_and_generation_equal_transformers(case, worlds, 
         assert_close(logits, expected.logits, what=f"tp2 rank {rank} logits")
         assert_close(loss, expected.loss, what=f"tp2 rank {rank} loss")
     assert ranks[0][1] == [hf_greedy(hf_model, prompt) for prompt in PROMPTS], "tp2 greedy generation"
+
+
+def with_mtp_module(hf_model, hf_dir, directory):
+    """A copy of ``hf_dir`` with a released checkpoint's MTP module (``mtp_num_hidden_layers: 1``
+    and random ``mtp.*`` tensors, which transformers does not load), and those modules built from
+    transformers' own classes with the same weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    shutil.copytree(hf_dir, directory)
+    config = hf_model.config
+    torch.manual_seed(3)
+    modules = torch.nn.ModuleDict({
+        "layer": hf.Qwen3NextDecoderLayer(config, layer_idx=1),  # a full-attention layer
+        "fc": torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False),
+        **{name: hf.Qwen3NextRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+           for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}}).eval()
+    with torch.no_grad():
+        for param in modules.parameters():
+            param.copy_(torch.randn_like(param) * (0.1 if param.dim() == 1 else 0.2))
+    tensors = load_file(directory / "model.safetensors")
+    for name, tensor in modules.state_dict().items():
+        name = name.replace("layer.", "layers.0.", 1)
+        if name.endswith("experts.gate_up_proj"):  # the files hold each expert's projections
+            for e, fused in enumerate(tensor):
+                gate, up = fused.chunk(2)
+                tensors[f"mtp.{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate.contiguous()
+                tensors[f"mtp.{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith("experts.down_proj"):
+            for e, down in enumerate(tensor):
+                tensors[f"mtp.{name[:-len('down_proj')]}{e}.down_proj.weight"] = down.contiguous()
+        else:
+            tensors[f"mtp.{name}"] = tensor.contiguous()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config_json = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config_json, "mtp_num_hidden_layers": 1}))
+    return modules
+
+
+def test_multi_token_prediction_converts_and_computes_as_transformers_modules(case, tmp_path, assert_close):
+    """transformers ignores the MTP module; mega converts it both ways bit for bit and computes
+    ``norm(layer(fc([e_norm(embed(next tokens)); h_norm(final hidden)])))`` through the output
+    layer as transformers' own modules (Qwen3NextDecoderLayer, Qwen3NextRMSNorm) do with its weights."""
+    from safetensors.torch import load_file
+
+    from mega.ckpt_convert import open_checkpoint
+    from mega.core.build import build_stage
+    from mega.core.checkpoint import load_model_weights
+    from mega.core.plugins import get_plugins
+
+    hf_model, hf_dir, _ = case
+    mtp = with_mtp_module(hf_model, hf_dir, tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "mega", to_format="mega")
+    with open_checkpoint(str(tmp_path / "mega")) as source:
+        family, config = get_plugins().models.get(source.family), source.config
+    assert config.mtp_num_layers == 1
+    model = build_stage(family, config, init=False, training=False)
+    load_model_weights(str(tmp_path / "mega"), [model.eval()])
+    ids = input_ids()
+    with torch.no_grad():
+        outputs = model({"tokens": ids})
+        hidden = hf_model.model(ids).last_hidden_state
+        following = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+        joined = torch.cat([mtp["pre_fc_norm_embedding"](hf_model.model.embed_tokens(following)),
+                            mtp["pre_fc_norm_hidden"](hidden)], dim=-1)
+        x = mtp["fc"](joined)
+        positions = torch.arange(ids.shape[1])[None]
+        x = mtp["layer"](x, position_embeddings=hf_model.model.rotary_emb(x, positions), attention_mask=None,
+                         position_ids=positions)
+        expected = hf_model.lm_head(mtp["norm"](x))
+    assert_close(outputs["mtp_logits"][0].transpose(0, 1)[..., :VOCAB], expected, what="MTP logits")
+    assert_close(outputs["logits"].transpose(0, 1)[..., :VOCAB], hf_model(ids).logits, what="logits")
+    convert(tmp_path / "mega", tmp_path / "back", to_format="hf")
+    original, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(original) and any(name.startswith("mtp.") for name in back)
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["mtp_num_hidden_layers"] == 1

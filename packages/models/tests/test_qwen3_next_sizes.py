@@ -1,7 +1,7 @@
 """The ``qwen3-next`` family's sizes: the 80b-a3b preset is the published Qwen3-Next-80B-A3B shape
 (its Hugging Face config.json read by the family's mapping gives the preset) with 79,674,391,296
 parameters, 3,874,929,408 active per token (the model card's 80B and 3B activated: 3,252,599,552
-without the word embedding and the output layer); the parameter count and the memory model's
+without the word embedding and the output layer), its MTP module aside (1,650,471,424 more); the parameter count and the memory model's
 parameters are the tiny model's own (``mega plan`` and ``--help`` on the preset: in
 tests/test_qwen3_next_training.py). CPU, one process (models built on the meta device)."""
 
@@ -33,10 +33,13 @@ def test_80b_preset_is_the_published_model():
     published = QWEN3_NEXT.config_from_hf(PUBLISHED)
     shape = [field.name for field in dataclasses.fields(preset) if field.name not in ("seq_length",)]
     assert {name: getattr(published, name) for name in shape} == {name: getattr(preset, name) for name in shape}
-    total, active = FAMILY.num_parameters(preset), FAMILY.num_parameters(preset, active=True)
+    assert preset.mtp_num_layers == 1
+    without_mtp = dataclasses.replace(preset, mtp_num_layers=None)  # what transformers loads, the card counts
+    total, active = FAMILY.num_parameters(without_mtp), FAMILY.num_parameters(without_mtp, active=True)
     assert (total, active) == (79_674_391_296, 3_874_929_408)
     embeddings = 2 * preset.padded_vocab_size(1) * preset.hidden_size
     assert round(total / 1e9) == 80 and round((active - embeddings) / 1e9) == 3
+    assert FAMILY.num_parameters(preset) - total == 1_650_471_424
 
 
 def test_tiny_sizes_are_the_models_own():

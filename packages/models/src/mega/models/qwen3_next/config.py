@@ -35,6 +35,9 @@ class HybridLinearAttentionConfig(MoETransformerConfig):
                                    "first ones; Qwen3-Next: 0.25)")
     moe_shared_expert_gate: bool = option(False, "scale the shared expert's output by sigmoid(a learned "
                                           "projection of the input) per token")
+    mtp_num_layers: int | None = option(None, "multi-token prediction: modules predicting tokens 2..N+1 ahead "
+                                        "on the last pipeline stage (each a full-attention layer)")
+    mtp_loss_scaling_factor: float = option(0.1, "weight of the mean multi-token-prediction loss in the loss")
 
     def validate(self, tensor_parallel_size: int = 1) -> None:
         super().validate(tensor_parallel_size)
@@ -53,6 +56,8 @@ class HybridLinearAttentionConfig(MoETransformerConfig):
              f"--rotary-percent {self.rotary_percent} of --kv-channels {self.kv_channels} must give a positive even "
              f"number of rotated channels, got {rotary}")
         need(self.position_embedding_type == "rope", "the hybrid layers' attention needs --position-embedding-type rope")
+        need(self.mtp_num_layers is None or self.mtp_num_layers >= 0,
+             f"--mtp-num-layers must be >= 0, got {self.mtp_num_layers}")
 
     @property
     def rotary_dim(self) -> int:

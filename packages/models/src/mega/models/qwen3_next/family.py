@@ -6,22 +6,27 @@ beside a shared expert scaled by a sigmoid gate.
 Presets: Qwen3-Next-80B-A3B (its Hugging Face config: 48 layers, hidden 2048; full attention 16
 heads of 256 over 2 key/value heads, RoPE theta 10^7 on 64 of 256 channels; linear attention 16
 key heads of 128 and 32 value heads of 128, convolution width 4; 512 experts of 512, top-10, a
-shared expert of 512; vocabulary 151936, untied; 262144 positions). Its size by
-:func:`~mega.models.qwen3_next.model.num_hybrid_parameters`: 79,674,391,296 parameters,
+shared expert of 512; vocabulary 151936, untied; 262144 positions; one multi-token-prediction
+module). Its size by :func:`~mega.models.qwen3_next.model.num_hybrid_parameters`: without the MTP
+module (what transformers loads, and the model card counts) 79,674,391,296 parameters and
 3,874,929,408 active per token; the model card says 80B and 3B activated, its "3B" leaving out the
-word embedding and the output layer (2 x 311,164,928): 3,252,599,552. ``tiny``: four layers (linear,
-full, linear, full) for tests and demos.
+word embedding and the output layer (2 x 311,164,928): 3,252,599,552. The MTP module adds
+1,650,471,424 (71,315,968 active). ``tiny``: four layers (linear, full, linear, full) and one MTP
+module, for tests and demos.
 
-Multi-token prediction: the released checkpoints hold an MTP module (``mtp.*``) that
-transformers' ``Qwen3NextForCausalLM`` ignores when loading; this family does not train or
-convert it either (the converter reports those tensors as unmapped and leaves them out).
+Multi-token prediction (``--mtp-num-layers``): DeepSeek-V3's modules on the last pipeline stage
+(:mod:`mega.models.deepseek_v3.mtp`: its loss, its pipeline stages that hand the last stage the
+tokens), each with zero-centred norms and a full-attention layer of this family. The released
+checkpoints' ``mtp.*`` tensors, which transformers' class does not load, convert to and from them
+(:mod:`mega.models.qwen3_next.hf_qwen3_next`).
 """
 
 from __future__ import annotations
 
 from mega.core.model_family import ModelFamily
+from mega.models.deepseek_v3.model import deepseek_loss, deepseek_stages
 from mega.models.initialization import init_parameter
-from mega.models.mixtral.model import moe_boundary, moe_loss
+from mega.models.mixtral.model import moe_boundary
 from mega.models.qwen3_next.config import HybridLinearAttentionConfig, Qwen3NextConfig
 from mega.models.qwen3_next.hf_qwen3_next import QWEN3_NEXT
 from mega.models.qwen3_next.memory import hybrid_stage_footprint
@@ -34,7 +39,7 @@ from mega.models.qwen3_next.model import (
 )
 
 ZERO_CENTRED_NORMS = ("input_layernorm.weight", "pre_mlp_layernorm.weight", "final_layernorm.weight",
-                      "q_layernorm.weight", "k_layernorm.weight")
+                      "q_layernorm.weight", "k_layernorm.weight", "enorm.weight", "hnorm.weight")
 
 
 def qwen3_next_config(num_layers: int, hidden_size: int, num_experts: int, **overrides) -> HybridLinearAttentionConfig:
@@ -47,7 +52,7 @@ def qwen3_next_config(num_layers: int, hidden_size: int, num_experts: int, **ove
         max_position_embeddings=262144, vocab_size=151936, position_embedding_type="rope", normalization="RMSNorm",
         layernorm_epsilon=1e-6, swiglu=True, qk_layernorm=True, add_bias_linear=False,
         untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
-        moe_aux_loss_coeff=0.001,
+        moe_aux_loss_coeff=0.001, mtp_num_layers=1,
     )
     settings.update(overrides)
     return Qwen3NextConfig(**settings)
@@ -81,7 +86,8 @@ FAMILY = ModelFamily(
     presets=PRESETS,
     build=build_hybrid_model,
     init_parameter=qwen3_next_init_parameter,
-    loss=moe_loss,
+    loss=deepseek_loss,
+    pipeline_stages=deepseek_stages,
     num_parameters=num_hybrid_parameters,
     num_floating_point_operations=num_hybrid_floating_point_operations,
     tensor_parallel_plan=hybrid_tensor_parallel_plan,

@@ -16,9 +16,19 @@ Layer ``N`` of ``layer_types`` is ``linear_attention`` (``model.layers.N.linear_
                                                decoder.final_layernorm (zero-centred on both sides)
 
 Dense layers (``mlp_only_layers``, ``decoder_sparse_step`` > 1), attention biases and a router
-without renormalised top-k weights have no mega equivalent here and are refused by name. The
-released checkpoints' ``mtp.*`` tensors (multi-token prediction, which transformers' class does
-not load) are skipped.
+without renormalised top-k weights have no mega equivalent here and are refused by name.
+
+Multi-token prediction: the released checkpoints (``mtp_num_hidden_layers: 1`` in config.json)
+hold one MTP module that transformers' class does not load (it ignores ``mtp.*``); here it is
+mega's MTP module (``--mtp-num-layers 1``, DeepSeek-V3's, :mod:`mega.models.deepseek_v3.mtp`):
+
+    mtp.pre_fc_norm_embedding.weight / pre_fc_norm_hidden.weight -> mtp.layers.0.enorm / hnorm.weight
+    mtp.fc.weight  [h, 2h] (the normalised embedding's columns first) -> mtp.layers.0.eh_proj.weight
+    mtp.layers.0.* (a full-attention layer)                         -> mtp.layers.0.transformer_layer.*
+    mtp.norm.weight                                                 -> mtp.layers.0.final_layernorm.weight
+
+(the names vLLM and SGLang load; their norms zero-centred like the model's). More than one MTP
+layer (whose ``fc`` and norms Qwen3-Next shares) is refused by name.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ DEFAULTS = {
     "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
     "decoder_sparse_step": 1, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
     "num_experts_per_tok": 10, "num_experts": 512, "norm_topk_prob": True, "router_aux_loss_coef": 0.001,
-    "mlp_only_layers": [], "layer_types": None, "full_attention_interval": 4,
+    "mlp_only_layers": [], "layer_types": None, "full_attention_interval": 4, "mtp_num_hidden_layers": 0,
 }
 ARCHITECTURE = "Qwen3NextForCausalLM"
 
@@ -80,6 +90,7 @@ def qwen3_next_config(hf_config: Mapping[str, Any], **overrides) -> HybridLinear
             bool(get("mlp_only_layers")) or get("decoder_sparse_step") != 1,
         "norm_topk_prob false (mega renormalises the top-k weights)": not get("norm_topk_prob"),
     }
+    refusals["mtp_num_hidden_layers above 1 (their fc and norms are shared)"] = get("mtp_num_hidden_layers") > 1
     rope = _rope(hf_config)
     refusals[f"rope_type {rope['rope_type']!r} (default RoPE only)"] = rope["rope_type"] != "default"
     refused = [field for field, differs in refusals.items() if differs]
@@ -103,7 +114,7 @@ def qwen3_next_config(hf_config: Mapping[str, Any], **overrides) -> HybridLinear
         linear_num_value_heads=get("linear_num_value_heads"), num_experts=experts,
         moe_router_topk=get("num_experts_per_tok"), moe_ffn_hidden_size=get("moe_intermediate_size"),
         moe_shared_expert_intermediate_size=get("shared_expert_intermediate_size"), moe_shared_expert_gate=True,
-        moe_aux_loss_coeff=get("router_aux_loss_coef"),
+        moe_aux_loss_coeff=get("router_aux_loss_coef"), mtp_num_layers=get("mtp_num_hidden_layers") or None,
     )
     return Qwen3NextConfig(**{**settings, **overrides})
 
@@ -124,6 +135,7 @@ def qwen3_next_hf_config(config: HybridLinearAttentionConfig) -> dict:
         "use_rope_scaling": config.use_rope_scaling,
         "softmax_scale": config.softmax_scale is not None,
         "sliding_window": config.sliding_window is not None,
+        "mtp_num_layers above 1 (Qwen3-Next shares one MTP fc and its norms)": (config.mtp_num_layers or 0) > 1,
     }
     unsupported = [field for field, differs in differences.items() if differs]
     if unsupported:
@@ -147,6 +159,7 @@ def qwen3_next_hf_config(config: HybridLinearAttentionConfig) -> dict:
         "num_experts_per_tok": config.moe_router_topk, "num_experts": config.num_experts, "norm_topk_prob": True,
         "router_aux_loss_coef": config.moe_aux_loss_coeff, "mlp_only_layers": [],
         "layer_types": _layer_types(config.num_layers, config.linear_attention_freq),
+        "mtp_num_hidden_layers": config.mtp_num_layers or 0,
     }
 
 
@@ -197,29 +210,42 @@ def _full_attention_maps(config: HybridLinearAttentionConfig, mega: str, hf: str
     ]
 
 
+def _layer_maps(config: HybridLinearAttentionConfig, linear: bool, mega: str, hf: str) -> list[TensorMap]:
+    """One decoder layer's tensors (``mega``/``hf``: the layer's prefixes)."""
+    maps = [same(mega + "input_layernorm.weight", hf + "input_layernorm.weight")]
+    if linear:
+        maps += _linear_attention_maps(config, mega + "self_attention.", hf + "linear_attn.")
+    else:
+        maps += _full_attention_maps(config, mega + "self_attention.", hf + "self_attn.")
+    maps.append(same(mega + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"))
+    maps += routed_expert_maps(config.num_experts, mega + "mlp.", hf + "mlp.")
+    shared, hf_shared = mega + "mlp.shared_experts.", hf + "mlp.shared_expert."
+    return maps + [
+        TensorMap((shared + "linear_fc1.weight",), (hf_shared + "gate_proj.weight", hf_shared + "up_proj.weight"),
+                  _fuse_gate_up, _split_gate_up),
+        same(shared + "linear_fc2.weight", hf_shared + "down_proj.weight"),
+        same(shared + "gate_weight", hf + "mlp.shared_expert_gate.weight"),
+    ]
+
+
+def _mtp_maps(config: HybridLinearAttentionConfig) -> list[TensorMap]:
+    mega = "mtp.layers.0."
+    return [same(mega + "enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
+            same(mega + "hnorm.weight", "mtp.pre_fc_norm_hidden.weight"),
+            same(mega + "eh_proj.weight", "mtp.fc.weight"),
+            *_layer_maps(config, False, mega + "transformer_layer.", "mtp.layers.0."),
+            same(mega + "final_layernorm.weight", "mtp.norm.weight")]
+
+
 def qwen3_next_tensor_maps(config: HybridLinearAttentionConfig) -> list[TensorMap]:
     maps = [same("embedding.word_embeddings.weight", "model.embed_tokens.weight", vocab=True)]
     for n in range(config.num_layers):
-        mega, hf = f"decoder.layers.{n}.", f"model.layers.{n}."
-        maps.append(same(mega + "input_layernorm.weight", hf + "input_layernorm.weight"))
-        if config.is_linear_layer(n):
-            maps += _linear_attention_maps(config, mega + "self_attention.", hf + "linear_attn.")
-        else:
-            maps += _full_attention_maps(config, mega + "self_attention.", hf + "self_attn.")
-        maps.append(same(mega + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"))
-        maps += routed_expert_maps(config.num_experts, mega + "mlp.", hf + "mlp.")
-        shared, hf_shared = mega + "mlp.shared_experts.", hf + "mlp.shared_expert."
-        maps += [
-            TensorMap((shared + "linear_fc1.weight",), (hf_shared + "gate_proj.weight", hf_shared + "up_proj.weight"),
-                      _fuse_gate_up, _split_gate_up),
-            same(shared + "linear_fc2.weight", hf_shared + "down_proj.weight"),
-            same(shared + "gate_weight", hf + "mlp.shared_expert_gate.weight"),
-        ]
+        maps += _layer_maps(config, config.is_linear_layer(n), f"decoder.layers.{n}.", f"model.layers.{n}.")
     maps.append(same("decoder.final_layernorm.weight", "model.norm.weight"))
     if config.untie_embeddings_and_output_weights:
         maps.append(same("output_layer.weight", "lm_head.weight", vocab=True))
-    return maps
+    return maps + (_mtp_maps(config) if config.mtp_num_layers else [])
 
 
 QWEN3_NEXT = causal_lm_mapping(ARCHITECTURE, "qwen3_next", qwen3_next_config, qwen3_next_hf_config,
-                               qwen3_next_tensor_maps, ignored=(r"mtp\..*",))
+                               qwen3_next_tensor_maps)

@@ -28,5 +28,7 @@ def hybrid_stage_footprint(config: HybridLinearAttentionConfig, *, layers: int, 
     counted = (h * (q + 2 * kv) + q * h) // parallel.tp + 2 * config.kv_channels  # the dense attention's
     linear, full = mixer_parameters(config, parallel.tp)
     own = sum(linear if config.is_linear_layer(n) else full for n in range(first_layer, first_layer + layers))
-    gates = layers * h if config.moe_shared_expert_gate else 0  # the shared expert's gate, whole on every rank
-    return dataclasses.replace(footprint, parameters=footprint.parameters + own - layers * counted + gates)
+    mtp = (config.mtp_num_layers or 0) if post_process else 0  # each a full-attention layer
+    own += mtp * full
+    gates = (layers + mtp) * h if config.moe_shared_expert_gate else 0  # the shared expert's gate, whole on every rank
+    return dataclasses.replace(footprint, parameters=footprint.parameters + own - (layers + mtp) * counted + gates)

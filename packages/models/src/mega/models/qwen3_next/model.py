@@ -26,11 +26,13 @@ from mega.core.kernels import Kernels
 from mega.core.model_family import ParallelContext, Stage
 from mega.core.parallel import ParallelConfig, ParallelGroups
 from mega.core.parallel.param_attrs import mark_sequence_parallel, mark_tensor_parallel
-from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise
+from mega.core.parallel.plan import Colwise, PlanStyle, Rowwise, SequenceParallelOutput, VocabEmbedding
 from mega.core.setup_passes import ModelSetup
 from mega.models.blocks.layer_stack import LayerStack, PreNormLayer
 from mega.models.config import ModelConfigError
-from mega.models.mixtral.model import EXPERT_PARALLEL_PASS, MoELanguageModel
+from mega.models.deepseek_v3.model import DeepSeekModel
+from mega.models.deepseek_v3.mtp import MultiTokenPrediction
+from mega.models.mixtral.model import EXPERT_PARALLEL_PASS
 from mega.models.moe.layer import MoELayer
 from mega.models.parallel_plan import tensor_parallel_plan
 from mega.models.parallelize import modules_of, transformer_passes
@@ -50,7 +52,10 @@ def hybrid_layer(config: HybridLinearAttentionConfig, kernels: Kernels, number: 
                         MoELayer(config, kernels, context), config.hidden_dropout)
 
 
-class HybridLanguageModel(MoELanguageModel):
+class HybridLanguageModel(DeepSeekModel):
+    """The MoE decoder of hybrid layers; with ``--mtp-num-layers`` DeepSeek-V3's multi-token
+    prediction on the last stage, its norms zero-centred and its layer a full-attention one."""
+
     def build_decoder(self, config, layers, final_norm, kernels, context):
         stack = {number: hybrid_layer(config, kernels, number, context) for number in layers}
         norm = ZeroCenteredRMSNorm(config.hidden_size, config.layernorm_epsilon) if final_norm else None
@@ -58,6 +63,12 @@ class HybridLanguageModel(MoELanguageModel):
 
     def rotary_cos_sin(self):
         return partial_rotary_cos_sin
+
+    def build_mtp(self, config, kernels, context) -> MultiTokenPrediction:
+        full_attention = config.linear_attention_freq - 1  # a full-attention layer's number
+        return MultiTokenPrediction(config, kernels, context,
+                                    norm=lambda: ZeroCenteredRMSNorm(config.hidden_size, config.layernorm_epsilon),
+                                    layer=lambda: hybrid_layer(config, kernels, full_attention, context))
 
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
@@ -86,9 +97,13 @@ def hybrid_tensor_parallel_plan(config: HybridLinearAttentionConfig, stage: Stag
     shared experts as dense MLPs; routed experts are split by the expert pass."""
     plan = {name: style for name, style in tensor_parallel_plan(config, stage).items()
             if not name.startswith("decoder.layers.")}
-    for n in stage.layers["decoder"]:
-        prefix = f"decoder.layers.{n}."
-        if config.is_linear_layer(n):
+    layers = [(f"decoder.layers.{n}.", config.is_linear_layer(n)) for n in stage.layers["decoder"]]
+    if config.mtp_num_layers and stage.is_last:
+        plan["embedding"] = SequenceParallelOutput()  # the MTP modules embed tokens on this stage
+        plan["embedding.word_embeddings"] = VocabEmbedding()
+        layers += [(f"mtp.layers.{k}.transformer_layer.", False) for k in range(config.mtp_num_layers)]
+    for prefix, linear in layers:
+        if linear:
             plan[prefix + "self_attention.in_proj_qkvz"] = Colwise()
             plan[prefix + "self_attention.in_proj_ba"] = Colwise()
             plan[prefix + "self_attention.out_proj"] = Rowwise()
@@ -154,8 +169,9 @@ def num_hybrid_parameters(config: HybridLinearAttentionConfig, tensor_parallel_s
     linear_layers = config.num_linear_layers
     layers = (linear_layers * linear + (config.num_layers - linear_layers) * full
               + config.num_layers * (moe + 2 * h))
+    mtp = (config.mtp_num_layers or 0) * (full + moe + 2 * h + 3 * h + 2 * h * h)  # the layer, norms, eh_proj
     vocab = config.padded_vocab_size(tensor_parallel_size) * h
-    return vocab * (2 if config.untie_embeddings_and_output_weights else 1) + layers + h
+    return vocab * (2 if config.untie_embeddings_and_output_weights else 1) + layers + h + mtp
 
 
 def num_hybrid_floating_point_operations(config: HybridLinearAttentionConfig, batch_size: int, *,
@@ -172,4 +188,5 @@ def num_hybrid_floating_point_operations(config: HybridLinearAttentionConfig, ba
     linear_layers = config.num_linear_layers
     per_token = (linear_layers * (linear + recurrence) + (config.num_layers - linear_layers) * (full + scores)
                  + config.num_layers * moe + h * config.vocab_size)
+    per_token += (config.mtp_num_layers or 0) * (full + scores + moe + 2 * h * h + h * config.vocab_size)
     return float(3 * 2 * tokens * per_token)
