@@ -152,6 +152,21 @@ def test_requests_joining_a_running_batch_equal_transformers(case):
     assert sorted(worker.allocator._free_slots) == [0, 1], "every state slot is free again"
 
 
+def test_what_a_recurrent_state_cannot_do_is_off_or_refused_by_name(case, caplog):
+    """Prefix caching and the static slot cache are off for the family (said in the log: the loop
+    keeps the paged cache with state slots); speculative decoding is refused naming it."""
+    from mega.inference.engine.continuous import ContinuousBatchingWorker
+    from mega.inference.engine.kv_caches import RecurrentSequenceCache
+
+    engine = generation_engine(case[2])
+    with caplog.at_level("INFO"):
+        worker = ContinuousBatchingWorker(engine, max_batch_size=2, prefix_caching=True, static_cache=True)
+    assert isinstance(worker.kv, RecurrentSequenceCache) and not worker.prefix_caching
+    assert "prefix caching is off" in caplog.text and "static KV cache" in caplog.text and "qwen3-next" in caplog.text
+    with pytest.raises(ValueError, match="speculative decoding.*qwen3-next"):
+        ContinuousBatchingWorker(engine, max_batch_size=2, speculator=object())
+
+
 def tensor_parallel_logits_and_greedy(mega_dir, ids):
     """At tp2: this rank's (logits, loss), and the greedy continuations of PROMPTS served by the
     leader (None on the follower, which runs the leader's batches)."""
