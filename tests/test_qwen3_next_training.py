@@ -3,7 +3,7 @@ computes what one process computes.
 
 CPU, gloo, fp32 (the one-process reference pinned to the CPU as the gloo ranks are): the tiny
 preset (four layers: Gated DeltaNet, gated attention, Gated DeltaNet, gated attention; four
-experts top-2 beside a gated shared expert) trains 4 steps on Megatron's mock data with the
+experts top-2 beside a gated shared expert) trains 3 steps on Megatron's mock data with the
 load-balancing loss on; on one world of 2 ranks the tensor-parallel (both kinds of heads split;
 under sequence parallelism the linear layers' convolution runs over the gathered sequence),
 pipeline-parallel (a linear and a full-attention layer per stage) and expert-parallel runs give
@@ -23,7 +23,7 @@ from mega.train.testing.training_runs import assert_losses_close, train_each, tr
 COMMON = [
     "--mock-data", "--model-family", "qwen3-next", "--model-preset", "tiny", "--seq-length", "16",
     "--vocab-size", "90", "--make-vocab-size-divisible-by", "32", "--micro-batch-size", "2",
-    "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-iters", "0",
+    "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-iters", "0",
     "--log-interval", "100", "--seed", "7", "--moe-aux-loss-coeff", "0.01",
 ]
 LAYOUTS = {

@@ -8,9 +8,10 @@ bit for bit and a config.json transformers builds the same model from; greedy ge
 tokens equals transformers' ``generate`` for prompts of several lengths at once through
 ``mega generate`` and ``mega serve`` (``PUT /api``), and for requests joining a running batch
 whose state slots are freed and reused (two slots, three requests), prefilled in chunks. At tp2
-(one world of 2 gloo ranks, both kinds of heads split) the logits and loss equal transformers' and
-the served greedy tokens (leader and follower, each rank's states its own heads') too. The training
-layouts are tests/test_qwen3_next_training.py's.
+(one world of 2 gloo ranks, both kinds of heads split) the served greedy tokens (leader and
+follower, each rank's states its own heads') equal transformers' too. The training
+layouts are tests/test_qwen3_next_training.py's (which give one process's losses, so transformers'
+logits at tp2 too).
 """
 
 from __future__ import annotations
@@ -167,11 +168,9 @@ def test_what_a_recurrent_state_cannot_do_is_off_or_refused_by_name(case, caplog
         ContinuousBatchingWorker(engine, max_batch_size=2, speculator=object())
 
 
-def tensor_parallel_logits_and_greedy(mega_dir, ids):
-    """At tp2: this rank's (logits, loss), and the greedy continuations of PROMPTS served by the
-    leader (None on the follower, which runs the leader's batches)."""
-    from test_layout_logits import stage_logits
-
+def tensor_parallel_greedy(mega_dir):
+    """At tp2: the greedy continuations of PROMPTS served by the leader (None on the follower,
+    which runs the leader's batches)."""
     from mega.ckpt_convert import open_checkpoint
     from mega.core.build import build_stage
     from mega.core.checkpoint import load_model_weights
@@ -181,8 +180,6 @@ def tensor_parallel_logits_and_greedy(mega_dir, ids):
     from mega.inference.engine.tp_serving import lead, receive
 
     groups = ParallelGroups(ParallelConfig(tp=2))
-    logits = stage_logits(mega_dir, ids, groups)
-
     with open_checkpoint(mega_dir) as source:
         family, config = get_plugins().models.get(source.family), source.config
     model = build_stage(family, config, groups=groups, init=False, training=False)
@@ -192,24 +189,19 @@ def tensor_parallel_logits_and_greedy(mega_dir, ids):
     if groups.tp.rank != 0:
         while (batch := receive(groups.tp)) is not None:
             engine.generate(batch)
-        return logits, None
+        return None
     requests = [GenerationRequest(prompt, NEW_TOKENS) for prompt in PROMPTS]
     lead(requests, groups.tp)
     results = engine.generate(requests)
     lead(None, groups.tp)
-    return logits, [result.tokens for result in results]
+    return [result.tokens for result in results]
 
 
-def test_tensor_parallel_logits_and_generation_equal_transformers(case, worlds, assert_close):
+def test_tensor_parallel_generation_equals_transformers(case, worlds):
     hf_model, _, mega_dir = case
-    ids = input_ids()
-    with torch.no_grad():
-        expected = hf_model(ids, labels=ids)
-    ranks = worlds.run(2, tensor_parallel_logits_and_greedy, str(mega_dir), ids)
-    for rank, ((logits, loss), _) in enumerate(ranks):
-        assert_close(logits, expected.logits, what=f"tp2 rank {rank} logits")
-        assert_close(loss, expected.loss, what=f"tp2 rank {rank} loss")
-    assert ranks[0][1] == [hf_greedy(hf_model, prompt) for prompt in PROMPTS], "tp2 greedy generation"
+    leader, follower = worlds.run(2, tensor_parallel_greedy, str(mega_dir))
+    assert follower is None
+    assert leader == [hf_greedy(hf_model, prompt) for prompt in PROMPTS], "tp2 greedy generation"
 
 
 def with_mtp_module(hf_model, hf_dir, directory):
