@@ -26,7 +26,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from ckpt_test_models import VOCAB, generation_engine, input_ids, save_hf_model, tiny_random_model  # noqa: E402
+from ckpt_test_models import (  # noqa: E402
+    VOCAB,
+    generation_engine,
+    input_ids,
+    save_hf_model,
+    tensor_parallel_greedy,
+    tiny_random_model,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -168,38 +175,9 @@ def test_what_a_recurrent_state_cannot_do_is_off_or_refused_by_name(case, caplog
         ContinuousBatchingWorker(engine, max_batch_size=2, speculator=object())
 
 
-def tensor_parallel_greedy(mega_dir):
-    """At tp2: the greedy continuations of PROMPTS served by the leader (None on the follower,
-    which runs the leader's batches)."""
-    from mega.ckpt_convert import open_checkpoint
-    from mega.core.build import build_stage
-    from mega.core.checkpoint import load_model_weights
-    from mega.core.parallel import ParallelConfig, ParallelGroups
-    from mega.core.plugins import get_plugins
-    from mega.inference.engine import GenerationEngine, GenerationRequest
-    from mega.inference.engine.tp_serving import lead, receive
-
-    groups = ParallelGroups(ParallelConfig(tp=2))
-    with open_checkpoint(mega_dir) as source:
-        family, config = get_plugins().models.get(source.family), source.config
-    model = build_stage(family, config, groups=groups, init=False, training=False)
-    load_model_weights(mega_dir, [model.eval()], groups)
-    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings,
-                              tp_group=groups.tp)
-    if groups.tp.rank != 0:
-        while (batch := receive(groups.tp)) is not None:
-            engine.generate(batch)
-        return None
-    requests = [GenerationRequest(prompt, NEW_TOKENS) for prompt in PROMPTS]
-    lead(requests, groups.tp)
-    results = engine.generate(requests)
-    lead(None, groups.tp)
-    return [result.tokens for result in results]
-
-
 def test_tensor_parallel_generation_equals_transformers(case, worlds):
     hf_model, _, mega_dir = case
-    leader, follower = worlds.run(2, tensor_parallel_greedy, str(mega_dir))
+    leader, follower = worlds.run(2, tensor_parallel_greedy, str(mega_dir), PROMPTS, NEW_TOKENS)
     assert follower is None
     assert leader == [hf_greedy(hf_model, prompt) for prompt in PROMPTS], "tp2 greedy generation"
 
