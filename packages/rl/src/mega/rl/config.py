@@ -61,7 +61,8 @@ class RLConfig:
                              "(0 or 1: off)")
     rl_top_k: int = option(0, "rollout sampling from the k most likely tokens (0: off)")
     rl_stop: list[str] = option(
-        default_factory=list, help="rollout stop strings (the tokenizer's end of document always stops)")
+        default_factory=list, help="rollout stop strings (the tokenizer's end of document always stops); "
+        "repeated flags add up", action="extend")
     rl_seed: int | None = option(
         None, "rollout sampling seed (default: --seed); completion i of step s samples with seed + s * 2**20 + i, "
         "so a resumed run draws the same completions")
@@ -72,7 +73,8 @@ class RLConfig:
         None, "the Jinja chat template (or tokenizer_config.json) for `messages` prompts (default: the tokenizer's)")
     reward: list[str] = option(
         default_factory=list, help="reward functions, each NAME[:WEIGHT] (registered by a plugin, see `mega "
-        "plugins`) or module:function[:WEIGHT]; a completion's reward is the weighted sum")
+        "plugins`) or module:function[:WEIGHT]; a completion's reward is the weighted sum; repeated flags add up "
+        "(--reward a --reward b is --reward a b)", action="extend")
     reward_workers: int = option(4, "processes that compute rewards")
     reward_timeout: float = option(
         10.0, "seconds one reward call may take; a call that raises, runs longer or returns a non-finite value "
