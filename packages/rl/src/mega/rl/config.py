@@ -46,7 +46,11 @@ class RLConfig:
         True, "divide each group's centred rewards by their standard deviation (GRPO); "
         "--no-grpo-std-normalization leaves them centred only (Dr. GRPO)", action=argparse.BooleanOptionalAction)
     rl_dynamic_sampling: bool = option(
-        False, "drop the groups whose rewards are all equal, which carry no advantage (DAPO's dynamic sampling)")
+        False, "drop the groups whose rewards are all equal, which carry no advantage, and roll out more prompts "
+        "until the step has --grpo-prompts-per-step groups that do (DAPO's dynamic sampling)")
+    rl_dynamic_sampling_max_rounds: int = option(
+        10, "with --rl-dynamic-sampling: rounds of --grpo-prompts-per-step prompts a step rolls out at most (verl's "
+        "max_num_gen_batches); after the last, groups without signal make up the batch, counted in the log")
     rl_overlong_filtering: bool = option(
         False, "leave completions cut at --rl-max-new-tokens out of the loss (DAPO's overlong filtering)")
     rl_overlong_buffer_length: int = option(
@@ -81,7 +85,8 @@ class RLConfig:
         "scores 0 and is counted in the log")
 
     def __post_init__(self) -> None:
-        for name in ("grpo_group_size", "grpo_prompts_per_step", "grpo_iterations", "reward_workers"):
+        for name in ("grpo_group_size", "grpo_prompts_per_step", "grpo_iterations", "reward_workers",
+                     "rl_dynamic_sampling_max_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
         if self.grpo_group_size < 2 and (self.grpo_std_normalization or self.rl_dynamic_sampling):
