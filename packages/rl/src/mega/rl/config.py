@@ -60,6 +60,11 @@ class RLConfig:
     rl_max_new_tokens: int | None = option(
         None, "the longest completion a rollout may generate; needed by seq-mean-token-sum-norm and the "
         "overlong options")
+    moe_enable_routing_replay: bool = option(
+        False, "MoE policies: the experts each token was routed to by the old policy (recorded when the trainer "
+        "recomputes its log-probabilities) are forced in every update over the rollouts, the router weighting "
+        "them and still learning (Routing Replay of the GSPO paper, Zheng et al. 2025: R2, the old policy's routing; "
+        "not yet R3, the rollout engine's, Ma et al. 2025; Megatron-LM's flag)")
     rl_temperature: float = option(1.0, "rollout sampling temperature")
     rl_top_p: float = option(0.0, "rollout nucleus sampling: the smallest set of tokens with this much probability "
                              "(0 or 1: off)")

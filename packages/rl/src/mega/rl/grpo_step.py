@@ -2,10 +2,11 @@
 :class:`~mega.rl.rollouts.RolloutEngine`, in one process:
 
     rollout -> rewards (mega.rl.dynamic_sampling: DAPO's refill and overlong punishment)
-    -> group advantages -> old log-probabilities (recomputed by the trainer), and the
-    reference's when there is a KL term (mega.rl.reference) -> ``iterations`` passes of
-    optimizer steps of ``global_batch_size`` sequences with the GRPO loss -> (refresh: nothing to
-    copy, the engine holds the trainer's parameters)
+    -> group advantages -> old log-probabilities (recomputed by the trainer; each token's
+    experts recorded for routing replay, mega.rl.routing_replay), and the reference's when
+    there is a KL term (mega.rl.reference) -> ``iterations`` passes of optimizer steps of
+    ``global_batch_size`` sequences with the GRPO loss -> (refresh: nothing to copy, the
+    engine holds the trainer's parameters)
 
 Returns the step's log: phase times, rollout tokens/s, reward mean/std, response length, the
 loss metrics (clip fraction, KL, entropy) and the engine-vs-trainer log-probability gap.
@@ -13,6 +14,7 @@ loss metrics (clip fraction, KL, entropy) and the engine-vs-trainer log-probabil
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -24,6 +26,7 @@ from mega.rl.dynamic_sampling import Refill, RewardFn, RoundSettings, sample
 from mega.rl.loss import aggregate, grpo_token_losses, loss_metrics
 from mega.rl.policy_engine import PolicyEngine
 from mega.rl.rollouts import RolloutEngine, RolloutSampling, completion_logprobs, logprob_gap
+from mega.rl.routing_replay import StepRouting
 
 __all__ = ["GRPOSettings", "RewardFn", "Refill", "grpo_step"]
 
@@ -47,6 +50,7 @@ class GRPOSettings:
     overlong_filtering: bool = False
     overlong_buffer_length: int = 0
     overlong_penalty_factor: float = 1.0
+    routing_replay: bool = False  # MoE: the old policy's expert choices forced in the updates
 
     @classmethod
     def from_config(cls, rl: RLConfig, global_batch_size: int) -> GRPOSettings:
@@ -58,7 +62,8 @@ class GRPOSettings:
                    max_tokens=rl.rl_max_new_tokens, scale_by_std=rl.grpo_std_normalization, kl_beta=rl.grpo_kl_beta,
                    dynamic_sampling=rl.rl_dynamic_sampling, max_sampling_rounds=rl.rl_dynamic_sampling_max_rounds,
                    overlong_filtering=rl.rl_overlong_filtering, overlong_buffer_length=rl.rl_overlong_buffer_length,
-                   overlong_penalty_factor=rl.rl_overlong_penalty_factor)
+                   overlong_penalty_factor=rl.rl_overlong_penalty_factor,
+                   routing_replay=rl.moe_enable_routing_replay)
 
     def round_settings(self) -> RoundSettings:
         return RoundSettings(group_size=self.group_size, dynamic_sampling=self.dynamic_sampling,
@@ -96,7 +101,9 @@ def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[in
 
     start = time.perf_counter()
     sequences = rollouts.sequences
-    old = completion_logprobs(policy.logprobs({"tokens": sequences}), rollouts)
+    routing = StepRouting(policy) if settings.routing_replay else None
+    old = completion_logprobs(routing.old_logprobs(policy, sequences) if routing is not None
+                              else policy.logprobs({"tokens": sequences}), rollouts)
     ref = (completion_logprobs(reference.logprobs(policy, {"tokens": sequences}), rollouts)
            if reference is not None else [None] * len(sequences))
     timings["logprobs_s"] = time.perf_counter() - start
@@ -137,7 +144,8 @@ def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[in
                 share = len(micro["tokens"]) / total_sequences
                 return aggregate(terms.loss, mask, settings.aggregation, max_tokens=settings.max_tokens) * share
 
-            policy.forward_backward(batch, loss_fn)
+            with routing.replaying(range(count)[part]) if routing is not None else contextlib.nullcontext():
+                policy.forward_backward(batch, loss_fn)
             policy.optimizer_step()
     timings["update_s"] = time.perf_counter() - start
     timings["refresh_s"] = 0.0  # the engine holds the trainer's parameter objects: nothing to copy
