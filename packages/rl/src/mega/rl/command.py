@@ -34,6 +34,7 @@ from mega.rl.prompts import PromptDataError, PromptIterator, prompt_chat_templat
 from mega.rl.reference import reference_for
 from mega.rl.rewards import RewardCounts, RewardPool, RewardSpecError, load_rewards, score
 from mega.rl.rollouts import RolloutEngine, RolloutSampling
+from mega.rl.routing_replay import StepRouting
 from mega.train.run_parser import parse_run
 
 STATE_FILE = "rl_state.json"
@@ -83,6 +84,8 @@ def run_rl(argv: list[str], plugins=None) -> list[dict]:
     template = prompt_chat_template(rl.chat_template, run.data.tokenizer_model)
     prompts = PromptIterator(read_prompt_data(rl.prompt_data, template), seed=run.training.seed)
     rewards = load_rewards(rl.reward, plugins.rewards)
+    if settings.routing_replay:
+        StepRouting(policy)  # refuses a model without MoE layers, or one that recomputes them, before any rollout
     # The policy as loaded (before any update) is the reference; a resumed run's comes from its checkpoint.
     reference = reference_for(policy, rl.grpo_kl_beta)
     checkpoint = run.checkpoint
