@@ -8,9 +8,12 @@ Takes ``mega train``'s flags (the model, optimizer, precision, checkpoints; ``--
 counts optimizer steps, ``--global-batch-size`` sequences per optimizer step) and the RL flags
 (mega.rl.config). Each GRPO step: the next ``--grpo-prompts-per-step`` prompts ->
 ``--grpo-group-size`` completions each from the engine -> rewards -> advantages -> old
-log-probabilities by the trainer -> ``--grpo-iterations`` passes of optimizer steps -> refresh;
-one log line per step. ``--save`` checkpoints carry the prompt position (``rl_state.json``), and
-``--load`` of one continues exactly (the rollout seeds follow from the step).
+log-probabilities by the trainer (and the KL reference's, ``--grpo-kl-beta``) ->
+``--grpo-iterations`` passes of optimizer steps -> refresh; one log line per step. With
+``--rl-dynamic-sampling`` a step draws more rounds of prompts until its groups carry signal.
+``--save`` checkpoints carry the prompt position (``rl_state.json``) and the reference
+(``rl_reference/``), and ``--load`` of one continues exactly (the rollout seeds follow from the
+step).
 """
 
 from __future__ import annotations

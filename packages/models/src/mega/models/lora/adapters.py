@@ -19,6 +19,8 @@ are. A replicated adapter weight that sees only a rank's sequence shard is marke
 
 :func:`merge_lora` folds the adapters into the base weights (``W + B A * alpha / rank``) and
 puts the base layers back: the merged stage is a plain model with the base's names.
+:func:`adapters_disabled` switches the adapters off for a while instead (the base model, with
+no copy of it: the reference policy of RL post-training).
 """
 
 from __future__ import annotations
