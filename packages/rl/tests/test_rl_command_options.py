@@ -40,15 +40,14 @@ def argv(model, prompt_file, iters: int, *extra: str) -> list[str]:
 
 
 def test_kl_and_dynamic_sampling_resume_exactly(prompt_file, tmp_path):
-    options = ("--grpo-kl-beta", "0.05", "--rl-dynamic-sampling", "--rl-dynamic-sampling-max-rounds", "4",
-               "--grpo-iterations", "2")
+    options = ("--grpo-kl-beta", "0.05", "--rl-dynamic-sampling", "--rl-dynamic-sampling-max-rounds", "4")
     keys = ("reward_mean", "loss", "kl", "response_length", "sampling_rounds", "groups_filtered",
             "groups_without_signal", "iteration")
-    whole = run_rl(argv(LLAMA, prompt_file, 4, *options))  # 2 GRPO steps of 2 optimizer steps
-    assert whole[1]["kl"] > 0 and all(log["sampling_rounds"] > 1 for log in whole)
-    first = run_rl(argv(LLAMA, prompt_file, 2, *options, "--save", str(tmp_path)))
-    assert (tmp_path / "iter_0000002" / "rl_reference").is_dir()
-    resume = argv(LLAMA, prompt_file, 4, *options, "--save", str(tmp_path), "--load", str(tmp_path))
+    whole = run_rl(argv(LLAMA, prompt_file, 2, *options))  # 2 GRPO steps of 1 optimizer step
+    assert whole[1]["kl"] > 0 and whole[0]["sampling_rounds"] > 1  # groups were dropped and refilled
+    first = run_rl(argv(LLAMA, prompt_file, 1, *options, "--save", str(tmp_path)))
+    assert (tmp_path / "iter_0000001" / "rl_reference").is_dir()
+    resume = argv(LLAMA, prompt_file, 2, *options, "--save", str(tmp_path), "--load", str(tmp_path))
     for flag in ("--vocab-size", "--tokenizer-type"):  # the checkpoint gives the model and its tokenizer
         at = resume.index(flag)
         resume = resume[:at] + resume[at + 2:]
@@ -67,9 +66,9 @@ def test_lora_policy_with_kl_against_its_adapters_off(prompt_file, capsys):
 
 
 def test_mixtral_policy_with_routing_replay(prompt_file, capsys):
-    logs = run_rl(argv(MIXTRAL, prompt_file, 4, "--moe-enable-routing-replay", "--grpo-iterations", "2",
+    logs = run_rl(argv(MIXTRAL, prompt_file, 2, "--moe-enable-routing-replay", "--grpo-iterations", "2",
                        "--rl-dynamic-sampling"))
-    assert len(logs) == 2 and all(log["logprob_gap_max"] < 1e-4 for log in logs)
+    assert len(logs) == 1 and logs[0]["logprob_gap_max"] < 1e-4
     assert "sampling rounds" in capsys.readouterr().out
 
 
