@@ -1,7 +1,8 @@
 """DAPO's dynamic sampling with refill, overlong punishment and overlong filtering in a GRPO step
 (``mega.rl.dynamic_sampling``, ``mega.rl.grpo_step``).
 
-CPU, one process, a tiny LLaMA (pinned: nothing here asks for an accelerator). The chosen
+CPU here, one process, a tiny LLaMA (the engine takes the machine's device; rewards and
+losses are compared on the CPU, so it runs on a GPU machine too). The chosen
 groups are checked against the engine's own completions of the same prompts and seeds, drawn
 again outside the sampler.
 """

@@ -1,8 +1,8 @@
 """The KL reference (``mega.rl.reference``): a frozen copy of the initial policy, or under LoRA the
 same model with its adapters switched off.
 
-CPU, one process (pinned: the engines build on the CPU when no accelerator is asked for, and
-nothing here moves to one). The reference is checked against a policy built afresh from the
+CPU here, one process; the engines take the machine's device and every comparison is between
+tensors of one device, so it runs on a GPU machine too. The reference is checked against a policy built afresh from the
 same seed (the initial weights, which the trainer never touched) and, under LoRA, against the
 base model built without adapters.
 """

@@ -1,8 +1,9 @@
 """``mega rl``'s KL reference, dynamic sampling, LoRA and MoE policies end to end (``mega.rl.command``).
 
-CPU, one process, seeded, NullTokenizer prompts (space-separated ids). The reward is the
-built-in ``format``: 1 when the completion's text starts with the digit 1 (about 3 in 10 ids do),
-so many groups of 4 score all 0 and dynamic sampling has groups to drop.
+CPU here (the run takes the machine's device; the logs compared are Python numbers), one
+process, seeded, NullTokenizer prompts (space-separated ids). The reward is the built-in
+``format``: 1 when the completion's text starts with the digit 1 (about 3 in 10 ids do), so
+many groups of 4 score all 0 and dynamic sampling has groups to drop.
 """
 
 from __future__ import annotations

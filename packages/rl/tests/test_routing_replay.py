@@ -1,7 +1,7 @@
 """Routing replay for MoE policies (``mega.models.moe.replay``, ``mega.rl.routing_replay``).
 
-CPU, one process, a tiny Mixtral (4 experts, top-2; pinned: nothing here asks for an
-accelerator). The replayed forward is checked against the model's own routing steered to the
+CPU here, one process, a tiny Mixtral (4 experts, top-2); the engine takes the machine's
+device and every comparison is between tensors of one device, so it runs on a GPU machine too. The replayed forward is checked against the model's own routing steered to the
 recorded experts by a large bonus on their router logits (which leaves Mixtral's weights, a
 softmax over the chosen logits, unchanged): two different paths to the same function.
 """
@@ -62,7 +62,7 @@ def test_replay_forces_the_recorded_experts_after_an_update(policy):
     originals = [layer.router.forward for layer in layers]
     try:
         for layer, experts, original in zip(layers, recorded, originals, strict=True):
-            bonus = torch.zeros(len(experts), 4).scatter_(1, experts, 100.0)
+            bonus = torch.zeros(len(experts), 4, device=experts.device).scatter_(1, experts, 100.0)
             layer.router.forward = lambda x, original=original, bonus=bonus: original(x) + bonus
         steered = policy.logprobs({"tokens": sequences()})
     finally:
