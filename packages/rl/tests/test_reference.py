@@ -42,7 +42,7 @@ def initial() -> list[torch.Tensor]:
     return PolicyEngine.from_args(ARGV).logprobs(batch_of())
 
 
-def test_frozen_copy_stays_the_initial_policy(initial):
+def test_frozen_copy_stays_the_initial_policy(initial, tmp_path):
     policy = PolicyEngine.from_args(ARGV)
     assert reference_for(policy, 0.0) is None  # no KL term: nothing kept
     reference = reference_for(policy, 0.1)
@@ -58,6 +58,8 @@ def test_frozen_copy_stays_the_initial_policy(initial):
     # the policy has its own weights back, bit for bit
     for got, want in zip(policy.logprobs(batch_of()), moved, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match="has no rl_reference/"):
+        reference.load(tmp_path)  # a checkpoint of a run without a KL term
 
 
 def test_lora_reference_is_the_base_model_with_adapters_off(initial):
