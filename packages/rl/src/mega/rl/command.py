@@ -80,7 +80,7 @@ def run_rl(argv: list[str], plugins=None) -> list[dict]:
         raise ConfigError(f"--grpo-prompts-per-step x --grpo-group-size = {completions} completions per step is not "
                           f"a multiple of --global-batch-size {settings.global_batch_size}")
     steps_per_rollout = settings.iterations * completions // settings.global_batch_size
-    if settings.max_sampling_rounds * completions > SEED_STRIDE:
+    if settings.dynamic_sampling and settings.max_sampling_rounds * completions > SEED_STRIDE:
         raise ConfigError(f"--rl-dynamic-sampling-max-rounds x {completions} completions exceeds the {SEED_STRIDE} "
                           "rollout seeds of a step")
 

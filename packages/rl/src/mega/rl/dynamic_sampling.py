@@ -50,8 +50,8 @@ class Sampled:
 
 def sample(engine: RolloutEngine, prompts: list[list[int]], reward_fn: RewardFn, settings: RoundSettings,
            sampling: RolloutSampling, step_seed: int, refill: Refill | None = None) -> Sampled:
-    group = settings.group_size
-    per_round = len(prompts) * group
+    group, wanted = settings.group_size, len(prompts)
+    per_round = wanted * group
     rounds: list[tuple[Rollouts, torch.Tensor]] = []
     while True:
         rollouts = engine.generate(prompts, group, sampling, step_seed=step_seed + len(rounds) * per_round)
@@ -60,13 +60,12 @@ def sample(engine: RolloutEngine, prompts: list[list[int]], reward_fn: RewardFn,
             rollouts, rewards = rounds[0]
             return Sampled(rollouts, rewards, rewards, rollouts.tokens_per_second, {})
         signal = sum(int(groups_with_signal(r, group).sum()) for _, r in rounds)
-        if signal >= len(prompts) or len(rounds) >= settings.max_rounds or refill is None:
+        if signal >= wanted or len(rounds) >= settings.max_rounds or refill is None:
             break
         prompts, reward_fn = refill()
-        if len(prompts) * group != per_round:
-            raise ValueError(f"refill() gave {len(prompts)} prompts; each round takes {per_round // group}")
+        if len(prompts) != wanted:
+            raise ValueError(f"refill() gave {len(prompts)} prompts; each round takes {wanted}")
 
-    wanted = len(prompts)
     with_signal, without = [], []  # (round, group) in the order they came
     for index, (_, rewards) in enumerate(rounds):
         keep = groups_with_signal(rewards, group)
