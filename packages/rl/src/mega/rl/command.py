@@ -8,9 +8,12 @@ Takes ``mega train``'s flags (the model, optimizer, precision, checkpoints; ``--
 counts optimizer steps, ``--global-batch-size`` sequences per optimizer step) and the RL flags
 (mega.rl.config). Each GRPO step: the next ``--grpo-prompts-per-step`` prompts ->
 ``--grpo-group-size`` completions each from the engine -> rewards -> advantages -> old
-log-probabilities by the trainer -> ``--grpo-iterations`` passes of optimizer steps -> refresh;
-one log line per step. ``--save`` checkpoints carry the prompt position (``rl_state.json``), and
-``--load`` of one continues exactly (the rollout seeds follow from the step).
+log-probabilities by the trainer (and the KL reference's, ``--grpo-kl-beta``) ->
+``--grpo-iterations`` passes of optimizer steps -> refresh; one log line per step. With
+``--rl-dynamic-sampling`` a step draws more rounds of prompts until its groups carry signal.
+``--save`` checkpoints carry the prompt position (``rl_state.json``) and the reference
+(``rl_reference/``), and ``--load`` of one continues exactly (the rollout seeds follow from the
+step).
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from mega.rl.config import RLConfig
 from mega.rl.grpo_step import GRPOSettings, grpo_step
 from mega.rl.policy_engine import PolicyEngine
 from mega.rl.prompts import PromptDataError, PromptIterator, prompt_chat_template, read_prompt_data
-from mega.rl.rewards import RewardPool, RewardSpecError, load_rewards, score
+from mega.rl.reference import reference_for
+from mega.rl.rewards import RewardCounts, RewardPool, RewardSpecError, load_rewards, score
 from mega.rl.rollouts import RolloutEngine, RolloutSampling
+from mega.rl.routing_replay import StepRouting
 from mega.train.run_parser import parse_run
 
 STATE_FILE = "rl_state.json"
@@ -75,12 +80,20 @@ def run_rl(argv: list[str], plugins=None) -> list[dict]:
         raise ConfigError(f"--grpo-prompts-per-step x --grpo-group-size = {completions} completions per step is not "
                           f"a multiple of --global-batch-size {settings.global_batch_size}")
     steps_per_rollout = settings.iterations * completions // settings.global_batch_size
+    if settings.dynamic_sampling and settings.max_sampling_rounds * completions > SEED_STRIDE:
+        raise ConfigError(f"--rl-dynamic-sampling-max-rounds x {completions} completions exceeds the {SEED_STRIDE} "
+                          "rollout seeds of a step")
 
     template = prompt_chat_template(rl.chat_template, run.data.tokenizer_model)
     prompts = PromptIterator(read_prompt_data(rl.prompt_data, template), seed=run.training.seed)
     rewards = load_rewards(rl.reward, plugins.rewards)
-    if run.checkpoint.load:
-        _restore(run.checkpoint.load, policy, prompts)
+    if settings.routing_replay:
+        StepRouting(policy)  # refuses a model without MoE layers, or one that recomputes them, before any rollout
+    # The policy as loaded (before any update) is the reference; a resumed run's comes from its checkpoint.
+    reference = reference_for(policy, rl.grpo_kl_beta)
+    checkpoint = run.checkpoint
+    if checkpoint.load and not checkpoint.finetune:
+        _restore(checkpoint.load_adapter or checkpoint.load, policy, prompts, reference)
     engine = RolloutEngine(policy.model, vocab_size=run.model.vocab_size,
                            max_positions=run.model.max_position_embeddings, tokenizer=tokenizer)
     seed = rl.rl_seed if rl.rl_seed is not None else run.training.seed
@@ -89,43 +102,60 @@ def run_rl(argv: list[str], plugins=None) -> list[dict]:
                                stop_ids=frozenset({tokenizer.eod}), seed=seed)
 
     try:
-        return _loop(rl, run, policy, engine, prompts, rewards, settings, sampling, steps_per_rollout)
+        return _loop(rl, run, policy, engine, prompts, rewards, settings, sampling, steps_per_rollout, reference)
     finally:
         policy.close()
 
 
-def _loop(rl, run, policy, engine, prompts, rewards, settings, sampling, steps_per_rollout) -> list[dict]:
+def _loop(rl, run, policy, engine, prompts, rewards, settings, sampling, steps_per_rollout, reference) -> list[dict]:
     tokenizer = policy.tokenizer
     logs = []
     train_iters, interval = run.training.train_iters, run.checkpoint.save_interval
     with RewardPool(rl.reward_workers, rl.reward_timeout) as pool:
         while policy.iteration < train_iters:
             step = policy.iteration // steps_per_rollout
-            batch = prompts.next_batch(rl.grpo_prompts_per_step)
-            ids = [tokenizer.tokenize(prompt.text) for prompt in batch]
             counts = {}
 
-            def reward_fn(rollouts, batch=batch, counts=counts):
-                group = rl.grpo_group_size
-                texts = [tokenizer.detokenize([t for t in c if t != tokenizer.eod]) for c in rollouts.completions]
-                scores = score(rewards, pool, [p.text for p in batch for _ in range(group)], texts,
-                               [p.fields for p in batch for _ in range(group)])
-                counts.update({name: dataclasses.asdict(tally) for name, tally in scores.counts.items()})
-                return torch.tensor(scores.total)
+            def next_round(counts=counts):
+                """The next prompts as token ids, and the reward function of their completions."""
+                batch = prompts.next_batch(rl.grpo_prompts_per_step)
 
-            log = grpo_step(policy, engine, ids, reward_fn, settings, sampling, step_seed=step * SEED_STRIDE)
+                def score_round(rollouts):
+                    group = rl.grpo_group_size
+                    texts = [tokenizer.detokenize([t for t in c if t != tokenizer.eod]) for c in rollouts.completions]
+                    scores = score(rewards, pool, [p.text for p in batch for _ in range(group)], texts,
+                                   [p.fields for p in batch for _ in range(group)])
+                    _add_counts(counts, scores.counts)
+                    return torch.tensor(scores.total)
+
+                return [tokenizer.tokenize(prompt.text) for prompt in batch], score_round
+
+            ids, reward_fn = next_round()
+            log = grpo_step(policy, engine, ids, reward_fn, settings, sampling, step_seed=step * SEED_STRIDE,
+                            reference=reference, refill=next_round)
             log.update(step=step + 1, iteration=policy.iteration, reward_counts=counts)
             logs.append(log)
             _print(log)
             last = policy.iteration >= train_iters
             if run.checkpoint.save and (last or (interval and policy.iteration % interval < steps_per_rollout)):
                 path = policy.save(run.checkpoint.save)
+                if reference is not None:
+                    reference.save(path)
                 (path / STATE_FILE).write_text(json.dumps({"prompts": prompts.state_dict()}))
     return logs
 
 
-def _restore(location: str, policy: PolicyEngine, prompts: PromptIterator) -> None:
-    """The prompt position of the checkpoint the trainer has loaded (policy, optimizer, iteration, RNG)."""
+def _add_counts(total: dict, counts: dict) -> None:
+    """A round's reward counts into the step's: numbers summed, the first error message kept."""
+    for name, tally in counts.items():
+        into = total.setdefault(name, dataclasses.asdict(RewardCounts()))
+        for key, value in dataclasses.asdict(tally).items():
+            into[key] = (into[key] or value) if key == "first_error" else into[key] + value
+
+
+def _restore(location: str, policy: PolicyEngine, prompts: PromptIterator, reference) -> None:
+    """The prompt position (and the KL reference) of the checkpoint the trainer has loaded (policy,
+    optimizer, iteration, RNG)."""
     if read_tracker(Path(location)) is None:
         return  # nothing saved there yet: start afresh (as mega train)
     state_file = Path(location) / iteration_name(policy.iteration) / STATE_FILE
@@ -133,6 +163,11 @@ def _restore(location: str, policy: PolicyEngine, prompts: PromptIterator) -> No
         raise ConfigError(f"{state_file.parent} is not a mega rl checkpoint (no {STATE_FILE}): use it as --load "
                           "of a fresh run by --finetune, or resume from a mega rl --save")
     prompts.load_state_dict(json.loads(state_file.read_text())["prompts"])
+    if reference is not None:
+        try:
+            reference.load(state_file.parent)
+        except FileNotFoundError as error:
+            raise ConfigError(f"{error}; start a run with a KL term by --finetune") from None
 
 
 def _print(log: dict) -> None:
@@ -147,7 +182,15 @@ def _print(log: dict) -> None:
           f"+- {number('reward_std')} | length {number('response_length', 1)} | loss {number('loss', 4)} | "
           f"clip {number('clip_fraction')} | entropy {number('entropy')} | kl {number('kl')} | "
           f"logprob gap mean {number('logprob_gap_mean', 6)} max {number('logprob_gap_max', 6)} | "
-          f"reward failures {failures}", flush=True)
+          f"reward failures {failures}" + _sampling_text(log), flush=True)
+
+
+def _sampling_text(log: dict) -> str:
+    """Dynamic sampling's part of the line, when it is on."""
+    if "sampling_rounds" not in log:
+        return ""
+    return (f" | sampling rounds {log['sampling_rounds']} (groups filtered {log['groups_filtered']}, "
+            f"without signal kept {log['groups_without_signal']})")
 
 
 def main(argv: list[str]) -> int:

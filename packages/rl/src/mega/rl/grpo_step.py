@@ -1,9 +1,12 @@
 """One GRPO step on :class:`~mega.rl.policy_engine.PolicyEngine` and
 :class:`~mega.rl.rollouts.RolloutEngine`, in one process:
 
-    rollout -> rewards -> group advantages -> old log-probabilities (recomputed by the trainer)
-    -> ``iterations`` passes of optimizer steps of ``global_batch_size`` sequences with the GRPO
-    loss -> (refresh: nothing to copy, the engine holds the trainer's parameters)
+    rollout -> rewards (mega.rl.dynamic_sampling: DAPO's refill and overlong punishment)
+    -> group advantages -> old log-probabilities (recomputed by the trainer; each token's
+    experts recorded for routing replay, mega.rl.routing_replay), and the reference's when
+    there is a KL term (mega.rl.reference) -> ``iterations`` passes of optimizer steps of
+    ``global_batch_size`` sequences with the GRPO loss -> (refresh: nothing to copy, the
+    engine holds the trainer's parameters)
 
 Returns the step's log: phase times, rollout tokens/s, reward mean/std, response length, the
 loss metrics (clip fraction, KL, entropy) and the engine-vs-trainer log-probability gap.
@@ -11,20 +14,21 @@ loss metrics (clip fraction, KL, entropy) and the engine-vs-trainer log-probabil
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from mega.rl.advantages import group_advantages
+from mega.rl.advantages import group_advantages, overlong_filter
 from mega.rl.config import RLConfig
+from mega.rl.dynamic_sampling import Refill, RewardFn, RoundSettings, sample
 from mega.rl.loss import aggregate, grpo_token_losses, loss_metrics
 from mega.rl.policy_engine import PolicyEngine
-from mega.rl.rollouts import RolloutEngine, Rollouts, RolloutSampling, completion_logprobs, logprob_gap
+from mega.rl.rollouts import RolloutEngine, RolloutSampling, completion_logprobs, logprob_gap
+from mega.rl.routing_replay import StepRouting
 
-# Rewards of a step's rollouts, one float per completion (the RewardPool's scores, or a test's).
-RewardFn = Callable[[Rollouts], torch.Tensor]
+__all__ = ["GRPOSettings", "RewardFn", "Refill", "grpo_step"]
 
 
 @dataclass(frozen=True)
@@ -40,17 +44,32 @@ class GRPOSettings:
     aggregation: str = "token-mean"
     max_tokens: int | None = None  # seq-mean-token-sum-norm's constant
     scale_by_std: bool = True
+    kl_beta: float = 0.0  # k3 against the reference
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 1
+    overlong_filtering: bool = False
+    overlong_buffer_length: int = 0
+    overlong_penalty_factor: float = 1.0
+    routing_replay: bool = False  # MoE: the old policy's expert choices forced in the updates
 
     @classmethod
     def from_config(cls, rl: RLConfig, global_batch_size: int) -> GRPOSettings:
-        if rl.grpo_kl_beta:
-            raise ValueError("--grpo-kl-beta needs a reference policy, which mega rl does not keep yet; use 0")
         return cls(group_size=rl.grpo_group_size, global_batch_size=global_batch_size,
                    iterations=rl.grpo_iterations, clamp_eps_lower=rl.grpo_clamp_eps_lower,
                    clamp_eps_upper=rl.grpo_clamp_eps_upper, entropy_weight=rl.grpo_entropy_term_weight,
                    is_truncation_coef=rl.rl_importance_sampling_truncation_coef,
                    is_correction=rl.rl_inference_logprobs_is_correction, aggregation=rl.grpo_loss_aggregation,
-                   max_tokens=rl.rl_max_new_tokens, scale_by_std=rl.grpo_std_normalization)
+                   max_tokens=rl.rl_max_new_tokens, scale_by_std=rl.grpo_std_normalization, kl_beta=rl.grpo_kl_beta,
+                   dynamic_sampling=rl.rl_dynamic_sampling, max_sampling_rounds=rl.rl_dynamic_sampling_max_rounds,
+                   overlong_filtering=rl.rl_overlong_filtering, overlong_buffer_length=rl.rl_overlong_buffer_length,
+                   overlong_penalty_factor=rl.rl_overlong_penalty_factor,
+                   routing_replay=rl.moe_enable_routing_replay)
+
+    def round_settings(self) -> RoundSettings:
+        return RoundSettings(group_size=self.group_size, dynamic_sampling=self.dynamic_sampling,
+                             max_rounds=self.max_sampling_rounds, max_new_tokens=self.max_tokens,
+                             overlong_buffer_length=self.overlong_buffer_length,
+                             overlong_penalty_factor=self.overlong_penalty_factor)
 
 
 def _padded(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,18 +83,29 @@ def _padded(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[int]], reward_fn: RewardFn,
-              settings: GRPOSettings, sampling: RolloutSampling, step_seed: int) -> dict:
+              settings: GRPOSettings, sampling: RolloutSampling, step_seed: int, *, reference=None,
+              refill: Refill | None = None) -> dict:
+    """One step over ``prompts`` (token ids); ``reference`` (mega.rl.reference) when
+    ``settings.kl_beta`` is not 0; ``refill`` draws more prompts for dynamic sampling."""
+    if settings.kl_beta and reference is None:
+        raise ValueError("a KL term (kl_beta != 0) needs a reference policy (mega.rl.reference.reference_for)")
     timings = {}
     start = time.perf_counter()
-    rollouts = engine.generate(prompts, settings.group_size, sampling, step_seed=step_seed)
+    sampled = sample(engine, prompts, reward_fn, settings.round_settings(), sampling, step_seed, refill)
+    rollouts, rewards = sampled.rollouts, sampled.rewards
     timings["rollout_s"] = time.perf_counter() - start
-
-    rewards = reward_fn(rollouts).float()
     advantages = group_advantages(rewards, settings.group_size, scale_by_std=settings.scale_by_std)
+    truncated = torch.tensor([reason == "length" for reason in rollouts.finish_reasons])
+    # DAPO's overlong filtering: a completion cut at the length limit takes no part in the loss.
+    weights = overlong_filter(truncated) if settings.overlong_filtering else torch.ones(len(truncated))
 
     start = time.perf_counter()
     sequences = rollouts.sequences
-    old = completion_logprobs(policy.logprobs({"tokens": sequences}), rollouts)
+    routing = StepRouting(policy) if settings.routing_replay else None
+    old = completion_logprobs(routing.old_logprobs(policy, sequences) if routing is not None
+                              else policy.logprobs({"tokens": sequences}), rollouts)
+    ref = (completion_logprobs(reference.logprobs(policy, {"tokens": sequences}), rollouts)
+           if reference is not None else [None] * len(sequences))
     timings["logprobs_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -86,18 +116,21 @@ def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[in
         for first in range(0, count, settings.global_batch_size):
             part = slice(first, first + settings.global_batch_size)
             batch = {"tokens": sequences[part], "old": old[part], "advantage": list(advantages[part]),
-                     "inference": rollouts.inference_logprobs[part],
-                     "prompt_length": [len(p) for p in rollouts.prompts[part]]}
+                     "inference": rollouts.inference_logprobs[part], "reference": ref[part],
+                     "weight": list(weights[part]), "prompt_length": [len(p) for p in rollouts.prompts[part]]}
             # The optimizer batch's loss is the micro-batches' sum: token-mean divides by the whole
             # batch's tokens, the per-sequence means weigh each micro-batch by its share of sequences.
-            total_tokens = max(sum(len(o) for o in old[part]), 1)
+            total_tokens = max(sum(len(o) * float(w) for o, w in zip(old[part], weights[part], strict=True)), 1)
             total_sequences = len(batch["tokens"])
 
             def loss_fn(logprobs, micro, total_tokens=total_tokens, total_sequences=total_sequences):
                 current, mask = _padded([lp[n - 1:] for lp, n in zip(logprobs, micro["prompt_length"], strict=True)])
+                mask = mask * torch.stack(micro["weight"])[:, None]
                 old_values, _ = _padded(micro["old"])
                 inference = _padded(micro["inference"])[0] if settings.is_correction else None
+                reference_values = _padded(micro["reference"])[0] if micro["reference"][0] is not None else None
                 terms = grpo_token_losses(current, old_values, torch.stack(micro["advantage"]), inference=inference,
+                                          reference=reference_values, kl_beta=settings.kl_beta,
                                           clamp_eps_lower=settings.clamp_eps_lower,
                                           clamp_eps_upper=settings.clamp_eps_upper,
                                           entropy_weight=settings.entropy_weight,
@@ -111,15 +144,18 @@ def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[in
                 share = len(micro["tokens"]) / total_sequences
                 return aggregate(terms.loss, mask, settings.aggregation, max_tokens=settings.max_tokens) * share
 
-            policy.forward_backward(batch, loss_fn)
+            with routing.replaying(range(count)[part]) if routing is not None else contextlib.nullcontext():
+                policy.forward_backward(batch, loss_fn)
             policy.optimizer_step()
     timings["update_s"] = time.perf_counter() - start
     timings["refresh_s"] = 0.0  # the engine holds the trainer's parameter objects: nothing to copy
 
     lengths = torch.tensor([len(c) for c in rollouts.completions], dtype=torch.float32)
+    generated = sampled.generated_rewards
     summary = {name: sum(m[name] for m in metrics) / len(metrics) for name in ("clip_fraction", "kl", "entropy")
                if metrics and name in metrics[0] and metrics[0][name] is not None}
-    return {**timings, "rollout_tokens_per_s": rollouts.tokens_per_second, "reward_mean": rewards.mean().item(),
-            "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
-            "response_length": lengths.mean().item(), "loss": sum(losses) / max(len(losses), 1), **summary,
+    return {**timings, "rollout_tokens_per_s": sampled.tokens_per_second, "reward_mean": generated.mean().item(),
+            "reward_std": generated.std().item() if len(generated) > 1 else 0.0,
+            "response_length": lengths.mean().item(), "truncated_fraction": truncated.float().mean().item(),
+            "loss": sum(losses) / max(len(losses), 1), **summary, **sampled.log,
             **logprob_gap(rollouts.inference_logprobs, old)}
