@@ -41,6 +41,12 @@ from mega.train.run_config import derive
 from mega.train.run_parser import parse_run
 from mega.train.trainer import Trainer
 
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: an FSDP2 shard's local part (a DTensor's storage is there)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 # The caller's loss: per-sequence log-probabilities (a list of 1-D tensors, token t+1 given the
 # tokens up to t) and this micro-batch's slice of the caller's batch -> a scalar.
 LossFn = Callable[[list[torch.Tensor], dict], torch.Tensor]
@@ -198,34 +204,39 @@ class PolicyEngine:
             yield from zip(tensor_map.other, tensor_map.from_mega(*tensors), strict=True)
 
     # -- memory ------------------------------------------------------------------------------
-    def _storages(self) -> list[torch.Tensor]:
-        """One tensor per distinct storage of parameters, gradient buffers and optimizer state."""
+    def _storages(self, parameters: bool = True) -> list[torch.Tensor]:
+        """One tensor per distinct storage of parameters (unless ``parameters`` is false),
+        gradient buffers and optimizer state (fp32 main parameters and moments)."""
         optimizer = self.trainer.optimizer
-        tensors = list(self.chunk.parameters())
+        params = list(self.chunk.parameters())
+        tensors = list(params) if parameters else []
         for buffer in getattr(self.chunk, "grad_buffers", []):
-            tensors += [t for t in (buffer.grad_data, buffer.param_data) if t is not None]
+            tensors += [t for t in (buffer.grad_data, buffer.param_data if parameters else None) if t is not None]
         tensors += [entry.main for entry in getattr(optimizer, "main_params", [])]
         inner = getattr(optimizer, "optimizer", optimizer)
         for state in inner.state.values():
             tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
-        tensors += [p.grad for p in self.chunk.parameters() if p.grad is not None]
-        seen, unique = set(), []
+        tensors += [p.grad for p in params if p.grad is not None]
+        # A parameter that is its own main parameter (FSDP's shards) stays with the parameters.
+        seen = set() if parameters else {_local(p).untyped_storage().data_ptr() for p in params}
+        unique = []
         for tensor in tensors:
-            storage = tensor.untyped_storage()
+            storage = _local(tensor).untyped_storage()
             if storage.data_ptr() in seen or storage.nbytes() == 0:
                 continue
             seen.add(storage.data_ptr())
             unique.append(tensor)
         return unique
 
-    def offload(self) -> None:
-        """Move parameters, gradient buffers and optimizer state into host memory, freeing their
-        device storage (refilled in place by :meth:`onload`)."""
+    def offload(self, parameters: bool = True) -> None:
+        """Move parameters (unless ``parameters`` is false: the optimizer state and gradient
+        buffers alone, ``--rl-offload-optimizer-during-inference``), gradient buffers and optimizer
+        state into host memory, freeing their device storage (refilled in place by :meth:`onload`)."""
         if self._host is not None:
             raise RuntimeError("offload() twice without onload()")
         self._host = []
-        for tensor in self._storages():
-            storage = tensor.untyped_storage()
+        for tensor in self._storages(parameters):
+            storage = _local(tensor).untyped_storage()
             copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu",
                                pin_memory=torch.cuda.is_available() and storage.device.type == "cuda")
             copy.untyped_storage().copy_(storage)

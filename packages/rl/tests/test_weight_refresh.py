@@ -1,0 +1,76 @@
+"""The engine on its own layout, refreshed from the training layout without disk (issue 48's
+refresh acceptance).
+
+CPU, one gloo world of 4 ranks (the rank forkserver of mega.testing; pinned: the trainer and the
+engine build on the CPU when no accelerator is asked for, and nothing here moves to one). After
+three GRPO steps (rollouts by the engine, rewards, updates on the training layout, refresh), the
+engine's greedy tokens and log-probabilities equal, exactly, those of an engine loaded fresh by
+the inference loader from a checkpoint the trainer saved at that step; and they moved from the
+first step's (a stale engine would fail).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mega.rl.grpo_step import GRPOSettings, grpo_step
+from mega.rl.policy_engine import PolicyEngine
+from mega.rl.rollouts import RolloutEngine, RolloutSampling, build_rollout_engine
+
+ARGV = ["--model-family", "llama", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--num-query-groups", "2", "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "128",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "2e-2", "--eval-iters", "0", "--seed", "5",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "10"]
+PROMPTS = [[3, 17, 5], [40, 2, 9, 11], [7, 7], [100, 64, 1, 90, 33]]
+SAMPLING = RolloutSampling(max_new_tokens=6, temperature=1.0, seed=3)
+GREEDY = RolloutSampling(max_new_tokens=8, top_k=1)
+
+
+def _low_tokens(rollouts) -> torch.Tensor:
+    """The reward: the fraction of completion tokens below 64."""
+    return torch.tensor([sum(t < 64 for t in c) / max(len(c), 1) for c in rollouts.completions])
+
+
+def _greedy(engine: RolloutEngine) -> tuple[list, list]:
+    rollouts = engine.generate(PROMPTS, 1, GREEDY)
+    return rollouts.completions, rollouts.inference_logprobs
+
+
+def _refreshed_against_checkpoint(train_flags: list[str], engine_tp: int, save: str) -> dict:
+    """On each rank: three GRPO steps with the engine at ``engine_tp``, then the engine's greedy
+    rollouts beside those of an engine loaded from a checkpoint of the same step."""
+    from mega.inference.loader import load_model
+
+    policy = PolicyEngine.from_args(ARGV + train_flags)
+    engine = build_rollout_engine(policy, engine_tp)
+    before = _greedy(engine)
+    settings = GRPOSettings(group_size=2, global_batch_size=8)
+    logs = [grpo_step(policy, engine, PROMPTS, _low_tokens, settings, SAMPLING, step_seed=1000 * step)
+            for step in range(3)]
+    refreshed = _greedy(engine)
+    policy.save(save)
+    groups = engine.weight_sync.engine_groups
+    loaded = load_model(save, groups=groups, device=groups.device)
+    fresh = RolloutEngine(loaded.model, vocab_size=128, max_positions=64, tp_group=groups.tp, replicas=groups.dp)
+    return {"iteration": policy.iteration, "before": before, "refreshed": refreshed, "fresh": _greedy(fresh),
+            "refresh_s": [log["refresh_s"] for log in logs], "shares": engine.shares_trainer_weights}
+
+
+def _check(ranks: list[dict]) -> None:
+    for result in ranks:
+        assert result["iteration"] == 3 and not result["shares"]
+        assert all(seconds > 0 for seconds in result["refresh_s"])
+        tokens, logprobs = result["refreshed"]
+        fresh_tokens, fresh_logprobs = result["fresh"]
+        assert tokens == fresh_tokens
+        for got, want in zip(logprobs, fresh_logprobs, strict=True):
+            assert torch.equal(got, want)
+        moved = max((a - b).abs().max().item() for a, b in zip(result["before"][1], logprobs, strict=True))
+        assert moved > 1e-3, "the updates did not change the engine's log-probabilities"
+        assert tokens == ranks[0]["refreshed"][0]
+
+
+def test_fsdp2_dp2_training_refreshes_a_tp1_engine(worlds, tmp_path):
+    """FSDP2 over dp2 (times tp2: four ranks) trains; the engine has tp1 and four replicas."""
+    _check(worlds.run(4, _refreshed_against_checkpoint, ["--tensor-model-parallel-size", "2", "--use-torch-fsdp2"],
+                      1, str(tmp_path / "fsdp")))
