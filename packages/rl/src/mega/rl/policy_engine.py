@@ -18,8 +18,9 @@ schedule and checkpointer; no second training loop):
 * ``save(path)`` / ``load(path)``: mega checkpoints (model, optimizer, iteration, RNG), the ones
   ``mega train --load`` reads.
 
-One model-parallel rank per data-parallel replica for now: pipeline parallelism is refused
-(log-probabilities would live on the last stage only).
+Under pipeline parallelism the packed rows are padded to one length per call (stages send fixed
+shapes), the caller's loss runs on the last stage, and ``logprobs`` returns on every stage what
+the last one computed. Virtual pipeline stages are refused.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ class PolicyEngine:
     """A policy model, its optimizer and its checkpoints, driven by an outside loop."""
 
     def __init__(self, trainer: Trainer, tokenizer=None):
-        if trainer.groups.pp.size > 1 or len(trainer.chunks) != 1:
-            raise ValueError("PolicyEngine runs without pipeline parallelism for now (--pipeline-model-parallel-size 1)")
+        if len(trainer.chunks) != 1:
+            raise ValueError("PolicyEngine runs one model chunk per rank: no virtual pipeline stages (--num-layers-per-"
+                             "virtual-pipeline-stage) yet")
         self.trainer = trainer
         self.tokenizer = tokenizer  # the run's (--tokenizer-type), or None
         self.groups = trainer.groups
@@ -107,15 +109,43 @@ class PolicyEngine:
                                  f"{tuple(sequence.shape)}")
         size = self.trainer.run.training.micro_batch_size
         device = self.groups.device
+        row = self._row_length(sequences)
         for start in range(0, len(sequences), size):
-            part = sequences[start:start + size]
-            tokens = torch.cat(list(part)).to(device)
+            part = list(sequences[start:start + size])
+            if row is not None:  # pipeline stages send fixed shapes: the rest of the row is one more document
+                part.append(torch.zeros(row - sum(len(s) for s in part), dtype=sequences[0].dtype))
+            tokens = torch.cat(part).to(device)
             inputs = {
                 "tokens": tokens[None],
                 "position_ids": torch.cat([torch.arange(len(s)) for s in part]).to(device)[None],
                 "document_ids": torch.cat([torch.full((len(s),), i) for i, s in enumerate(part)]).to(device)[None],
             }
             yield inputs, {key: list(values[start:start + size]) for key, values in batch.items()}
+
+    def _row_length(self, sequences) -> int | None:
+        """Under pipeline parallelism, the length every packed row is padded to (the longest
+        micro-batch's, and one more token, rounded up to a multiple of the tensor group); None
+        without (rows are as long as their sequences)."""
+        if self.groups.pp.size == 1:
+            return None
+        size = self.trainer.run.training.micro_batch_size
+        longest = max(sum(len(s) for s in sequences[i:i + size]) for i in range(0, len(sequences), size)) + 1
+        return -(-longest // self.groups.tp.size) * self.groups.tp.size
+
+    def _schedule(self, micro: list, loss, forward_only: bool) -> None:
+        """``micro`` (``_micro_batches``' pairs) through the trainer's pipeline schedule; ``loss``
+        runs on the last stage with the model's outputs and the pair."""
+        trainer = self.trainer
+        row = micro[0][0]["tokens"].shape[1]
+        config = dataclasses.replace(trainer.run.model, seq_length=row)
+
+        def boundary(index: int) -> dict:  # one packed row of ``row`` tokens crosses
+            return trainer.family.boundary(config, trainer.all_stages[index], 1, trainer.run.parallel, trainer.dtype)
+
+        data = ((inputs, (inputs, caller)) for inputs, caller in micro)
+        forward_backward(trainer.chunks, data, len(micro), loss, self.groups, boundary=boundary,
+                         reads_batch=[True] * len(trainer.chunks), grad_sync=None if forward_only else trainer.chunks,
+                         forward_only=forward_only, schedule=trainer.run.pipeline.pipeline_schedule)
 
     def _sequence_logprobs(self, outputs: Mapping, inputs: Mapping, lengths: list[int]) -> list[torch.Tensor]:
         if "logits" not in outputs:
@@ -149,9 +179,7 @@ class PolicyEngine:
             losses.append(float(value.detach()))
             return value * scale
 
-        data = ((inputs, (inputs, caller)) for inputs, caller in micro)
-        forward_backward(self.trainer.chunks, data, count, loss, self.groups, grad_sync=self.trainer.chunks,
-                         schedule=self.trainer.run.pipeline.pipeline_schedule)
+        self._schedule(micro, loss, forward_only=False)
         return losses
 
     def optimizer_step(self) -> dict:
@@ -180,12 +208,24 @@ class PolicyEngine:
         self.chunk.eval()
         result = []
         try:
-            for inputs, caller in self._micro_batches(batch):
-                outputs = self.model(inputs)
+            if self.groups.pp.size == 1:
+                for inputs, caller in self._micro_batches(batch):
+                    outputs = self.model(inputs)
+                    result.extend(self._sequence_logprobs(outputs, inputs, [len(s) for s in caller["tokens"]]))
+                return result
+
+            def keep(outputs, targets):  # on the last stage
+                inputs, caller = targets
                 result.extend(self._sequence_logprobs(outputs, inputs, [len(s) for s in caller["tokens"]]))
+                return outputs["logits"].new_zeros(())
+
+            self._schedule(list(self._micro_batches(batch)), keep, forward_only=True)
+            # Every stage returns them: the last one has them.
+            holder = [[t.cpu() for t in result] if self.groups.pp.is_last else None]
+            dist.broadcast_object_list(holder, src=self.groups.pp.ranks[-1], group=self.groups.pp.group)
+            return [t.to(self.groups.device) for t in holder[0]]
         finally:
             self.chunk.train()
-        return result
 
     @torch.no_grad()
     def named_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
