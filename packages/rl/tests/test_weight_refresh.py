@@ -74,3 +74,9 @@ def test_fsdp2_dp2_training_refreshes_a_tp1_engine(worlds, tmp_path):
     """FSDP2 over dp2 (times tp2: four ranks) trains; the engine has tp1 and four replicas."""
     _check(worlds.run(4, _refreshed_against_checkpoint, ["--tensor-model-parallel-size", "2", "--use-torch-fsdp2"],
                       1, str(tmp_path / "fsdp")))
+
+
+def test_tp2_pp2_training_refreshes_a_tp2_engine(worlds, tmp_path):
+    """Training at tp2 x pp2; the engine at tp2 holds both stages' layers, two replicas of it."""
+    _check(worlds.run(4, _refreshed_against_checkpoint,
+                      ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2, str(tmp_path / "pp")))

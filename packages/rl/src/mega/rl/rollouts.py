@@ -135,10 +135,10 @@ class RolloutEngine:
             finish_reasons=[str(r.finish_reason) for r in results],
             group_size=group_size, seconds=seconds, first_prompt=first,
         )
-        if reward_fn is not None:
-            group = self.engine.tp_group
-            rewards = reward_fn(share).float() if self.engine.is_leader else None
-            share.rewards = _broadcast_object(rewards, group) if group is not None else rewards
+        if self.engine.is_leader and reward_fn is not None:
+            share.rewards = reward_fn(share).float()
+        if self.engine.tp_group is not None:  # the leader's (its followers' results carry no log-probabilities)
+            share = _broadcast_object(share if self.engine.is_leader else None, self.engine.tp_group)
         return self._gathered(share)
 
     def _run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
