@@ -80,3 +80,36 @@ def test_tp2_pp2_training_refreshes_a_tp2_engine(worlds, tmp_path):
     """Training at tp2 x pp2; the engine at tp2 holds both stages' layers, two replicas of it."""
     _check(worlds.run(4, _refreshed_against_checkpoint,
                       ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2, str(tmp_path / "pp")))
+
+
+def _mega_rl(argv: list[str]) -> list[dict]:
+    import multiprocessing
+
+    from mega.rl.command import run_rl
+
+    # The world's ranks are daemonic processes, which multiprocessing forbids children; the reward
+    # pool's workers are children the pool itself ends before run_rl returns.
+    multiprocessing.current_process()._config.pop("daemon", None)
+    return run_rl(argv)
+
+
+def test_mega_rl_on_four_ranks(worlds, tmp_path):
+    """`mega rl` on 4 ranks: dp4 with the distributed optimizer trains, a tp2 engine (two
+    replicas, each scoring its own completions) generates, the optimizer state waits in host
+    memory during rollouts. The engine-vs-trainer gap of the second step is the refreshed
+    engine's against the updated trainer."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{a} {b} {c}", "length_scale": 20}}\n'
+                               for a, b, c in [(20, 31, 45), (99, 17, 60), (70, 70, 21), (33, 18, 104)]))
+    argv = [*ARGV[:ARGV.index("--vocab-size")], "--vocab-size", "127", "--tokenizer-type", "NullTokenizer",
+            *ARGV[ARGV.index("--vocab-size") + 2:], "--use-distributed-optimizer",
+            "--rl-inference-tensor-model-parallel-size", "2", "--rl-offload-optimizer-during-inference",
+            "--prompt-data", str(prompts), "--reward", "length", "--reward-workers", "1", "--grpo-group-size", "2",
+            "--grpo-prompts-per-step", "4", "--rl-max-new-tokens", "6", "--train-iters", "2"]
+    ranks = worlds.run(4, _mega_rl, argv)
+    for logs in ranks:
+        assert [log["iteration"] for log in logs] == [1, 2]
+        assert [log["reward_mean"] for log in logs] == [log["reward_mean"] for log in ranks[0]]
+        assert all(log["refresh_s"] > 0 for log in logs)
+        assert logs[1]["logprob_gap_max"] < 1e-4, logs[1]
+        assert logs[0]["reward_counts"]["length"]["calls"] == 8  # once per completion, over both replicas
