@@ -22,8 +22,8 @@ ARGV = ["--model-family", "llama", "--num-layers", "2", "--hidden-size", "32", "
         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "2e-2", "--eval-iters", "0", "--seed", "5",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "10"]
 PROMPTS = [[3, 17, 5], [40, 2, 9, 11], [7, 7], [100, 64, 1, 90, 33]]
-SAMPLING = RolloutSampling(max_new_tokens=6, temperature=1.0, seed=3)
-GREEDY = RolloutSampling(max_new_tokens=8, top_k=1)
+SAMPLING = RolloutSampling(max_new_tokens=4, temperature=1.0, seed=3)
+GREEDY = RolloutSampling(max_new_tokens=5, top_k=1)
 
 
 def _low_tokens(rollouts) -> torch.Tensor:
@@ -32,7 +32,7 @@ def _low_tokens(rollouts) -> torch.Tensor:
 
 
 def _greedy(engine: RolloutEngine) -> tuple[list, list]:
-    rollouts = engine.generate(PROMPTS, 1, GREEDY)
+    rollouts = engine.generate(PROMPTS[:2], 1, GREEDY)
     return rollouts.completions, rollouts.inference_logprobs
 
 
@@ -105,7 +105,7 @@ def test_mega_rl_on_four_ranks(worlds, tmp_path):
             *ARGV[ARGV.index("--vocab-size") + 2:], "--use-distributed-optimizer",
             "--rl-inference-tensor-model-parallel-size", "2", "--rl-offload-optimizer-during-inference",
             "--prompt-data", str(prompts), "--reward", "length", "--reward-workers", "1", "--grpo-group-size", "2",
-            "--grpo-prompts-per-step", "4", "--rl-max-new-tokens", "6", "--train-iters", "2"]
+            "--grpo-prompts-per-step", "4", "--rl-max-new-tokens", "4", "--train-iters", "2"]
     ranks = worlds.run(4, _mega_rl, argv)
     for logs in ranks:
         assert [log["iteration"] for log in logs] == [1, 2]
@@ -113,3 +113,25 @@ def test_mega_rl_on_four_ranks(worlds, tmp_path):
         assert all(log["refresh_s"] > 0 for log in logs)
         assert logs[1]["logprob_gap_max"] < 1e-4, logs[1]
         assert logs[0]["reward_counts"]["length"]["calls"] == 8  # once per completion, over both replicas
+
+
+def test_optimizer_offload_keeps_the_parameters():
+    """One process: ``offload(parameters=False)`` (--rl-offload-optimizer-during-inference) empties
+    the optimizer state and gradient buffers, leaves the parameters (the engine may generate from
+    them), and ``onload`` brings everything back bit for bit."""
+    policy = PolicyEngine.from_args(ARGV)
+    batch = {"tokens": [torch.tensor(p + p) for p in PROMPTS]}
+    policy.forward_backward(batch, lambda lps, b: -sum(lp.sum() for lp in lps))
+    policy.optimizer_step()  # the optimizer state exists
+    state = [v for s in policy.trainer.optimizer.optimizer.state.values() for v in s.values() if v.dim() > 0]
+    saved = [t.clone() for t in state]
+    params = [p.detach().clone() for p in policy.model.parameters()]
+    logprobs = policy.logprobs(batch)
+    policy.offload(parameters=False)
+    assert all(t.untyped_storage().nbytes() == 0 for t in state)
+    assert all(b.grad_data.untyped_storage().nbytes() == 0 for b in policy.chunk.grad_buffers)
+    for got, want in zip(policy.logprobs(batch), logprobs, strict=True):  # the parameters stayed
+        assert torch.equal(got, want)
+    policy.onload()
+    assert all(torch.equal(a, b) for a, b in zip(state, saved, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(policy.model.parameters(), params, strict=True))

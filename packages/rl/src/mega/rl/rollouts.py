@@ -155,8 +155,10 @@ class RolloutEngine:
             return worker.run_to_completion(requests)
         finally:
             self.model.train(was_training)
-            # The worker's thread and callbacks refer back to it: only the cycle collector frees
-            # it, and with it the cache, unless asked now (the update phase wants the memory).
+            # The worker's thread and callbacks refer back to it, so only the cycle collector would
+            # free it; its cache is let go now (the update phase wants the memory), and a full
+            # collection (a costly fraction of a second) runs only if something still holds it.
+            worker.kv = worker.cache = worker.allocator = None
             del worker
             if self.kv_cache() is not None:
                 gc.collect()
