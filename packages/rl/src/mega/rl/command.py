@@ -111,7 +111,7 @@ def _loop(rl, run, policy, engine, prompts, rewards, settings, sampling, steps_p
     logs = []
     train_iters, interval = run.training.train_iters, run.checkpoint.save_interval
     # Rewards run where the engine's replicas lead (each scores its own completions).
-    scoring = engine.engine.is_leader
+    scoring = engine.is_leader
     with RewardPool(rl.reward_workers, rl.reward_timeout) if scoring else contextlib.nullcontext() as pool:
         while policy.iteration < train_iters:
             step = policy.iteration // steps_per_rollout
@@ -202,5 +202,8 @@ def main(argv: list[str]) -> int:
     except (ConfigError, PluginError, PromptDataError, RewardSpecError, ValueError, FileNotFoundError) as error:
         print(f"mega rl: error: {error}", file=sys.stderr)
         return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 

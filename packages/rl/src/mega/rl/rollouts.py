@@ -95,6 +95,11 @@ class RolloutEngine:
         self.kv_cache = None  # a weak reference to the last rollout's KV cache (gone once it has ended)
 
     @property
+    def is_leader(self) -> bool:
+        """Whether this rank leads its replica's tensor group (it scores the replica's completions)."""
+        return self.engine.is_leader
+
+    @property
     def shares_trainer_weights(self) -> bool:
         return self.weight_sync is None
 
@@ -135,10 +140,10 @@ class RolloutEngine:
             finish_reasons=[str(r.finish_reason) for r in results],
             group_size=group_size, seconds=seconds, first_prompt=first,
         )
-        if self.engine.is_leader and reward_fn is not None:
+        if self.is_leader and reward_fn is not None:
             share.rewards = reward_fn(share).float()
         if self.engine.tp_group is not None:  # the leader's (its followers' results carry no log-probabilities)
-            share = _broadcast_object(share if self.engine.is_leader else None, self.engine.tp_group)
+            share = _broadcast_object(share if self.is_leader else None, self.engine.tp_group)
         return self._gathered(share)
 
     def _run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
