@@ -36,17 +36,18 @@ def _greedy(engine: RolloutEngine) -> tuple[list, list]:
     return rollouts.completions, rollouts.inference_logprobs
 
 
-def _refreshed_against_checkpoint(train_flags: list[str], engine_tp: int, save: str) -> dict:
-    """On each rank: three GRPO steps with the engine at ``engine_tp``, then the engine's greedy
-    rollouts beside those of an engine loaded from a checkpoint of the same step."""
+def _refreshed_against_checkpoint(train_flags: list[str], engine_tp: int, save: str, offload: bool = False) -> dict:
+    """On each rank: three GRPO steps with the engine at ``engine_tp`` (the optimizer state in host
+    memory during rollouts with ``offload``), then the engine's greedy rollouts beside those of
+    an engine loaded from a checkpoint of the same step."""
     from mega.inference.loader import load_model
 
     policy = PolicyEngine.from_args(ARGV + train_flags)
     engine = build_rollout_engine(policy, engine_tp)
     before = _greedy(engine)
     settings = GRPOSettings(group_size=2, global_batch_size=8)
-    logs = [grpo_step(policy, engine, PROMPTS, _low_tokens, settings, SAMPLING, step_seed=1000 * step)
-            for step in range(3)]
+    logs = [grpo_step(policy, engine, PROMPTS, _low_tokens, settings, SAMPLING, step_seed=1000 * step,
+                      offload_optimizer=offload) for step in range(3)]
     refreshed = _greedy(engine)
     policy.save(save)
     groups = engine.weight_sync.engine_groups
@@ -71,9 +72,10 @@ def _check(ranks: list[dict]) -> None:
 
 
 def test_fsdp2_dp2_training_refreshes_a_tp1_engine(worlds, tmp_path):
-    """FSDP2 over dp2 (times tp2: four ranks) trains; the engine has tp1 and four replicas."""
+    """FSDP2 over dp2 (times tp2: four ranks) trains, its sharded optimizer state offloaded during
+    rollouts; the engine has tp1 and four replicas."""
     _check(worlds.run(4, _refreshed_against_checkpoint, ["--tensor-model-parallel-size", "2", "--use-torch-fsdp2"],
-                      1, str(tmp_path / "fsdp")))
+                      1, str(tmp_path / "fsdp"), offload=True))
 
 
 def test_tp2_pp2_training_refreshes_a_tp2_engine(worlds, tmp_path):
@@ -135,3 +137,22 @@ def test_optimizer_offload_keeps_the_parameters():
     policy.onload()
     assert all(torch.equal(a, b) for a, b in zip(state, saved, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(policy.model.parameters(), params, strict=True))
+
+
+def _shared_engine_gap(steps: int) -> dict:
+    """On each rank: tp2 x dp2 training, the engine at the same tp on the trainer's own module."""
+    policy = PolicyEngine.from_args(ARGV + ["--tensor-model-parallel-size", "2"])
+    engine = build_rollout_engine(policy)
+    settings = GRPOSettings(group_size=2, global_batch_size=8)
+    logs = [grpo_step(policy, engine, PROMPTS, _low_tokens, settings, SAMPLING, step_seed=step)
+            for step in range(steps)]
+    return {"shares": engine.shares_trainer_weights, "logs": logs}
+
+
+def test_engine_at_the_training_layout_shares_the_trainers_parameters(worlds):
+    """tp2 x dp2 training with the engine at tp2: no copy, nothing to refresh, and the second
+    step's rollouts (after an update) agree with the trainer's log-probabilities."""
+    for result in worlds.run(4, _shared_engine_gap, 2):
+        assert result["shares"]
+        assert [log["refresh_s"] for log in result["logs"]] == [0.0, 0.0]
+        assert result["logs"][1]["logprob_gap_max"] < 1e-4, result["logs"][1]
