@@ -25,7 +25,7 @@ from mega.rl.advantages import group_advantages
 from mega.rl.config import RLConfig
 from mega.rl.loss import aggregate, grpo_token_losses, loss_metrics
 from mega.rl.policy_engine import PolicyEngine
-from mega.rl.rollouts import RolloutEngine, Rollouts, RolloutSampling
+from mega.rl.rollouts import RolloutEngine, Rollouts, RolloutSampling, logprob_gap
 
 # Rewards of a step's rollouts, one float per completion (the RewardPool's scores, or a test's).
 RewardFn = Callable[[Rollouts], torch.Tensor]
@@ -155,9 +155,9 @@ def _over_ranks(metrics: list[dict], losses: list[float], inference: list[torch.
     """The loss metrics (held where the loss is computed: the last pipeline stage of each
     data-parallel rank) and the engine-vs-trainer gap, over every rank of the job."""
     names = ("clip_fraction", "kl", "entropy")
-    deltas = torch.cat([(a - b).abs() for a, b in zip(inference, old, strict=True)] or [torch.zeros(0)])
+    gap, tokens = logprob_gap(inference, old), sum(len(lp) for lp in old)
     mine = {"metrics": [{n: m[n] for n in names if m.get(n) is not None} for m in metrics], "losses": losses,
-            "gap": (deltas.sum().item(), deltas.max().item() if deltas.numel() else 0.0, deltas.numel())}
+            "gap": (gap["logprob_gap_mean"] * tokens, gap["logprob_gap_max"], tokens)}
     every = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
