@@ -156,3 +156,16 @@ def test_engine_at_the_training_layout_shares_the_trainers_parameters(worlds):
         assert result["shares"]
         assert [log["refresh_s"] for log in result["logs"]] == [0.0, 0.0]
         assert result["logs"][1]["logprob_gap_max"] < 1e-4, result["logs"][1]
+
+
+def test_an_engine_size_that_does_not_divide_the_world_is_named(tmp_path, capsys):
+    from mega.rl.command import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "20 31 45"}\n')
+    argv = [*ARGV[:ARGV.index("--vocab-size")], "--vocab-size", "127", "--tokenizer-type", "NullTokenizer",
+            *ARGV[ARGV.index("--vocab-size") + 2:], "--prompt-data", str(prompts), "--reward", "length",
+            "--grpo-prompts-per-step", "4", "--grpo-group-size", "2", "--rl-max-new-tokens", "4",
+            "--rl-inference-tensor-model-parallel-size", "2"]
+    assert main(argv) == 2
+    assert "--rl-inference-tensor-model-parallel-size 2 does not divide the 1 ranks" in capsys.readouterr().err

@@ -122,14 +122,16 @@ class RolloutEngine:
         seed ``sampling.seed + step_seed + i`` (pass a different ``step_seed`` each step). This
         replica draws its share; with ``reward_fn`` its first rank scores them (``rewards``);
         every rank returns them all. Collective over the engine's ranks."""
-        first, last = self._share(len(prompts))
         base = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         stop = StopRules(stop_ids=sampling.stop_ids, stop_strings=sampling.stop_strings)
-        offset = first * group_size
         requests = [GenerationRequest(prompt=list(prompt), max_new_tokens=sampling.max_new_tokens,
-                                      sampling=replace(base, seed=(sampling.seed + step_seed + offset + index) % 2**63),
+                                      sampling=replace(base, seed=(sampling.seed + step_seed + index) % 2**63),
                                       stop=stop, logprobs=True)
-                    for index, prompt in enumerate(p for p in prompts[first:last] for _ in range(group_size))]
+                    for index, prompt in enumerate(p for p in prompts for _ in range(group_size))]
+        for request in requests:  # on every rank, so that a bad prompt stops them all alike
+            self.engine.check(request)
+        first, last = self._share(len(prompts))
+        requests = requests[first * group_size:last * group_size]
         start = time.perf_counter()
         results = self._run(requests) if requests else []
         seconds = time.perf_counter() - start
@@ -149,8 +151,6 @@ class RolloutEngine:
     def _run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """The decoder loop to completion on a KV cache sized for ``requests``, freed after."""
         engine = self.engine
-        for request in requests:
-            engine.check(request)
         blocks = sum(-(-(len(r.prompt) + r.max_new_tokens) // BLOCK_SIZE) for r in requests)
         worker = ContinuousBatchingWorker(engine, max_batch_size=len(requests), max_num_tokens=blocks * BLOCK_SIZE)
         self.kv_cache = weakref.ref(worker.kv)
