@@ -83,6 +83,13 @@ class WeightSync:
             dist.all_gather_object(every_rank, held)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.shapes, owners = writers(every_rank)
+        engine_names = {key[len(MODEL):] for key in model_entries([engine_model], engine_groups.tp).entries
+                        if key.startswith(MODEL)}
+        extra = sorted(set(self.shapes) - engine_names)
+        if extra:  # the engine would generate from weights the trainer does not use
+            raise ValueError(f"weight refresh: the trainer has {len(extra)} tensor(s) the engine's model has not "
+                             f"({', '.join(extra[:3])}...; LoRA adapters?): run the engine at the training layout, "
+                             "where it generates from the trainer's own module")
         self.written = {name: {box for box, rank in boxes.items() if rank == self.rank} for name, boxes in owners.items()}
 
     def _entries(self):
