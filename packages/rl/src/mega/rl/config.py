@@ -75,6 +75,15 @@ class RLConfig:
     rl_seed: int | None = option(
         None, "rollout sampling seed (default: --seed); completion i of step s samples with seed + s * 2**20 + i, "
         "so a resumed run draws the same completions")
+    rl_inference_tensor_model_parallel_size: int | None = option(
+        None, "the rollout engine's tensor-parallel size (default: --tensor-model-parallel-size); the engine holds "
+        "every layer, so the world is this many ranks times engine replicas, which split each step's prompts. At "
+        "the training's size, with one pipeline stage and no FSDP, sequence, context or expert parallelism, the "
+        "engine generates from the trainer's own parameters; otherwise it has its own copy, refreshed after every "
+        "update without disk (Megatron-RL's flag)")
+    rl_offload_optimizer_during_inference: bool = option(
+        False, "keep the optimizer state (fp32 main weights, moments) and the gradient buffers in host memory while "
+        "the engine generates (Megatron-RL's flag; verl's actor optimizer_offload)")
     prompt_data: str | None = option(
         None, "prompts, JSON Lines: `prompt` (text) or `messages` (a chat, rendered by the chat template) and any "
         "other fields, which reach the rewards")
@@ -121,6 +130,9 @@ class RLConfig:
         if not self.rl_temperature > 0 or self.rl_top_k < 0 or not 0 <= self.rl_top_p <= 1:
             raise ValueError(f"--rl-temperature must be positive, --rl-top-k >= 0 and --rl-top-p in [0, 1], got "
                              f"{self.rl_temperature}, {self.rl_top_k} and {self.rl_top_p}")
+        size = self.rl_inference_tensor_model_parallel_size
+        if size is not None and size < 1:
+            raise ValueError(f"--rl-inference-tensor-model-parallel-size must be positive, got {size}")
         if self.reward_timeout <= 0:
             raise ValueError(f"--reward-timeout must be positive, got {self.reward_timeout}")
 

@@ -23,7 +23,8 @@ import torch
 from mega.rl.advantages import groups_with_signal, overlong_penalty
 from mega.rl.rollouts import RolloutEngine, Rollouts, RolloutSampling
 
-# Rewards of a round's rollouts, one float per completion (the RewardPool's scores, or a test's).
+# Rewards of a round's rollouts (a replica's share: ``Rollouts.first_prompt`` says which), one
+# float per completion (the RewardPool's scores, or a test's).
 RewardFn = Callable[[Rollouts], torch.Tensor]
 # The next round's prompts (token ids) and the reward function that knows them.
 Refill = Callable[[], tuple[list[list[int]], RewardFn]]
@@ -54,8 +55,10 @@ def sample(engine: RolloutEngine, prompts: list[list[int]], reward_fn: RewardFn,
     per_round = wanted * group
     rounds: list[tuple[Rollouts, torch.Tensor]] = []
     while True:
-        rollouts = engine.generate(prompts, group, sampling, step_seed=step_seed + len(rounds) * per_round)
-        rounds.append((rollouts, _shaped(rollouts, reward_fn(rollouts).float(), settings)))
+        # Each of the engine's replicas scores the completions it drew; every rank gets them all.
+        rollouts = engine.generate(prompts, group, sampling, step_seed=step_seed + len(rounds) * per_round,
+                                   reward_fn=reward_fn)
+        rounds.append((rollouts, _shaped(rollouts, rollouts.rewards, settings)))
         if not settings.dynamic_sampling:
             rollouts, rewards = rounds[0]
             return Sampled(rollouts, rewards, rewards, rollouts.tokens_per_second, {})
@@ -104,5 +107,5 @@ def _select(rounds: list[tuple[Rollouts, torch.Tensor]], chosen: list[tuple[int,
                 per_completion.setdefault(field.name, []).extend(values[row] for row in rows)
     seconds = sum(rollouts.seconds for rollouts, _ in rounds)
     first = rounds[0][0]
-    batch = dataclasses.replace(first, **per_completion, seconds=seconds)
-    return batch, torch.cat(rewards)
+    batch = dataclasses.replace(first, **per_completion, seconds=seconds, rewards=torch.cat(rewards))
+    return batch, batch.rewards

@@ -1,12 +1,14 @@
 """One GRPO step on :class:`~mega.rl.policy_engine.PolicyEngine` and
-:class:`~mega.rl.rollouts.RolloutEngine`, in one process:
+:class:`~mega.rl.rollouts.RolloutEngine`, on every rank of the job:
 
-    rollout -> rewards (mega.rl.dynamic_sampling: DAPO's refill and overlong punishment)
-    -> group advantages -> old log-probabilities (recomputed by the trainer; each token's
-    experts recorded for routing replay, mega.rl.routing_replay), and the reference's when
-    there is a KL term (mega.rl.reference) -> ``iterations`` passes of optimizer steps of
-    ``global_batch_size`` sequences with the GRPO loss -> (refresh: nothing to copy, the
-    engine holds the trainer's parameters)
+    rollout (the engine's replicas split the prompts; the optimizer state may wait in host
+    memory) -> rewards (once per completion, by the replica that drew it; mega.rl.dynamic_sampling:
+    DAPO's refill and overlong punishment) -> group advantages -> old log-probabilities
+    (recomputed by the trainer, each data-parallel rank its share; each token's experts recorded
+    for routing replay, mega.rl.routing_replay), and the reference's when there is a KL term
+    (mega.rl.reference) -> ``iterations`` passes of optimizer steps of ``global_batch_size``
+    sequences with the GRPO loss -> refresh (the engine's weights from the trainer's; nothing
+    when it holds the trainer's own parameters)
 
 Returns the step's log: phase times, rollout tokens/s, reward mean/std, response length, the
 loss metrics (clip fraction, KL, entropy) and the engine-vs-trainer log-probability gap.
@@ -19,13 +21,14 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from mega.rl.advantages import group_advantages, overlong_filter
 from mega.rl.config import RLConfig
 from mega.rl.dynamic_sampling import Refill, RewardFn, RoundSettings, sample
 from mega.rl.loss import aggregate, grpo_token_losses, loss_metrics
 from mega.rl.policy_engine import PolicyEngine
-from mega.rl.rollouts import RolloutEngine, RolloutSampling, completion_logprobs, logprob_gap
+from mega.rl.rollouts import RolloutEngine, RolloutSampling, logprob_gap
 from mega.rl.routing_replay import StepRouting
 
 __all__ = ["GRPOSettings", "RewardFn", "Refill", "grpo_step"]
@@ -84,14 +87,24 @@ def _padded(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[int]], reward_fn: RewardFn,
               settings: GRPOSettings, sampling: RolloutSampling, step_seed: int, *, reference=None,
-              refill: Refill | None = None) -> dict:
-    """One step over ``prompts`` (token ids); ``reference`` (mega.rl.reference) when
-    ``settings.kl_beta`` is not 0; ``refill`` draws more prompts for dynamic sampling."""
+              refill: Refill | None = None, offload_optimizer: bool = False) -> dict:
+    """One GRPO step over ``prompts`` (token ids) on every rank of the job (collective). The
+    engine's replicas split the prompts and score their own completions; each data-parallel rank
+    of the trainer takes its share of every optimizer batch. ``reference`` (mega.rl.reference)
+    when ``settings.kl_beta`` is not 0; ``refill`` draws more prompts for dynamic sampling;
+    ``offload_optimizer``: the optimizer state and gradient buffers wait in host memory while the
+    engine generates."""
     if settings.kl_beta and reference is None:
         raise ValueError("a KL term (kl_beta != 0) needs a reference policy (mega.rl.reference.reference_for)")
     timings = {}
     start = time.perf_counter()
-    sampled = sample(engine, prompts, reward_fn, settings.round_settings(), sampling, step_seed, refill)
+    if offload_optimizer:
+        policy.offload(parameters=False)
+    try:
+        sampled = sample(engine, prompts, reward_fn, settings.round_settings(), sampling, step_seed, refill)
+    finally:
+        if offload_optimizer:
+            policy.onload()
     rollouts, rewards = sampled.rollouts, sampled.rewards
     timings["rollout_s"] = time.perf_counter() - start
     advantages = group_advantages(rewards, settings.group_size, scale_by_std=settings.scale_by_std)
@@ -99,29 +112,41 @@ def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[in
     # DAPO's overlong filtering: a completion cut at the length limit takes no part in the loss.
     weights = overlong_filter(truncated) if settings.overlong_filtering else torch.ones(len(truncated))
 
-    start = time.perf_counter()
+    # This data-parallel rank's share of every optimizer batch (the ranks average their gradients,
+    # so each rank's loss counts the whole batch's tokens or sequences and is scaled back up).
+    ranks, rank = policy.groups.dp.size, policy.groups.dp.rank
+    count = len(rollouts.completions)
+    batch_size = settings.global_batch_size
+    mine = [index for first in range(0, count, batch_size)
+            for index in range(first + batch_size * rank // ranks, first + batch_size * (rank + 1) // ranks)]
+    position = {index: n for n, index in enumerate(mine)}
     sequences = rollouts.sequences
+
+    start = time.perf_counter()
+    own = [sequences[i] for i in mine]
     routing = StepRouting(policy) if settings.routing_replay else None
-    old = completion_logprobs(routing.old_logprobs(policy, sequences) if routing is not None
-                              else policy.logprobs({"tokens": sequences}), rollouts)
-    ref = (completion_logprobs(reference.logprobs(policy, {"tokens": sequences}), rollouts)
-           if reference is not None else [None] * len(sequences))
+    old_own = _completions(routing.old_logprobs(policy, own) if routing is not None
+                           else policy.logprobs({"tokens": own}), rollouts, mine)
+    ref_own = (_completions(reference.logprobs(policy, {"tokens": own}), rollouts, mine)
+               if reference is not None else [None] * len(mine))
     timings["logprobs_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
     metrics: list[dict] = []
     losses: list[float] = []
-    count = len(sequences)
     for _ in range(settings.iterations):
-        for first in range(0, count, settings.global_batch_size):
-            part = slice(first, first + settings.global_batch_size)
-            batch = {"tokens": sequences[part], "old": old[part], "advantage": list(advantages[part]),
-                     "inference": rollouts.inference_logprobs[part], "reference": ref[part],
-                     "weight": list(weights[part]), "prompt_length": [len(p) for p in rollouts.prompts[part]]}
+        for first in range(0, count, batch_size):
+            part = [i for i in range(first, min(first + batch_size, count)) if i in position]
+            batch = {"tokens": [sequences[i] for i in part], "old": [old_own[position[i]] for i in part],
+                     "advantage": [advantages[i] for i in part],
+                     "inference": [rollouts.inference_logprobs[i] for i in part],
+                     "reference": [ref_own[position[i]] for i in part], "weight": [weights[i] for i in part],
+                     "prompt_length": [len(rollouts.prompts[i]) for i in part]}
             # The optimizer batch's loss is the micro-batches' sum: token-mean divides by the whole
             # batch's tokens, the per-sequence means weigh each micro-batch by its share of sequences.
-            total_tokens = max(sum(len(o) * float(w) for o, w in zip(old[part], weights[part], strict=True)), 1)
-            total_sequences = len(batch["tokens"])
+            whole = range(first, min(first + batch_size, count))
+            total_tokens = max(sum(len(rollouts.completions[i]) * float(weights[i]) for i in whole), 1)
+            total_sequences = len(whole)
 
             def loss_fn(logprobs, micro, total_tokens=total_tokens, total_sequences=total_sequences):
                 current, mask = _padded([lp[n - 1:] for lp, n in zip(logprobs, micro["prompt_length"], strict=True)])
@@ -140,22 +165,27 @@ def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[in
                 losses.append(float(aggregate(terms.loss.detach(), mask, settings.aggregation,
                                               max_tokens=settings.max_tokens)))
                 if settings.aggregation == "token-mean":
-                    return aggregate(terms.loss, mask, total_tokens=total_tokens)
+                    return aggregate(terms.loss, mask, total_tokens=total_tokens) * ranks
                 share = len(micro["tokens"]) / total_sequences
-                return aggregate(terms.loss, mask, settings.aggregation, max_tokens=settings.max_tokens) * share
+                return aggregate(terms.loss, mask, settings.aggregation, max_tokens=settings.max_tokens) * share * ranks
 
-            with routing.replaying(range(count)[part]) if routing is not None else contextlib.nullcontext():
+            replay = routing.replaying([position[i] for i in part]) if routing is not None else contextlib.nullcontext()
+            with replay:
                 policy.forward_backward(batch, loss_fn)
             policy.optimizer_step()
     timings["update_s"] = time.perf_counter() - start
-    timings["refresh_s"] = 0.0  # the engine holds the trainer's parameter objects: nothing to copy
+    timings["refresh_s"] = engine.refresh()
 
     lengths = torch.tensor([len(c) for c in rollouts.completions], dtype=torch.float32)
     generated = sampled.generated_rewards
-    summary = {name: sum(m[name] for m in metrics) / len(metrics) for name in ("clip_fraction", "kl", "entropy")
-               if metrics and name in metrics[0] and metrics[0][name] is not None}
+    own_inference = [rollouts.inference_logprobs[i] for i in mine]
+    summary = _over_ranks(metrics, losses, own_inference, old_own)
     return {**timings, "rollout_tokens_per_s": sampled.tokens_per_second, "reward_mean": generated.mean().item(),
             "reward_std": generated.std().item() if len(generated) > 1 else 0.0,
             "response_length": lengths.mean().item(), "truncated_fraction": truncated.float().mean().item(),
-            "loss": sum(losses) / max(len(losses), 1), **summary, **sampled.log,
-            **logprob_gap(rollouts.inference_logprobs, old)}
+            **sampled.log, **summary}
+
+
+def _completions(sequence_logprobs: list[torch.Tensor], rollouts, indices: list[int]) -> list[torch.Tensor]:
+    """The completion part of the log-probabilities of sequences ``indices`` of ``rollouts``."""
+    return [lp[len(rollouts.prompts[i]) - 1:] for lp, i in zip(sequence_logprobs, indices, strict=True)]

@@ -18,8 +18,9 @@ schedule and checkpointer; no second training loop):
 * ``save(path)`` / ``load(path)``: mega checkpoints (model, optimizer, iteration, RNG), the ones
   ``mega train --load`` reads.
 
-One model-parallel rank per data-parallel replica for now: pipeline parallelism is refused
-(log-probabilities would live on the last stage only).
+Under pipeline parallelism the packed rows are padded to one length per call (stages send fixed
+shapes), the caller's loss runs on the last stage, and ``logprobs`` returns on every stage what
+the last one computed. Virtual pipeline stages are refused.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ from mega.train.run_config import derive
 from mega.train.run_parser import parse_run
 from mega.train.trainer import Trainer
 
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: an FSDP2 shard's local part (a DTensor's storage is there)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 # The caller's loss: per-sequence log-probabilities (a list of 1-D tensors, token t+1 given the
 # tokens up to t) and this micro-batch's slice of the caller's batch -> a scalar.
 LossFn = Callable[[list[torch.Tensor], dict], torch.Tensor]
@@ -50,8 +57,9 @@ class PolicyEngine:
     """A policy model, its optimizer and its checkpoints, driven by an outside loop."""
 
     def __init__(self, trainer: Trainer, tokenizer=None):
-        if trainer.groups.pp.size > 1 or len(trainer.chunks) != 1:
-            raise ValueError("PolicyEngine runs without pipeline parallelism for now (--pipeline-model-parallel-size 1)")
+        if len(trainer.chunks) != 1:
+            raise ValueError("PolicyEngine runs one model chunk per rank: no virtual pipeline stages (--num-layers-per-"
+                             "virtual-pipeline-stage) yet")
         self.trainer = trainer
         self.tokenizer = tokenizer  # the run's (--tokenizer-type), or None
         self.groups = trainer.groups
@@ -101,15 +109,43 @@ class PolicyEngine:
                                  f"{tuple(sequence.shape)}")
         size = self.trainer.run.training.micro_batch_size
         device = self.groups.device
+        row = self._row_length(sequences)
         for start in range(0, len(sequences), size):
-            part = sequences[start:start + size]
-            tokens = torch.cat(list(part)).to(device)
+            part = list(sequences[start:start + size])
+            if row is not None:  # pipeline stages send fixed shapes: the rest of the row is one more document
+                part.append(torch.zeros(row - sum(len(s) for s in part), dtype=sequences[0].dtype))
+            tokens = torch.cat(part).to(device)
             inputs = {
                 "tokens": tokens[None],
                 "position_ids": torch.cat([torch.arange(len(s)) for s in part]).to(device)[None],
                 "document_ids": torch.cat([torch.full((len(s),), i) for i, s in enumerate(part)]).to(device)[None],
             }
             yield inputs, {key: list(values[start:start + size]) for key, values in batch.items()}
+
+    def _row_length(self, sequences) -> int | None:
+        """Under pipeline parallelism, the length every packed row is padded to (the longest
+        micro-batch's, and one more token, rounded up to a multiple of the tensor group); None
+        without (rows are as long as their sequences)."""
+        if self.groups.pp.size == 1:
+            return None
+        size = self.trainer.run.training.micro_batch_size
+        longest = max(sum(len(s) for s in sequences[i:i + size]) for i in range(0, len(sequences), size)) + 1
+        return -(-longest // self.groups.tp.size) * self.groups.tp.size
+
+    def _schedule(self, micro: list, loss, forward_only: bool) -> None:
+        """``micro`` (``_micro_batches``' pairs) through the trainer's pipeline schedule; ``loss``
+        runs on the last stage with the model's outputs and the pair."""
+        trainer = self.trainer
+        row = micro[0][0]["tokens"].shape[1]
+        config = dataclasses.replace(trainer.run.model, seq_length=row)
+
+        def boundary(index: int) -> dict:  # one packed row of ``row`` tokens crosses
+            return trainer.family.boundary(config, trainer.all_stages[index], 1, trainer.run.parallel, trainer.dtype)
+
+        data = ((inputs, (inputs, caller)) for inputs, caller in micro)
+        forward_backward(trainer.chunks, data, len(micro), loss, self.groups, boundary=boundary,
+                         reads_batch=[True] * len(trainer.chunks), grad_sync=None if forward_only else trainer.chunks,
+                         forward_only=forward_only, schedule=trainer.run.pipeline.pipeline_schedule)
 
     def _sequence_logprobs(self, outputs: Mapping, inputs: Mapping, lengths: list[int]) -> list[torch.Tensor]:
         if "logits" not in outputs:
@@ -143,9 +179,7 @@ class PolicyEngine:
             losses.append(float(value.detach()))
             return value * scale
 
-        data = ((inputs, (inputs, caller)) for inputs, caller in micro)
-        forward_backward(self.trainer.chunks, data, count, loss, self.groups, grad_sync=self.trainer.chunks,
-                         schedule=self.trainer.run.pipeline.pipeline_schedule)
+        self._schedule(micro, loss, forward_only=False)
         return losses
 
     def optimizer_step(self) -> dict:
@@ -174,12 +208,24 @@ class PolicyEngine:
         self.chunk.eval()
         result = []
         try:
-            for inputs, caller in self._micro_batches(batch):
-                outputs = self.model(inputs)
+            if self.groups.pp.size == 1:
+                for inputs, caller in self._micro_batches(batch):
+                    outputs = self.model(inputs)
+                    result.extend(self._sequence_logprobs(outputs, inputs, [len(s) for s in caller["tokens"]]))
+                return result
+
+            def keep(outputs, targets):  # on the last stage
+                inputs, caller = targets
                 result.extend(self._sequence_logprobs(outputs, inputs, [len(s) for s in caller["tokens"]]))
+                return outputs["logits"].new_zeros(())
+
+            self._schedule(list(self._micro_batches(batch)), keep, forward_only=True)
+            # Every stage returns them: the last one has them.
+            holder = [[t.cpu() for t in result] if self.groups.pp.is_last else None]
+            dist.broadcast_object_list(holder, src=self.groups.pp.ranks[-1], group=self.groups.pp.group)
+            return [t.to(self.groups.device) for t in holder[0]]
         finally:
             self.chunk.train()
-        return result
 
     @torch.no_grad()
     def named_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -198,34 +244,39 @@ class PolicyEngine:
             yield from zip(tensor_map.other, tensor_map.from_mega(*tensors), strict=True)
 
     # -- memory ------------------------------------------------------------------------------
-    def _storages(self) -> list[torch.Tensor]:
-        """One tensor per distinct storage of parameters, gradient buffers and optimizer state."""
+    def _storages(self, parameters: bool = True) -> list[torch.Tensor]:
+        """One tensor per distinct storage of parameters (unless ``parameters`` is false),
+        gradient buffers and optimizer state (fp32 main parameters and moments)."""
         optimizer = self.trainer.optimizer
-        tensors = list(self.chunk.parameters())
+        params = list(self.chunk.parameters())
+        tensors = list(params) if parameters else []
         for buffer in getattr(self.chunk, "grad_buffers", []):
-            tensors += [t for t in (buffer.grad_data, buffer.param_data) if t is not None]
+            tensors += [t for t in (buffer.grad_data, buffer.param_data if parameters else None) if t is not None]
         tensors += [entry.main for entry in getattr(optimizer, "main_params", [])]
         inner = getattr(optimizer, "optimizer", optimizer)
         for state in inner.state.values():
             tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
-        tensors += [p.grad for p in self.chunk.parameters() if p.grad is not None]
-        seen, unique = set(), []
+        tensors += [p.grad for p in params if p.grad is not None]
+        # A parameter that is its own main parameter (FSDP's shards) stays with the parameters.
+        seen = set() if parameters else {_local(p).untyped_storage().data_ptr() for p in params}
+        unique = []
         for tensor in tensors:
-            storage = tensor.untyped_storage()
+            storage = _local(tensor).untyped_storage()
             if storage.data_ptr() in seen or storage.nbytes() == 0:
                 continue
             seen.add(storage.data_ptr())
             unique.append(tensor)
         return unique
 
-    def offload(self) -> None:
-        """Move parameters, gradient buffers and optimizer state into host memory, freeing their
-        device storage (refilled in place by :meth:`onload`)."""
+    def offload(self, parameters: bool = True) -> None:
+        """Move parameters (unless ``parameters`` is false: the optimizer state and gradient
+        buffers alone, ``--rl-offload-optimizer-during-inference``), gradient buffers and optimizer
+        state into host memory, freeing their device storage (refilled in place by :meth:`onload`)."""
         if self._host is not None:
             raise RuntimeError("offload() twice without onload()")
         self._host = []
-        for tensor in self._storages():
-            storage = tensor.untyped_storage()
+        for tensor in self._storages(parameters):
+            storage = _local(tensor).untyped_storage()
             copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu",
                                pin_memory=torch.cuda.is_available() and storage.device.type == "cuda")
             copy.untyped_storage().copy_(storage)
