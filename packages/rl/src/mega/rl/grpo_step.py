@@ -189,3 +189,25 @@ def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[in
 def _completions(sequence_logprobs: list[torch.Tensor], rollouts, indices: list[int]) -> list[torch.Tensor]:
     """The completion part of the log-probabilities of sequences ``indices`` of ``rollouts``."""
     return [lp[len(rollouts.prompts[i]) - 1:] for lp, i in zip(sequence_logprobs, indices, strict=True)]
+
+
+def _over_ranks(metrics: list[dict], losses: list[float], inference: list[torch.Tensor],
+                old: list[torch.Tensor]) -> dict:
+    """The loss metrics (held where the loss is computed: the last pipeline stage of each
+    data-parallel rank) and the engine-vs-trainer gap, over every rank of the job."""
+    names = ("clip_fraction", "kl", "entropy")
+    gap, tokens = logprob_gap(inference, old), sum(len(lp) for lp in old)
+    mine = {"metrics": [{n: m[n] for n in names if m.get(n) is not None} for m in metrics], "losses": losses,
+            "gap": (gap["logprob_gap_mean"] * tokens, gap["logprob_gap_max"], tokens)}
+    every = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    metrics = [m for rank in every for m in rank["metrics"]]
+    losses = [loss for rank in every for loss in rank["losses"]]
+    summary = {name: sum(m[name] for m in metrics) / len(metrics) for name in names
+               if metrics and all(name in m for m in metrics)}
+    total, largest, tokens = (sum(r["gap"][0] for r in every), max(r["gap"][1] for r in every),
+                              sum(r["gap"][2] for r in every))
+    return {"loss": sum(losses) / max(len(losses), 1), **summary,
+            "logprob_gap_mean": total / tokens if tokens else 0.0, "logprob_gap_max": largest}
