@@ -289,3 +289,23 @@ def test_grpo_update_at_layout_equals_one_process(worlds, one_process, layout):
             assert list(result["hf"]) == list(expected["hf"])
             for name, want in expected["hf"].items():
                 assert torch.equal(result["hf"][name], want), f"{layout} rank {rank}: {name}"
+
+
+def _uneven_expert_shares(argv: list[str]) -> str:
+    """Rank 0 passes three sequences (two micro-batches), rank 1 one (one): the error, on each rank."""
+    policy = PolicyEngine.from_args(argv)
+    batch = rollouts()
+    picked = [0, 1, 2] if policy.groups.dp.rank == 0 else [3]
+    try:
+        policy.logprobs({key: [values[i] for i in picked] for key, values in batch.items()})
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_uneven_shares_under_expert_parallelism_are_named(worlds):
+    model, flags = LAYOUTS["ep2-mixtral"]
+    messages = worlds.run(2, _uneven_expert_shares, [*model, *flags])
+    assert messages == ["under expert parallelism every data-parallel rank passes as many micro-batches (of "
+                        f"--micro-batch-size sequences): this rank has {mine}, another {other}"
+                        for mine, other in ((2, 1), (1, 2))]
