@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mega.core.checkpoint.state import named_parameters
 from mega.core.parallel.collectives import gather_along
 from mega.core.parallel.groups import ParallelGroups
 from mega.core.parallel.layers import gather_shards
@@ -42,6 +41,10 @@ class FullTensors:
     """The full tensors of a rank's model chunks by canonical name (a collective per name)."""
 
     def __init__(self, chunks: list[nn.Module], groups: ParallelGroups, vocab_size: int):
+        # Start-up cost: the checkpoint's module imports torch.distributed.checkpoint (a third of a
+        # second); an engine that never gathers does not pay it.
+        from mega.core.checkpoint.state import named_parameters
+
         self.groups, self.vocab_size = groups, vocab_size
         self.params, _ = named_parameters(chunks)  # (FSDP units must be resharded: see reshard_units)
         held = {name: (self._full_shape(param), param.dtype) for name, param in self.params.items()}
