@@ -24,8 +24,9 @@ Every rank of the job makes the same calls in the same order (they are collectiv
   micro-batches run through the run's pipeline schedule (``--pipeline-schedule``), the caller's
   loss on the last stage, where the logits are; ``logprobs`` and the losses ``forward_backward``
   returns are broadcast from there, so every rank sees the same answer. Log-probabilities come
-  from the vocabulary-parallel cross-entropy; under sequence parallelism each row is padded to a
-  multiple of tp (padding is a document of its own at the row's end: no sequence sees it).
+  from the vocabulary-parallel cross-entropy. Under pipeline parallelism the rows of a call are
+  padded to one length, under sequence parallelism to a multiple of tp (the padding is a
+  document of its own at the row's end: no sequence sees it).
 * Data parallelism (DDP, the distributed optimizer, FSDP2; experts under expert parallelism):
   each data-parallel rank passes its OWN share of the batch, as verl's engines and NeMo-RL's
   policy workers receive theirs from their controller. The gradient is the mean over the
@@ -111,9 +112,9 @@ class PolicyEngine:
     def _micro_batches(self, batch: Mapping) -> list[tuple[dict, dict]]:
         """``batch["tokens"]``: a list of 1-D token tensors; every other key a list of the same
         length (one entry per sequence). (model inputs, the caller's slice) per micro-batch of
-        ``--micro-batch-size`` sequences packed into one row, every row of the call padded to one
-        length (:meth:`_row_length`); the padding is a document of its own at the row's end, so
-        no sequence sees it."""
+        ``--micro-batch-size`` sequences packed into one row, padded where the layout needs it
+        (:meth:`_row_lengths`); the padding is a document of its own at the row's end, so no
+        sequence sees it."""
         sequences = batch["tokens"]
         for key, values in batch.items():
             if len(values) != len(sequences):
@@ -124,10 +125,10 @@ class PolicyEngine:
                                  f"{tuple(sequence.shape)}")
         size = self.trainer.run.training.micro_batch_size
         parts = [range(start, min(start + size, len(sequences))) for start in range(0, len(sequences), size)]
-        length = self._row_length(parts, [sum(len(sequences[i]) for i in part) for part in parts])
+        lengths = self._row_lengths([sum(len(sequences[i]) for i in part) for part in parts])
         device = self.groups.device
         micro = []
-        for part in parts:
+        for part, length in zip(parts, lengths, strict=True):
             pieces = [sequences[i] for i in part]
             pad = length - sum(len(s) for s in pieces)
             inputs = {
@@ -140,24 +141,28 @@ class PolicyEngine:
             micro.append((inputs, {key: [values[i] for i in part] for key, values in batch.items()}))
         return micro
 
-    def _row_length(self, parts: list, lengths: list[int]) -> int:
-        """One row length for every micro-batch of a call: the pipeline's boundary has one shape,
-        sequence parallelism splits the row over the tensor group (a multiple of tp), and the
-        experts' token exchange runs once per micro-batch on every expert-parallel peer, with
-        rows of one length (the allgather dispatcher), so those peers agree on both."""
-        length = max(lengths, default=0)
-        if self.trainer.run.parallel.sequence_parallel:
-            length = -(-length // self.groups.tp.size) * self.groups.tp.size
+    def _row_lengths(self, lengths: list[int]) -> list[int]:
+        """Each micro-batch's row length, padded where the layout needs it: one length for all
+        under pipeline parallelism (the boundary between stages has one shape) and under expert
+        parallelism (the experts' token exchange runs every micro-batch on every expert-parallel
+        peer, with rows of one length: the allgather dispatcher), agreed with those peers; a
+        multiple of tp under sequence parallelism (the row is split over the tensor group)."""
         ep = self.groups.ep
-        if ep.size > 1:
-            agreed = torch.tensor([length, len(parts), -len(parts)], device=self.groups.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ep.group)
-            if agreed[1] != -agreed[2]:
-                raise ValueError(f"under expert parallelism every data-parallel rank passes as many micro-batches "
-                                 f"(of --micro-batch-size sequences): this rank has {len(parts)}, another "
-                                 f"{int(agreed[1]) if agreed[1] != len(parts) else int(-agreed[2])}")
-            length = int(agreed[0])
-        return length
+        if self.groups.pp.size > 1 or ep.size > 1:
+            common = max(lengths, default=0)
+            if ep.size > 1:
+                agreed = torch.tensor([common, len(lengths), -len(lengths)], device=self.groups.device)
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ep.group)
+                if agreed[1] != -agreed[2]:
+                    other = int(agreed[1]) if agreed[1] != len(lengths) else int(-agreed[2])
+                    raise ValueError(f"under expert parallelism every data-parallel rank passes as many micro-batches "
+                                     f"(of --micro-batch-size sequences): this rank has {len(lengths)}, another {other}")
+                common = int(agreed[0])
+            lengths = [common] * len(lengths)
+        if self.trainer.run.parallel.sequence_parallel:
+            tp = self.groups.tp.size
+            lengths = [-(-length // tp) * tp for length in lengths]
+        return lengths
 
     def _boundary(self, length: int):
         """What crosses between pipeline stages for rows of ``length`` tokens (the family says)."""
