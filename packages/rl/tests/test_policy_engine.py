@@ -1,8 +1,8 @@
 """The orchestrator API (``mega.rl.policy_engine.PolicyEngine``) driven by a loss written here.
 
 CPU: one process, and one 2-rank gloo world (the rank forkserver of mega.testing) for every
-layout (pinned: the engine builds on the CPU when no accelerator is asked for, and these tests
-move nothing to one). The log-probabilities and the weights are checked against
+layout (pinned: ``cpu_only`` hides CUDA from the one-process engines, and gloo ranks build on
+the CPU). The log-probabilities and the weights are checked against
 ``transformers``' LlamaForCausalLM loaded from ``named_hf_tensors()``; the gradient against
 autograd on the same loss computed sequence by sequence.
 
@@ -34,6 +34,15 @@ ARGV = ["--model-family", "llama", "--num-layers", "2", "--hidden-size", "32", "
         "--num-query-groups", "2", "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "128",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2", "--eval-iters", "0", "--seed", "5",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "10"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_only():
+    """One-process engines build on the CPU, as the gloo ranks do, on a GPU machine too (a lone
+    process takes CUDA where torch has it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        yield
 
 
 def batch_of(seed: int = 0) -> dict:
