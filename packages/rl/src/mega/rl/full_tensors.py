@@ -40,13 +40,14 @@ from mega.core.parallel.pieces import TensorParallelSplit
 class FullTensors:
     """The full tensors of a rank's model chunks by canonical name (a collective per name)."""
 
-    def __init__(self, chunks: list[nn.Module], groups: ParallelGroups, vocab_size: int):
+    def __init__(self, chunks: list[nn.Module], groups: ParallelGroups, vocab_size: int, optimizer=None):
         # Start-up cost: the checkpoint's module imports torch.distributed.checkpoint (a third of a
         # second); an engine that never gathers does not pay it.
-        from mega.core.checkpoint.state import named_parameters
+        from mega.core.checkpoint.state import named_parameters, settle
 
+        settle(chunks, optimizer)  # parameter all-gathers finished, FSDP units resharded: the parameters by name
         self.groups, self.vocab_size = groups, vocab_size
-        self.params, _ = named_parameters(chunks)  # (FSDP units must be resharded: see reshard_units)
+        self.params, _ = named_parameters(chunks)
         held = {name: (self._full_shape(param), param.dtype) for name, param in self.params.items()}
         by_stage = [held]
         if groups.pp.size > 1:
@@ -99,18 +100,9 @@ class FullTensors:
         return tensor
 
 
-def reshard_units(chunks: list[nn.Module]) -> None:
-    """FSDP2 units a forward without backward left gathered hold plain tensors in place of their
-    sharded parameters: register the shards again before reading parameters by name."""
-    for chunk in chunks:
-        if hasattr(chunk, "reshard"):
-            chunk.reshard()
-
-
 def full_named_tensors(trainer) -> Iterator[tuple[str, torch.Tensor]]:
     """(mega name, full tensor) for every parameter of ``trainer``'s model (a
     :class:`mega.train.trainer.Trainer`), in pipeline order, the same on every rank."""
-    reshard_units(trainer.chunks)
-    tensors = FullTensors(trainer.chunks, trainer.groups, trainer.run.model.vocab_size)
+    tensors = FullTensors(trainer.chunks, trainer.groups, trainer.run.model.vocab_size, trainer.optimizer)
     for name in tensors.names:
         yield name, tensors[name]

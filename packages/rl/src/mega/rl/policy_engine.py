@@ -54,7 +54,7 @@ from mega.core.parallel import ParallelGroups
 from mega.core.parallel.output_layer_loss import output_layer_cross_entropy
 from mega.core.pipeline.schedules import forward_backward
 from mega.core.plugins import get_plugins
-from mega.rl.full_tensors import FullTensors, reshard_units
+from mega.rl.full_tensors import FullTensors
 from mega.train.data_setup import run_tokenizer
 from mega.train.run_config import derive
 from mega.train.run_parser import parse_run
@@ -287,7 +287,11 @@ class PolicyEngine:
         try:
             self._run(micro, collect, forward_only=True)
         finally:
-            reshard_units(chunks)  # (FSDP2 units a forward alone left gathered)
+            # FSDP2 units a forward alone leaves gathered (those that do not reshard after forward)
+            # would hold the whole weights until the next forward. (Start-up cost: imported here.)
+            from mega.core.checkpoint.state import settle
+
+            settle(chunks, None)
             for chunk in chunks:
                 chunk.train()
         sizes = [len(s) - 1 for s in batch["tokens"]]
@@ -302,8 +306,7 @@ class PolicyEngine:
         family, config = self.trainer.family, self.trainer.run.model
         if family.hf_mapping is None:
             raise ValueError(f"model family {family.name!r} has no Hugging Face mapping")
-        reshard_units(self.trainer.chunks)
-        full = FullTensors(self.trainer.chunks, self.groups, config.vocab_size)
+        full = FullTensors(self.trainer.chunks, self.groups, config.vocab_size, self.trainer.optimizer)
         for tensor_map in family.hf_mapping.tensor_maps(config):
             tensors = [full[name] for name in tensor_map.mega]
             yield from zip(tensor_map.other, tensor_map.from_mega(*tensors), strict=True)
