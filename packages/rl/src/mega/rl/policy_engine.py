@@ -36,6 +36,7 @@ Every rank of the job makes the same calls in the same order (they are collectiv
   divides its share's sum by ``data_parallel_sum(share's token count)`` and multiplies by
   ``data_parallel_size``. Under expert parallelism the ranks' shares make as many micro-batches
   (their experts exchange tokens every micro-batch; rows are padded to one length across them).
+  The MoE auxiliary losses are not added to the caller's loss.
 * Context parallelism is refused for now.
 """
 
