@@ -162,6 +162,8 @@ def test_bad_batch_is_named(engine):
     batch["weights"] = batch["weights"][:2]
     with pytest.raises(ValueError, match="batch\\['weights'\\] has 2 entries for 5 sequences"):
         engine.forward_backward(batch, weighted_loss)
+    with pytest.raises(ValueError, match="the batch has no sequences"):
+        engine.logprobs({"tokens": []})
 
 
 def _dp_rank_step(argv: list[str], seed: int) -> dict:

@@ -117,6 +117,8 @@ class PolicyEngine:
         (:meth:`_row_lengths`); the padding is a document of its own at the row's end, so no
         sequence sees it."""
         sequences = batch["tokens"]
+        if len(sequences) == 0:
+            raise ValueError("the batch has no sequences (batch['tokens'] is empty): every rank passes at least one")
         for key, values in batch.items():
             if len(values) != len(sequences):
                 raise ValueError(f"batch[{key!r}] has {len(values)} entries for {len(sequences)} sequences")
