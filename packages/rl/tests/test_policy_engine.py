@@ -166,6 +166,12 @@ def test_bad_batch_is_named(engine):
         engine.logprobs({"tokens": []})
 
 
+def test_named_hf_tensors_refuses_lora_adapters():
+    policy = PolicyEngine.from_args(ARGV + ["--lora-rank", "4"])
+    with pytest.raises(ValueError, match="the model has LoRA adapters .*merging them into the weights is not done"):
+        next(policy.named_hf_tensors())
+
+
 def _dp_rank_step(argv: list[str], seed: int) -> dict:
     """On each rank of a gloo world: this rank's half of the batch, one forward-backward and step."""
     import torch.distributed as dist

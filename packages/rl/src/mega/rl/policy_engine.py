@@ -53,6 +53,7 @@ from mega.core.checkpoint.saved_model import saved_model
 from mega.core.datasets import TrainingData
 from mega.core.parallel import ParallelGroups
 from mega.core.parallel.output_layer_loss import output_layer_cross_entropy
+from mega.core.parallel.param_attrs import is_checkpoint_optional
 from mega.core.pipeline.schedules import forward_backward
 from mega.core.plugins import get_plugins
 from mega.rl.full_tensors import FullTensors
@@ -310,6 +311,10 @@ class PolicyEngine:
         if family.hf_mapping is None:
             raise ValueError(f"model family {family.name!r} has no Hugging Face mapping")
         full = FullTensors(self.trainer.chunks, self.groups, config.vocab_size, self.trainer.optimizer)
+        adapters = [name for name, param in full.params.items() if is_checkpoint_optional(param)]
+        if adapters:  # the base weights alone are not the policy
+            raise ValueError(f"named_hf_tensors: the model has LoRA adapters ({adapters[0]}, ...), which its Hugging "
+                             "Face names do not hold; merging them into the weights is not done yet")
         for tensor_map in family.hf_mapping.tensor_maps(config):
             tensors = [full[name] for name in tensor_map.mega]
             yield from zip(tensor_map.other, tensor_map.from_mega(*tensors), strict=True)
