@@ -77,7 +77,7 @@ class PolicyEngine:
         self.tokenizer = tokenizer  # the run's (--tokenizer-type), or None
         self.groups = trainer.groups
         self.chunk = trainer.chunks[0]
-        self.model = self.chunk.module  # the language model inside its data-parallel wrapper
+        self.model = self.chunk.module  # this rank's (first) stage inside its data-parallel wrapper
         # The chunk that holds the last stage (on the last pipeline rank) computes the loss.
         last = [chunk for chunk, stage in zip(trainer.chunks, trainer.stages, strict=True) if stage.is_last]
         self.loss_model = last[0].module if last else None
