@@ -11,7 +11,6 @@ first step's (a stale engine would fail).
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from mega.rl.grpo_step import GRPOSettings, grpo_step
@@ -170,16 +169,3 @@ def test_an_engine_size_that_does_not_divide_the_world_is_named(tmp_path, capsys
             "--rl-inference-tensor-model-parallel-size", "2"]
     assert main(argv) == 2
     assert "--rl-inference-tensor-model-parallel-size 2 does not divide the 1 ranks" in capsys.readouterr().err
-
-
-def test_each_distinct_piece_has_one_writer_and_the_pieces_must_tile():
-    from mega.rl.weight_sync import writers
-
-    top, bottom = ((0, 0), (2, 3)), ((2, 0), (2, 3))
-    shape = ((4, 3), torch.float32)
-    _, owners = writers([{"w": (*shape, [top])}, {"w": (*shape, [bottom])}, {"w": (*shape, [top])}])
-    assert owners == {"w": {top: 0, bottom: 1}}  # rank 2's copy of the top rows is not written again
-    with pytest.raises(ValueError, match="do not tile"):
-        writers([{"w": (*shape, [top])}, {"w": (*shape, [top])}])  # the bottom rows: nobody's
-    with pytest.raises(ValueError, match="do not tile"):
-        writers([{"w": (*shape, [top])}, {"w": (*shape, [((1, 0), (3, 3))])}])  # overlapping pieces

@@ -234,6 +234,6 @@ def build_rollout_engine(policy, tensor_parallel_size: int | None = None, tokeni
         raise ValueError(f"--rl-inference-tensor-model-parallel-size {size} does not divide the {world} ranks")
     engine_groups = ParallelGroups(ParallelConfig(tp=size))
     model = build_model(trainer.family, config, engine_groups, groups.device, trainer.dtype)
-    sync = WeightSync(trainer.chunks, groups, model, engine_groups, trainer.optimizer)
+    sync = WeightSync(trainer.chunks, groups, model, engine_groups, config.vocab_size, trainer.optimizer)
     sync.refresh()
     return RolloutEngine(model, tp_group=engine_groups.tp, replicas=engine_groups.dp, weight_sync=sync, **limits)
