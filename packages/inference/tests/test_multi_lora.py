@@ -32,8 +32,9 @@ from mega.core.plugins import get_plugins  # noqa: E402
 from mega.inference.cli.lora_serving import _layer_shapes  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
 from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
-from mega.inference.engine.lora_registry import AdapterRegistry  # noqa: E402
+from mega.inference.engine.lora_registry import AdapterError, AdapterRegistry, UnknownAdapter  # noqa: E402
 from mega.inference.engine.prefix_cache import prefix_keys  # noqa: E402
+from mega.inference.engine.speculative import NgramProposer, Speculator  # noqa: E402
 from mega.models.lora.adapter_files import read_adapter  # noqa: E402
 from mega.models.lora.multi import apply_multi_lora  # noqa: E402
 
@@ -98,8 +99,14 @@ def test_the_adapters_change_the_tokens(tiny, expected):
         assert others == {False}, f"{model}'s tokens for {prompt} are another model's too"
 
 
-@pytest.mark.parametrize("static_cache", [False, True], ids=["paged", "static"])
-def test_a_mixed_batch_gives_each_request_its_adapters_tokens(tiny, expected, static_cache):
+LOOPS = {  # the loop's ways to run a batch: each must take every row's adapter
+    "paged": {}, "static": {"static_cache": True}, "chunked": {"max_num_batched_tokens": 8},
+    "ngram": {"speculator": "ngram"},
+}
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_a_mixed_batch_gives_each_request_its_adapters_tokens(tiny, expected, loop):
     _, directories, references = tiny
     family = get_plugins().models.get("llama")
     model, config = mega_from_hf(references["base"], "llama")
@@ -113,8 +120,11 @@ def test_a_mixed_batch_gives_each_request_its_adapters_tokens(tiny, expected, st
     requests = [GenerationRequest(prompt=prompt, max_new_tokens=NEW_TOKENS,
                                   adapter=None if name == "base" else registry.acquire(name))
                 for name, prompt in zip(MODELS, PROMPTS, strict=True)]
+    options = dict(LOOPS[loop])
+    if options.get("speculator"):  # the verify forward takes every row's adapter too
+        options["speculator"] = Speculator(NgramProposer(3, 1), 3)
     worker = ContinuousBatchingWorker(engine, max_batch_size=len(requests), max_num_tokens=len(requests) * 64,
-                                      static_cache=static_cache)
+                                      **options)
     results = worker.run_to_completion(requests)  # all six admitted at the first step: one mixed batch
     for model_name, result, tokens in zip(MODELS, results, expected, strict=True):
         assert result.generated == tokens, model_name
@@ -124,6 +134,45 @@ def test_prefix_keys_depend_on_the_adapter():
     prompt = list(range(40))
     assert prefix_keys(prompt, 16) == prefix_keys(prompt, 16, b"")
     assert not set(prefix_keys(prompt, 16)) & set(prefix_keys(prompt, 16, b"lora:1:"))
+
+
+class RecordedSlots:
+    """The stacks' stand-in: which slot got which weights."""
+
+    max_loras = 2
+
+    def __init__(self):
+        self.written = {}
+
+    def write(self, slot, weights):
+        if weights == "bad":
+            raise ValueError("not an adapter")
+        self.written[slot] = weights
+
+
+def test_an_adapter_held_by_running_requests_keeps_its_slot_until_they_end():
+    registry = AdapterRegistry(RecordedSlots(), read=lambda path: path, allow_runtime_updates=True)
+    first = registry.load("a", "weights-a")
+    held = registry.acquire("a")
+    assert registry.unload("a") is True  # held: gone for new requests, its slot kept
+    with pytest.raises(UnknownAdapter):
+        registry.acquire("a")
+    assert registry.load("b", "weights-b").slot != first.slot
+    with pytest.raises(AdapterError, match="--max-loras"):
+        registry.load("c", "weights-c")
+    registry.release(held)  # the last holder answered: the slot is free
+    with pytest.raises(AdapterError, match="lora_path bad: not an adapter"):
+        registry.load("d", "bad")
+    assert registry.load("c", "weights-c").slot == first.slot  # the failed load gave the slot back
+    assert registry.unload("c") is False
+    old_b = registry.acquire("b")
+    replaced = registry.load("b", "weights-b2", replace=True)  # a new slot; the old one's requests finish on it
+    assert replaced.slot == first.slot and replaced.salt != old_b.salt
+    assert [(a.name, a.path) for a in registry.adapters] == [("b", "weights-b2")]
+    with pytest.raises(AdapterError, match="--max-loras"):  # the old b's slot stays taken while held
+        registry.load("e", "weights-e")
+    registry.release(old_b)
+    assert registry.load("e", "weights-e").slot == old_b.slot
 
 
 def completion_tokens(choice_text: str) -> list[int]:
@@ -185,6 +234,9 @@ def test_serving_adapters_by_model(tiny, expected):
                                                                      "lora_path": str(directories["alpha"])})
             assert answer.status_code == 200, answer.text
             assert await complete("delta", PROMPTS[1]) == expected[1]
+            stream = await client.completions.create(model="beta", prompt=PROMPTS[2], max_tokens=NEW_TOKENS,
+                                                     temperature=0, stream=True)
+            assert completion_tokens("".join([chunk.choices[0].text async for chunk in stream])) == expected[2]
 
             # a prompt cached under the base is not reused under an adapter (nor the reverse)
             long_prompt = [(7 * i) % (VOCAB - 1) for i in range(40)]

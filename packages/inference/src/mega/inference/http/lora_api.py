@@ -26,8 +26,8 @@ class LoadAdapterRequest(BaseModel):
     lora_name: str = Field(min_length=1, description="the name requests give as model")
     lora_path: str = Field(min_length=1, description="a mega LoRA checkpoint or a PEFT adapter directory, on the "
                            "server's disk")
-    load_inplace: Flag = Field(False, description="replace the adapter of that name (its running requests finish "
-                               "on the old one)")
+    load_inplace: Flag = Field(False, description="replace the adapter of that name (the new weights take a free "
+                               "slot; its running requests finish on the old one)")
 
 
 class UnloadAdapterRequest(BaseModel):
