@@ -32,7 +32,12 @@ from mega.core.plugins import get_plugins  # noqa: E402
 from mega.inference.cli.lora_serving import _layer_shapes  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
 from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
-from mega.inference.engine.lora_registry import AdapterError, AdapterRegistry, UnknownAdapter  # noqa: E402
+from mega.inference.engine.lora_registry import (  # noqa: E402
+    AdapterError,
+    AdapterRegistry,
+    ServedAdapter,
+    UnknownAdapter,
+)
 from mega.inference.engine.prefix_cache import prefix_keys  # noqa: E402
 from mega.inference.engine.speculative import NgramProposer, Speculator  # noqa: E402
 from mega.models.lora.adapter_files import read_adapter  # noqa: E402
@@ -123,11 +128,41 @@ def test_a_mixed_batch_gives_each_request_its_adapters_tokens(tiny, expected, lo
     options = dict(LOOPS[loop])
     if options.get("speculator"):  # the verify forward takes every row's adapter too
         options["speculator"] = Speculator(NgramProposer(3, 1), 3)
-    worker = ContinuousBatchingWorker(engine, max_batch_size=len(requests), max_num_tokens=len(requests) * 64,
-                                      **options)
-    results = worker.run_to_completion(requests)  # all six admitted at the first step: one mixed batch
+    results = engine_results(engine, requests, **options)
     for model_name, result, tokens in zip(MODELS, results, expected, strict=True):
         assert result.generated == tokens, model_name
+
+
+def test_a_gpt2_peft_adapter_with_transposed_weights(tmp_path):
+    """GPT-2's Conv1D layers hold their weights transposed (PEFT's fan_in_fan_out): its adapter's
+    B goes through the same tensor map back to mega's rows."""
+    torch.manual_seed(3)
+    made = peft.get_peft_model(hf_tiny("gpt2"), peft.LoraConfig(
+        init_lora_weights=False, r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True))
+    with torch.no_grad():
+        for parameter_name, parameter in made.named_parameters():
+            if "lora_B" in parameter_name:
+                parameter.mul_(4.0)
+    made.save_pretrained(tmp_path)
+    reference, base = made.merge_and_unload().eval(), hf_tiny("gpt2")
+    model, config = mega_from_hf(base, "gpt")
+    shapes = _layer_shapes(model)
+    lora = apply_multi_lora(model, max_loras=1, max_rank=4)
+    lora.write(1, read_adapter(tmp_path, get_plugins().models.get("gpt"), config, shapes, None, "base"))
+    engine = GenerationEngine(model, vocab_size=VOCAB, max_positions=64)
+    engine.lora = lora
+    adapter = ServedAdapter("a", str(tmp_path), slot=1, salt=b"a")
+    requests = [GenerationRequest(prompt=prompt, max_new_tokens=NEW_TOKENS, adapter=served)
+                for prompt in PROMPTS[:2] for served in (adapter, None)]
+    results = engine_results(engine, requests)
+    assert any(a.generated != b.generated for a, b in zip(results[::2], results[1::2], strict=True))
+    assert [r.generated for r in results] == [hf_greedy(reference if r.adapter else base, r.prompt) for r in requests]
+
+
+def engine_results(engine, requests, **options):
+    worker = ContinuousBatchingWorker(engine, max_batch_size=len(requests), max_num_tokens=len(requests) * 64,
+                                      **options)
+    return worker.run_to_completion(requests)  # all admitted at the first step: one mixed batch
 
 
 def test_prefix_keys_depend_on_the_adapter():

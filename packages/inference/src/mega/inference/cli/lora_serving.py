@@ -65,10 +65,13 @@ def serve_adapters(args: argparse.Namespace, engine, loaded, groups):
     from mega.core.checkpoint import CheckpointError, checkpoint_and_metadata
     from mega.core.checkpoint.adapter_record import weights_fingerprint
     from mega.core.plugins import get_plugins
+    from mega.inference.engine.encoder_decoder import is_encoder_decoder
     from mega.inference.engine.lora_registry import AdapterRegistry
     from mega.models.lora.adapter_files import read_adapter
     from mega.models.lora.multi import apply_multi_lora
 
+    if is_encoder_decoder(engine.model):
+        raise ValueError("--lora-modules serves decoder-only models (not an encoder-decoder's batches)")
     if getattr(args, "adapter", None):
         raise ValueError("--adapter merges one adapter into the served weights, --lora-modules serves adapters of the "
                          "base beside it: give one of them")
