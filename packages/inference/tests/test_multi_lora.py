@@ -29,7 +29,6 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from mega.core.plugins import get_plugins  # noqa: E402
-from mega.inference.cli.lora_serving import _layer_shapes  # noqa: E402
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
 from mega.inference.engine.continuous import ContinuousBatchingWorker  # noqa: E402
 from mega.inference.engine.lora_registry import (  # noqa: E402
@@ -41,7 +40,7 @@ from mega.inference.engine.lora_registry import (  # noqa: E402
 from mega.inference.engine.prefix_cache import prefix_keys  # noqa: E402
 from mega.inference.engine.speculative import NgramProposer, Speculator  # noqa: E402
 from mega.models.lora.adapter_files import read_adapter  # noqa: E402
-from mega.models.lora.multi import apply_multi_lora  # noqa: E402
+from mega.models.lora.multi import adaptable_weight_shapes, apply_multi_lora  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("on_cpu")
 EOS = VOCAB - 1
@@ -115,7 +114,7 @@ def test_a_mixed_batch_gives_each_request_its_adapters_tokens(tiny, expected, lo
     _, directories, references = tiny
     family = get_plugins().models.get("llama")
     model, config = mega_from_hf(references["base"], "llama")
-    shapes = _layer_shapes(model)
+    shapes = adaptable_weight_shapes(model)
     lora = apply_multi_lora(model, max_loras=2, max_rank=24)
     registry = AdapterRegistry(lora, lambda path: read_adapter(path, family, config, shapes, None, "base"))
     for name, path in directories.items():
@@ -146,7 +145,7 @@ def test_a_gpt2_peft_adapter_with_transposed_weights(tmp_path):
     made.save_pretrained(tmp_path)
     reference, base = made.merge_and_unload().eval(), hf_tiny("gpt2")
     model, config = mega_from_hf(base, "gpt")
-    shapes = _layer_shapes(model)
+    shapes = adaptable_weight_shapes(model)
     lora = apply_multi_lora(model, max_loras=1, max_rank=4)
     lora.write(1, read_adapter(tmp_path, get_plugins().models.get("gpt"), config, shapes, None, "base"))
     engine = GenerationEngine(model, vocab_size=VOCAB, max_positions=64)

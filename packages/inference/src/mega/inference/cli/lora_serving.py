@@ -68,21 +68,21 @@ def serve_adapters(args: argparse.Namespace, engine, loaded, groups):
     from mega.inference.engine.encoder_decoder import is_encoder_decoder
     from mega.inference.engine.lora_registry import AdapterRegistry
     from mega.models.lora.adapter_files import read_adapter
-    from mega.models.lora.multi import apply_multi_lora
+    from mega.models.lora.multi import adaptable_weight_shapes, apply_multi_lora
 
     if is_encoder_decoder(engine.model):
         raise ValueError("--lora-modules serves decoder-only models (not an encoder-decoder's batches)")
-    if getattr(args, "adapter", None):
-        raise ValueError("--adapter merges one adapter into the served weights, --lora-modules serves adapters of the "
-                         "base beside it: give one of them")
+    if getattr(args, "adapter", None) or loaded.base_name is not None:
+        raise ValueError("--adapter (or --load of a LoRA checkpoint alone) merges one adapter into the served "
+                         "weights, --lora-modules serves adapters of the base beside it: give one of them")
+    base_name = args.served_model_name or loaded.name
     names = [name for name, _, _ in modules]
-    if len(set(names)) != len(names) or (args.served_model_name or loaded.name) in names:
+    if len(set(names)) != len(names) or base_name in names:
         raise ValueError(f"--lora-modules: the names {', '.join(names)} must differ from each other and from the "
-                         f"base's {args.served_model_name or loaded.name!r}")
+                         f"base's {base_name!r}")
     for name, _, base in modules:
-        if base is not None and base != (args.served_model_name or loaded.name):
-            raise ValueError(f"--lora-modules {name}: base_model_name {base!r} is not the served base "
-                             f"{args.served_model_name or loaded.name!r}")
+        if base is not None and base != base_name:
+            raise ValueError(f"--lora-modules {name}: base_model_name {base!r} is not the served base {base_name!r}")
     family = get_plugins().models.get(loaded.family_name)
     fingerprint = None
     if not (Path(args.load) / "config.json").is_file():
@@ -94,7 +94,7 @@ def serve_adapters(args: argparse.Namespace, engine, loaded, groups):
     def read(path: str):
         return read_adapter(path, family, loaded.config, shapes, fingerprint, args.load)
 
-    shapes = _layer_shapes(loaded.model)
+    shapes = adaptable_weight_shapes(loaded.model)
     adapters = []  # read first: their ranks size the stacks
     for name, path, _ in modules:
         try:
@@ -112,12 +112,3 @@ def serve_adapters(args: argparse.Namespace, engine, loaded, groups):
     engine.lora = lora
     return registry
 
-
-def _layer_shapes(model) -> dict:
-    """The global weight shape of every layer LoRA adapts (one rank: local is global)."""
-    from mega.core.parameter_names import canonical_names
-    from mega.models.lora.adapters import TARGETS
-
-    names = canonical_names(model)
-    return {names.get(name, name): param.shape for name, param in model.named_parameters()
-            if name.endswith(".weight") and name.rpartition(".")[0].rpartition(".")[2] in TARGETS and param.dim() == 2}

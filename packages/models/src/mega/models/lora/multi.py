@@ -119,6 +119,20 @@ class MultiLoRALinear(nn.Module):
         return out + torch.bmm(low, self.b[rows].transpose(1, 2)).transpose(0, 1)
 
 
+def adaptable_layers(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """``{global layer name: (module name, module)}`` of every layer served adapters may adapt
+    (not grouped experts: an adapter of theirs is refused when written)."""
+    names = canonical_names(model)
+    return {names.get(f"{name}.weight", f"{name}.weight").rpartition(".")[0]: (name, module)
+            for name, module in model.named_modules()
+            if name.rpartition(".")[2] in TARGETS and type(module) in ADAPTABLE}
+
+
+def adaptable_weight_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """``{global weight name: shape}`` of :func:`adaptable_layers` (one rank: local is global)."""
+    return {f"{layer}.weight": module.weight.shape for layer, (_, module) in adaptable_layers(model).items()}
+
+
 def apply_multi_lora(model: nn.Module, max_loras: int, max_rank: int, tensor_parallel_size: int = 1) -> MultiLoRA:
     """Wrap every adaptable linear layer of ``model`` (a whole model, one rank) for ``max_loras``
     adapters of rank at most ``max_rank``."""
@@ -127,12 +141,8 @@ def apply_multi_lora(model: nn.Module, max_loras: int, max_rank: int, tensor_par
                         "--adapter there)")
     if max_loras < 1 or max_rank < 1:
         raise LoRAError(f"--max-loras ({max_loras}) and --max-lora-rank ({max_rank}) must be positive")
-    names = canonical_names(model)
     layers = {}
-    for name, module in list(model.named_modules()):
-        if name.rpartition(".")[2] not in TARGETS or type(module) not in ADAPTABLE:
-            continue  # grouped experts too: an adapter of theirs is refused when written
-        global_name = names.get(f"{name}.weight", f"{name}.weight").rpartition(".")[0]
+    for global_name, (name, module) in adaptable_layers(model).items():
         wrapped = MultiLoRALinear(module, max_loras, max_rank)
         parent_name, _, child = name.rpartition(".")
         model.get_submodule(parent_name).register_module(child, wrapped)
