@@ -8,7 +8,9 @@ base (zeros), one slot per adapter after it. Adapters of different ranks are pad
 largest (``max_rank``) with zero rows of A and zero columns of B, which add exactly nothing; an
 adapter that leaves a layer alone has zeros there. Each row of a forward's batch takes the slot
 :meth:`MultiLoRA.bind` gave it, so one forward computes, row by row,
-``base(x) + B_slot (A_slot x)`` (alpha / rank folded into B when the adapter is written).
+``base(x) + B_slot (A_slot x)`` (alpha / rank folded into B when the adapter is written): each row's
+A and B gathered by its slot, then two batched matrix products. A batch of base rows alone skips
+them on the CPU; on a GPU every step computes them (captured decode graphs must).
 
 The stacks are allocated once (``max_loras`` slots) and written in place, so a captured CUDA
 graph of a decode step keeps reading them, and so does the row-to-slot tensor
@@ -56,6 +58,7 @@ class MultiLoRA:
         self.layers, self.max_loras, self.max_rank = dict(layers), max_loras, max_rank
         self._rows = torch.zeros(MAX_ROWS, dtype=torch.long, device=device)
         self.rows = self._rows[:0]
+        self.active = False  # whether the bound rows' forward adds the adapters' products
         for layer in self.layers.values():
             layer.router = self
 
@@ -65,6 +68,9 @@ class MultiLoRA:
             self._rows = torch.zeros(len(slots), dtype=torch.long, device=self._rows.device)
         self.rows = self._rows[: len(slots)]
         self.rows.copy_(torch.tensor(list(slots), dtype=torch.long), non_blocking=True)
+        # A batch of base rows skips the products, except on a GPU, whose decode steps are captured
+        # once per batch size as CUDA graphs (or compiled) and must hold them whatever rows come later.
+        self.active = self._rows.device.type == "cuda" or any(slots)
 
     @torch.no_grad()
     def write(self, slot: int, adapter: AdapterWeights) -> None:
@@ -111,6 +117,8 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         out = self.base(x, *args, **kwargs)
+        if not self.router.active:
+            return out
         rows = self.router.rows
         if x.dim() != 3 or x.shape[1] != len(rows):
             raise LoRAError(f"a batch of {tuple(x.shape)} where the adapters were bound for {len(rows)} rows")
