@@ -49,7 +49,8 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                             f"--lora-modules, at least {DEFAULT_MAX_LORA_RANK}")
     group.add_argument("--allow-runtime-lora-updates", action="store_true",
                        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
-                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING), behind the API key")
+                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING), behind the API key; one rank only (not under "
+                            "torchrun's tensor parallelism)")
 
 
 def serve_adapters(args: argparse.Namespace, engine, loaded, groups):
@@ -102,7 +103,10 @@ def serve_adapters(args: argparse.Namespace, engine, loaded, groups):
         except ValueError as error:
             raise ValueError(f"--lora-modules {name}={path}: {error}") from None
     max_rank = args.max_lora_rank or max([DEFAULT_MAX_LORA_RANK, *(a.rank for _, _, a in adapters)])
-    lora = apply_multi_lora(loaded.model, args.max_loras or max(len(modules), 1), max_rank, groups.tp.size)
+    if args.allow_runtime_lora_updates and groups.tp.size > 1:
+        raise ValueError("--allow-runtime-lora-updates runs on one rank: under tensor parallelism serve the "
+                         "--lora-modules given at the start")
+    lora = apply_multi_lora(loaded.model, args.max_loras or max(len(modules), 1), max_rank)
     registry = AdapterRegistry(lora, read, args.allow_runtime_lora_updates)
     for name, path, weights in adapters:
         try:

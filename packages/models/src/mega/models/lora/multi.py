@@ -16,8 +16,12 @@ The stacks are allocated once (``max_loras`` slots) and written in place, so a c
 graph of a decode step keeps reading them, and so does the row-to-slot tensor
 (:meth:`MultiLoRA.bind` copies into one buffer).
 
-Tensor parallelism is not wired (each rank would hold its shard of A or B, as
-:mod:`~mega.models.lora.adapters` splits them): :func:`apply_multi_lora` refuses it by name.
+Under tensor parallelism each rank holds its part, as :mod:`~mega.models.lora.adapters` splits a
+trained adapter: beside a column-parallel layer A whole and B split like the layer's output rows
+(no communication: the input is whole on every rank); beside a row-parallel layer A split like the
+layer's input columns and B whole, the low-rank partial products summed over the tensor group
+before B. Adapters are written as global tensors and each rank keeps its part. Sequence
+parallelism (training's) is refused.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mega.core.parallel.collectives import reduce_from_tensor_parallel_region
 from mega.core.parallel.grad_accumulation_fusion import Linear as FusionAwareLinear
-from mega.core.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mega.core.parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_of
 from mega.core.parameter_names import canonical_names
 from mega.models.lora.adapters import TARGETS, LoRAError
 
@@ -84,15 +89,15 @@ class MultiLoRA:
         if unknown:
             raise LoRAError(f"it adapts {unknown[0]}, which this base model does not have (or LoRA cannot adapt)")
         for name, (a, b) in adapter.layers.items():
-            layer = self.layers[name]
-            if a.shape[1] != layer.a.shape[2] or b.shape[0] != layer.b.shape[1] or a.shape[0] != b.shape[1]:
+            out, into = self.layers[name].global_shape
+            if a.shape[1] != into or b.shape[0] != out or a.shape[0] != b.shape[1]:
                 raise LoRAError(f"{name}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the base layer "
-                                f"({layer.b.shape[1]} x {layer.a.shape[2]})")
+                                f"({out} x {into})")
         for name, layer in self.layers.items():
             layer.a[slot].zero_()
             layer.b[slot].zero_()
             if name in adapter.layers:
-                a, b = adapter.layers[name]
+                a, b = layer.local(*adapter.layers[name])
                 layer.a[slot, : a.shape[0]].copy_(a)
                 layer.b[slot, :, : b.shape[1]].copy_(b)
 
@@ -107,7 +112,12 @@ class MultiLoRALinear(nn.Module):
 
     def __init__(self, base: nn.Module, max_loras: int, max_rank: int):
         super().__init__()
-        weight = base.weight
+        weight, group = base.weight, getattr(base, "group", None)
+        self.style = "whole" if group is None or group.size == 1 else \
+            "column" if isinstance(base, ColumnParallelLinear) else "row"
+        if self.style != "whole" and base.sequence_parallel:
+            raise LoRAError("served adapters do not run under sequence parallelism")
+        self.global_shape = (base.out_features, base.in_features)
         self.base = base
         self.parameter_aliases = {f"base.{name}": name for name, _ in base.named_parameters()}
         self.router: MultiLoRA | None = None
@@ -124,7 +134,18 @@ class MultiLoRALinear(nn.Module):
             raise LoRAError(f"a batch of {tuple(x.shape)} where the adapters were bound for {len(rows)} rows")
         # gather each row's A and B, then two batched products: [b, s, in] -> [b, s, r] -> [b, s, out]
         low = torch.bmm(x.transpose(0, 1), self.a[rows].transpose(1, 2))
+        if self.style == "row":  # A split like the input: sum the partial low-rank products
+            low = reduce_from_tensor_parallel_region(low, self.base.group)
         return out + torch.bmm(low, self.b[rows].transpose(1, 2)).transpose(0, 1)
+
+
+    def local(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a global A and B (the layer's split)."""
+        if self.style == "column":
+            return a, shard_of(b, self.base.group, 0, self.base.chunks)
+        if self.style == "row":
+            return shard_of(a, self.base.group, 1), b
+        return a, b
 
 
 def adaptable_layers(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
@@ -137,16 +158,14 @@ def adaptable_layers(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
 
 
 def adaptable_weight_shapes(model: nn.Module) -> dict[str, torch.Size]:
-    """``{global weight name: shape}`` of :func:`adaptable_layers` (one rank: local is global)."""
-    return {f"{layer}.weight": module.weight.shape for layer, (_, module) in adaptable_layers(model).items()}
+    """``{global weight name: global shape}`` of :func:`adaptable_layers`."""
+    return {f"{layer}.weight": torch.Size((module.out_features, module.in_features))
+            for layer, (_, module) in adaptable_layers(model).items()}
 
 
-def apply_multi_lora(model: nn.Module, max_loras: int, max_rank: int, tensor_parallel_size: int = 1) -> MultiLoRA:
-    """Wrap every adaptable linear layer of ``model`` (a whole model, one rank) for ``max_loras``
-    adapters of rank at most ``max_rank``."""
-    if tensor_parallel_size > 1:
-        raise LoRAError("adapters chosen per request run on one rank: not under tensor parallelism (serve a merged "
-                        "--adapter there)")
+def apply_multi_lora(model: nn.Module, max_loras: int, max_rank: int) -> MultiLoRA:
+    """Wrap every adaptable linear layer of ``model`` (a whole model, tensor-parallel or not) for
+    ``max_loras`` adapters of rank at most ``max_rank``."""
     if max_loras < 1 or max_rank < 1:
         raise LoRAError(f"--max-loras ({max_loras}) and --max-lora-rank ({max_rank}) must be positive")
     layers = {}
