@@ -238,6 +238,7 @@ def test_serving_adapters_by_model(tiny, expected):
             assert [(m.id, getattr(m, "parent", None)) for m in models.data] == [
                 ("base", None), ("alpha", "base"), ("beta", "base")]
             assert models.data[1].root == str(directories["alpha"])
+            assert (await client.models.retrieve("beta")).parent == "base"
             with pytest.raises(openai.NotFoundError) as missing:
                 await complete("gamma", PROMPTS[0])
             assert missing.value.code == "model_not_found" and "'gamma'" in missing.value.message
