@@ -81,6 +81,10 @@ ROWS = [
     # selective recompute.
     Row("llama-liger-selective", [*MFU, *LLAMA, "--kernels", "liger", "--compile", "--recompute", "selective"], 110,
         baseline="llama-bf16", target="<= 35 GB at the speed of llama-bf16"),
+    # Issue 48: a GRPO step at the LLaMA 1.2B shape (the engine on a model of its own, so the
+    # refresh is timed): rollout tokens/s against the engine alone, phases, peak memory.
+    Row("rl-step", ["bench_rl_gpu.py", "--json", "--own-engine"], 240,
+        target="rollout tok/s vs the engine alone; refresh s; peak memory"),
     Row("muon-vs-adamw", ["bench_optimizers.py", "--gpu", "--iters", "20", "--json"], 240,
         target="optimizer step's share of a GPT 1.3B step (issue 51)"),
 ]
@@ -209,6 +213,11 @@ def summary(row: Row, results: dict[str, dict]) -> str:
                          f"({100 * r['static_bandwidth_fraction']:.0f}% BW, {r['static_speedup']:.2f}x HF, "
                          f"same tokens {r['same_tokens']})" + kernel_summary(r.get("decode_kernels"))
                          for r in result["engine"])
+    if "rollout_of_engine_alone" in result:  # bench_rl_gpu: a GRPO step's phases
+        return (f"step {result['step_s']:.2f} s (rollout {result['rollout_s']:.2f}, logprobs {result['logprobs_s']:.2f}, "
+                f"update {result['update_s']:.2f}, refresh {result['refresh_s']:.2f}); rollout "
+                f"{result['rollout_tokens_per_s']:.0f} tok/s = {result['rollout_of_engine_alone']:.2f}x the engine "
+                f"alone; peak {result['peak_memory_gb'] or 0:.1f} GB")
     if "optimizers" in result:  # bench_optimizers: step time and the optimizer step's share of it
         return "; ".join(f"{r['optimizer']}: step {r['step_ms']:.0f} ms, optimizer {r['optimizer_step_ms']:.1f} ms "
                          f"({r['optimizer_share']:.1%}), loss {r['losses'][-1]:.3f}" for r in result["optimizers"])

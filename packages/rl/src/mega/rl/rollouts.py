@@ -217,17 +217,19 @@ def shares_training_layout(policy, tensor_parallel_size: int) -> bool:
             and not parallel.sequence_parallel and not getattr(policy.chunk, "fully_sharded", False))
 
 
-def build_rollout_engine(policy, tensor_parallel_size: int | None = None, tokenizer=None) -> RolloutEngine:
+def build_rollout_engine(policy, tensor_parallel_size: int | None = None, tokenizer=None,
+                         own_model: bool = False) -> RolloutEngine:
     """The engine of ``policy`` (a :class:`~mega.rl.policy_engine.PolicyEngine`) at
     ``tensor_parallel_size`` (default: the training's): on the trainer's own module where the
-    layouts allow (:func:`shares_training_layout`), else on a model of its own, refreshed from
-    the trainer's weights now and by :meth:`RolloutEngine.refresh`. Collective."""
+    layouts allow (:func:`shares_training_layout`) and ``own_model`` is false, else on a model of
+    its own, refreshed from the trainer's weights now and by :meth:`RolloutEngine.refresh`
+    (``own_model``: a benchmark's way to time the refresh at any layout). Collective."""
     trainer, groups = policy.trainer, policy.groups
     config = trainer.run.model
     size = tensor_parallel_size or trainer.run.parallel.tp
     limits = {"vocab_size": config.vocab_size, "max_positions": config.max_position_embeddings or config.seq_length,
               "tokenizer": tokenizer}
-    if shares_training_layout(policy, size):
+    if shares_training_layout(policy, size) and not own_model:
         return RolloutEngine(policy.model, tp_group=groups.tp, replicas=groups.dp, **limits)
     world = groups.world_size
     if size < 1 or world % size:
