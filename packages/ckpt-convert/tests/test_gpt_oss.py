@@ -28,7 +28,7 @@ WINDOW = 4  # shorter than the tests' sequences (16 tokens, prompts of 7-9 and 3
 
 def make_gpt_oss(seed: int = 16):
     config = transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
         max_position_embeddings=128, initializer_range=0.1, swiglu_limit=0.5,  # low: the clamp acts
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -83,4 +83,73 @@ def test_mega_to_hugging_face_is_bit_exact(converted, tmp_path):
     original, back = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert sorted(back) == sorted(original)
     for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32)
+    assert type(reloaded).__name__ == "GptOssForCausalLM"
+    for key in ("layer_types", "sliding_window", "rope_parameters", "swiglu_limit", "swiglu_alpha"):
+        assert getattr(reloaded.config, key) == getattr(transformers.AutoConfig.from_pretrained(hf_dir), key), key
+
+
+def quantize_experts_as_mxfp4(hf_model, directory):
+    """Rewrite ``directory`` (the saved ``hf_model``) with its experts as random MXFP4 blocks and
+    scales in transformers' layout ([experts, out, in / 32, 16] and [experts, out, in / 32], uint8)
+    and config.json's quantization_config; returns transformers' dequantized experts by name."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    generator = torch.Generator().manual_seed(3)
+    tensors, dequantized = load_file(directory / "model.safetensors"), {}
+    for name in [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, columns, rows = tensors.pop(name).shape  # [experts, in, out]
+        blocks = torch.randint(0, 256, (experts, rows, columns // 32, 16), dtype=torch.uint8, generator=generator)
+        scales = torch.randint(121, 126, (experts, rows, columns // 32), dtype=torch.uint8, generator=generator)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def test_our_mxfp4_dequantization_equals_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from mega.ckpt_convert.mxfp4 import dequantize_mxfp4
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 5, 2, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(100, 140, (3, 5, 2), dtype=torch.uint8, generator=generator)
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = dequantize_mxfp4(blocks, scales, dtype)  # [3, 5, 64]
+        assert torch.equal(ours.transpose(1, 2), convert_moe_packed_tensors(blocks, scales, dtype=dtype)), dtype
+
+
+def test_an_mxfp4_checkpoint_converts_to_the_logits_of_the_dequantized_model(tmp_path, assert_close, capsys):
+    from test_layout_logits import stage_logits
+
+    from mega.ckpt_convert.cli import main
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+
+    model = make_gpt_oss()
+    hf_dir = save_hf_model(model, tmp_path / "mxfp4")
+    dequantized = quantize_experts_as_mxfp4(model, hf_dir)
+    model.load_state_dict(dequantized, strict=False)  # transformers' model with the dequantized experts
+    assert main(["--from", "hf", "--to", "mega", "--input", str(hf_dir), "--output", str(tmp_path / "mega")]) == 0
+    assert "were dequantized to float32 on import" in capsys.readouterr().err
+    ids = input_ids()
+    logits, loss = stage_logits(str(tmp_path / "mega"), ids, ParallelGroups(ParallelConfig()))
+    expected, expected_loss = hf_logits(model, ids)
+    assert_close(logits, expected, what="gpt-oss from MXFP4")
+    assert_close(loss, expected_loss, what="gpt-oss from MXFP4 loss")
+    # Back to Hugging Face: the experts unquantized, as transformers dequantized them.
+    from safetensors.torch import load_file
+
+    assert main(["--from", "mega", "--to", "hf", "--input", str(tmp_path / "mega"),
+                 "--output", str(tmp_path / "back")]) == 0
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    for name, tensor in dequantized.items():
         assert torch.equal(back[name], tensor), name
