@@ -107,10 +107,12 @@ def _layer_parameters(config: GptOssConfig, experts: int) -> int:
 
 
 def num_gpt_oss_parameters(config: GptOssConfig, tensor_parallel_size: int = 1, *, active: bool = False) -> int:
-    """Parameters of the whole model (``active``: those one token uses, its top-k experts, with
-    the embedding and the output layer), the vocabulary unpadded."""
+    """Parameters of the whole model, the vocabulary unpadded; ``active``: those one token
+    computes with, the model card's count (its top-k experts, the output layer, not the embedding
+    table it looks a row up in)."""
     experts = config.moe_router_topk if active else config.num_experts
-    embeddings = config.vocab_size * config.hidden_size * (2 if config.untie_embeddings_and_output_weights else 1)
+    tables = 2 if config.untie_embeddings_and_output_weights and not active else 1
+    embeddings = config.vocab_size * config.hidden_size * tables
     return embeddings + config.hidden_size + config.num_layers * _layer_parameters(config, experts)
 
 
