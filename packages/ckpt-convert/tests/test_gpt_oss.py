@@ -5,10 +5,13 @@ GQA). CPU, fp32, one process (gloo worlds where said).
 
 Hugging Face -> mega -> Hugging Face is bit-exact; the logits and loss equal transformers' (1e-5);
 a checkpoint whose experts are stored as MXFP4 blocks and scales (transformers' layout) converts
-to the logits of the dequantized model; greedy generation equals transformers' ``generate``."""
+to the logits of the dequantized model; greedy generation over 32 tokens equals transformers'
+``generate`` through ``mega generate``, ``mega serve`` (prompts of several lengths at once) and the
+serving engine's paged and static caches (requests joining a running batch)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 
@@ -17,13 +20,23 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from ckpt_test_models import VOCAB, input_ids, save_hf_model  # noqa: E402
+from ckpt_test_models import VOCAB, generation_engine, input_ids, save_hf_model  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
 from mega.ckpt_convert import convert  # noqa: E402
 
-WINDOW = 4  # shorter than the tests' sequences (16 tokens, prompts of 7-9 and 32 new tokens)
+WINDOW = 4  # shorter than the tests' sequences (16 tokens, prompts of 2-9 and 32 new tokens)
+PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [11, 12, 13, 14, 15, 16, 17, 18, 19], [7, 250]]
+NEW_TOKENS = 32
+
+pytestmark = pytest.mark.usefixtures("cpu_only")
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    """In-process runs on the CPU (as transformers' reference) on a GPU machine too."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 def make_gpt_oss(seed: int = 16):
@@ -153,3 +166,93 @@ def test_an_mxfp4_checkpoint_converts_to_the_logits_of_the_dequantized_model(tmp
     back = load_file(tmp_path / "back" / "model.safetensors")
     for name, tensor in dequantized.items():
         assert torch.equal(back[name], tensor), name
+
+
+def hf_greedy(model, prompt, eos=None):
+    return model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos,
+                          pad_token_id=0 if eos is None else eos)[0].tolist()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["paged", "static"])
+def test_serving_engine_joins_sequences_and_decodes_as_transformers(hf_model, converted, static):
+    """``mega serve``'s engine path: requests join a running batch one after the other (the paged
+    cache, or the static one of a slot per sequence)."""
+    from test_hf_bridge import staggered
+
+    from mega.inference.engine import GenerationRequest
+    from mega.inference.engine.continuous import ContinuousBatchingWorker
+
+    worker = ContinuousBatchingWorker(generation_engine(converted[1]), max_batch_size=3,
+                                      max_num_tokens=3 * 128 if static else 96, block_size=8, static_cache=static)
+    worker.start()
+    try:
+        results = asyncio.run(staggered(worker, [GenerationRequest(prompt, NEW_TOKENS) for prompt in PROMPTS]))
+    finally:
+        worker.stop()
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        assert result.tokens[-NEW_TOKENS:] == hf_greedy(hf_model, prompt)[len(prompt):], prompt
+
+
+def test_mega_generate_prints_transformers_greedy_text(hf_model, converted, capsys):
+    """``mega generate`` on the converted checkpoint, prompts of several lengths in one run."""
+    import json
+
+    from mega.inference.cli.generate import main as generate_main
+
+    hf_dir, mega_dir = converted
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    prompts = ["the quick brown fox jumps over", "pack my box", "sphinx of black quartz, judge my vow and"]
+    args = ["--load", str(mega_dir), "--max-tokens", str(NEW_TOKENS), "--greedy", "--json", "--device", "cpu"]
+    assert generate_main(args + [arg for prompt in prompts for arg in ("--prompt", prompt)]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [record["prompt"] for record in records] == prompts
+    for record in records:
+        ids = tokenizer.encode(record["prompt"])
+        expected = hf_greedy(hf_model, ids, eos=tokenizer.eos_token_id)[len(ids):]
+        assert record["tokens"] == expected, record["prompt"]
+
+
+def test_mega_serve_answers_transformers_greedy_tokens(hf_model, converted):
+    """``mega serve``'s whole ``main`` on the converted checkpoint (its app taken from uvicorn.run,
+    requests sent in this process): one ``PUT /api`` of prompts of several lengths, ids as text."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from mega.inference.cli import serve as serve_cli
+
+    apps, done, outcome = [], threading.Event(), []
+
+    def hold_the_app(app, **_):
+        apps.append(app)
+        done.wait()
+
+    eod = VOCAB - 1  # NullTokenizer's end of document: it stops both sides
+    argv = ["--load", str(converted[1]), "--device", "cpu", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(eod)]
+    thread = threading.Thread(target=lambda: outcome.append(serve_cli.main(argv)), daemon=True)
+    original, uvicorn.run = uvicorn.run, hold_the_app
+    try:
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not apps:
+            assert thread.is_alive() and time.monotonic() < deadline, f"mega serve did not start: {outcome}"
+            time.sleep(0.05)
+    finally:
+        uvicorn.run = original
+
+    async def put_api(body: dict) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(apps[0]), base_url="http://mega") as client:
+            return await client.put("/api", json=body, timeout=120)
+
+    try:
+        reply = asyncio.run(put_api({"prompts": [" ".join(map(str, prompt)) for prompt in PROMPTS],
+                                     "tokens_to_generate": NEW_TOKENS, "top_k": 1}))
+    finally:
+        done.set()
+        thread.join(timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert outcome == [0]
+    for prompt, tokens in zip(PROMPTS, reply.json()["tokens"], strict=True):
+        assert tokens == hf_greedy(hf_model, prompt, eos=eod), prompt
