@@ -191,6 +191,9 @@ def test_serving_engine_joins_sequences_and_decodes_as_transformers(hf_model, co
         worker.stop()
     for prompt, result in zip(PROMPTS, results, strict=True):
         assert result.tokens[-NEW_TOKENS:] == hf_greedy(hf_model, prompt)[len(prompt):], prompt
+    if static:  # the sliding layer (0) keeps a ring of its window per slot (and a scratch row), the full one all
+        pools = {number: layer.keys.shape for number, layer in worker.kv.cache._layers.items()}
+        assert pools[0][:2] == (3, WINDOW + 1) and pools[1][:2] == (3, 128), pools
 
 
 def test_mega_generate_prints_transformers_greedy_text(hf_model, converted, capsys):

@@ -79,7 +79,10 @@ class SlotSequenceCache(SequenceCache):
 
     def __init__(self, engine, slots: int, block_size: int, prefix_caching: bool, use_cuda_graphs: bool | None = None,
                  compile_backend: str | Callable | None = None):
-        cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype)
+        # Sliding-window layers keep rings of their window (not with prefix caching, which copies
+        # whole slots' prefixes).
+        windows = {} if prefix_caching else engine.layer_windows
+        cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype, windows)
         allocator = (PrefixCachingSlotAllocator(cache, block_size) if prefix_caching
                      else SlotAllocator(slots, engine.max_positions))
         super().__init__(engine, cache, allocator)

@@ -148,7 +148,8 @@ class SelfAttention(nn.Module):
             key, value, mask = inference_cache.append(key, value)
             # A cache says causal or not, or (a paged cache, sequences of several lengths) the whole mask.
             mask = mask if isinstance(mask, AttentionMask) else AttentionMask(causal=mask)
-        if self.sliding_window is not None:
+        # (a cache may keep only the window's keys and say so in its mask: a ring of them)
+        if self.sliding_window is not None and not getattr(inference_cache, "applies_window", False):
             positions = query_positions(position_ids, seq, key.shape[0], inference_cache is not None, qkv.device)
             mask = with_sliding_window(mask, self.sliding_window, positions, key.shape[0], query.dtype)
         if inference_cache is not None:
