@@ -280,3 +280,30 @@ def test_training_at_tp2_with_sequence_parallelism_and_at_ep2_equals_one_process
     for rank_results in results:
         for name, losses in zip(layouts, rank_results, strict=True):
             assert_losses_close(losses, reference, name)
+
+
+@pytest.mark.parametrize("settings, field", [
+    (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale": 1.0,
+                           "original_max_position_embeddings": 32}), "mscale"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}), "rope_type"),
+])
+def test_what_mega_cannot_express_is_refused_by_field(hf_model, settings, field):
+    from mega.models.gpt_oss.hf_gpt_oss import gpt_oss_config
+
+    config = {**hf_model.config.to_dict(), **settings}
+    with pytest.raises(ValueError, match=field):
+        gpt_oss_config(config)
+
+
+def test_split_experts_are_refused_and_the_architecture_is_listed(capsys):
+    from mega.ckpt_convert.cli import main
+    from mega.core.build import build_stage
+    from mega.core.parallel import ParallelConfig
+    from mega.models.config import ModelConfigError
+    from mega.models.gpt_oss.family import FAMILY, PRESETS
+
+    with pytest.raises(ModelConfigError, match="--expert-tensor-parallel-size 1"):
+        build_stage(FAMILY, PRESETS["tiny"], device="meta", parallel=ParallelConfig(tp=2, sequence_parallel=True))
+    assert main(["--list-architectures"]) == 0
+    assert "GptOssForCausalLM            gpt-oss family" in capsys.readouterr().out

@@ -63,8 +63,7 @@ class SinkCoreAttention(CoreAttention):
         self.softmax_offset = nn.Parameter(torch.zeros(config.num_attention_heads))
 
     def attend(self, query, key, value, mask, dropout_p):
-        scale = self.softmax_scale if self.softmax_scale is not None else query.shape[-1] ** -0.5
-        return sink_attention(query, key, value, self.softmax_offset, mask, scale, dropout_p)
+        return sink_attention(query, key, value, self.softmax_offset, mask, self.softmax_scale, dropout_p)
 
 
 class GptOssAttention(SelfAttention):
