@@ -218,48 +218,17 @@ def test_mega_generate_prints_transformers_greedy_text(hf_model, converted, caps
 def test_mega_serve_answers_transformers_greedy_tokens(hf_model, converted):
     """``mega serve``'s whole ``main`` on the converted checkpoint (its app taken from uvicorn.run,
     requests sent in this process): one ``PUT /api`` of prompts of several lengths, ids as text."""
-    import threading
-    import time
-
-    import httpx
-    import uvicorn
-
-    from mega.inference.cli import serve as serve_cli
-
-    apps, done, outcome = [], threading.Event(), []
-
-    def hold_the_app(app, **_):
-        apps.append(app)
-        done.wait()
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "inference", "tests"))
+    from in_process_server import serving
 
     eod = VOCAB - 1  # NullTokenizer's end of document: it stops both sides
     argv = ["--load", str(converted[1]), "--device", "cpu", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(eod)]
-    thread = threading.Thread(target=lambda: outcome.append(serve_cli.main(argv)), daemon=True)
-    original, uvicorn.run = uvicorn.run, hold_the_app
-    try:
-        thread.start()
-        deadline = time.monotonic() + 120
-        while not apps:
-            assert thread.is_alive() and time.monotonic() < deadline, f"mega serve did not start: {outcome}"
-            time.sleep(0.05)
-    finally:
-        uvicorn.run = original
-
-    async def put_api(body: dict) -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(apps[0]), base_url="http://mega") as client:
-            return await client.put("/api", json=body, timeout=120)
-
-    try:
-        reply = asyncio.run(put_api({"prompts": [" ".join(map(str, prompt)) for prompt in PROMPTS],
-                                     "tokens_to_generate": NEW_TOKENS, "top_k": 1}))
-    finally:
-        done.set()
-        thread.join(timeout=30)
+    with serving(argv) as send:
+        reply = send("PUT", "/api", {"prompts": [" ".join(map(str, prompt)) for prompt in PROMPTS],
+                                     "tokens_to_generate": NEW_TOKENS, "top_k": 1})
     assert reply.status_code == 200, reply.text
-    assert outcome == [0]
     for prompt, tokens in zip(PROMPTS, reply.json()["tokens"], strict=True):
         assert tokens == hf_greedy(hf_model, prompt, eos=eod), prompt
-
 
 def test_training_at_tp2_with_sequence_parallelism_and_at_ep2_equals_one_process(converted, worlds, tmp_path):
     """The converted model (every feature on; a window shorter than the 16-token samples) trains
