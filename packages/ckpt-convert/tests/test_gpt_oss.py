@@ -233,8 +233,8 @@ def test_mega_serve_answers_transformers_greedy_tokens(hf_model, converted):
 def test_training_at_tp2_with_sequence_parallelism_and_at_ep2_equals_one_process(converted, worlds, tmp_path):
     """The converted model (every feature on; a window shorter than the 16-token samples) trains
     from its weights as one process does (fp32, 1e-5 each of 3 steps) at tp2 with sequence
-    parallelism (the experts whole on each rank's slice: --expert-tensor-parallel-size 1) and at
-    ep2 (dp2), both on one world of 2 gloo ranks."""
+    parallelism (the experts split over the tensor group, or whole on each rank's slice:
+    --expert-tensor-parallel-size 1) and at ep2 (dp2), all on one world of 2 gloo ranks."""
     from mega.train.testing.training_runs import assert_losses_close, train_each, train_losses
 
     argv = ["--mock-data", "--load", str(converted[1]), "--finetune", "--seq-length", "16", "--micro-batch-size", "2",
@@ -242,8 +242,8 @@ def test_training_at_tp2_with_sequence_parallelism_and_at_ep2_equals_one_process
             "--eval-iters", "0", "--log-interval", "100", "--seed", "7", "--moe-token-dispatcher-type", "alltoall"]
     reference = train_losses(argv)
     assert reference[-1] < reference[0], "the model should learn the mock data"
-    layouts = {"tp2 + sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                            "--expert-tensor-parallel-size", "1"],
+    tp2_sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    layouts = {"tp2 + sp": tp2_sp, "tp2 + sp, experts whole": tp2_sp + ["--expert-tensor-parallel-size", "1"],
                "ep2": ["--expert-model-parallel-size", "2"]}
     results = worlds.run(2, train_each, [argv + layout for layout in layouts.values()])
     for rank_results in results:
@@ -272,7 +272,7 @@ def test_split_experts_are_refused_and_the_architecture_is_listed(capsys):
     from mega.models.config import ModelConfigError
     from mega.models.gpt_oss.family import FAMILY, PRESETS
 
-    with pytest.raises(ModelConfigError, match="--expert-tensor-parallel-size 1"):
-        build_stage(FAMILY, PRESETS["tiny"], device="meta", parallel=ParallelConfig(tp=2, sequence_parallel=True))
+    with pytest.raises(ModelConfigError, match="--expert-tensor-parallel-size 2 must be 1 or the tensor-parallel size 4"):
+        build_stage(FAMILY, PRESETS["tiny"], device="meta", parallel=ParallelConfig(tp=4, etp=2, sequence_parallel=True))
     assert main(["--list-architectures"]) == 0
     assert "GptOssForCausalLM            gpt-oss family" in capsys.readouterr().out

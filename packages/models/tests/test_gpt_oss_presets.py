@@ -35,9 +35,8 @@ def test_counts_match_the_model_card(preset):
 @pytest.mark.parametrize("preset", ["tiny", "20b"])
 def test_the_count_equals_the_module_built_on_meta(preset):
     config = PRESETS[preset]
-    for tp in (1, 2):  # (tensor parallel: the experts whole on each rank of the sequence's slices)
-        parallel = ParallelConfig(tp=tp, etp=1, sequence_parallel=True) if tp > 1 else ParallelConfig()
-        model = build_stage(FAMILY, config, device="meta", parallel=parallel)
+    for tp in (1, 2):
+        model = build_stage(FAMILY, config, device="meta", parallel=ParallelConfig(tp=tp))
         padding = (config.padded_vocab_size(tp) - config.vocab_size) * config.hidden_size * 2
         assert sum(p.numel() for p in model.parameters()) - padding == FAMILY.num_parameters(config)
 

@@ -9,8 +9,11 @@ clamped and offset.
 
 Routing is mega's default, a softmax over the top-k logits, which is gpt-oss's (its router takes
 the top k of the biased logits, then their softmax). Expert parallelism keeps whole experts,
-biases with them. The experts are not split over a tensor group (``--expert-tensor-parallel-size
-1``): their output biases would otherwise be added once per rank of the partial sums.
+biases with them. Split over the experts' tensor group (``--expert-tensor-parallel-size``, 1 or
+the tensor-parallel size), fc1's bias splits with its rows; fc2's bias stays whole on every rank,
+which adds ``bias / etp`` to its partial sum (the sum over the group then holds it once), so each
+rank's gradient of it is ``1 / etp`` of the whole and the ranks' gradients are summed over the
+tensor group (marked as the sequence-parallel norms are).
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from torch import nn
 from mega.core.kernels import Kernels
 from mega.core.model_family import ParallelContext
 from mega.core.parallel import ParallelGroups
-from mega.core.parallel.param_attrs import mark_expert_shard
+from mega.core.parallel.param_attrs import (
+    mark_expert_shard,
+    mark_expert_tensor_shard,
+    mark_sequence_parallel,
+    mark_tensor_parallel,
+)
+from mega.models.mixtral.model import shard_experts
 from mega.models.moe.experts import GroupedLinear
 from mega.models.moe.layer import MoELayer
 
@@ -52,6 +61,7 @@ class GptOssExperts(nn.Module):
         self.linear_fc1 = BiasedGroupedLinear(experts, hidden, 2 * ffn)
         self.linear_fc2 = BiasedGroupedLinear(experts, ffn, hidden)
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
+        self.output_bias_share = 1.0  # 1 / the experts' tensor-parallel size (set where they are split)
 
     @property
     def num_local_experts(self) -> int:
@@ -62,7 +72,9 @@ class GptOssExperts(nn.Module):
         outputs = []
         for e, rows in enumerate(tokens.split(counts)):
             projected = torch.addmm(fc1.bias[e], rows, fc1.weight[e].t())
-            outputs.append(torch.addmm(fc2.bias[e], clamped_swiglu(projected, self.limit, self.alpha), fc2.weight[e].t()))
+            activation = clamped_swiglu(projected, self.limit, self.alpha)
+            outputs.append(torch.addmm(fc2.bias[e] * self.output_bias_share if self.output_bias_share != 1.0
+                                       else fc2.bias[e], activation, fc2.weight[e].t()))
         return torch.cat(outputs) if outputs else tokens.new_zeros(0, fc2.weight.shape[1])
 
 
@@ -77,13 +89,25 @@ class GptOssMoE(MoELayer):
 
 
 def shard_gpt_oss_experts(experts: GptOssExperts, groups: ParallelGroups) -> None:
-    """Keep this rank's block of whole experts (weights and biases) over the expert group."""
-    ep = groups.ep
+    """Keep this rank's block of experts over the expert group, the weights (and fc1's bias) split
+    over the experts' tensor group as :func:`~mega.models.mixtral.model.shard_experts` splits them,
+    fc2's bias whole (see the module)."""
+    shard_experts(experts, groups)
+    ep, tp = groups.ep, groups.etp
     ep_rank, ep_size = max(ep.rank, 0), max(ep.size, 1)
-    for linear in (experts.linear_fc1, experts.linear_fc2):
-        for kind in ("weight", "bias"):
-            tensor = getattr(linear, kind).data
-            per_rank = tensor.shape[0] // ep_size
-            shard = nn.Parameter(tensor[ep_rank * per_rank:(ep_rank + 1) * per_rank].clone())
-            mark_expert_shard(shard, ep_rank, ep_size)
-            setattr(linear, kind, shard)
+    for linear, split in ((experts.linear_fc1, True), (experts.linear_fc2, False)):
+        bias = linear.bias.data
+        per_rank = bias.shape[0] // ep_size
+        bias = bias[ep_rank * per_rank:(ep_rank + 1) * per_rank]
+        if split and tp.size > 1:
+            bias = torch.cat([block.chunk(tp.size, 1)[tp.rank] for block in bias.chunk(2, 1)], 1)
+        shard = nn.Parameter(bias.clone())
+        mark_expert_shard(shard, ep_rank, ep_size)
+        if tp.size > 1 and split:
+            mark_tensor_parallel(shard, 1, 2)
+            if tp is not groups.tp:
+                mark_expert_tensor_shard(shard, tp.rank, tp.size)
+        elif tp.size > 1:
+            mark_sequence_parallel(shard)
+        linear.bias = shard
+    experts.output_bias_share = 1.0 / tp.size

@@ -52,10 +52,10 @@ class GptOssLanguageModel(MoELanguageModel):
 def build_gpt_oss_model(config: GptOssConfig, stage: Stage, *, kernels: Kernels, parallel: ParallelConfig,
                         context: ParallelContext | None = None) -> GptOssLanguageModel:
     config.validate_parallel(parallel)
-    if parallel.tp > 1 and parallel.expert_tp != 1:
-        raise ModelConfigError(f"gpt-oss at --tensor-model-parallel-size {parallel.tp} needs "
-                               "--expert-tensor-parallel-size 1 (and --sequence-parallel): its experts' output biases "
-                               "cannot be split over a tensor group")
+    if parallel.expert_tp not in (1, parallel.tp):
+        raise ModelConfigError(f"gpt-oss's --expert-tensor-parallel-size {parallel.expert_tp} must be 1 or the "
+                               f"tensor-parallel size {parallel.tp} (the sum of the experts' output-bias gradients "
+                               "runs over the tensor group)")
     if kernels.get("norm_linear") is not None:
         raise ModelConfigError("gpt-oss's layers keep their norms apart: choose a kernel backend without norm_linear")
     if config.num_moe_layers != config.num_layers or config.moe_shared_expert_intermediate_size:
