@@ -11,8 +11,9 @@ with gpt-oss's additions:
     decoder.layers.N.mlp.experts.linear_fc2.{weight,bias}          [experts, hidden, ...]
 
 Parallelism: tensor parallelism splits the attention as the dense plan does (the sinks with
-their heads) and, under sequence parallelism with ``--expert-tensor-parallel-size 1``, runs the
-whole experts on each rank's slice of the sequence; expert parallelism keeps whole experts.
+their heads) and the experts over their tensor group (``--expert-tensor-parallel-size``: the
+tensor-parallel size, or 1 under sequence parallelism: whole experts on each rank's slice; see
+:mod:`mega.models.gpt_oss.experts` for the output bias); expert parallelism keeps whole experts.
 """
 
 from __future__ import annotations
