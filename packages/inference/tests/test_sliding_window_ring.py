@@ -2,7 +2,8 @@
 other layer): the memory per sequence of those layers is the window's, and the one loop gives the
 tokens of the paged cache (every key kept, the window a mask), greedy, for prompts of different
 lengths prefilled together (right-padded), prefilled in chunks shorter and longer than the window,
-and decoded past it. CPU (a tiny random gpt-oss, fp32), so it passes on a GPU machine as well."""
+and decoded past it; with speculative decoding (slots rolled back) the slots stay whole. CPU (a
+tiny random gpt-oss, fp32), so it passes on a GPU machine as well."""
 
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ def engine():
     return GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
 
 
-def run(engine, static: bool, batched_tokens: int | None = None):
+def run(engine, static: bool, batched_tokens: int | None = None, speculator=None):
     worker = ContinuousBatchingWorker(engine, max_batch_size=len(PROMPTS), max_num_tokens=len(PROMPTS) * POSITIONS,
-                                      static_cache=static, max_num_batched_tokens=batched_tokens)
+                                      static_cache=static, max_num_batched_tokens=batched_tokens,
+                                      speculator=speculator)
     results = worker.run_to_completion([GenerationRequest(prompt, NEW_TOKENS) for prompt in PROMPTS])
     return [result.tokens for result in results], worker
 
@@ -48,3 +50,14 @@ def test_rings_bound_the_sliding_layers_and_decode_as_the_paged_cache(engine):
         assert got == expected, batched_tokens
     pools = {number: tuple(layer.keys.shape[:2]) for number, layer in worker.kv.cache._layers.items()}
     assert pools == {0: (3, WINDOW + 1), 1: (3, POSITIONS), 2: (3, WINDOW + 1)}
+
+
+def test_speculation_keeps_whole_slots(engine):
+    """Rejected drafts roll a slot back, which a ring cannot (it overwrote what the slot still
+    sees): with a speculator the static cache keeps whole slots, and greedy tokens stay the same."""
+    from mega.inference.engine.speculative import NgramProposer, Speculator
+
+    expected, _ = run(engine, static=False)
+    got, worker = run(engine, static=True, speculator=Speculator(NgramProposer(), 3))
+    assert got == expected
+    assert all(layer.keys.shape[1] == POSITIONS for layer in worker.kv.cache._layers.values())
