@@ -48,6 +48,8 @@ def _argument_kwargs(field: dataclasses.Field, annotation: Any) -> dict[str, Any
     if origin in (list, tuple):
         item = typing.get_args(annotation)[0] if typing.get_args(annotation) else str
         kwargs.update(nargs="+", type=item)
+        if field.metadata.get("action"):  # "extend": repeated flags add up (else the last one wins, as Megatron's)
+            kwargs["action"] = field.metadata["action"]
     elif origin is Literal:
         kwargs.update(choices=typing.get_args(annotation))
     else:

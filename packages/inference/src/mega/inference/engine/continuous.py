@@ -53,6 +53,7 @@ import torch
 
 from mega.inference.engine.decode_step import DecodeStep, record_logprobs
 from mega.inference.engine.kv_caches import PagedSequenceCache, SequenceCache, SlotSequenceCache
+from mega.inference.engine.lora_registry import prefix_salt
 from mega.inference.engine.metrics import ServerMetrics
 from mega.inference.engine.prefix_cache import prefix_keys
 from mega.inference.engine.requests import GenerationError, GenerationRequest, ending
@@ -188,7 +189,7 @@ class ContinuousBatchingWorker(EngineWorker):
                 return False
             sequence.blocks = self.allocator.allocate(tokens)
             return True
-        sequence.prefix_keys = prefix_keys(request.prompt, self.block_size)
+        sequence.prefix_keys = prefix_keys(request.prompt, self.block_size, prefix_salt(request))
         keys = [] if request.logprobs else sequence.prefix_keys
         allocated = self.allocator.allocate_with_prefix(keys, len(request.prompt), tokens)
         if allocated is None:

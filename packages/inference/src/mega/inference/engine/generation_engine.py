@@ -57,6 +57,7 @@ class EngineBase:
         self.length_limit = f"the model's {max_positions} positions"  # what max_positions is, in errors
         self.tokenizer = tokenizer
         self.tp_group = tp_group
+        self.lora = None  # a MultiLoRA (mega.models.lora.multi) when adapters are chosen per request
         self.stop_checker = StopChecker(tokenizer)
         self.device = next(model.parameters()).device
 

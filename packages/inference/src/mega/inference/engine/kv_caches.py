@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mega.inference.engine.host_copy import to_device
+from mega.inference.engine.lora_registry import slot_of
 from mega.inference.engine.paged_kv_cache import BlockAllocator, PagedKVCache
 from mega.inference.engine.prefix_cache import PrefixCachingAllocator
 from mega.inference.engine.slot_kv_cache import DecodeGraphs, SlotAllocator, SlotKVCache, bucket_for
@@ -47,6 +48,8 @@ class SequenceCache:
         sequence (``real``: right-padded prompts, row ``r``'s own tokens; see
         :meth:`PagedKVCache.bind`); each sequence's ``cached`` moves past them."""
         device = self.engine.device
+        if self.engine.lora is not None:  # each row its LoRA adapter
+            self.engine.lora.bind([slot_of(s) for s in sequences])
         cached = [s.cached for s in sequences]
         self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device, [s.number for s in sequences],
                         real)
@@ -108,6 +111,11 @@ class SlotSequenceCache(SequenceCache):
         for slot, sequence in zip(slots, decoding, strict=True):
             cached[slot] = sequence.cached
             sequence.cached += 1
+        if self.engine.lora is not None:  # each row its LoRA adapter; the base's for rows nobody reads
+            adapters = [0] * window
+            for slot, sequence in zip(slots, decoding, strict=True):
+                adapters[slot] = slot_of(sequence)
+            self.engine.lora.bind(adapters)
         tokens = torch.zeros(window, 1, dtype=torch.long, device=device)
         rows = to_device(slots, device)
         tokens[rows, 0] = fed

@@ -230,6 +230,8 @@ class DecodeGraphs:
         its last position, what a step computes for a free slot anyway."""
         device = self.engine.device
         for number, rows in enumerate(sorted({min(bucket, self.cache.slots) for bucket in BUCKETS})):
+            if self.engine.lora is not None:  # served LoRA adapters: every row the base's
+                self.engine.lora.bind([0] * rows)
             tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
             cached = torch.full((rows,), self.cache.max_length - 1, dtype=torch.long, device=device)
             if number == 0:  # an eager step first allocates the pools, outside what compiles
