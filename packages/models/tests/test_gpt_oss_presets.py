@@ -2,8 +2,8 @@
 20.91B, 3.61B active; gpt-oss-120b: 116.83B, 5.13B active), against the module built on the meta
 device and transformers' ``GptOssForCausalLM`` on meta; the presets are the released config.json
 files; ``mega train --model-preset ... --help`` shows the preset's values and ``mega plan`` prints
-the memory of both shapes. CPU only (meta tensors, no computation), so it passes on a GPU machine
-as well."""
+the memory of both shapes, whose model equals what one process's forward saves (2%). CPU only
+(meta tensors, a tiny model's forward), so it passes on a GPU machine as well."""
 
 from __future__ import annotations
 
@@ -65,9 +65,28 @@ def test_train_help_shows_the_preset_and_plan_prints_the_published_shapes():
                   "experts per MoE layer (default: 32)", "(default: 201088)", "RoPE theta (default: 150000.0)",
                   "(default: learnable)", "(default: 128)", "(default: 7.0)"):
         assert shown in text, shown
-    for preset, per_rank in (("20b", "4,186,816,320"), ("120b", "16,460,585,280")):
+    for preset, per_rank in (("20b", "4,187,440,704"), ("120b", "16,465,257,792")):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             assert plan_main(["--model-family", "gpt-oss", "--model-preset", preset, "--bf16", "--gpus", "8",
                               "--expert-model-parallel-size", "8"]) == 0
         assert f"mega plan: gpt-oss {preset} on 8 GPUs" in out.getvalue() and per_rank in out.getvalue(), out.getvalue()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_memory_model_matches_one_process(dtype):
+    """The sink attention's probabilities and repeated heads, the clamped SwiGLU's rows, the
+    biases and sinks: the memory model against what a tiny model's forward and loss save."""
+    import dataclasses
+
+    from mega.testing.saved_activations import saved_activation_bytes
+
+    config = dataclasses.replace(PRESETS["tiny"], vocab_size=256, seq_length=32)
+    model = build_stage(FAMILY, config, seed=0, dtype=dtype)
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length), generator=torch.Generator().manual_seed(0))
+    saved, _ = saved_activation_bytes(lambda: model.loss(model(tokens), tokens), exclude=list(model.parameters()))
+    planned = FAMILY.memory_model(config, layers=config.num_layers, pre_process=True, post_process=True,
+                                  parallel=ParallelConfig(), micro_batch_size=2, dtype_bytes=dtype.itemsize,
+                                  device_type="cpu")
+    assert planned.activation_bytes == pytest.approx(saved, rel=0.02)
+    assert planned.parameters == sum(p.numel() for p in model.parameters())

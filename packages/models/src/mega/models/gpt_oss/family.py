@@ -14,6 +14,7 @@ from __future__ import annotations
 from mega.core.model_family import ModelFamily
 from mega.models.gpt_oss.config import GptOssConfig
 from mega.models.gpt_oss.hf_gpt_oss import GPT_OSS
+from mega.models.gpt_oss.memory import gpt_oss_stage_footprint
 from mega.models.gpt_oss.model import (
     GPT_OSS_PASSES,
     build_gpt_oss_model,
@@ -57,7 +58,7 @@ FAMILY = ModelFamily(
     setup_passes=GPT_OSS_PASSES,
     boundary=MIXTRAL.boundary,
     features=frozenset({"moe"}),
-    memory_model=MIXTRAL.memory_model,
+    memory_model=gpt_oss_stage_footprint,
     description="gpt-oss: attention sinks, alternating sliding-window layers, YaRN, clamped SwiGLU experts with biases",
     hf_mapping=GPT_OSS,
 )
