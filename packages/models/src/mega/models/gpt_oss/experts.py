@@ -35,12 +35,37 @@ from mega.models.moe.experts import GroupedLinear
 from mega.models.moe.layer import MoELayer
 
 
-def clamped_swiglu(projected: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+def clamped_swiglu_ops(projected: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """gpt-oss's activation of fc1's output ``[gate; up]`` (halves of the last dimension)."""
     gate, up = projected.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def clamped_swiglu(projected: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """:func:`clamped_swiglu_ops` keeping only ``projected`` for the backward, which runs the same
+    ops again (so its gradients are autograd's): the clamps, sigmoid and products would keep four
+    more ``ffn``-wide rows a routed slot."""
+    if not (torch.is_grad_enabled() and projected.requires_grad):
+        return clamped_swiglu_ops(projected, limit, alpha)
+    return _RecomputedClampedSwiGLU.apply(projected, limit, alpha)
+
+
+class _RecomputedClampedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, projected, limit, alpha):
+        ctx.save_for_backward(projected)
+        ctx.limit, ctx.alpha = limit, alpha
+        return clamped_swiglu_ops(projected, limit, alpha)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (projected,) = ctx.saved_tensors
+        with torch.enable_grad():
+            again = projected.detach().requires_grad_()
+            (grad_projected,) = torch.autograd.grad(clamped_swiglu_ops(again, ctx.limit, ctx.alpha), again, grad)
+        return grad_projected, None, None
 
 
 class BiasedGroupedLinear(GroupedLinear):

@@ -4,10 +4,10 @@
     sink attention   written out in torch (:mod:`mega.models.gpt_oss.attention`): its
                      probabilities, ``heads / tp x seq / cp x (seq + 1)`` values a sequence, and
                      the key and value heads repeated for every query head; no log-sum-exp
-    experts          the clamped SwiGLU as plain torch ops: besides fc1's output (counted by the
-                     MoE model), the clamped gate, its sigmoid, ``up + 1`` and their product, and
-                     the activation fc2 keeps (the MoE model's fused experts recompute it): five
-                     ``ffn``-wide rows a routed slot
+    experts          besides fc1's output (counted by the MoE model; the clamped SwiGLU keeps
+                     only it, :func:`~mega.models.gpt_oss.experts.clamped_swiglu`), the activation
+                     fc2 keeps (the MoE model's fused experts recompute it): one ``ffn``-wide row a
+                     routed slot
 
 Selective recompute rebuilds one layer's attention in the backward, full recompute a run's
 layers. Parameters: the MoE model's, the router's and experts' biases and the sinks.
@@ -23,7 +23,7 @@ from mega.models.blocks.recompute import layer_runs
 from mega.models.memory import FP32
 from mega.models.mixtral.memory import moe_stage_footprint
 
-EXPERT_ROWS_BESIDE_FC1 = 5  # ffn-wide rows a routed slot keeps beyond fc1's output (see above)
+EXPERT_ROWS_BESIDE_FC1 = 1  # ffn-wide rows a routed slot keeps beyond fc1's output (see above)
 
 
 def _attention_bytes(config, parallel: ParallelConfig, micro_batch_size: int, dtype_bytes: int,
