@@ -99,7 +99,7 @@ class ContinuousBatchingWorker(EngineWorker):
                 raise ValueError(f"the static KV cache gives each sequence the model's {engine.max_positions} "
                                  f"positions; max_num_tokens {self.max_num_tokens} holds none")
             self.kv: SequenceCache = SlotSequenceCache(engine, slots, block_size, prefix_caching, use_cuda_graphs,
-                                             compile_backend)
+                                             compile_backend, rolls_back=speculator is not None)
         else:
             self.kv = PagedSequenceCache(engine, max_batch_size, self.max_num_tokens, block_size, prefix_caching)
         self.cache, self.allocator = self.kv.cache, self.kv.allocator

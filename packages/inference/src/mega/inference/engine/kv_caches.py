@@ -81,8 +81,12 @@ class SlotSequenceCache(SequenceCache):
     chooses_on_device = True
 
     def __init__(self, engine, slots: int, block_size: int, prefix_caching: bool, use_cuda_graphs: bool | None = None,
-                 compile_backend: str | Callable | None = None):
-        cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype)
+                 compile_backend: str | Callable | None = None, rolls_back: bool = False):
+        # Sliding-window layers keep rings of their window: not with prefix caching, which copies
+        # whole slots' prefixes, nor where rejected drafts roll a slot back (``rolls_back``, speculative
+        # decoding: a ring has overwritten the positions the rolled-back slot still sees).
+        windows = {} if prefix_caching or rolls_back else engine.layer_windows
+        cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype, windows)
         allocator = (PrefixCachingSlotAllocator(cache, block_size) if prefix_caching
                      else SlotAllocator(slots, engine.max_positions))
         super().__init__(engine, cache, allocator)
