@@ -14,6 +14,7 @@ from mega.core.checkpoint import CheckpointError
 from mega.core.parallel import Group, ParallelConfig, ParallelGroups
 from mega.core.process_group import init_distributed
 from mega.inference.cli.load_arguments import compile_backend
+from mega.inference.cli.lora_serving import serve_adapters
 from mega.inference.engine import GenerationEngine, GenerationError
 from mega.inference.engine.continuous import BLOCK_SIZE, ContinuousBatchingWorker
 from mega.inference.engine.encoder_decoder import (
@@ -21,6 +22,7 @@ from mega.inference.engine.encoder_decoder import (
     EncoderDecoderWorker,
     is_encoder_decoder,
 )
+from mega.inference.engine.lora_registry import AdapterRegistry
 from mega.inference.engine.slot_kv_cache import static_kv_cache_wanted
 from mega.inference.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from mega.inference.engine.tp_serving import lead, receive
@@ -34,6 +36,7 @@ class EngineSetup:
     loaded: LoadedModel
     tp_group: Group
     worker: EngineWorker
+    adapters: AdapterRegistry | None = None  # LoRA adapters chosen per request (mega serve --lora-modules)
 
 
 def static_kv_cache(args: argparse.Namespace, device, decoder_only: bool = True) -> bool:
@@ -135,6 +138,7 @@ def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup | None:
     if max_model_len is not None:
         engine.cap_length(max_model_len)
     try:
+        adapters = serve_adapters(args, engine, loaded, groups)  # None unless LoRA adapters are served
         worker = build_worker(args, engine)
     except (GenerationError, ValueError) as error:
         if engine.is_leader:
@@ -151,5 +155,5 @@ def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup | None:
         print(f"mega {command}: the checkpoint names no tokenizer: give --tokenizer-type (and its files)",
               file=sys.stderr)
         raise SystemExit(2)
-    return EngineSetup(engine, loaded, groups.tp, worker)
+    return EngineSetup(engine, loaded, groups.tp, worker, adapters)
 

@@ -58,6 +58,7 @@ from mega.inference.engine.kv_caches import (
     SequenceCache,
     SlotSequenceCache,
 )
+from mega.inference.engine.lora_registry import prefix_salt
 from mega.inference.engine.metrics import ServerMetrics
 from mega.inference.engine.prefix_cache import prefix_keys
 from mega.inference.engine.recurrent_state_cache import recurrent_cache_options
@@ -106,7 +107,8 @@ class ContinuousBatchingWorker(EngineWorker):
             if slots < 1:
                 raise ValueError(f"the static KV cache gives each sequence the model's {engine.max_positions} "
                                  f"positions; max_num_tokens {self.max_num_tokens} holds none")
-            self.kv = SlotSequenceCache(engine, slots, block_size, prefix_caching, use_cuda_graphs, compile_backend)
+            self.kv = SlotSequenceCache(engine, slots, block_size, prefix_caching, use_cuda_graphs, compile_backend,
+                                        rolls_back=speculator is not None)
         else:
             self.kv = PagedSequenceCache(engine, max_batch_size, self.max_num_tokens, block_size, prefix_caching)
         self.cache, self.allocator = self.kv.cache, self.kv.allocator
@@ -196,7 +198,7 @@ class ContinuousBatchingWorker(EngineWorker):
                 return False
             sequence.blocks = self.allocator.allocate(tokens)
             return True
-        sequence.prefix_keys = prefix_keys(request.prompt, self.block_size)
+        sequence.prefix_keys = prefix_keys(request.prompt, self.block_size, prefix_salt(request))
         keys = [] if request.logprobs else sequence.prefix_keys
         allocated = self.allocator.allocate_with_prefix(keys, len(request.prompt), tokens)
         if allocated is None:

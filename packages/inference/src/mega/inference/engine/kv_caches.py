@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mega.inference.engine.host_copy import to_device
+from mega.inference.engine.lora_registry import slot_of
 from mega.inference.engine.paged_kv_cache import BlockAllocator, PagedKVCache
 from mega.inference.engine.prefix_cache import PrefixCachingAllocator
 from mega.inference.engine.recurrent_state_cache import RecurrentStateCache, StateSlotAllocator
@@ -50,6 +51,8 @@ class SequenceCache:
         sequence (``real``: right-padded prompts, row ``r``'s own tokens; see
         :meth:`PagedKVCache.bind`); each sequence's ``cached`` moves past them."""
         device = self.engine.device
+        if self.engine.lora is not None:  # each row its LoRA adapter
+            self.engine.lora.bind([slot_of(s) for s in sequences])
         cached = [s.cached for s in sequences]
         self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device, [s.number for s in sequences],
                         real)
@@ -91,8 +94,12 @@ class SlotSequenceCache(SequenceCache):
     chooses_on_device = True
 
     def __init__(self, engine, slots: int, block_size: int, prefix_caching: bool, use_cuda_graphs: bool | None = None,
-                 compile_backend: str | Callable | None = None):
-        cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype)
+                 compile_backend: str | Callable | None = None, rolls_back: bool = False):
+        # Sliding-window layers keep rings of their window: not with prefix caching, which copies
+        # whole slots' prefixes, nor where rejected drafts roll a slot back (``rolls_back``, speculative
+        # decoding: a ring has overwritten the positions the rolled-back slot still sees).
+        windows = {} if prefix_caching or rolls_back else engine.layer_windows
+        cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype, windows)
         allocator = (PrefixCachingSlotAllocator(cache, block_size) if prefix_caching
                      else SlotAllocator(slots, engine.max_positions))
         super().__init__(engine, cache, allocator)
@@ -117,6 +124,11 @@ class SlotSequenceCache(SequenceCache):
         for slot, sequence in zip(slots, decoding, strict=True):
             cached[slot] = sequence.cached
             sequence.cached += 1
+        if self.engine.lora is not None:  # each row its LoRA adapter; the base's for rows nobody reads
+            adapters = [0] * window
+            for slot, sequence in zip(slots, decoding, strict=True):
+                adapters[slot] = slot_of(sequence)
+            self.engine.lora.bind(adapters)
         tokens = torch.zeros(window, 1, dtype=torch.long, device=device)
         rows = to_device(slots, device)
         tokens[rows, 0] = fed

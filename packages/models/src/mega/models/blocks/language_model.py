@@ -64,7 +64,7 @@ class LanguageModel(nn.Module):
         vocab = config.padded_vocab_size(parallel.tp)
 
         self.embedding = stage_embedding(partial(Embedding, config, vocab), stage, self.tied)
-        self.decoder = self.build_decoder(config, layers, post_process, kernels, context)
+        self.decoder = self.decoder_block(config, layers, post_process, kernels, context)
         # A backend that fuses the output layer into the loss: the last stage then hands the loss
         # its final hidden states and the output weight instead of logits (see forward).
         self.fused_loss = kernels.get("linear_loss") is not None if post_process else False
@@ -75,15 +75,6 @@ class LanguageModel(nn.Module):
             mark_padded_vocab(self.output_layer.weight)
             if self.tied:
                 tie_output_layer(self, self.output_layer, "output_layer.weight")
-
-    def build_decoder(self, config: TransformerConfig, layers: range, final_norm: bool, kernels: Kernels,
-                      context: ParallelContext | None) -> nn.Module:
-        """The stage's layer stack (a family with layers of its own builds them here)."""
-        return transformer_block(config, layers, final_norm, kernels, context)
-
-    def rotary_cos_sin(self):
-        """The function that makes the layers' RoPE angles, or None (see :func:`rotary_cos_sin_of`)."""
-        return rotary_cos_sin_of(self.config)
 
     def forward(self, inputs: torch.Tensor | Mapping[str, torch.Tensor], position_ids: torch.Tensor | None = None,
                 inference_cache: KVCache | None = None, logits_to_keep: int | torch.Tensor | None = None,
@@ -146,6 +137,15 @@ class LanguageModel(nn.Module):
                                                                 hidden.device, hidden.dtype)
         return self.decoder(hidden, position_ids, cache=inference_cache, **layer_kwargs)
 
+
+    def decoder_block(self, config: TransformerConfig, layers: range, final_norm: bool, kernels: Kernels,
+                      context: ParallelContext | None) -> nn.Module:
+        """This stage's decoder layers and final norm (a family with layers of its own overrides it)."""
+        return transformer_block(config, layers, final_norm, kernels, context)
+
+    def rotary_cos_sin(self):
+        """The function making the layers' RoPE angles once per forward (None: no RoPE)."""
+        return rotary_cos_sin_of(self.config)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
         """Per-token cross-entropy ``[b, s]`` (fp32) of logits ``[s, b, vocab (shard)]``; the

@@ -56,7 +56,7 @@ class HybridLanguageModel(DeepSeekModel):
     """The MoE decoder of hybrid layers; with ``--mtp-num-layers`` DeepSeek-V3's multi-token
     prediction on the last stage, its norms zero-centred and its layer a full-attention one."""
 
-    def build_decoder(self, config, layers, final_norm, kernels, context):
+    def decoder_block(self, config, layers, final_norm, kernels, context):
         stack = {number: hybrid_layer(config, kernels, number, context) for number in layers}
         norm = ZeroCenteredRMSNorm(config.hidden_size, config.layernorm_epsilon) if final_norm else None
         return LayerStack(stack, norm, rng_stream=context.stack_dropout_tracker if context is not None else None)
