@@ -241,7 +241,9 @@ def test_mega_to_hugging_face_is_bit_exact_to_its_own_class(case, tmp_path):
     ("olmo2", dict(attention_bias=True), "attention_bias"),
     ("qwen2", dict(use_sliding_window=True, max_window_layers=1, sliding_window=WINDOW), "layer_types"),
     ("mistral", dict(hidden_act="gelu"), "hidden_act"),
-    ("mistral", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "RoPE type"),
+    ("mistral", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 12,
+                                      "long_factor": [2.0] * 12, "original_max_position_embeddings": 32}),
+     "rope_scaling.rope_type"),
 ])
 def test_what_the_blocks_cannot_express_is_refused_by_field(name, settings, field, tmp_path):
     class_name, config_name, base, _ = MODELS[name]

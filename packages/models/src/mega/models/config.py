@@ -19,6 +19,8 @@ from mega.core.config.options import option, switch
 # The MLP activations: what the torch kernel backend (and so every --activation-backend) offers
 # for an ungated MLP, and SwiGLU (gated: fc1 holds [gate; up], as --swiglu).
 MLP_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "swiglu")
+# The RoPE frequency kinds (Hugging Face's rope_type names; "rope" is their "default").
+ROPE_TYPES = ("rope", "linear", "dynamic", "yarn", "llama3")
 
 
 class ModelConfigError(ValueError):
@@ -61,8 +63,30 @@ class TransformerConfig:
     # Architecture choices.
     position_embedding_type: Literal["learned_absolute", "rope"] = option("learned_absolute", "learned_absolute or rope")
     rotary_base: float = option(10000.0, "RoPE theta")
-    use_rope_scaling: bool = option(False, "LLaMA-3.1 RoPE frequency scaling")
-    rope_scaling_factor: float = option(8.0, "LLaMA-3.1 RoPE scaling factor")
+    rope_type: str = option("rope", "RoPE frequencies: rope (plain); linear (positions divided by "
+                            "--rotary-scaling-factor); dynamic (NTK-aware, its base grown by the sequence length "
+                            "at run time past --original-max-position-embeddings); yarn (--beta-fast/--beta-slow, "
+                            "cos and sin times the attention factor); llama3 (the same as --use-rope-scaling)",
+                            choices=ROPE_TYPES)
+    use_rope_scaling: bool = option(False, "LLaMA-3.1 RoPE frequency scaling (--rope-type llama3)")
+    rope_scaling_factor: float = option(8.0, "llama3 RoPE scaling factor")
+    rotary_scaling_factor: float = option(1.0, "linear, dynamic and yarn RoPE: how much longer the context is "
+                                          "than the original")
+    original_max_position_embeddings: int | None = option(
+        None, "dynamic, yarn and llama3 RoPE: the context length the model was first trained for; default "
+        "--max-position-embeddings (llama3: 8192)")
+    rope_low_freq_factor: float = option(1.0, "llama3 RoPE: wavelengths above original context / this are "
+                                         "scaled by the whole factor")
+    rope_high_freq_factor: float = option(4.0, "llama3 RoPE: wavelengths below original context / this are kept")
+    beta_fast: float = option(32.0, "YaRN: rotations above which frequencies are kept")
+    beta_slow: float = option(1.0, "YaRN: rotations below which frequencies are scaled")
+    yarn_truncate: bool = option(True, "YaRN: round the correction range to whole dimensions",
+                                 action=switch("--no-yarn-truncate"))
+    mscale: float | None = option(None, "YaRN: with --mscale-all-dim, the attention factor is "
+                                  "mscale(--mscale) / mscale(--mscale-all-dim); default mscale(factor)")
+    mscale_all_dim: float | None = option(None, "YaRN: the denominator's mscale of the attention factor")
+    rope_attention_factor: float | None = option(None, "YaRN: the factor on RoPE's cos and sin, given outright "
+                                                 "(default: from --mscale / --mscale-all-dim)")
     normalization: Literal["LayerNorm", "RMSNorm"] = option("LayerNorm", "LayerNorm or RMSNorm")
     layernorm_epsilon: float = option(1e-5, "norm epsilon", flag="--norm-epsilon")
     swiglu: bool = option(False, "SwiGLU MLP instead of GELU", action=switch("--no-swiglu"))
@@ -126,6 +150,10 @@ class TransformerConfig:
             derived["ffn_hidden_size"] = int(ffn * 2 / 3 / 64) * 64 if gated else ffn
         if self.max_position_embeddings is None:
             derived["max_position_embeddings"] = self.seq_length
+        if self.use_rope_scaling and self.rope_type == "rope":  # Megatron's spelling of llama3's scaling
+            derived["rope_type"] = "llama3"
+        if self.rope_type == "llama3":
+            derived["use_rope_scaling"] = True
         for name, value in derived.items():
             object.__setattr__(self, name, value)
         self.validate()
@@ -138,6 +166,7 @@ class TransformerConfig:
         need(heads % groups == 0, f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
         need(self.position_embedding_type in ("learned_absolute", "rope"),
              f"--position-embedding-type must be learned_absolute or rope, got {self.position_embedding_type!r}")
+        self._validate_rope_scaling()
         need(self.normalization in ("LayerNorm", "RMSNorm"),
              f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
         if self.position_embedding_type == "learned_absolute":
@@ -187,6 +216,18 @@ class TransformerConfig:
         need(len(set(chosen.values())) <= 1,
              "the MLP has one activation, these flags ask for several: "
              + ", ".join(f"{flag} ({name})" for flag, name in chosen.items()))
+
+    def _validate_rope_scaling(self) -> None:
+        need(self.rope_type in ROPE_TYPES, f"--rope-type must be one of {', '.join(ROPE_TYPES)}, "
+             f"got {self.rope_type!r}")
+        need(not self.use_rope_scaling or self.rope_type in ("rope", "llama3"),
+             f"--use-rope-scaling is llama3's scaling; it cannot join --rope-type {self.rope_type}")
+        if self.rope_type in ("linear", "dynamic", "yarn"):
+            need(self.rotary_scaling_factor >= 1.0, f"--rope-type {self.rope_type} needs "
+                 f"--rotary-scaling-factor >= 1, got {self.rotary_scaling_factor}")
+        if self.rope_type == "llama3" or self.use_rope_scaling:
+            need(self.rope_low_freq_factor < self.rope_high_freq_factor, "llama3 RoPE needs --rope-low-freq-factor "
+                 f"{self.rope_low_freq_factor} below --rope-high-freq-factor {self.rope_high_freq_factor}")
 
     def _validate_recompute(self) -> None:
         granularity, method, count = self.recompute_granularity, self.recompute_method, self.recompute_num_layers

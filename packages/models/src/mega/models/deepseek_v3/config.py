@@ -32,8 +32,6 @@ class MLATransformerConfig(MoETransformerConfig):
     rope_type: Literal["rope", "yarn"] = option("yarn", "rope, or YaRN's scaled frequencies (multi-latent attention)")
     rotary_scaling_factor: float = option(40.0, "YaRN: how much longer the context is than the original")
     original_max_position_embeddings: int = option(4096, "YaRN: the context length the model was first trained for")
-    beta_fast: float = option(32.0, "YaRN: rotations above which frequencies are kept")
-    beta_slow: float = option(1.0, "YaRN: rotations below which frequencies are scaled")
     mscale: float = option(1.0, "YaRN: mscale of the rotary attention factor")
     mscale_all_dim: float = option(1.0, "YaRN: mscale of the softmax scale (squared) and of the attention factor")
     mtp_num_layers: int | None = option(None, "multi-token prediction: modules predicting tokens 2..N+1 ahead "

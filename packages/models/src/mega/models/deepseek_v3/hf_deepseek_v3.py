@@ -29,7 +29,8 @@ from typing import Any
 from mega.core.model_family import TensorMap
 from mega.models.deepseek_v3.config import DeepSeekV3Config
 from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless, same
-from mega.models.llama.hf_llama import _fuse_gate_up, _rope, _split_gate_up
+from mega.models.hf_rope import hf_rope_parameters
+from mega.models.llama.hf_llama import _fuse_gate_up, _split_gate_up
 from mega.models.moe.config import moe_layer_pattern
 from mega.models.qwen3_moe.hf_qwen3_moe import routed_expert_maps
 
@@ -68,7 +69,7 @@ def deepseek_v3_config(hf_config: Mapping[str, Any], **overrides) -> DeepSeekV3C
     unsupported = [what for what, bad in problems.items() if bad]
     if unsupported:
         raise ValueError(f"DeepseekV3ForCausalLM with {'; '.join(unsupported)} has no mega equivalent")
-    rope = _rope(hf_config)
+    rope = hf_rope_parameters(hf_config)
     if rope["rope_type"] not in ("default", "yarn"):
         raise ValueError(f"DeepseekV3ForCausalLM RoPE type {rope['rope_type']!r} has no mega equivalent (default and yarn do)")
     yarn = {key: float(rope.get(key) or value) for key, value in YARN_DEFAULTS.items()}

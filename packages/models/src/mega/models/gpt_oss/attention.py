@@ -18,16 +18,7 @@ from torch import nn
 from mega.core.kernels import AttentionMask, Kernels
 from mega.core.model_family import ParallelContext
 from mega.models.blocks.attention import CoreAttention, SelfAttention
-from mega.models.blocks.mla import scaled_cos_sin, yarn_inverse_frequencies, yarn_mscale
 from mega.models.torch_kernels import explicit_mask
-
-
-def gpt_oss_cos_sin(config, seq_length: int, position_ids: torch.Tensor | None, device: torch.device):
-    """RoPE's cos and sin over the whole head, with YaRN's frequencies and attention factor
-    mscale(factor) where ``--rope-type yarn`` (transformers' gpt-oss: no mscale keys)."""
-    inv_freq = yarn_inverse_frequencies(config, device, config.kv_channels)
-    factor = yarn_mscale(config.rotary_scaling_factor) if config.rope_type == "yarn" else 1.0
-    return scaled_cos_sin(inv_freq, factor, seq_length, position_ids, device)
 
 
 def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor,
@@ -69,8 +60,6 @@ class SinkCoreAttention(CoreAttention):
 class GptOssAttention(SelfAttention):
     """Self-attention of layer ``number``: its window (None on full layers), YaRN's angles, sinks
     with ``--softmax-type learnable``."""
-
-    cos_sin = staticmethod(gpt_oss_cos_sin)
 
     def __init__(self, config, kernels: Kernels, number: int, context: ParallelContext | None = None):
         super().__init__(config, kernels, context)

@@ -46,8 +46,6 @@ class GptOssConfig(MoETransformerConfig):
     rope_type: Literal["rope", "yarn"] = option("yarn", "rope, or YaRN's scaled frequencies")
     rotary_scaling_factor: float = option(32.0, "YaRN: how much longer the context is than the original")
     original_max_position_embeddings: int = option(4096, "YaRN: the context length the model was first trained for")
-    beta_fast: float = option(32.0, "YaRN: rotations above which frequencies are kept")
-    beta_slow: float = option(1.0, "YaRN: rotations below which frequencies are scaled")
     yarn_truncate: bool = option(False, "YaRN: round the correction range to whole dimensions (DeepSeek's; "
                                  "gpt-oss does not)", action=switch("--no-yarn-truncate"))
     swiglu_limit: float = option(7.0, "the experts' clamp: gate at most this, up within +-this")

@@ -29,7 +29,7 @@ from mega.models.blocks.layer_stack import LayerStack, PreNormLayer
 from mega.models.blocks.norms import build_norm
 from mega.models.config import ModelConfigError
 from mega.models.flops import num_floating_point_operations as dense_flops
-from mega.models.gpt_oss.attention import GptOssAttention, SinkCoreAttention, gpt_oss_cos_sin
+from mega.models.gpt_oss.attention import GptOssAttention, SinkCoreAttention
 from mega.models.gpt_oss.config import GptOssConfig
 from mega.models.gpt_oss.experts import GptOssMoE, shard_gpt_oss_experts
 from mega.models.initialization import init_parameter
@@ -45,9 +45,6 @@ class GptOssLanguageModel(MoELanguageModel):
                  for number in layers}
         stream = context.stack_dropout_tracker if context is not None else None
         return LayerStack(built, build_norm(config, kernels) if final_norm else None, rng_stream=stream)
-
-    def rotary_cos_sin(self):
-        return gpt_oss_cos_sin
 
 
 def build_gpt_oss_model(config: GptOssConfig, stage: Stage, *, kernels: Kernels, parallel: ParallelConfig,

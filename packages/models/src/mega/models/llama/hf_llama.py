@@ -5,8 +5,9 @@
 * RoPE: Hugging Face LLaMA rotates halves (``rotate_half``) as mega does, so q and k rows need no
   permutation (Meta's original checkpoints rotate interleaved pairs; Hugging Face's own
   conversion script already permuted those).
-* config.json: RoPE settings are written as ``rope_theta``/``rope_scaling``, the keys every
-  transformers version reads (5.x also reads its newer ``rope_parameters``, accepted here too).
+* config.json: RoPE settings (every ``rope_type`` the shared blocks compute) are read and written
+  by :mod:`mega.models.hf_rope`, as ``rope_theta``/``rope_scaling``, the keys every transformers
+  version reads (5.x also reads its newer ``rope_parameters``, accepted too).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from mega.models.hf_mapping import (
     same,
     split_qkv,
 )
+from mega.models.hf_rope import hf_max_position_embeddings, hf_rope_scaling, rope_settings
 from mega.models.llama.config import LlamaConfig
 
 # LlamaConfig's defaults for the keys read here (config.json may leave them out).
@@ -37,18 +39,6 @@ DEFAULTS = {
     "max_position_embeddings": 2048, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
 }
-# LLaMA-3.1's RoPE frequency scaling, the only "llama3" scaling mega implements (factor aside).
-LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def _rope(hf_config: Mapping[str, Any]) -> dict:
-    """RoPE settings as one dict with ``rope_theta`` and ``rope_type`` (transformers 4.x and 5.x keys)."""
-    rope = dict(hf_config.get("rope_parameters") or {})
-    if not rope:
-        rope = dict(hf_config.get("rope_scaling") or {})
-        rope["rope_theta"] = hf_config.get("rope_theta", 10000.0)
-    rope.setdefault("rope_type", rope.get("type", "default"))
-    return rope
 
 
 def llama_config(hf_config: Mapping[str, Any], config_class: type = LlamaConfig, **overrides) -> TransformerConfig:
@@ -61,24 +51,19 @@ def llama_config(hf_config: Mapping[str, Any], config_class: type = LlamaConfig,
         raise ValueError(f"LLaMA hidden_act {get('hidden_act')!r} is not SwiGLU's silu")
     if get("attention_bias") != get("mlp_bias"):
         raise ValueError("LLaMA with attention_bias != mlp_bias has no mega equivalent")
-    rope = _rope(hf_config)
-    if rope["rope_type"] not in ("default", "llama3"):
-        raise ValueError(f"RoPE type {rope['rope_type']!r} has no mega equivalent (default and llama3 do)")
-    if rope["rope_type"] == "llama3" and any(rope.get(key) != value for key, value in LLAMA3_ROPE.items()):
-        raise ValueError(f"llama3 RoPE scaling with {rope} differs from LLaMA-3.1's {LLAMA3_ROPE}")
     heads = get("num_attention_heads")
     settings = dict(
         num_layers=get("num_hidden_layers"), hidden_size=get("hidden_size"), ffn_hidden_size=get("intermediate_size"),
         num_attention_heads=heads, num_query_groups=get("num_key_value_heads") or heads,
         kv_channels=get("head_dim") or get("hidden_size") // heads,
         seq_length=get("max_position_embeddings"), max_position_embeddings=get("max_position_embeddings"),
-        vocab_size=get("vocab_size"), position_embedding_type="rope", rotary_base=float(rope["rope_theta"]),
-        use_rope_scaling=rope["rope_type"] == "llama3", rope_scaling_factor=float(rope.get("factor", 8.0)),
+        vocab_size=get("vocab_size"), position_embedding_type="rope",
         normalization="RMSNorm", layernorm_epsilon=get("rms_norm_eps"), swiglu=True,
         add_bias_linear=get("attention_bias"),
         untie_embeddings_and_output_weights=not get("tie_word_embeddings"),
         hidden_dropout=0.0, attention_dropout=get("attention_dropout"), init_method_std=get("initializer_range"),
     )
+    settings.update(rope_settings(hf_config, get("max_position_embeddings"), "LlamaForCausalLM"))
     return config_class(**{**settings, **overrides})
 
 
@@ -99,16 +84,14 @@ def llama_hf_config(config: TransformerConfig) -> dict:
     unsupported = [field for field, differs in differences.items() if differs]
     if unsupported:
         raise ValueError(f"LlamaForCausalLM cannot express this model: {'; '.join(unsupported)}")
-    rope_scaling = ({"rope_type": "llama3", "factor": config.rope_scaling_factor, **LLAMA3_ROPE}
-                    if config.use_rope_scaling else None)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
         "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_query_groups,
-        "head_dim": config.kv_channels, "max_position_embeddings": config.max_position_embeddings,
+        "head_dim": config.kv_channels, "max_position_embeddings": hf_max_position_embeddings(config),
         "hidden_act": "silu", "rms_norm_eps": config.layernorm_epsilon,
-        "rope_theta": config.rotary_base, "rope_scaling": rope_scaling,
+        "rope_theta": config.rotary_base, "rope_scaling": hf_rope_scaling(config),
         "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
         "attention_dropout": config.attention_dropout, "initializer_range": config.init_method_std,
         "tie_word_embeddings": not config.untie_embeddings_and_output_weights,

@@ -41,7 +41,8 @@ import torch
 
 from mega.core.model_family import TensorMap
 from mega.models.hf_mapping import causal_lm_mapping, interleave_qkv, read_field, refuse_headless, same
-from mega.models.llama.hf_llama import _fuse_gate_up, _rope, _split_gate_up
+from mega.models.hf_rope import hf_rope_parameters
+from mega.models.llama.hf_llama import _fuse_gate_up, _split_gate_up
 from mega.models.qwen3_moe.hf_qwen3_moe import routed_expert_maps
 from mega.models.qwen3_next.config import HybridLinearAttentionConfig, Qwen3NextConfig
 
@@ -91,7 +92,7 @@ def qwen3_next_config(hf_config: Mapping[str, Any], **overrides) -> HybridLinear
         "norm_topk_prob false (mega renormalises the top-k weights)": not get("norm_topk_prob"),
     }
     refusals["mtp_num_hidden_layers above 1 (their fc and norms are shared)"] = get("mtp_num_hidden_layers") > 1
-    rope = _rope(hf_config)
+    rope = hf_rope_parameters(hf_config)
     refusals[f"rope_type {rope['rope_type']!r} (default RoPE only)"] = rope["rope_type"] != "default"
     refused = [field for field, differs in refusals.items() if differs]
     if refused:
