@@ -136,11 +136,14 @@ def test_qkv_interleave_is_per_query_group():
 def test_unsupported_hugging_face_configs_are_refused():
     with pytest.raises(ValueError, match="activation_function 'relu'"):
         gpt2_config(transformers.GPT2Config(activation_function="relu").to_dict())
-    with pytest.raises(ValueError, match="RoPE type 'yarn'"):
-        llama_config(transformers.LlamaConfig(
-            rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}).to_dict())
-    with pytest.raises(ValueError, match="RoPE type 'yarn'"):  # transformers 4.x keys
-        llama_config({"rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 64, "long_factor": [2.0] * 64,
+                "original_max_position_embeddings": 1024}
+    with pytest.raises(ValueError, match="rope_scaling.rope_type 'longrope'"):
+        llama_config(transformers.LlamaConfig(rope_parameters=longrope).to_dict())
+    with pytest.raises(ValueError, match="rope_scaling.rope_type 'longrope'"):  # transformers 4.x keys
+        llama_config({"rope_theta": 1e4, "rope_scaling": {"type": "longrope", "factor": 2.0}})
+    # yarn (linear, dynamic, llama3) are mega's --rope-type, in either version's keys.
+    assert llama_config({"rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 2.0}}).rope_type == "yarn"
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

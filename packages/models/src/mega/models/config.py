@@ -21,6 +21,7 @@ from mega.core.config.options import option, switch
 MLP_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "swiglu")
 # The RoPE frequency kinds (Hugging Face's rope_type names; "rope" is their "default").
 ROPE_TYPES = ("rope", "linear", "dynamic", "yarn", "llama3")
+LLAMA3_ORIGINAL_CONTEXT = 8192  # LLaMA-3.1's original context: llama3 scaling's default (Megatron's fixed one)
 
 
 class ModelConfigError(ValueError):
@@ -152,8 +153,10 @@ class TransformerConfig:
             derived["max_position_embeddings"] = self.seq_length
         if self.use_rope_scaling and self.rope_type == "rope":  # Megatron's spelling of llama3's scaling
             derived["rope_type"] = "llama3"
-        if self.rope_type == "llama3":
+        if derived.get("rope_type", self.rope_type) == "llama3":
             derived["use_rope_scaling"] = True
+            if self.original_max_position_embeddings is None:
+                derived["original_max_position_embeddings"] = LLAMA3_ORIGINAL_CONTEXT
         for name, value in derived.items():
             object.__setattr__(self, name, value)
         self.validate()

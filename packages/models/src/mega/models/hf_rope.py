@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mega.models.blocks.rope import LLAMA3_ORIGINAL_CONTEXT
 from mega.models.config import TransformerConfig
 
 # transformers' rope_type -> mega's --rope-type.
@@ -96,7 +95,7 @@ def hf_rope_scaling(config: TransformerConfig) -> dict | None:
     if kind == "llama3":
         return {"rope_type": "llama3", "factor": config.rope_scaling_factor,
                 "low_freq_factor": config.rope_low_freq_factor, "high_freq_factor": config.rope_high_freq_factor,
-                "original_max_position_embeddings": original or LLAMA3_ORIGINAL_CONTEXT}
+                "original_max_position_embeddings": original}
     scaling = {"rope_type": "yarn", "factor": config.rotary_scaling_factor,
                "original_max_position_embeddings": original or config.max_position_embeddings}
     scaling.update({key: getattr(config, key) for key, default in YARN_BETAS.items()

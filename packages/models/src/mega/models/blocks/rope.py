@@ -17,9 +17,6 @@ import torch
 
 from mega.models.config import TransformerConfig
 
-# LLaMA-3.1's original context, llama3 scaling's default (Megatron keeps it fixed).
-LLAMA3_ORIGINAL_CONTEXT = 8192
-
 
 def plain_inverse_frequencies(base: float, dim: int, device: torch.device) -> torch.Tensor:
     """``base^(-2i / dim)`` for the ``dim / 2`` rotating pairs, fp32."""
@@ -48,7 +45,7 @@ def _llama3_scaling(inv_freq: torch.Tensor, config: TransformerConfig) -> torch.
     """Slow the low frequencies by ``--rope-scaling-factor``, keep the high ones, blend smoothly
     in between (wavelengths measured against the original context)."""
     factor, low, high = config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
-    context = config.original_max_position_embeddings or LLAMA3_ORIGINAL_CONTEXT
+    context = config.original_max_position_embeddings
     wavelength = 2 * math.pi / inv_freq
     smooth = (context / wavelength - low) / (high - low)
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
