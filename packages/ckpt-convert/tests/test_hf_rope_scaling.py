@@ -129,3 +129,17 @@ def test_a_rope_kind_mega_does_not_compute_is_refused_by_name(tmp_path):
     with pytest.raises(ConversionError, match="rope_scaling.rope_type 'longrope'"):
         convert(tmp_path / "hf", tmp_path / "mega", to_format="mega")
     assert not (tmp_path / "mega").exists()
+
+
+@pytest.mark.parametrize("settings, named", [
+    (dict(rope_type="yarn", rotary_scaling_factor=4.0), "--rope-type yarn"),
+    (dict(use_rope_scaling=True, rope_high_freq_factor=8.0), "rope_high_freq_factor"),
+])
+def test_megatron_export_refuses_the_rope_megatron_does_not_compute(settings, named):
+    from mega.ckpt_convert.megatron.args import args_for
+    from mega.models.llama.config import LlamaConfig
+
+    config = LlamaConfig(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, **settings)
+    with pytest.raises(ConversionError, match=named):
+        args_for(config, 1, 1, 512, 0, "torch", None)
+    assert args_for(LlamaConfig(use_rope_scaling=True), 1, 1, 512, 0, "torch", None).use_rope_scaling

@@ -139,6 +139,19 @@ def tokenizer_from_args(args: argparse.Namespace) -> tuple[TokenizerSpec | None,
     return TokenizerSpec(kind, options), []
 
 
+def _refuse_rope_megatron_lacks(config) -> None:
+    """Megatron-LM's GPT rotates by plain RoPE or LLaMA-3.1's scaling (``--use-rope-scaling``,
+    its other parameters fixed); any other RoPE would load as another model."""
+    kind = getattr(config, "rope_type", "rope")
+    if kind not in ("rope", "llama3"):
+        raise ConversionError(f"Megatron-LM's GPT has no --rope-type {kind} (plain RoPE and --use-rope-scaling only)")
+    fixed = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    changed = [name for name, value in fixed.items() if getattr(config, name) != value]
+    if kind == "llama3" and changed:
+        raise ConversionError(f"Megatron-LM's --use-rope-scaling keeps {', '.join(changed)} at LLaMA-3.1's "
+                              f"{fixed}; this model's differ")
+
+
 def args_for(config, tensor_parallel_size: int, pipeline_parallel_size: int, padded_vocab_size: int,
              iteration: int, ckpt_format: str, tokenizer: TokenizerSpec | None) -> argparse.Namespace:
     """The Megatron-LM arguments of a run of ``config`` at this layout (what ``--use-checkpoint-args``
@@ -149,6 +162,8 @@ def args_for(config, tensor_parallel_size: int, pipeline_parallel_size: int, pad
         if getattr(config, "mlp_activation", None) == "relu":
             raise ConversionError("Megatron-LM has no argument for a ReLU MLP (--activation relu): its "
                                   "checkpoint would load as a GELU model")
+        if not getattr(config, "multi_latent_attention", False):
+            _refuse_rope_megatron_lacks(config)
         args = argparse.Namespace(**{name: getattr(config, name) for name in SAME})
         args.num_query_groups = config.num_query_groups
         if getattr(config, "num_experts", None):

@@ -56,6 +56,8 @@ class HybridLinearAttentionConfig(MoETransformerConfig):
              f"--rotary-percent {self.rotary_percent} of --kv-channels {self.kv_channels} must give a positive even "
              f"number of rotated channels, got {rotary}")
         need(self.position_embedding_type == "rope", "the hybrid layers' attention needs --position-embedding-type rope")
+        need(self.rope_type == "rope", f"the hybrid layers' partial RoPE is plain: --rope-type {self.rope_type} "
+             "is not computed there")
         need(self.mtp_num_layers is None or self.mtp_num_layers >= 0,
              f"--mtp-num-layers must be >= 0, got {self.mtp_num_layers}")
 
