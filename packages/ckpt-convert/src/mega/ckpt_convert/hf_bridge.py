@@ -12,6 +12,8 @@ the shared blocks, read from its config.json and written back to it:
   (``--layernorm-placement post``): ``post_attention_layernorm`` and
   ``post_feedforward_layernorm``, no input norms.
 * ``sliding_window``: how the architecture's config says its window (``--sliding-window``).
+* ``rope_scaling``: every rotary scaling kind the shared blocks compute (``--rope-type``; read and
+  written by :mod:`mega.models.hf_rope`, as for LLaMA).
 
 An architecture's config field the shared blocks cannot express is refused by name.
 """
@@ -26,6 +28,7 @@ from typing import Any
 from mega.core.model_family import HFMapping, ModelFamily, TensorMap
 from mega.models.config import TransformerConfig
 from mega.models.hf_mapping import causal_lm_mapping, read_field, refuse_headless, same
+from mega.models.hf_rope import ROPE_KINDS
 from mega.models.llama.config import LlamaConfig
 from mega.models.llama.hf_llama import llama_config, llama_hf_config, llama_tensor_maps
 
@@ -239,4 +242,7 @@ def list_architectures(families: Mapping[str, ModelFamily]) -> list[str]:
              for name, family in families.items() if family.hf_mapping is not None]
     lines += [f"{variation.architecture:28} {BRIDGE_FAMILY} family, bridged: {variation.summary}"
               for variation in VARIATIONS.values()]
+    kinds = ", ".join(ROPE_KINDS)
+    lines.append(f"{'(rope_scaling.rope_type)':28} {kinds}: of LLaMA, the bridged, Qwen3, Qwen3-MoE and Mixtral ({BRIDGE_FAMILY}'s "
+                 "--rope-type)")
     return lines

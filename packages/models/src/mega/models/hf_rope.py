@@ -14,7 +14,7 @@ transformers keeps them in ``rope_parameters`` (5.x) or ``rope_theta`` plus ``ro
 * ``llama3``: ``factor`` -> ``--rope-scaling-factor``, ``low_freq_factor``/``high_freq_factor``,
   ``original_max_position_embeddings``.
 
-Any other kind is refused naming ``rope_scaling.rope_type``; ``longrope`` with the reason.
+Any other kind (``longrope`` among them, not implemented) is refused naming ``rope_scaling.rope_type``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from mega.models.config import TransformerConfig
 # transformers' rope_type -> mega's --rope-type.
 ROPE_KINDS = {"default": "rope", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn", "llama3": "llama3"}
 REFUSAL_REASONS = {
-    "longrope": "its two per-dimension factor lists, chosen by the whole sequence's length, switch every "
-                "cached key's frequencies once a sequence passes the original context",
+    "longrope": "not implemented: its per-dimension short_factor/long_factor lists have no mega config field",
 }
 YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}  # transformers' defaults where config.json has none
 
