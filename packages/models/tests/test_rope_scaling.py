@@ -2,8 +2,8 @@
 made there, so it passes on a GPU machine too).
 
 Dynamic NTK scaling takes each row's own length (its last position + 1) in a batch of sequences
-at different positions, as transformers does for that sequence alone; the config refuses
-contradictory settings by flag.
+at different positions, as transformers does for that sequence alone (and is refused with context
+parallelism, whose ranks see no whole length); the config refuses contradictory settings by flag.
 """
 
 from __future__ import annotations
@@ -68,3 +68,14 @@ def test_contradictory_rope_settings_are_refused_by_flag():
         LlamaConfig(rope_type="longrope")
     with pytest.raises(ModelConfigError, match="--rotary-scaling-factor"):
         LlamaConfig(rope_type="linear", rotary_scaling_factor=0.5)
+
+
+def test_dynamic_scaling_is_refused_with_context_parallelism():
+    from mega.core.parallel import ParallelConfig
+    from mega.models.blocks.context_parallel import check_context_parallel
+
+    config = LlamaConfig(rope_type="dynamic", rotary_scaling_factor=2.0, attention_dropout=0.0)
+    with pytest.raises(ModelConfigError, match="--rope-type dynamic with --context-parallel-size 2"):
+        check_context_parallel(config, ParallelConfig(cp=2))
+    check_context_parallel(LlamaConfig(rope_type="yarn", rotary_scaling_factor=2.0, attention_dropout=0.0),
+                           ParallelConfig(cp=2))

@@ -42,6 +42,11 @@ def check_context_parallel(config: TransformerConfig, parallel: ParallelConfig) 
             f"--sliding-window {config.sliding_window} with --context-parallel-size {parallel.cp}: the ranks' "
             "attention over the split sequence has no window; pass --context-parallel-size 1"
         )
+    if getattr(config, "rope_type", "rope") == "dynamic":
+        raise ModelConfigError(
+            f"--rope-type dynamic with --context-parallel-size {parallel.cp}: its frequencies follow the whole "
+            "sequence's length, which no rank's chunks of positions show; pass --context-parallel-size 1"
+        )
     if parallel.cp_comm_type == "a2a":
         try:
             check_heads(config.num_attention_heads // parallel.tp, parallel.cp)
