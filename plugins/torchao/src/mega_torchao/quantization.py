@@ -8,8 +8,8 @@ The kinds, by the device the model runs on (a kind a device cannot run is refuse
 * ``int8``: torchao's ``Int8WeightOnlyConfig``: int8 weights, one symmetric scale per output row,
   the product in the activation dtype. Any device.
 * ``fp8``: on a GPU of compute capability 8.9+, ``Float8DynamicActivationFloat8WeightConfig``:
-  E4M3 weights and activations (each token's scale computed per step), products on
-  ``torch._scaled_mm``; scales per row on 9.0+, per tensor on 8.9. On the CPU
+  E4M3 weights and activations (their scales computed as they come), products on
+  ``torch._scaled_mm``; scales per row (activations: per token) on 9.0+, per tensor on 8.9. On the CPU
   ``Float8WeightOnlyConfig``: E4M3 weights with per-row scales, dequantized into the product
   (the accuracy of FP8 weights, not their speed). Older GPUs are refused (no FP8 products).
 * ``int4``: groups of 128 input features (64 or 32 where 128 does not divide a layer's) with a

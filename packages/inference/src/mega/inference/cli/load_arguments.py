@@ -32,7 +32,7 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
                        help="quantize the linear layers' weights once loaded (the output layer and MoE routers "
                             "stay in --dtype), through the plugin registering the 'quantization' setup pass "
                             "(mega-torchao): int8 (per-row int8 weights, any device), fp8 (E4M3 weights; with "
-                            "per-token FP8 activations on a GPU of compute capability 8.9+, weight-only on the "
+                            "dynamically scaled FP8 activations on a GPU of compute capability 8.9+, weight-only on the "
                             "CPU), int4 (groups of 128 input features; CUDA with --dtype bfloat16, or the CPU). "
                             "Each tensor-parallel rank quantizes its shards; a kind the device cannot run is "
                             "refused, saying why. The weight bytes before and after are printed")
