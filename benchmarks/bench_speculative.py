@@ -23,7 +23,8 @@ experts, one MTP layer, a ``--vocab`` vocabulary) trained ``--mtp-train-steps`` 
 stream repeating a random ``--mtp-cycle``-token cycle, so its MTP layer predicts the stream's
 continuation; the prompts are pieces of the stream (``--snippet`` tokens and less). Plain decoding
 against MTP drafts, tokens checked equal. ``--mtp-noise S`` adds noise of std S to the MTP layer's
-weights after training (a weaker head: fewer drafts accepted). ``--mtp-target-layers 0`` skips it.
+weights after training (a weaker head: fewer drafts accepted). ``--rows mtp`` runs it alone,
+``--rows llama`` the others alone.
 
     python benchmarks/bench_speculative.py
     python benchmarks/bench_speculative.py --batches 1 8 --k 4 --json
@@ -173,8 +174,10 @@ def main() -> None:
     parser.add_argument("--draft-layers", type=int, default=1)
     parser.add_argument("--late-layer-scale", type=float, default=0.1,
                         help="scale of the target's layers after --draft-layers (1.0: plain random weights)")
-    parser.add_argument("--mtp-target-layers", type=int, default=8,
-                        help="layers of the DeepSeek-V3 of the MTP row (0: no MTP row)")
+    parser.add_argument("--rows", nargs="+", choices=("llama", "mtp"), default=["llama", "mtp"],
+                        help="llama: no speculation, ngram and draft model on the LLaMA; mtp: the DeepSeek-V3 "
+                             "without and with MTP drafts")
+    parser.add_argument("--mtp-target-layers", type=int, default=8, help="layers of the MTP row's DeepSeek-V3")
     parser.add_argument("--mtp-hidden", type=int, default=256)
     parser.add_argument("--mtp-cycle", type=int, default=32, help="tokens of the cycle the MTP row's model learns")
     parser.add_argument("--mtp-train-steps", type=int, default=60)
@@ -185,6 +188,13 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.prompt = args.snippet + args.snippet // 2  # what bench_generate's model builder sizes positions by
+    if "llama" in args.rows:
+        llama_rows(args)
+    if "mtp" in args.rows:
+        mtp_rows(args)
+
+
+def llama_rows(args) -> None:
     target_hf = hf_model("llama", args)
     scale_late_layers(target_hf, args.draft_layers, args.late_layer_scale)
     engine = mega_engine("llama", target_hf, args)
@@ -200,17 +210,19 @@ def main() -> None:
               f"{row['draft_model_tokens_per_s']:.1f} tok/s ({row['draft_model_speedup']:.2f}x, acceptance "
               f"{row['draft_model_acceptance']:.2f}, {row['draft_model_tokens_per_step']:.2f} tokens/step); "
               f"same tokens: {row['same_tokens']}")
-    if args.mtp_target_layers:
-        mtp_engine, stream = trained_mtp_engine(args)
-        for batch in args.batches:
-            row = bench_mtp(batch, mtp_engine, stream, args)
-            if args.json:
-                print(json.dumps({"model": "deepseek-v3-mtp", **row}))
-                continue
-            print(f"batch {batch}, K={args.k}, DeepSeek-V3 {args.mtp_target_layers}x{args.mtp_hidden}: plain "
-                  f"{row['plain_tokens_per_s']:.1f} tok/s; mtp {row['mtp_tokens_per_s']:.1f} tok/s "
-                  f"({row['mtp_speedup']:.2f}x, acceptance {row['mtp_acceptance']:.2f}, "
-                  f"{row['mtp_tokens_per_step']:.2f} tokens/step); same tokens: {row['same_tokens']}")
+
+
+def mtp_rows(args) -> None:
+    engine, stream = trained_mtp_engine(args)
+    for batch in args.batches:
+        row = bench_mtp(batch, engine, stream, args)
+        if args.json:
+            print(json.dumps({"model": "deepseek-v3-mtp", **row}))
+            continue
+        print(f"batch {batch}, K={args.k}, DeepSeek-V3 {args.mtp_target_layers}x{args.mtp_hidden}: plain "
+              f"{row['plain_tokens_per_s']:.1f} tok/s; mtp {row['mtp_tokens_per_s']:.1f} tok/s "
+              f"({row['mtp_speedup']:.2f}x, acceptance {row['mtp_acceptance']:.2f}, "
+              f"{row['mtp_tokens_per_step']:.2f} tokens/step); same tokens: {row['same_tokens']}")
 
 
 if __name__ == "__main__":

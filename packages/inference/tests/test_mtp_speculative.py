@@ -2,10 +2,11 @@
 (``--speculative-method mtp``, issue 52 item 1(c)). Runs on CPU, fp32 (pinned: ``--device cpu``
 and models built on the CPU).
 
-The model: a tiny DeepSeek-V3 with ``--mtp-num-layers 1`` (64-token vocabulary) trained 30 steps on
-a repeating 12-token cycle, so its MTP layer predicts the continuation (every greedy draft
-accepted); a copy whose MTP layer has noise added (std 0.2) drafts worse (about two in three
-accepted), so proposals both catch up on several accepted tokens and roll rejected ones back.
+The models: a tiny DeepSeek-V3 (64-token vocabulary) with ``--mtp-num-layers 2`` trained 30 steps
+on a repeating 12-token cycle, so its MTP layers predict the continuation, and the same with its
+first MTP layer only (``--mtp-num-layers 1``, as DeepSeek-V3 itself): every greedy draft accepted.
+Copies whose MTP layers have noise added (std 0.2) draft worse (about two in three accepted), so
+proposals both catch up on several accepted tokens and roll rejected ones back.
 
 - Every proposal's drafts equal those of the MTP layer run without a cache over the sequence as it
   stands (the target's hidden states, then the layer's own output recursively): the catch-up, the
@@ -40,7 +41,7 @@ from mega.inference.engine.speculative import Speculator  # noqa: E402
 from mega.models.deepseek_v3.family import FAMILY, PRESETS  # noqa: E402
 
 VOCAB, POSITIONS = 64, 64
-CONFIG = dataclasses.replace(PRESETS["tiny"], vocab_size=VOCAB, seq_length=32, mtp_num_layers=1,
+CONFIG = dataclasses.replace(PRESETS["tiny"], vocab_size=VOCAB, seq_length=32, mtp_num_layers=2,
                              max_position_embeddings=POSITIONS, mtp_loss_scaling_factor=1.0)
 TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1)]
 NEW_TOKENS = 12
@@ -76,16 +77,23 @@ def model():
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def noisy(model):
-    """The trained model, its MTP layer's weights perturbed."""
-    noisy = build_stage(FAMILY, CONFIG, seed=5, training=False).eval()
-    noisy.load_state_dict(model.state_dict())
+def variant(model, mtp_layers: int, noise: float):
+    """``model`` with its first ``mtp_layers`` MTP layers, their weights perturbed by ``noise``."""
+    config = dataclasses.replace(CONFIG, mtp_num_layers=mtp_layers)
+    copy = build_stage(FAMILY, config, seed=5, training=False).eval()
+    copy.load_state_dict({name: tensor for name, tensor in model.state_dict().items()
+                          if not name.startswith("mtp.layers.") or int(name.split(".")[2]) < mtp_layers})
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for parameter in noisy.mtp.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.2)
-    return noisy
+        for parameter in copy.mtp.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * noise)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def noisy(model):
+    """One MTP layer (as DeepSeek-V3), perturbed."""
+    return variant(model, 1, 0.2)
 
 
 def engine_of(model) -> GenerationEngine:
@@ -93,11 +101,14 @@ def engine_of(model) -> GenerationEngine:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(noisy, tmp_path_factory):
+def checkpoint(model, tmp_path_factory):
+    """The trained model with its first MTP layer (as DeepSeek-V3), as a mega checkpoint."""
     from mega.core.checkpoint import CheckpointMetadata, write_checkpoint
 
     directory = tmp_path_factory.mktemp("deepseek-mtp")
-    write_checkpoint(directory, CheckpointMetadata(0, "deepseek-v3", dataclasses.asdict(CONFIG)), noisy.state_dict())
+    config = dataclasses.replace(CONFIG, mtp_num_layers=1)
+    write_checkpoint(directory, CheckpointMetadata(0, "deepseek-v3", dataclasses.asdict(config)),
+                     variant(model, 1, 0.0).state_dict())
     return directory
 
 
@@ -115,30 +126,41 @@ class RecordingProposer(MTPProposer):
 
 
 def reference_drafts(model, tokens: list[int], count: int) -> list[int]:
-    """The MTP layer without a cache: over the target's hidden states at positions 0..n-2 and the
-    tokens after them, then recursively one position on, its last output as the hidden state."""
-    layer = model.mtp.layers[0]
+    """The MTP layers without a cache, as trained: layer k over the previous layer's outputs (the
+    target's hidden states for layer 0) at positions 0..n-2 and the tokens k + 1 positions on,
+    the drafts continuing the tokens; then the last layer recursively, one position on, its last
+    output appended to its input hidden states."""
+    layers, n = list(model.mtp.layers), len(tokens)
+
+    def run(layer, number: int, given: torch.Tensor, extended: list[int]) -> torch.Tensor:
+        positions = torch.arange(len(given))[None]
+        following = torch.tensor([extended[number + 1: number + 1 + len(given)]])
+        return layer(given, model.embedding(following, positions), positions)
+
+    def draft(output: torch.Tensor) -> int:
+        return int(model.output_layer(output[-1])[:, :VOCAB].argmax())
+
     with torch.inference_mode():
-        ids = torch.tensor([tokens])
-        hidden = model.decoder(model.embedding(ids[:, :-1]), None)  # [n-1, 1, h], after the final norm
-        following = ids[:, 1:]
-        drafts = []
-        for _ in range(count):
-            positions = torch.arange(following.shape[1])[None]
-            output = layer(hidden, model.embedding(following, positions), positions)
-            logits = model.output_layer(output[-1])[:, :VOCAB]
-            drafts.append(int(logits.argmax()))
-            hidden = torch.cat([hidden, output[-1:]])
-            following = torch.cat([following, torch.tensor([[drafts[-1]]])], dim=1)
-    return drafts
+        hidden = model.decoder(model.embedding(torch.tensor([tokens[:-1]])), None)  # [n-1, 1, h], final norm
+        extended, given = list(tokens), hidden
+        for number, layer in enumerate(layers[:count]):
+            given = hidden
+            hidden = run(layer, number, given, extended)
+            extended.append(draft(hidden))
+        while len(extended) - n < count:
+            given = torch.cat([given, hidden[-1:]])
+            hidden = run(layers[-1], len(layers) - 1, given, extended)
+            extended.append(draft(hidden))
+    return extended[n:]
 
 
-@pytest.mark.parametrize("which", ["trained", "noisy"])
-def test_drafts_follow_the_mtp_layers_definition(model, noisy, which):
-    """The mixed batch of 8: every proposal equals the reference, and the loop's tokens equal
-    decoding without speculation; the trained MTP layer's drafts are all accepted, the noisy
-    one's some."""
-    model = model if which == "trained" else noisy
+@pytest.mark.parametrize("mtp_layers", [1, 2])
+def test_drafts_follow_the_mtp_layers_definition(model, mtp_layers):
+    """The mixed batch of 8, K = 3 (one layer: twice recursively; two layers: the chain, then the
+    second once recursively), noisy MTP layers: every proposal equals the reference (accepted
+    drafts caught up on, rejected ones rolled back), and the loop's tokens equal decoding without
+    speculation. (The trained layer's greedy drafts are all accepted: the commands' test.)"""
+    model = variant(model, mtp_layers, 0.2)
     engine = engine_of(model)
     proposer = RecordingProposer(engine, 8, 8 * POSITIONS, 16)
     worker = ContinuousBatchingWorker(engine, max_batch_size=8, speculator=Speculator(proposer, 3))
@@ -148,8 +170,7 @@ def test_drafts_follow_the_mtp_layers_definition(model, noisy, which):
     assert len(proposer.proposals) >= 8
     for tokens, drafts in proposer.proposals:
         assert drafts == reference_drafts(model, tokens, len(drafts)), tokens
-    rate = worker.metrics.acceptance_rate
-    assert rate == 1.0 if which == "trained" else 0.3 < rate < 1, rate
+    assert 0.3 < worker.metrics.acceptance_rate < 1, worker.metrics.acceptance_rate
 
 
 def generate(checkpoint, prompts: list[list[int]], flags: list[str], capsys) -> list[list[int]]:
@@ -163,7 +184,8 @@ def generate(checkpoint, prompts: list[list[int]], flags: list[str], capsys) -> 
 
 def test_greedy_tokens_equal_without_speculation(checkpoint, capsys):
     """``mega generate``: batch 1 and the mixed batch of 8, paged and static cache; ``mega serve``
-    (``PUT /api``): the batch of 8, with the drafts in ``/metrics``."""
+    (``PUT /api``): the batch of 8, with the drafts in ``/metrics``: the trained layer's are all
+    accepted (K + 1 = 4 tokens a step but at the sequences' ends)."""
     prompts = batch_prompts()
     flags = ["--num-speculative-tokens", "3", "--speculative-method", "mtp"]
     plain = generate(checkpoint, prompts, [], capsys)
@@ -178,14 +200,14 @@ def test_greedy_tokens_equal_without_speculation(checkpoint, capsys):
         assert tokens[len(prompt):] == mine, prompt
     values = dict(line.rsplit(" ", 1) for line in metrics.text.splitlines() if line.startswith("mega_spec_decode"))
     assert float(values["mega_spec_decode_draft_tokens_total"]) > 0
-    assert 0.5 < float(values["mega_spec_decode_acceptance_rate"]) <= 1
-    assert float(values["mega_spec_decode_tokens_per_step"]) > 2
+    assert float(values["mega_spec_decode_acceptance_rate"]) == 1.0
+    assert float(values["mega_spec_decode_tokens_per_step"]) > 3
 
 
 def test_sampled_tokens_follow_the_target(noisy):
     """800 sampled continuations (temperature 4, top-k 3) of two tokens, the second from a
     speculative step: the (first, second) pairs against the target's own probabilities give
-    chi-square p > 0.001 (seeded; measured p = 0.93)."""
+    chi-square p > 0.001 (seeded; measured p = 0.19)."""
     sampling = SamplingParams(temperature=4.0, top_k=3)
     prompt, engine = batch_prompts()[0], engine_of(noisy)
     worker = ContinuousBatchingWorker(engine, max_batch_size=64,
