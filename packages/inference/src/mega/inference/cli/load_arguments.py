@@ -64,9 +64,9 @@ def add_speculative_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--speculative-method", choices=("ngram", "draft_model", "mtp"), default=None,
                        help="where drafts come from: ngram (prompt lookup: what followed the sequence's last n-gram "
                             "earlier in it; no extra model), draft_model (--speculative-model) or mtp (vLLM's "
-                            "deepseek_mtp: the model's own multi-token-prediction layer, a DeepSeek-V3 trained with "
+                            "deepseek_mtp: the model's own multi-token-prediction layers, a DeepSeek-V3 trained with "
                             "--mtp-num-layers, fed the model's hidden states; K beyond the MTP layers reuses the "
-                            "layer recursively, as vLLM does; turns prefix caching off). Default: draft_model with "
+                            "last layer recursively, as vLLM does; turns prefix caching off). Default: draft_model with "
                             "--speculative-model, else ngram")
     group.add_argument("--speculative-model", metavar="DIR", type=existing_path,
                        help="a smaller model sharing the tokenizer (mega checkpoint or Hugging Face directory) that "
