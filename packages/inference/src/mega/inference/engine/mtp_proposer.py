@@ -23,9 +23,11 @@ previous layer's outputs for the others).
 The hidden states come from the target's forwards over the loop's cache: a forward hook on the
 model's decoder keeps the last output, and the cache's observer
 (:attr:`~mega.inference.engine.kv_caches.SequenceCache.observer`) says which sequences and
-positions it holds (prefills, whole or chunked, and verify forwards). A sequence whose hidden
-states the proposer did not see (a plain decode step replayed as a CUDA graph on the static cache,
-or a prompt prefix taken from the prefix cache) drafts nothing from then on.
+positions it holds (prefills, whole or chunked, verify forwards, the paged cache's decode steps).
+A sequence whose hidden states the proposer did not see (a plain decode step of the static cache,
+its fixed-shape step or CUDA graph, in a step that could not speculate because a row asked
+log-probabilities or penalties; a prompt prefix taken from the prefix cache) drafts nothing from
+then on.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class MTPProposer:
         if mtp is None or not len(mtp.layers):
             raise ValueError(f"--speculative-method mtp drafts with the model's multi-token-prediction layers, and "
                              f"this {type(model).__name__} has none (a DeepSeek-V3 trained with --mtp-num-layers "
-                             "has them): use --speculative-method ngram or draft_model")
+                             "has them; one converted from Hugging Face has none): use --speculative-method ngram "
+                             "or draft_model")
         self.engine, self.model, self.layers = engine, model, list(mtp.layers)
         self.allocator = BlockAllocator(max(1, max_num_tokens // block_size), block_size)
         self.caches = [PagedKVCache(self.allocator, max_batch_size, engine.kv_head_repeats) for _ in self.layers]
