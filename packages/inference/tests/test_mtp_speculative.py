@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from in_process_server import serving  # noqa: E402
-from test_speculative import chi_square_p  # noqa: E402
+from test_speculative import pair_chi_square_p  # noqa: E402
 
 from mega.core.build import build_stage  # noqa: E402
 from mega.core.model_family import LossContext  # noqa: E402
@@ -216,34 +216,14 @@ def test_sampled_tokens_follow_the_target(noisy):
                 for seed in range(800)]
     results = worker.run_to_completion(requests)
     assert worker.metrics.draft_tokens > 0
-    with torch.inference_mode():
-        first = _filtered(_logits(noisy, prompt), sampling)
-        cells, expected = {}, []
-        for token in first.nonzero().squeeze(1).tolist():
-            second = _filtered(_logits(noisy, [*prompt, token]), sampling)
-            for other in second.nonzero().squeeze(1).tolist():
-                cells[(token, other)] = len(cells)
-                expected.append(float(first[token] * second[other]))
-    counts = torch.zeros(len(cells))
-    for result in results:
-        pair = tuple(result.generated)
-        assert pair in cells, f"{pair} is outside the target's top-3 support"
-        counts[cells[pair]] += 1
-    p = chi_square_p(counts, torch.tensor(expected))
+    p = pair_chi_square_p(results, lambda tokens: model_logits(noisy, tokens), prompt, sampling)
     print(f"chi-square p = {p:.3f}")
     assert p > 0.001
 
 
-def _logits(model, tokens: list[int]) -> torch.Tensor:
+def model_logits(model, tokens: list[int]) -> torch.Tensor:
+    """The model's fp32 logits after ``tokens`` (no cache)."""
     return model(torch.tensor([tokens]))[-1, 0, :VOCAB].float()
-
-
-def _filtered(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    scaled = logits / sampling.temperature
-    kept = scaled.topk(sampling.top_k).indices
-    probs = torch.zeros_like(scaled)
-    probs[kept] = scaled[kept].softmax(-1)
-    return probs
 
 
 def test_a_model_without_mtp_layers_is_refused(checkpoint, tmp_path):
