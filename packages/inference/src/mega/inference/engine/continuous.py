@@ -122,6 +122,7 @@ class ContinuousBatchingWorker(EngineWorker):
             if engine.tp_group is not None and engine.tp_group.size > 1:
                 raise ValueError("speculative decoding runs on one rank: drop --num-speculative-tokens under torchrun")
             speculator.metrics = self.metrics
+            speculator.attach(self.kv)  # MTP drafts read the hidden states of this cache's forwards
             self._decode_step.lag = 0  # drafts continue every token: the host reads each step's at once
 
     @property

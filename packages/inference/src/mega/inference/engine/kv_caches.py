@@ -37,6 +37,10 @@ class SequenceCache:
 
     chooses_on_device = False  # whether decode(greedy=True) may give the tokens instead of logits
     graphs: DecodeGraphs | None = None
+    # Called after each forward with (sequences, their cached counts before it, real): the MTP
+    # proposer (speculative drafts from the model's own hidden states) learns which positions
+    # the forward computed for whom.
+    observer: Callable[[Sequence, list[int], list[int] | None], None] | None = None
 
     def __init__(self, engine, cache, allocator: BlockAllocator):
         self.engine, self.cache, self.allocator = engine, cache, allocator
@@ -58,6 +62,8 @@ class SequenceCache:
                         real)
         positions = torch.tensor(cached, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
         logits = self.engine.forward(tokens, positions, self.cache, logits_to_keep)
+        if self.observer is not None:
+            self.observer(sequences, cached, real)
         for row, sequence in enumerate(sequences):
             sequence.cached += tokens.shape[1] if real is None else real[row]
         return logits
