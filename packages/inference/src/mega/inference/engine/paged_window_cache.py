@@ -10,7 +10,7 @@ sliding layers. Position ``p`` lives in ring block ``(p // block_size) % len(rin
 rolled_back`` positions: everything a later forward reads, even after speculative decoding rolls a
 sequence back by up to ``rolled_back`` positions (the drafts it rejected).
 
-A forward reads a sliding layer's last ``window`` positions before each row's new tokens out of
+A forward reads a sliding layer's last ``window - 1`` positions before each row's new tokens out of
 the ring *before* writing the new keys (a long chunk's new key may land where an earlier new query
 still reads), and hands attention those keys then the new ones (all of a chunk, however longer
 than the window), with a mask made of their positions: a query at ``q`` sees the keys at
@@ -130,12 +130,13 @@ class RingPlan:
             blocks = table.gather(1, torch.remainder(positions.clamp(min=0) // block_size, ring_lengths))
             return blocks * block_size + positions.clamp(min=0) % block_size
 
-        old = c - window + torch.arange(window)[None, :]  # [rows, window]: the positions read (< 0: none)
+        # The positions before each row's new ones that its first new query sees (< 0: none).
+        old = c - (window - 1) + torch.arange(window - 1)[None, :]  # [rows, window - 1]
         new = c + torch.arange(new_tokens)[None, :]  # [rows, new]
         keys = torch.cat([old, new], dim=1)[:, None, :]
         queries = new[:, :, None]
         self.visible = ((keys >= 0) & (keys <= queries) & (keys > queries - window))[:, None].to(device)
-        self.read_slots = slots(old).to(device)  # [rows, window]; positions < 0 read slot 0, hidden
+        self.read_slots = slots(old).to(device)  # positions < 0 read slot 0, hidden by the mask
         own = torch.full_like(c, new_tokens) if real is None else torch.tensor(list(real), dtype=torch.long)[:, None]
         k = torch.arange(new_tokens)[None, :]
         # A row's own new tokens that its ring holds after this forward: the last len(ring) blocks' worth.
@@ -145,7 +146,7 @@ class RingPlan:
         self._bias: dict[torch.dtype, torch.Tensor] = {}
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """The additive mask ``[rows, 1, new, window + new]`` over the ring's keys then the new ones."""
+        """The additive mask ``[rows, 1, new, window - 1 + new]`` over the ring's keys then the new ones."""
         bias = self._bias.get(dtype)
         if bias is None:
             bias = self._bias[dtype] = torch.zeros(self.visible.shape, dtype=dtype, device=self.visible.device
@@ -166,7 +167,8 @@ class SlidingPagedLayer:
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMask]:
         """Store ``key``/``value`` ``[new, rows, kv heads, head_dim]`` in the rings; return each row's
-        last ``window`` positions then its new keys ``[window + new, rows, heads, dim]`` and the mask."""
+        last ``window - 1`` positions then its new keys ``[window - 1 + new, rows, heads, dim]`` and the
+        mask."""
         new, rows, heads, dim = key.shape
         if self.keys is None:
             pool = self.cache.allocator.sliding
