@@ -26,31 +26,40 @@ WINDOW, POSITIONS = 4, 64
 REQUESTS = [(list(range(3, 14)), 30), ([7, 9, 2], 12), ([40, 41, 5, 60, 61, 62, 8], 20), ([90, 91], 25)]
 
 
-@pytest.fixture(scope="module")
-def engine():
+def tiny_gpt_oss(**changes) -> GenerationEngine:
     config = dataclasses.replace(PRESETS["tiny"], num_layers=3, hidden_size=32, ffn_hidden_size=32,
                                  moe_ffn_hidden_size=32, kv_channels=8, vocab_size=128, seq_length=POSITIONS,
-                                 max_position_embeddings=POSITIONS, sliding_window=WINDOW, init_method_std=0.2)
+                                 max_position_embeddings=POSITIONS, sliding_window=WINDOW, init_method_std=0.2,
+                                 **changes)
     with torch.device("cpu"):
         torch.manual_seed(0)
         model = build_stage(FAMILY, config, training=False).eval()
-    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
+    return GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = tiny_gpt_oss()
     assert engine.layer_windows == {0: WINDOW, 2: WINDOW}  # layer 1 attends to everything
     return engine
 
 
-@pytest.fixture(scope="module")
-def expected(engine):
+def uncached_greedy(engine, requests) -> list[list[int]]:
     """Greedy tokens of the model over each whole sequence at every step, no cache at all."""
     results = []
     with torch.inference_mode():
-        for prompt, new_tokens in REQUESTS:
+        for prompt, new_tokens in requests:
             tokens = list(prompt)
             for _ in range(new_tokens):
                 logits = engine.forward(torch.tensor([tokens]), torch.arange(len(tokens))[None], None)
                 tokens.append(int(logits[-1, 0].argmax()))
             results.append(tokens)
     return results
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    return uncached_greedy(engine, REQUESTS)
 
 
 def run(engine, block_size: int, batched_tokens: int | None = None, speculator=None, max_batch_size: int = 2):
@@ -78,8 +87,9 @@ def run(engine, block_size: int, batched_tokens: int | None = None, speculator=N
     assert len(allocator._free) == allocator.num_blocks
     assert len(allocator.sliding._free) == allocator.sliding.num_blocks
     pools = {number: layer.keys.shape[0] for number, layer in worker.kv.cache._sliding.items()}
-    assert pools == {0: max_batch_size * ring, 2: max_batch_size * ring}
-    assert worker.kv.cache._layers[1].keys.shape[0] == allocator.num_blocks
+    assert pools == dict.fromkeys(engine.layer_windows, max_batch_size * ring)
+    full = {number: layer.keys.shape[0] for number, layer in worker.kv.cache._layers.items()}
+    assert full == {number: allocator.num_blocks for number in range(3) if number not in engine.layer_windows}
     assert max(held) == ring  # the long sequences did fill their rings (and wrapped round them)
     return [result.tokens for result in results]
 
@@ -101,6 +111,13 @@ def test_speculative_decoding_rolls_back_inside_the_ring(engine, expected):
     from mega.inference.engine.speculative import NgramProposer, Speculator
 
     assert run(engine, 2, speculator=Speculator(NgramProposer(), 3)) == expected
+
+
+def test_a_model_whose_every_layer_slides_keeps_rings_only():
+    """(Mistral's ``--sliding-window``, gpt-oss without full layers): no pool of every position."""
+    engine = tiny_gpt_oss(window_attn_skip_freq=None)
+    assert engine.layer_windows == {0: WINDOW, 1: WINDOW, 2: WINDOW}
+    assert run(engine, 2) == uncached_greedy(engine, REQUESTS)
 
 
 def test_prefix_caching_is_off_and_said(engine, caplog):
