@@ -23,6 +23,7 @@ from mega.inference.engine.encoder_decoder import (
     is_encoder_decoder,
 )
 from mega.inference.engine.lora_registry import AdapterRegistry
+from mega.inference.engine.mtp_proposer import MTPProposer
 from mega.inference.engine.slot_kv_cache import static_kv_cache_wanted
 from mega.inference.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from mega.inference.engine.tp_serving import lead, receive
@@ -59,10 +60,16 @@ def build_worker(args: argparse.Namespace, engine) -> EngineWorker:
         if getattr(args, "enable_prefix_caching", None) or getattr(args, "max_num_batched_tokens", None) is not None:
             raise GenerationError("--enable-prefix-caching and --max-num-batched-tokens run for decoder-only models")
         return EncoderDecoderWorker(engine, args.max_batch_size)
+    prefix_caching = getattr(args, "enable_prefix_caching", None)
+    if getattr(args, "speculative_method", None) == "mtp":
+        if prefix_caching:  # a prefix taken from the cache has no hidden states for the MTP layer
+            raise GenerationError("--speculative-method mtp feeds the MTP layer the model's hidden state at every "
+                                  "prompt position, which a cached prefix skips: drop --enable-prefix-caching")
+        prefix_caching = False
     return ContinuousBatchingWorker(engine, args.max_batch_size, getattr(args, "max_num_tokens", None),
                                     static_cache=static,
                                     use_cuda_graphs=args.cuda_graphs and engine.device.type == "cuda",
-                                    prefix_caching=getattr(args, "enable_prefix_caching", None) is not False,
+                                    prefix_caching=prefix_caching is not False,
                                     max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
                                     compile_backend=compile_backend(args) if static else None,
                                     speculator=build_speculator(args, engine))
@@ -70,7 +77,8 @@ def build_worker(args: argparse.Namespace, engine) -> EngineWorker:
 
 def build_speculator(args: argparse.Namespace, engine) -> Speculator | None:
     """The speculator ``--num-speculative-tokens`` asks for (None: off), its drafts from prompt
-    lookup or ``--speculative-model`` (loaded on the engine's device, at its dtype)."""
+    lookup, ``--speculative-model`` (loaded on the engine's device, at its dtype) or the model's
+    own MTP layers."""
     count = getattr(args, "num_speculative_tokens", 0) or 0
     method = getattr(args, "speculative_method", None)
     draft_dir = getattr(args, "speculative_model", None)
@@ -81,6 +89,12 @@ def build_speculator(args: argparse.Namespace, engine) -> Speculator | None:
     if engine.tp_group is not None and engine.tp_group.size > 1:
         raise GenerationError("--num-speculative-tokens runs on one rank: not under torchrun's tensor parallelism")
     method = method or ("draft_model" if draft_dir else "ngram")
+    tokens = getattr(args, "max_num_tokens", None) or args.max_batch_size * engine.max_positions
+    if method == "mtp":
+        if draft_dir is not None:
+            raise GenerationError("--speculative-method mtp drafts with the model's own MTP layers: drop "
+                                  "--speculative-model")
+        return Speculator(MTPProposer(engine, args.max_batch_size, tokens, BLOCK_SIZE), count)
     if method == "ngram":
         if draft_dir is not None:
             raise GenerationError("--speculative-method ngram drafts without a model: drop --speculative-model")
@@ -97,7 +111,6 @@ def build_speculator(args: argparse.Namespace, engine) -> Speculator | None:
                               f"{engine.vocab_size}: a draft shares the model's tokenizer")
     draft_engine = GenerationEngine(draft.model, vocab_size=draft.config.vocab_size,
                                     max_positions=min(draft.max_positions, engine.max_positions))
-    tokens = getattr(args, "max_num_tokens", None) or args.max_batch_size * engine.max_positions
     return Speculator(DraftModelProposer(draft_engine, args.max_batch_size, tokens, BLOCK_SIZE), count)
 
 
@@ -108,9 +121,12 @@ def load_on_ranks(args: argparse.Namespace, command: str) -> tuple[LoadedModel, 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     groups = ParallelGroups(ParallelConfig(tp=world))
     try:
-        return load_from_args(args, groups), groups
+        loaded = load_from_args(args, groups)
     except (LoadError, CheckpointError) as error:
         raise SystemExit(f"mega {command}: error: {error}") from None
+    if loaded.quantized is not None and groups.tp.rank == 0:
+        print(f"mega {command}: {loaded.quantized.describe()}", file=sys.stderr, flush=True)
+    return loaded, groups
 
 
 def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup | None:

@@ -28,6 +28,14 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
                        "each torchrun rank its LOCAL_RANK's GPU)")
     group.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                        help="parameter and activation dtype (default float32)")
+    group.add_argument("--quantization", metavar="KIND", default=None,
+                       help="quantize the linear layers' weights once loaded (the output layer and MoE routers "
+                            "stay in --dtype), through the plugin registering the 'quantization' setup pass "
+                            "(mega-torchao): int8 (per-row int8 weights, any device), fp8 (E4M3 weights; with "
+                            "dynamically scaled FP8 activations on a GPU of compute capability 8.9+, weight-only on the "
+                            "CPU), int4 (groups of 128 input features; CUDA with --dtype bfloat16, or the CPU). "
+                            "Each tensor-parallel rank quantizes its shards; a kind the device cannot run is "
+                            "refused, saying why. The weight bytes before and after are printed")
     group = parser.add_argument_group("tokenizer (default: the one the checkpoint names)")
     group.add_argument("--tokenizer-type", help="registered tokenizer, e.g. GPT2BPETokenizer, HuggingFaceTokenizer")
     group.add_argument("--vocab-file", help="vocabulary (GPT-2 vocab.json, BERT vocab.txt)")
@@ -61,10 +69,13 @@ def add_speculative_arguments(group: argparse._ArgumentGroup) -> None:
                        help="speculative decoding: draft up to K tokens per sequence and step, verified by the model "
                             "in one forward (greedy output unchanged, sampling keeps the model's distribution; steps "
                             "where a sequence asks log-probabilities or penalties decode one token). Default 0: off")
-    group.add_argument("--speculative-method", choices=("ngram", "draft_model"), default=None,
+    group.add_argument("--speculative-method", choices=("ngram", "draft_model", "mtp"), default=None,
                        help="where drafts come from: ngram (prompt lookup: what followed the sequence's last n-gram "
-                            "earlier in it; no extra model) or draft_model (--speculative-model). Default: "
-                            "draft_model with --speculative-model, else ngram")
+                            "earlier in it; no extra model), draft_model (--speculative-model) or mtp (vLLM's "
+                            "deepseek_mtp: the model's own multi-token-prediction layers, a DeepSeek-V3 trained with "
+                            "--mtp-num-layers, fed the model's hidden states; K beyond the MTP layers reuses the "
+                            "last layer recursively, as vLLM does; turns prefix caching off). Default: draft_model with "
+                            "--speculative-model, else ngram")
     group.add_argument("--speculative-model", metavar="DIR", type=existing_path,
                        help="a smaller model sharing the tokenizer (mega checkpoint or Hugging Face directory) that "
                             "drafts the tokens")

@@ -48,9 +48,12 @@ class MTPLayer(nn.Module):
                                   else TransformerLayer(config, kernels, config.num_layers - 1, context))
         self.final_layernorm = norm()
 
-    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, position_ids: torch.Tensor | None,
+                inference_cache=None) -> torch.Tensor:
+        """``inference_cache``: this layer's attention cache when drafting tokens for speculative
+        decoding (``mega.inference``'s MTP proposer, :mod:`mega.models.blocks.kv_cache`)."""
         joined = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1))
-        return self.final_layernorm(self.transformer_layer(joined, position_ids))
+        return self.final_layernorm(self.transformer_layer(joined, position_ids, inference_cache))
 
 
 class MultiTokenPrediction(nn.Module):
