@@ -57,6 +57,9 @@ from mega.inference.engine.decode_step import READ_LAG  # noqa: E402
 from mega.inference.engine.worker import ENGINE_THREAD_OS_NAME  # noqa: E402
 from mega.models.hf_mapping import hf_to_mega  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path (the GPU suite's dry run) too
+from kernel_profile import as_json, difference, markdown, profile_steps  # noqa: E402
+
 
 def hf_model(family: str, args):
     h, layers, heads, vocab = args.hidden, args.layers, args.heads, args.vocab
@@ -190,6 +193,14 @@ def bench_engine(family: str, batch: int, args) -> dict:
         row[f"{name}_bandwidth_fraction"] = row[f"{name}_tokens_per_s"] / limit
     row["static_ttft_p50_s"], row["static_ttft_p99_s"] = percentile(clock.first, 0.5), percentile(clock.first, 0.99)
     row["static_itl_p50_s"], row["static_itl_p99_s"] = percentile(clock.gaps, 0.5), percentile(clock.gaps, 0.99)
+    if args.profile and args.new_tokens > 1:
+        # One decode step's kernels: a whole generation minus a one-token one (the prefill and the
+        # first token cancel), over the new_tokens - 1 steps between them.
+        first_only = [GenerationRequest(r.prompt, 1) for r in requests]
+        short = profile_steps(lambda: static.run_to_completion(first_only), steps=1)
+        long = profile_steps(static_generate, steps=1)
+        per_step = difference(long, short, args.new_tokens - 1)
+        row["decode_kernels"], row["decode_kernels_table"] = as_json(per_step), markdown(per_step)
     return row
 
 
@@ -385,6 +396,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="the static path's decode step through torch.compile (inductor), as mega generate "
                              "--compile; the warm-up call compiles it")
+    parser.add_argument("--profile", action="store_true",
+                        help="the static path's kernels per decode step (torch profiler; CPU operators on a CPU): "
+                             "counts and time by kernel and category")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -411,6 +425,10 @@ def main() -> None:
         print(f"{r['family']:<7}{r['batch']:>6}{100 * r['hf_bandwidth_fraction']:>8.1f}"
               f"{100 * r['mega_bandwidth_fraction']:>10.1f}{100 * r['static_bandwidth_fraction']:>12.1f}"
               f"{1e3 * r['static_ttft_p50_s']:>13.2f}{1e3 * r['static_itl_p50_s']:>12.2f}{1e3 * r['static_itl_p99_s']:>12.2f}")
+    for r in engine_rows:
+        if "decode_kernels_table" in r:
+            print(f"\nkernels per decode step, {r['family']} batch {r['batch']} (static path):\n"
+                  f"{r['decode_kernels_table']}")
     if server_rows:
         print(f"\nmega serve (llama, separate process), /v1/completions: prompt {args.prompt} tokens, "
               f"{args.server_tokens} generated, greedy")

@@ -40,6 +40,9 @@ from mega.train.command import parse_run
 from mega.train.device_peaks import peak_tflops
 from mega.train.launch_run import run_training
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_profile import StepProfiler, as_json, markdown  # noqa: E402
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -53,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--table", action="store_true", help="the tables (the default without mega train flags)")
     parser.add_argument("--models", default="gpt,llama", help="the tables' models: gpt, llama")
     parser.add_argument("--hf", choices=list(MODELS), help="one run of Hugging Face's model of this shape")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile the last N steps (torch profiler): the kernel table by time, by category "
+                             "(gemm, fp8 gemm, fp8 cast/amax, attention, copies...); the steps before give the timing")
     return parser
 
 
@@ -78,6 +84,10 @@ def main() -> int:
         return 0
 
     seconds: list[float] = []
+    timed_steps = args.steps - args.profile
+    if args.profile and timed_steps < 4:
+        raise SystemExit(f"--profile {args.profile} needs --steps >= {args.profile + 4} (4 steps to time)")
+    profiler, kernels = StepProfiler(), []
 
     class Recorder:
         @hookimpl
@@ -86,6 +96,10 @@ def main() -> int:
                 @hookimpl
                 def on_step_end(self, metrics):
                     seconds.append(metrics["elapsed_s"])
+                    if args.profile and len(seconds) == timed_steps:
+                        profiler.start()
+                    elif args.profile and len(seconds) == args.steps:
+                        kernels.extend(profiler.stop(args.profile))
             register("bench-mfu", lambda run_config: Listener())
 
     argv = train_argv(args) + train_flags
@@ -97,7 +111,7 @@ def main() -> int:
     run, family = parse_run(argv, plugins)
     state = run_training(run, family, plugins)
 
-    step = statistics.median(seconds[2:])  # the first steps pay for allocation and autotuning
+    step = statistics.median(seconds[2:timed_steps])  # the first steps pay for allocation and autotuning
     tflops = state.flops_per_iteration / step / 1e12
     peak = peak_tflops(torch.device("cuda"), torch.bfloat16)
     result = {
@@ -109,6 +123,9 @@ def main() -> int:
         "peak_tflops": peak, "mfu": tflops / peak if peak else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
     }
+    if kernels:
+        result["kernels"] = as_json(kernels)
+        print(markdown(kernels), file=sys.stderr)  # the JSON on stdout stays one document
     print(json.dumps(result, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     return 0
 

@@ -70,6 +70,21 @@ ROWS = [
     Row("gpt-hf", ["bench_gpu_mfu.py", "--json", "--steps", "8", "--hf", "gpt"], 75, baseline="gpt-bf16"),
     Row("llama-hf", ["bench_gpu_mfu.py", "--json", "--steps", "8", "--hf", "llama"], 75, baseline="llama-bf16"),
     Row("llama-liger-compile", [*MFU, *LLAMA, "--kernels", "liger", "--compile"], 110, baseline="llama-bf16"),
+    # The profiles the issue asks for: where the compiled FP8 step's time goes beside compiled bf16
+    # (the kernel table by time and category), and the kernels of one captured decode step.
+    Row("gpt-fp8-profile", [*MFU[:-2], "--steps", "10", "--profile", "3", *FP8], 120,
+        target="kernel table: FP8 casts/amax vs gemm"),
+    Row("gpt-bf16-compile-profile", [*MFU[:-2], "--steps", "10", "--profile", "3", "--compile"], 120),
+    Row("decode-profile", [*DECODE, "--batches", "1", "--compile", "--profile", "--repeats", "1"], 120,
+        target="kernels per decode step"),
+    # LLaMA's memory at micro-batch 4 (<= 35 GB): liger's fused linear cross-entropy with
+    # selective recompute.
+    Row("llama-liger-selective", [*MFU, *LLAMA, "--kernels", "liger", "--compile", "--recompute", "selective"], 110,
+        baseline="llama-bf16", target="<= 35 GB at the speed of llama-bf16"),
+    # Issue 48: a GRPO step at the LLaMA 1.2B shape (the engine on a model of its own, so the
+    # refresh is timed): rollout tokens/s against the engine alone, phases, peak memory.
+    Row("rl-step", ["bench_rl_gpu.py", "--json", "--own-engine"], 240,
+        target="rollout tok/s vs the engine alone; refresh s; peak memory"),
     Row("muon-vs-adamw", ["bench_optimizers.py", "--gpu", "--iters", "20", "--json"], 240,
         target="optimizer step's share of a GPT 1.3B step (issue 51)"),
 ]
@@ -196,7 +211,13 @@ def summary(row: Row, results: dict[str, dict]) -> str:
     if "engine" in result:  # bench_generate: the static path per batch, as % of the bandwidth limit
         return "; ".join(f"batch {r['batch']}: {r['static_tokens_per_s']:.0f} tok/s "
                          f"({100 * r['static_bandwidth_fraction']:.0f}% BW, {r['static_speedup']:.2f}x HF, "
-                         f"same tokens {r['same_tokens']})" for r in result["engine"])
+                         f"same tokens {r['same_tokens']})" + kernel_summary(r.get("decode_kernels"))
+                         for r in result["engine"])
+    if "rollout_of_engine_alone" in result:  # bench_rl_gpu: a GRPO step's phases
+        return (f"step {result['step_s']:.2f} s (rollout {result['rollout_s']:.2f}, logprobs {result['logprobs_s']:.2f}, "
+                f"update {result['update_s']:.2f}, refresh {result['refresh_s']:.2f}); rollout "
+                f"{result['rollout_tokens_per_s']:.0f} tok/s = {result['rollout_of_engine_alone']:.2f}x the engine "
+                f"alone; peak {result['peak_memory_gb'] or 0:.1f} GB")
     if "optimizers" in result:  # bench_optimizers: step time and the optimizer step's share of it
         return "; ".join(f"{r['optimizer']}: step {r['step_ms']:.0f} ms, optimizer {r['optimizer_step_ms']:.1f} ms "
                          f"({r['optimizer_share']:.1%}), loss {r['losses'][-1]:.3f}" for r in result["optimizers"])
@@ -212,7 +233,16 @@ def summary(row: Row, results: dict[str, dict]) -> str:
         text += f", MFU {result['mfu']:.1%}"
     if result.get("peak_memory_gb"):
         text += f", peak {result['peak_memory_gb']:.1f} GB"
-    return text
+    return text + kernel_summary(result.get("kernels"))
+
+
+def kernel_summary(kernels: dict | None) -> str:
+    """A profiled row's launches per step and its three costliest kernel categories."""
+    if not kernels:
+        return ""
+    top = sorted(kernels["by_category"].items(), key=lambda kv: -kv[1]["ms"])[:3]
+    return (f"; {kernels['calls_per_step']:.0f} kernels/step, {kernels['ms_per_step']:.2f} ms: "
+            + ", ".join(f"{name} {entry['ms']:.2f} ms" for name, entry in top))
 
 
 def markdown(header: dict, rows: list[Row], results: dict[str, dict]) -> str:

@@ -137,3 +137,34 @@ def test_a_missing_or_changed_base_is_said_with_the_command_that_works(tmp_path,
     assert f"note: --adapter {lora} was trained on {base.resolve()}/iter_0000001; --load {base} has other" \
         in capsys.readouterr().err
     assert "(found" not in run("checkpoint", "info", str(lora))
+
+
+def test_serve_lora_modules_beside_the_base_and_refuse_another_base(checkpoints, monkeypatch, tmp_path):
+    """`mega serve --load BASE --lora-modules NAME=DIR`: the adapter's requests get what `mega
+    generate --load ADAPTER` (merged) gives, the base's what the base gives; an adapter whose
+    recorded base fingerprint is not the served base's is refused naming both."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    base, lora = checkpoints
+    answers = {}
+
+    def serve_requests(app, **_):
+        with TestClient(app) as client:
+            answers["models"] = [(m["id"], m["parent"]) for m in client.get("/v1/models").json()["data"]]
+            for model in ("base", "ft"):
+                answers[model] = client.post("/v1/completions", json={
+                    "model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}).json()["choices"][0]["text"]
+
+    monkeypatch.setattr(uvicorn, "run", serve_requests)
+    assert mega(["serve", "--device", "cpu", "--load", str(base), "--lora-modules", f"ft={lora}"]) == 0
+    assert answers["models"] == [("base", None), ("ft", "base")]
+    assert answers["ft"] == generated(lora)["text"]
+    assert answers["base"] == generated(base)["text"]
+
+    run("lora", "merge", "--load", str(base), "--load-adapter", str(lora), "--save", str(tmp_path / "merged"))
+    with pytest.raises(SystemExit) as stop:
+        mega(["serve", "--device", "cpu", "--load", str(tmp_path / "merged"), "--lora-modules", f"ft={lora}"])
+    message = str(stop.value)
+    assert f"--lora-modules ft={lora}: {lora} was trained on {(base / 'iter_0000001').resolve()}" in message
+    assert f"not on the served base {tmp_path / 'merged'}" in message

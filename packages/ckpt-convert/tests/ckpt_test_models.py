@@ -113,6 +113,35 @@ def generation_engine(mega_dir: Path):
     return GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings)
 
 
+def tensor_parallel_greedy(mega_dir: str, prompts: list[list[int]], new_tokens: int):
+    """On a rank of a world: the greedy continuations of ``prompts`` served at tp2 by the tensor
+    group's leader (None on the follower, which runs the leader's batches)."""
+    from mega.ckpt_convert import open_checkpoint
+    from mega.core.build import build_stage
+    from mega.core.checkpoint import load_model_weights
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.core.plugins import get_plugins
+    from mega.inference.engine import GenerationEngine, GenerationRequest
+    from mega.inference.engine.tp_serving import lead, receive
+
+    groups = ParallelGroups(ParallelConfig(tp=2))
+    with open_checkpoint(str(mega_dir)) as source:
+        family, config = get_plugins().models.get(source.family), source.config
+    model = build_stage(family, config, groups=groups, init=False, training=False)
+    load_model_weights(str(mega_dir), [model.eval()], groups)
+    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings,
+                              tp_group=groups.tp)
+    if groups.tp.rank != 0:  # every rank runs the one loop to completion on the leader's batches
+        while (batch := receive(groups.tp)) is not None:
+            engine.generate(batch)
+        return None
+    requests = [GenerationRequest(prompt, new_tokens) for prompt in prompts]
+    lead(requests, groups.tp)
+    results = engine.generate(requests)
+    lead(None, groups.tp)
+    return [result.tokens for result in results]
+
+
 def greedy_as_transformers(hf_model, engine, prompts: list[list[int]], new_tokens: int, what: str) -> None:
     """The engine's greedy tokens for all ``prompts`` at once are transformers' for each alone."""
     from mega.inference.engine import GenerationRequest

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from ckpt_test_models import VOCAB, input_ids, save_hf_model  # noqa: E402
+from ckpt_test_models import VOCAB, input_ids, save_hf_model, tensor_parallel_greedy  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,34 +81,6 @@ PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
 NEW_TOKENS = 12
 
 
-def tensor_parallel_greedy(mega_dir):
-    """Greedy continuations of PROMPTS served at tp2 (the leader's; None on followers)."""
-    from mega.ckpt_convert import open_checkpoint
-    from mega.core.build import build_stage
-    from mega.core.checkpoint import load_model_weights
-    from mega.core.parallel import ParallelConfig, ParallelGroups
-    from mega.core.plugins import get_plugins
-    from mega.inference.engine import GenerationEngine, GenerationRequest
-    from mega.inference.engine.tp_serving import lead, receive
-
-    groups = ParallelGroups(ParallelConfig(tp=2))
-    with open_checkpoint(str(mega_dir)) as source:
-        family, config = get_plugins().models.get(source.family), source.config
-    model = build_stage(family, config, groups=groups, init=False, training=False)
-    load_model_weights(str(mega_dir), [model.eval()], groups)
-    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=config.max_position_embeddings,
-                              tp_group=groups.tp)
-    if groups.tp.rank != 0:  # every rank runs the one loop to completion on the leader's batches
-        while (batch := receive(groups.tp)) is not None:
-            engine.generate(batch)
-        return None
-    requests = [GenerationRequest(prompt, NEW_TOKENS) for prompt in PROMPTS]
-    lead(requests, groups.tp)
-    results = engine.generate(requests)
-    lead(None, groups.tp)
-    return [result.tokens for result in results]
-
-
 def hf_greedy(model, prompt):
     return model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0].tolist()
@@ -135,7 +107,7 @@ def test_every_layout_logits_equal_transformers(worlds, hf_model, converted, ass
         for logits, loss in last:
             assert_close(logits, expected, what=name)
             assert_close(loss, expected_loss, what=f"{name} loss")
-    leaders = [tokens for tokens in worlds.run(4, tensor_parallel_greedy, str(converted[1])) if tokens is not None]
+    leaders = [tokens for tokens in worlds.run(4, tensor_parallel_greedy, str(converted[1]), PROMPTS, NEW_TOKENS) if tokens is not None]
     assert len(leaders) == 2
     for tokens in leaders:
         assert tokens == [hf_greedy(hf_model, prompt) for prompt in PROMPTS], "tp2 greedy generation"

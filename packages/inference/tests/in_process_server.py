@@ -43,6 +43,7 @@ def serving(argv: list[str]) -> Iterator[Callable]:
                 return await client.request(method, path, json=json, timeout=60)
         return asyncio.run(request())
 
+    send.app = apps[0]  # for clients of their own (httpx.ASGITransport)
     try:
         yield send
     finally:

@@ -166,21 +166,28 @@ def test_sampled_tokens_follow_the_target(engine, method):
     requests = [GenerationRequest(prompt, 2, SamplingParams(sampling.temperature, sampling.top_k, 0.0, seed)) for seed in range(1600)]
     results = worker.run_to_completion(requests)
     assert speculator.metrics.draft_tokens > 0
+    assert pair_chi_square_p(results, lambda tokens: _last_logits(engine, tokens), prompt, sampling) > 0.001
+
+
+def pair_chi_square_p(results, logits_after, prompt: list[int], sampling: SamplingParams) -> float:
+    """The chi-square p-value of the (first, second) generated token pairs of ``results`` against
+    the target's own probabilities (``logits_after(tokens)``: its logits after ``tokens``, filtered
+    as ``sampling`` filters); every pair must lie in the target's support."""
     with torch.inference_mode():  # the target's distribution of each pair
-        first = _filtered(_last_logits(engine, prompt), sampling)
+        first = _filtered(logits_after(prompt), sampling)
         support = first.nonzero().squeeze(1).tolist()
         expected, cells = [], {}
         for token in support:
-            second = _filtered(_last_logits(engine, [*prompt, token]), sampling)
+            second = _filtered(logits_after([*prompt, token]), sampling)
             for other in second.nonzero().squeeze(1).tolist():
                 cells[(token, other)] = len(cells)
                 expected.append(float(first[token] * second[other]))
     counts = torch.zeros(len(cells))
     for result in results:
         pair = tuple(result.generated)
-        assert pair in cells, f"{pair} is outside the target's top-3 support"
+        assert pair in cells, f"{pair} is outside the target's top-{sampling.top_k} support"
         counts[cells[pair]] += 1
-    assert chi_square_p(counts, torch.tensor(expected)) > 0.001
+    return chi_square_p(counts, torch.tensor(expected))
 
 
 def _last_logits(engine: GenerationEngine, tokens: list[int]) -> torch.Tensor:

@@ -163,3 +163,64 @@ def test_mega_generate_under_tensor_parallelism_equals_one_process(worlds, tmp_p
     for got, want in zip((json.loads(line) for line in leader.splitlines()), expected, strict=True):
         assert got["tokens"] == want["tokens"] and got["finish_reason"] == want["finish_reason"]
         assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)) < 1e-5
+
+
+def generate_with_adapters(weights, adapters: dict, tp: int, base_only: bool = False):
+    """The leader's results (None on the follower) of one batch mixing the base and LoRA adapters
+    (PEFT directories, each row its own: mega serve --lora-modules) at tensor-parallel size ``tp``
+    (``base_only``: the same prompts, every row the base's)."""
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.core.plugins import get_plugins
+    from mega.inference.engine import GenerationEngine, GenerationRequest
+    from mega.inference.engine.lora_registry import AdapterRegistry
+    from mega.inference.engine.tp_serving import lead, receive
+    from mega.models.lora.adapter_files import read_adapter
+    from mega.models.lora.multi import adaptable_weight_shapes, apply_multi_lora
+
+    groups = ParallelGroups(ParallelConfig(tp=tp))
+    model, config = mega_from_hf_weights(*weights, "llama", groups)
+    family, shapes = get_plugins().models.get("llama"), adaptable_weight_shapes(model)
+    registry = AdapterRegistry(apply_multi_lora(model, len(adapters), 24),
+                               lambda path: read_adapter(path, family, config, shapes, None, "base"))
+    for name, path in adapters.items():  # every rank alike: the same slots
+        registry.load(name, path)
+    engine = GenerationEngine(model, vocab_size=VOCAB, max_positions=POSITIONS, tp_group=groups.tp)
+    engine.lora = registry.lora
+    if groups.tp.rank != 0:
+        while (batch := receive(groups.tp)) is not None:
+            engine.generate(batch)
+        return None
+    names = [None, *adapters, None, *adapters]
+    batch = [GenerationRequest([5 + k, 17, 42, 8][: 2 + k % 3], 8,
+                               adapter=None if base_only or name is None else registry.acquire(name))
+             for k, name in enumerate(names)]
+    lead(batch, groups.tp)
+    results = engine.generate(batch)
+    lead(None, groups.tp)
+    return [r.tokens for r in results]
+
+
+def test_served_lora_adapters_under_tensor_parallelism_equal_one_process(worlds, tmp_path):
+    """Column-parallel layers' B split by rows (SwiGLU's two blocks each), row-parallel layers' A
+    by columns with the low-rank products summed: tp2 gives one process's tokens."""
+    import peft
+    import torch
+
+    model = hf_tiny("llama")
+    weights = (model.config.to_dict(), model.state_dict())
+    adapters = {}
+    for number, targets in enumerate([["q_proj", "v_proj", "o_proj", "up_proj"], ["k_proj", "gate_proj", "down_proj"]]):
+        torch.manual_seed(number)
+        made = peft.get_peft_model(hf_tiny("llama"), peft.LoraConfig(r=4 + 4 * number, lora_alpha=8,
+                                                                     target_modules=targets, init_lora_weights=False))
+        with torch.no_grad():
+            for name, parameter in made.named_parameters():
+                if "lora_B" in name:
+                    parameter.mul_(4.0)
+        made.save_pretrained(tmp_path / f"adapter{number}")
+        adapters[f"adapter{number}"] = str(tmp_path / f"adapter{number}")
+    expected = generate_with_adapters(weights, adapters, 1)
+    base = generate_with_adapters(weights, adapters, 1, base_only=True)
+    assert expected[0] == base[0] and expected[1] != base[1] and expected[2] != base[2]  # the adapters change them
+    leader, follower = worlds.run(2, generate_with_adapters, weights, adapters, 2)
+    assert follower is None and leader == expected

@@ -71,3 +71,23 @@ def test_docs_rl_names_every_flag():
     page = (Path(__file__).resolve().parents[3] / "docs" / "rl.md").read_text(encoding="utf-8")
     missing = [flag_of(f) for f in fields(RLConfig) if f"`{flag_of(f)}`" not in page]
     assert missing == [], f"docs/rl.md does not name {missing}"
+
+
+def test_repeated_list_flags_add_up():
+    config = parse_rl(["--reward", "math", "--reward", "format:0.2", "length", "--rl-stop", "a", "--rl-stop", "b"])
+    assert config.reward == ["math", "format:0.2", "length"] and config.rl_stop == ["a", "b"]
+
+
+def test_megatrons_list_flags_keep_the_last():
+    # Only the fields that ask for it accumulate: mega train's list flags keep argparse's (and Megatron's) last-wins.
+    from dataclasses import dataclass
+
+    from mega.core.config.options import option
+
+    @dataclass
+    class Section:
+        names: list[str] = option(default_factory=list, help="names")
+
+    parser = argparse.ArgumentParser()
+    add_section(parser, "s", Section)
+    assert parse(["--names", "a", "--names", "b"], {"s": Section}, parser)["s"].names == ["b"]

@@ -1,10 +1,18 @@
 """The orchestrator API (``mega.rl.policy_engine.PolicyEngine``) driven by a loss written here.
 
-CPU: one process, and a dp2 gloo world (the rank forkserver of mega.testing) for the
-data-parallel step (pinned: the engine builds on the CPU when no accelerator is asked for, and
-these tests move nothing to one). The log-probabilities and the
-weights are checked against ``transformers``' LlamaForCausalLM loaded from ``named_hf_tensors()``;
-the gradient against autograd on the same loss computed sequence by sequence.
+CPU: one process, and one 2-rank gloo world (the rank forkserver of mega.testing) for every
+layout (pinned: ``cpu_only`` hides CUDA from the one-process engines, and gloo ranks build on
+the CPU). The log-probabilities and the weights are checked against
+``transformers``' LlamaForCausalLM loaded from ``named_hf_tensors()``; the gradient against
+autograd on the same loss computed sequence by sequence.
+
+Layouts: one GRPO update on fixed rollouts made here (token sequences, prompt lengths, group
+advantages, old log-probabilities; no engine), with the GRPO loss of :mod:`mega.rl.loss`
+(clip-higher, token-mean over the whole batch) through ``forward_backward`` and
+``optimizer_step``, at tp2 + sp, pp2 (1F1B and zero bubble), dp2 with the distributed optimizer,
+FSDP2 dp2 and ep2 (Mixtral): the log-probabilities before and after the update and the full
+parameters after it (gathered by :mod:`mega.rl.full_tensors`) equal one process's on the whole
+batch (fp32, 1e-5), on every rank; ``named_hf_tensors()`` at tp2 and pp2 equals one process's exactly.
 """
 
 from __future__ import annotations
@@ -14,6 +22,9 @@ import os
 import pytest
 import torch
 
+from mega.rl.advantages import group_advantages
+from mega.rl.full_tensors import full_named_tensors
+from mega.rl.loss import aggregate, grpo_token_losses
 from mega.rl.policy_engine import PolicyEngine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,6 +34,15 @@ ARGV = ["--model-family", "llama", "--num-layers", "2", "--hidden-size", "32", "
         "--num-query-groups", "2", "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "128",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2", "--eval-iters", "0", "--seed", "5",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "10"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_only():
+    """One-process engines build on the CPU, as the gloo ranks do, on a GPU machine too (a lone
+    process takes CUDA where torch has it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        yield
 
 
 def batch_of(seed: int = 0) -> dict:
@@ -142,6 +162,14 @@ def test_bad_batch_is_named(engine):
     batch["weights"] = batch["weights"][:2]
     with pytest.raises(ValueError, match="batch\\['weights'\\] has 2 entries for 5 sequences"):
         engine.forward_backward(batch, weighted_loss)
+    with pytest.raises(ValueError, match="the batch has no sequences"):
+        engine.logprobs({"tokens": []})
+
+
+def test_named_hf_tensors_refuses_lora_adapters():
+    policy = PolicyEngine.from_args(ARGV + ["--lora-rank", "4"])
+    with pytest.raises(ValueError, match="the model has LoRA adapters .*merging them into the weights is not done"):
+        next(policy.named_hf_tensors())
 
 
 def _dp_rank_step(argv: list[str], seed: int) -> dict:
@@ -177,3 +205,124 @@ def test_data_parallel_step_equals_one_process(worlds):
         # noise into ~1e-6 of its lr 1e-2 step; 1e-5 is a thousandth of the step.
         for got, want in zip(result["params"], single.model.parameters(), strict=True):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+
+
+# -- layouts ---------------------------------------------------------------------------------
+def _flags(argv: list[str], **values: str) -> list[str]:
+    """``argv`` with the values of some flags replaced (``lr="1e-3"`` for ``--lr``)."""
+    argv = list(argv)
+    for name, value in values.items():
+        argv[argv.index("--" + name.replace("_", "-")) + 1] = value
+    return argv
+
+
+# Adam's first step is lr * sign(gradient) where a gradient is far from 0; where it is near 0 the
+# layouts' summation orders differ in its sign: lr 1e-3 keeps that noise under the 1e-5 compared.
+LLAMA = _flags(ARGV, lr="1e-3")
+MIXTRAL = ["--model-family", "mixtral", "--model-preset", "tiny", *LLAMA[LLAMA.index("--num-attention-heads"):]]
+# name -> (model, layout flags); data-parallel layouts give each rank its own share of the rollouts
+LAYOUTS = {
+    "tp2-sp": (LLAMA, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2": (LLAMA, ["--pipeline-model-parallel-size", "2"]),
+    # Zero bubble: the last stage hands the loss its hidden states and the output weight (W later).
+    "pp2-zb-h1": (LLAMA, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]),
+    "dp2-distributed-optimizer": (LLAMA, ["--use-distributed-optimizer"]),
+    "dp2-fsdp2": (LLAMA, ["--use-torch-fsdp2"]),
+    "ep2-mixtral": (MIXTRAL, ["--expert-model-parallel-size", "2"]),
+}
+GROUP_SIZE = 3
+
+
+def rollouts() -> dict:
+    """Two prompts, three completions each: tokens, prompt lengths, advantages, old log-probabilities."""
+    generator = torch.Generator().manual_seed(11)
+    prompt_lengths = [4, 4, 4, 6, 6, 6]
+    completion_lengths = [5, 9, 3, 7, 2, 11]
+    prompts = [torch.randint(0, 128, (4,), generator=generator), torch.randint(0, 128, (6,), generator=generator)]
+    tokens = [torch.cat([prompts[i // GROUP_SIZE], torch.randint(0, 128, (n,), generator=generator)])
+              for i, n in enumerate(completion_lengths)]
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0])
+    # Near a fresh tiny model's log-probabilities (about -log 128), so some ratios leave the clip range.
+    old = [-4.85 + 0.15 * torch.randn(n, generator=generator) for n in completion_lengths]
+    return {"tokens": tokens, "prompt_length": prompt_lengths,
+            "advantage": list(group_advantages(rewards, GROUP_SIZE)), "old": old}
+
+
+def grpo_update(policy: PolicyEngine, batch: dict) -> None:
+    """One optimizer step with the GRPO loss, token-mean over the whole batch of every
+    data-parallel rank (the engine means the ranks' gradients: normalised as verl's agg_loss)."""
+    total_tokens = policy.data_parallel_sum(sum(len(o) for o in batch["old"]))
+    pad = torch.nn.utils.rnn.pad_sequence
+
+    def loss_fn(logprobs, micro):
+        current = [lp[n - 1:] for lp, n in zip(logprobs, micro["prompt_length"], strict=True)]
+        terms = grpo_token_losses(pad(current, batch_first=True), pad(micro["old"], batch_first=True),
+                                  torch.stack(micro["advantage"]), clamp_eps_lower=0.2, clamp_eps_upper=0.28)
+        mask = pad([torch.ones(len(c)) for c in current], batch_first=True)
+        return aggregate(terms.loss, mask, total_tokens=total_tokens) * policy.data_parallel_size
+
+    policy.forward_backward(batch, loss_fn)
+    assert policy.optimizer_step()["applied"]
+
+
+def run_update(argv: list[str], hf: bool) -> dict:
+    """On each rank (or in one process): the update on this data-parallel rank's share."""
+    policy = PolicyEngine.from_args(argv)
+    dp = policy.groups.dp
+    batch = {key: values[dp.rank::dp.size] for key, values in rollouts().items()}
+    # (Clones: where nothing is split, the full tensors are the parameters themselves.)
+    hf_tensors = {name: tensor.clone() for name, tensor in policy.named_hf_tensors()} if hf else None
+    result = {"hf": hf_tensors, "before": policy.logprobs(batch)}
+    grpo_update(policy, batch)
+    result["after"] = policy.logprobs(batch)
+    result["params"] = {name: tensor.clone() for name, tensor in full_named_tensors(policy.trainer)}
+    return result
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    references = {model[1]: run_update(model, hf=True) for model in (LLAMA, MIXTRAL)}
+    for reference in references.values():  # the update moves the log-probabilities well past 1e-5
+        assert max((a - b).abs().max() for a, b in zip(reference["after"], reference["before"], strict=True)) > 1e-3
+    return references
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_grpo_update_at_layout_equals_one_process(worlds, one_process, layout):
+    model, flags = LAYOUTS[layout]
+    expected = one_process[model[1]]
+    exact_hf = layout in ("tp2-sp", "pp2")
+    data_parallel = layout.startswith(("dp2", "ep2"))
+    ranks = worlds.run(2, run_update, [*model, *flags], exact_hf)
+    for rank, result in enumerate(ranks):
+        mine = slice(rank, None, 2) if data_parallel else slice(None)
+        for when in ("before", "after"):
+            for got, want in zip(result[when], expected[when][mine], strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert result["params"].keys() == expected["params"].keys()
+        for name, want in expected["params"].items():
+            torch.testing.assert_close(result["params"][name], want, rtol=1e-5, atol=1e-5)
+        if exact_hf:
+            assert list(result["hf"]) == list(expected["hf"])
+            for name, want in expected["hf"].items():
+                assert torch.equal(result["hf"][name], want), f"{layout} rank {rank}: {name}"
+
+
+def _uneven_expert_shares(argv: list[str]) -> str:
+    """Rank 0 passes three sequences (two micro-batches), rank 1 one (one): the error, on each rank."""
+    policy = PolicyEngine.from_args(argv)
+    batch = rollouts()
+    picked = [0, 1, 2] if policy.groups.dp.rank == 0 else [3]
+    try:
+        policy.logprobs({key: [values[i] for i in picked] for key, values in batch.items()})
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_uneven_shares_under_expert_parallelism_are_named(worlds):
+    model, flags = LAYOUTS["ep2-mixtral"]
+    messages = worlds.run(2, _uneven_expert_shares, [*model, *flags])
+    assert messages == ["under expert parallelism every data-parallel rank passes as many micro-batches (of "
+                        f"--micro-batch-size sequences): this rank has {mine}, another {other}"
+                        for mine, other in ((2, 1), (1, 2))]

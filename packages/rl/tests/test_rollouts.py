@@ -62,3 +62,10 @@ def test_sampled_rollouts_are_seeded_per_completion():
     assert len(set(map(tuple, first.completions[:3]))) > 1  # a group's completions differ
     trainer = completion_logprobs(policy.logprobs({"tokens": first.sequences}), first)
     assert logprob_gap(first.inference_logprobs, trainer)["logprob_gap_max"] < 1e-4
+
+
+def test_kv_cache_lives_for_one_rollout():
+    policy = PolicyEngine.from_args(ARGV)
+    engine = _engine(policy)
+    engine.generate(PROMPTS, group_size=2, sampling=RolloutSampling(max_new_tokens=3, top_k=1))
+    assert engine.kv_cache is not None and engine.kv_cache() is None  # built for the rollout, freed after it

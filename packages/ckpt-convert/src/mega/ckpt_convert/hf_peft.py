@@ -14,7 +14,6 @@ Conv1D layers hold their weights transposed (PEFT's ``fan_in_fan_out``); the ada
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -23,9 +22,12 @@ from pathlib import Path
 import torch
 
 from mega.models.lora.adapters import merged_weight
+from mega.models.lora.peft import PEFT_PREFIX, peft_scaling
+from mega.models.lora.peft import (
+    read_peft_adapter as read_peft_adapter,  # where mega lora import-peft reads it
+)
 
 ADAPTER = ".adapter."
-PEFT_PREFIX = "base_model.model."
 
 
 def adapter_layers(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
@@ -104,36 +106,12 @@ def merged_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     return merged
 
 
-def read_peft_adapter(directory: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(adapter_config, tensors)`` of a PEFT LoRA directory, checked to be what mega can fold in."""
-    # optional dependency, as above
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    try:
-        adapter_config = json.loads((directory / "adapter_config.json").read_text())
-        tensors = load_file(str(directory / "adapter_model.safetensors"))
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{directory}: not a PEFT adapter directory ({error})") from None
-    if adapter_config.get("peft_type") != "LORA":
-        raise ValueError(f"{directory}: adapter_config.json's peft_type is {adapter_config.get('peft_type')!r}, not LORA")
-    for field in ("rank_pattern", "alpha_pattern"):
-        if adapter_config.get(field):
-            raise ValueError(f"{directory}: adapter_config.json's {field} (per-module ranks) is not supported")
-    extra = [name for name in tensors if ".lora_A." not in name and ".lora_B." not in name]
-    if extra:
-        raise ValueError(f"{directory}: holds {', '.join(sorted(extra)[:3])}, which is not a LoRA A or B of a "
-                         f"linear layer (bias='none' adapters only)")
-    return adapter_config, tensors
-
-
 def fold_peft_adapter(mapping, config, tensors: Mapping[str, torch.Tensor], adapter_config: Mapping,
                       peft: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """mega's global ``tensors`` with a PEFT adapter folded in: each Hugging Face module's
     ``B A * alpha / r`` (``/ sqrt(r)`` with rsLoRA) is a delta of its weight, which the family's
     tensor maps carry to mega's layout (q/k/v deltas into the fused QKV, gate/up into ``[gate; up]``)."""
-    rank, alpha = adapter_config["r"], adapter_config["lora_alpha"]
-    scaling = alpha / math.sqrt(rank) if adapter_config.get("use_rslora") else alpha / rank
+    scaling = peft_scaling(adapter_config)
     deltas = {}
     for name, a in peft.items():
         if ".lora_A." not in name:

@@ -17,6 +17,7 @@ import torch
 from mega.ckpt_convert.errors import ConversionError
 from mega.ckpt_convert.hf_tokenizer import read_hf_tokenizer
 from mega.ckpt_convert.hf_weights import HFWeights
+from mega.ckpt_convert.mxfp4 import dequantizing
 from mega.ckpt_convert.source import ClosingSource, format_names, model_parameters
 from mega.ckpt_convert.tensor_maps import LastConverted, converted_shapes
 from mega.core.build import DEFAULT_SEED, parameter_generator
@@ -84,10 +85,11 @@ class HFSource(ClosingSource):
         self.tokenizer, self.tokenizer_extras = read_hf_tokenizer(directory)
         self._maps = mapping.tensor_maps(self.config)
         self._by_name = {name: (tensor_map, i) for tensor_map in self._maps for i, name in enumerate(tensor_map.mega)}
-        self._weights = HFWeights(directory)
+        self._weights, dequantized = dequantizing(HFWeights(directory), config_json)
         self._converted = LastConverted(self._convert)
         self._family = family
-        self.warnings: list[str] = []  # what the user should know (heads initialised here)
+        # What the user should know (heads initialised here, quantized experts dequantized).
+        self.warnings: list[str] = [dequantized] if dequantized else []
         try:
             self._stored = self._stored_names(mapping.base_model_prefix)
             self._absent = self._absent_maps(mapping.optional)

@@ -14,6 +14,10 @@ def register_models(register):
     register("mixtral", "mega.models.mixtral.family:FAMILY", "Mixtral mixture of experts (tiny, 8x7b, 8x22b)")
     register("qwen3", "mega.models.qwen3.family:FAMILY", "Qwen3 dense 0.6b ... 32b (LLaMA with QK-norm)")
     register("qwen3-moe", "mega.models.qwen3_moe.family:FAMILY", "Qwen3-MoE 30b-a3b, 235b-a22b (QK-norm, top-8 of 128 experts)")
+    register("qwen3-next", "mega.models.qwen3_next.family:FAMILY",
+             "Qwen3-Next 80b-a3b (Gated DeltaNet linear attention 3:1 with gated attention, shared + routed experts)")
+    register("gpt-oss", "mega.models.gpt_oss.family:FAMILY", "gpt-oss 20b, 120b (attention sinks, alternating "
+             "sliding windows, YaRN, clamped SwiGLU experts)")
     register("deepseek-v3", "mega.models.deepseek_v3.family:FAMILY",
              "DeepSeek-V3 671b (MLA, shared + sigmoid-routed experts, MTP), v2-lite shape")
     register("bert", "mega.models.bert.family:FAMILY", "BERT base/large, MiniLM-L6 (masked-LM encoder, embeddings)")

@@ -33,7 +33,7 @@ def sdpa_attention(query, key, value, *, mask: AttentionMask, dropout_p: float =
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
     if _documents_apart(mask, query, key):
         return _per_document(query, key, value, mask, dropout_p, softmax_scale, repeats > 1 and native_gqa)
-    attn_mask = _explicit_mask(mask, query, key)
+    attn_mask = explicit_mask(mask, query, key)
     # sdpa's is_causal aligns the mask at the top left; an explicit mask serves the other cases.
     is_causal = mask.causal and attn_mask is None
     return F.scaled_dot_product_attention(
@@ -93,7 +93,7 @@ def _one_query_per_head(query, key, value, mask: AttentionMask, dropout_p: float
     its unfused math path)."""
     batch, heads, _, dim = query.shape
     # The one query sits after every key (causal masks align at the bottom right): causal hides none.
-    attn_mask = _explicit_mask(dataclasses.replace(mask, causal=False), query, key)  # [b or 1, h or 1, 1, keys]
+    attn_mask = explicit_mask(dataclasses.replace(mask, causal=False), query, key)  # [b or 1, h or 1, 1, keys]
     if attn_mask is not None and attn_mask.shape[1] == heads:  # a per-head bias follows its head
         attn_mask = attn_mask.reshape(attn_mask.shape[0], heads // repeats, repeats, attn_mask.shape[-1])
     grouped = query.reshape(batch, heads // repeats, repeats, dim)  # heads are group-major
@@ -102,7 +102,7 @@ def _one_query_per_head(query, key, value, mask: AttentionMask, dropout_p: float
     return out.reshape(batch, heads, 1, dim)
 
 
-def _explicit_mask(mask: AttentionMask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+def explicit_mask(mask: AttentionMask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
     """An additive float mask ``[batch or 1, heads or 1, q, k]``, or None when ``is_causal``
     (queries and keys of one length) or nothing at all is needed."""
     q_len, k_len = query.shape[2], key.shape[2]

@@ -46,7 +46,11 @@ class RLConfig:
         True, "divide each group's centred rewards by their standard deviation (GRPO); "
         "--no-grpo-std-normalization leaves them centred only (Dr. GRPO)", action=argparse.BooleanOptionalAction)
     rl_dynamic_sampling: bool = option(
-        False, "drop the groups whose rewards are all equal, which carry no advantage (DAPO's dynamic sampling)")
+        False, "drop the groups whose rewards are all equal, which carry no advantage, and roll out more prompts "
+        "until the step has --grpo-prompts-per-step groups that do (DAPO's dynamic sampling)")
+    rl_dynamic_sampling_max_rounds: int = option(
+        10, "with --rl-dynamic-sampling: rounds of --grpo-prompts-per-step prompts a step rolls out at most (verl's "
+        "max_num_gen_batches); after the last, groups without signal make up the batch, counted in the log")
     rl_overlong_filtering: bool = option(
         False, "leave completions cut at --rl-max-new-tokens out of the loss (DAPO's overlong filtering)")
     rl_overlong_buffer_length: int = option(
@@ -56,15 +60,30 @@ class RLConfig:
     rl_max_new_tokens: int | None = option(
         None, "the longest completion a rollout may generate; needed by seq-mean-token-sum-norm and the "
         "overlong options")
+    moe_enable_routing_replay: bool = option(
+        False, "MoE policies: the experts each token was routed to by the old policy (recorded when the trainer "
+        "recomputes its log-probabilities) are forced in every update over the rollouts, the router weighting "
+        "them and still learning (Routing Replay of the GSPO paper, Zheng et al. 2025: R2, the old policy's routing; "
+        "not yet R3, the rollout engine's, Ma et al. 2025; Megatron-LM's flag)")
     rl_temperature: float = option(1.0, "rollout sampling temperature")
     rl_top_p: float = option(0.0, "rollout nucleus sampling: the smallest set of tokens with this much probability "
                              "(0 or 1: off)")
     rl_top_k: int = option(0, "rollout sampling from the k most likely tokens (0: off)")
     rl_stop: list[str] = option(
-        default_factory=list, help="rollout stop strings (the tokenizer's end of document always stops)")
+        default_factory=list, help="rollout stop strings (the tokenizer's end of document always stops); "
+        "repeated flags add up", action="extend")
     rl_seed: int | None = option(
         None, "rollout sampling seed (default: --seed); completion i of step s samples with seed + s * 2**20 + i, "
         "so a resumed run draws the same completions")
+    rl_inference_tensor_model_parallel_size: int | None = option(
+        None, "the rollout engine's tensor-parallel size (default: --tensor-model-parallel-size); the engine holds "
+        "every layer, so the world is this many ranks times engine replicas, which split each step's prompts. At "
+        "the training's size, with one pipeline stage and no FSDP, sequence, context or expert parallelism, the "
+        "engine generates from the trainer's own parameters; otherwise it has its own copy, refreshed after every "
+        "update without disk (Megatron-RL's flag)")
+    rl_offload_optimizer_during_inference: bool = option(
+        False, "keep the optimizer state (fp32 main weights, moments) and the gradient buffers in host memory while "
+        "the engine generates (Megatron-RL's flag; verl's actor optimizer_offload)")
     prompt_data: str | None = option(
         None, "prompts, JSON Lines: `prompt` (text) or `messages` (a chat, rendered by the chat template) and any "
         "other fields, which reach the rewards")
@@ -72,14 +91,16 @@ class RLConfig:
         None, "the Jinja chat template (or tokenizer_config.json) for `messages` prompts (default: the tokenizer's)")
     reward: list[str] = option(
         default_factory=list, help="reward functions, each NAME[:WEIGHT] (registered by a plugin, see `mega "
-        "plugins`) or module:function[:WEIGHT]; a completion's reward is the weighted sum")
+        "plugins`) or module:function[:WEIGHT]; a completion's reward is the weighted sum; repeated flags add up "
+        "(--reward a --reward b is --reward a b)", action="extend")
     reward_workers: int = option(4, "processes that compute rewards")
     reward_timeout: float = option(
         10.0, "seconds one reward call may take; a call that raises, runs longer or returns a non-finite value "
         "scores 0 and is counted in the log")
 
     def __post_init__(self) -> None:
-        for name in ("grpo_group_size", "grpo_prompts_per_step", "grpo_iterations", "reward_workers"):
+        for name in ("grpo_group_size", "grpo_prompts_per_step", "grpo_iterations", "reward_workers",
+                     "rl_dynamic_sampling_max_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
         if self.grpo_group_size < 2 and (self.grpo_std_normalization or self.rl_dynamic_sampling):
@@ -109,6 +130,9 @@ class RLConfig:
         if not self.rl_temperature > 0 or self.rl_top_k < 0 or not 0 <= self.rl_top_p <= 1:
             raise ValueError(f"--rl-temperature must be positive, --rl-top-k >= 0 and --rl-top-p in [0, 1], got "
                              f"{self.rl_temperature}, {self.rl_top_k} and {self.rl_top_p}")
+        size = self.rl_inference_tensor_model_parallel_size
+        if size is not None and size < 1:
+            raise ValueError(f"--rl-inference-tensor-model-parallel-size must be positive, got {size}")
         if self.reward_timeout <= 0:
             raise ValueError(f"--reward-timeout must be positive, got {self.reward_timeout}")
 

@@ -61,9 +61,11 @@ def _early_parser() -> argparse.ArgumentParser:
 
 
 def build_parser(model_config_class: type | None, family_name: str, plugins=None,
-                 options: dict[str, tuple[type, str]] | None = None) -> argparse.ArgumentParser:
+                 options: dict[str, tuple[type, str]] | None = None, model_defaults=None) -> argparse.ArgumentParser:
     """The full parser; without a model config class (none installed), every other section; then
-    each plugin's options under the plugin's name (``options``: from :func:`plugin_sections`)."""
+    each plugin's options under the plugin's name (``options``: from :func:`plugin_sections`).
+    ``model_defaults``: the model's starting point (a preset, a checkpoint's config), whose values
+    the help shows as the defaults."""
     parser = CommandParser(
         prog="mega train", description=DESCRIPTION, parents=[launcher_parser()],
         epilog="With no arguments, trains the embedded default: a small GPT on the text of Python's "
@@ -71,7 +73,8 @@ def build_parser(model_config_class: type | None, family_name: str, plugins=None
     )
     sections = core_sections(model_config_class)
     for name, cls in sections.items():
-        add_section(parser, name, cls, title=f"model ({family_name} family)" if name == "model" else None)
+        add_section(parser, name, cls, title=f"model ({family_name} family)" if name == "model" else None,
+                    defaults=model_defaults if name == "model" else None)
     options = plugin_sections(sections, plugins) if options is None else options
     for name, (cls, title) in options.items():
         add_section(parser, name, cls, title=title)
@@ -110,7 +113,7 @@ def parse_run(argv: list[str], plugins=None):
 
     sections = run_sections(family.config_class)
     plugin_options = plugin_sections(sections, plugins)
-    parser = build_parser(family.config_class, family_name, plugins, plugin_options)
+    parser = build_parser(family.config_class, family_name, plugins, plugin_options, model_defaults=bases.get("model"))
     options = {name: cls for name, (cls, _) in plugin_options.items()}
     known = {option for action in parser._actions for option in action.option_strings}
     for flag in dict.fromkeys(word.split("=", 1)[0] for word in argv if word.startswith("--")):

@@ -48,6 +48,8 @@ def _argument_kwargs(field: dataclasses.Field, annotation: Any) -> dict[str, Any
     if origin in (list, tuple):
         item = typing.get_args(annotation)[0] if typing.get_args(annotation) else str
         kwargs.update(nargs="+", type=item)
+        if field.metadata.get("action"):  # "extend": repeated flags add up (else the last one wins, as Megatron's)
+            kwargs["action"] = field.metadata["action"]
     elif origin is Literal:
         kwargs.update(choices=typing.get_args(annotation))
     else:
@@ -58,8 +60,11 @@ def _argument_kwargs(field: dataclasses.Field, annotation: Any) -> dict[str, Any
     return kwargs
 
 
-def add_section(parser: argparse.ArgumentParser, section: str, cls: type, title: str | None = None) -> None:
-    """Add one argument group (headed ``title``) with a flag for every field of the dataclass ``cls``."""
+def add_section(parser: argparse.ArgumentParser, section: str, cls: type, title: str | None = None,
+                defaults: Any = None) -> None:
+    """Add one argument group (headed ``title``) with a flag for every field of the dataclass ``cls``;
+    the help shows the class defaults, or the values of ``defaults`` (an instance, or a dict: the
+    starting point a preset or a checkpoint gives the section)."""
     group = parser.add_argument_group(title or section)
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
@@ -69,6 +74,8 @@ def add_section(parser: argparse.ArgumentParser, section: str, cls: type, title:
         if kwargs.get("metavar") is None:
             kwargs.pop("metavar", None)
         default = field.default if field.default is not dataclasses.MISSING else None
+        if defaults is not None:
+            default = defaults.get(field.name, default) if isinstance(defaults, dict) else getattr(defaults, field.name)
         if default not in (None, False, True) and kwargs.get("help") is not None:
             kwargs["help"] += f" (default: {default})"
         # SUPPRESS: only flags actually given appear in the namespace, so they can override TOML.
@@ -186,9 +193,23 @@ def chosen_values(config: Any) -> dict[str, Any]:
     """
     fields = [field for field in dataclasses.fields(config) if field.init]
     derivable = {field.name for field in fields if field.default is None}
-    derived = dataclasses.replace(config, **dict.fromkeys(derivable))
+    try:
+        derived = dataclasses.replace(config, **dict.fromkeys(derivable))
+    except (TypeError, ValueError):
+        # What the class derives from the others is no valid config (gpt-oss: 2880 / 64 heads
+        # gives an odd head size): each field is then derived alone, and one that cannot be is chosen.
+        return {field.name: getattr(config, field.name) for field in fields
+                if field.name not in derivable or not _derives_alone(config, field.name)}
     return {field.name: getattr(config, field.name) for field in fields
             if field.name not in derivable or getattr(config, field.name) != getattr(derived, field.name)}
+
+
+def _derives_alone(config: Any, name: str) -> bool:
+    """Whether the class derives the value ``config`` holds for ``name`` from the other fields."""
+    try:
+        return getattr(dataclasses.replace(config, **{name: None}), name) == getattr(config, name)
+    except (TypeError, ValueError):
+        return False
 
 
 def flag_reference(sections: dict[str, type]) -> str:

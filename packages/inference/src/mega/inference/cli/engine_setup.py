@@ -14,6 +14,7 @@ from mega.core.checkpoint import CheckpointError
 from mega.core.parallel import Group, ParallelConfig, ParallelGroups
 from mega.core.process_group import init_distributed
 from mega.inference.cli.load_arguments import compile_backend
+from mega.inference.cli.lora_serving import serve_adapters
 from mega.inference.engine import GenerationEngine, GenerationError
 from mega.inference.engine.continuous import BLOCK_SIZE, ContinuousBatchingWorker
 from mega.inference.engine.cpu_weight_layout import hold_linear_weights_column_major
@@ -22,6 +23,8 @@ from mega.inference.engine.encoder_decoder import (
     EncoderDecoderWorker,
     is_encoder_decoder,
 )
+from mega.inference.engine.lora_registry import AdapterRegistry
+from mega.inference.engine.mtp_proposer import MTPProposer
 from mega.inference.engine.slot_kv_cache import static_kv_cache_wanted
 from mega.inference.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from mega.inference.engine.tp_serving import lead, receive
@@ -35,6 +38,7 @@ class EngineSetup:
     loaded: LoadedModel
     tp_group: Group
     worker: EngineWorker
+    adapters: AdapterRegistry | None = None  # LoRA adapters chosen per request (mega serve --lora-modules)
 
 
 def static_kv_cache(args: argparse.Namespace, device, decoder_only: bool = True) -> bool:
@@ -57,10 +61,16 @@ def build_worker(args: argparse.Namespace, engine) -> EngineWorker:
         if getattr(args, "enable_prefix_caching", None) or getattr(args, "max_num_batched_tokens", None) is not None:
             raise GenerationError("--enable-prefix-caching and --max-num-batched-tokens run for decoder-only models")
         return EncoderDecoderWorker(engine, args.max_batch_size)
+    prefix_caching = getattr(args, "enable_prefix_caching", None)
+    if getattr(args, "speculative_method", None) == "mtp":
+        if prefix_caching:  # a prefix taken from the cache has no hidden states for the MTP layer
+            raise GenerationError("--speculative-method mtp feeds the MTP layer the model's hidden state at every "
+                                  "prompt position, which a cached prefix skips: drop --enable-prefix-caching")
+        prefix_caching = False
     return ContinuousBatchingWorker(engine, args.max_batch_size, getattr(args, "max_num_tokens", None),
                                     static_cache=static,
                                     use_cuda_graphs=args.cuda_graphs and engine.device.type == "cuda",
-                                    prefix_caching=getattr(args, "enable_prefix_caching", None) is not False,
+                                    prefix_caching=prefix_caching is not False,
                                     max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
                                     compile_backend=compile_backend(args) if static else None,
                                     speculator=build_speculator(args, engine))
@@ -68,7 +78,8 @@ def build_worker(args: argparse.Namespace, engine) -> EngineWorker:
 
 def build_speculator(args: argparse.Namespace, engine) -> Speculator | None:
     """The speculator ``--num-speculative-tokens`` asks for (None: off), its drafts from prompt
-    lookup or ``--speculative-model`` (loaded on the engine's device, at its dtype)."""
+    lookup, ``--speculative-model`` (loaded on the engine's device, at its dtype) or the model's
+    own MTP layers."""
     count = getattr(args, "num_speculative_tokens", 0) or 0
     method = getattr(args, "speculative_method", None)
     draft_dir = getattr(args, "speculative_model", None)
@@ -79,6 +90,12 @@ def build_speculator(args: argparse.Namespace, engine) -> Speculator | None:
     if engine.tp_group is not None and engine.tp_group.size > 1:
         raise GenerationError("--num-speculative-tokens runs on one rank: not under torchrun's tensor parallelism")
     method = method or ("draft_model" if draft_dir else "ngram")
+    tokens = getattr(args, "max_num_tokens", None) or args.max_batch_size * engine.max_positions
+    if method == "mtp":
+        if draft_dir is not None:
+            raise GenerationError("--speculative-method mtp drafts with the model's own MTP layers: drop "
+                                  "--speculative-model")
+        return Speculator(MTPProposer(engine, args.max_batch_size, tokens, BLOCK_SIZE), count)
     if method == "ngram":
         if draft_dir is not None:
             raise GenerationError("--speculative-method ngram drafts without a model: drop --speculative-model")
@@ -95,7 +112,6 @@ def build_speculator(args: argparse.Namespace, engine) -> Speculator | None:
                               f"{engine.vocab_size}: a draft shares the model's tokenizer")
     draft_engine = GenerationEngine(draft.model, vocab_size=draft.config.vocab_size,
                                     max_positions=min(draft.max_positions, engine.max_positions))
-    tokens = getattr(args, "max_num_tokens", None) or args.max_batch_size * engine.max_positions
     return Speculator(DraftModelProposer(draft_engine, args.max_batch_size, tokens, BLOCK_SIZE), count)
 
 
@@ -137,6 +153,7 @@ def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup | None:
     if max_model_len is not None:
         engine.cap_length(max_model_len)
     try:
+        adapters = serve_adapters(args, engine, loaded, groups)  # None unless LoRA adapters are served
         worker = build_worker(args, engine)
     except (GenerationError, ValueError) as error:
         if engine.is_leader:
@@ -153,5 +170,5 @@ def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup | None:
         print(f"mega {command}: the checkpoint names no tokenizer: give --tokenizer-type (and its files)",
               file=sys.stderr)
         raise SystemExit(2)
-    return EngineSetup(engine, loaded, groups.tp, worker)
+    return EngineSetup(engine, loaded, groups.tp, worker, adapters)
 

@@ -61,10 +61,13 @@ def add_speculative_arguments(group: argparse._ArgumentGroup) -> None:
                        help="speculative decoding: draft up to K tokens per sequence and step, verified by the model "
                             "in one forward (greedy output unchanged, sampling keeps the model's distribution; steps "
                             "where a sequence asks log-probabilities or penalties decode one token). Default 0: off")
-    group.add_argument("--speculative-method", choices=("ngram", "draft_model"), default=None,
+    group.add_argument("--speculative-method", choices=("ngram", "draft_model", "mtp"), default=None,
                        help="where drafts come from: ngram (prompt lookup: what followed the sequence's last n-gram "
-                            "earlier in it; no extra model) or draft_model (--speculative-model). Default: "
-                            "draft_model with --speculative-model, else ngram")
+                            "earlier in it; no extra model), draft_model (--speculative-model) or mtp (vLLM's "
+                            "deepseek_mtp: the model's own multi-token-prediction layers, a DeepSeek-V3 trained with "
+                            "--mtp-num-layers, fed the model's hidden states; K beyond the MTP layers reuses the "
+                            "last layer recursively, as vLLM does; turns prefix caching off). Default: draft_model with "
+                            "--speculative-model, else ngram")
     group.add_argument("--speculative-model", metavar="DIR", type=existing_path,
                        help="a smaller model sharing the tokenizer (mega checkpoint or Hugging Face directory) that "
                             "drafts the tokens")

@@ -14,6 +14,7 @@ import os
 from mega.core.cli.argparser import CommandParser
 from mega.inference.cli.embed import add_embedding_arguments, is_encoder_checkpoint, serve_embeddings
 from mega.inference.cli.load_arguments import add_decoding_arguments, add_load_arguments
+from mega.inference.cli.lora_serving import add_lora_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,11 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mega serve",
         description="Serve a mega checkpoint or a Hugging Face model directory over HTTP: Megatron's "
                     "PUT /api, OpenAI-style POST /v1/completions (streaming too), GET /v1/health; an encoder "
-                    "(bert family) serves OpenAI-style POST /v1/embeddings instead; "
+                    "(bert family) serves OpenAI-style POST /v1/embeddings instead; LoRA adapters served beside the "
+                    "base are chosen per request by model (--lora-modules); "
                     "the API's schema is browsable at /docs.",
     )
     add_load_arguments(parser)
     add_embedding_arguments(parser)
+    add_lora_arguments(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("mega serve: error: the API key (--api-key or MEGA_API_KEY) is empty, which would serve "
                          "without one: give a key, or leave both out to serve without a key")
     for flag in ("max_batch_size", "max_num_tokens", "max_model_len", "max_request_bytes", "request_timeout",
-                 "max_num_batched_tokens", "max_num_queued_reqs"):
+                 "max_num_batched_tokens", "max_num_queued_reqs", "max_loras", "max_lora_rank"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise SystemExit(f"mega serve: error: --{flag.replace('_', '-')} must be positive, got {value}")
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     service = InferenceService(setup.engine, worker, loaded.tokenizer, args.served_model_name or loaded.name,
                                base_model_name=loaded.base_name, chat_template=loaded.chat_template,
                                request_timeout=args.request_timeout, max_queued_sequences=args.max_num_queued_reqs,
-                               reasoning_parser=args.reasoning_parser)
+                               reasoning_parser=args.reasoning_parser, adapters=setup.adapters)
     worker.start()
     try:
         app = create_app(service, api_key=args.api_key, max_body_bytes=args.max_request_bytes)

@@ -52,9 +52,16 @@ from dataclasses import dataclass, field
 import torch
 
 from mega.inference.engine.decode_step import DecodeStep, record_logprobs
-from mega.inference.engine.kv_caches import PagedSequenceCache, SequenceCache, SlotSequenceCache
+from mega.inference.engine.kv_caches import (
+    PagedSequenceCache,
+    RecurrentSequenceCache,
+    SequenceCache,
+    SlotSequenceCache,
+)
+from mega.inference.engine.lora_registry import prefix_salt
 from mega.inference.engine.metrics import ServerMetrics
 from mega.inference.engine.prefix_cache import prefix_keys
+from mega.inference.engine.recurrent_state_cache import recurrent_cache_options
 from mega.inference.engine.requests import GenerationError, GenerationRequest, ending
 from mega.inference.engine.sampling import Sampler
 from mega.inference.engine.slot_kv_cache import DecodeGraphs
@@ -93,13 +100,16 @@ class ContinuousBatchingWorker(EngineWorker):
         self.max_num_tokens = max_num_tokens or max_batch_size * engine.max_positions
         if self.max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be positive, got {self.max_num_tokens}")
-        if static_cache:
+        if getattr(engine.model, "recurrent_layers", ()):  # a state per sequence beside the keys
+            recurrent_cache_options(static_cache, prefix_caching, speculator)
+            self.kv: SequenceCache = RecurrentSequenceCache(engine, max_batch_size, self.max_num_tokens, block_size)
+        elif static_cache:
             slots = min(max_batch_size, self.max_num_tokens // engine.max_positions)
             if slots < 1:
                 raise ValueError(f"the static KV cache gives each sequence the model's {engine.max_positions} "
                                  f"positions; max_num_tokens {self.max_num_tokens} holds none")
-            self.kv: SequenceCache = SlotSequenceCache(engine, slots, block_size, prefix_caching, use_cuda_graphs,
-                                             compile_backend)
+            self.kv = SlotSequenceCache(engine, slots, block_size, prefix_caching, use_cuda_graphs, compile_backend,
+                                        rolls_back=speculator is not None)
         else:
             self.kv = PagedSequenceCache(engine, max_batch_size, self.max_num_tokens, block_size, prefix_caching)
         self.cache, self.allocator = self.kv.cache, self.kv.allocator
@@ -113,6 +123,7 @@ class ContinuousBatchingWorker(EngineWorker):
             if engine.tp_group is not None and engine.tp_group.size > 1:
                 raise ValueError("speculative decoding runs on one rank: drop --num-speculative-tokens under torchrun")
             speculator.metrics = self.metrics
+            speculator.attach(self.kv)  # MTP drafts read the hidden states of this cache's forwards
             self._decode_step.lag = 0  # drafts continue every token: the host reads each step's at once
 
     @property
@@ -189,7 +200,7 @@ class ContinuousBatchingWorker(EngineWorker):
                 return False
             sequence.blocks = self.allocator.allocate(tokens)
             return True
-        sequence.prefix_keys = prefix_keys(request.prompt, self.block_size)
+        sequence.prefix_keys = prefix_keys(request.prompt, self.block_size, prefix_salt(request))
         keys = [] if request.logprobs else sequence.prefix_keys
         allocated = self.allocator.allocate_with_prefix(keys, len(request.prompt), tokens)
         if allocated is None:

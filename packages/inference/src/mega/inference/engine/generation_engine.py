@@ -16,6 +16,7 @@ sampling and stop strings happen on the first rank only).
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +34,9 @@ from mega.inference.engine.requests import (
     TokenCallback,
 )
 from mega.inference.engine.stopping import StopChecker
+
+# A decoder layer's attention module (Megatron-Core's names): where a sliding window is read.
+LAYER_ATTENTION = re.compile(r"(?:.*\.)?layers\.(\d+)\.self_attention")
 
 __all__ = ["EngineBase", "FinishReason", "GenerationEngine", "GenerationError", "GenerationRequest",
            "GenerationResult"]
@@ -57,6 +61,7 @@ class EngineBase:
         self.length_limit = f"the model's {max_positions} positions"  # what max_positions is, in errors
         self.tokenizer = tokenizer
         self.tp_group = tp_group
+        self.lora = None  # a MultiLoRA (mega.models.lora.multi) when adapters are chosen per request
         self.stop_checker = StopChecker(tokenizer)
 
     def cap_length(self, max_model_len: int) -> None:
@@ -128,6 +133,18 @@ class GenerationEngine(EngineBase):
         :class:`KVCache`, the paged or the static one)."""
         logits = self.model(tokens, positions, inference_cache=cache, logits_to_keep=logits_to_keep)
         return self.real_logits(logits)
+
+    @property
+    def layer_windows(self) -> dict[int, int]:
+        """Layer number -> its attention's sliding window, for the layers that have one (a cache
+        may then keep only the window's keys)."""
+        windows = {}
+        for name, module in self.model.named_modules():
+            match = LAYER_ATTENTION.fullmatch(name)
+            window = getattr(module, "sliding_window", None)
+            if match and isinstance(window, int):
+                windows[int(match.group(1))] = window
+        return windows
 
     @property
     def kv_head_repeats(self) -> int:

@@ -1,9 +1,11 @@
-"""The two KV caches the decoder loop runs on, behind one interface.
+"""The KV caches the decoder loop runs on, behind one interface.
 
 :class:`PagedSequenceCache` (:mod:`.paged_kv_cache`): blocks shared by sequences of any lengths, memory
 following the tokens held. :class:`SlotSequenceCache` (:mod:`.slot_kv_cache`): a slot of the model's
 whole length per sequence, so a decode step has fixed shapes per batch-size bucket and, on CUDA,
-replays a captured graph (``--static-kv-cache``, the default on CUDA).
+replays a captured graph (``--static-kv-cache``, the default on CUDA). :class:`RecurrentSequenceCache`
+(:mod:`.recurrent_state_cache`): the paged cache with a fixed-size state per sequence for the
+recurrent layers of a model that has them (Qwen3-Next's Gated DeltaNet).
 
 The loop (:class:`~mega.inference.engine.continuous.ContinuousBatchingWorker`) sees only what
 both give: an ``allocator`` that admits a sequence (blocks, or a slot as a one-block table) and
@@ -19,8 +21,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mega.inference.engine.host_copy import to_device
+from mega.inference.engine.lora_registry import slot_of
 from mega.inference.engine.paged_kv_cache import BlockAllocator, PagedKVCache
 from mega.inference.engine.prefix_cache import PrefixCachingAllocator
+from mega.inference.engine.recurrent_state_cache import RecurrentStateCache, StateSlotAllocator
 from mega.inference.engine.slot_kv_cache import DecodeGraphs, SlotAllocator, SlotKVCache, bucket_for
 from mega.inference.engine.slot_prefix_cache import PrefixCachingSlotAllocator
 
@@ -33,6 +37,10 @@ class SequenceCache:
 
     chooses_on_device = False  # whether decode(greedy=True) may give the tokens instead of logits
     graphs: DecodeGraphs | None = None
+    # Called after each forward with (sequences, their cached counts before it, real): the MTP
+    # proposer (speculative drafts from the model's own hidden states) learns which positions
+    # the forward computed for whom.
+    observer: Callable[[Sequence, list[int], list[int] | None], None] | None = None
 
     def __init__(self, engine, cache, allocator: BlockAllocator):
         self.engine, self.cache, self.allocator = engine, cache, allocator
@@ -47,11 +55,15 @@ class SequenceCache:
         sequence (``real``: right-padded prompts, row ``r``'s own tokens; see
         :meth:`PagedKVCache.bind`); each sequence's ``cached`` moves past them."""
         device = self.engine.device
+        if self.engine.lora is not None:  # each row its LoRA adapter
+            self.engine.lora.bind([slot_of(s) for s in sequences])
         cached = [s.cached for s in sequences]
         self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device, [s.number for s in sequences],
                         real)
         positions = torch.tensor(cached, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
         logits = self.engine.forward(tokens, positions, self.cache, logits_to_keep)
+        if self.observer is not None:
+            self.observer(sequences, cached, real)
         for row, sequence in enumerate(sequences):
             sequence.cached += tokens.shape[1] if real is None else real[row]
         return logits
@@ -70,6 +82,16 @@ class PagedSequenceCache(SequenceCache):
         super().__init__(engine, PagedKVCache(allocator, max_batch_size, engine.kv_head_repeats), allocator)
 
 
+class RecurrentSequenceCache(SequenceCache):
+    """The paged cache with a recurrent-state slot per sequence, for a model with recurrent layers
+    (``model.recurrent_layers``; :mod:`.recurrent_state_cache`): never prefix caching."""
+
+    def __init__(self, engine, max_batch_size: int, max_num_tokens: int, block_size: int):
+        allocator = StateSlotAllocator(max(1, max_num_tokens // block_size), block_size, max_batch_size)
+        cache = RecurrentStateCache(allocator, engine.model.recurrent_layers, max_batch_size, engine.kv_head_repeats)
+        super().__init__(engine, cache, allocator)
+
+
 class SlotSequenceCache(SequenceCache):
     """``slots`` slots of the engine's positions; decode steps over the window of the first slots
     up to a bucket, through :class:`DecodeGraphs` (captured on CUDA with ``use_cuda_graphs``,
@@ -78,8 +100,12 @@ class SlotSequenceCache(SequenceCache):
     chooses_on_device = True
 
     def __init__(self, engine, slots: int, block_size: int, prefix_caching: bool, use_cuda_graphs: bool | None = None,
-                 compile_backend: str | Callable | None = None):
-        cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype)
+                 compile_backend: str | Callable | None = None, rolls_back: bool = False):
+        # Sliding-window layers keep rings of their window: not with prefix caching, which copies
+        # whole slots' prefixes, nor where rejected drafts roll a slot back (``rolls_back``, speculative
+        # decoding: a ring has overwritten the positions the rolled-back slot still sees).
+        windows = {} if prefix_caching or rolls_back else engine.layer_windows
+        cache = SlotKVCache(slots, engine.max_positions, engine.device, engine.dtype, windows)
         allocator = (PrefixCachingSlotAllocator(cache, block_size) if prefix_caching
                      else SlotAllocator(slots, engine.max_positions))
         super().__init__(engine, cache, allocator)
@@ -104,6 +130,11 @@ class SlotSequenceCache(SequenceCache):
         for slot, sequence in zip(slots, decoding, strict=True):
             cached[slot] = sequence.cached
             sequence.cached += 1
+        if self.engine.lora is not None:  # each row its LoRA adapter; the base's for rows nobody reads
+            adapters = [0] * window
+            for slot, sequence in zip(slots, decoding, strict=True):
+                adapters[slot] = slot_of(sequence)
+            self.engine.lora.bind(adapters)
         tokens = torch.zeros(window, 1, dtype=torch.long, device=device)
         rows = to_device(slots, device)
         tokens[rows, 0] = fed

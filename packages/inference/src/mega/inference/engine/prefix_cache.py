@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from mega.inference.engine.paged_kv_cache import BlockAllocator, CacheFullError
 
 
-def prefix_keys(prompt: Sequence[int], block_size: int) -> list[bytes]:
-    """The key of each of ``prompt``'s full blocks: the hash of every token up to its end."""
-    keys, parent = [], b""
+def prefix_keys(prompt: Sequence[int], block_size: int, salt: bytes = b"") -> list[bytes]:
+    """The key of each of ``prompt``'s full blocks: the hash of every token up to its end (after
+    ``salt``: what else its keys depend on, a LoRA adapter)."""
+    keys, parent = [], salt
     for start in range(0, len(prompt) - block_size + 1, block_size):
         parent = hashlib.sha256(parent + array("q", prompt[start: start + block_size]).tobytes()).digest()
         keys.append(parent)

@@ -22,10 +22,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mega.inference.engine.grammar import Grammar
 from mega.inference.engine.sampling import GREEDY, SamplingParams
 from mega.inference.engine.stopping import StopRules
+
+if TYPE_CHECKING:
+    from mega.inference.engine.lora_registry import ServedAdapter
 
 
 class GenerationError(ValueError):
@@ -60,6 +64,7 @@ class GenerationRequest:
     logprobs: bool = False  # log-probability of every token after the first, prompt included
     top_logprobs: int = 0  # also the n most likely tokens at each of those positions
     grammar: Grammar | None = None  # structured outputs: the grammar its text keeps to
+    adapter: ServedAdapter | None = None  # the LoRA adapter its rows take (lora_registry); None: the base
     # Set from another thread (a client went away): the sequence ends at the next step.
     cancelled: bool = False
 

@@ -32,6 +32,7 @@ from mega.core.kernels import AttentionMask
 from mega.inference.engine.paged_kv_cache import BlockAllocator
 from mega.inference.engine.requests import GenerationError
 from mega.inference.engine.sampling import Sampler
+from mega.inference.engine.sliding_window_ring import RingLayer, ring_mask_and_writes
 
 if TYPE_CHECKING:
     from mega.inference.engine.generation_engine import GenerationEngine
@@ -67,12 +68,20 @@ class SlotAllocator(BlockAllocator):
 class SlotKVCache:
     """The model-facing cache (``layer(number)``, ``length``): one slot of ``max_length``
     positions per sequence. Bind the rows of the next forward first: :meth:`bind_window` (the
-    first ``n`` slots, in place: what a captured graph reads) or :meth:`bind` (any slots)."""
+    first ``n`` slots, in place: what a captured graph reads) or :meth:`bind` (any slots).
 
-    def __init__(self, slots: int, max_length: int, device: torch.device, dtype: torch.dtype):
+    ``windows``: layer number -> its sliding window, for layers whose attention sees only the last
+    ``window`` positions: their slots are rings of ``window`` positions
+    (:mod:`mega.inference.engine.sliding_window_ring`), so their memory is bounded by the window."""
+
+    def __init__(self, slots: int, max_length: int, device: torch.device, dtype: torch.dtype,
+                 windows: dict[int, int] | None = None):
         self.slots, self.max_length, self.device, self.dtype = slots, max_length, device, dtype
-        self._layers: dict[int, _SlotLayer] = {}
-        self._windows: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # cached, mask, positions
+        self.windows = {number: window for number, window in (windows or {}).items() if window < max_length}
+        self._layers: dict[int, _SlotLayer | RingLayer] = {}
+        # (rows, new tokens) -> cached, mask, positions, then each ring's mask and writes
+        self._windows: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.rings: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # window -> mask, writes
         self.rows: torch.Tensor | None = None  # the bound rows' slots; None: the window of the first rows
         self.cached = torch.zeros(0, dtype=torch.long, device=device)
         self.mask_bias: torch.Tensor | None = None
@@ -84,29 +93,48 @@ class SlotKVCache:
         rows = len(cached)
         if rows > self.slots:
             raise ValueError(f"a window of {rows} rows exceeds the cache's {self.slots} slots")
-        fresh = (cached, self._mask(cached, new_tokens), self._positions(cached, new_tokens))
+        fresh = (cached, self._mask(cached, new_tokens), self._positions(cached, new_tokens),
+                 *self._ring_tensors(cached, new_tokens, None))
         buffers = self._windows.get((rows, new_tokens))
         if buffers is None:
             buffers = self._windows[(rows, new_tokens)] = tuple(t.clone() for t in fresh)
         else:
             for buffer, tensor in zip(buffers, fresh, strict=True):
                 buffer.copy_(tensor)
-        self.rows, (self.cached, self.mask_bias, self.positions) = None, buffers
+        self.rows = None
+        self._use(buffers)
 
     def use_window(self, rows: int, new_tokens: int) -> None:
         """Point at the window buffers a captured step last wrote (a replay writes them itself)."""
-        self.rows, (self.cached, self.mask_bias, self.positions) = None, self._windows[(rows, new_tokens)]
+        self.rows = None
+        self._use(self._windows[(rows, new_tokens)])
+
+    def _use(self, buffers: tuple[torch.Tensor, ...]) -> None:
+        self.cached, self.mask_bias, self.positions = buffers[:3]
+        rings = buffers[3:]
+        self.rings = {window: (rings[2 * i], rings[2 * i + 1]) for i, window in enumerate(self._ring_windows())}
+
+    def _ring_windows(self) -> list[int]:
+        return sorted(set(self.windows.values()))
+
+    def _ring_tensors(self, cached: torch.Tensor, new_tokens: int, real: torch.Tensor | None) -> list[torch.Tensor]:
+        """Each ring window's mask and writes (made once per forward, as the mask is)."""
+        return [tensor for window in self._ring_windows()
+                for tensor in ring_mask_and_writes(cached, new_tokens, window, real, self.dtype)]
 
     def bind(self, tables: Sequence[Sequence[int]], cached: Sequence[int], new_tokens: int,
              device: torch.device | None = None, ids: Sequence[int] | None = None,
              real: Sequence[int] | None = None) -> None:
         """The paged cache's signature (a slot is a one-block table), for the continuous batcher's
         prefills: row ``r`` is slot ``tables[r][0]``. ``ids`` do not matter here; ``real`` rows
-        need no care (padding keys are overwritten before they are seen, see the module)."""
+        need no care in a whole slot (padding keys are overwritten before they are seen, see the
+        module); a ring keeps a padded row's own keys only (its padding would overwrite positions
+        still seen)."""
         self.rows = torch.tensor([table[0] for table in tables], dtype=torch.long, device=self.device)
-        self.cached = torch.tensor(list(cached), dtype=torch.long, device=self.device)
-        self.mask_bias = self._mask(self.cached, new_tokens)
-        self.positions = self._positions(self.cached, new_tokens)
+        cached = torch.tensor(list(cached), dtype=torch.long, device=self.device)
+        own = torch.tensor(list(real), dtype=torch.long, device=self.device) if real is not None else None
+        self._use((cached, self._mask(cached, new_tokens), self._positions(cached, new_tokens),
+                   *self._ring_tensors(cached, new_tokens, own)))
 
     def _positions(self, cached: torch.Tensor, new_tokens: int) -> torch.Tensor:
         """``[rows, new]``: where each row's new keys go. Made once per forward, not per layer (on
@@ -131,15 +159,19 @@ class SlotKVCache:
     def copy_prefix(self, source: int, target: int, length: int) -> None:
         """Slot ``target``'s first ``length`` positions become slot ``source``'s (a shared prompt
         prefix, :mod:`mega.inference.engine.slot_prefix_cache`)."""
+        if self.windows:
+            raise GenerationError("a ring of a sliding-window layer holds a slot's last positions, not a prefix "
+                                  "to share: prefix caching takes whole slots")
         for layer in self._layers.values():
             if layer.keys is not None:
                 layer.keys[target, :length] = layer.keys[source, :length]
                 layer.values[target, :length] = layer.values[source, :length]
 
-    def layer(self, number: int) -> _SlotLayer:
+    def layer(self, number: int) -> _SlotLayer | RingLayer:
         layer = self._layers.get(number)
         if layer is None:
-            layer = self._layers[number] = _SlotLayer(self)
+            window = self.windows.get(number)
+            layer = self._layers[number] = _SlotLayer(self) if window is None else RingLayer(self, window)
         return layer
 
 
@@ -198,6 +230,8 @@ class DecodeGraphs:
         its last position, what a step computes for a free slot anyway."""
         device = self.engine.device
         for number, rows in enumerate(sorted({min(bucket, self.cache.slots) for bucket in BUCKETS})):
+            if self.engine.lora is not None:  # served LoRA adapters: every row the base's
+                self.engine.lora.bind([0] * rows)
             tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
             cached = torch.full((rows,), self.cache.max_length - 1, dtype=torch.long, device=device)
             if number == 0:  # an eager step first allocates the pools, outside what compiles

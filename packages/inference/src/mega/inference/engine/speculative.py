@@ -18,8 +18,10 @@ accepts a draft exactly when it is the target's most likely token, so greedy out
 decoding without speculation.
 
 Drafts come from a :class:`NgramProposer` (prompt lookup: the tokens that followed the latest
-earlier occurrence of the sequence's last n-gram, no extra model) or a :class:`DraftModelProposer`
-(a smaller model sharing the tokenizer, on its own paged KV cache, decoding K tokens per step).
+earlier occurrence of the sequence's last n-gram, no extra model), a :class:`DraftModelProposer`
+(a smaller model sharing the tokenizer, on its own paged KV cache, decoding K tokens per step) or
+an :class:`~mega.inference.engine.mtp_proposer.MTPProposer` (the target's own multi-token
+prediction layers, fed its hidden states).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from mega.inference.engine.kv_caches import PagedSequenceCache
 from mega.inference.engine.metrics import ServerMetrics
 from mega.inference.engine.sampling import Sampler
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 
 
 class NgramProposer:
@@ -61,6 +63,9 @@ class NgramProposer:
     def propose(self, sequences, count: int, sampler: Sampler) -> tuple[list[list[int]], None]:
         """Up to ``count`` drafts per sequence; no draft distribution (a point mass)."""
         return [self.find(s.tokens, count) for s in sequences], None
+
+    def attach(self, kv) -> None:
+        pass
 
     def accepted(self, sequence, accepted: int) -> None:
         pass
@@ -119,25 +124,19 @@ class DraftModelProposer:
         for row in rows:
             states[row].proposed_from = len(sequences[row].tokens)
         distributions = []
-        generators = sampler.generators
-        greedy = all(sampler.greedy_rows)  # greedy verification needs no draft distribution
         for step in range(count):
-            if not greedy:
-                q = sampler.probabilities(logits)  # [rows, vocab]: the draft's, as each row draws
+            chosen, q = draw_drafts(sampler, logits, rows)
+            if q is not None:
                 distributions.append(q)
-                host = q.cpu()
-            chosen = []
-            for row in rows:
-                if greedy or sampler.greedy_rows[row]:
-                    token = int(logits[row].argmax())
-                else:
-                    token = int(torch.multinomial(host[row], 1, generator=generators[row]))
+            for row, token in zip(rows, chosen, strict=True):
                 drafts[row].append(token)
-                chosen.append(token)
             if step + 1 < count:
                 fed = torch.tensor(chosen, device=self.engine.device)[:, None]
                 logits[rows] = self.kv.forward([states[r] for r in rows], fed, 1)[0][:, :vocab]
         return drafts, torch.stack(distributions) if distributions else None
+
+    def attach(self, kv) -> None:
+        pass
 
     def accepted(self, sequence, accepted: int) -> None:
         """The draft's cache keeps its keys of the drafts the target accepted."""
@@ -160,6 +159,11 @@ class Speculator:
             raise ValueError(f"--num-speculative-tokens must be positive, got {num_tokens}")
         self.proposer, self.num_tokens = proposer, num_tokens
         self.metrics = metrics or ServerMetrics()
+
+    def attach(self, kv) -> None:
+        """The target's cache the loop runs on (``kv``): a proposer fed the target's hidden
+        states (MTP) observes its forwards."""
+        self.proposer.attach(kv)
 
     def step(self, kv, sequences, sampler: Sampler) -> list[list[int]]:
         """The verified tokens (1 to K+1) of each decoding sequence (``sequences``, the decode
@@ -197,10 +201,18 @@ def draw_rows(sampler: Sampler, logits: torch.Tensor, rows) -> list[int]:
     """The tokens of ``rows`` of ``logits`` ``[all rows, vocab]`` as a speculative step draws:
     greedy rows their most likely token, the others a draw of their own stream (as the drafts'
     verification draws), so a seeded sequence's tokens do not depend on its batch-mates."""
-    sampled = [row for row in rows if not sampler.greedy_rows[row]]
-    probs = sampler.probabilities(logits).cpu() if sampled else None
-    return [int(torch.multinomial(probs[row], 1, generator=sampler.generators[row])) if row in sampled
-            else int(logits[row].argmax()) for row in rows]
+    return draw_drafts(sampler, logits, rows)[0]
+
+
+def draw_drafts(sampler: Sampler, logits: torch.Tensor, rows) -> tuple[list[int], torch.Tensor | None]:
+    """A token for each of ``rows`` from ``logits`` ``[all rows, vocab]``: greedy rows their most
+    likely token, the others a draw of their own stream from ``q``, the distribution after each
+    row's sampling settings, returned ``[all rows, vocab]`` (None where every row is greedy: greedy
+    verification needs no draft distribution)."""
+    q = None if all(sampler.greedy_rows) else sampler.probabilities(logits)
+    host = None if q is None else q.cpu()
+    return [int(logits[row].argmax()) if sampler.greedy_rows[row]
+            else int(torch.multinomial(host[row], 1, generator=sampler.generators[row])) for row in rows], q
 
 
 def verify_forward(kv, sequences, fed: list[list[int]]) -> torch.Tensor:

@@ -158,7 +158,7 @@ def chat_router(service: InferenceService) -> APIRouter:
                  responses={200: {"content": {"text/event-stream": {}}, "description": "a chat.completion; with "
                                   "stream: server-sent events of chat.completion.chunk, then [DONE]"}})
     async def chat(body: ChatRequest, request: Request):
-        openai_fields.check_model(service.model_name, body.model)
+        model = service.check_model(body.model)
         template = service.chat_template
         if template is None:
             raise RequestError("messages: the tokenizer of this model has no chat template (chat_template in "
@@ -185,11 +185,11 @@ def chat_router(service: InferenceService) -> APIRouter:
                                       sampling=body.sampling(copy, service.engine.vocab_size), stop=stop,
                                       logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, grammar=grammar)
                     for copy in range(body.copies)]
-        header = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=service.model_name)
+        header = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
         if body.stream:
-            job = service.submit(requests, "messages", stream=True)
+            job = service.submit(requests, "messages", stream=True, model=model)
             return sse_response(job, _ChatWriter(service, body, requests, header, answer))
-        results = await service.complete(requests, "messages", request.receive)
+        results = await service.complete(requests, "messages", request.receive, model=model)
         return await service.off_loop(_response, service, body, results, header, stop, answer)
 
     return router

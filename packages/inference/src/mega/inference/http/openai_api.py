@@ -32,7 +32,6 @@ from mega.inference.http.openai_fields import (
     Integer,
     SamplingFields,
     Usage,
-    check_model,
 )
 from mega.inference.http.service import MAX_PROMPTS, InferenceService
 from mega.inference.http.sse import StreamWriter, data_line, sse_response
@@ -123,7 +122,7 @@ def completions_router(service: InferenceService) -> APIRouter:
                  responses={200: {"content": {"text/event-stream": {}}, "description": "with stream: "
                                   "server-sent events of Completion chunks, then [DONE]"}})
     async def complete(body: CompletionRequest, request: Request):
-        check_model(service.model_name, body.model)
+        model = service.check_model(body.model)
         prompts = await _prompt_ids(service, body)
         stop = StopRules(stop_ids=frozenset({service.tokenizer.eod}), stop_strings=tuple(body.stop))
         grammar = await service.grammar(body.constraint())
@@ -136,13 +135,13 @@ def completions_router(service: InferenceService) -> APIRouter:
                     prompt=ids, max_new_tokens=max_tokens, sampling=body.sampling(sequence, service.engine.vocab_size),
                     stop=stop, logprobs=body.logprobs is not None or body.sequences_per_prompt > body.copies,
                     top_logprobs=body.logprobs or 0, grammar=grammar))
-        header = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=service.model_name)
+        header = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
         if body.stream:
-            job = service.submit(requests, "prompt", stream=True)
+            job = service.submit(requests, "prompt", stream=True, model=model)
             prompt_texts = await service.off_loop(lambda: [service.detokenize(ids) for ids in prompts],
                                                   size=sum(len(ids) for ids in prompts))
             return sse_response(job, _CompletionWriter(service, body, requests, prompt_texts, header))
-        results = await service.complete(requests, "prompt", request.receive)
+        results = await service.complete(requests, "prompt", request.receive, model=model)
         return await service.off_loop(_completion, service, body, prompts, results, header,
                                       size=sum(len(result.tokens) for result in results))
 

@@ -72,7 +72,8 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(None, description="the served model's name (see /v1/models); may be left out")
+    model: str | None = Field(None, description="the served model's name, or a LoRA adapter's served beside it "
+                              "(see /v1/models); may be left out (the base)")
     temperature: Number | None = Field(1.0, ge=0.0, le=100.0, description="0 is greedy")
     top_p: Number | None = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 is off")
     top_k: Integer = Field(0, ge=0, description="sample from the k most likely tokens; 0 is off (mega's extension)")

@@ -1,5 +1,6 @@
 """The REST server: Megatron's ``PUT /api``; OpenAI-style ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /v1/models``; ``/tokenize``, ``/detokenize``,
+``POST /v1/chat/completions``, ``GET /v1/models``; ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter``; ``/tokenize``, ``/detokenize``,
 ``/tokenizer_info``; ``GET /health`` (and ``/v1/health``); ``GET /metrics``.
 
 The OpenAPI schema and its browsable page are at ``/openapi.json`` and ``/docs``. Invalid
@@ -21,6 +22,7 @@ from fastapi.responses import PlainTextResponse
 from mega.inference.http.app import create_base_app
 from mega.inference.http.chat_api import chat_router
 from mega.inference.http.guards import MAX_BODY_BYTES
+from mega.inference.http.lora_api import lora_router
 from mega.inference.http.megatron_api import megatron_router
 from mega.inference.http.openai_api import completions_router
 from mega.inference.http.service import InferenceService
@@ -38,7 +40,7 @@ def create_app(service: InferenceService, api_key: str | None = None, max_body_b
 def api_routers(service: InferenceService) -> list[APIRouter]:
     """Every router of the API (behind the API key, as every route but the health checks)."""
     return [megatron_router(service), completions_router(service), chat_router(service), tokenizer_router(service),
-            metrics_router(service)]
+            lora_router(service), metrics_router(service)]
 
 
 def metrics_router(service: InferenceService) -> APIRouter:

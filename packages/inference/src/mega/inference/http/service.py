@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from mega.inference.engine import GenerationEngine, GenerationError, GenerationRequest, GenerationResult
 from mega.inference.engine.grammar import Constraint, Grammar, GrammarCompiler, GrammarError
+from mega.inference.engine.lora_registry import AdapterRegistry, ServedAdapter, UnknownAdapter
 from mega.inference.engine.worker import EngineWorker, Job
 from mega.inference.http.admission import Admission
 from mega.inference.http.errors import RequestError
@@ -44,6 +45,7 @@ class InferenceService:
     request_timeout: float | None = None  # seconds a request may take (--request-timeout), else none
     max_queued_sequences: int | None = None  # --max-num-queued-reqs, else no bound
     reasoning_parser: str | None = None  # --reasoning-parser: <think> text to reasoning_content
+    adapters: AdapterRegistry | None = None  # LoRA adapters chosen per request by model (--lora-modules)
     admission: Admission = field(init=False)
     grammars: GrammarCompiler = field(init=False)  # structured outputs
     prompt_chars: PromptCharLimit = field(init=False)
@@ -61,6 +63,28 @@ class InferenceService:
     @property
     def max_positions(self) -> int:
         return self.engine.max_positions
+
+    def check_model(self, name: str | None) -> str:
+        """The name a request's ``model`` is answered under: the base's (also when left out) or a
+        served adapter's; anything else is a 404 naming what is served (OpenAI's ``model_not_found``)."""
+        if name is None or name == self.model_name:
+            return self.model_name
+        if self.adapters is not None and name in self.adapters:
+            return name
+        served = ", ".join(repr(n) for n in [self.model_name, *(a.name for a in self.adapters.adapters)]) \
+            if self.adapters is not None else repr(self.model_name)
+        raise RequestError(f"model: the model {name!r} does not exist; this server serves {served}", "model",
+                           status=404, kind="model_not_found")
+
+    def _acquire(self, model: str | None) -> ServedAdapter | None:
+        """The adapter ``model`` names, held until its request is answered (None: the base)."""
+        if model is None or model == self.model_name or self.adapters is None:
+            return None
+        try:
+            return self.adapters.acquire(model)
+        except UnknownAdapter:  # unloaded since the request was read
+            self.check_model(model)
+            raise
 
     def render_metrics(self) -> str:
         return self.metrics.render(in_flight=self.admission.in_flight)
@@ -123,9 +147,10 @@ class InferenceService:
 
         return await self.off_loop(work)  # always off the loop: a slow tokenizer must never stall it
 
-    def submit(self, requests: list[GenerationRequest], param: str, stream: bool = False) -> Job:
+    def submit(self, requests: list[GenerationRequest], param: str, stream: bool = False,
+               model: str | None = None) -> Job:
         """Queue ``requests`` (after checking each and admitting them; ``param`` names the
-        prompts' field)."""
+        prompts' field) under ``model`` (a served adapter's name: their rows take it)."""
         for index, request in enumerate(requests):
             try:
                 self.engine.check(request)
@@ -133,10 +158,20 @@ class InferenceService:
             except GenerationError as error:
                 where = f"{param}[{index}]" if len(requests) > 1 else param
                 raise RequestError(f"{where}: {error}", param) from None
-        self.admission.admit(len(requests), param)
+        adapter = self._acquire(model)
+        try:
+            self.admission.admit(len(requests), param)
+        except RequestError:
+            if adapter is not None:
+                self.adapters.release(adapter)
+            raise
+        for request in requests:
+            request.adapter = adapter
         loop = asyncio.get_running_loop()
         job = Job(requests, loop, stream=stream)
         self.admission.release_when_done(job.done, len(requests))
+        if adapter is not None:
+            job.done.add_done_callback(lambda _: self.adapters.release(adapter))
         if self.request_timeout is not None:
             error = RequestError(f"the request took longer than the server's {self.request_timeout:g} s "
                                  "(--request-timeout)", status=408, kind="timeout")
@@ -144,11 +179,12 @@ class InferenceService:
         self.worker.submit(job)
         return job
 
-    async def complete(self, requests: list[GenerationRequest], param: str, receive=None) -> list[GenerationResult]:
+    async def complete(self, requests: list[GenerationRequest], param: str, receive=None,
+                       model: str | None = None) -> list[GenerationResult]:
         """The results of ``requests``, once all have finished. With the request's ASGI
         ``receive`` (its body already read), a client that leaves first cancels them, as a
         stream's does: they leave the running batch at the next step."""
-        job = self.submit(requests, param)
+        job = self.submit(requests, param, model=model)
         gone = asyncio.ensure_future(_disconnect(receive)) if receive is not None else None
         try:
             if gone is None:

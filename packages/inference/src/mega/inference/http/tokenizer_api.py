@@ -11,7 +11,8 @@ from typing import Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from mega.inference.http.openai_fields import Flag, Integer, check_model
+from mega.inference.http.errors import RequestError
+from mega.inference.http.openai_fields import Flag, Integer
 from mega.inference.http.service import InferenceService
 
 
@@ -22,6 +23,7 @@ class ModelCard(BaseModel):
     owned_by: str = "mega"
     max_model_len: int
     parent: str | None = Field(None, description="an adapter's base model (as vLLM lists a LoRA adapter)")
+    root: str | None = Field(None, description="a LoRA adapter's directory (as vLLM lists it)")
 
 
 class ModelList(BaseModel):
@@ -68,18 +70,25 @@ def tokenizer_router(service: InferenceService) -> APIRouter:
     router = APIRouter()
     started = int(time.time())
 
-    def card() -> ModelCard:
-        return ModelCard(id=service.model_name, created=started, max_model_len=service.max_positions,
+    def cards() -> list[ModelCard]:
+        base = ModelCard(id=service.model_name, created=started, max_model_len=service.max_positions,
                          parent=service.base_model_name)
+        adapters = service.adapters.adapters if service.adapters is not None else []
+        return [base, *(ModelCard(id=a.name, created=started, max_model_len=service.max_positions,
+                                  parent=service.model_name, root=a.path) for a in adapters)]
 
-    @router.get("/v1/models", response_model=ModelList, summary="the served model (OpenAI's list); an adapter's names its base as parent")
+    @router.get("/v1/models", response_model=ModelList, summary="the served model (OpenAI's list) and the LoRA "
+                "adapters served beside it (parent: their base); a merged adapter names its base as parent")
     async def models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=cards())
 
     @router.get("/v1/models/{model_id:path}", response_model=ModelCard, summary="one model by its id")
     async def model(model_id: str) -> ModelCard:
-        check_model(service.model_name, model_id)
-        return card()
+        name = service.check_model(model_id)
+        for card in cards():
+            if card.id == name:
+                return card
+        raise RequestError(f"model: {model_id!r} was unloaded just now", "model", status=404, kind="model_not_found")
 
     @router.post("/tokenize", response_model=TokenizeResponse, summary="text to token ids")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

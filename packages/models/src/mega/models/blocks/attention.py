@@ -65,9 +65,15 @@ class CoreAttention(nn.Module):
         tracker = self.dropout_rng_tracker
         fork = tracker.fork() if tracker is not None and dropout_p > 0 else contextlib.nullcontext()
         with fork:
-            out = self.kernels.attention(query, key, value, mask=mask, dropout_p=dropout_p,
-                                         softmax_scale=self.softmax_scale)
+            out = self.attend(query, key, value, mask, dropout_p)
         return sequence_major(out)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: AttentionMask,
+               dropout_p: float) -> torch.Tensor:
+        """The kernel's attention of ``[batch, heads, seq, head_dim]`` views (a subclass may
+        change the softmax: gpt-oss's sinks)."""
+        return self.kernels.attention(query, key, value, mask=mask, dropout_p=dropout_p,
+                                      softmax_scale=self.softmax_scale)
 
 
 def sequence_major(out: torch.Tensor) -> torch.Tensor:
@@ -84,6 +90,9 @@ def sequence_major(out: torch.Tensor) -> torch.Tensor:
 
 
 class SelfAttention(nn.Module):
+    # How RoPE's angles are made where the model hands none (a subclass may scale them: YaRN).
+    cos_sin = staticmethod(rotary_cos_sin)
+
     def __init__(self, config: TransformerConfig, kernels: Kernels, context: ParallelContext | None = None):
         super().__init__()
         self.config = config
@@ -101,6 +110,7 @@ class SelfAttention(nn.Module):
                                           bias=config.add_bias_linear)
         if config.position_embedding_type == "rope":
             kernels.get("rotary")  # resolved now, as the attention kernel is
+        self.sliding_window = config.sliding_window  # (a family may vary it by layer: gpt-oss's)
         self.recompute_core = False
         self.recompute_rng_tracker = None
 
@@ -129,7 +139,7 @@ class SelfAttention(nn.Module):
             query = self.q_layernorm(query.reshape(seq, batch, -1, d)).unflatten(2, (-1, per_group))
             key = self.k_layernorm(key)
         if self.config.position_embedding_type == "rope":
-            cos, sin = layer_cos_sin(self.config, rotary_cos_sin, rotary_angles, seq, position_ids, qkv.device)
+            cos, sin = layer_cos_sin(self.config, self.cos_sin, rotary_angles, seq, position_ids, qkv.device)
             # The rotated query is a fresh tensor: the grouped heads flatten below without a copy.
             query = self.kernels.rotary(query, cos[:, :, None], sin[:, :, None])
             key = self.kernels.rotary(key, cos, sin)
@@ -138,9 +148,10 @@ class SelfAttention(nn.Module):
             key, value, mask = inference_cache.append(key, value)
             # A cache says causal or not, or (a paged cache, sequences of several lengths) the whole mask.
             mask = mask if isinstance(mask, AttentionMask) else AttentionMask(causal=mask)
-        if self.config.sliding_window is not None:
+        # (a cache may keep only the window's keys and say so in its mask: a ring of them)
+        if self.sliding_window is not None and not getattr(inference_cache, "applies_window", False):
             positions = query_positions(position_ids, seq, key.shape[0], inference_cache is not None, qkv.device)
-            mask = with_sliding_window(mask, self.config.sliding_window, positions, key.shape[0], query.dtype)
+            mask = with_sliding_window(mask, self.sliding_window, positions, key.shape[0], query.dtype)
         if inference_cache is not None:
             context = self.core_attention(query, key, value, mask)
         elif self.recompute_core and is_recomputing_allowed(self):

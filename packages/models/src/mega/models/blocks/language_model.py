@@ -64,7 +64,7 @@ class LanguageModel(nn.Module):
         vocab = config.padded_vocab_size(parallel.tp)
 
         self.embedding = stage_embedding(partial(Embedding, config, vocab), stage, self.tied)
-        self.decoder = transformer_block(config, layers, post_process, kernels, context)
+        self.decoder = self.decoder_block(config, layers, post_process, kernels, context)
         # A backend that fuses the output layer into the loss: the last stage then hands the loss
         # its final hidden states and the output weight instead of logits (see forward).
         self.fused_loss = kernels.get("linear_loss") is not None if post_process else False
@@ -130,13 +130,22 @@ class LanguageModel(nn.Module):
         """The decoder's output ``[s, b, h]`` (after the final norm on the last stage)."""
         hidden = self.embedding(inputs, position_ids) if self.pre_process else inputs
         layer_kwargs = {} if mask is CAUSAL else {"mask": mask}  # causal: the layers' default
-        cos_sin = rotary_cos_sin_of(self.config)
+        cos_sin = self.rotary_cos_sin()
         if cos_sin is not None:  # RoPE's angles, the same in every layer: made once per forward
             seq = inputs.shape[1] if self.pre_process else inputs.shape[0]
             layer_kwargs["rotary_angles"] = model_rotary_angles(self.config, cos_sin, seq, position_ids,
                                                                 hidden.device, hidden.dtype)
         return self.decoder(hidden, position_ids, cache=inference_cache, **layer_kwargs)
 
+
+    def decoder_block(self, config: TransformerConfig, layers: range, final_norm: bool, kernels: Kernels,
+                      context: ParallelContext | None) -> nn.Module:
+        """This stage's decoder layers and final norm (a family with layers of its own overrides it)."""
+        return transformer_block(config, layers, final_norm, kernels, context)
+
+    def rotary_cos_sin(self):
+        """The function making the layers' RoPE angles once per forward (None: no RoPE)."""
+        return rotary_cos_sin_of(self.config)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, tp_group=None) -> torch.Tensor:
         """Per-token cross-entropy ``[b, s]`` (fp32) of logits ``[s, b, vocab (shard)]``; the

@@ -51,11 +51,14 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def yarn_inverse_frequencies(config, device: torch.device) -> torch.Tensor:
-    """YaRN's frequencies for the rope channels: the original ones for short wavelengths,
-    divided by ``--rotary-scaling-factor`` for long ones, a linear ramp between the dimensions
-    ``--beta-fast`` and ``--beta-slow`` rotations over ``--original-max-position-embeddings``."""
-    dim, base, factor = config.qk_pos_emb_head_dim, config.rotary_base, config.rotary_scaling_factor
+def yarn_inverse_frequencies(config, device: torch.device, dim: int | None = None) -> torch.Tensor:
+    """YaRN's frequencies for ``dim`` rope channels (default ``--qk-pos-emb-head-dim``): the
+    original ones for short wavelengths, divided by ``--rotary-scaling-factor`` for long ones, a
+    linear ramp between the dimensions ``--beta-fast`` and ``--beta-slow`` rotations over
+    ``--original-max-position-embeddings`` (rounded outwards to whole dimensions unless the
+    config says ``yarn_truncate`` False, as gpt-oss's does)."""
+    dim = config.qk_pos_emb_head_dim if dim is None else dim
+    base, factor = config.rotary_base, config.rotary_scaling_factor
     extrapolation = 1.0 / base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
     if config.rope_type != "yarn":
         return extrapolation
@@ -63,8 +66,10 @@ def yarn_inverse_frequencies(config, device: torch.device) -> torch.Tensor:
     def correction_dim(rotations: float) -> float:
         return dim * math.log(config.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(config.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(config.beta_slow)), dim - 1)
+    low, high = correction_dim(config.beta_fast), correction_dim(config.beta_slow)
+    if getattr(config, "yarn_truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
     return extrapolation / factor * ramp + extrapolation * (1 - ramp)
 
@@ -72,16 +77,22 @@ def yarn_inverse_frequencies(config, device: torch.device) -> torch.Tensor:
 def mla_cos_sin(config, seq_length: int, position_ids: torch.Tensor | None, device: torch.device):
     """cos and sin ``[seq, batch or 1, 1, rope / 2]`` of the rope channels, times YaRN's
     attention factor mscale(--mscale) / mscale(--mscale-all-dim)."""
-    inv_freq = yarn_inverse_frequencies(config, device)
+    factor = 1.0
+    if config.rope_type == "yarn":
+        factor = (yarn_mscale(config.rotary_scaling_factor, config.mscale)
+                  / yarn_mscale(config.rotary_scaling_factor, config.mscale_all_dim))
+    return scaled_cos_sin(yarn_inverse_frequencies(config, device), factor, seq_length, position_ids, device)
+
+
+def scaled_cos_sin(inv_freq: torch.Tensor, factor: float, seq_length: int, position_ids: torch.Tensor | None,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[seq, batch or 1, 1, len(inv_freq)]`` of the angles at ``position_ids``
+    (default ``0 .. seq_length - 1``), each times YaRN's attention ``factor``."""
     if position_ids is None:
         positions = torch.arange(seq_length, device=device, dtype=torch.float32)[:, None]
     else:
         positions = position_ids.to(device=device, dtype=torch.float32).t()
     angles = (positions[..., None] * inv_freq)[:, :, None, :]
-    factor = 1.0
-    if config.rope_type == "yarn":
-        factor = (yarn_mscale(config.rotary_scaling_factor, config.mscale)
-                  / yarn_mscale(config.rotary_scaling_factor, config.mscale_all_dim))
     return angles.cos() * factor, angles.sin() * factor
 
 

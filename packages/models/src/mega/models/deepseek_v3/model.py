@@ -31,13 +31,16 @@ class DeepSeekModel(MoELanguageModel):
     def __init__(self, config: DeepSeekV3Config, stage: Stage, kernels: Kernels, parallel: ParallelConfig,
                  context: ParallelContext | None = None):
         super().__init__(config, stage, kernels, parallel, context)
-        self.mtp = (MultiTokenPrediction(config, kernels, context)
-                    if config.mtp_num_layers and stage.is_last else None)
+        self.mtp = self.build_mtp(config, kernels, context) if config.mtp_num_layers and stage.is_last else None
         if config.mtp_num_layers and not (stage.is_first and stage.is_last) and not self.tied:
             if stage.is_last:  # the MTP modules embed tokens: a copy of the first stage's word embedding
                 self.embedding = Embedding(config, config.padded_vocab_size(parallel.tp), words_only=True)
             if self.embedding is not None:
                 tie_across_stages(self.embedding.word_embeddings.weight)
+
+    def build_mtp(self, config, kernels: Kernels, context: ParallelContext | None) -> MultiTokenPrediction:
+        """The last stage's multi-token prediction modules (a family with its own layers builds them here)."""
+        return MultiTokenPrediction(config, kernels, context)
 
     def forward(self, inputs, position_ids=None, inference_cache=None, logits_to_keep=None, mask=CAUSAL):
         if self.mtp is None or not isinstance(inputs, Mapping):

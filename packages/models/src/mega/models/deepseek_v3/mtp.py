@@ -35,23 +35,32 @@ def shift_left(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, config, kernels: Kernels, context: ParallelContext | None = None):
-        super().__init__()
-        self.enorm = build_norm(config, kernels)
-        self.hnorm = build_norm(config, kernels)
-        self.eh_proj = kernels.linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.transformer_layer = TransformerLayer(config, kernels, config.num_layers - 1, context)
-        self.final_layernorm = build_norm(config, kernels)
+    """``norm()`` and ``layer()``: a family's own norms and transformer layer (default: the
+    config's norm, and a layer like the decoder's last)."""
 
-    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    def __init__(self, config, kernels: Kernels, context: ParallelContext | None = None, norm=None, layer=None):
+        super().__init__()
+        norm = norm or (lambda: build_norm(config, kernels))
+        self.enorm = norm()
+        self.hnorm = norm()
+        self.eh_proj = kernels.linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.transformer_layer = (layer() if layer is not None
+                                  else TransformerLayer(config, kernels, config.num_layers - 1, context))
+        self.final_layernorm = norm()
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, position_ids: torch.Tensor | None,
+                inference_cache=None) -> torch.Tensor:
+        """``inference_cache``: this layer's attention cache when drafting tokens for speculative
+        decoding (``mega.inference``'s MTP proposer, :mod:`mega.models.blocks.kv_cache`)."""
         joined = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1))
-        return self.final_layernorm(self.transformer_layer(joined, position_ids))
+        return self.final_layernorm(self.transformer_layer(joined, position_ids, inference_cache))
 
 
 class MultiTokenPrediction(nn.Module):
-    def __init__(self, config, kernels: Kernels, context: ParallelContext | None = None):
+    def __init__(self, config, kernels: Kernels, context: ParallelContext | None = None, norm=None, layer=None):
         super().__init__()
-        self.layers = nn.ModuleList(MTPLayer(config, kernels, context) for _ in range(config.mtp_num_layers))
+        self.layers = nn.ModuleList(MTPLayer(config, kernels, context, norm, layer)
+                                    for _ in range(config.mtp_num_layers))
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor | None,
                 embedding: nn.Module, output_layer: nn.Module) -> torch.Tensor:

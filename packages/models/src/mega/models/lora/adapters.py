@@ -19,12 +19,15 @@ are. A replicated adapter weight that sees only a rank's sequence shard is marke
 
 :func:`merge_lora` folds the adapters into the base weights (``W + B A * alpha / rank``) and
 puts the base layers back: the merged stage is a plain model with the base's names.
+:func:`adapters_disabled` switches the adapters off for a while instead (the base model, with
+no copy of it: the reference policy of RL post-training).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -107,14 +110,34 @@ class LoRAAdapter(nn.Module):
 
 
 class LoRALinear(nn.Module):
-    """``base(x) + adapter(x)``; the base's parameters keep their names (``parameter_aliases``)."""
+    """``base(x) + adapter(x)``; the base's parameters keep their names (``parameter_aliases``).
+    ``adapter_enabled`` False (see :func:`adapters_disabled`) leaves ``base(x)`` alone."""
     def __init__(self, base: nn.Module, adapter: LoRAAdapter):
         super().__init__()
         self.base, self.adapter = base, adapter
         self.parameter_aliases = {f"base.{name}": name for name, _ in base.named_parameters()}
+        self.adapter_enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapter_enabled:
+            return self.base(x)
         return self.base(x) + self.adapter(x)
+
+
+@contextlib.contextmanager
+def adapters_disabled(*modules: nn.Module) -> Iterator[int]:
+    """Every LoRA layer inside ``modules`` computes its base layer alone for the duration: the
+    base model, with no second copy of it (RL's reference policy under LoRA). Yields how many
+    layers it switched off; each gets its previous setting back on exit."""
+    layers = [layer for module in modules for layer in module.modules() if isinstance(layer, LoRALinear)]
+    previous = [layer.adapter_enabled for layer in layers]
+    for layer in layers:
+        layer.adapter_enabled = False
+    try:
+        yield len(layers)
+    finally:
+        for layer, enabled in zip(layers, previous, strict=True):
+            layer.adapter_enabled = enabled
 
 
 def _adapter_for(base: nn.Module, settings: LoRASettings) -> LoRAAdapter:

@@ -62,7 +62,8 @@ class MoELayer(nn.Module):
             self.router.expert_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
             self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
         shared = config.moe_shared_expert_intermediate_size
-        self.shared_experts = SharedExperts(config.hidden_size, shared, kernels) if shared else None
+        self.shared_experts = (SharedExperts(config.hidden_size, shared, kernels, gate=getattr(config, "moe_shared_expert_gate", False))
+                               if shared else None)
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size, kernels,
                                       grouped_gemm=config.moe_grouped_gemm)
         # The tensor, expert-tensor and expert groups, and whether the input is a sequence shard.
@@ -72,6 +73,7 @@ class MoELayer(nn.Module):
         self.ep_group = groups.ep if groups is not None else None
         self.sequence_parallel = context is not None and context.sequence_parallel
         self.stats: torch.Tensor | None = None
+        self.routing_replay = None  # set for a while by mega.models.moe.replay: records or forces the choice
 
     def reset_buffers(self) -> None:
         if self.config.moe_router_enable_expert_bias:
@@ -96,7 +98,11 @@ class MoELayer(nn.Module):
         elif split:
             tokens = copy_to_tensor_parallel_region(tokens, tp)
         expert_bias = getattr(self.router, "expert_bias", None)
-        routing = route(logits, self.config, sequences=batch, expert_bias=expert_bias)
+        replay = self.routing_replay
+        routing = route(logits, self.config, sequences=batch, expert_bias=expert_bias,
+                        experts=replay.experts(logits.shape[0]) if replay is not None else None)
+        if replay is not None:
+            replay.chose(routing.experts)
         if expert_bias is not None and self.training and torch.is_grad_enabled():
             self.tokens_per_expert += routing.load.to(self.tokens_per_expert.dtype)
         self.stats = self._stats(routing, logits.shape[0])

@@ -34,12 +34,13 @@ class Routing:
 
 
 def route(logits: torch.Tensor, config: MoETransformerConfig, sequences: int = 1,
-          expert_bias: torch.Tensor | None = None) -> Routing:
+          expert_bias: torch.Tensor | None = None, experts: torch.Tensor | None = None) -> Routing:
     """Route the tokens whose router logits are ``logits`` [T, E] (token ``t`` of sequence
     ``t % sequences``: the ``[s, b]`` order flattened); ``expert_bias`` [E]: added to the scores
-    for the choice only (aux-loss-free balancing)."""
+    for the choice only (aux-loss-free balancing); ``experts`` [T, k]: the choice given instead
+    of made (routing replay, :mod:`mega.models.moe.replay`), weighted by these logits."""
     topk, num_experts = config.moe_router_topk, config.num_experts
-    weights, experts = choose_experts(logits, config, expert_bias)
+    weights, experts = choose_experts(logits, config, expert_bias, experts)
     scores = aux_loss_scores(logits, config)
     load = _load(experts, num_experts)
     kept, capacity = _apply_capacity(experts, weights, config)
@@ -57,23 +58,26 @@ def route(logits: torch.Tensor, config: MoETransformerConfig, sequences: int = 1
                    aux, z, load)
 
 
-def choose_experts(logits: torch.Tensor, config: MoETransformerConfig,
-                   expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_experts(logits: torch.Tensor, config: MoETransformerConfig, expert_bias: torch.Tensor | None = None,
+                   experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, experts [T, k]) as megatron-core's ``topk_routing_with_score_function``:
     softmax before or after the top-k, or sigmoid scores (chosen with ``expert_bias`` added,
-    weighted without it, renormalised when k > 1), group-limited, times the scaling factor."""
+    weighted without it, renormalised when k > 1), group-limited, times the scaling factor.
+    ``experts`` given: that choice, weighted as if it had been made (the same numbers when it was)."""
     topk = config.moe_router_topk
     if config.moe_router_score_function == "sigmoid":
         scores = torch.sigmoid(logits.float())
         choice = scores + expert_bias if expert_bias is not None else scores
-        experts = top_experts(choice, config)[1]
+        experts = top_experts(choice, config)[1] if experts is None else experts
         weights = scores.gather(1, experts)
         if topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     elif config.moe_router_pre_softmax:
-        weights, experts = top_experts(torch.softmax(logits, dim=-1, dtype=torch.float32), config)
+        probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = (top_experts(probabilities, config) if experts is None
+                            else (probabilities.gather(1, experts), experts))
     else:  # softmax over the chosen logits: Mixtral's renormalised top-k weights
-        top_logits, experts = top_experts(logits, config)
+        top_logits, experts = top_experts(logits, config) if experts is None else (logits.gather(1, experts), experts)
         weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
     if config.moe_router_topk_scaling_factor:
         weights = weights * config.moe_router_topk_scaling_factor

@@ -1,0 +1,1 @@
+"""The ``qwen3-next`` family: Qwen3-Next's hybrid of Gated DeltaNet linear attention and gated full attention with a mixture of experts and a gated shared expert (presets and family in ``family``, Hugging Face mapping in ``hf_qwen3_next``)."""
