@@ -1,7 +1,9 @@
-"""CPU. The CPU engines of ``mega generate`` and ``mega serve`` hold their linear weights
+"""CPU (tiny_models builds every model there, whatever the machine). The CPU engines of ``mega generate`` and ``mega serve`` hold their linear weights
 column-major (:mod:`mega.inference.engine.cpu_weight_layout`): the same parameter objects, shapes
 and values (a tied output layer still the embedding's), only the strides; a GPT-2 (tied) and a
-LLaMA (untied) so re-laid generate Hugging Face's greedy tokens and its logits (fp32)."""
+LLaMA (untied) so re-laid generate Hugging Face's greedy tokens and its logits (fp32). No default
+device is set: one left set at import is a torch-function mode under which dynamo breaks other
+modules' compiled graphs."""
 
 from __future__ import annotations
 
@@ -16,8 +18,6 @@ from tiny_models import POSITIONS, hf_tiny, mega_from_hf  # noqa: E402
 
 from mega.inference.engine import GenerationEngine, GenerationRequest  # noqa: E402
 from mega.inference.engine.cpu_weight_layout import hold_linear_weights_column_major  # noqa: E402
-
-torch.set_default_device("cpu")
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
