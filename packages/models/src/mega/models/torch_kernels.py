@@ -45,9 +45,11 @@ def sdpa_attention(query, key, value, *, mask: AttentionMask, dropout_p: float =
 def _documents_apart(mask: AttentionMask, query: torch.Tensor, key: torch.Tensor) -> bool:
     """Packed documents and nothing else to mask (no cache: as many queries as keys): they are
     attended one batch row per document (:func:`_per_document`), not through a mask over the
-    whole row, whose size grows with the square of the row and leaves SDPA unfused."""
+    whole row, whose size grows with the square of the row and leaves SDPA unfused. Not inside
+    a graph ``--compile`` traces: the documents' lengths are read on the host (a graph break, and
+    shapes that change with every batch)."""
     return (mask.cu_seqlens is not None and mask.padding is None and mask.bias is None
-            and query.shape[2] == key.shape[2])
+            and query.shape[2] == key.shape[2] and not torch.compiler.is_compiling())
 
 
 def _per_document(query, key, value, mask: AttentionMask, dropout_p: float, softmax_scale: float | None,
