@@ -93,7 +93,7 @@ def mega_engine(family: str, model, args) -> GenerationEngine:
     mega_model = build_stage(get_plugins().models.get(family), config, init=False)
     mega_model.load_state_dict(weights)
     return GenerationEngine(placed(mega_model.eval(), args), vocab_size=config.vocab_size,
-                            max_positions=config.max_position_embeddings, read_lag=getattr(args, "read_lag", READ_LAG))
+                            max_positions=config.max_position_embeddings, read_lag=getattr(args, "read_lag", None))
 
 
 def measure_bandwidth(device: str) -> float:
@@ -389,9 +389,10 @@ def main() -> None:
     parser.add_argument("--server-requests", type=int, default=64, help="requests per concurrency level")
     parser.add_argument("--server-tokens", type=int, default=32, help="tokens generated per server request")
     parser.add_argument("--no-server", action="store_true", help="only the engine part")
-    parser.add_argument("--read-lag", type=int, default=READ_LAG,
+    parser.add_argument("--read-lag", type=int, default=None,
                         help=f"steps between choosing tokens on the device and reading them on the host (default "
-                             f"{READ_LAG}; 0 reads every step at once, a host synchronisation per token)")
+                             f"{READ_LAG} on a GPU, 0 on the CPU; 0 reads every step at once, a host synchronisation "
+                             "per token)")
     parser.add_argument("--compile", action="store_true",
                         help="the static path's decode step through torch.compile (inductor), as mega generate "
                              "--compile; the warm-up call compiles it")

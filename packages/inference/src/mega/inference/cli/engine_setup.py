@@ -17,6 +17,7 @@ from mega.inference.cli.load_arguments import compile_backend
 from mega.inference.cli.lora_serving import serve_adapters
 from mega.inference.engine import GenerationEngine, GenerationError
 from mega.inference.engine.continuous import BLOCK_SIZE, ContinuousBatchingWorker
+from mega.inference.engine.cpu_weight_layout import hold_linear_weights_column_major
 from mega.inference.engine.encoder_decoder import (
     EncoderDecoderEngine,
     EncoderDecoderWorker,
@@ -145,6 +146,7 @@ def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup | None:
     engine_class = EncoderDecoderEngine if is_encoder_decoder(loaded.model) else GenerationEngine
     engine = engine_class(loaded.model, vocab_size=loaded.config.vocab_size,
                           max_positions=loaded.max_positions, tokenizer=loaded.tokenizer, tp_group=groups.tp)
+    hold_linear_weights_column_major(loaded.model)  # on the CPU: decoding's products several times faster
     max_model_len = getattr(args, "max_model_len", None)
     if max_model_len is not None and max_model_len > engine.max_positions:
         if engine.is_leader:  # every rank checks the same: the followers return

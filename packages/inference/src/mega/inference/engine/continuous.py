@@ -8,7 +8,7 @@ Each step: queued sequences are admitted (first come, first served) while the ba
 than ``max_batch_size`` sequences and the paged KV cache (:mod:`mega.inference.engine.paged_kv_cache`)
 has blocks for the sequence's prompt and all the tokens it may generate (so a running sequence
 never runs out); the admitted prompts are prefilled together, right-padded into as few
-forwards as a token budget allows (one wanting prompt log-probabilities alone); the
+forwards as a token budget allows (those wanting prompt log-probabilities apart); the
 sequences already running decode one token each in one forward; then every sequence with new
 logits chooses its token, and those that finish leave the batch and free their blocks at once.
 
@@ -72,6 +72,7 @@ from mega.inference.engine.worker import EngineWorker, QueuedSequence
 
 BLOCK_SIZE = 16
 PREFILL_TOKENS = 4096  # padded prompt tokens in one prefill forward (bounds its activations)
+PREFILL_LOGITS = 1 << 24  # fp32 logits a prefill for prompt log-probabilities keeps at most (64 MiB)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -216,28 +217,44 @@ class ContinuousBatchingWorker(EngineWorker):
     def _prefill_together(self, sequences: list[_Sequence]) -> None:
         """Prompts (no prompt log-probabilities wanted) right-padded into one forward: one large
         matrix product instead of a small one per prompt, each row's logits taken at its own end."""
-        lengths = [len(s.request.prompt) for s in sequences]
-        tokens = torch.zeros(len(sequences), max(lengths), dtype=torch.long)
-        for row, sequence in enumerate(sequences):
-            tokens[row, : lengths[row]] = torch.tensor(sequence.request.prompt)
+        lengths, tokens = self._padded_prompts(sequences)
         ends = torch.tensor(lengths, device=self.engine.device) - 1
-        logits = self.kv.forward(sequences, tokens.to(self.engine.device), ends, real=lengths)[0]  # [batch, vocab]
+        logits = self.kv.forward(sequences, tokens, ends, real=lengths)[0]  # [batch, vocab]
         for row, sequence in enumerate(sequences):
             sequence.logits = logits[row]
 
+    def _prefill_scored_together(self, sequences: list[_Sequence]) -> None:
+        """Prompts wanting their log-probabilities right-padded into one forward that keeps every
+        position's logits (RL rollouts, scoring): each row records its own prompt's."""
+        lengths, tokens = self._padded_prompts(sequences)
+        logits = self.kv.forward(sequences, tokens, None, real=lengths)  # [longest, batch, vocab]
+        for row, sequence in enumerate(sequences):
+            record_logprobs(sequence, logits[: lengths[row] - 1, row], tokens[row, 1: lengths[row]])
+            sequence.logits = logits[lengths[row] - 1, row]
+
+    def _padded_prompts(self, sequences: list[_Sequence]) -> tuple[list[int], torch.Tensor]:
+        """The prompts' lengths and the prompts right-padded ``[batch, longest]`` on the device."""
+        lengths = [len(s.request.prompt) for s in sequences]
+        longest = max(lengths)
+        padded = [s.request.prompt + [0] * (longest - length) for s, length in zip(sequences, lengths, strict=True)]
+        return lengths, torch.tensor(padded, device=self.engine.device)
+
     def _prefill_all(self, admitted: list[_Sequence]) -> None:
-        """Whole prompts. Prompt log-probabilities need every position's logits and a cached
-        prefix a start past 0: those prefill alone; the others in groups of similar length
-        (sorted, so little padding) of at most PREFILL_TOKENS padded tokens."""
-        together = sorted((s for s in admitted if not s.request.logprobs and len(s.request.prompt) > 1
-                           and not s.cached), key=lambda s: len(s.request.prompt))
+        """Whole prompts. A cached prefix starts past 0: those prefill alone; the others in groups
+        of similar length (sorted, so little padding) of at most PREFILL_TOKENS padded tokens, those
+        wanting their prompts' log-probabilities (every position's logits) apart from the others and
+        keeping at most PREFILL_LOGITS logits."""
+        together = sorted((s for s in admitted if len(s.request.prompt) > 1 and not s.cached),
+                          key=lambda s: (s.request.logprobs, len(s.request.prompt)))
         grouped = {id(s) for s in together}
         for sequence in admitted:
             if id(sequence) not in grouped:
                 self._prefill(sequence, len(sequence.request.prompt) - sequence.cached)
         group: list[_Sequence] = []
         for sequence in together:
-            if group and (len(group) + 1) * len(sequence.request.prompt) > PREFILL_TOKENS:
+            padded = (len(group) + 1) * len(sequence.request.prompt)
+            if group and (sequence.request.logprobs != group[0].request.logprobs or padded > PREFILL_TOKENS
+                          or sequence.request.logprobs and padded * self.engine.vocab_size > PREFILL_LOGITS):
                 self._prefill_group(group)
                 group = []
             group.append(sequence)
@@ -256,8 +273,11 @@ class ContinuousBatchingWorker(EngineWorker):
     def _prefill_group(self, group: list[_Sequence]) -> None:
         if len(group) == 1:
             self._prefill(group[0], len(group[0].request.prompt))
+            return
+        self.prefilled_tokens += sum(len(s.request.prompt) for s in group)
+        if group[0].request.logprobs:
+            self._prefill_scored_together(group)
         else:
-            self.prefilled_tokens += sum(len(s.request.prompt) for s in group)
             self._prefill_together(group)
 
     def _prefill(self, sequence: _Sequence, count: int) -> None:

@@ -49,9 +49,13 @@ class EngineBase:
     the request checks that do not depend on the architecture."""
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int, tokenizer=None,
-                 tp_group: Group | None = None, read_lag: int = READ_LAG):
+                 tp_group: Group | None = None, read_lag: int | None = None):
         self.model = model
-        self.read_lag = read_lag  # steps between choosing tokens on the device and reading them
+        self.device = next(model.parameters()).device
+        # Steps between choosing tokens on the device and reading them (default: READ_LAG on an
+        # accelerator; 0 on the CPU, which is the host: reading late would only hold each token
+        # back two steps, the first streamed one too, and decode rows past their stops).
+        self.read_lag = read_lag if read_lag is not None else 0 if self.device.type == "cpu" else READ_LAG
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         self.length_limit = f"the model's {max_positions} positions"  # what max_positions is, in errors
@@ -59,7 +63,6 @@ class EngineBase:
         self.tp_group = tp_group
         self.lora = None  # a MultiLoRA (mega.models.lora.multi) when adapters are chosen per request
         self.stop_checker = StopChecker(tokenizer)
-        self.device = next(model.parameters()).device
 
     def cap_length(self, max_model_len: int) -> None:
         """``--max-model-len``: no sequence (prompt and generated tokens) longer, and caches sized
@@ -103,7 +106,7 @@ class GenerationEngine(EngineBase):
     and generation) the model takes; ``tokenizer``: for stop strings and end-of-line rules."""
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int, tokenizer=None,
-                 tp_group: Group | None = None, read_lag: int = READ_LAG):
+                 tp_group: Group | None = None, read_lag: int | None = None):
         missing = {"inference_cache", "logits_to_keep"} - set(inspect.signature(model.forward).parameters)
         if missing:
             raise GenerationError(f"{type(model).__name__}.forward takes no {' or '.join(sorted(missing))}: "

@@ -99,10 +99,7 @@ class PagedKVCache:
         if self.decoding:
             self.plan = self._plan(tables, cached, lengths, device, ids)
             blocks = self.capacity // size
-        table = torch.zeros(len(tables), blocks, dtype=torch.long)
-        for row, (own, length) in enumerate(zip(tables, lengths, strict=True)):
-            used = math.ceil(length / size)
-            table[row, :used] = torch.tensor(own[:used], dtype=torch.long)
+        table = _padded_table(tables, lengths, size, blocks)
         positions = torch.tensor(cached, dtype=torch.long)[:, None] + torch.arange(new_tokens)[None, :]
         write = table.gather(1, positions // size) * size + positions % size  # [b, new] token slots
         self.block_table = table.to(device)  # [b, blocks]: whole blocks are gathered, not single tokens
@@ -141,11 +138,8 @@ class PagedKVCache:
                 plan.move_to = torch.tensor([m[0] for m in moves], device=device)
                 plan.move_from = torch.tensor([m[1] for m in moves], device=device)
             if fills:
-                blocks = self.capacity // size
-                table = torch.zeros(len(fills), blocks, dtype=torch.long)
-                for k, row in enumerate(fills):
-                    used = math.ceil(lengths[row] / size)
-                    table[k, :used] = torch.tensor(tables[row][:used], dtype=torch.long)
+                table = _padded_table([tables[row] for row in fills], [lengths[row] for row in fills], size,
+                                      self.capacity // size)
                 plan.fill_rows, plan.fill_table = torch.tensor(fills, device=device), table.to(device)
         if ids is None:
             self.view_ids, self.view_lengths = [], []
@@ -172,6 +166,16 @@ class PagedKVCache:
         if layer is None:
             layer = self._layers[number] = PagedLayer(self)
         return layer
+
+
+def _padded_table(tables: Sequence[Sequence[int]], lengths: Sequence[int], size: int, blocks: int) -> torch.Tensor:
+    """``[rows, blocks]``: each row's blocks holding its ``length`` tokens, then zeros (one
+    tensor made from one list: a tensor per row cost more than the step's small products)."""
+    rows = []
+    for own, length in zip(tables, lengths, strict=True):
+        used = min(math.ceil(length / size), len(own))
+        rows.append([*own[:used], *([0] * (blocks - used))])
+    return torch.tensor(rows, dtype=torch.long).reshape(len(rows), blocks)
 
 
 class ViewPlan:

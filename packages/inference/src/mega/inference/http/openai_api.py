@@ -138,10 +138,12 @@ def completions_router(service: InferenceService) -> APIRouter:
         header = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
         if body.stream:
             job = service.submit(requests, "prompt", stream=True, model=model)
-            prompt_texts = await service.off_loop(lambda: [service.detokenize(ids) for ids in prompts])
+            prompt_texts = await service.off_loop(lambda: [service.detokenize(ids) for ids in prompts],
+                                                  size=sum(len(ids) for ids in prompts))
             return sse_response(job, _CompletionWriter(service, body, requests, prompt_texts, header))
         results = await service.complete(requests, "prompt", request.receive, model=model)
-        return await service.off_loop(_completion, service, body, prompts, results, header)
+        return await service.off_loop(_completion, service, body, prompts, results, header,
+                                      size=sum(len(result.tokens) for result in results))
 
     return router
 

@@ -24,6 +24,9 @@ from mega.inference.http.prompt_chars import PromptCharLimit
 
 # Megatron's limit on prompts per request; the OpenAI API takes the same.
 MAX_PROMPTS = 128
+# Characters (or tokens) of text work done on the event loop itself: for this little a hop to a
+# worker thread and back costs more than the work (and, on a busy machine, a wait for the thread).
+INLINE_WORK = 4096
 
 T = TypeVar("T")
 
@@ -128,9 +131,12 @@ class InferenceService:
             raise RequestError(f"{param}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param)
         return list(ids)
 
-    async def off_loop(self, function: Callable[..., T], *args) -> T:
+    async def off_loop(self, function: Callable[..., T], *args, size: int | None = None) -> T:
         """``function(*args)`` on a worker thread: tokenizing or detokenizing megabytes takes
-        seconds, during which health checks and every stream would otherwise wait."""
+        seconds, during which health checks and every stream would otherwise wait. ``size``: the
+        characters or tokens it handles; up to ``INLINE_WORK`` it runs here at once."""
+        if size is not None and size <= INLINE_WORK:
+            return function(*args)
         return await asyncio.to_thread(function, *args)
 
     async def tokenize_all(self, texts: Sequence[str], param: str, add_bos: bool = False) -> list[list[int]]:
@@ -139,7 +145,7 @@ class InferenceService:
         def work() -> list[list[int]]:
             return [self.tokenize(text, f"{param}[{i}]" if many else param, add_bos) for i, text in enumerate(texts)]
 
-        return await self.off_loop(work)
+        return await self.off_loop(work)  # always off the loop: a slow tokenizer must never stall it
 
     def submit(self, requests: list[GenerationRequest], param: str, stream: bool = False,
                model: str | None = None) -> Job:
