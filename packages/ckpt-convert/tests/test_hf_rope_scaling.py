@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +145,29 @@ def test_megatron_export_refuses_the_rope_megatron_does_not_compute(settings, na
     with pytest.raises(ConversionError, match=named):
         args_for(config, 1, 1, 512, 0, "torch", None)
     assert args_for(LlamaConfig(use_rope_scaling=True), 1, 1, 512, 0, "torch", None).use_rope_scaling
+
+
+def test_dynamic_scaling_of_prompts_prefilled_together_is_each_prompts_own():
+    """Prompts of different lengths past the original context, right-padded into one forward (the
+    loop prefills prompts that want their log-probabilities together): each row's padding takes
+    its last real position, so dynamic NTK's frequencies follow each prompt's own length, as
+    transformers' forward over that prompt alone."""
+    from mega.core.parallel import ParallelConfig, ParallelGroups
+    from mega.inference.engine import GenerationEngine, GenerationRequest
+    from mega.inference.loader import load_model
+
+    class_name, config_name, settings = KINDS["dynamic"]
+    root = Path(tempfile.mkdtemp())
+    hf_dir = save_hf_model(tiny_random_model(class_name, config_name, {**TINY, **settings}, "dynamic"), root / "hf")
+    convert(hf_dir, root / "mega", to_format="mega")
+    loaded = load_model(root / "mega", groups=ParallelGroups(ParallelConfig()), device=torch.device("cpu"))
+    engine = GenerationEngine(loaded.model, vocab_size=VOCAB, max_positions=loaded.max_positions)
+    prompts = [torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+               for length in (36, 44)]  # both past the original 32 positions, by different amounts
+    results = engine.generate([GenerationRequest(p, 1, logprobs=True) for p in prompts])
+    for prompt, result in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            logits = fresh_hf_model(hf_dir)(torch.tensor([prompt])).logits[0, :-1]
+        expected = logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        got = torch.tensor(result.logprobs[:len(prompt) - 1])
+        assert torch.allclose(got, expected, atol=1e-5), (len(prompt), (got - expected).abs().max())

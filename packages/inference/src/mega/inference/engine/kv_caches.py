@@ -66,6 +66,11 @@ class SequenceCache:
         self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device, [s.number for s in sequences],
                         real)
         positions = torch.tensor(cached, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
+        if real is not None:
+            # A right-padded row's padding takes its last real position: its outputs and keys are
+            # dropped, and RoPE kinds that read the row's length (dynamic NTK) see the row's own.
+            last = torch.tensor([c + r - 1 for c, r in zip(cached, real, strict=True)], device=device)
+            positions = torch.minimum(positions, last[:, None])
         logits = self.engine.forward(tokens, positions, self.cache, logits_to_keep)
         if self.observer is not None:
             self.observer(sequences, cached, real)
