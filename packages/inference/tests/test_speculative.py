@@ -294,3 +294,32 @@ def test_one_verify_forward_for_rows_of_any_lengths(static):
     assert speculator.metrics.accepted_tokens > 0
     assert max(speculator.lengths) >= 4  # rows at many lengths verified together
     assert set(speculator.forwards) == {1}
+
+
+def test_a_compiled_verify_step_on_the_static_cache(engine):
+    """``mega serve --compile --static-kv-cache --num-speculative-tokens 3``: the verify step (as
+    the decode step) goes through torch.compile (its ``eager`` backend: the traced graph runs as
+    traced), compiled when the worker is made (one slot: the decode and the verify step), never
+    while requests run, even when fewer drafts than K fit (a padded K+1 step); greedy tokens equal
+    decoding without speculation."""
+    compiled = []
+
+    def counting_backend(graph, example_inputs):
+        compiled.append(graph)
+        return graph.forward
+
+    request = GenerationRequest([5, 17, 42, 8, 5, 17, 42], 10, SamplingParams(top_k=1))
+    plain = engine.generate([request])[0].generated
+    torch._dynamo.reset()
+    speculator = Speculator(NgramProposer(), 3)
+    worker = ContinuousBatchingWorker(engine, max_batch_size=1, static_cache=True, compile_backend=counting_backend,
+                                      speculator=speculator)
+    assert len(compiled) == 2
+    kv, fed, steps = worker.kv, [], []  # the drafts' widths; the steps' shapes (what a CUDA graph is captured for)
+    verify, run = kv.verify, kv.graphs._run
+    kv.verify = lambda decoding, tokens, greedy: fed.append(tokens.shape[1]) or verify(decoding, tokens, greedy)
+    kv.graphs._run = lambda tokens, *args: steps.append(tuple(tokens.shape)) or run(tokens, *args)
+    assert worker.run_to_completion([request])[0].generated == plain
+    assert len(compiled) == 2
+    assert min(fed) < 4 and set(steps) == {(1, 4)}  # fewer drafts near the token limit, the K+1 step still
+    assert speculator.metrics.accepted_tokens > 0

@@ -127,6 +127,7 @@ class SlotSequenceCache(SequenceCache):
         graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.graphs = DecodeGraphs(engine, cache, graphs, compile_backend)
         self.compile_backend = compile_backend
+        self.verify_tokens = 0  # K+1 of the speculative verify steps (expect_verify)
         if compile_backend is not None:  # compiled now, not while the first requests wait
             self.graphs.warm_up()
 
@@ -143,11 +144,21 @@ class SlotSequenceCache(SequenceCache):
         # forward hook, which a graph replay does not run: with an observer, one eager forward.
         if self.observer is not None:
             return super().verify(decoding, fed, greedy)
-        tokens, rows, cached = self._window(decoding, (), fed.shape[1])
-        tokens[rows] = fed
-        return self.graphs.verify(tokens, cached, greedy)[:, rows]
+        # Fewer drafts than K (a row near its token limit) still run the K+1 step, its last
+        # columns a padding nobody reads, where every slot has room for it: one shape (one graph,
+        # one compilation) per bucket.
+        new = fed.shape[1]
+        width = new
+        if self.verify_tokens > new and max(s.cached for s in decoding) + self.verify_tokens <= self.cache.max_length:
+            width = self.verify_tokens
+        tokens, rows, cached = self._window(decoding, (), width)
+        tokens[rows, :new] = fed
+        for sequence in decoding:
+            sequence.cached -= width - new
+        return self.graphs.verify(tokens, cached, greedy)[:new, rows]
 
     def expect_verify(self, new_tokens: int) -> None:
+        self.verify_tokens = new_tokens
         if self.compile_backend is not None and self.observer is None:  # compiled now, as the decode steps
             self.graphs.warm_up(new_tokens)
 
