@@ -13,12 +13,15 @@ decoded together.
 A decode step runs over a *window*, the first ``bucket`` slots, whatever sits in them (a free
 slot computes a throw-away row): its shapes depend on the bucket only, and the
 tensors the step reads (the window's positions and mask) are updated in place, so
-:class:`DecodeGraphs` captures one CUDA graph per bucket and replays it.
+:class:`DecodeGraphs` captures one CUDA graph per bucket and replays it. A speculative verify step
+is the same window with K+1 new tokens per row (each row's last token and its drafts, each row at
+its own cached length: the mask's causal rule is per row), captured per (bucket, K+1).
 
 The decoder loop (:class:`~mega.inference.engine.continuous.ContinuousBatchingWorker`, through
 :class:`~mega.inference.engine.kv_caches.SlotSequenceCache`) gives each running sequence one slot. On
-CPU the steps run eagerly, which is how the tests check they give the paged cache's tokens. The CUDA-graph
-capture follows PyTorch's documented ``torch.cuda.graph`` API and has run on an H200 (issue 35).
+CPU the steps run eagerly (or through torch.compile), which is how the tests check they give the paged cache's
+tokens. The CUDA-graph capture follows PyTorch's documented ``torch.cuda.graph`` API and has run on an H200
+(issue 35; the verify step's capture, the same code keyed by its width, has not run on a GPU yet).
 """
 
 from __future__ import annotations
