@@ -67,6 +67,10 @@ ROWS = [
     Row("decode", [*DECODE, "--batches", "1", "16", "32", "--compile"], 150,
         target="batch 1 >= 1,000 tok/s (~60% of bandwidth)"),
     Row("serve-32", SERVE, 150, target=">= 0.8x the engine at batch 32"),
+    Row("quantization", ["bench_quantization.py", "--device", "cuda", "--dtype", "bfloat16", "--layers", "16",
+                         "--hidden", "2048", "--ffn", "8192", "--heads", "32", "--groups", "8", "--vocab", "128256",
+                         "--batches", "1", "16", "--new-tokens", "128", "--json"], 200,
+        target="int8 >= 1.5x, int4 >= 2x bf16 at batch 1 (issue 52)"),
     Row("gpt-hf", ["bench_gpu_mfu.py", "--json", "--steps", "8", "--hf", "gpt"], 75, baseline="gpt-bf16"),
     Row("llama-hf", ["bench_gpu_mfu.py", "--json", "--steps", "8", "--hf", "llama"], 75, baseline="llama-bf16"),
     Row("llama-liger-compile", [*MFU, *LLAMA, "--kernels", "liger", "--compile"], 110, baseline="llama-bf16"),
@@ -221,6 +225,10 @@ def summary(row: Row, results: dict[str, dict]) -> str:
     if "optimizers" in result:  # bench_optimizers: step time and the optimizer step's share of it
         return "; ".join(f"{r['optimizer']}: step {r['step_ms']:.0f} ms, optimizer {r['optimizer_step_ms']:.1f} ms "
                          f"({r['optimizer_share']:.1%}), loss {r['losses'][-1]:.3f}" for r in result["optimizers"])
+    if "quantization" in result:  # bench_quantization: each kind against the baseline dtype
+        return "; ".join(f"{r['dtype'] if r['quantization'] == 'none' else r['quantization']}: " + ", ".join(f"batch {b['batch']} {b['tokens_per_s']:.0f} tok/s "
+                                                               f"({b['speedup']:.2f}x)" for b in r["batches"])
+                         + f", weights {r['weight_bytes'] / 2**30:.2f} GiB" for r in result["quantization"])
     if "rows" in result:  # bench_serve
         return "; ".join(f"{r.get('clients')} clients: {r['tokens_per_s']:.0f} tok/s"
                          + (f" ({r['of_engine']:.2f}x the engine)" if "of_engine" in r else "")

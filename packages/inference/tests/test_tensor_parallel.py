@@ -137,7 +137,7 @@ def test_tensor_parallel_generation_equals_one_process(worlds):
         assert [t for t, _ in leader[kind][0].top_logprobs[-1]] == [t for t, _ in expected[kind][0].top_logprobs[-1]]
 
 
-def generate_command(directory: str) -> str:
+def generate_command(directory: str, *flags: str) -> str:
     """What ``mega generate``'s whole ``main`` prints on this rank (rank 0 prints; 3 prompts, 2 at
     a time, so the third joins the running batch on both ranks). Seeded sampling, log-probabilities."""
     import contextlib
@@ -149,7 +149,8 @@ def generate_command(directory: str) -> str:
     with contextlib.redirect_stdout(printed):
         assert main(["--load", directory, "--device", "cpu", "--tokenizer-type", "NullTokenizer", "--vocab-size",
                      str(VOCAB - 1), "--max-tokens", "6", "--json", "--logprobs", "--temperature", "0.8", "--seed",
-                     "3", "--max-batch-size", "2", "--prompt", "5 17 42", "--prompt", "7 9", "--prompt", "1 2 3 4"]) == 0
+                     "3", "--max-batch-size", "2", "--prompt", "5 17 42", "--prompt", "7 9", "--prompt", "1 2 3 4",
+                     *flags]) == 0
     return printed.getvalue()
 
 
@@ -224,3 +225,19 @@ def test_served_lora_adapters_under_tensor_parallelism_equal_one_process(worlds,
     assert expected[0] == base[0] and expected[1] != base[1] and expected[2] != base[2]  # the adapters change them
     leader, follower = worlds.run(2, generate_with_adapters, weights, adapters, 2)
     assert follower is None and leader == expected
+
+
+def test_int8_quantized_generation_under_tensor_parallelism_equals_one_process(worlds, tmp_path):
+    """``--quantization int8`` (mega-torchao) at tp2: each rank quantizes its shards, the
+    row-parallel ones with their rows' whole scales, so tp2 gives tp1's tokens and log-probabilities
+    within 1e-5 (the sums' order only)."""
+    import json
+
+    pytest.importorskip("mega_torchao")
+    hf_tiny("llama").save_pretrained(tmp_path)
+    expected = [json.loads(line) for line in generate_command(str(tmp_path), "--quantization", "int8").splitlines()]
+    leader, follower = worlds.run(2, generate_command, str(tmp_path), "--quantization", "int8")
+    assert follower == "" and len(expected) == 3
+    for got, want in zip((json.loads(line) for line in leader.splitlines()), expected, strict=True):
+        assert got["tokens"] == want["tokens"] and got["finish_reason"] == want["finish_reason"]
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)) < 1e-5

@@ -29,6 +29,13 @@ from mega.core.process_group import distributed_env
 from mega.core.tokenizer import TokenizerOptions, TokenizerSpec
 from mega.inference.chat_template import find_chat_template
 from mega.inference.dtypes import DTYPE_NAMES
+from mega.inference.quantization import (
+    QuantizationError,
+    QuantizationRequest,
+    WeightBytes,
+    quantization_pass,
+    quantize,
+)
 
 HF_FORMAT = "hf"  # the registered checkpoint format that reads Hugging Face directories
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -47,6 +54,7 @@ class LoadedModel:
     name: str  # what the OpenAI API reports as the model
     chat_template: Any = None  # mega.inference.chat_template.ChatTemplate, when the tokenizer carries one
     base_name: str | None = None  # with an adapter merged in: the base model's name (``name`` is the adapter's)
+    quantized: WeightBytes | None = None  # with --quantization: this rank's weight bytes before and after
 
     @property
     def max_positions(self) -> int:
@@ -61,12 +69,21 @@ def default_device() -> torch.device:
 
 
 def load_from_args(args: argparse.Namespace, groups: ParallelGroups, plugins=None) -> LoadedModel:
+    """The model ``--load`` (and ``--adapter``, merged) names, with ``--quantization``'s pass run
+    over it last: a kind the device cannot run is refused before any weight is read."""
+    plugins = get_plugins() if plugins is None else plugins
     tokenizer_spec = None
     if args.tokenizer_type:
         tokenizer_spec = TokenizerSpec(args.tokenizer_type, TokenizerOptions(
             vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
             vocab_size=args.vocab_size))
     device = torch.device(args.device) if args.device else default_device()
+    kind = getattr(args, "quantization", None)
+    request = QuantizationRequest(kind, device, DTYPES[args.dtype]) if kind else None
+    try:
+        setup_pass = quantization_pass(request, plugins) if request else None
+    except QuantizationError as error:
+        raise LoadError(str(error)) from None
     base, adapter = base_and_adapter(args.load, getattr(args, "adapter", None))
     loaded = load_model(base, groups=groups, device=device, dtype=DTYPES[args.dtype],
                         tokenizer_spec=tokenizer_spec, plugins=plugins)
@@ -80,6 +97,12 @@ def load_from_args(args: argparse.Namespace, groups: ParallelGroups, plugins=Non
         except LoRAError as error:
             raise LoadError(str(error)) from None
         loaded.base_name, loaded.name = loaded.name, checkpoint_name(adapter)
+    if setup_pass is not None:
+        try:
+            loaded.model, loaded.quantized = quantize(loaded.model, setup_pass, request,
+                                                      plugins.models.get(loaded.family_name), loaded.config, groups)
+        except QuantizationError as error:
+            raise LoadError(str(error)) from None
     return loaded
 
 

@@ -88,6 +88,8 @@ def load_embedder(args: argparse.Namespace, command: str, batch_size: int):
 
     try:
         loaded = load_from_args(args, ParallelGroups(ParallelConfig()))
+        if loaded.quantized is not None:
+            print(f"mega {command}: {loaded.quantized.describe()}", file=sys.stderr, flush=True)
         embedder = Embedder(loaded.model, loaded.tokenizer, loaded.max_positions, loaded.config.vocab_size,
                             pooling=args.pooling, normalize=args.normalize, batch_size=batch_size)
     except (LoadError, CheckpointError, ValueError) as error:

@@ -121,9 +121,12 @@ def load_on_ranks(args: argparse.Namespace, command: str) -> tuple[LoadedModel, 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     groups = ParallelGroups(ParallelConfig(tp=world))
     try:
-        return load_from_args(args, groups), groups
+        loaded = load_from_args(args, groups)
     except (LoadError, CheckpointError) as error:
         raise SystemExit(f"mega {command}: error: {error}") from None
+    if loaded.quantized is not None and groups.tp.rank == 0:
+        print(f"mega {command}: {loaded.quantized.describe()}", file=sys.stderr, flush=True)
+    return loaded, groups
 
 
 def setup_engine(args: argparse.Namespace, command: str) -> EngineSetup | None:

@@ -28,6 +28,14 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
                        "each torchrun rank its LOCAL_RANK's GPU)")
     group.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                        help="parameter and activation dtype (default float32)")
+    group.add_argument("--quantization", metavar="KIND", default=None,
+                       help="quantize the linear layers' weights once loaded (the output layer and MoE routers "
+                            "stay in --dtype), through the plugin registering the 'quantization' setup pass "
+                            "(mega-torchao): int8 (per-row int8 weights, any device), fp8 (E4M3 weights; with "
+                            "dynamically scaled FP8 activations on a GPU of compute capability 8.9+, weight-only on the "
+                            "CPU), int4 (groups of 128 input features; CUDA with --dtype bfloat16, or the CPU). "
+                            "Each tensor-parallel rank quantizes its shards; a kind the device cannot run is "
+                            "refused, saying why. The weight bytes before and after are printed")
     group = parser.add_argument_group("tokenizer (default: the one the checkpoint names)")
     group.add_argument("--tokenizer-type", help="registered tokenizer, e.g. GPT2BPETokenizer, HuggingFaceTokenizer")
     group.add_argument("--vocab-file", help="vocabulary (GPT-2 vocab.json, BERT vocab.txt)")

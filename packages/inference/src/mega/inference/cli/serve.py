@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "the hash of their prefix, for later prompts that start the same (those prefill only "
                             "the rest): the paged cache shares the blocks (least recently used evicted when room "
                             "is needed), the static cache copies them from the slot that holds them (kept until "
-                            "the slot is taken). Default: on")
+                            "the slot is taken). Default: on, but off on the paged cache of a model with sliding-window "
+                            "layers (which keep only their window's keys there)")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                        help="continuous batching: tokens one engine step computes at most (one per decoding "
                             "sequence, the rest prompt tokens), so long prompts are prefilled in chunks between "

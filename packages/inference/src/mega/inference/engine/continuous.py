@@ -57,9 +57,11 @@ from mega.inference.engine.kv_caches import (
     RecurrentSequenceCache,
     SequenceCache,
     SlotSequenceCache,
+    WindowedSequenceCache,
 )
 from mega.inference.engine.lora_registry import prefix_salt
 from mega.inference.engine.metrics import ServerMetrics
+from mega.inference.engine.paged_window_cache import sliding_window_cache_options
 from mega.inference.engine.prefix_cache import prefix_keys
 from mega.inference.engine.recurrent_state_cache import recurrent_cache_options
 from mega.inference.engine.requests import GenerationError, GenerationRequest, ending
@@ -109,6 +111,10 @@ class ContinuousBatchingWorker(EngineWorker):
                                  f"positions; max_num_tokens {self.max_num_tokens} holds none")
             self.kv = SlotSequenceCache(engine, slots, block_size, prefix_caching, use_cuda_graphs, compile_backend,
                                         rolls_back=speculator is not None)
+        elif engine.layer_windows:  # sliding layers keep their window's keys (paged_window_cache)
+            sliding_window_cache_options(prefix_caching)
+            self.kv = WindowedSequenceCache(engine, max_batch_size, self.max_num_tokens, block_size,
+                                            rolled_back=speculator.num_tokens if speculator is not None else 0)
         else:
             self.kv = PagedSequenceCache(engine, max_batch_size, self.max_num_tokens, block_size, prefix_caching)
         self.cache, self.allocator = self.kv.cache, self.kv.allocator

@@ -23,6 +23,11 @@ import torch
 from mega.inference.engine.host_copy import to_device
 from mega.inference.engine.lora_registry import slot_of
 from mega.inference.engine.paged_kv_cache import BlockAllocator, PagedKVCache
+from mega.inference.engine.paged_window_cache import (
+    WindowedBlockAllocator,
+    WindowedPagedKVCache,
+    ring_blocks_for,
+)
 from mega.inference.engine.prefix_cache import PrefixCachingAllocator
 from mega.inference.engine.recurrent_state_cache import RecurrentStateCache, StateSlotAllocator
 from mega.inference.engine.sampling import Sampler
@@ -95,6 +100,22 @@ class PagedSequenceCache(SequenceCache):
         allocator_class = PrefixCachingAllocator if prefix_caching else BlockAllocator
         allocator = allocator_class(max(1, max_num_tokens // block_size), block_size)
         super().__init__(engine, PagedKVCache(allocator, max_batch_size, engine.kv_head_repeats), allocator)
+
+
+class WindowedSequenceCache(SequenceCache):
+    """The paged cache of a model with sliding-window layers (``engine.layer_windows``): their keys
+    in rings of the window plus ``rolled_back`` positions (speculative decoding's drafts) per
+    sequence, on a pool of ``max_batch_size`` rings. Never prefix caching: a cached prefix's keys
+    behind the window are gone from its rings."""
+
+    def __init__(self, engine, max_batch_size: int, max_num_tokens: int, block_size: int, rolled_back: int = 0):
+        windows = engine.layer_windows
+        num_blocks = max(1, max_num_tokens // block_size)
+        ring_blocks = ring_blocks_for(windows, block_size, rolled_back)
+        allocator = WindowedBlockAllocator(num_blocks, block_size, min(num_blocks, max_batch_size * ring_blocks),
+                                           ring_blocks)
+        cache = WindowedPagedKVCache(allocator, windows, max_batch_size, engine.kv_head_repeats)
+        super().__init__(engine, cache, allocator)
 
 
 class RecurrentSequenceCache(SequenceCache):
