@@ -6,7 +6,7 @@ A random-weight LLaMA (``--layers``, ``--hidden``, ...; by default 12 layers of 
 a 1-layer draft costs a fraction of the model) generates greedily ``--new-tokens`` tokens
 after a code-edit style prompt: a random snippet of ``--snippet`` tokens, then the snippet again
 with its first half (the "edited" copy the model continues). Three runs of the same requests on
-the paged KV cache: no speculation; prompt lookup (``--speculative-method ngram``); a draft model
+the paged KV cache (``--static-kv-cache``: the static one): no speculation; prompt lookup (``--speculative-method ngram``); a draft model
 (``--speculative-method draft_model``), here the target's first ``--draft-layers`` layers with its
 embeddings and head (a layer-skip draft: same weights, no training needed, agrees with the target
 where the later layers change little). Random weights give no such agreement (a 1-layer cut of a
@@ -83,7 +83,8 @@ def bench(batch: int, engine, draft_engine, args) -> dict:
     tokens = batch * engine.max_positions
 
     def worker(speculator=None):
-        return ContinuousBatchingWorker(engine, max_batch_size=batch, max_num_tokens=tokens, speculator=speculator)
+        return ContinuousBatchingWorker(engine, max_batch_size=batch, max_num_tokens=tokens, speculator=speculator,
+                                        static_cache=args.static_kv_cache)
 
     return compare(batch, code_edit_prompts(batch, args), args, {
         "plain": worker(),
@@ -182,6 +183,8 @@ def main() -> None:
     parser.add_argument("--mtp-cycle", type=int, default=32, help="tokens of the cycle the MTP row's model learns")
     parser.add_argument("--mtp-train-steps", type=int, default=60)
     parser.add_argument("--mtp-noise", type=float, default=0.0, help="std of noise added to the trained MTP layer")
+    parser.add_argument("--static-kv-cache", action="store_true",
+                        help="the LLaMA rows on the static (slot) KV cache instead of the paged one")
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)

@@ -6,6 +6,8 @@
 - Sampling keeps the target's distribution: the rejection rule alone on a 6-token vocabulary
   (point-mass and draft-model drafts), and the whole loop's first two sampled tokens against the
   target model's own probabilities (chi-square, p-values stated in the tests).
+- One verify forward per speculative step for rows at any cached lengths, on the paged and the
+  static cache (its fixed-shape window step, compiled with torch.compile as ``--compile`` does).
 """
 
 from __future__ import annotations
@@ -249,3 +251,77 @@ def test_seeded_sampling_under_speculation_ignores_batch_mates(engine):
     assert together[2].generated == alone
     assert together[1].generated != alone  # another seed, other tokens
     assert worker.metrics.draft_tokens > 0
+
+
+class CountingSpeculator(Speculator):
+    """A speculator that counts the target model's forwards in each of its steps (hooked on the
+    model, so a compiled or windowed step counts as the eager one), and the distinct cached
+    lengths of the rows it verified."""
+
+    def __init__(self, engine, proposer, num_tokens: int):
+        super().__init__(proposer, num_tokens)
+        self.forwards: list[int] = []
+        self.lengths: list[int] = []  # distinct cached lengths of each step's rows
+        engine.model.register_forward_hook(lambda *_: self._count())
+        self._inside = False
+
+    def _count(self) -> None:
+        if self._inside:
+            self.forwards[-1] += 1
+
+    def step(self, kv, sequences, sampler):
+        self.forwards.append(0)
+        self.lengths.append(len({s.cached for s in sequences}))
+        self._inside = True
+        try:
+            return super().step(kv, sequences, sampler)
+        finally:
+            self._inside = False
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["paged", "static"])
+def test_one_verify_forward_for_rows_of_any_lengths(static):
+    """A mixed batch of 8 prompts of 1 to 11 tokens, prompt lookup (K = 3): every speculative step
+    runs the target once, its rows at several cached lengths (the static cache's step over its
+    window of slots, as a CUDA graph replays it), and the greedy tokens equal decoding without
+    speculation."""
+    model, config = mega_from_hf(hf_tiny("llama"), "llama")
+    engine = GenerationEngine(model, vocab_size=config.vocab_size, max_positions=POSITIONS)
+    requests = [GenerationRequest([int(t) for t in prompt.split()], NEW_TOKENS, SamplingParams(top_k=1))
+                for prompt in BATCH]
+    plain = [r.generated for r in engine.generate(requests)]
+    speculator = CountingSpeculator(engine, NgramProposer(), 3)
+    worker = ContinuousBatchingWorker(engine, max_batch_size=8, static_cache=static, speculator=speculator)
+    assert [r.generated for r in worker.run_to_completion(requests)] == plain
+    assert speculator.metrics.accepted_tokens > 0
+    assert max(speculator.lengths) >= 4  # rows at many lengths verified together
+    assert set(speculator.forwards) == {1}
+
+
+def test_a_compiled_verify_step_on_the_static_cache(engine):
+    """``mega serve --compile --static-kv-cache --num-speculative-tokens 3``: the verify step (as
+    the decode step) goes through torch.compile (its ``eager`` backend: the traced graph runs as
+    traced), compiled when the worker is made (one slot: the decode and the verify step), never
+    while requests run, even when fewer drafts than K fit (a padded K+1 step); greedy tokens equal
+    decoding without speculation."""
+    compiled = []
+
+    def counting_backend(graph, example_inputs):
+        compiled.append(graph)
+        return graph.forward
+
+    request = GenerationRequest([5, 17, 42, 8, 5, 17, 42], 10, SamplingParams(top_k=1))
+    plain = engine.generate([request])[0].generated
+    torch._dynamo.reset()
+    speculator = Speculator(NgramProposer(), 3)
+    worker = ContinuousBatchingWorker(engine, max_batch_size=1, static_cache=True, compile_backend=counting_backend,
+                                      speculator=speculator)
+    assert len(compiled) == 2
+    kv, fed, steps = worker.kv, [], []  # the drafts' widths; the steps' shapes (what a CUDA graph is captured for)
+    verify, run = kv.verify, kv.graphs._run
+    kv.verify = lambda decoding, tokens, greedy: fed.append(tokens.shape[1]) or verify(decoding, tokens, greedy)
+    kv.graphs._run = lambda tokens, *args: steps.append(tuple(tokens.shape)) or run(tokens, *args)
+    assert worker.run_to_completion([request])[0].generated == plain
+    assert len(compiled) == 2
+    assert min(fed) < 4 and set(steps) == {(1, 4)}  # fewer drafts near the token limit, the K+1 step still
+    assert speculator.metrics.accepted_tokens > 0

@@ -328,8 +328,8 @@ class ContinuousBatchingWorker(EngineWorker):
     def _may_speculate(self, admitted: list[_Sequence]) -> bool:
         """Whether this step speculates: a speculator is set and no row (nor one joining) asks
         log-probabilities or adjusts its logits (penalties change with every token accepted);
-        otherwise the step decodes one token per row. Speculative steps run eagerly (the
-        verify forward is not a captured graph)."""
+        otherwise the step decodes one token per row. The verify forward is one for all rows
+        (on the static cache a captured graph: SlotSequenceCache.verify)."""
         return self.speculator is not None and all(
             s.logprobs is None and not s.request.sampling.adjusts_logits
             for s in (*self._running, *self._prefilling, *admitted))

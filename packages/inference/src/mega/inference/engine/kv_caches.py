@@ -30,6 +30,7 @@ from mega.inference.engine.paged_window_cache import (
 )
 from mega.inference.engine.prefix_cache import PrefixCachingAllocator
 from mega.inference.engine.recurrent_state_cache import RecurrentStateCache, StateSlotAllocator
+from mega.inference.engine.sampling import Sampler
 from mega.inference.engine.slot_kv_cache import DecodeGraphs, SlotAllocator, SlotKVCache, bucket_for
 from mega.inference.engine.slot_prefix_cache import PrefixCachingSlotAllocator
 
@@ -84,6 +85,20 @@ class SequenceCache:
         the sequences admitted whose prompts are not all cached yet."""
         return self.forward(decoding, fed[:, None], 1)[0]
 
+    def verify(self, decoding: Sequence, fed: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """A speculative verify step: ``fed`` ``[rows, K+1]`` (each row's last token and its drafts)
+        continuing each of ``decoding``, in one forward whatever the rows' cached lengths (each
+        row's new tokens see its own keys by its own causal rule, in either cache's mask). Fp32
+        logits ``[K+1, rows, vocab]``, or with ``greedy`` each position's most likely token
+        ``[K+1, rows]``; each sequence's ``cached`` moves past all K+1 (the caller rolls it back to
+        the tokens kept)."""
+        logits = self.forward(decoding, fed, None)
+        return Sampler.greedy_choice(logits) if greedy else logits
+
+    def expect_verify(self, new_tokens: int) -> None:
+        """Verify steps of ``new_tokens`` (K+1) will run (a cache that compiles its steps compiles
+        them now)."""
+
 
 class PagedSequenceCache(SequenceCache):
     def __init__(self, engine, max_batch_size: int, max_num_tokens: int, block_size: int, prefix_caching: bool):
@@ -137,15 +152,52 @@ class SlotSequenceCache(SequenceCache):
         super().__init__(engine, cache, allocator)
         graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.graphs = DecodeGraphs(engine, cache, graphs, compile_backend)
+        self.compile_backend = compile_backend
+        self.verify_tokens = 0  # K+1 of the speculative verify steps (expect_verify)
         if compile_backend is not None:  # compiled now, not while the first requests wait
             self.graphs.warm_up()
 
     def decode(self, decoding: Sequence, prefilling: Sequence, fed: torch.Tensor, greedy: bool) -> torch.Tensor:
-        # One step over the window of the first slots, up to a bucket (see slot_kv_cache); slots
-        # in it that no sequence decodes compute a row nobody reads, at the slot's last position
-        # (a free slot's cached prefix, slot_prefix_cache, stays intact). Those admitted (their
-        # prompts part cached or not) have it write at their next position, which their prefill
-        # overwrites after this step.
+        tokens, rows, cached = self._window(decoding, prefilling, 1)
+        tokens[rows, 0] = fed
+        if greedy:  # gathered from the step's output before the next step rewrites it
+            return self.graphs.greedy(tokens, cached)[rows]
+        return self.graphs(tokens, cached)[rows]
+
+    def verify(self, decoding: Sequence, fed: torch.Tensor, greedy: bool) -> torch.Tensor:
+        # The decode step's window with K+1 new tokens per row: one fixed-shape forward per
+        # (bucket, K+1), captured on CUDA. MTP drafts read the target's hidden states through a
+        # forward hook, which a graph replay does not run: with an observer, one eager forward.
+        if self.observer is not None:
+            return super().verify(decoding, fed, greedy)
+        # Fewer drafts than K (a row near its token limit) still run the K+1 step, its last
+        # columns a padding nobody reads, where every slot has room for it: one shape (one graph,
+        # one compilation) per bucket.
+        new = fed.shape[1]
+        width = new
+        if self.verify_tokens > new and max(s.cached for s in decoding) + self.verify_tokens <= self.cache.max_length:
+            width = self.verify_tokens
+        tokens, rows, cached = self._window(decoding, (), width)
+        tokens[rows, :new] = fed
+        for sequence in decoding:
+            sequence.cached -= width - new
+        return self.graphs.verify(tokens, cached, greedy)[:new, rows]
+
+    def expect_verify(self, new_tokens: int) -> None:
+        self.verify_tokens = new_tokens
+        if self.compile_backend is not None and self.observer is None:  # compiled now, as the decode steps
+            self.graphs.warm_up(new_tokens)
+
+    def _window(self, decoding: Sequence, prefilling: Sequence, new_tokens: int):
+        """A step of ``new_tokens`` per row over the window of the first slots, up to a bucket
+        (see slot_kv_cache): the window's tokens ``[window, new]`` (zeros, for the caller to fill),
+        the decoding sequences' rows in it and every row's cached length, on the device; each
+        decoding sequence's ``cached`` moves past its new tokens. Slots in the window that no
+        sequence decodes compute a row nobody reads, at the slot's last position (a free slot's
+        cached prefix, slot_prefix_cache, stays intact). Those admitted (``prefilling``: their
+        prompts part cached or not) have it write at their next position, which their prefill
+        overwrites after this step (their ring, on a sliding-window layer, holds no later
+        positions; without rings, as under speculation, the slot's last position does as well)."""
         device, cache = self.engine.device, self.cache
         slots = [s.blocks[0] for s in decoding]
         window = min(bucket_for(max(slots) + 1), cache.slots)
@@ -155,16 +207,11 @@ class SlotSequenceCache(SequenceCache):
                 cached[sequence.blocks[0]] = sequence.cached
         for slot, sequence in zip(slots, decoding, strict=True):
             cached[slot] = sequence.cached
-            sequence.cached += 1
+            sequence.cached += new_tokens
         if self.engine.lora is not None:  # each row its LoRA adapter; the base's for rows nobody reads
             adapters = [0] * window
             for slot, sequence in zip(slots, decoding, strict=True):
                 adapters[slot] = slot_of(sequence)
             self.engine.lora.bind(adapters)
-        tokens = torch.zeros(window, 1, dtype=torch.long, device=device)
-        rows = to_device(slots, device)
-        tokens[rows, 0] = fed
-        cached = to_device(cached, device)
-        if greedy:  # gathered from the step's output before the next step rewrites it
-            return self.graphs.greedy(tokens, cached)[rows]
-        return self.graphs(tokens, cached)[rows]
+        tokens = torch.zeros(window, new_tokens, dtype=torch.long, device=device)
+        return tokens, to_device(slots, device), to_device(cached, device)

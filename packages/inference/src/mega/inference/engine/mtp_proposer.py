@@ -169,13 +169,15 @@ class MTPProposer:
     def _catch_up(self, layer: int, rows: list[int], states, inputs, extended, known, final) -> dict[int, torch.Tensor]:
         """Layer ``layer`` over each row's ``inputs`` (its input hidden states at positions
         ``cached[layer]`` to ``n - 2``) and the tokens ``layer + 1`` positions on: its outputs there
-        by row. Rows at equal lengths and positions share a forward."""
-        groups: dict[tuple[int, int], list[int]] = {}
+        by row. Rows of as many inputs share a forward, at any positions (the paged cache's mask
+        gives each row its own causal rule)."""
+        groups: dict[int, list[int]] = {}
         for row in rows:
-            groups.setdefault((len(inputs[row]), states[row].cached[layer]), []).append(row)
+            groups.setdefault(len(inputs[row]), []).append(row)
         outputs = {}
-        for (length, start), members in groups.items():
-            fed = torch.tensor([extended[r][start + layer + 1: start + layer + 1 + length] for r in members],
+        for length, members in groups.items():
+            starts = [states[r].cached[layer] + layer + 1 for r in members]
+            fed = torch.tensor([extended[r][start: start + length] for r, start in zip(members, starts, strict=True)],
                                device=self.engine.device)
             given = torch.stack([inputs[r] for r in members], dim=1)  # [length, b, h]
             output = self._forward(layer, [states[r] for r in members], given, fed)

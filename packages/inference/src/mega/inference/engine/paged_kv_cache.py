@@ -91,6 +91,7 @@ class PagedKVCache:
         size = self.allocator.block_size
         if real is not None and (any(cached) or max(real) != new_tokens):
             raise ValueError("padded rows are for prompts prefilled together: nothing cached, the longest unpadded")
+        padded = real is not None
         real = [new_tokens] * len(cached) if real is None else list(real)
         lengths = [c + n for c, n in zip(cached, real, strict=True)]
         self.longest = max(lengths)
@@ -110,7 +111,26 @@ class PagedKVCache:
         ragged = min(lengths) != self.longest  # equal lengths need no mask beyond the causal rule
         self.padding = (torch.arange(self.longest)[None, :] < torch.tensor(lengths)[:, None]).to(device) \
             if ragged else None
+        # Several new tokens on rows of several cached lengths (a speculative verify step): the
+        # causal rule aligned at the longest row's end would show a shorter row's queries its own
+        # later tokens, so each row's rule comes from its own length (key k <= cached + q).
+        self.visible = None
+        if ragged and not padded and new_tokens > 1:
+            self.visible = (torch.arange(self.longest)[None, None, :] <= positions[:, :, None])[:, None].to(device)
+            self.padding = None  # in the rule: a row's keys end at cached + new - 1
+        self._bias: torch.Tensor | None = None
         self.cached = list(cached)
+
+    def mask(self, dtype: torch.dtype) -> AttentionMask:
+        """The bound batch's attention mask: causal, aligned at the end, with the padding of
+        shorter rows; or each row's own causal rule as an additive bias ``[rows, 1, new, longest]``
+        (made once per forward, at its first layer)."""
+        if self.visible is None:
+            return AttentionMask(causal=True, padding=self.padding)
+        if self._bias is None or self._bias.dtype != dtype:
+            bias = torch.zeros(self.visible.shape, dtype=dtype, device=self.visible.device)
+            self._bias = bias.masked_fill_(~self.visible, torch.finfo(dtype).min)
+        return AttentionMask(bias=self._bias)
 
     def _plan(self, tables, cached, lengths, device, ids) -> ViewPlan:
         """What the layers' views need before this decode step: rebuilt whole (the first step,
@@ -212,9 +232,8 @@ class PagedLayer:
             if cache.written is not None:  # padded prompts: only their own tokens' keys are kept
                 rows = rows[cache.written]
             pool.view(-1, heads, dim).index_copy_(0, cache.write_slots, rows)
-        # Causal, aligned at the end: a row's new tokens see its cache and each other in order
-        # (several new tokens come from one prefill, whose rows are all of one length).
-        mask = AttentionMask(causal=True, padding=cache.padding)
+        # A row's new tokens see its cache and each other in order (see PagedKVCache.mask).
+        mask = cache.mask(key.dtype)
         if not cache.decoding:  # a prefill: its own rows' blocks, nothing kept
             views = [pool[cache.block_table].view(batch, -1, heads, dim)[:, : cache.longest] for pool in pools]
             return views[0].transpose(0, 1), views[1].transpose(0, 1), mask

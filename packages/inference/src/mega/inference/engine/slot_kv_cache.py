@@ -13,12 +13,15 @@ decoded together.
 A decode step runs over a *window*, the first ``bucket`` slots, whatever sits in them (a free
 slot computes a throw-away row): its shapes depend on the bucket only, and the
 tensors the step reads (the window's positions and mask) are updated in place, so
-:class:`DecodeGraphs` captures one CUDA graph per bucket and replays it.
+:class:`DecodeGraphs` captures one CUDA graph per bucket and replays it. A speculative verify step
+is the same window with K+1 new tokens per row (each row's last token and its drafts, each row at
+its own cached length: the mask's causal rule is per row), captured per (bucket, K+1).
 
 The decoder loop (:class:`~mega.inference.engine.continuous.ContinuousBatchingWorker`, through
 :class:`~mega.inference.engine.kv_caches.SlotSequenceCache`) gives each running sequence one slot. On
-CPU the steps run eagerly, which is how the tests check they give the paged cache's tokens. The CUDA-graph
-capture follows PyTorch's documented ``torch.cuda.graph`` API and has run on an H200 (issue 35).
+CPU the steps run eagerly (or through torch.compile), which is how the tests check they give the paged cache's
+tokens. The CUDA-graph capture follows PyTorch's documented ``torch.cuda.graph`` API and has run on an H200
+(issue 35; the verify step's capture, the same code keyed by its width, has not run on a GPU yet).
 """
 
 from __future__ import annotations
@@ -203,68 +206,80 @@ class _SlotLayer:
 
 
 class DecodeGraphs:
-    """One decode step over the cache's window of the first ``n`` slots (``n`` a bucket), from
-    ``tokens [n, 1]`` and ``cached [n]``: :meth:`__call__` gives fp32 logits ``[n, vocab]``,
-    :meth:`greedy` each slot's most likely token ``[n]`` (the sampler's
-    :meth:`~mega.inference.engine.sampling.Sampler.greedy_choice`, computed inside the step). With
-    ``use_cuda_graphs`` each kind of step is captured once per ``n``, the window's positions and
-    mask included, and replayed after: a replay is two copies and one launch."""
+    """The forwards over the cache's window of the first ``n`` slots (``n`` a bucket), from
+    ``tokens [n, new]`` and ``cached [n]``: a decode step (one new token; :meth:`__call__` gives
+    fp32 logits ``[n, vocab]``, :meth:`greedy` each slot's most likely token ``[n]``, the sampler's
+    :meth:`~mega.inference.engine.sampling.Sampler.greedy_choice` computed inside the step) and a
+    speculative verify step (K+1 new tokens, each row's last token and its drafts: :meth:`verify`,
+    every position's logits or most likely token). With ``use_cuda_graphs`` each kind of step is
+    captured once per (``n``, new tokens), the window's positions and mask included, and replayed
+    after: a replay is two copies (into the static tokens and cached lengths) and one launch."""
 
     def __init__(self, engine: GenerationEngine, cache: SlotKVCache, use_cuda_graphs: bool,
                  compile_backend: str | Callable | None = None):
         self.engine, self.cache, self.use_cuda_graphs = engine, cache, use_cuda_graphs
-        self._graphs: dict[tuple[int, bool], tuple] = {}
+        self._graphs: dict[tuple[int, int, bool], tuple] = {}  # (rows, new tokens, greedy) -> graph and buffers
         self._pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None  # graphs share memory
         # --compile: the step's forward through torch.compile (fused kernels, which a captured
-        # graph then replays). Only the decode step: its shapes change with the bucket alone (the
-        # batch dimension turns dynamic at the second bucket), where prefills of every prompt
-        # length would recompile without end.
+        # graph then replays). Only the fixed-shape steps: their shapes change with the bucket (and
+        # decode or verify) alone (the batch dimension turns dynamic at the second bucket), where
+        # prefills of every prompt length would recompile without end.
         self._forward = engine.forward if compile_backend is None else torch.compile(engine.forward,
                                                                                      backend=compile_backend)
 
     @torch.inference_mode()  # the pools are inference tensors, as under the decode loops
-    def warm_up(self) -> None:
-        """Run every window size the cache can decode, greedy and not, before the first request,
-        so each compiles (``--compile``) and, on CUDA, is captured now: compiling takes seconds
-        that would otherwise stall the first requests of each size. Every row is a free slot at
-        its last position, what a step computes for a free slot anyway."""
+    def warm_up(self, new_tokens: int = 1) -> None:
+        """Run every window size the cache can decode (``new_tokens`` 1) or verify (K+1), greedy
+        and not, before the first request, so each compiles (``--compile``) and, on CUDA, is
+        captured now: compiling takes seconds that would otherwise stall the first requests of each
+        size. Every row is a free slot at its last position, what a step computes for a free slot
+        anyway."""
         device = self.engine.device
         for number, rows in enumerate(sorted({min(bucket, self.cache.slots) for bucket in BUCKETS})):
             if self.engine.lora is not None:  # served LoRA adapters: every row the base's
                 self.engine.lora.bind([0] * rows)
-            tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+            tokens = torch.zeros(rows, new_tokens, dtype=torch.long, device=device)
             cached = torch.full((rows,), self.cache.max_length - 1, dtype=torch.long, device=device)
             if number == 0:  # an eager step first allocates the pools, outside what compiles
-                self.cache.bind_window(cached, 1)
-                self.engine.forward(tokens, cached[:, None], self.cache, 1)
-            self.greedy(tokens, cached)
-            self(tokens, cached)
+                self.cache.bind_window(cached, new_tokens)
+                self.engine.forward(tokens, self.cache.positions, self.cache, new_tokens)
+            self._run(tokens, cached, greedy=True)
+            self._run(tokens, cached, greedy=False)
 
     def _eager(self, tokens: torch.Tensor, cached: torch.Tensor, greedy: bool) -> torch.Tensor:
-        self.cache.bind_window(cached, 1)
-        logits = self._forward(tokens, cached[:, None], self.cache, 1)[-1]
+        new = tokens.shape[1]
+        self.cache.bind_window(cached, new)
+        # The window's positions (clamped at a slot's end: a free slot's K+1 verify tokens past it).
+        logits = self._forward(tokens, self.cache.positions, self.cache, new)  # [new, rows, vocab]
         return Sampler.greedy_choice(logits) if greedy else logits
 
     def __call__(self, tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
-        logits = self._run(tokens, cached, greedy=False)
+        logits = self._run(tokens, cached, greedy=False)[0]
         return logits.clone() if self.use_cuda_graphs else logits  # the graph's buffer is rewritten
 
     def greedy(self, tokens: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
         """Each slot's greedy token; on CUDA a view of the graph's output, valid until the next
         step (feeding it back as the next ``tokens`` is safe: it is copied in first)."""
-        return self._run(tokens, cached, greedy=True)
+        return self._run(tokens, cached, greedy=True)[0]
+
+    def verify(self, tokens: torch.Tensor, cached: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """A verify step over ``tokens`` ``[n, K+1]``: fp32 logits ``[K+1, n, vocab]``, or with
+        ``greedy`` each position's most likely token ``[K+1, n]`` (on CUDA a view of the graph's
+        output, valid until the next step)."""
+        out = self._run(tokens, cached, greedy)
+        return out.clone() if self.use_cuda_graphs and not greedy else out
 
     def _run(self, tokens: torch.Tensor, cached: torch.Tensor, greedy: bool) -> torch.Tensor:
         if not self.use_cuda_graphs:
             return self._eager(tokens, cached, greedy)
-        rows = len(cached)
-        if (rows, greedy) not in self._graphs:
-            self._graphs[(rows, greedy)] = self._capture(tokens, cached, greedy)
-        graph, static_tokens, static_cached, output = self._graphs[(rows, greedy)]
+        key = (len(cached), tokens.shape[1], greedy)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(tokens, cached, greedy)
+        graph, static_tokens, static_cached, output = self._graphs[key]
         static_tokens.copy_(tokens)
         static_cached.copy_(cached)
         graph.replay()
-        self.cache.use_window(rows, 1)
+        self.cache.use_window(len(cached), tokens.shape[1])
         return output
 
     def _capture(self, tokens: torch.Tensor, cached: torch.Tensor, greedy: bool) -> tuple:

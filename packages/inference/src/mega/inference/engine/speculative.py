@@ -2,8 +2,10 @@
 
 A step of the loop (:class:`~mega.inference.engine.continuous.ContinuousBatchingWorker`) that
 speculates gives every decoding sequence up to K draft tokens, then runs the target model once
-over each row's last token and its drafts (K+1 new positions per sequence, through the same
-:meth:`~mega.inference.engine.kv_caches.SequenceCache.forward` as a prefill chunk). Each row keeps
+over each row's last token and its drafts (K+1 new positions per sequence): one forward for
+all rows whatever their lengths (:meth:`~mega.inference.engine.kv_caches.SequenceCache.verify`;
+each cache's mask gives every row its own causal rule), on the static cache a fixed-shape step
+over the decode step's window, captured as a CUDA graph per (bucket, K+1). Each row keeps
 the drafts the target accepts and one token of the target's own (the correction at the first
 rejection, or the bonus after the last draft), so a step yields 1..K+1 tokens per sequence. The
 keys of rejected positions are rolled back by the sequence's ``cached`` count (the block table's
@@ -114,11 +116,10 @@ class DraftModelProposer:
             return drafts, None
         vocab = self.engine.vocab_size
         logits = torch.zeros(len(sequences), vocab, device=self.engine.device)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for row in rows:  # catch up: the tokens fixed since the draft last ran (equal lengths together)
-            state = states[row]
-            groups.setdefault((len(sequences[row].tokens) - state.cached, state.cached), []).append(row)
-        for (length, _), members in groups.items():
+        groups: dict[int, list[int]] = {}
+        for row in rows:  # catch up: the tokens fixed since the draft last ran (as many together, at any lengths)
+            groups.setdefault(len(sequences[row].tokens) - states[row].cached, []).append(row)
+        for length, members in groups.items():
             fed = torch.tensor([sequences[r].tokens[-length:] for r in members], device=self.engine.device)
             logits[members] = self.kv.forward([states[r] for r in members], fed, 1)[0][:, :vocab]
         for row in rows:
@@ -162,8 +163,10 @@ class Speculator:
 
     def attach(self, kv) -> None:
         """The target's cache the loop runs on (``kv``): a proposer fed the target's hidden
-        states (MTP) observes its forwards."""
+        states (MTP) observes its forwards; a cache that compiles its fixed-shape steps compiles
+        the verify step now."""
         self.proposer.attach(kv)
+        kv.expect_verify(self.num_tokens + 1)
 
     def step(self, kv, sequences, sampler: Sampler) -> list[list[int]]:
         """The verified tokens (1 to K+1) of each decoding sequence (``sequences``, the decode
@@ -174,11 +177,13 @@ class Speculator:
         drafts, q = self.proposer.propose(sequences, count, sampler)
         fed = [[s.tokens[-1], *d, *[s.tokens[-1]] * (count - len(d))] for s, d in zip(sequences, drafts, strict=True)]
         cached = [s.cached for s in sequences]
-        logits = verify_forward(kv, sequences, fed)  # [count+1, rows, vocab]
-        targets = logits.argmax(-1).T.tolist()  # [rows][count+1]
+        greedy = all(sampler.greedy_rows)  # the target's most likely tokens are all a greedy step needs
+        # One forward for every row, whatever its length (on the static cache a captured graph).
+        out = kv.verify(sequences, torch.tensor(fed, device=kv.engine.device), greedy)
+        targets = (out if greedy else out.argmax(-1)).T.tolist()  # [rows][count+1]
         probs = None
-        if not all(sampler.greedy_rows):
-            probs = torch.stack([sampler.probabilities(position) for position in logits], dim=1).cpu()
+        if not greedy:  # out: the logits [count+1, rows, vocab]
+            probs = torch.stack([sampler.probabilities(position) for position in out], dim=1).cpu()
             q = None if q is None else q.transpose(0, 1).cpu()  # [rows, count, vocab]
         emitted = []
         for row, (sequence, draft) in enumerate(zip(sequences, drafts, strict=True)):
@@ -213,25 +218,6 @@ def draw_drafts(sampler: Sampler, logits: torch.Tensor, rows) -> tuple[list[int]
     host = None if q is None else q.cpu()
     return [int(logits[row].argmax()) if sampler.greedy_rows[row]
             else int(torch.multinomial(host[row], 1, generator=sampler.generators[row])) for row in rows], q
-
-
-def verify_forward(kv, sequences, fed: list[list[int]]) -> torch.Tensor:
-    """The target's logits ``[new, rows, vocab]`` of each row's ``fed`` tokens. Rows at equal
-    lengths share a forward: the caches' attention aligns the causal rule of several new tokens
-    at the end of the longest row, which holds only where every row is as long."""
-    groups: dict[int, list[int]] = {}
-    for row, sequence in enumerate(sequences):
-        groups.setdefault(sequence.cached, []).append(row)
-    device = kv.engine.device
-    if len(groups) == 1:
-        return kv.forward(sequences, torch.tensor(fed, device=device), None)
-    logits = None
-    for rows in groups.values():
-        part = kv.forward([sequences[r] for r in rows], torch.tensor([fed[r] for r in rows], device=device), None)
-        if logits is None:
-            logits = part.new_empty(part.shape[0], len(sequences), part.shape[2])
-        logits[:, rows] = part
-    return logits
 
 
 def accept_greedy(draft: list[int], targets: list[int]) -> list[int]:
