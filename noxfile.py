@@ -49,7 +49,11 @@ def tests(session: nox.Session) -> None:
     # pytest exits 5 when it collected nothing; nox treats every non-zero code as a failure,
     # which is what we want: a suite that runs no test is broken, not green.
     # The slowest tests in every CI log: the suite's time budget (15 minutes on 2 cores) is kept by them.
-    session.run("python", "-m", "pytest", "--durations=30", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+    # Two pytest-xdist workers, one per core: each test process runs one intra-op thread (conftest.py),
+    # so a single-process test leaves the other core idle. A file's tests stay on one worker
+    # (--dist loadfile), so each module still starts its gloo worlds once.
+    session.run("python", "-m", "pytest", "-n", "2", "--dist", "loadfile", "--durations=30", *session.posargs,
+                env={"HF_HUB_OFFLINE": "1"})
 
 
 @nox.session
