@@ -166,3 +166,20 @@ def tiny_random_model(class_name: str, config_name: str, settings: dict, seed_na
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.1)
     return model
+
+
+TEXT_PROMPTS = ["the quick brown fox jumps over", "pack my box", "sphinx of black quartz, judge my vow and"]
+
+
+def mega_generate_records(mega_dir: Path, prompts: list[str], new_tokens: int, capsys) -> list[dict]:
+    """``mega generate --greedy --json`` on ``mega_dir``, the prompts in one run: one record per
+    prompt, in order (the command's own output, read from ``capsys``)."""
+    import json
+
+    from mega.inference.cli.generate import main as generate_main
+
+    args = ["--load", str(mega_dir), "--max-tokens", str(new_tokens), "--greedy", "--json", "--device", "cpu"]
+    assert generate_main(args + [arg for prompt in prompts for arg in ("--prompt", prompt)]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [record["prompt"] for record in records] == prompts
+    return records

@@ -20,7 +20,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from ckpt_test_models import VOCAB, generation_engine, input_ids, save_hf_model  # noqa: E402
+from ckpt_test_models import (  # noqa: E402
+    TEXT_PROMPTS,
+    VOCAB,
+    generation_engine,
+    input_ids,
+    mega_generate_records,
+    save_hf_model,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -198,17 +205,9 @@ def test_serving_engine_joins_sequences_and_decodes_as_transformers(hf_model, co
 
 def test_mega_generate_prints_transformers_greedy_text(hf_model, converted, capsys):
     """``mega generate`` on the converted checkpoint, prompts of several lengths in one run."""
-    import json
-
-    from mega.inference.cli.generate import main as generate_main
-
     hf_dir, mega_dir = converted
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    prompts = ["the quick brown fox jumps over", "pack my box", "sphinx of black quartz, judge my vow and"]
-    args = ["--load", str(mega_dir), "--max-tokens", str(NEW_TOKENS), "--greedy", "--json", "--device", "cpu"]
-    assert generate_main(args + [arg for prompt in prompts for arg in ("--prompt", prompt)]) == 0
-    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [record["prompt"] for record in records] == prompts
+    records = mega_generate_records(mega_dir, TEXT_PROMPTS, NEW_TOKENS, capsys)
     for record in records:
         ids = tokenizer.encode(record["prompt"])
         expected = hf_greedy(hf_model, ids, eos=tokenizer.eos_token_id)[len(ids):]

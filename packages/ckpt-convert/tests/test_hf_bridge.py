@@ -31,10 +31,12 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from ckpt_test_models import (  # noqa: E402
+    TEXT_PROMPTS,
     VOCAB,
     generation_engine,
     greedy_as_transformers,
     input_ids,
+    mega_generate_records,
     save_hf_model,
     tiny_random_model,
 )
@@ -122,15 +124,9 @@ def test_greedy_generation_equals_transformers(case):
 
 def test_mega_generate_prints_transformers_greedy_text(case, capsys):
     """``mega generate`` on the converted checkpoint, prompts of several lengths in one run."""
-    from mega.inference.cli.generate import main as generate_main
-
     name, hf_model, hf_dir, mega_dir = case
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    prompts = ["the quick brown fox jumps over", "pack my box", "sphinx of black quartz, judge my vow and"]
-    args = ["--load", str(mega_dir), "--max-tokens", str(NEW_TOKENS), "--greedy", "--json", "--device", "cpu"]
-    assert generate_main(args + [arg for prompt in prompts for arg in ("--prompt", prompt)]) == 0
-    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [record["prompt"] for record in records] == prompts
+    records = mega_generate_records(mega_dir, TEXT_PROMPTS, NEW_TOKENS, capsys)
     for record in records:
         ids = torch.tensor([tokenizer.encode(record["prompt"])])
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,

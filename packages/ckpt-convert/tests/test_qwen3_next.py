@@ -30,6 +30,7 @@ from ckpt_test_models import (  # noqa: E402
     VOCAB,
     generation_engine,
     input_ids,
+    mega_generate_records,
     save_hf_model,
     tensor_parallel_greedy,
     tiny_random_model,
@@ -104,15 +105,9 @@ def test_mega_to_hugging_face_is_bit_exact(case, tmp_path):
 
 def test_mega_generate_equals_transformers_greedy(case, capsys):
     """``mega generate`` on the converted checkpoint, prompts of several lengths in one run."""
-    from mega.inference.cli.generate import main as generate_main
-
     hf_model, hf_dir, mega_dir = case
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    prompts = ["the quick brown fox jumps over", "pack my box"]
-    args = ["--load", str(mega_dir), "--max-tokens", str(NEW_TOKENS), "--greedy", "--json", "--device", "cpu"]
-    assert generate_main(args + [arg for prompt in prompts for arg in ("--prompt", prompt)]) == 0
-    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [record["prompt"] for record in records] == prompts
+    records = mega_generate_records(mega_dir, ["the quick brown fox jumps over", "pack my box"], NEW_TOKENS, capsys)
     for record in records:
         ids = tokenizer.encode(record["prompt"])
         expected = hf_greedy(hf_model, ids, tokenizer.eos_token_id)[len(ids):]
