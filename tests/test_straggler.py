@@ -15,20 +15,26 @@ ARGV = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attent
         "--seq-length", "16", "--vocab-size", "64", "--micro-batch-size", "1", "--train-iters", "10",
         "--eval-iters", "0", "--log-interval", "5", "--log-straggler"]
 DELAY_S = 0.2
+# Every rank's step also sleeps this long: a step of a few milliseconds on a shared 2-core machine
+# (the suite runs two pytest workers) varies by more than 1.5x from scheduling alone; against a
+# 100 ms step that jitter is a few percent, and the slowed rank still stands at about 2.8x.
+BASE_S = 0.1
 
 
 def reports(slow_rank: int | None) -> list[str]:
-    """The straggler lines rank 0 prints, with ``slow_rank`` (if any) sleeping 200 ms in each step."""
+    """The straggler lines rank 0 prints, every rank sleeping ``BASE_S`` in each step and
+    ``slow_rank`` (if any) 200 ms more."""
     from mega.train.trainer import Trainer
 
     step = Trainer.train_step
 
+    delay = BASE_S + (DELAY_S if dist.get_rank() == slow_rank else 0.0)
+
     def slowed(self, data):
-        time.sleep(DELAY_S)
+        time.sleep(delay)
         return step(self, data)
 
-    if dist.get_rank() == slow_rank:
-        Trainer.train_step = slowed
+    Trainer.train_step = slowed
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
