@@ -125,8 +125,13 @@ def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[in
     start = time.perf_counter()
     own = [sequences[i] for i in mine]
     routing = StepRouting(policy) if settings.routing_replay else None
-    old_own = _completions(routing.old_logprobs(policy, own) if routing is not None
-                           else policy.logprobs({"tokens": own}), rollouts, mine)
+    # Where the update's forward IS the old policy's (old_from_update), the old log-probabilities are
+    # taken from it, detached, inside the loss; else the trainer recomputes them first.
+    reuse = old_from_update(policy, settings, count)
+    old_own: list[torch.Tensor] = []  # reuse: filled by the loss, in the order of mine
+    if not reuse:
+        old_own = _completions(routing.old_logprobs(policy, own) if routing is not None
+                               else policy.logprobs({"tokens": own}), rollouts, mine)
     ref_own = (_completions(reference.logprobs(policy, {"tokens": own}), rollouts, mine)
                if reference is not None else [None] * len(mine))
     timings["logprobs_s"] = time.perf_counter() - start
@@ -137,7 +142,8 @@ def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[in
     for _ in range(settings.iterations):
         for first in range(0, count, batch_size):
             part = [i for i in range(first, min(first + batch_size, count)) if i in position]
-            batch = {"tokens": [sequences[i] for i in part], "old": [old_own[position[i]] for i in part],
+            batch = {"tokens": [sequences[i] for i in part],
+                     "old": [None if reuse else old_own[position[i]] for i in part],
                      "advantage": [advantages[i] for i in part],
                      "inference": [rollouts.inference_logprobs[i] for i in part],
                      "reference": [ref_own[position[i]] for i in part], "weight": [weights[i] for i in part],
@@ -149,9 +155,14 @@ def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[in
             total_sequences = len(whole)
 
             def loss_fn(logprobs, micro, total_tokens=total_tokens, total_sequences=total_sequences):
-                current, mask = _padded([lp[n - 1:] for lp, n in zip(logprobs, micro["prompt_length"], strict=True)])
+                completions = [lp[n - 1:] for lp, n in zip(logprobs, micro["prompt_length"], strict=True)]
+                current, mask = _padded(completions)
                 mask = mask * torch.stack(micro["weight"])[:, None]
-                old_values, _ = _padded(micro["old"])
+                if reuse:  # the old policy is this forward's, its values without their gradient
+                    old_own.extend(lp.detach() for lp in completions)
+                    old_values = current.detach()
+                else:
+                    old_values, _ = _padded(micro["old"])
                 inference = _padded(micro["inference"])[0] if settings.is_correction else None
                 reference_values = _padded(micro["reference"])[0] if micro["reference"][0] is not None else None
                 terms = grpo_token_losses(current, old_values, torch.stack(micro["advantage"]), inference=inference,
@@ -178,12 +189,26 @@ def grpo_step(policy: PolicyEngine, engine: RolloutEngine, prompts: list[list[in
 
     lengths = torch.tensor([len(c) for c in rollouts.completions], dtype=torch.float32)
     generated = sampled.generated_rewards
-    own_inference = [rollouts.inference_logprobs[i] for i in mine]
+    # The engine-vs-trainer gap where this rank holds the old log-probabilities (reused: where
+    # the loss ran, the last pipeline stage).
+    own_inference = [rollouts.inference_logprobs[i] for i in mine] if old_own else []
     summary = _over_ranks(metrics, losses, own_inference, old_own)
     return {**timings, "rollout_tokens_per_s": sampled.tokens_per_second, "reward_mean": generated.mean().item(),
             "reward_std": generated.std().item() if len(generated) > 1 else 0.0,
             "response_length": lengths.mean().item(), "truncated_fraction": truncated.float().mean().item(),
             **sampled.log, **summary}
+
+
+def old_from_update(policy: PolicyEngine, settings: GRPOSettings, count: int) -> bool:
+    """Whether the old policy's log-probabilities are exactly the update forward's own, so that
+    no separate pass computes them (TRL's ``per_token_logps.detach()`` at ``num_iterations`` 1):
+    one pass (``iterations`` 1) making one optimizer step over all ``count`` rollouts (the update
+    forward runs before any weight moves), a forward that is the same in training and in eval
+    mode (no dropout) and no experts (MoE routing, whose replay records the old pass's choices)."""
+    config = policy.trainer.run.model
+    return (settings.iterations == 1 and count <= settings.global_batch_size and not settings.routing_replay
+            and not config.hidden_dropout and not config.attention_dropout
+            and getattr(config, "num_experts", None) is None)
 
 
 def _completions(sequence_logprobs: list[torch.Tensor], rollouts, indices: list[int]) -> list[torch.Tensor]:
