@@ -41,6 +41,9 @@ def options() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rollout-compile", default="inductor",
+                        help="torch.compile backend of mega's rollout decode step (static KV cache); 'none': the "
+                             "paged cache, eager")
     return parser.parse_args()
 
 
@@ -90,7 +93,8 @@ def time_mega(args, hf) -> tuple[list[float], list[float], list[dict]]:
     with torch.no_grad():
         for name, param in policy.model.named_parameters():
             param.copy_(weights[name])
-    engine = RolloutEngine(policy.model, vocab_size=args.vocab, max_positions=args.prompt_len + args.new_tokens)
+    engine = RolloutEngine(policy.model, vocab_size=args.vocab, max_positions=args.prompt_len + args.new_tokens,
+                           compile_backend=None if args.rollout_compile == "none" else args.rollout_compile)
     settings = GRPOSettings(group_size=args.group, global_batch_size=sequences, scale_by_std=True)
     # TRL's tokenizer below ends a completion at <eos>, the last id: so does mega's engine here.
     sampling = RolloutSampling(max_new_tokens=args.new_tokens, stop_ids=frozenset({args.vocab - 1}), seed=0)

@@ -69,3 +69,37 @@ def test_kv_cache_lives_for_one_rollout():
     engine = _engine(policy)
     engine.generate(PROMPTS, group_size=2, sampling=RolloutSampling(max_new_tokens=3, top_k=1))
     assert engine.kv_cache is not None and engine.kv_cache() is None  # built for the rollout, freed after it
+
+
+def test_compiled_rollouts_sample_what_the_eager_engine_samples_and_compile_once():
+    """``compile_backend``: rollouts decode on the static KV cache through the engine's forward
+    compiled once (aot_eager here: the traced graph, no generated code, fast): the same sampled
+    completions as the eager paged engine, before and after an optimizer step updates the shared
+    parameters in place, with no compilation after the first rollout's."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    compiled = []
+    aot_eager = aot_autograd(fw_compiler=boxed_nop)
+
+    def counting_backend(graph, example_inputs):
+        compiled.append(graph)
+        return aot_eager(graph, example_inputs)
+
+    torch._dynamo.reset()
+    policy = PolicyEngine.from_args(ARGV)
+    eager = _engine(policy)
+    engine = RolloutEngine(policy.model, vocab_size=128, max_positions=64, compile_backend=counting_backend)
+    sampling = RolloutSampling(max_new_tokens=8, temperature=1.0, seed=11)
+    for step in range(3):
+        got = engine.generate(PROMPTS, group_size=3, sampling=sampling, step_seed=100 * step)
+        want = eager.generate(PROMPTS, group_size=3, sampling=sampling, step_seed=100 * step)
+        assert got.completions == want.completions, step
+        assert logprob_gap(got.inference_logprobs, want.inference_logprobs)["logprob_gap_max"] < 1e-5
+        if step == 0:
+            first = len(compiled)
+            assert first >= 1
+        assert len(compiled) == first, step  # compiled in the first rollout, and never again
+        policy.forward_backward({"tokens": got.sequences}, lambda lps, b: sum(lp.sum() for lp in lps))
+        policy.optimizer_step()
+    assert policy.model.training  # back in training mode after every rollout

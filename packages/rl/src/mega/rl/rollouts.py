@@ -86,8 +86,10 @@ class RolloutEngine:
     refreshes ``model`` from the trainer (None: ``model`` is the trainer's own)."""
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int, tokenizer=None,
-                 tp_group: Group | None = None, replicas: Group | None = None, weight_sync: WeightSync | None = None):
+                 tp_group: Group | None = None, replicas: Group | None = None, weight_sync: WeightSync | None = None,
+                 compile_backend: str | None = None):
         self.model = model
+        self.compile_backend = compile_backend
         self.engine = GenerationEngine(model, vocab_size=vocab_size, max_positions=max_positions, tokenizer=tokenizer,
                                        tp_group=tp_group if tp_group is not None and tp_group.size > 1 else None)
         self.replicas = replicas if replicas is not None and replicas.size > 1 else None
@@ -149,24 +151,35 @@ class RolloutEngine:
         return self._gathered(share)
 
     def _run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """The decoder loop to completion on a KV cache sized for ``requests``, freed after."""
+        """The decoder loop to completion on a KV cache sized for ``requests``, freed after: the
+        paged cache, or with ``compile_backend`` the static one (a slot per sequence), whose decode
+        step runs the engine's forward compiled once for all rollouts."""
         engine = self.engine
-        blocks = sum(-(-(len(r.prompt) + r.max_new_tokens) // BLOCK_SIZE) for r in requests)
-        worker = ContinuousBatchingWorker(engine, max_batch_size=len(requests), max_num_tokens=blocks * BLOCK_SIZE)
-        self.kv_cache = weakref.ref(worker.kv)
         was_training = self.model.training
-        self.model.eval()
+        self.model.eval()  # before the worker: a compiled step is traced (warmed up) in eval mode
+        worker = None
         try:
+            if self.compile_backend is None:
+                blocks = sum(-(-(len(r.prompt) + r.max_new_tokens) // BLOCK_SIZE) for r in requests)
+                worker = ContinuousBatchingWorker(engine, max_batch_size=len(requests),
+                                                  max_num_tokens=blocks * BLOCK_SIZE)
+            else:
+                worker = ContinuousBatchingWorker(engine, max_batch_size=len(requests),
+                                                  max_num_tokens=len(requests) * engine.max_positions,
+                                                  static_cache=True, use_cuda_graphs=False,
+                                                  compile_backend=self.compile_backend)
+            self.kv_cache = weakref.ref(worker.kv)
             return worker.run_to_completion(requests)
         finally:
             self.model.train(was_training)
-            # The worker's thread and callbacks refer back to it, so only the cycle collector would
-            # free it; its cache is let go now (the update phase wants the memory), and a full
-            # collection (a costly fraction of a second) runs only if something still holds it.
-            worker.kv = worker.cache = worker.allocator = None
-            del worker
-            if self.kv_cache() is not None:
-                gc.collect()
+            if worker is not None:
+                # The worker's thread and callbacks refer back to it, so only the cycle collector would
+                # free it; its cache is let go now (the update phase wants the memory), and a full
+                # collection (a costly fraction of a second) runs only if something still holds it.
+                worker.kv = worker.cache = worker.allocator = None
+                del worker
+                if self.kv_cache() is not None:
+                    gc.collect()
 
     def _gathered(self, share: Rollouts) -> Rollouts:
         if self.replicas is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -113,6 +113,8 @@ class GenerationEngine(EngineBase):
                                   "this model family cannot generate")
         super().__init__(model, vocab_size=vocab_size, max_positions=max_positions, tokenizer=tokenizer,
                          tp_group=tp_group, read_lag=read_lag)
+        self._compiled: dict = {}  # torch.compile backend -> the compiled forward (compiled_forward)
+        self.warmed_windows: set[tuple] = set()  # (backend, rows, new tokens) the compiled forward has run
 
     def check(self, request: GenerationRequest) -> None:
         """Raise :class:`GenerationError` for a request that cannot run, naming the numbers."""
@@ -133,6 +135,16 @@ class GenerationEngine(EngineBase):
         :class:`KVCache`, the paged or the static one)."""
         logits = self.model(tokens, positions, inference_cache=cache, logits_to_keep=logits_to_keep)
         return self.real_logits(logits)
+
+    def compiled_forward(self, backend: str | Callable) -> Callable:
+        """:meth:`forward` through ``torch.compile`` with ``backend``, compiled once for this engine:
+        every worker over it (the RL rollouts build one per rollout) runs the same compiled code,
+        whose cache a fresh ``torch.compile`` would not share. The parameters are the graph's
+        inputs, not constants, so weights updated in place (the trainer's) need no recompilation."""
+        compiled = self._compiled.get(backend)
+        if compiled is None:
+            compiled = self._compiled[backend] = torch.compile(self.forward, backend=backend)
+        return compiled
 
     @property
     def layer_windows(self) -> dict[int, int]:

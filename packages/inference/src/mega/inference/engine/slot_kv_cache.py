@@ -224,8 +224,9 @@ class DecodeGraphs:
         # graph then replays). Only the fixed-shape steps: their shapes change with the bucket (and
         # decode or verify) alone (the batch dimension turns dynamic at the second bucket), where
         # prefills of every prompt length would recompile without end.
-        self._forward = engine.forward if compile_backend is None else torch.compile(engine.forward,
-                                                                                     backend=compile_backend)
+        # The engine compiles its forward once (GenerationEngine.compiled_forward), for every worker.
+        self._forward = engine.forward if compile_backend is None else engine.compiled_forward(compile_backend)
+        self.compile_backend = compile_backend
 
     @torch.inference_mode()  # the pools are inference tensors, as under the decode loops
     def warm_up(self, new_tokens: int = 1) -> None:
@@ -235,7 +236,11 @@ class DecodeGraphs:
         size. Every row is a free slot at its last position, what a step computes for a free slot
         anyway."""
         device = self.engine.device
-        for number, rows in enumerate(sorted({min(bucket, self.cache.slots) for bucket in BUCKETS})):
+        windows = sorted({min(bucket, self.cache.slots) for bucket in BUCKETS})
+        warmed = {(self.compile_backend, rows, new_tokens) for rows in windows}
+        if not self.use_cuda_graphs and warmed <= self.engine.warmed_windows:
+            return  # an earlier worker over this engine compiled them all, and there is nothing to capture
+        for number, rows in enumerate(windows):
             if self.engine.lora is not None:  # served LoRA adapters: every row the base's
                 self.engine.lora.bind([0] * rows)
             tokens = torch.zeros(rows, new_tokens, dtype=torch.long, device=device)
@@ -245,6 +250,7 @@ class DecodeGraphs:
                 self.engine.forward(tokens, self.cache.positions, self.cache, new_tokens)
             self._run(tokens, cached, greedy=True)
             self._run(tokens, cached, greedy=False)
+        self.engine.warmed_windows |= warmed
 
     def _eager(self, tokens: torch.Tensor, cached: torch.Tensor, greedy: bool) -> torch.Tensor:
         new = tokens.shape[1]
