@@ -81,3 +81,16 @@ def test_device_sampler_equals_the_host_sampler(engine, monkeypatch):
     alone = engine.generate([batch()[5]])[0]
     assert alone.tokens == device_side[5].tokens
     assert len(device_side[1].generated) > 2 * sampling.DRAWS_AHEAD
+
+
+def test_a_batch_without_top_k_or_top_p_skips_the_filters_and_equals_the_host_sampler(engine, monkeypatch):
+    """No row filters its tokens (the RL rollouts' case): the sampler skips the filters' steps
+    (Sampler.filters), with the host sampler's tokens and log-probabilities bit for bit."""
+    unfiltered = [r for r in batch() if not r.sampling.top_k and not r.sampling.top_p]
+    assert len(unfiltered) == 3 and not sampling.Sampler([r.sampling for r in unfiltered], engine.device).filters
+    device_side = engine.generate(unfiltered)
+    monkeypatch.setattr(decode_step, "Sampler", HostSampler)
+    host_side = engine.generate(unfiltered)
+    for got, want in zip(device_side, host_side, strict=True):
+        assert got.tokens == want.tokens
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=0, rtol=0)

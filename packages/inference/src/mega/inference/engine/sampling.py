@@ -84,6 +84,8 @@ class Sampler:
         self.temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
         self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
         self.top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 0.0 for p in params], device=device)
+        # On the host: whether any row may filter its tokens (top-k or top-p); once true it stays so.
+        self.filters = any(p.top_k > 0 or 0.0 < p.top_p < 1.0 for p in params)
         self.generators = [
             torch.Generator().manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
             for p in params
@@ -127,6 +129,7 @@ class Sampler:
         self.greedy_rows += other.greedy_rows
         self.used_rows += other.used_rows
         self.adjusted = self.adjusted or other.adjusted
+        self.filters = self.filters or other.filters
         if self.counts is not None or other.counts is not None:
             vocab = (self.counts if self.counts is not None else other.counts).shape[-1]
             mine, theirs = self._materialised(vocab), other._materialised(vocab)
@@ -223,6 +226,8 @@ class Sampler:
         # Every row draws over its tokens sorted most likely first, filtered or not: the token a
         # draw picks must not depend on whether a batch-mate's top-k or top-p sorted the batch.
         scaled, order = (logits / self.temperature).sort(dim=-1, descending=True)
+        if not self.filters:  # nothing is removed: the same probabilities, without the filters' steps
+            return scaled.softmax(dim=-1), order, torch.zeros_like(scaled, dtype=torch.bool)
         ranks = torch.arange(scaled.shape[-1], device=logits.device)
         removed = (self.top_k[:, None] > 0) & (ranks >= self.top_k[:, None])
         probs = scaled.masked_fill(removed, float("-inf")).softmax(dim=-1)
