@@ -82,3 +82,15 @@ def test_megatrons_perform_rl_step_spelling_runs_mega_rl(prompt_file, capsys):
     assert "mega rl: error: mega rl needs --prompt-data" in capsys.readouterr().err
     code = mega(["train", "--perform-rl-step", *argv(prompt_file, 2)])
     assert code == 0 and "rl step 1 | iteration 2" in capsys.readouterr().out
+
+
+def test_compiled_rollouts_draw_what_eager_rollouts_draw(prompt_file):
+    # --rl-inference-compile-backend (dynamo's eager backend: traced, the graph run as traced): the static cache's
+    # compiled decode step samples the eager paged engine's completions, so the runs match.
+    keys = ("reward_mean", "response_length", "loss", "clip_fraction")
+    eager = run_rl(argv(prompt_file, 4))  # 2 GRPO steps of 2 optimizer steps
+    compiled = run_rl(argv(prompt_file, 4, "--rl-inference-compile-backend", "eager"))
+    assert [[log[k] for k in keys] for log in compiled] == [[log[k] for k in keys] for log in eager]
+    with pytest.raises((ValueError, SystemExit), match="tensor-parallel size 1"):
+        run_rl(argv(prompt_file, 4, "--rl-inference-compile-backend", "eager",
+                    "--rl-inference-tensor-model-parallel-size", "2"))

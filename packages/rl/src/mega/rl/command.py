@@ -107,7 +107,8 @@ def run_rl(argv: list[str], plugins=None) -> list[dict]:
     checkpoint = run.checkpoint
     if checkpoint.load and not checkpoint.finetune:
         _restore(checkpoint.load_adapter or checkpoint.load, policy, prompts, reference)
-    engine = build_rollout_engine(policy, rl.rl_inference_tensor_model_parallel_size, tokenizer)
+    engine = build_rollout_engine(policy, rl.rl_inference_tensor_model_parallel_size, tokenizer,
+                                  compile_backend=rl.rl_inference_compile_backend)
     seed = rl.rl_seed if rl.rl_seed is not None else run.training.seed
     sampling = RolloutSampling(max_new_tokens=rl.rl_max_new_tokens, temperature=rl.rl_temperature, top_p=rl.rl_top_p,
                                top_k=rl.rl_top_k, stop_strings=tuple(rl.rl_stop),

@@ -81,6 +81,11 @@ class RLConfig:
         "the training's size, with one pipeline stage and no FSDP, sequence, context or expert parallelism, the "
         "engine generates from the trainer's own parameters; otherwise it has its own copy, refreshed after every "
         "update without disk (Megatron-RL's flag)")
+    rl_inference_compile_backend: str | None = option(
+        None, "torch.compile backend of the rollout engine's decode step (inductor; aot_eager traces without "
+        "generating code): rollouts then decode on the static KV cache, a slot per sequence, through the engine's "
+        "forward compiled once in the first rollout (the trainer's parameters, updated in place, stay its inputs). "
+        "Default: eager, on the paged cache. At engine tensor-parallel size 1")
     rl_offload_optimizer_during_inference: bool = option(
         False, "keep the optimizer state (fp32 main weights, moments) and the gradient buffers in host memory while "
         "the engine generates (Megatron-RL's flag; verl's actor optimizer_offload)")

@@ -83,7 +83,11 @@ class RolloutEngine:
     """The decoder loop over ``model`` (in eval mode during a rollout), tensor-parallel over
     ``tp_group``; ``replicas``: the group of the engine's data-parallel replicas (one rank of
     each, this rank's tensor-parallel rank), which split the prompts; ``weight_sync``: what
-    refreshes ``model`` from the trainer (None: ``model`` is the trainer's own)."""
+    refreshes ``model`` from the trainer (None: ``model`` is the trainer's own);
+    ``compile_backend``: rollouts decode on the static KV cache (a slot per sequence) through the
+    engine's forward compiled with this ``torch.compile`` backend once, in the first rollout, for
+    all of them (the parameters, updated in place by the optimizer, are the compiled graph's
+    inputs: nothing recompiles); None: eager, on the paged cache."""
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int, tokenizer=None,
                  tp_group: Group | None = None, replicas: Group | None = None, weight_sync: WeightSync | None = None,
@@ -231,17 +235,21 @@ def shares_training_layout(policy, tensor_parallel_size: int) -> bool:
 
 
 def build_rollout_engine(policy, tensor_parallel_size: int | None = None, tokenizer=None,
-                         own_model: bool = False) -> RolloutEngine:
+                         own_model: bool = False, compile_backend: str | None = None) -> RolloutEngine:
     """The engine of ``policy`` (a :class:`~mega.rl.policy_engine.PolicyEngine`) at
     ``tensor_parallel_size`` (default: the training's): on the trainer's own module where the
     layouts allow (:func:`shares_training_layout`) and ``own_model`` is false, else on a model of
     its own, refreshed from the trainer's weights now and by :meth:`RolloutEngine.refresh`
-    (``own_model``: a benchmark's way to time the refresh at any layout). Collective."""
+    (``own_model``: a benchmark's way to time the refresh at any layout); ``compile_backend``:
+    the decode step compiled (:class:`RolloutEngine`), at tensor-parallel size 1. Collective."""
     trainer, groups = policy.trainer, policy.groups
     config = trainer.run.model
     size = tensor_parallel_size or trainer.run.parallel.tp
+    if compile_backend is not None and size > 1:
+        raise ValueError(f"--rl-inference-compile-backend runs an engine at tensor-parallel size 1 for now; the "
+                         f"engine's is {size} (--rl-inference-tensor-model-parallel-size)")
     limits = {"vocab_size": config.vocab_size, "max_positions": config.max_position_embeddings or config.seq_length,
-              "tokenizer": tokenizer}
+              "tokenizer": tokenizer, "compile_backend": compile_backend}
     if shares_training_layout(policy, size) and not own_model:
         return RolloutEngine(policy.model, tp_group=groups.tp, replicas=groups.dp, **limits)
     world = groups.world_size
