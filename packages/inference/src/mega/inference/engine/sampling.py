@@ -192,16 +192,18 @@ class Sampler:
         are still being fed their prompts), so a stream's draws never depend on its batch-mates.
         """
         logits = self.adjust(logits)
-        greedy_tokens = self.greedy_choice(logits)
         if all(self.greedy_rows):
-            return greedy_tokens
+            return self.greedy_choice(logits)
         if any(used >= self.uniforms.shape[1] for used, draw in zip(self.used_rows, drawing, strict=True) if draw):
             self._draw_ahead(DRAWS_AHEAD)
         mask = self._mask(drawing)
         uniform = self.uniforms.gather(1, self.used[:, None].clamp(max=self.uniforms.shape[1] - 1))
         self.used += 1 if mask is None else mask.long()
         self.used_rows = [used + bool(draw) for used, draw in zip(self.used_rows, drawing, strict=True)]
-        return torch.where(self.greedy, greedy_tokens, self.draw(logits, uniform))
+        drawn = self.draw(logits, uniform)
+        if not any(self.greedy_rows):  # every row draws (no argmax to blend in)
+            return drawn
+        return torch.where(self.greedy, self.greedy_choice(logits), drawn)
 
     def draw(self, logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         """Each row's token for its number ``uniform`` ``[batch, 1]``: the temperature, top-k and
@@ -210,7 +212,8 @@ class Sampler:
         cumulative = probs.cumsum(dim=-1)
         picked = torch.searchsorted(cumulative, uniform, right=True)
         # Rounding can leave the total a hair below the draw: fall back to the last kept token.
-        picked = torch.minimum(picked, (~removed).sum(-1, keepdim=True) - 1)
+        kept = (~removed).sum(-1, keepdim=True) if self.filters else probs.shape[-1]  # unfiltered: every token
+        picked = picked.clamp(max=kept - 1)
         return order.gather(-1, picked).squeeze(-1)
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
