@@ -122,6 +122,7 @@ class ContinuousBatchingWorker(EngineWorker):
         self._pending: collections.deque[_Sequence] = collections.deque()
         self._prefilling: list[_Sequence] = []  # admitted, their prompts not all cached yet
         self._chosen: torch.Tensor | None = None  # [decoding rows] tokens a greedy decode step chose
+        self._decoded: torch.Tensor | None = None  # [decoding rows, vocab] the logits a decode step gave
         # The running sequences are the decode step's rows, in its order.
         self._decode_step = engine.decode_step(on_token=self._on_token, on_finish=self._finish)
         self.speculator = speculator
@@ -172,7 +173,7 @@ class ContinuousBatchingWorker(EngineWorker):
                 self.speculator.release(sequence)
             sequence.job.failed(error)
         self._decode_step.reset()
-        self._prefilling, self._chosen = [], None
+        self._prefilling, self._chosen, self._decoded = [], None, None
 
     def _admit(self) -> list[_Sequence]:
         """Queued sequences that fit now, in order; a cancelled one ends (nothing computed: by
@@ -356,28 +357,30 @@ class ContinuousBatchingWorker(EngineWorker):
                 and DecodeStep.may_choose_on_device(self._prefilling + admitted))
 
     def _decode(self, decoding: list[_Sequence], greedy: bool) -> None:
-        """One new token's fp32 logits ``[vocab]`` for each of ``decoding`` (``sequence.logits``),
+        """One new token's fp32 logits for each of ``decoding`` (``self._decoded``, ``[rows, vocab]``),
         or with ``greedy`` the tokens themselves, in the rows' order (``self._chosen``)."""
         # The rows' last tokens, still on the device (the host reads them a few steps later).
         out = self.kv.decode(decoding, self._prefilling, self._decode_step.next_tokens, greedy)
         if greedy:
             self._chosen = out
             return
-        for sequence, logits in zip(decoding, out, strict=True):
-            sequence.logits = logits
+        self._decoded = out  # kept whole: the step's rows are its rows, no split and stack again
 
     def _choose(self) -> None:
         """Every running sequence's next token; the finished ones leave the batch (the last row
         takes a finished row's place, so the others stay where the cache's decode views hold them).
         Where the decode step chose its rows' tokens, the rows just prefilled take their greedy
         choice of their logits too."""
-        running, chosen = self._running, self._chosen
+        running, chosen, decoded = self._running, self._chosen, self._decoded
         if chosen is not None:  # the decoding rows come first; those that joined after them have logits
             joined = [Sampler.greedy_choice(s.logits) for s in running[len(chosen):]]
             self._decode_step(None, torch.cat([chosen, torch.stack(joined)]) if joined else chosen)
+        elif decoded is not None:  # likewise the decoding rows' logits, then those of the rows that joined
+            joined = [s.logits for s in running[len(decoded):]]
+            self._decode_step(torch.cat([decoded, torch.stack(joined)]) if joined else decoded)
         else:
             self._decode_step(torch.stack([s.logits for s in running]))
-        self._chosen = None
+        self._chosen = self._decoded = None
         for sequence in running:
             sequence.logits = None
 
