@@ -6,12 +6,14 @@ family's ``hf_mapping``), the same prompts (``--prompts`` of ``--prompt-len`` ra
 size, completion length (``--new-tokens``, sampled at temperature 1, ended early by the last id,
 TRL's ``<eos>``; both print their mean response length), one pass (``num_iterations`` / ``--grpo-iterations`` 1), the whole batch
 in one optimizer step, AdamW at the same learning rate without weight decay, no KL term, and the
-same reward (the fraction of completion tokens below 16). Each times ``--steps`` steps after one
+same reward (the fraction of completion tokens below 16). mega's rollouts decode through the
+engine's forward compiled once (``--rollout-compile``, inductor by default; the warm-up step pays
+the compilation; ``none``: eager, on the paged cache). Each times ``--steps`` steps after one
 warm-up step and prints the median seconds per step, mega's phases, and the ratio mega / TRL; and
 the same for the process's CPU seconds per step (``time.process_time``), which on a machine
 shared with other jobs moves far less than the wall time (that counts the waits for a core too).
 
-    python benchmarks/bench_rl.py
+    OMP_NUM_THREADS=1 python benchmarks/bench_rl.py --steps 7
     python benchmarks/bench_rl.py --layers 4 --hidden 128 --new-tokens 32 --steps 5
 """
 
