@@ -71,25 +71,21 @@ def test_kv_cache_lives_for_one_rollout():
     assert engine.kv_cache is not None and engine.kv_cache() is None  # built for the rollout, freed after it
 
 
-def test_compiled_rollouts_sample_what_the_eager_engine_samples_and_compile_once():
+def test_compiled_rollouts_sample_what_the_eager_engine_samples_and_compile_once(monkeypatch):
     """``compile_backend``: rollouts decode on the static KV cache through the engine's forward
     compiled once (aot_eager here: the traced graph, no generated code, fast): the same sampled
     completions as the eager paged engine, before and after an optimizer step updates the shared
     parameters in place, with no compilation after the first rollout's."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._dynamo.testing import CompileCounterWithBackend
 
-    compiled = []
-    aot_eager = aot_autograd(fw_compiler=boxed_nop)
-
-    def counting_backend(graph, example_inputs):
-        compiled.append(graph)
-        return aot_eager(graph, example_inputs)
-
+    counter = CompileCounterWithBackend("aot_eager")  # counts the graphs it compiles
+    wrapped = []  # torch.compile calls: one for the engine's life (a fresh one would compile again)
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: wrapped.append(args) or real_compile(*args, **kwargs))
     torch._dynamo.reset()
     policy = PolicyEngine.from_args(ARGV)
     eager = _engine(policy)
-    engine = RolloutEngine(policy.model, vocab_size=128, max_positions=64, compile_backend=counting_backend)
+    engine = RolloutEngine(policy.model, vocab_size=128, max_positions=64, compile_backend=counter)
     sampling = RolloutSampling(max_new_tokens=8, temperature=1.0, seed=11)
     for step in range(3):
         got = engine.generate(PROMPTS, group_size=3, sampling=sampling, step_seed=100 * step)
@@ -97,9 +93,10 @@ def test_compiled_rollouts_sample_what_the_eager_engine_samples_and_compile_once
         assert got.completions == want.completions, step
         assert logprob_gap(got.inference_logprobs, want.inference_logprobs)["logprob_gap_max"] < 1e-5
         if step == 0:
-            first = len(compiled)
+            first = counter.frame_count
             assert first >= 1
-        assert len(compiled) == first, step  # compiled in the first rollout, and never again
+        assert counter.frame_count == first, step  # compiled in the first rollout, and never again
         policy.forward_backward({"tokens": got.sequences}, lambda lps, b: sum(lp.sum() for lp in lps))
         policy.optimizer_step()
+    assert len(wrapped) == 1
     assert policy.model.training  # back in training mode after every rollout

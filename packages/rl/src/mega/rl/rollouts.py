@@ -91,7 +91,7 @@ class RolloutEngine:
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, max_positions: int, tokenizer=None,
                  tp_group: Group | None = None, replicas: Group | None = None, weight_sync: WeightSync | None = None,
-                 compile_backend: str | None = None):
+                 compile_backend: str | Callable | None = None):
         self.model = model
         self.compile_backend = compile_backend
         self.engine = GenerationEngine(model, vocab_size=vocab_size, max_positions=max_positions, tokenizer=tokenizer,
