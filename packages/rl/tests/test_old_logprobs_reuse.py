@@ -3,7 +3,8 @@ where one pass makes one optimizer step over every rollout, the old log-probabil
 update forward's own, detached, and the step is the same as with the separate pass: the same
 loss, clip fraction, engine-vs-trainer gap and, bit for bit, the same weights after it.
 
-CPU, one process (every tensor on the machine's default device, so it runs on a GPU machine too).
+CPU, one process (pinned: ``cpu_only`` hides CUDA, whose nondeterministic gradient kernels would
+make two runs differ bit for bit on a GPU machine).
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ ARGV = ["--model-family", "llama", "--num-layers", "2", "--hidden-size", "32", "
         "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-2", "--eval-iters", "0", "--seed", "5",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "100"]
 PROMPTS = [[17, 40, 99, 5], [64, 3, 120, 77, 8]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_only():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        yield
 
 
 def reward(rollouts) -> torch.Tensor:
