@@ -76,12 +76,13 @@ class GRPOSettings:
 
 
 def _padded(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max((len(p) for p in pieces), default=0)
-    values = torch.zeros(len(pieces), longest)
-    mask = torch.zeros(len(pieces), longest)
-    for row, piece in enumerate(pieces):
-        values[row, :len(piece)] = piece
-        mask[row, :len(piece)] = 1.0
+    """``pieces`` right-padded with zeros into ``[len(pieces), longest]`` on the CPU, and the mask of
+    their entries (1.0; 0.0 on the padding)."""
+    if not pieces:
+        return torch.zeros(0, 0), torch.zeros(0, 0)
+    values = torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True).to("cpu", torch.float32)
+    lengths = torch.tensor([len(p) for p in pieces])
+    mask = (torch.arange(values.shape[1])[None, :] < lengths[:, None]).float()
     return values, mask
 
 

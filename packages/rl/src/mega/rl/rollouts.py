@@ -219,7 +219,9 @@ def completion_logprobs(sequence_logprobs: list[torch.Tensor], rollouts: Rollout
 
 def logprob_gap(engine: list[torch.Tensor], trainer: list[torch.Tensor]) -> dict:
     """The engine-vs-trainer log-probability gap over all completion tokens: mean and max |delta|."""
-    deltas = torch.cat([(a - b).abs() for a, b in zip(engine, trainer, strict=True)] or [torch.zeros(0)])
+    if len(engine) != len(trainer):
+        raise ValueError(f"{len(engine)} engine completions against {len(trainer)} of the trainer")
+    deltas = (torch.cat(engine) - torch.cat(trainer)).abs() if engine else torch.zeros(0)
     if deltas.numel() == 0:
         return {"logprob_gap_mean": 0.0, "logprob_gap_max": 0.0}
     return {"logprob_gap_mean": deltas.mean().item(), "logprob_gap_max": deltas.max().item()}
