@@ -286,7 +286,7 @@ class ContinuousBatchingWorker(EngineWorker):
         prompt, start = sequence.request.prompt, sequence.cached
         end = start + count
         tokens = torch.tensor([prompt[start:end]], device=self.engine.device)
-        logits = self.kv.forward([sequence], tokens, None if sequence.request.logprobs else 1)[:, 0]  # [kept, vocab]
+        logits = self.kv.forward([sequence], tokens, None if sequence.request.logprobs else 1, prefill=True)[:, 0]
         self.prefilled_tokens += count
         if sequence.request.logprobs:  # of the tokens after each of these: the next chunk's first too
             targets = torch.tensor(prompt[start + 1: end + 1], device=self.engine.device)
