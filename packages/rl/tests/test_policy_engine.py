@@ -219,7 +219,10 @@ def _flags(argv: list[str], **values: str) -> list[str]:
 # Adam's first step is lr * sign(gradient) where a gradient is far from 0; where it is near 0 the
 # layouts' summation orders differ in its sign: lr 1e-3 keeps that noise under the 1e-5 compared.
 LLAMA = _flags(ARGV, lr="1e-3")
-MIXTRAL = ["--model-family", "mixtral", "--model-preset", "tiny", *LLAMA[LLAMA.index("--num-attention-heads"):]]
+# No router auxiliary loss in the layouts' comparison: it is each rank's over its own share's
+# tokens (test_a_moe_policy_trains_its_routers_auxiliary_losses), not one process's over the batch.
+MIXTRAL = ["--model-family", "mixtral", "--model-preset", "tiny", *LLAMA[LLAMA.index("--num-attention-heads"):],
+           "--moe-aux-loss-coeff", "0"]
 # name -> (model, layout flags); data-parallel layouts give each rank its own share of the rollouts
 LAYOUTS = {
     "tp2-sp": (LLAMA, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -306,6 +309,34 @@ def test_grpo_update_at_layout_equals_one_process(worlds, one_process, layout):
             assert list(result["hf"]) == list(expected["hf"])
             for name, want in expected["hf"].items():
                 assert torch.equal(result["hf"][name], want), f"{layout} rank {rank}: {name}"
+
+
+def test_a_moe_policy_trains_its_routers_auxiliary_losses():
+    """One process. A Mixtral policy's gradient is that of the caller's loss plus its routers'
+    load-balancing and z-losses times --moe-aux-loss-coeff and --moe-z-loss-coeff, each
+    micro-batch's averaged over the micro-batches (Megatron's rule): autograd on that sum, each
+    sequence's log-probabilities and each packed micro-batch's statistics from the model called
+    directly (no pipeline schedule)."""
+    from mega.models.mixtral.model import MOE_STATS
+
+    aux, z = 0.1, 0.01
+    policy = PolicyEngine.from_args([*MIXTRAL[:-2], "--moe-aux-loss-coeff", str(aux), "--moe-z-loss-coeff", str(z)])
+    batch = batch_of(2)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    micro = policy._micro_batches(batch)
+    logprobs = [separate_logprobs(policy.model, tokens) for tokens in batch["tokens"]]
+    stats = [policy.model(inputs)[MOE_STATS] for inputs, _ in micro]
+    auxiliary = sum(aux * s[:, 0].sum() + z * s[:, 1].sum() for s in stats) / len(micro)
+    expected = torch.autograd.grad(weighted_loss(logprobs, batch) + auxiliary, params)
+    without = torch.autograd.grad(weighted_loss([separate_logprobs(policy.model, tokens)
+                                                 for tokens in batch["tokens"]], batch), params)
+    routers = [i for i, (name, p) in enumerate(policy.model.named_parameters()) if p.requires_grad and "router" in name]
+    assert routers and all(not torch.allclose(expected[i], without[i]) for i in routers)  # the losses count
+    policy.zero_grad()
+    policy.forward_backward(batch, weighted_loss)
+    for param, want in zip(params, expected, strict=True):
+        got = param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def _uneven_expert_shares(argv: list[str]) -> str:

@@ -36,7 +36,10 @@ Every rank of the job makes the same calls in the same order (they are collectiv
   divides its share's sum by ``data_parallel_sum(share's token count)`` and multiplies by
   ``data_parallel_size``. Under expert parallelism the ranks' shares make as many micro-batches
   (their experts exchange tokens every micro-batch; rows are padded to one length across them).
-  The MoE auxiliary losses are not added to the caller's loss.
+  A MoE policy's auxiliary losses (``--moe-aux-loss-coeff``, ``--moe-z-loss-coeff``) are added to
+  the caller's loss, each micro-batch's averaged over the micro-batches, as Megatron does: they
+  are each rank's, over its own share's tokens (so under data or expert parallelism they differ
+  from one process's over the whole batch, as the router's statistics do).
 * Context parallelism is refused for now.
 """
 
@@ -56,6 +59,7 @@ from mega.core.parallel.output_layer_loss import output_layer_cross_entropy
 from mega.core.parallel.param_attrs import is_checkpoint_optional
 from mega.core.pipeline.schedules import forward_backward
 from mega.core.plugins import get_plugins
+from mega.models.mixtral.model import MOE_STATS, moe_auxiliary_loss
 from mega.rl.full_tensors import FullTensors
 from mega.train.data_setup import run_tokenizer
 from mega.train.run_config import derive
@@ -249,10 +253,16 @@ class PolicyEngine:
         scale = len(micro) * self.trainer.optimizer.loss_scale
         losses: list[torch.Tensor] = []
 
+        config = self.trainer.run.model
+
         def loss(outputs, targets):
             inputs, caller = targets
             value = loss_fn(self._sequence_logprobs(outputs, inputs, [len(s) for s in caller["tokens"]]), caller)
             losses.append(value.detach().reshape(1))
+            if MOE_STATS in outputs:
+                # A MoE policy's routers keep their load-balancing (and z-) losses, as Megatron's
+                # MoE layers add them to whatever loss trains: each micro-batch's, averaged.
+                value = value + moe_auxiliary_loss(outputs[MOE_STATS], config) / len(micro)
             return value * scale
 
         self._run(micro, loss, forward_only=False)
