@@ -166,10 +166,29 @@ def test_bad_batch_is_named(engine):
         engine.logprobs({"tokens": []})
 
 
-def test_named_hf_tensors_refuses_lora_adapters():
-    policy = PolicyEngine.from_args(ARGV + ["--lora-rank", "4"])
-    with pytest.raises(ValueError, match="the model has LoRA adapters .*merging them into the weights is not done"):
-        next(policy.named_hf_tensors())
+def test_named_hf_tensors_of_a_lora_policy_are_merged():
+    """A LoRA policy after an update (only its adapters trained): its Hugging Face tensors carry
+    the adapted layers merged, and transformers' LLaMA loaded from them gives the policy's
+    log-probabilities (the adapters computed apart in mega, merged in transformers)."""
+    transformers = pytest.importorskip("transformers")
+    policy = PolicyEngine.from_args(ARGV + ["--lora-rank", "4", "--lora-alpha", "8"])
+    policy.forward_backward(batch_of(3), weighted_loss)
+    assert policy.optimizer_step()["applied"]
+    tensors = {name: tensor.clone() for name, tensor in policy.named_hf_tensors()}
+    assert not any("lora" in name or "adapter" in name for name in tensors)
+    config = transformers.LlamaConfig(**policy.trainer.family.hf_mapping.config_to_hf(policy.trainer.run.model))
+    hf = transformers.LlamaForCausalLM(config).eval()
+    missing, unexpected = hf.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    batch = batch_of(1)
+    with torch.no_grad():
+        for tokens, got in zip(batch["tokens"], policy.logprobs(batch), strict=True):
+            logits = hf(tokens[None]).logits[0]
+            want = torch.log_softmax(logits[:-1], -1).gather(-1, tokens[1:, None])[:, 0]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        base = PolicyEngine.from_args(ARGV + ["--lora-rank", "4", "--lora-alpha", "8"])
+        unmerged = base.logprobs(batch)  # the same base weights (seed), adapters untrained
+        assert max((a - b).abs().max() for a, b in zip(policy.logprobs(batch), unmerged, strict=True)) > 1e-4
 
 
 def _dp_rank_step(argv: list[str], seed: int) -> dict:

@@ -11,7 +11,8 @@ schedule and checkpointer; no second training loop):
 * ``logprobs(batch)``: the same log-probabilities without gradients (the old policy, or the
   reference when the policy is a separate copy).
 * ``named_hf_tensors()``: the weights as (Hugging Face name, full tensor) pairs, one mapping
-  entry at a time, through the family's own Hugging Face mapping (``ModelFamily.hf_mapping``).
+  entry at a time, through the family's own Hugging Face mapping (``ModelFamily.hf_mapping``); a
+  LoRA policy's adapted weights merged (the model it computes).
 * ``offload()`` / ``onload()``: parameters, gradient buffers and optimizer state out of device
   memory into host copies and back; every view of a storage (a parameter inside a gradient
   buffer, say) stays valid, because the storages are emptied and refilled in place.
@@ -56,7 +57,6 @@ from mega.core.checkpoint.saved_model import saved_model
 from mega.core.datasets import TrainingData
 from mega.core.parallel import ParallelGroups
 from mega.core.parallel.output_layer_loss import output_layer_cross_entropy
-from mega.core.parallel.param_attrs import is_checkpoint_optional
 from mega.core.pipeline.schedules import forward_backward
 from mega.core.plugins import get_plugins
 from mega.models.mixtral.model import MOE_STATS, moe_auxiliary_loss
@@ -326,11 +326,8 @@ class PolicyEngine:
         family, config = self.trainer.family, self.trainer.run.model
         if family.hf_mapping is None:
             raise ValueError(f"model family {family.name!r} has no Hugging Face mapping")
-        full = FullTensors(self.trainer.chunks, self.groups, config.vocab_size, self.trainer.optimizer)
-        adapters = [name for name, param in full.params.items() if is_checkpoint_optional(param)]
-        if adapters:  # the base weights alone are not the policy
-            raise ValueError(f"named_hf_tensors: the model has LoRA adapters ({adapters[0]}, ...), which its Hugging "
-                             "Face names do not hold; merging them into the weights is not done yet")
+        # A LoRA policy's weights come merged: the Hugging Face names hold the model it computes.
+        full = FullTensors(self.trainer.chunks, self.groups, config.vocab_size, self.trainer.optimizer, merge_lora=True)
         for tensor_map in family.hf_mapping.tensor_maps(config):
             tensors = [full[name] for name in tensor_map.mega]
             yield from zip(tensor_map.other, tensor_map.from_mega(*tensors), strict=True)
