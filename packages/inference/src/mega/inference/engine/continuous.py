@@ -327,12 +327,13 @@ class ContinuousBatchingWorker(EngineWorker):
 
     def _may_speculate(self, admitted: list[_Sequence]) -> bool:
         """Whether this step speculates: a speculator is set and no row (nor one joining) asks
-        log-probabilities or adjusts its logits (penalties change with every token accepted);
-        otherwise the step decodes one token per row. The verify forward is one for all rows
+        log-probabilities or adjusts its logits (penalties change with every token accepted), and
+        the rows are fewer than the speculator's ``disable_by_batch_size``; otherwise the step
+        decodes one token per row. The verify forward is one for all rows
         (on the static cache a captured graph: SlotSequenceCache.verify)."""
-        return self.speculator is not None and all(
-            s.logprobs is None and not s.request.sampling.adjusts_logits
-            for s in (*self._running, *self._prefilling, *admitted))
+        rows = (*self._running, *self._prefilling, *admitted)
+        return self.speculator is not None and self.speculator.speculates_at(len(rows)) and all(
+            s.logprobs is None and not s.request.sampling.adjusts_logits for s in rows)
 
     def _advance(self, emitted: list[list[int]]) -> None:
         """The speculative step's tokens for the rows that decoded, and for those that joined
