@@ -88,8 +88,10 @@ def bench(batch: int, engine, draft_engine, args) -> dict:
 
     return compare(batch, code_edit_prompts(batch, args), args, {
         "plain": worker(),
-        "ngram": worker(Speculator(NgramProposer(args.prompt_lookup_max, 1), args.k)),
-        "draft_model": worker(Speculator(DraftModelProposer(draft_engine, batch, tokens, BLOCK_SIZE), args.k)),
+        "ngram": worker(Speculator(NgramProposer(args.prompt_lookup_max, 1), args.k,
+                                   disable_by_batch_size=args.disable_by_batch_size)),
+        "draft_model": worker(Speculator(DraftModelProposer(draft_engine, batch, tokens, BLOCK_SIZE), args.k,
+                                         disable_by_batch_size=args.disable_by_batch_size)),
     })
 
 
@@ -134,7 +136,8 @@ def bench_mtp(batch: int, engine, stream: list[int], args) -> dict:
         return ContinuousBatchingWorker(engine, max_batch_size=batch, max_num_tokens=tokens, speculator=speculator)
 
     return compare(batch, prompts, args, {
-        "plain": worker(), "mtp": worker(Speculator(MTPProposer(engine, batch, tokens, BLOCK_SIZE), args.k))})
+        "plain": worker(), "mtp": worker(Speculator(MTPProposer(engine, batch, tokens, BLOCK_SIZE), args.k,
+                                           disable_by_batch_size=args.disable_by_batch_size))})
 
 
 def compare(batch: int, prompts: list[list[int]], args, workers: dict) -> dict:
@@ -172,6 +175,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
+                        help="--speculative-disable-by-batch-size: steps of N or more rows decode without drafts")
     parser.add_argument("--draft-layers", type=int, default=1)
     parser.add_argument("--late-layer-scale", type=float, default=0.1,
                         help="scale of the target's layers after --draft-layers (1.0: plain random weights)")

@@ -125,6 +125,35 @@ def test_prefix_caching_and_eviction_change_no_output(engine, static):
     assert worker.prefilled_tokens < without.prefilled_tokens  # the cached prefixes were not prefilled again
 
 
+def test_one_token_prefills_leave_the_decode_views_alone(engine):
+    """CPU. A one-token prompt, and a prompt cached but for its last token, are prefills even
+    though each brings one token: they read their own blocks, and the rows decoding beside them
+    keep their decode views (the old rule took such a forward for a decode step and gathered the
+    prompt into row 0's view, so the decoding sequence there was gathered again at its next step;
+    on a server that made a one-token request cost more than its forward). Every request gets
+    the tokens it gets alone."""
+    from mega.inference.engine.worker import Collector
+
+    long = GenerationRequest(list(range(30, 50)), 10)
+    one_token = GenerationRequest([7], 4)
+    repeated = GenerationRequest(list(range(30, 39)), 4)  # its first 8 tokens: the long prompt's first block
+    expected = [engine.generate([request])[0] for request in (long, one_token, repeated)]
+    worker = ContinuousBatchingWorker(engine, max_batch_size=4, block_size=8, prefix_caching=True)
+    first, second = Collector([long], None, None), Collector([one_token, repeated], None, None)
+    worker.submit(first)
+    for _ in range(3):  # prefilled, then decoding on row 0 of the views
+        worker._step(worker._admit())
+    cache, decoding = worker.kv.cache, worker._running[0].number
+    assert cache.view_ids[0] == decoding
+    worker.submit(second)
+    worker._step(worker._admit())  # the long row decodes, the two join
+    assert cache.view_ids[0] == decoding and cache.view_lengths[0] == len(long.prompt) + 3
+    assert worker.allocator.hit_tokens == 8  # the repeated prompt prefilled its last token only
+    while worker._has_work():
+        worker._step(worker._admit())
+    assert_same(first.results + second.results, expected)
+
+
 @pytest.mark.parametrize("prefix_caching,static", [(False, False), (True, False), (True, True)],
                          ids=["paged", "prefix-caching", "static-prefix-caching"])
 def test_chunked_prefill_equals_whole_prefill(engine, prefix_caching, static):

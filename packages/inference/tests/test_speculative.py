@@ -116,6 +116,10 @@ def test_speculation_flags_are_checked(llama_dir, capsys):
         generate_main([*base, "--num-speculative-tokens", "2", "--speculative-method", "draft_model"])
     with pytest.raises(SystemExit, match="need --num-speculative-tokens"):
         generate_main([*base, "--speculative-method", "ngram"])
+    with pytest.raises(SystemExit, match="need --num-speculative-tokens"):
+        generate_main([*base, "--speculative-disable-by-batch-size", "4"])
+    with pytest.raises(SystemExit, match="--speculative-disable-by-batch-size must be at least 2, got 1"):
+        generate_main([*base, "--num-speculative-tokens", "2", "--speculative-disable-by-batch-size", "1"])
 
 
 @pytest.mark.parametrize("draft_kind", ["point_mass", "draft_model"])
@@ -233,6 +237,23 @@ def test_stops_and_log_probabilities_under_speculation(engine):
     assert worker.metrics.draft_tokens == 0
     assert [r.generated for r in results] == [r.generated for r in expected]
     torch.testing.assert_close(torch.tensor(results[0].logprobs), torch.tensor(expected[0].logprobs))
+
+
+def test_no_drafts_at_the_batch_size_that_disables_them(engine):
+    """``disable_by_batch_size`` 3 (--speculative-disable-by-batch-size): a batch of four decodes
+    one token per row until two rows have finished, then drafts for the two left; the tokens are
+    those without speculation."""
+    class RowCounting(Speculator):
+        def step(self, kv, sequences, sampler):
+            self.rows.append(len(sequences))
+            return super().step(kv, sequences, sampler)
+
+    batch = [GenerationRequest([1, 2, 1, 2], n) for n in (2, 3, 12, 12)]  # repeating prompts: ngram drafts
+    speculator = RowCounting(NgramProposer(), 3, disable_by_batch_size=3)
+    speculator.rows = []
+    results = ContinuousBatchingWorker(engine, max_batch_size=4, speculator=speculator).run_to_completion(batch)
+    assert [r.generated for r in results] == [r.generated for r in engine.generate(batch)]
+    assert speculator.rows and max(speculator.rows) == 2 and speculator.metrics.draft_tokens > 0
 
 
 def test_seeded_sampling_under_speculation_ignores_batch_mates(engine):

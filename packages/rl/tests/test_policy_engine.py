@@ -166,10 +166,29 @@ def test_bad_batch_is_named(engine):
         engine.logprobs({"tokens": []})
 
 
-def test_named_hf_tensors_refuses_lora_adapters():
-    policy = PolicyEngine.from_args(ARGV + ["--lora-rank", "4"])
-    with pytest.raises(ValueError, match="the model has LoRA adapters .*merging them into the weights is not done"):
-        next(policy.named_hf_tensors())
+def test_named_hf_tensors_of_a_lora_policy_are_merged():
+    """A LoRA policy after an update (only its adapters trained): its Hugging Face tensors carry
+    the adapted layers merged, and transformers' LLaMA loaded from them gives the policy's
+    log-probabilities (the adapters computed apart in mega, merged in transformers)."""
+    transformers = pytest.importorskip("transformers")
+    policy = PolicyEngine.from_args(ARGV + ["--lora-rank", "4", "--lora-alpha", "8"])
+    policy.forward_backward(batch_of(3), weighted_loss)
+    assert policy.optimizer_step()["applied"]
+    tensors = {name: tensor.clone() for name, tensor in policy.named_hf_tensors()}
+    assert not any("lora" in name or "adapter" in name for name in tensors)
+    config = transformers.LlamaConfig(**policy.trainer.family.hf_mapping.config_to_hf(policy.trainer.run.model))
+    hf = transformers.LlamaForCausalLM(config).eval()
+    missing, unexpected = hf.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    batch = batch_of(1)
+    with torch.no_grad():
+        for tokens, got in zip(batch["tokens"], policy.logprobs(batch), strict=True):
+            logits = hf(tokens[None]).logits[0]
+            want = torch.log_softmax(logits[:-1], -1).gather(-1, tokens[1:, None])[:, 0]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        base = PolicyEngine.from_args(ARGV + ["--lora-rank", "4", "--lora-alpha", "8"])
+        unmerged = base.logprobs(batch)  # the same base weights (seed), adapters untrained
+        assert max((a - b).abs().max() for a, b in zip(policy.logprobs(batch), unmerged, strict=True)) > 1e-4
 
 
 def _dp_rank_step(argv: list[str], seed: int) -> dict:
@@ -219,7 +238,10 @@ def _flags(argv: list[str], **values: str) -> list[str]:
 # Adam's first step is lr * sign(gradient) where a gradient is far from 0; where it is near 0 the
 # layouts' summation orders differ in its sign: lr 1e-3 keeps that noise under the 1e-5 compared.
 LLAMA = _flags(ARGV, lr="1e-3")
-MIXTRAL = ["--model-family", "mixtral", "--model-preset", "tiny", *LLAMA[LLAMA.index("--num-attention-heads"):]]
+# No router auxiliary loss in the layouts' comparison: it is each rank's over its own share's
+# tokens (test_a_moe_policy_trains_its_routers_auxiliary_losses), not one process's over the batch.
+MIXTRAL = ["--model-family", "mixtral", "--model-preset", "tiny", *LLAMA[LLAMA.index("--num-attention-heads"):],
+           "--moe-aux-loss-coeff", "0"]
 # name -> (model, layout flags); data-parallel layouts give each rank its own share of the rollouts
 LAYOUTS = {
     "tp2-sp": (LLAMA, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -306,6 +328,34 @@ def test_grpo_update_at_layout_equals_one_process(worlds, one_process, layout):
             assert list(result["hf"]) == list(expected["hf"])
             for name, want in expected["hf"].items():
                 assert torch.equal(result["hf"][name], want), f"{layout} rank {rank}: {name}"
+
+
+def test_a_moe_policy_trains_its_routers_auxiliary_losses():
+    """One process. A Mixtral policy's gradient is that of the caller's loss plus its routers'
+    load-balancing and z-losses times --moe-aux-loss-coeff and --moe-z-loss-coeff, each
+    micro-batch's averaged over the micro-batches (Megatron's rule): autograd on that sum, each
+    sequence's log-probabilities and each packed micro-batch's statistics from the model called
+    directly (no pipeline schedule)."""
+    from mega.models.mixtral.model import MOE_STATS
+
+    aux, z = 0.1, 0.01
+    policy = PolicyEngine.from_args([*MIXTRAL[:-2], "--moe-aux-loss-coeff", str(aux), "--moe-z-loss-coeff", str(z)])
+    batch = batch_of(2)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    micro = policy._micro_batches(batch)
+    logprobs = [separate_logprobs(policy.model, tokens) for tokens in batch["tokens"]]
+    stats = [policy.model(inputs)[MOE_STATS] for inputs, _ in micro]
+    auxiliary = sum(aux * s[:, 0].sum() + z * s[:, 1].sum() for s in stats) / len(micro)
+    expected = torch.autograd.grad(weighted_loss(logprobs, batch) + auxiliary, params)
+    without = torch.autograd.grad(weighted_loss([separate_logprobs(policy.model, tokens)
+                                                 for tokens in batch["tokens"]], batch), params)
+    routers = [i for i, (name, p) in enumerate(policy.model.named_parameters()) if p.requires_grad and "router" in name]
+    assert routers and all(not torch.allclose(expected[i], without[i]) for i in routers)  # the losses count
+    policy.zero_grad()
+    policy.forward_backward(batch, weighted_loss)
+    for param, want in zip(params, expected, strict=True):
+        got = param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def _uneven_expert_shares(argv: list[str]) -> str:

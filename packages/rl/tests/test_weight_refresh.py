@@ -84,6 +84,37 @@ def test_tp2_pp2_training_refreshes_a_tp2_engine(worlds, tmp_path):
                       ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2, str(tmp_path / "pp")))
 
 
+def _lora_policy_engines(steps: int) -> dict:
+    """On each rank: a LoRA policy trained at tp2 x dp2 with rollouts from an engine of its own at
+    tp1 (refreshed with the adapted weights merged), beside an engine on the trainer's own module
+    (the adapters live): greedy rollouts of both after the steps."""
+    policy = PolicyEngine.from_args(ARGV + ["--tensor-model-parallel-size", "2", "--lora-rank", "4", "--lora-alpha", "8"])
+    own, shared = build_rollout_engine(policy, 1), build_rollout_engine(policy)
+    before = _greedy(own)
+    settings = GRPOSettings(group_size=2, global_batch_size=8)
+    logs = [grpo_step(policy, own, PROMPTS, _low_tokens, settings, SAMPLING, step_seed=100 * step)
+            for step in range(steps)]
+    return {"shares": (own.shares_trainer_weights, shared.shares_trainer_weights), "before": before,
+            "own": _greedy(own), "shared": _greedy(shared), "logs": logs}
+
+
+def test_a_lora_policy_refreshes_an_engine_of_its_own_layout(worlds):
+    """LoRA at tp2 x dp2 (four ranks), the engine at tp1: it holds no adapters, so each refresh
+    brings the adapted layers' weights merged (W + B A * alpha / rank). After three steps its greedy
+    tokens equal those of an engine on the trainer's own module (base and adapters computed apart)
+    and its log-probabilities agree (fp32; the merge rounds apart); the trainer sees its rollouts'
+    log-probabilities as it does (the logged gap)."""
+    for result in worlds.run(4, _lora_policy_engines, 3):
+        assert result["shares"] == (False, True)
+        tokens, logprobs = result["own"]
+        assert tokens == result["shared"][0]
+        for got, want in zip(logprobs, result["shared"][1], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        moved = max((a - b).abs().max().item() for a, b in zip(result["before"][1], logprobs, strict=True))
+        assert moved > 1e-3, "the updates (adapters only) did not reach the engine"
+        assert all(log["logprob_gap_max"] < 1e-4 for log in result["logs"]), result["logs"]
+
+
 def _mega_rl(argv: list[str]) -> list[dict]:
     import multiprocessing
 

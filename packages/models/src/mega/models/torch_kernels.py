@@ -146,7 +146,7 @@ def activation(name: str):
         "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
         "relu": F.relu,
         "squared_relu": lambda x: F.relu(x).square(),  # Megatron's --squared-relu
-        "swiglu": _SwiGLU.apply,
+        "swiglu": swiglu,
         "geglu": lambda x: F.gelu(x.chunk(2, dim=-1)[0]) * x.chunk(2, dim=-1)[1],
     }
     if name not in functions:
@@ -238,7 +238,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     grouped QKV output, ``[seq, batch, groups, queries per group, head_dim]``): the result is a
     fresh contiguous tensor of ``x``'s shape, so the view costs no copy of its own."""
     # A no-op where the model handed cos/sin in x's dtype (once per forward, mega.models.blocks.rope).
-    return _Rotate.apply(x, cos.to(x.dtype), sin.to(x.dtype))
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if not _records_graph(x):  # generating: the arithmetic alone, without a Function's bookkeeping
+        return _rotate(x, cos, sin, inverse=False)
+    return _Rotate.apply(x, cos, sin)
+
+
+def _records_graph(x: torch.Tensor) -> bool:
+    """Whether autograd records an op on ``x``: a custom Function's ``apply`` costs about as much
+    as a small op's arithmetic on the host, which decoding pays per layer and token."""
+    return torch.is_grad_enabled() and x.requires_grad
 
 
 class _Rotate(torch.autograd.Function):
@@ -273,6 +282,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     return out.flatten(-2)
 
 
+def swiglu(stacked: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the stacked ``[gate; up]`` (:class:`_SwiGLU` where autograd records)."""
+    return _SwiGLU.apply(stacked) if _records_graph(stacked) else _silu_times_up(stacked)
+
+
+def _silu_times_up(stacked: torch.Tensor) -> torch.Tensor:
+    gate, up = stacked.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class _SwiGLU(torch.autograd.Function):
     """``silu(gate) * up`` of the stacked ``[gate; up]`` output.
 
@@ -284,8 +303,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, stacked: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(stacked)
-        gate, up = stacked.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return _silu_times_up(stacked)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,11 @@ A padded vocabulary (``--make-vocab-size-divisible-by`` times tp) is cut to ``vo
 the padding belongs to the layout, so the tensors are the same at every layout, and a reader pads
 them again for its own. Names are canonical (:mod:`mega.core.parameter_names`).
 
+With ``merge_lora`` a LoRA policy's tensors are those of the model it computes: each adapted
+layer's weight comes merged (``W + B A * alpha / rank``, :func:`~mega.models.lora.adapters.merged_weight`,
+from the full ``W``, ``A`` and ``B``) and the adapters' own tensors are left out, so a reader with
+no adapters (an engine of its own layout, a Hugging Face model) generates what the policy does.
+
 Every rank of the world must walk the names in the same order (each call is a collective);
 :func:`full_named_tensors` walks all of them in pipeline order.
 """
@@ -35,12 +40,17 @@ from mega.core.parallel.groups import ParallelGroups
 from mega.core.parallel.layers import gather_shards
 from mega.core.parallel.param_attrs import expert_shard, is_padded_vocab
 from mega.core.parallel.pieces import TensorParallelSplit
+from mega.models.lora.adapters import merged_weight
+
+# A LoRA layer's adapter tensors beside its base weight ``<layer>.weight`` (mega.models.lora.adapters).
+ADAPTER_IN, ADAPTER_OUT, ADAPTER_SCALING = ".adapter.linear_in.weight", ".adapter.linear_out.weight", ".adapter.scaling"
 
 
 class FullTensors:
     """The full tensors of a rank's model chunks by canonical name (a collective per name)."""
 
-    def __init__(self, chunks: list[nn.Module], groups: ParallelGroups, vocab_size: int, optimizer=None):
+    def __init__(self, chunks: list[nn.Module], groups: ParallelGroups, vocab_size: int, optimizer=None,
+                 merge_lora: bool = False):
         # Start-up cost: the checkpoint's module imports torch.distributed.checkpoint (a third of a
         # second); an engine that never gathers does not pay it.
         from mega.core.checkpoint.state import named_parameters, settle
@@ -48,7 +58,17 @@ class FullTensors:
         settle(chunks, optimizer)  # parameter all-gathers finished, FSDP units resharded: the parameters by name
         self.groups, self.vocab_size = groups, vocab_size
         self.params, _ = named_parameters(chunks)
-        held = {name: (self._full_shape(param), param.dtype) for name, param in self.params.items()}
+        # base weight name -> (A's name, B's name, alpha / rank) of each adapted layer on this stage
+        self.adapters: dict[str, tuple[str, str, float]] = {}
+        if merge_lora:
+            buffers, _ = named_parameters(chunks, buffers=True)
+            for name in self.params:
+                if name.endswith(ADAPTER_IN):
+                    layer = name[: -len(ADAPTER_IN)]
+                    self.adapters[f"{layer}.weight"] = (name, layer + ADAPTER_OUT, float(buffers[layer + ADAPTER_SCALING]))
+        hidden = {name for pair in self.adapters.values() for name in pair[:2]}
+        held = {name: (self._full_shape(param), param.dtype) for name, param in self.params.items()
+                if name not in hidden}
         by_stage = [held]
         if groups.pp.size > 1:
             by_stage = [None] * groups.pp.size
@@ -93,6 +113,10 @@ class FullTensors:
         pp = self.groups.pp
         if pp.rank == sender:
             tensor = self._gathered_here(self.params[name])
+            if name in self.adapters:
+                a, b, scaling = self.adapters[name]
+                tensor = merged_weight(tensor, self._gathered_here(self.params[a]),
+                                       self._gathered_here(self.params[b]), scaling)
         else:
             tensor = torch.empty(shape, dtype=dtype, device=self.groups.device)
         if pp.size > 1:

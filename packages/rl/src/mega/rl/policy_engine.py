@@ -11,7 +11,8 @@ schedule and checkpointer; no second training loop):
 * ``logprobs(batch)``: the same log-probabilities without gradients (the old policy, or the
   reference when the policy is a separate copy).
 * ``named_hf_tensors()``: the weights as (Hugging Face name, full tensor) pairs, one mapping
-  entry at a time, through the family's own Hugging Face mapping (``ModelFamily.hf_mapping``).
+  entry at a time, through the family's own Hugging Face mapping (``ModelFamily.hf_mapping``); a
+  LoRA policy's adapted weights merged (the model it computes).
 * ``offload()`` / ``onload()``: parameters, gradient buffers and optimizer state out of device
   memory into host copies and back; every view of a storage (a parameter inside a gradient
   buffer, say) stays valid, because the storages are emptied and refilled in place.
@@ -36,7 +37,10 @@ Every rank of the job makes the same calls in the same order (they are collectiv
   divides its share's sum by ``data_parallel_sum(share's token count)`` and multiplies by
   ``data_parallel_size``. Under expert parallelism the ranks' shares make as many micro-batches
   (their experts exchange tokens every micro-batch; rows are padded to one length across them).
-  The MoE auxiliary losses are not added to the caller's loss.
+  A MoE policy's auxiliary losses (``--moe-aux-loss-coeff``, ``--moe-z-loss-coeff``) are added to
+  the caller's loss, each micro-batch's averaged over the micro-batches, as Megatron does: they
+  are each rank's, over its own share's tokens (so under data or expert parallelism they differ
+  from one process's over the whole batch, as the router's statistics do).
 * Context parallelism is refused for now.
 """
 
@@ -53,9 +57,9 @@ from mega.core.checkpoint.saved_model import saved_model
 from mega.core.datasets import TrainingData
 from mega.core.parallel import ParallelGroups
 from mega.core.parallel.output_layer_loss import output_layer_cross_entropy
-from mega.core.parallel.param_attrs import is_checkpoint_optional
 from mega.core.pipeline.schedules import forward_backward
 from mega.core.plugins import get_plugins
+from mega.models.mixtral.model import MOE_STATS, moe_auxiliary_loss
 from mega.rl.full_tensors import FullTensors
 from mega.train.data_setup import run_tokenizer
 from mega.train.run_config import derive
@@ -249,10 +253,16 @@ class PolicyEngine:
         scale = len(micro) * self.trainer.optimizer.loss_scale
         losses: list[torch.Tensor] = []
 
+        config = self.trainer.run.model
+
         def loss(outputs, targets):
             inputs, caller = targets
             value = loss_fn(self._sequence_logprobs(outputs, inputs, [len(s) for s in caller["tokens"]]), caller)
             losses.append(value.detach().reshape(1))
+            if MOE_STATS in outputs:
+                # A MoE policy's routers keep their load-balancing (and z-) losses, as Megatron's
+                # MoE layers add them to whatever loss trains: each micro-batch's, averaged.
+                value = value + moe_auxiliary_loss(outputs[MOE_STATS], config) / len(micro)
             return value * scale
 
         self._run(micro, loss, forward_only=False)
@@ -316,11 +326,8 @@ class PolicyEngine:
         family, config = self.trainer.family, self.trainer.run.model
         if family.hf_mapping is None:
             raise ValueError(f"model family {family.name!r} has no Hugging Face mapping")
-        full = FullTensors(self.trainer.chunks, self.groups, config.vocab_size, self.trainer.optimizer)
-        adapters = [name for name, param in full.params.items() if is_checkpoint_optional(param)]
-        if adapters:  # the base weights alone are not the policy
-            raise ValueError(f"named_hf_tensors: the model has LoRA adapters ({adapters[0]}, ...), which its Hugging "
-                             "Face names do not hold; merging them into the weights is not done yet")
+        # A LoRA policy's weights come merged: the Hugging Face names hold the model it computes.
+        full = FullTensors(self.trainer.chunks, self.groups, config.vocab_size, self.trainer.optimizer, merge_lora=True)
         for tensor_map in family.hf_mapping.tensor_maps(config):
             tensors = [full[name] for name in tensor_map.mega]
             yield from zip(tensor_map.other, tensor_map.from_mega(*tensors), strict=True)

@@ -8,7 +8,8 @@ refresh makes each weight whole by its mega (Megatron-Core) name, one tensor at 
 too), and each engine rank keeps its shard of it through the checkpoint loader's
 :func:`~mega.core.checkpoint.load_model_weights` (what the inference loader does with a Hugging
 Face directory), so every element lands where a save at the training layout and a load at the
-engine's would put it.
+engine's would put it. A LoRA policy's engine holds the merged weights (no adapters): the gather
+merges each adapted layer's (``merge_lora``).
 """
 
 from __future__ import annotations
@@ -39,11 +40,10 @@ class WeightSync:
         extra = sorted(set(self._tensors().names) - engine_names)
         if extra:  # the engine would generate from weights the trainer does not use
             raise ValueError(f"weight refresh: the trainer has {len(extra)} tensor(s) the engine's model has not "
-                             f"({', '.join(extra[:3])}...; LoRA adapters?): run the engine at the training layout, "
-                             "where it generates from the trainer's own module")
+                             f"({', '.join(extra[:3])}...): the engine's model is not the policy's")
 
     def _tensors(self) -> FullTensors:
-        return FullTensors(self.chunks, self.train_groups, self.vocab_size, self.optimizer)
+        return FullTensors(self.chunks, self.train_groups, self.vocab_size, self.optimizer, merge_lora=True)
 
     def refresh(self) -> float:
         """Copy the trainer's current weights into the engine's model; the seconds it took."""

@@ -83,10 +83,14 @@ def build_speculator(args: argparse.Namespace, engine) -> Speculator | None:
     count = getattr(args, "num_speculative_tokens", 0) or 0
     method = getattr(args, "speculative_method", None)
     draft_dir = getattr(args, "speculative_model", None)
+    disable_by = getattr(args, "speculative_disable_by_batch_size", None)
     if count <= 0:
-        if method is not None or draft_dir is not None:
-            raise GenerationError("--speculative-method and --speculative-model need --num-speculative-tokens K > 0")
+        if method is not None or draft_dir is not None or disable_by is not None:
+            raise GenerationError("--speculative-method, --speculative-model and --speculative-disable-by-batch-size "
+                                  "need --num-speculative-tokens K > 0")
         return None
+    if disable_by is not None and disable_by < 2:
+        raise GenerationError(f"--speculative-disable-by-batch-size must be at least 2, got {disable_by}")
     if engine.tp_group is not None and engine.tp_group.size > 1:
         raise GenerationError("--num-speculative-tokens runs on one rank: not under torchrun's tensor parallelism")
     method = method or ("draft_model" if draft_dir else "ngram")
@@ -95,11 +99,13 @@ def build_speculator(args: argparse.Namespace, engine) -> Speculator | None:
         if draft_dir is not None:
             raise GenerationError("--speculative-method mtp drafts with the model's own MTP layers: drop "
                                   "--speculative-model")
-        return Speculator(MTPProposer(engine, args.max_batch_size, tokens, BLOCK_SIZE), count)
+        return Speculator(MTPProposer(engine, args.max_batch_size, tokens, BLOCK_SIZE), count,
+                          disable_by_batch_size=disable_by)
     if method == "ngram":
         if draft_dir is not None:
             raise GenerationError("--speculative-method ngram drafts without a model: drop --speculative-model")
-        return Speculator(NgramProposer(args.prompt_lookup_max, args.prompt_lookup_min), count)
+        return Speculator(NgramProposer(args.prompt_lookup_max, args.prompt_lookup_min), count,
+                          disable_by_batch_size=disable_by)
     if draft_dir is None:
         raise GenerationError("--speculative-method draft_model needs --speculative-model DIR")
     try:
@@ -112,7 +118,8 @@ def build_speculator(args: argparse.Namespace, engine) -> Speculator | None:
                               f"{engine.vocab_size}: a draft shares the model's tokenizer")
     draft_engine = GenerationEngine(draft.model, vocab_size=draft.config.vocab_size,
                                     max_positions=min(draft.max_positions, engine.max_positions))
-    return Speculator(DraftModelProposer(draft_engine, args.max_batch_size, tokens, BLOCK_SIZE), count)
+    return Speculator(DraftModelProposer(draft_engine, args.max_batch_size, tokens, BLOCK_SIZE), count,
+                      disable_by_batch_size=disable_by)
 
 
 def load_on_ranks(args: argparse.Namespace, command: str) -> tuple[LoadedModel, ParallelGroups]:

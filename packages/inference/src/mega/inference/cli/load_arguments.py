@@ -79,6 +79,10 @@ def add_speculative_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--speculative-model", metavar="DIR", type=existing_path,
                        help="a smaller model sharing the tokenizer (mega checkpoint or Hugging Face directory) that "
                             "drafts the tokens")
+    group.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
+                       help="steps with N or more sequences decode one token each, without drafts (vLLM's "
+                            "speculative_disable_by_batch_size): drafts pay at small batches; at large ones a "
+                            "rejected draft costs every row. Default: speculate at every batch size")
     group.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N",
                        help="ngram drafts: the longest suffix looked up (default 4)")
     group.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N",

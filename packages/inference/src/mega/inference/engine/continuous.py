@@ -287,7 +287,7 @@ class ContinuousBatchingWorker(EngineWorker):
         prompt, start = sequence.request.prompt, sequence.cached
         end = start + count
         tokens = torch.tensor([prompt[start:end]], device=self.engine.device)
-        logits = self.kv.forward([sequence], tokens, None if sequence.request.logprobs else 1)[:, 0]  # [kept, vocab]
+        logits = self.kv.forward([sequence], tokens, None if sequence.request.logprobs else 1, prefill=True)[:, 0]
         self.prefilled_tokens += count
         if sequence.request.logprobs:  # of the tokens after each of these: the next chunk's first too
             targets = torch.tensor(prompt[start + 1: end + 1], device=self.engine.device)
@@ -328,12 +328,13 @@ class ContinuousBatchingWorker(EngineWorker):
 
     def _may_speculate(self, admitted: list[_Sequence]) -> bool:
         """Whether this step speculates: a speculator is set and no row (nor one joining) asks
-        log-probabilities or adjusts its logits (penalties change with every token accepted);
-        otherwise the step decodes one token per row. The verify forward is one for all rows
+        log-probabilities or adjusts its logits (penalties change with every token accepted), and
+        the rows are fewer than the speculator's ``disable_by_batch_size``; otherwise the step
+        decodes one token per row. The verify forward is one for all rows
         (on the static cache a captured graph: SlotSequenceCache.verify)."""
-        return self.speculator is not None and all(
-            s.logprobs is None and not s.request.sampling.adjusts_logits
-            for s in (*self._running, *self._prefilling, *admitted))
+        rows = (*self._running, *self._prefilling, *admitted)
+        return self.speculator is not None and self.speculator.speculates_at(len(rows)) and all(
+            s.logprobs is None and not s.request.sampling.adjusts_logits for s in rows)
 
     def _advance(self, emitted: list[list[int]]) -> None:
         """The speculative step's tokens for the rows that decoded, and for those that joined

@@ -56,16 +56,17 @@ class SequenceCache:
         return isinstance(self.allocator, (PrefixCachingAllocator, PrefixCachingSlotAllocator))
 
     def forward(self, sequences: Sequence, tokens: torch.Tensor, logits_to_keep: int | torch.Tensor | None,
-                real: list[int] | None = None) -> torch.Tensor:
+                real: list[int] | None = None, prefill: bool = False) -> torch.Tensor:
         """Fp32 logits ``[kept, batch, vocab]`` of ``tokens`` ``[batch, new]`` continuing each
-        sequence (``real``: right-padded prompts, row ``r``'s own tokens; see
-        :meth:`PagedKVCache.bind`); each sequence's ``cached`` moves past them."""
+        sequence (``real``: right-padded prompts, row ``r``'s own tokens; ``prefill``: prompt
+        tokens, one per row or more; see :meth:`PagedKVCache.bind`); each sequence's ``cached``
+        moves past them."""
         device = self.engine.device
         if self.engine.lora is not None:  # each row its LoRA adapter
             self.engine.lora.bind([slot_of(s) for s in sequences])
         cached = [s.cached for s in sequences]
         self.cache.bind([s.blocks for s in sequences], cached, tokens.shape[1], device, [s.number for s in sequences],
-                        real)
+                        real, prefill)
         positions = torch.tensor(cached, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
         if real is not None:
             # A right-padded row's padding takes its last real position: its outputs and keys are

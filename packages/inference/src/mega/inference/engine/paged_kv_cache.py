@@ -82,12 +82,17 @@ class PagedKVCache:
         self.plan: ViewPlan | None = None
 
     def bind(self, tables: Sequence[Sequence[int]], cached: Sequence[int], new_tokens: int,
-             device: torch.device, ids: Sequence[int] | None = None, real: Sequence[int] | None = None) -> None:
+             device: torch.device, ids: Sequence[int] | None = None, real: Sequence[int] | None = None,
+             prefill: bool = False) -> None:
         """The next forward's batch: row ``r`` holds ``cached[r]`` tokens in blocks ``tables[r]``
         and brings ``new_tokens`` more; ``ids`` name the rows' sequences (never reused), so
         decode steps can reuse what the layers' views hold. ``real``: prompts prefilled together,
         right-padded to ``new_tokens``: row ``r``'s first ``real[r]`` new tokens are its own, the
-        rest padding whose keys are neither stored nor attended to."""
+        rest padding whose keys are neither stored nor attended to. ``prefill``: the new tokens are
+        prompt tokens even where there is one per row (a one-token prompt, or the last token after
+        a cached prefix): they read their blocks once, as any prefill does, and leave the decode
+        views alone (a decode step's views are made for every row the batch may hold, and
+        rebuilding them for such a prompt cost more than its whole forward)."""
         size = self.allocator.block_size
         if real is not None and (any(cached) or max(real) != new_tokens):
             raise ValueError("padded rows are for prompts prefilled together: nothing cached, the longest unpadded")
@@ -95,7 +100,7 @@ class PagedKVCache:
         real = [new_tokens] * len(cached) if real is None else list(real)
         lengths = [c + n for c, n in zip(cached, real, strict=True)]
         self.longest = max(lengths)
-        self.decoding = new_tokens == 1
+        self.decoding = new_tokens == 1 and not prefill
         blocks = math.ceil(self.longest / size)
         if self.decoding:
             self.plan = self._plan(tables, cached, lengths, device, ids)
@@ -244,7 +249,9 @@ class PagedLayer:
 
         if plan.rebuild or self.views is None:
             shape = (cache.view_rows(batch), cache.capacity, heads * repeats, dim)
-            self.views = [pool.new_zeros(shape) for pool in pools]
+            # Uninitialised: rows up to the batch are written whole below, and a later row is
+            # written whole (moved or gathered) before any step reads it.
+            self.views = [pool.new_empty(shape) for pool in pools]
             for view, pool in zip(self.views, pools, strict=True):
                 view[:batch] = widen(pool[cache.block_table].view(batch, -1, heads, dim))
         else:

@@ -89,8 +89,8 @@ class WindowedPagedKVCache(PagedKVCache):
         self._sliding: dict[int, SlidingPagedLayer] = {}
         self._plans: dict[int, RingPlan] = {}
 
-    def bind(self, tables, cached, new_tokens, device, ids=None, real=None) -> None:
-        super().bind(tables, cached, new_tokens, device, ids, real)
+    def bind(self, tables, cached, new_tokens, device, ids=None, real=None, prefill=False) -> None:
+        super().bind(tables, cached, new_tokens, device, ids, real, prefill)
         self._rings = [table.sliding for table in tables]
         self._bound = (list(cached), new_tokens, device, None if real is None else list(real))
         self._plans = {}  # made at the first layer of each window this forward

@@ -59,8 +59,8 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def match(self, keys: Sequence[bytes], prompt_length: int) -> list[int]:
         """The cached blocks ``prompt``'s first blocks can share (not yet taken), leaving at
-        least two prompt tokens to prefill."""
-        usable = max(prompt_length - 2, 0) // self.block_size
+        least one prompt token to prefill (its logits choose the first new token)."""
+        usable = max(prompt_length - 1, 0) // self.block_size
         matched = []
         for key in keys[:usable]:
             block = self._block_of.get(key)

@@ -68,8 +68,8 @@ class RecurrentStateCache(PagedKVCache):
         self._states: dict[int, LayerRecurrentState] = {}
         self.state_rows = self.fresh = self.real_lengths = None
 
-    def bind(self, tables, cached, new_tokens, device, ids=None, real=None) -> None:
-        super().bind(tables, cached, new_tokens, device, ids, real)
+    def bind(self, tables, cached, new_tokens, device, ids=None, real=None, prefill=False) -> None:
+        super().bind(tables, cached, new_tokens, device, ids, real, prefill)
         self.state_rows = torch.tensor([self.allocator.slot_of[table[0]] for table in tables], device=device)
         self.fresh = torch.tensor([count == 0 for count in cached], device=device)
         self.real_lengths = None if real is None else torch.tensor(list(real), device=device)

@@ -127,9 +127,10 @@ class SlotKVCache:
 
     def bind(self, tables: Sequence[Sequence[int]], cached: Sequence[int], new_tokens: int,
              device: torch.device | None = None, ids: Sequence[int] | None = None,
-             real: Sequence[int] | None = None) -> None:
+             real: Sequence[int] | None = None, prefill: bool = False) -> None:
         """The paged cache's signature (a slot is a one-block table), for the continuous batcher's
-        prefills: row ``r`` is slot ``tables[r][0]``. ``ids`` do not matter here; ``real`` rows
+        prefills: row ``r`` is slot ``tables[r][0]``. ``ids`` and ``prefill`` do not matter here
+        (a slot is its own view); ``real`` rows
         need no care in a whole slot (padding keys are overwritten before they are seen, see the
         module); a ring keeps a padded row's own keys only (its padding would overwrite positions
         still seen)."""

@@ -153,13 +153,22 @@ class DraftModelProposer:
 
 class Speculator:
     """Drafts from ``proposer``, at most ``num_tokens`` per sequence and step, verified by the
-    target in one forward; counts what it drafted and accepted in ``metrics``."""
+    target in one forward; counts what it drafted and accepted in ``metrics``. ``disable_by_batch_size``
+    (vLLM's ``speculative_disable_by_batch_size``): steps of at least that many rows decode one
+    token each, for a large batch is bound by the weights' reads less and drafts that are
+    rejected cost it a verify forward's extra positions for every row."""
 
-    def __init__(self, proposer, num_tokens: int, metrics: ServerMetrics | None = None):
+    def __init__(self, proposer, num_tokens: int, metrics: ServerMetrics | None = None,
+                 disable_by_batch_size: int | None = None):
         if num_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be positive, got {num_tokens}")
         self.proposer, self.num_tokens = proposer, num_tokens
+        self.disable_by_batch_size = disable_by_batch_size
         self.metrics = metrics or ServerMetrics()
+
+    def speculates_at(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows drafts (below ``disable_by_batch_size``)."""
+        return self.disable_by_batch_size is None or rows < self.disable_by_batch_size
 
     def attach(self, kv) -> None:
         """The target's cache the loop runs on (``kv``): a proposer fed the target's hidden

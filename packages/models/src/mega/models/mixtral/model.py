@@ -130,13 +130,20 @@ def moe_boundary(config: MoETransformerConfig, stage: Stage, micro_batch_size: i
             MOE_STATS: TensorSpec((config.num_layers, len(STATS)), torch.float32)}
 
 
+def moe_auxiliary_loss(stats: torch.Tensor, config: MoETransformerConfig) -> torch.Tensor:
+    """Every layer's load-balancing and z-losses times their coefficients (``--moe-aux-loss-coeff``,
+    ``--moe-z-loss-coeff``), of the model's ``MOE_STATS`` output ``[layers, len(STATS)]``: what a
+    MoE model's training adds to whatever loss it trains on (the language model's, or GRPO's)."""
+    return config.moe_aux_loss_coeff * stats[:, 0].sum() + (config.moe_z_loss_coeff or 0.0) * stats[:, 1].sum()
+
+
 def moe_loss(outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor],
              context: LossContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``lm loss`` plus every layer's load-balancing and z-losses times their coefficients;
     logs both losses (mean over layers) and the least and most loaded expert over layers."""
     loss, metrics = language_model_loss(outputs, batch, context)
     config, stats = context.config, outputs[MOE_STATS]
-    total = loss + config.moe_aux_loss_coeff * stats[:, 0].sum() + (config.moe_z_loss_coeff or 0.0) * stats[:, 1].sum()
+    total = loss + moe_auxiliary_loss(stats, config)
     detached = stats.detach()
     detached = detached[detached[:, 3] > 0]  # the MoE layers' rows (a dense layer's are zeros)
     if config.moe_router_load_balancing_type != "none":
