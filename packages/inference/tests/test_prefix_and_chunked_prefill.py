@@ -189,3 +189,31 @@ def test_serve_refuses_flags_that_cannot_work_together(tmp_path, capsys, monkeyp
         main(["--load", str(tmp_path)])
     args = build_parser().parse_args(["--load", str(tmp_path)])
     assert args.enable_prefix_caching is None and args.max_request_bytes == 4 << 20 and args.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["paged", "static"])
+def test_generated_logprobs_without_the_prompts(engine, static):
+    """CPU. ``prompt_logprobs=False`` (chat replies, completions without echo, RL rollouts): the
+    generated tokens and their log-probabilities (top ones too) are those of a request scoring its
+    prompt as well, the prompt's places are None, and the prompt prefills as one asking nothing:
+    through the prefix cache (a shared prefix is a hit) and with the prompts prefilled together."""
+    prefix = list(range(40, 56))
+    prompts = [prefix + [3, 9, 27], prefix + [5, 25], [7, 8, 9]]
+    sampling = SamplingParams(temperature=0.9, seed=4)
+
+    def requests(scored: bool) -> list[GenerationRequest]:
+        return [GenerationRequest(p, 6, sampling=sampling, logprobs=True, top_logprobs=2, prompt_logprobs=scored)
+                for p in prompts]
+
+    expected = [engine.generate([request])[0] for request in requests(True)]
+    worker = ContinuousBatchingWorker(engine, max_batch_size=4, max_num_tokens=4 * POSITIONS if static else 256,
+                                      block_size=8, prefix_caching=True, static_cache=static)
+    got = run(worker, [requests(False)[:1], requests(False)[1:]])
+    for have, want in zip(got, expected, strict=True):
+        start = want.prompt_length - 1
+        assert have.tokens == want.tokens and have.logprobs[:start] == [None] * start
+        torch.testing.assert_close(torch.tensor(have.logprobs[start:]), torch.tensor(want.logprobs[start:]),
+                                   atol=1e-5, rtol=0)
+        assert [[t for t, _ in top] for top in have.top_logprobs[start:]] == \
+            [[t for t, _ in top] for top in want.top_logprobs[start:]]
+    assert worker.allocator.hit_tokens == 16  # the second prompt shared the first's two blocks

@@ -132,7 +132,7 @@ class RolloutEngine:
         stop = StopRules(stop_ids=sampling.stop_ids, stop_strings=sampling.stop_strings)
         requests = [GenerationRequest(prompt=list(prompt), max_new_tokens=sampling.max_new_tokens,
                                       sampling=replace(base, seed=(sampling.seed + step_seed + index) % 2**63),
-                                      stop=stop, logprobs=True)
+                                      stop=stop, logprobs=True, prompt_logprobs=False)  # the completions' alone
                     for index, prompt in enumerate(p for p in prompts for _ in range(group_size))]
         for request in requests:  # on every rank, so that a bad prompt stops them all alike
             self.engine.check(request)

@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 ids = [tokenizer.bos if tokenizer.bos is not None else tokenizer.eod, *ids]
             seed = None if args.seed is None else args.seed + index
             requests.append(GenerationRequest(ids, args.max_tokens, SamplingParams(
-                sampling.temperature, sampling.top_k, sampling.top_p, seed), stop, logprobs=args.logprobs))
+                sampling.temperature, sampling.top_k, sampling.top_p, seed), stop, logprobs=args.logprobs,
+                prompt_logprobs=False))  # the record lists the generated tokens' alone
         printed = 0
         results: list = [None] * len(requests)
 

@@ -208,7 +208,7 @@ class ContinuousBatchingWorker(EngineWorker):
             sequence.blocks = self.allocator.allocate(tokens)
             return True
         sequence.prefix_keys = prefix_keys(request.prompt, self.block_size, prefix_salt(request))
-        keys = [] if request.logprobs else sequence.prefix_keys
+        keys = [] if request.scores_prompt else sequence.prefix_keys
         allocated = self.allocator.allocate_with_prefix(keys, len(request.prompt), tokens)
         if allocated is None:
             return False
@@ -246,7 +246,7 @@ class ContinuousBatchingWorker(EngineWorker):
         wanting their prompts' log-probabilities (every position's logits) apart from the others and
         keeping at most PREFILL_LOGITS logits."""
         together = sorted((s for s in admitted if len(s.request.prompt) > 1 and not s.cached),
-                          key=lambda s: (s.request.logprobs, len(s.request.prompt)))
+                          key=lambda s: (s.request.scores_prompt, len(s.request.prompt)))
         grouped = {id(s) for s in together}
         for sequence in admitted:
             if id(sequence) not in grouped:
@@ -254,8 +254,9 @@ class ContinuousBatchingWorker(EngineWorker):
         group: list[_Sequence] = []
         for sequence in together:
             padded = (len(group) + 1) * len(sequence.request.prompt)
-            if group and (sequence.request.logprobs != group[0].request.logprobs or padded > PREFILL_TOKENS
-                          or sequence.request.logprobs and padded * self.engine.vocab_size > PREFILL_LOGITS):
+            scores = sequence.request.scores_prompt
+            if group and (scores != group[0].request.scores_prompt or padded > PREFILL_TOKENS
+                          or scores and padded * self.engine.vocab_size > PREFILL_LOGITS):
                 self._prefill_group(group)
                 group = []
             group.append(sequence)
@@ -276,7 +277,7 @@ class ContinuousBatchingWorker(EngineWorker):
             self._prefill(group[0], len(group[0].request.prompt))
             return
         self.prefilled_tokens += sum(len(s.request.prompt) for s in group)
-        if group[0].request.logprobs:
+        if group[0].request.scores_prompt:
             self._prefill_scored_together(group)
         else:
             self._prefill_together(group)
@@ -287,9 +288,10 @@ class ContinuousBatchingWorker(EngineWorker):
         prompt, start = sequence.request.prompt, sequence.cached
         end = start + count
         tokens = torch.tensor([prompt[start:end]], device=self.engine.device)
-        logits = self.kv.forward([sequence], tokens, None if sequence.request.logprobs else 1, prefill=True)[:, 0]
+        scores = sequence.request.scores_prompt
+        logits = self.kv.forward([sequence], tokens, None if scores else 1, prefill=True)[:, 0]
         self.prefilled_tokens += count
-        if sequence.request.logprobs:  # of the tokens after each of these: the next chunk's first too
+        if scores:  # of the tokens after each of these: the next chunk's first too
             targets = torch.tensor(prompt[start + 1: end + 1], device=self.engine.device)
             record_logprobs(sequence, logits[: len(targets)], targets)
         if end == len(prompt):

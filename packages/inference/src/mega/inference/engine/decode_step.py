@@ -61,10 +61,12 @@ class DecodingSequence:
         self.known = len(self.request.prompt)
         if self.request.grammar is not None:
             self.grammar_state = self.request.grammar.start()
+        # The prompt's places (every token after the first) stay None where it is not scored.
+        unscored = [] if self.request.scores_prompt else [None] * (len(self.request.prompt) - 1)
         if self.logprobs is None and self.request.logprobs:
-            self.logprobs = []
+            self.logprobs = list(unscored)
         if self.top_logprobs is None and self.request.top_logprobs:
-            self.top_logprobs = []
+            self.top_logprobs = list(unscored)
 
     @property
     def limit(self) -> int:

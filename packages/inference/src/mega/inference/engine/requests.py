@@ -63,10 +63,20 @@ class GenerationRequest:
     stop: StopRules = field(default_factory=StopRules)
     logprobs: bool = False  # log-probability of every token after the first, prompt included
     top_logprobs: int = 0  # also the n most likely tokens at each of those positions
+    # With logprobs: the prompt's tokens scored too. False (vLLM's logprobs without prompt_logprobs):
+    # only the generated tokens' (the prompt's places hold None), so the prompt prefills as one
+    # asking nothing (its last position's logits alone, the prefix cache usable), not every
+    # position's logits over the vocabulary.
+    prompt_logprobs: bool = True
     grammar: Grammar | None = None  # structured outputs: the grammar its text keeps to
     adapter: ServedAdapter | None = None  # the LoRA adapter its rows take (lora_registry); None: the base
     # Set from another thread (a client went away): the sequence ends at the next step.
     cancelled: bool = False
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's tokens get log-probabilities (every prompt position's logits)."""
+        return self.logprobs and self.prompt_logprobs
 
 
 @dataclass

@@ -183,7 +183,8 @@ def chat_router(service: InferenceService) -> APIRouter:
         limit = body.token_limit if body.token_limit is not None else max(service.max_positions - len(prompt), 0)
         requests = [GenerationRequest(prompt=prompt, max_new_tokens=limit,
                                       sampling=body.sampling(copy, service.engine.vocab_size), stop=stop,
-                                      logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, grammar=grammar)
+                                      logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, grammar=grammar,
+                                      prompt_logprobs=False)  # a reply's tokens' alone
                     for copy in range(body.copies)]
         header = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
         if body.stream:

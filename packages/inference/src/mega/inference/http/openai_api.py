@@ -134,7 +134,8 @@ def completions_router(service: InferenceService) -> APIRouter:
                 requests.append(GenerationRequest(
                     prompt=ids, max_new_tokens=max_tokens, sampling=body.sampling(sequence, service.engine.vocab_size),
                     stop=stop, logprobs=body.logprobs is not None or body.sequences_per_prompt > body.copies,
-                    top_logprobs=body.logprobs or 0, grammar=grammar))
+                    top_logprobs=body.logprobs or 0, grammar=grammar,
+                    prompt_logprobs=body.echo))  # the prompt's are shown only with echo
         header = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model)
         if body.stream:
             job = service.submit(requests, "prompt", stream=True, model=model)
