@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from mega.core.parallel import Group, ParallelConfig, ParallelGroups
-from mega.inference.engine.continuous import BLOCK_SIZE, ContinuousBatchingWorker
 from mega.inference.engine.generation_engine import GenerationEngine, GenerationRequest, GenerationResult
 from mega.inference.engine.sampling import SamplingParams
 from mega.inference.engine.stopping import StopRules
@@ -163,15 +162,9 @@ class RolloutEngine:
         self.model.eval()  # before the worker: a compiled step is traced (warmed up) in eval mode
         worker = None
         try:
-            if self.compile_backend is None:
-                blocks = sum(-(-(len(r.prompt) + r.max_new_tokens) // BLOCK_SIZE) for r in requests)
-                worker = ContinuousBatchingWorker(engine, max_batch_size=len(requests),
-                                                  max_num_tokens=blocks * BLOCK_SIZE)
-            else:
-                worker = ContinuousBatchingWorker(engine, max_batch_size=len(requests),
-                                                  max_num_tokens=len(requests) * engine.max_positions,
-                                                  static_cache=True, use_cuda_graphs=False,
-                                                  compile_backend=self.compile_backend)
+            # compiled: on the static cache, without CUDA-graph capture (which only that cache does)
+            worker = engine.worker_for(requests, static_cache=self.compile_backend is not None,
+                                       compile_backend=self.compile_backend, use_cuda_graphs=False)
             self.kv_cache = weakref.ref(worker.kv)
             return worker.run_to_completion(requests)
         finally:

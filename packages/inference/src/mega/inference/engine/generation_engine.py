@@ -178,8 +178,14 @@ class GenerationEngine(EngineBase):
         its index."""
         for request in requests:
             self.check(request)
+        return self.worker_for(requests, static_cache=static_cache).run_to_completion(requests, on_token, on_finish)
+
+    def worker_for(self, requests: Sequence[GenerationRequest], static_cache: bool = False,
+                   **options) -> ContinuousBatchingWorker:
+        """A decoder loop with a row for each of ``requests`` and a cache sized for them all at once:
+        the paged one (the blocks of each prompt and its tokens to generate), or with
+        ``static_cache`` a slot each; ``options``: the worker's others (``compile_backend``...)."""
         blocks = sum(-(-(len(r.prompt) + r.max_new_tokens) // BLOCK_SIZE) for r in requests)
         tokens = len(requests) * self.max_positions if static_cache else blocks * BLOCK_SIZE
-        worker = ContinuousBatchingWorker(self, max_batch_size=len(requests), max_num_tokens=tokens,
-                                          static_cache=static_cache)
-        return worker.run_to_completion(requests, on_token, on_finish)
+        return ContinuousBatchingWorker(self, max_batch_size=len(requests), max_num_tokens=tokens,
+                                        static_cache=static_cache, **options)

@@ -153,7 +153,6 @@ class SlotSequenceCache(SequenceCache):
         super().__init__(engine, cache, allocator)
         graphs = engine.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.graphs = DecodeGraphs(engine, cache, graphs, compile_backend)
-        self.compile_backend = compile_backend
         self.verify_tokens = 0  # K+1 of the speculative verify steps (expect_verify)
         if compile_backend is not None:  # compiled now, not while the first requests wait
             self.graphs.warm_up()
@@ -186,7 +185,7 @@ class SlotSequenceCache(SequenceCache):
 
     def expect_verify(self, new_tokens: int) -> None:
         self.verify_tokens = new_tokens
-        if self.compile_backend is not None and self.observer is None:  # compiled now, as the decode steps
+        if self.graphs.compile_backend is not None and self.observer is None:  # compiled now, as the decode steps
             self.graphs.warm_up(new_tokens)
 
     def _window(self, decoding: Sequence, prefilling: Sequence, new_tokens: int):
